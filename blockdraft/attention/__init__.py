@@ -1,0 +1,5 @@
+"""Attention backends behind one interface (`AttentionMetadata` in, output rows out)."""
+
+from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
+
+__all__ = ["AttentionMetadata", "PADDING_SLOT"]

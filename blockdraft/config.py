@@ -1,0 +1,177 @@
+"""Frozen, validated configuration dataclasses. Errors name the knob and what is allowed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a target model, normalised from an HF `config.json`.
+
+    `layer_types[i]` is "full_attention" or "sliding_attention"; sliding layers attend to the last
+    `sliding_window` positions (incl. self). `attention_bias`: q/k/v projections carry a bias
+    (Qwen2). `qk_norm`: per-head RMSNorm on q and k before RoPE (Qwen3).
+    """
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    rope_scaling: dict | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS.values():
+            raise ValueError(f"arch {self.arch!r} is not supported; supported: {sorted(set(SUPPORTED_ARCHS.values()))}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_hidden_layers}")
+        bad = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if bad:
+            raise ValueError(f"layer_types contains {sorted(bad)}; allowed: full_attention, sliding_attention")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        """Build from an HF config dict (config.json).
+
+        Raises:
+            ValueError: unsupported `architectures` / `model_type`, naming it and the supported ones.
+        """
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
+        if arch is None:
+            arch = cfg.get("model_type")
+        if arch not in SUPPORTED_ARCHS.values():
+            raise ValueError(
+                f"model architecture {archs or cfg.get('model_type')!r} is not supported; "
+                f"supported: {sorted(SUPPORTED_ARCHS)}"
+            )
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        layer_types = tuple(cfg.get("layer_types") or ())
+        window = cfg.get("sliding_window")
+        if not layer_types and arch == "qwen2" and cfg.get("use_sliding_window") and window:
+            lo = cfg.get("max_window_layers", cfg["num_hidden_layers"])
+            layer_types = tuple(
+                "sliding_attention" if i >= lo else "full_attention" for i in range(cfg["num_hidden_layers"])
+            )
+        if "sliding_attention" not in layer_types:
+            window = None
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            qk_norm=arch == "qwen3",
+            rope_scaling=scaling,
+            layer_types=layer_types,
+            sliding_window=window,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: `num_kv_blocks` pages of `kv_block_size` tokens each (all groups share page ids)."""
+
+    kv_block_size: int = 16
+    num_kv_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: tokens per step (prefill chunks + decode rows) and running requests."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding. method: "dflash". model: drafter checkpoint folder.
+
+    num_speculative_tokens K: drafts per step, 1 <= K <= block_size - 1 (None: block_size - 1,
+    resolved when the drafter is loaded).
+    """
+
+    method: str = "dflash"
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "dflash":
+            raise ValueError(f"speculative method {self.method!r} is not supported; supported: 'dflash'")
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, resolved. dtype: "float32" | "bfloat16" | "float16"."""
+
+    model_path: str
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")

@@ -1,0 +1,1 @@
+"""Building blocks shared by target models and the DFlash drafter."""
