@@ -1,0 +1,112 @@
+"""Command line: `blockdraft generate | fetch` (more subcommands register themselves here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `blockdraft` console script; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    from blockdraft.weights.catalog import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(prog="blockdraft", description="LLM inference with DFlash speculative decoding.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate an answer to one prompt")
+    g.add_argument("prompt", help="sent as a user chat message through the model's chat template (see --raw)")
+    g.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog name, HF folder or .gguf (default {DEFAULT_MODEL})")
+    g.add_argument("--draft", default=None, help="DFlash drafter checkpoint folder")
+    g.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default block_size - 1)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.set_defaults(func=_generate)
+
+    f = sub.add_parser("fetch", help="download, verify and convert a catalog model into the cache")
+    f.add_argument("name", nargs="?", default=None, help="catalog name (omit with --list)")
+    f.add_argument("--list", action="store_true", help="list the catalog")
+    f.add_argument("--cache-dir", default=None)
+    f.set_defaults(func=_fetch)
+    return p
+
+
+def _generate(args) -> int:
+    from blockdraft.llm import LLM
+    from blockdraft.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    if not args.prompt.strip():
+        raise ValueError("prompt is empty: give a non-empty prompt")
+    draft = None if args.no_draft else args.draft
+    llm = LLM(model=args.model, draft=draft, num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, cache_dir=args.cache_dir)
+    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+    t0 = time.perf_counter()
+    out = llm.generate(prompt, params)[0]
+    seconds = time.perf_counter() - t0
+    result = _result_dict(out, seconds)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(out.text)
+        print(_summary_line(result), file=sys.stderr)
+    return 0
+
+
+def _result_dict(out, seconds: float) -> dict:
+    return {
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "num_prompt_tokens": out.num_prompt_tokens,
+        "num_output_tokens": out.num_output_tokens,
+        "tokens_per_s": out.num_output_tokens / seconds if seconds > 0 else None,
+        "seconds": seconds,
+        "acceptance_length": out.spec.acceptance_length,
+        "num_drafted_tokens": out.spec.num_drafted_tokens,
+        "num_accepted_tokens": out.spec.num_accepted_tokens,
+    }
+
+
+def _summary_line(r: dict) -> str:
+    line = f"[{r['num_output_tokens']} tokens in {r['seconds']:.2f} s, {r['tokens_per_s']:.2f} tok/s, finish={r['finish_reason']}"
+    if r["acceptance_length"] is not None:
+        line += f", acceptance length {r['acceptance_length']:.2f}"
+    return line + "]"
+
+
+def _fetch(args) -> int:
+    from blockdraft.weights.catalog import list_models
+    from blockdraft.weights.fetch import fetch_model
+
+    if args.list or not args.name:
+        for entry in list_models():
+            print(entry)
+        return 0
+    print(fetch_model(args.name, cache_dir=args.cache_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

