@@ -48,3 +48,59 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_host)
+
+
+def build_metadata(
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_tables: list[list[int]],
+    kv_block_size: int,
+    num_block_tokens: int = 0,
+    device: str | torch.device = "cpu",
+) -> AttentionMetadata:
+    """Metadata for one forward from host lists (tests, CPU paths; the GPU runner builds its own).
+
+    Args:
+        seq_lens: per request, context tokens after this forward (causal), or the cached
+            context the draft block attends to (draft-block mode, block rows not counted).
+        query_lens: per request, rows in this forward (causal: its newest `query_len` tokens).
+        block_tables: per request, its page ids in order; must cover the written positions.
+        kv_block_size: tokens per page.
+        num_block_tokens: 0 for causal forwards; B for draft blocks (every query_len must be B;
+            rows get PADDING_SLOT, nothing is written).
+    Raises:
+        ValueError: mismatched lengths, query_len > seq_len, or a block table too short.
+    """
+    if not len(seq_lens) == len(query_lens) == len(block_tables):
+        raise ValueError("seq_lens, query_lens and block_tables must have one entry per request")
+    if num_block_tokens and any(n != num_block_tokens for n in query_lens):
+        raise ValueError(f"draft-block mode needs query_len == num_block_tokens ({num_block_tokens}) for every request")
+    slots: list[int] = []
+    for seq_len, q_len, pages in zip(seq_lens, query_lens, block_tables):
+        slots += _request_slots(seq_len, q_len, pages, kv_block_size, num_block_tokens)
+    width = max([len(p) for p in block_tables] + [1])
+    table = [list(p) + [0] * (width - len(p)) for p in block_tables]
+    qsl = [0]
+    for q_len in query_lens:
+        qsl.append(qsl[-1] + q_len)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=torch.tensor(table, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        kv_block_size=kv_block_size,
+        query_start_loc_host=qsl,
+        seq_lens_host=list(seq_lens),
+        num_block_tokens=num_block_tokens,
+    )
+
+
+def _request_slots(seq_len: int, q_len: int, pages: list[int], kv_block_size: int, num_block_tokens: int) -> list[int]:
+    """Cache slots of one request's rows (PADDING_SLOT for draft-block rows)."""
+    if len(pages) * kv_block_size < seq_len:
+        raise ValueError(f"block table of {len(pages)} pages x {kv_block_size} cannot hold {seq_len} tokens")
+    if num_block_tokens:
+        return [PADDING_SLOT] * q_len
+    if q_len > seq_len:
+        raise ValueError(f"query_len {q_len} exceeds seq_len {seq_len}")
+    return [pages[t // kv_block_size] * kv_block_size + t % kv_block_size for t in range(seq_len - q_len, seq_len)]

@@ -2,6 +2,9 @@
 
 Supported `rope_scaling` / `rope_parameters` types: default, linear, llama3 (formula from Meta's
 Llama 3.1 reference, as in HF `_compute_llama3_parameters`). Anything else is refused.
+
+The inverse frequencies are computed in float32 exactly like HF `modeling_rope_utils` (not in
+float64) so that our angles are bit-identical to the transformers oracle.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     Raises:
         ValueError: unknown rope type (names the type and the supported ones).
     """
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv = 1.0 / (float(theta) ** exponents)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         pass
@@ -46,20 +50,40 @@ def _llama3_scale(inv: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [rows, heads, head_dim] and k [rows, kv_heads, head_dim] at `positions` [rows]."""
+    """Applies RoPE to q [rows, heads, head_dim] and k [rows, kv_heads, head_dim] at `positions` [rows].
+
+    Models compute `cos_sin(positions, dtype)` once per forward and call `apply_rotary` in every
+    layer (all layers share the table), instead of calling `forward` per layer.
+    """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
+    def reset_inv_freq(self) -> None:
+        """Recompute `inv_freq` in float32 (after `to_empty()` or a dtype cast clobbered it)."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(self.inv_freq.device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [rows] int -> (cos, sin), each [rows, 1, head_dim] in `dtype`.
+
+        Angles are computed in float32 and then cast, like HF's rotary embedding.
+        """
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-        return _apply(q, cos, sin), _apply(k, cos, sin)
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, head_dim] -> x * cos + rotate_half(x) * sin, in x's dtype (as HF).
+
+    cos, sin: [rows, 1, head_dim] from `RotaryEmbedding.cos_sin` (same dtype as x).
+    """
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return x * cos + rotated * sin

@@ -1,0 +1,113 @@
+"""Self-attention block for Llama / Qwen2 / Qwen3 layers: stacked qkv projection, optional per-head
+q/k RMSNorm (Qwen3), RoPE, a pluggable paged-attention backend, output projection.
+
+The backend is passed in (no module globals) so a GPU kernel can replace the torch reference
+(`blockdraft.attention.torch_ref.paged_attention`) without touching the model code.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from blockdraft.attention.metadata import AttentionMetadata
+from blockdraft.layers.linear import Linear, StackedLinear
+from blockdraft.layers.norm import RMSNorm
+from blockdraft.layers.rotary import apply_rotary
+
+
+class AttentionBackend(Protocol):
+    """Writes this forward's K/V into the paged cache (causal forwards) and attends.
+
+    q [rows, heads, head_dim]; k, v [rows, kv_heads, head_dim]; k_cache, v_cache
+    [num_kv_blocks, kv_block_size, kv_heads, head_dim]. Returns [rows, heads, head_dim].
+    """
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        causal: bool = True,
+    ) -> torch.Tensor: ...
+
+
+class Attention(nn.Module):
+    """GQA self-attention with HF-compatible parameter names (q/k/v live in `qkv_proj`).
+
+    Args:
+        hidden_size, num_heads, num_kv_heads, head_dim: shapes.
+        qkv_bias: q/k/v projections carry a bias (Qwen2, or `attention_bias`).
+        o_bias: the output projection carries a bias (Llama/Qwen3 with `attention_bias`).
+        qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3), parameters `q_norm`, `k_norm`.
+        rms_norm_eps: epsilon of the q/k norms.
+        sliding_window: window (incl. self) for sliding-attention layers, None for full attention.
+        backend: the paged attention function (see AttentionBackend).
+        causal: passed to the backend; False only for non-causal draft blocks.
+        transposed: weight layout of the projections (see blockdraft.layers.linear).
+    Parameters are left uninitialised (weights are always loaded).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        rms_norm_eps: float,
+        sliding_window: int | None,
+        backend: AttentionBackend,
+        causal: bool = True,
+        transposed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window, self.backend, self.causal = sliding_window, backend, causal
+        shards = [("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)]
+        self.qkv_proj = StackedLinear(hidden_size, shards, bias=qkv_bias, transposed=transposed)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias, transposed=transposed)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+
+    def project_qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [rows, hidden] -> q [rows, heads, D], k [rows, kv_heads, D] (normed, rotated), v [rows, kv_heads, D].
+
+        q, k, v are views of one matmul output where possible (no copies).
+        """
+        rows = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(rows, self.num_heads, self.head_dim)
+        k = k.view(rows, self.num_kv_heads, self.head_dim)
+        v = v.view(rows, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x [rows, hidden]; cos/sin [rows, 1, head_dim]; kv_cache = (k_cache, v_cache) -> [rows, hidden]."""
+        q, k, v = self.project_qkv(x, cos, sin)
+        out = self.backend(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding_window=self.sliding_window, causal=self.causal
+        )
+        return self.o_proj(out.reshape(x.shape[0], self.q_size))

@@ -1,0 +1,143 @@
+"""Load / export DFlash drafter checkpoints in the z-lab format (config.json + *.safetensors).
+
+Only safetensors are read (never pickles, never remote code). Format: DFLASH.md "Checkpoint format".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from blockdraft.config import ModelConfig
+from blockdraft.spec.dflash.config import DFlashConfig, build_target_layer_ids
+from blockdraft.spec.dflash.draft_model import DFlashDraftModel
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def load_drafter(
+    path: str | Path, target_config: ModelConfig, dtype: torch.dtype = torch.bfloat16, device="cpu"
+) -> DFlashDraftModel:
+    """Build a drafter from a checkpoint folder and check it against the target.
+
+    Args:
+        path: folder with config.json and one or more *.safetensors files.
+        target_config: the target model's config (hidden size, vocab, depth are cross-checked).
+        dtype, device: where the weights live.
+    Raises:
+        FileNotFoundError: no config.json or no *.safetensors in `path`.
+        ValueError: config refused (DFlashConfig.from_hf_dict), target mismatch
+            (validate_against_target), or weights that do not match the config.
+    """
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in drafter folder {path}")
+    config = DFlashConfig.from_hf_dict(json.loads(config_file.read_text()))
+    config.validate_against_target(target_config)
+    model = empty_drafter(config, dtype, device)
+    model.load_weights(_read_safetensors(path))
+    return model
+
+
+def empty_drafter(config: DFlashConfig, dtype: torch.dtype, device) -> DFlashDraftModel:
+    """Allocate (not initialise) a drafter directly on `device` in `dtype`, in eval mode.
+
+    Built on the meta device first: nn.Linear's default init of a ~1B-parameter drafter on the
+    CPU would take seconds and a full fp32 copy. Weights are garbage until `load_weights`.
+    """
+    with torch.device("meta"):
+        model = DFlashDraftModel(config)
+    model = model.to(dtype=dtype).to_empty(device=device)  # _apply also recomputes RoPE inv_freq
+    return model.requires_grad_(False).eval()
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in drafter folder {path} (pickled .bin/.pt weights are not read)")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name in tensors:
+                    raise ValueError(f"tensor {name!r} appears in more than one file of {path}")
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def export_drafter(model: DFlashDraftModel, path: str | Path) -> None:
+    """Write `model` as a z-lab checkpoint: config.json + model.safetensors (bf16).
+
+    The result loads in `load_drafter` and in z-lab's `DFlashDraftModel.from_pretrained`.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+
+
+def random_drafter(
+    target_config: ModelConfig,
+    num_layers: int,
+    block_size: int,
+    target_layer_ids: tuple[int, ...] | list[int] | None = None,
+    seed: int = 0,
+    *,
+    init_std: float = 0.02,
+    mask_token_id: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    **overrides,
+) -> DFlashDraftModel:
+    """A randomly initialised drafter shaped for `target_config` (tests and benchmarks).
+
+    Layer shapes copy the target's (hidden, heads, kv heads, head_dim, FFN, eps, RoPE), as released
+    DFlash drafters do. Linear weights ~ N(0, init_std) (HF's 0.02 by default; tests use larger
+    values so the context visibly moves the drafts), norm weights ~ 1 + N(0, 0.1) so the norms are
+    exercised. Deterministic for a given seed. `mask_token_id` defaults to vocab_size - 1;
+    `overrides` are passed to DFlashConfig (e.g. layer_types, sliding_window, causal_override).
+    """
+    t = target_config
+    if target_layer_ids is None:
+        target_layer_ids = build_target_layer_ids(t.num_hidden_layers, num_layers)
+    ids = tuple(target_layer_ids)
+    fields = dict(
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        rms_norm_eps=t.rms_norm_eps,
+        rope_theta=t.rope_theta,
+        rope_scaling=t.rope_scaling,
+        max_position_embeddings=t.max_position_embeddings,
+        vocab_size=t.vocab_size,
+        num_target_layers=t.num_hidden_layers,
+        mask_token_id=t.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        target_layer_ids=ids,
+        block_size=block_size,
+    )
+    fields.update(overrides)
+    config = DFlashConfig(**fields)
+    config.validate_against_target(t)
+    model = empty_drafter(config, dtype, device)
+    _init_random(model, seed, init_std)
+    return model
+
+
+@torch.no_grad()
+def _init_random(model: DFlashDraftModel, seed: int, std: float) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * noise)
+        else:
+            p.copy_(std * noise)

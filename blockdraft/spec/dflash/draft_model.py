@@ -1,0 +1,230 @@
+"""The DFlash draft model: Qwen3 decoder layers whose context K/V come from target features.
+
+Math: DFLASH.md "Draft model" / "KV injection" / "Query block"; paper arXiv 2602.06036 Sec. 3;
+z-lab `dflash/model.py` (`Qwen3DFlashAttention`, `DFlashDraftModel`). Context rows are not run
+through the layers at all: each layer projects c_t = hidden_norm(fc(features_t)) straight into
+its own K/V cache once (`write_context`). A draft block then runs as ordinary pre-norm layers
+whose attention reads that cache plus the block's own K/V (`forward`), which is never cached.
+
+KV cache layout (the target's): `kv_caches[l]` = (k_cache, v_cache) per draft layer, each
+[num_kv_blocks, kv_block_size, num_kv_heads, head_dim], paged with the target's page ids.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockdraft.attention.metadata import AttentionMetadata
+from blockdraft.attention.torch_ref import paged_attention, write_kv
+from blockdraft.layers.norm import RMSNorm
+from blockdraft.layers.rotary import RotaryEmbedding, apply_rotary
+from blockdraft.spec.dflash.config import DFlashConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache)
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention (no biases, per-head q_norm/k_norm) with DFlash context injection."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.scale = d**-0.5
+        self.causal = config.layer_causal[layer_idx]
+        self.sliding_window = config.layer_windows[layer_idx]
+
+    def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """c [T, H] (already hidden_norm(fc(.))) -> K = RoPE(k_norm(W_k c)), V = W_v c, each [T, kv_heads, D].
+
+        No input_layernorm on c and no norm on V (DFLASH.md "KV injection"; z-lab applies k_norm
+        to the concatenated [context, block] keys and leaves values raw).
+        """
+        k = self.k_norm(self.k_proj(c).view(-1, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(c).view(-1, self.num_kv_heads, self.head_dim)
+        return apply_rotary(k, cos, sin), v
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Block rows x [R*Q, H] attend to their cached context and their own block -> [R*Q, H]."""
+        q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        out = paged_attention(
+            q, k, v, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window, causal=self.causal
+        )
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class DFlashMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), no biases (HF Qwen3MLP)."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer; only the block rows go through it (context is injected as K/V)."""
+
+    def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    """DFlash drafter. Parameter names match the z-lab checkpoint exactly (DFLASH.md "Checkpoint format").
+
+    It has no embedding and no LM head: callers embed with the target (times
+    `config.input_embedding_scale`) and score with `compute_logits(hidden, target_lm_head)`.
+    """
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(config.num_aux_layers * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def _apply(self, fn, recurse: bool = True):
+        # A dtype cast (model.to(bfloat16)) also casts the non-persistent inv_freq buffer; HF and
+        # the target keep it in float32, so recompute it after every .to()/.cuda()/.half().
+        super()._apply(fn, recurse)
+        self.rotary_emb.reset_inv_freq()
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def allocate_kv_caches(
+        self, num_kv_blocks: int, kv_block_size: int, dtype: torch.dtype | None = None, device=None
+    ) -> list[KVCache]:
+        """Zeroed paged caches: per layer (k_cache, v_cache), each [num_kv_blocks, kv_block_size,
+        kv_heads, head_dim] (the target's layout). dtype/device default to the model's. Page ids
+        are the target's (same block_table / slot_mapping)."""
+        cfg = self.config
+        shape = (num_kv_blocks, kv_block_size, cfg.num_key_value_heads, cfg.head_dim)
+        dtype, device = dtype or self.dtype, device or self.device
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in self.layers
+        ]
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [T, n*H] (target hidden states at target_layer_ids, concatenated) -> c [T, H]."""
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    @torch.no_grad()
+    def write_context(
+        self, features: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], slot_mapping: torch.Tensor
+    ) -> None:
+        """Cache every draft layer's context K/V for committed target rows.
+
+        Args:
+            features: [T, n*H] target features (any float dtype; cast to the model's).
+            positions: [T] int positions of the rows (RoPE).
+            kv_caches: from `allocate_kv_caches`; written in place.
+            slot_mapping: [T] int64 cache slots; PADDING_SLOT rows (rejected drafts, padding) write
+                nothing, so callers keep T static.
+        """
+        c = self.project_context(features)
+        cos, sin = self.rotary_emb.cos_sin(positions, self.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            k, v = layer.self_attn.context_kv(c, cos, sin)
+            write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    @torch.no_grad()
+    def forward(
+        self, block_embeds: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Run draft blocks. Returns the final-normed hidden states [R*Q, H] in the model dtype.
+
+        Args:
+            block_embeds: [R*Q, H] target embeddings of [anchor, MASK x (Q-1)] per request (already
+                times input_embedding_scale).
+            positions: [R*Q] P..P+Q-1 per request, P = meta.seq_lens (context = positions < P).
+            kv_caches: the draft caches holding every context position < P.
+            meta: block-mode metadata: num_block_tokens == Q, slot_mapping all PADDING_SLOT.
+        Raises:
+            ValueError: meta is not block-mode metadata.
+        """
+        if meta.num_block_tokens < 1:
+            raise ValueError("DFlashDraftModel.forward needs block-mode metadata (meta.num_block_tokens > 0)")
+        x = block_embeds.to(self.dtype)
+        cos, sin = self.rotary_emb.cos_sin(positions, self.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32 via the TARGET's LM head (z-lab `compute_logits`).
+
+        logits = lm_head(hidden) * output_multiplier, then tanh(x / c) * c when softcapping c is set.
+        """
+        logits = lm_head(hidden).float()
+        cfg = self.config
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            c = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        return logits
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy a checkpoint state dict in (cast to the model's dtype/device).
+
+        Raises:
+            ValueError: listing missing keys, unexpected keys, and shape mismatches.
+        """
+        params = self.state_dict()
+        missing = sorted(set(params) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(params))
+        shapes = sorted(
+            f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(params[k].shape)}"
+            for k in set(params) & set(state_dict)
+            if tuple(state_dict[k].shape) != tuple(params[k].shape)
+        )
+        if missing or unexpected or shapes:
+            raise ValueError(
+                f"DFlash drafter weights do not match the config: missing keys {missing}, "
+                f"unexpected keys {unexpected}, shape mismatches {shapes}"
+            )
+        for name, tensor in state_dict.items():
+            params[name].copy_(tensor)

@@ -1,0 +1,144 @@
+"""DFlashSpeculator: turns committed target features + bonus tokens into K drafts per request.
+
+One call = DFLASH.md "One decode step" steps 4-5: write the committed rows' context K/V into the
+draft cache, then ONE batched block forward on [bonus, MASK x K] per request at positions
+P..P+K (P = bonus position), scored with the target's LM head at slots 1..K, argmax.
+Reference loop: z-lab `dflash/model.py` `dflash_generate` (its `block_size` argument = K + 1).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
+from blockdraft.spec.dflash.draft_model import DFlashDraftModel
+
+
+class DraftTarget(Protocol):
+    """What the drafter borrows from the target model (blockdraft.models CausalLM)."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, H] token embeddings (embed_tokens, no extra scaling)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V] float32 through the target's LM head."""
+        ...
+
+
+class DFlashSpeculator:
+    """DFlash drafting with a paged draft KV cache that shares the target's page ids.
+
+    The draft cache has its own tensors (`kv_caches`, one per draft layer) but is indexed by the
+    same `block_table` / `slot_mapping` as the target's cache, so the scheduler's page allocation
+    covers both.
+
+    Invariant: before `propose` for a request with bonus position P, every position < P of that
+    request has had its features passed with a real slot exactly once (earlier calls or this one).
+    """
+
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        target: DraftTarget,
+        num_speculative_tokens: int | None,
+        num_kv_blocks: int,
+        kv_block_size: int,
+    ) -> None:
+        """
+        Args:
+            num_speculative_tokens: K, 1 <= K <= block_size - 1 (None: block_size - 1).
+            num_kv_blocks, kv_block_size: the target cache's page count and page size.
+        Raises:
+            ValueError: K out of range.
+        """
+        block_size = drafter.config.block_size
+        k = block_size - 1 if num_speculative_tokens is None else num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= block_size - 1:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, block_size - 1 = {block_size - 1}] for this drafter, got {k!r}"
+            )
+        self.drafter = drafter
+        self.target = target
+        self.num_speculative_tokens = k
+        self.aux_layer_ids = drafter.config.target_layer_ids
+        self.mask_token_id = drafter.config.mask_token_id
+        self.kv_block_size = kv_block_size
+        self.kv_caches = drafter.allocate_kv_caches(num_kv_blocks, kv_block_size)
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Q = K + 1 block rows per request: [anchor, MASK x K]."""
+        return self.num_speculative_tokens + 1
+
+    @torch.no_grad()
+    def propose(
+        self,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        bonus_tokens: torch.Tensor,
+        bonus_positions: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """Absorb this step's committed rows, then draft.
+
+        Args:
+            features: [T, n*H] target features of this step's rows (aux_layer_ids order).
+            positions: [T] int positions of those rows.
+            slot_mapping: [T] int64 slots; PADDING_SLOT for rejected / padding rows (not written).
+            bonus_tokens: [R] int64 anchor token per request (last committed token).
+            bonus_positions: [R] int P per request; context = positions < P.
+            block_table: [R, M] int32 page ids per request (the target's).
+        Returns:
+            [R, K] int64 greedy drafts; column k-1 is the token proposed for position P + k.
+        """
+        self.drafter.write_context(features, positions, self.kv_caches, slot_mapping)
+        return self.draft_logits(bonus_tokens, bonus_positions, block_table).argmax(dim=-1)
+
+    @torch.no_grad()
+    def draft_logits(
+        self, bonus_tokens: torch.Tensor, bonus_positions: torch.Tensor, block_table: torch.Tensor
+    ) -> torch.Tensor:
+        """One batched block forward over the cached context -> logits [R, K, V] float32."""
+        num_reqs, q = bonus_tokens.shape[0], self.num_query_tokens
+        ids = torch.full((num_reqs, q), self.mask_token_id, dtype=torch.long, device=bonus_tokens.device)
+        ids[:, 0] = bonus_tokens
+        offsets = torch.arange(q, device=bonus_positions.device)
+        block_positions = (bonus_positions.long()[:, None] + offsets[None, :]).reshape(-1)  # [R*Q]
+        embeds = self.target.embed(ids.reshape(-1))
+        scale = self.drafter.config.input_embedding_scale
+        if scale != 1.0:
+            embeds = embeds * scale
+        meta = block_metadata(bonus_positions, block_table, q, self.kv_block_size)
+        hidden = self.drafter(embeds, block_positions, self.kv_caches, meta)  # [R*Q, H]
+        # Slot 0 (the anchor) predicts nothing (sample_from_anchor=false); slot k predicts P + k.
+        drafts_hidden = hidden.view(num_reqs, q, -1)[:, 1:].reshape(num_reqs * (q - 1), -1)
+        logits = self.drafter.compute_logits(drafts_hidden, self.target.compute_logits)
+        return logits.view(num_reqs, q - 1, -1)
+
+
+def block_metadata(
+    bonus_positions: torch.Tensor, block_table: torch.Tensor, num_block_tokens: int, kv_block_size: int
+) -> AttentionMetadata:
+    """Block-mode metadata: R requests x Q uncached block rows over seq_lens = P cached tokens.
+
+    slot_mapping is all PADDING_SLOT: the block's own K/V must never enter the cache (the next
+    step re-injects these positions from target features instead).
+    Note: the *_host lists sync bonus_positions to the CPU; fine for the torch reference path.
+    """
+    num_reqs, device = bonus_positions.shape[0], bonus_positions.device
+    seq_lens_host = [int(p) for p in bonus_positions.tolist()]
+    qsl_host = [i * num_block_tokens for i in range(num_reqs + 1)]
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(qsl_host, dtype=torch.int32, device=device),
+        seq_lens=bonus_positions.to(torch.int32),
+        block_table=block_table,
+        slot_mapping=torch.full((num_reqs * num_block_tokens,), PADDING_SLOT, dtype=torch.int64, device=device),
+        kv_block_size=kv_block_size,
+        query_start_loc_host=qsl_host,
+        seq_lens_host=seq_lens_host,
+        num_block_tokens=num_block_tokens,
+    )
