@@ -96,6 +96,8 @@ class DFlashSpeculator:
             [R, K] int64 greedy drafts; column k-1 is the token proposed for position P + k.
         """
         self.drafter.write_context(features, positions, self.kv_caches, slot_mapping)
+        if bonus_tokens.shape[0] == 0:  # a step of prefill chunks only: context, no drafts
+            return torch.empty(0, self.num_speculative_tokens, dtype=torch.long, device=bonus_tokens.device)
         return self.draft_logits(bonus_tokens, bonus_positions, block_table).argmax(dim=-1)
 
     @torch.no_grad()

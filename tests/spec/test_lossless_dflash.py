@@ -1,0 +1,108 @@
+"""The real DFlash speculator (random weights) inside the engine: lossless for every shape, and a
+distribution test at T=1 that a broken verifier fails."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import blockdraft.runner.model_runner as model_runner
+from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec.dflash.checkpoint import random_drafter
+from blockdraft.spec.dflash.speculator import DFlashSpeculator
+from tests.conftest import make_llm, random_prompts, tiny_target
+
+
+def _dflash_llm(target, k, block_size=16, mask_token_id=None, **kw):
+    drafter = random_drafter(
+        target.config, num_layers=2, block_size=block_size, target_layer_ids=(0, 2), seed=k, init_std=0.1, mask_token_id=mask_token_id
+    )
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("kv_block_size", 4)
+    spec = DFlashSpeculator(drafter, target.model, k, kw["num_kv_blocks"], kw["kv_block_size"])
+    return make_llm(target, speculator=spec, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 15])
+def test_dflash_greedy_parity_batch_sizes_and_max_tokens(llama_target, k):
+    prompts = random_prompts(8, seed=50 + k)
+    mts = [1, k, k + 1, k + 2, 64]
+    params = [SamplingParams(max_tokens=mts[i % 5], ignore_eos=True) for i in range(8)]
+    plain = [o.token_ids for o in make_llm(llama_target).generate(prompts, params)]
+    llm = _dflash_llm(llama_target, k)
+    for bs in (1, 2, 3, 5, 8):
+        assert [o.token_ids for o in llm.generate(prompts[:bs], params[:bs])] == plain[:bs]
+    assert llm.engine.stats.spec.num_drafted_tokens > 0
+
+
+def test_dflash_seeded_sampling_and_chunked_prefill_parity(llama_target):
+    prompts = random_prompts(4, seed=60, low=10, high=30)
+    params = [SamplingParams(max_tokens=30, temperature=0.9, top_k=20, top_p=0.95, seed=i, ignore_eos=True) for i in range(4)]
+    plain = [o.token_ids for o in make_llm(llama_target).generate(prompts, params)]
+    llm = _dflash_llm(llama_target, 5, max_num_batched_tokens=9)  # prefills in chunks, drafts trimmed to the budget
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+
+
+def test_mask_token_equal_to_an_emitted_token_and_a_stop_id_changes_nothing(llama_target):
+    prompt = random_prompts(1, seed=70)[0]
+    full = make_llm(llama_target).generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+    mask = full[4]
+    for params in (
+        SamplingParams(max_tokens=30, ignore_eos=True),
+        SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[mask]),
+    ):
+        plain = make_llm(llama_target).generate([prompt], params)[0]
+        spec = _dflash_llm(llama_target, 7, mask_token_id=mask).generate([prompt], params)[0]
+        assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason
+
+
+def _exact_third_token_distribution(target, prompt, temperature):
+    """P(output[2] = v), marginalised over output[0] and output[1], from the target's logits (float64)."""
+    llm = make_llm(target, max_num_seqs=256, max_num_batched_tokens=4096)
+    vocab = target.config.vocab_size
+    with torch.inference_mode():
+        p0 = _next_probs(llm, [prompt], temperature)[0]  # [V]
+        p1 = _next_probs(llm, [prompt + [a] for a in range(vocab)], temperature)  # [V, V]
+        p2 = _next_probs(llm, [prompt + [a, b] for a in range(vocab) for b in range(vocab)], temperature)
+    joint01 = p0[:, None] * p1  # [V, V]
+    return (joint01.reshape(-1, 1) * p2).sum(0)
+
+
+def _next_probs(llm, seqs, temperature):
+    vocab = llm.target.config.vocab_size
+    outs = llm.generate(seqs, SamplingParams(max_tokens=1, logprobs=vocab))
+    logp = torch.empty(len(seqs), vocab, dtype=torch.float64)
+    for i, o in enumerate(outs):
+        ids, lps = zip(*o.logprobs[0]["top"])
+        logp[i, list(ids)] = torch.tensor(lps, dtype=torch.float64)
+    return torch.softmax(logp / temperature, dim=-1)  # logprobs are log-softmax of the raw logits
+
+
+def _spec_third_tokens(target, prompt, n, temperature):
+    # max_tokens=4: after the prefill token, one verify step with 2 drafts decides output[1:3]
+    llm = _dflash_llm(target, 3, max_num_seqs=256)
+    params = [SamplingParams(max_tokens=4, temperature=temperature, seed=s, ignore_eos=True) for s in range(n)]
+    return [o.token_ids[2] for o in llm.generate([prompt] * n, params)]
+
+
+def _chi2_pvalue(samples, probs):
+    counts = torch.bincount(torch.tensor(samples), minlength=len(probs)).double()
+    expected = probs * len(samples)
+    big = expected >= 5  # pool rare tokens into one bin so the chi-square approximation holds
+    obs, exp = counts[big], expected[big]
+    if (~big).any():
+        obs = torch.cat([obs, counts[~big].sum()[None]])
+        exp = torch.cat([exp, expected[~big].sum()[None]])
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+def test_distribution_of_verified_tokens_matches_the_target_and_a_broken_verifier_fails(monkeypatch):
+    small = tiny_target("qwen3", seed=1, vocab_size=32, logit_scale=2.0)  # small vocab: exact marginal is cheap
+    prompt = [t % 32 for t in random_prompts(1, seed=80)[0]]
+    t = 1.0
+    probs = _exact_third_token_distribution(small, prompt, t)
+    samples = _spec_third_tokens(small, prompt, 2000, t)
+    assert _chi2_pvalue(samples, probs) > 1e-3
+    # negative control: a verifier that accepts every draft conditions output[2] on an unverified draft
+    monkeypatch.setattr(model_runner, "verify_drafts", lambda target, drafts, num_drafts: num_drafts.clone())
+    broken = _spec_third_tokens(small, prompt, 2000, t)
+    assert _chi2_pvalue(broken, probs) < 1e-6
