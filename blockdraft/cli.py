@@ -47,7 +47,39 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--list", action="store_true", help="list the catalog")
     f.add_argument("--cache-dir", default=None)
     f.set_defaults(func=_fetch)
+    _add_serve_parser(sub, DEFAULT_MODEL)
     return p
+
+
+def _add_serve_parser(sub, default_model: str) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
+    s.add_argument("--model", default=default_model, help=f"catalog name, HF folder or .gguf (default {default_model})")
+    s.add_argument("--draft", default=None, help="DFlash drafter checkpoint folder")
+    s.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default block_size - 1)")
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or set $BLOCKDRAFT_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: the --model value)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    s.add_argument("--max-n", type=int, default=16, help="largest n (choices per prompt)")
+    s.add_argument("--max-pending", type=int, default=1024, help="requests in flight before new ones get 429")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV page")
+    s.add_argument("--num-kv-blocks", type=int, default=1024, help="KV pages in the pool")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
+    s.add_argument("--cache-dir", default=None)
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--no-request-log", action="store_true", help="no per-request log lines (they never hold prompt text)")
+    s.set_defaults(func=_serve)
+
+
+def _serve(args) -> int:
+    from blockdraft.server.launch import serve
+
+    return serve(args)
 
 
 def _generate(args) -> int:
@@ -66,6 +98,13 @@ def _generate(args) -> int:
     out = llm.generate(prompt, params)[0]
     seconds = time.perf_counter() - t0
     result = _result_dict(out, seconds)
+    stats = llm.engine.stats
+    result.update(
+        target_forward_s=stats.forward_time_s,  # target forward + sampling + verification
+        draft_s=stats.draft_time_s,
+        other_s=max(0.0, seconds - stats.forward_time_s - stats.draft_time_s),
+        acceptance_per_position=out.spec.acceptance_rate_per_position(),
+    )
     if args.json:
         print(json.dumps(result))
     else:

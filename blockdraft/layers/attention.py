@@ -51,7 +51,6 @@ class Attention(nn.Module):
         sliding_window: window (incl. self) for sliding-attention layers, None for full attention.
         backend: the paged attention function (see AttentionBackend).
         causal: passed to the backend; False only for non-causal draft blocks.
-        transposed: weight layout of the projections (see blockdraft.layers.linear).
     Parameters are left uninitialised (weights are always loaded).
     """
 
@@ -68,7 +67,6 @@ class Attention(nn.Module):
         sliding_window: int | None,
         backend: AttentionBackend,
         causal: bool = True,
-        transposed: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -76,8 +74,8 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.sliding_window, self.backend, self.causal = sliding_window, backend, causal
         shards = [("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)]
-        self.qkv_proj = StackedLinear(hidden_size, shards, bias=qkv_bias, transposed=transposed)
-        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias, transposed=transposed)
+        self.qkv_proj = StackedLinear(hidden_size, shards, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
 

@@ -1,4 +1,4 @@
-"""Token embedding table that can double as the (tied) LM head, in either weight layout."""
+"""Token embedding table that doubles as the tied LM head."""
 
 from __future__ import annotations
 
@@ -6,32 +6,32 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from blockdraft.layers.linear import pack_weight, packed_linear
+
 
 class VocabEmbedding(nn.Module):
-    """Embedding [vocab, hidden] (HF layout) or, if `transposed`, stored as [hidden, vocab].
+    """Embedding weight [vocab, hidden] (HF layout); `logits` uses it as a tied LM head.
 
-    The transposed layout makes the tied LM head (`logits`) a fast x @ Wt on CPU float32 (see
-    blockdraft.layers.linear); the lookup then gathers columns, which costs little for T rows.
-    Parameters are left uninitialised (weights are always loaded).
+    After `pack_()` the LM head uses a oneDNN-packed copy (see blockdraft.layers.linear); the
+    dense table stays for the lookup (and for LM-head calls that need autograd). Parameters are
+    left uninitialised (weights are always loaded).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, transposed: bool = False) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
-        self.transposed = transposed
-        shape = (hidden_size, vocab_size) if transposed else (vocab_size, hidden_size)
-        self.weight = nn.Parameter(torch.empty(shape))
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.packed_head: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] int64 -> [T, hidden] (contiguous)."""
-        if self.transposed:
-            return self.weight.index_select(1, input_ids).t().contiguous()
+        """input_ids [T] int64 -> [T, hidden]."""
         return F.embedding(input_ids, self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Tied LM head: hidden [N, hidden] -> [N, vocab] in the weight dtype."""
-        return hidden @ self.weight if self.transposed else F.linear(hidden, self.weight)
+        if self.packed_head is not None and not (hidden.requires_grad and torch.is_grad_enabled()):
+            return packed_linear(hidden, self.packed_head, None)
+        return F.linear(hidden, self.weight)
 
-    def hf_view(self, param: str) -> torch.Tensor:
-        """The weight as HF lays it out, [vocab, hidden]; a writable view."""
-        data = getattr(self, param).data
-        return data.t() if self.transposed else data
+    def pack_(self) -> None:
+        """Add a oneDNN-packed copy of the table for `logits` (CPU; costs one more table)."""
+        self.packed_head = pack_weight(self.weight)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +19,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # F.rms_norm = x * rsqrt(mean(x^2) + eps) in one call (fewer ops than spelling it out).
+        # HF normalises in fp32, rounds to the input dtype, then scales: fusing the weight is
+        # bit-identical only in fp32, so other dtypes keep HF's order.
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)

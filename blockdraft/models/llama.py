@@ -32,7 +32,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class DecoderLayer(nn.Module):
     """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)). [rows, hidden] -> [rows, hidden]."""
 
-    def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend, transposed: bool) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend) -> None:
         super().__init__()
         sliding = config.layer_types[layer_id] == "sliding_attention"
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -48,10 +48,9 @@ class DecoderLayer(nn.Module):
             rms_norm_eps=config.rms_norm_eps,
             sliding_window=config.sliding_window if sliding else None,
             backend=backend,
-            transposed=transposed,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, transposed)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -64,11 +63,10 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """HF's `model.` submodule: embed_tokens, layers, norm (and the shared rotary table)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, transposed: bool) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, transposed)
-        layers = (DecoderLayer(config, i, backend, transposed) for i in range(config.num_hidden_layers))
-        self.layers = nn.ModuleList(layers)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
@@ -82,23 +80,21 @@ class CausalLM(nn.Module):
     Args:
         config: the normalised architecture.
         backend: paged attention function (default: the torch reference, CPU path).
-        transposed_weights: store projection / embedding weights as [in, out] (fast on CPU
-            float32; see blockdraft.layers.linear). Checkpoints are HF layout either way.
+        pack_weights: after loading, pack the matmul weights for oneDNN (CPU fp32 / bf16 only;
+            inference-only; see blockdraft.layers.linear).
     Parameters are left uninitialised: use build_model, then load_weights.
     """
 
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend = paged_attention, transposed_weights: bool = False
+        self, config: ModelConfig, backend: AttentionBackend = paged_attention, pack_weights: bool = False
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, backend, transposed_weights)
-        # Tied: compute_logits uses embed_tokens (no second copy, no lm_head parameter).
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False, transposed=transposed_weights)
-        )
+        self.pack_weights = pack_weights
+        self.packed = False
+        self.model = DecoderStack(config, backend)
+        # Tied: compute_logits uses embed_tokens (no second parameter).
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64 -> [T, hidden] in the model dtype."""
@@ -128,7 +124,9 @@ class CausalLM(nn.Module):
             kv_caches: one (k_cache, v_cache) per layer, each
                 [num_kv_blocks, kv_block_size, num_kv_heads, head_dim] (see allocate_kv_caches).
             meta: batch layout and cache slots for these rows.
-            aux_layer_ids: decoder layers whose OUTPUT to return (HF `hidden_states[i + 1]`).
+            aux_layer_ids: decoder layers whose OUTPUT to return (HF `hidden_states[i + 1]` for
+                i < num_layers - 1; for the last layer HF returns the final-normed state, we
+                return the raw layer output).
         Returns:
             hidden [T, hidden] after the final norm; aux [T, len(aux_layer_ids) * hidden]
             (pre-final-norm residual stream, concatenated in the order of the ids) or None.
@@ -158,17 +156,24 @@ class CausalLM(nn.Module):
         """Copy an HF-named state dict (safetensors, or a transformers GGUF conversion) into the model.
 
         `lm_head.weight` is ignored when the config ties embeddings (HF does the same); stale
-        `rotary_emb.inv_freq` buffers are ignored. Tensors are cast to the model dtype.
+        `rotary_emb.inv_freq` buffers are ignored. Tensors are cast to the model dtype. Packs
+        the weights afterwards when the model was built with pack_weights.
         Raises:
-            ValueError: missing / unexpected keys (first few, with counts) or a shape mismatch;
-                the model is untouched when the key sets do not match.
+            ValueError: missing / unexpected keys (first few, with counts), a shape mismatch, or
+                weights already packed; the model is untouched when the key sets do not match.
         """
+        self._check_not_packed()
         ignore = _IGNORED_KEYS + ((r"^lm_head\.weight$",) if self.lm_head is None else ())
         load_hf_state_dict(self, state_dict, ignore)
+        self._maybe_pack()
 
     @torch.no_grad()
     def init_random_weights_(self, std: float = 0.02, seed: int = 0) -> None:
-        """Fill weights with N(0, std) (norm weights 1, biases 0): for tests and benchmarks."""
+        """Fill weights with N(0, std) (norm weights 1, biases 0), then pack if configured.
+
+        For tests and benchmarks. Raises ValueError if the weights are already packed.
+        """
+        self._check_not_packed()
         gen = torch.Generator(device="cpu").manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
@@ -177,3 +182,16 @@ class CausalLM(nn.Module):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+        self._maybe_pack()
+
+    def _check_not_packed(self) -> None:
+        if self.packed:
+            raise ValueError("weights are packed for CPU inference; build a new model to load weights again")
+
+    def _maybe_pack(self) -> None:
+        if not self.pack_weights:
+            return
+        for module in self.modules():
+            if isinstance(module, (Linear, VocabEmbedding)):
+                module.pack_()
+        self.packed = True

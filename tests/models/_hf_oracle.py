@@ -44,9 +44,9 @@ def hf_model(family: str, seed: int = 0, **overrides):
     return model, ModelConfig.from_hf_dict(cfg.to_dict())
 
 
-def ours_from_hf(hf, config: ModelConfig, transposed_weights: bool | None = None) -> CausalLM:
-    """Our model (float32, CPU; default weight layout unless given) loaded with the HF state dict."""
-    model = build_model(config, torch.float32, "cpu", transposed_weights=transposed_weights)
+def ours_from_hf(hf, config: ModelConfig, pack_weights: bool | None = None) -> CausalLM:
+    """Our model (float32, CPU; packed weights by default where supported) loaded with the HF state dict."""
+    model = build_model(config, torch.float32, "cpu", pack_weights=pack_weights)
     model.load_weights(hf.state_dict())
     return model
 
@@ -93,7 +93,9 @@ class PagedRunner:
     shuffled) page list and a count of computed tokens; each step feeds a chosen number of the next
     tokens of several requests in one ragged forward and returns their logits per request."""
 
-    def __init__(self, model: CausalLM, tokens: dict[str, torch.Tensor], pages: dict[str, list[int]], kv_block_size: int):
+    def __init__(
+        self, model: CausalLM, tokens: dict[str, torch.Tensor], pages: dict[str, list[int]], kv_block_size: int
+    ) -> None:
         self.model, self.tokens, self.pages, self.kv_block_size = model, tokens, pages, kv_block_size
         num_pages = max(p for ps in pages.values() for p in ps) + 1
         self.caches = allocate_kv_caches(model.config, num_pages, kv_block_size)

@@ -8,12 +8,17 @@ import pytest
 import torch
 
 from blockdraft.attention.metadata import PADDING_SLOT, build_metadata
+from blockdraft.layers.linear import cpu_packing_supported
 from blockdraft.models import allocate_kv_caches, build_model
 from tests.models._hf_oracle import PagedRunner, hf_logits, hf_model, ours_from_hf, run_prefill
 
 ATOL = 1e-4
 
-SLIDING = dict(use_sliding_window=True, sliding_window=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+SLIDING = dict(
+    use_sliding_window=True,
+    sliding_window=3,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+)
 LLAMA3_ROPE = dict(
     rope_parameters=dict(
         rope_type="llama3",
@@ -62,22 +67,34 @@ def test_logits_match_hf(pair):
     torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
-def test_both_weight_layouts_match_hf(pair, transposed):
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_dense_and_packed_weights_match_hf(pair, packed):
     hf, _, config = pair
-    model = ours_from_hf(hf, config, transposed_weights=transposed)
-    assert model.model.layers[0].mlp.down_proj.transposed is transposed
+    if packed and not cpu_packing_supported(torch.float32, "cpu"):
+        pytest.skip("oneDNN packing not available in this torch build")
+    model = ours_from_hf(hf, config, pack_weights=packed)
+    assert model.packed is packed and (model.model.layers[0].mlp.down_proj.weight is None) is packed
     ids = torch.randint(0, 97, (7,), generator=torch.Generator().manual_seed(9))
     torch.testing.assert_close(run_prefill(model, [ids])[0], hf_logits(hf, ids)[0], atol=ATOL, rtol=0)
-    emb = model.embed(ids)
-    assert emb.is_contiguous()
-    torch.testing.assert_close(emb, hf.model.embed_tokens(ids).detach(), atol=0, rtol=0)
+    torch.testing.assert_close(model.embed(ids), hf.model.embed_tokens(ids).detach(), atol=0, rtol=0)
 
 
-def test_default_layout_is_transposed_only_for_cpu_float32():
-    _, config = hf_model("llama")
-    assert build_model(config, torch.float32).model.embed_tokens.transposed
-    assert not build_model(config, torch.bfloat16).model.embed_tokens.transposed
+def test_packed_model_refuses_reload_and_grad():
+    hf, config = hf_model("llama", tie_word_embeddings=False)
+    model = ours_from_hf(hf, config, pack_weights=True)
+    with pytest.raises(ValueError, match="packed"):
+        model.load_weights(hf.state_dict())
+    with pytest.raises(RuntimeError, match="inference-only"):
+        model.compute_logits(torch.randn(2, 64, requires_grad=True))
+
+
+def test_tied_packed_head_falls_back_to_dense_for_grad():
+    """A drafter trained on CPU backpropagates through the target's tied LM head."""
+    hf, config = hf_model("qwen2", tie_word_embeddings=True)
+    model = ours_from_hf(hf, config, pack_weights=True)
+    hidden = torch.randn(2, 64, requires_grad=True)
+    model.compute_logits(hidden).sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
 
 
 def test_aux_hidden_states_are_layer_outputs(pair):
@@ -209,7 +226,7 @@ def test_tied_model_ignores_lm_head_and_rotary_buffers():
 
 def test_load_weights_casts_dtype():
     hf, config = hf_model("qwen3")
-    model = build_model(config, dtype=torch.bfloat16)
+    model = build_model(config, dtype=torch.bfloat16, pack_weights=False)
     model.load_weights({k: v.to(torch.float16) for k, v in hf.state_dict().items()})
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
@@ -253,9 +270,17 @@ def test_embed_and_compute_logits_shapes():
 
 def test_init_random_weights_is_deterministic():
     _, config = hf_model("qwen2")
-    a, b = build_model(config), build_model(config)
+    a, b = build_model(config, pack_weights=False), build_model(config, pack_weights=False)
     a.init_random_weights_(seed=3)
     b.init_random_weights_(seed=3)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(pa, pb), name
     assert torch.all(a.model.norm.weight == 1)
+
+
+def test_build_model_packs_by_default_only_where_supported():
+    _, config = hf_model("llama")
+    supported = cpu_packing_supported(torch.float32, "cpu")
+    assert build_model(config, torch.float32).pack_weights is supported
+    assert build_model(config, torch.bfloat16).pack_weights is supported
+    assert build_model(config, torch.float16).pack_weights is False
