@@ -16,6 +16,7 @@ from blockdraft.engine.scheduler import Scheduler
 from blockdraft.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *_DTYPES)
 
 
 @dataclass
@@ -27,22 +28,30 @@ class LoadedTarget:
     tokenizer: object
     path: str
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the target's weights (and so its KV cache and the drafter) run in."""
+        return next(self.model.parameters()).dtype
 
-def load_target(model: str, dtype: str = "float32", device: str = "cpu", cache_dir: str | None = None) -> LoadedTarget:
+
+def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir: str | None = None) -> LoadedTarget:
     """Resolve a catalog name / folder / .gguf, then build our model and load its weights.
 
+    dtype: "auto" takes the checkpoint's dtype (bf16 for the catalog models; like vLLM's "auto"),
+    or one of float32 / bfloat16 / float16.
     Raises:
-        ValueError: unknown model name, unsupported architecture, corrupt weights (from the loaders).
+        ValueError: unknown model name or dtype, unsupported architecture, corrupt weights.
     """
     from blockdraft.models import build_model
     from blockdraft.weights.fetch import resolve_model_path
     from blockdraft.weights.loader import load_hf_config, load_state_dict, load_tokenizer
 
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     path = resolve_model_path(model, cache_dir=cache_dir)
-    config = ModelConfig.from_hf_dict(load_hf_config(path))
-    module = build_model(config, dtype=_DTYPES[dtype], device=device)
+    hf_config = load_hf_config(path)
+    config = ModelConfig.from_hf_dict(hf_config)
+    module = build_model(config, dtype=_resolve_dtype(dtype, hf_config), device=device)
     module.load_weights(load_state_dict(path))
     module.eval()
     return LoadedTarget(config, module, load_tokenizer(path), str(path))
@@ -55,7 +64,7 @@ class LLM:
         model: catalog name (see `blockdraft fetch --list`), HF-format folder, or .gguf file.
         draft: DFlash drafter checkpoint folder, or None for plain decoding.
         num_speculative_tokens: drafts per step K (default: the drafter's block_size - 1).
-        dtype: "float32" (default on CPU) | "bfloat16" | "float16".
+        dtype: "auto" (the checkpoint's dtype, bf16 for catalog models) | "float32" | "bfloat16" | "float16".
         kv_block_size / num_kv_blocks: KV page size (tokens) and pool size (pages).
         max_num_batched_tokens / max_num_seqs: scheduler limits per step.
         target: an already loaded target (shares weights between engines; tests, benchmarks).
@@ -66,7 +75,7 @@ class LLM:
         model: str | None = None,
         draft: str | None = None,
         num_speculative_tokens: int | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         kv_block_size: int = 16,
         num_kv_blocks: int = 1024,
@@ -84,9 +93,9 @@ class LLM:
         sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         if speculator is None and draft is not None:
             spec_cfg = SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)
-            speculator = _build_speculator(spec_cfg, self.target, cache, _DTYPES[dtype], device)
+            speculator = _build_speculator(spec_cfg, self.target, cache, device)
         self.speculator = speculator
-        self.engine = _build_engine(self.target, cache, sched, speculator, _DTYPES[dtype], device)
+        self.engine = _build_engine(self.target, cache, sched, speculator, device)
         self._ids = itertools.count()
 
     def generate(
@@ -162,20 +171,27 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="requests", unit="req")
 
 
-def _build_speculator(spec_cfg: SpeculativeConfig, target: LoadedTarget, cache: CacheConfig, dtype, device):
+def _resolve_dtype(dtype: str, hf_config: dict) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    stored = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    return _DTYPES.get(str(stored).replace("torch.", ""), torch.float32)
+
+
+def _build_speculator(spec_cfg: SpeculativeConfig, target: LoadedTarget, cache: CacheConfig, device):
     from blockdraft.spec.dflash.checkpoint import load_drafter
     from blockdraft.spec.dflash.speculator import DFlashSpeculator
 
-    drafter = load_drafter(spec_cfg.model, target.config, dtype=dtype, device=device)
+    drafter = load_drafter(spec_cfg.model, target.config, dtype=target.dtype, device=device)
     k = spec_cfg.num_speculative_tokens or drafter.config.block_size - 1
     return DFlashSpeculator(drafter, target.model, k, cache.num_kv_blocks, cache.kv_block_size)
 
 
-def _build_engine(target: LoadedTarget, cache: CacheConfig, sched: SchedulerConfig, speculator, dtype, device) -> LLMEngine:
+def _build_engine(target: LoadedTarget, cache: CacheConfig, sched: SchedulerConfig, speculator, device) -> LLMEngine:
     from blockdraft.models import allocate_kv_caches
     from blockdraft.runner.model_runner import ModelRunner
 
-    kv_caches = allocate_kv_caches(target.config, cache.num_kv_blocks, cache.kv_block_size, dtype, device)
+    kv_caches = allocate_kv_caches(target.config, cache.num_kv_blocks, cache.kv_block_size, target.dtype, device)
     runner = ModelRunner(target.model, kv_caches, cache.kv_block_size, device, speculator)
     scheduler = Scheduler(sched, KVCacheManager(cache.num_kv_blocks, cache.kv_block_size))
     eos = _eos_ids(target)

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json-out", default="cpu_vs_hf.json")
     p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)

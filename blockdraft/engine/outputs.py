@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from blockdraft.engine.request import SpecStats
+from blockdraft.sampling_params import SamplingParams
 
 
 @dataclass
@@ -20,7 +21,7 @@ class ScheduledRequest:
         `num_spec_tokens` drafts at the end). num_spec_tokens: drafts among them to verify.
     sample: True when these rows reach the end of the request's tokens, so the step samples
         (the last 1 + num_spec_tokens rows give logits). block_ids: the request's KV pages in order.
-    temperature/top_k/top_p/seed: from SamplingParams (seed resolved). logprobs: as SamplingParams.
+    sampling_params: the request's parameters (plain Python; the runner turns them into tensors).
     """
 
     request_id: str
@@ -29,11 +30,7 @@ class ScheduledRequest:
     num_spec_tokens: int
     sample: bool
     block_ids: list[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    logprobs: int | None = None
+    sampling_params: SamplingParams
 
 
 @dataclass

@@ -94,7 +94,6 @@ class Scheduler:
         start = req.num_computed_tokens
         token_ids = [req.token_at(i) for i in range(start, start + num_new)]
         reaches_end = start + num_new == req.num_tokens + len(req.spec_token_ids)
-        p = req.sampling_params
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=token_ids,
@@ -102,11 +101,7 @@ class Scheduler:
             num_spec_tokens=len(req.spec_token_ids) if reaches_end else 0,
             sample=reaches_end,
             block_ids=list(req.block_ids),
-            temperature=float(p.temperature),
-            top_k=p.top_k,
-            top_p=float(p.top_p),
-            seed=p.resolved_seed,
-            logprobs=p.logprobs,
+            sampling_params=req.sampling_params,
         )
 
     def finish(self, req: Request) -> None:

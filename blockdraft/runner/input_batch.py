@@ -8,6 +8,8 @@ import torch
 
 from blockdraft.attention.metadata import AttentionMetadata
 from blockdraft.engine.outputs import SchedulerOutput
+from blockdraft.sample.sampler import SamplingTensors
+from blockdraft.sampling_params import SamplingParams
 
 
 @dataclass
@@ -18,7 +20,7 @@ class InputBatch:
     logits_indices: [L] rows whose logits are needed (the last 1 + k rows of sampling requests).
     sample_req: [S] batch index of each sampling request; sample_num_drafts: [S] its k;
     kmax: max k (rows of sampling request s are padded to kmax + 1 in `logits_rows` [S, kmax+1],
-    -1 = padding). temperature/top_k/top_p/seed: [L] per logits row.
+    -1 = padding). sampling: per logits row parameters (SamplingTensors, [L] rows).
     """
 
     input_ids: torch.Tensor
@@ -30,16 +32,13 @@ class InputBatch:
     sample_req: list[int]
     sample_num_drafts: torch.Tensor
     kmax: int
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    seed: torch.Tensor
+    sampling: SamplingTensors
 
 
 def build_input_batch(so: SchedulerOutput, kv_block_size: int, device: torch.device | str) -> InputBatch:
     """Lay out the scheduled tokens as rows and compute slots, block tables and logits rows."""
     ids, pos, qsl, seq_lens, logits_idx, sample_req, num_drafts = [], [], [0], [], [], [], []
-    params: list[tuple[float, int, float, int]] = []
+    params: list[SamplingParams] = []
     for i, sr in enumerate(so.requests):
         n = len(sr.token_ids)
         ids += sr.token_ids
@@ -51,7 +50,7 @@ def build_input_batch(so: SchedulerOutput, kv_block_size: int, device: torch.dev
             logits_idx += range(first, qsl[-1])
             sample_req.append(i)
             num_drafts.append(sr.num_spec_tokens)
-            params += [(sr.temperature, sr.top_k, sr.top_p, sr.seed)] * (1 + sr.num_spec_tokens)
+            params += [sr.sampling_params] * (1 + sr.num_spec_tokens)
     positions = torch.tensor(pos, dtype=torch.long)
     block_table = _block_table(so, device)
     pages = block_table[_row_request(qsl), positions // kv_block_size]
@@ -66,7 +65,6 @@ def build_input_batch(so: SchedulerOutput, kv_block_size: int, device: torch.dev
         query_start_loc_host=qsl,
         seq_lens_host=seq_lens,
     )
-    t, k, p, s = zip(*params) if params else ((), (), (), ())
     return InputBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=positions.to(device),
@@ -77,10 +75,7 @@ def build_input_batch(so: SchedulerOutput, kv_block_size: int, device: torch.dev
         sample_req=sample_req,
         sample_num_drafts=torch.tensor(num_drafts, dtype=torch.long, device=device),
         kmax=kmax,
-        temperature=torch.tensor(t, dtype=torch.float32, device=device),
-        top_k=torch.tensor(k, dtype=torch.long, device=device),
-        top_p=torch.tensor(p, dtype=torch.float32, device=device),
-        seed=torch.tensor(s, dtype=torch.long, device=device),
+        sampling=SamplingTensors.from_params(params, device),
     )
 
 

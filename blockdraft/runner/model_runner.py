@@ -10,7 +10,7 @@ import torch
 from blockdraft.attention.metadata import PADDING_SLOT
 from blockdraft.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from blockdraft.runner.input_batch import InputBatch, build_input_batch
-from blockdraft.sample.sampler import compute_logprobs, sample
+from blockdraft.sample.sampler import compute_logprobs
 from blockdraft.spec.verify import verify_drafts
 
 
@@ -40,7 +40,8 @@ class ModelRunner:
         batch = build_input_batch(so, self.kv_block_size, self.device)
         hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.aux_layer_ids)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        tokens = sample(logits, batch.temperature, batch.top_k, batch.top_p, batch.seed, batch.positions[batch.logits_indices] + 1)
+        # the token sampled from row r sits at position r + 1: that position keys its noise
+        tokens = batch.sampling.sample(logits, batch.positions[batch.logits_indices] + 1)
         target, drafts = self._per_request(batch, tokens)
         num_accepted = verify_drafts(target, drafts, batch.sample_num_drafts)
         t1 = time.perf_counter()
@@ -66,9 +67,10 @@ class ModelRunner:
             emitted = target[s, : acc[s] + 1]
             out.sampled_token_ids[rid] = emitted.tolist()
             out.num_accepted[rid] = acc[s]
-            if so.requests[i].logprobs is not None:
+            num_top = so.requests[i].sampling_params.logprobs
+            if num_top is not None:
                 rows = batch.logits_rows[s, : acc[s] + 1]
-                out.logprobs[rid] = _logprob_dicts(logits[rows], emitted, so.requests[i].logprobs)
+                out.logprobs[rid] = _logprob_dicts(logits[rows], emitted, num_top)
         return out
 
     def _propose(self, so, batch: InputBatch, aux, target, num_accepted, out: ModelRunnerOutput) -> None:
