@@ -66,7 +66,8 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
     s.add_argument("--max-n", type=int, default=16, help="largest n (choices per prompt)")
     s.add_argument("--max-pending", type=int, default=1024, help="requests in flight before new ones get 429")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights/KV dtype; auto = the checkpoint's (bf16 for catalog models)")
     s.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV page")
     s.add_argument("--num-kv-blocks", type=int, default=1024, help="KV pages in the pool")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")

@@ -1,0 +1,68 @@
+"""Server settings (validated) and what the API layer needs to know about the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server listens and what requests it accepts.
+
+    host / port: bind address (127.0.0.1 by default: reachable from this machine only).
+    api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (401 otherwise).
+    max_body_bytes: request bodies above this are refused with 413.
+    max_tokens_limit: largest `max_tokens` a request may ask for (400 above it).
+    max_n: largest `n`; max_choices: prompts x n per request; max_stop: stop strings per request;
+    max_stop_chars: characters per stop string; max_logprobs: largest logprobs / top_logprobs.
+    max_pending: engine requests (choices) admitted and unfinished; beyond it new requests get 429.
+    log_requests: log one line per request (ids, token counts, timings; never prompt text).
+
+    Raises:
+        ValueError: a limit out of range, naming it.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str = "blockdraft"
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 4096
+    max_n: int = 16
+    max_choices: int = 64
+    max_stop: int = 4
+    max_stop_chars: int = 256
+    max_logprobs: int = 20
+    max_pending: int = 1024
+    log_requests: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must be a non-empty string (or unset)")
+        if not self.served_model_name:
+            raise ValueError("served_model_name must be non-empty")
+        for name in ("max_body_bytes", "max_tokens_limit", "max_n", "max_choices", "max_stop", "max_stop_chars", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the served model that requests are checked against.
+
+    vocab_size: valid token ids are [0, vocab_size). max_model_len: prompt + output tokens at most.
+    kv_capacity_tokens: tokens the whole KV pool holds (a request larger than that could never run).
+    num_speculative_tokens: drafts per step K (0 without a drafter); a request's KV also holds them.
+    created: Unix time the server started (reported by /v1/models).
+    """
+
+    name: str
+    vocab_size: int
+    max_model_len: int
+    kv_capacity_tokens: int
+    num_speculative_tokens: int
+    created: int

@@ -1,0 +1,57 @@
+"""`blockdraft serve`: load the model (and drafter), build the app, run uvicorn until interrupted."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from blockdraft.server.config import ServerConfig
+
+logger = logging.getLogger("blockdraft.server")
+
+
+def config_from_args(args) -> ServerConfig:
+    """ServerConfig from the `serve` subcommand's arguments (the API key may come from
+    $BLOCKDRAFT_API_KEY so that it does not show in the process list)."""
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None,
+        served_model_name=args.served_model_name or args.model,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens_limit=args.max_tokens_limit,
+        max_n=args.max_n,
+        max_pending=args.max_pending,
+        log_requests=not args.no_request_log,
+    )
+
+
+def serve(args) -> int:
+    """Run the server in the foreground; returns the exit code.
+
+    Raises:
+        ValueError / FileNotFoundError: bad settings, unknown model, bad drafter (from the loaders).
+    """
+    import uvicorn
+
+    from blockdraft.llm import LLM
+    from blockdraft.server.api import build_app
+
+    config = config_from_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm = LLM(
+        model=args.model,
+        draft=None if args.no_draft else args.draft,
+        num_speculative_tokens=args.num_speculative_tokens,
+        dtype=args.dtype,
+        kv_block_size=args.kv_block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        cache_dir=args.cache_dir,
+    )
+    app = build_app(llm, config)
+    drafter = "DFlash drafter " + args.draft if llm.speculator is not None else "no drafter"
+    logger.info("serving %r (%s) on http://%s:%d", config.served_model_name, drafter, config.host, config.port)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

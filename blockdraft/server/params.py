@@ -1,0 +1,184 @@
+"""Turn a validated request into engine inputs: prompt token ids and one SamplingParams per choice.
+
+Every check that depends on the server's limits or on the model happens here, before anything
+reaches the engine thread, so a bad request can never disturb requests already running.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blockdraft.sampling_params import SamplingParams
+from blockdraft.server.config import ModelInfo, ServerConfig
+from blockdraft.server.errors import APIError
+from blockdraft.server.protocol import MAX_SEED, ChatCompletionRequest, CompletionRequest
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+@dataclass
+class Plan:
+    """What to run for one HTTP request.
+
+    prompts[i] / params[i]: engine request of choice i (choice i = prompt i // n, sample i % n).
+    num_prompt_tokens: usage.prompt_tokens (each distinct prompt counted once).
+    """
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    num_prompt_tokens: int
+
+
+def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> list[list[int]]:
+    """Token ids of each prompt of a /v1/completions request.
+
+    Raises:
+        APIError(400): an empty prompt, or a token id outside the vocabulary.
+    """
+    p = req.prompt
+    if isinstance(p, str):
+        texts_or_ids = [p]
+    elif isinstance(p[0], int):
+        texts_or_ids = [p]
+    else:
+        texts_or_ids = p
+    out = []
+    for i, item in enumerate(texts_or_ids):
+        ids = _encode_text(tokenizer, item) if isinstance(item, str) else list(item)
+        if not ids:
+            raise APIError(400, f"prompt {i} is empty; give at least one token", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt {i} has token id {bad}, outside the vocabulary [0, {model.vocab_size})", param="prompt")
+        out.append(ids)
+    return out
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
+    """Token ids of the conversation through the tokenizer's chat template (with the assistant cue).
+
+    Raises:
+        APIError(400): the model has no chat template, or the template refused the conversation
+            (e.g. roles that must alternate).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions with a plain prompt", param="messages")
+    messages = [{"role": m.role, "content": m.text} for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2 TemplateError, or raise_exception() inside the template
+        raise APIError(400, f"the chat template rejected these messages: {str(e)[:200]}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: ModelInfo) -> Plan:
+    """One SamplingParams per choice, with limits checked.
+
+    Raises:
+        APIError(400): n / choices / max_tokens / stop / logprobs over the server limits, a prompt
+            too long for the context or the KV pool, or a value SamplingParams refuses.
+    """
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    n = req.n or 1
+    if n > config.max_n:
+        raise APIError(400, f"n must be <= {config.max_n}, got {n}", param="n")
+    if len(prompts) * n > config.max_choices:
+        raise APIError(400, f"{len(prompts)} prompts x n={n} exceeds {config.max_choices} choices per request", param="n")
+    stop = _stop_strings(req.stop, config)
+    logprobs = _logprobs(req, config)
+    plan = Plan([], [], sum(len(p) for p in prompts))
+    for i, ids in enumerate(prompts):
+        max_tokens = _max_tokens(req, len(ids), config, model, i)
+        for j in range(n):
+            plan.prompts.append(ids)
+            plan.params.append(_sampling_params(req, max_tokens, stop, logprobs, j, model))
+    return plan
+
+
+def _sampling_params(
+    req, max_tokens: int, stop: list[str], logprobs: int | None, sample: int, model: ModelInfo
+) -> SamplingParams:
+    # Choice j of a seeded request uses seed + j: the choices differ and each stays reproducible.
+    seed = None if req.seed is None else (req.seed + sample) % (MAX_SEED + 1)
+    for t in req.stop_token_ids or []:
+        if not 0 <= t < model.vocab_size:
+            raise APIError(400, f"stop_token_ids has {t}, outside the vocabulary [0, {model.vocab_size})", param="stop_token_ids")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, index: int) -> int:
+    asked = req.max_tokens
+    name = "max_tokens"
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        if asked is not None:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+        asked, name = req.max_completion_tokens, "max_completion_tokens"
+    # The whole request (and the drafts of its last step) must fit the context and the KV pool.
+    room = min(model.max_model_len, model.kv_capacity_tokens - model.num_speculative_tokens - 1) - prompt_len
+    if room < 1:
+        raise APIError(
+            400,
+            f"prompt {index} has {prompt_len} tokens; this model takes at most {prompt_len + room - 1} prompt tokens "
+            f"(context {model.max_model_len} tokens)",
+            param="prompt" if isinstance(req, CompletionRequest) else "messages",
+        )
+    if asked is None:
+        default = COMPLETIONS_DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest) else config.max_tokens_limit
+        return max(1, min(default, room))
+    if asked < 1:
+        raise APIError(400, f"{name} must be >= 1, got {asked}", param=name)
+    if asked > config.max_tokens_limit:
+        raise APIError(400, f"{name} must be <= {config.max_tokens_limit} (server limit), got {asked}", param=name)
+    if asked > room:
+        raise APIError(
+            400,
+            f"prompt {index} has {prompt_len} tokens and {name} is {asked}, but at most {prompt_len + room} tokens fit "
+            f"(context {model.max_model_len}); lower {name}",
+            param=name,
+        )
+    return asked
+
+
+def _stop_strings(stop, config: ServerConfig) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > config.max_stop:
+        raise APIError(400, f"stop has {len(stops)} strings; at most {config.max_stop} are allowed", param="stop")
+    for s in stops:
+        if not s:
+            raise APIError(400, "stop strings must be non-empty", param="stop")
+        if len(s) > config.max_stop_chars:
+            raise APIError(400, f"stop strings must be at most {config.max_stop_chars} characters", param="stop")
+    return stops
+
+
+def _logprobs(req, config: ServerConfig) -> int | None:
+    """Top alternatives per token for the engine (None: no logprobs)."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        value, name = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
+    else:
+        value, name = req.logprobs, "logprobs"
+    if value is not None and value > config.max_logprobs:
+        raise APIError(400, f"{name} must be <= {config.max_logprobs}, got {value}", param=name)
+    return value
+
+
+def _encode_text(tokenizer, text: str) -> list[int]:
+    if not text:
+        return []
+    return tokenizer.encode(text)

@@ -1,0 +1,221 @@
+"""Request bodies of /v1/completions and /v1/chat/completions as strict pydantic models.
+
+Strict: no type coercion ("5" is not an int, true is not a number); unknown fields are refused.
+OpenAI fields this server does not implement are refused with a message naming the field unless
+they carry their neutral value (e.g. `presence_penalty: 0`, `echo: false`, or null), which changes
+nothing. Range checks that depend on the server's limits or the model live in params.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from blockdraft.server.errors import APIError
+
+# field -> its neutral values (accepted because they change nothing; null is always neutral).
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "min_tokens": (0,),
+    "min_p": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},),
+    "store": (False,),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+}
+
+MAX_SEED = 2**63 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    """`stream_options`: include_usage adds a last chunk with `usage` (and empty `choices`)."""
+
+    include_usage: bool | None = None
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by both endpoints. None means "the default" (see params.py)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM): 0 or -1 disables
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    ignore_eos: bool | None = None  # extension (vLLM)
+    n: int | None = Field(default=None, ge=1)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id; accepted, used for nothing
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+            return v
+        raise ValueError("stop must be a string or a list of strings")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    """/v1/completions. prompt: a string, a list of strings, a list of token ids, or a list of those.
+
+    logprobs: number of top alternatives per token (0: only the chosen token's log-probability).
+    """
+
+    prompt: Any
+    logprobs: int | None = Field(default=None, ge=0)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(x, str) for x in v):
+                return v
+            if all(_is_int(x) for x in v):
+                return v
+            if all(isinstance(x, list) and all(_is_int(t) for t in x) for x in v):
+                return v
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt is an empty list; give a string or a non-empty list")
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids, or a list of token-id lists")
+
+
+class TextPart(_Strict):
+    """A content part; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """One chat message. Roles: system, user, assistant. Content: a string or text parts."""
+
+    role: str
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(p, dict) for p in v):
+            for p in v:
+                if p.get("type") != "text":
+                    raise ValueError(f"content part type {str(p.get('type'))[:32]!r} is not supported; only 'text' parts are")
+            return v
+        raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts")
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in ("system", "user", "assistant"):
+            raise ValueError(f"role {v[:32]!r} is not supported; use 'system', 'user' or 'assistant'")
+        return v
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """/v1/chat/completions. logprobs: return per-token log-probabilities; top_logprobs: how many
+    alternatives per token (needs logprobs: true). max_completion_tokens: newer name of max_tokens."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = None
+
+
+def parse_request(cls: type[_SamplingRequest], body: dict) -> _SamplingRequest:
+    """Validate a decoded JSON body into `cls`.
+
+    Raises:
+        APIError(400): an unsupported field with a non-neutral value, an unknown field, a wrong
+            type or an out-of-range value; the message names the field (first problem only).
+    """
+    body = _drop_neutral_unsupported(body)
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        raise _first_error(e) from None
+
+
+def _drop_neutral_unsupported(body: dict) -> dict:
+    out = dict(body)
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        if name not in out:
+            continue
+        value = out.pop(name)
+        if value is not None and not any(_same(value, n) for n in neutral):
+            allowed = " or ".join(json.dumps(n) for n in (*neutral, None))
+            raise APIError(400, f"'{name}' is not supported by this server (only {allowed} is accepted)", param=name)
+    return out
+
+
+def _first_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False, include_input=False)[0]
+    loc = _loc(err["loc"])
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"unknown or unsupported field '{loc}'", param=loc)
+    if err["type"] == "missing":
+        return APIError(400, f"'{loc}' is required", param=loc)
+    msg = err["msg"].removeprefix("Value error, ")
+    return APIError(400, f"invalid '{loc}': {msg}", param=loc)
+
+
+def _loc(parts: tuple) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'; drops pydantic's union-member tags ('str', 'list[...]')."""
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif p not in _UNION_TAGS and "[" not in p:
+            out += f".{p}" if out else p
+    return out
+
+
+_UNION_TAGS = {"str", "int", "float", "bool"}
+
+
+def _same(value, neutral) -> bool:
+    # bool is an int in Python: `false` must not pass as the neutral 0 (or `0` as false).
+    if isinstance(value, bool) != isinstance(neutral, bool):
+        return False
+    return value == neutral
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

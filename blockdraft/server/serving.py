@@ -1,0 +1,240 @@
+"""One API request end to end: check -> parse -> plan -> submit -> stream or collect -> format.
+
+The two endpoints differ only in how a prompt is built and how a choice looks; `CompletionFormat`
+and `ChatFormat` hold those differences, `Serving` everything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from blockdraft.engine.outputs import RequestOutput
+from blockdraft.server import responses as R
+from blockdraft.server.async_engine import AsyncEngine, EngineDeadError, ServerBusyError, now
+from blockdraft.server.config import ModelInfo, ServerConfig
+from blockdraft.server.errors import APIError, error_body, model_not_found
+from blockdraft.server.http import ClientDisconnected, EventStreamResponse, check_api_key, read_json_object, until_disconnect
+from blockdraft.server.params import Plan, build_plan, chat_prompt, completion_prompts
+from blockdraft.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+logger = logging.getLogger("blockdraft.server")
+
+
+@dataclass
+class ServerContext:
+    """What every request needs.
+
+    HF fast tokenizers must not be used by two threads at once, so each user has its own copy:
+    the engine thread (detokenizing), `tokenizer` in the one-thread `tokenize_pool` (prompts and
+    chat templates, off the event loop: a 1 MiB prompt takes a while), and `token_text` (logprobs,
+    on the event loop).
+    """
+
+    config: ServerConfig
+    model: ModelInfo
+    engine: AsyncEngine
+    tokenizer: object
+    token_text: R.TokenText
+    tokenize_pool: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="blockdraft-tokenize")
+    )
+
+
+class _Cursor:
+    """How much of one choice a stream has sent.
+
+    While a choice runs, the last (longest stop string - 1) characters are held back: a stop string
+    can begin in text already produced, and the engine cuts it from the text when it completes.
+    """
+
+    def __init__(self, holdback: int) -> None:
+        self.holdback = holdback
+        self.chars = 0
+        self.tokens = 0
+        self.token_chars = 0  # summed text length of the tokens sent (completions' text_offset)
+
+    def advance(self, out: RequestOutput) -> tuple[str, list[dict] | None]:
+        """(new text, logprob entries of the new tokens) since the last call."""
+        end = len(out.text) if out.finished else max(self.chars, len(out.text) - self.holdback)
+        delta, self.chars = out.text[self.chars : end], end
+        entries = None if out.logprobs is None else out.logprobs[self.tokens :]
+        self.tokens = len(out.token_ids)
+        return delta, entries
+
+
+class CompletionFormat:
+    """/v1/completions: prompts from text or token ids; choices carry `text`."""
+
+    request_cls = CompletionRequest
+    id_prefix = "cmpl"
+    object_full = object_chunk = "text_completion"
+
+    def prompts(self, ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
+        return completion_prompts(req, ctx.tokenizer, ctx.model)
+
+    def choice(self, ctx: ServerContext, index: int, out: RequestOutput) -> dict:
+        logprobs = None if out.logprobs is None else R.completion_logprobs(out.logprobs, ctx.token_text, 0)
+        return {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+    def first_chunk_choice(self, index: int) -> dict | None:
+        return None
+
+    def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None) -> dict:
+        logprobs = None
+        if entries is not None:
+            logprobs = R.completion_logprobs(entries, ctx.token_text, cursor.token_chars)
+            cursor.token_chars += sum(len(t) for t in logprobs["tokens"])
+        return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
+class ChatFormat:
+    """/v1/chat/completions: prompt from the chat template; choices carry a `message` / `delta`."""
+
+    request_cls = ChatCompletionRequest
+    id_prefix = "chatcmpl"
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def prompts(self, ctx: ServerContext, req: ChatCompletionRequest) -> list[list[int]]:
+        return [chat_prompt(req, ctx.tokenizer)]
+
+    def choice(self, ctx: ServerContext, index: int, out: RequestOutput) -> dict:
+        logprobs = None if out.logprobs is None else R.chat_logprobs(out.logprobs, ctx.token_text)
+        message = {"role": "assistant", "content": out.text}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+    def first_chunk_choice(self, index: int) -> dict | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None) -> dict:
+        logprobs = None if entries is None else R.chat_logprobs(entries, ctx.token_text)
+        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs, "finish_reason": finish}
+
+
+class Serving:
+    """Handles one endpoint's requests with a given format."""
+
+    def __init__(self, ctx: ServerContext, fmt) -> None:
+        self.ctx = ctx
+        self.fmt = fmt
+
+    async def handle(self, request: Request) -> Response:
+        """Answer one request (JSON or an SSE stream). Raises APIError for every refused request."""
+        arrival = now()
+        ctx = self.ctx
+        check_api_key(request, ctx.config.api_key)
+        req = parse_request(self.fmt.request_cls, await read_json_object(request, ctx.config.max_body_bytes))
+        self._check_model(req)
+        prompts = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, self.fmt.prompts, ctx, req)
+        plan = build_plan(req, prompts, ctx.config, ctx.model)
+        rid = f"{self.fmt.id_prefix}-{uuid.uuid4().hex}"
+        group = await self._submit(plan, arrival, rid)
+        meta = {"id": rid, "created": int(time.time()), "model": ctx.config.served_model_name}
+        if req.stream:
+            events = self._events(req, plan, group, meta, arrival)
+            return EventStreamResponse(events, on_close=lambda: self._stream_closed(group, rid, plan, arrival))
+        try:
+            outs = await until_disconnect(request, group.results())
+        except ClientDisconnected:
+            ctx.engine.abort(group)
+            self._log(rid, plan, None, arrival, "client disconnected")
+            return Response(status_code=499)
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+        self._log(rid, plan, outs, arrival)
+        return JSONResponse(self._full_body(meta, plan, outs))
+
+    def _stream_closed(self, group, rid: str, plan: Plan, arrival: float) -> None:
+        if not group.finished:  # the client left mid-stream: free its KV pages now
+            self.ctx.engine.abort(group)
+            self._log(rid, plan, None, arrival, "client disconnected")
+
+    def _check_model(self, req) -> None:
+        name = self.ctx.config.served_model_name
+        if req.model is not None and req.model != name:
+            raise model_not_found(req.model, name)
+
+    async def _submit(self, plan: Plan, arrival: float, rid: str):
+        try:
+            return await self.ctx.engine.submit(plan.prompts, plan.params, arrival, prefix=rid)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except ServerBusyError as e:
+            raise APIError(429, str(e), code="server_busy") from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e)) from None
+
+    def _full_body(self, meta: dict, plan: Plan, outs: list[RequestOutput]) -> dict:
+        return {
+            **meta,
+            "object": self.fmt.object_full,
+            "choices": [self.fmt.choice(self.ctx, i, o) for i, o in enumerate(outs)],
+            "usage": R.usage(plan.num_prompt_tokens, sum(len(o.token_ids) for o in outs)),
+            "spec_decode_stats": R.spec_stats([o.spec for o in outs]),
+        }
+
+    async def _events(self, req, plan: Plan, group, meta: dict, arrival: float) -> AsyncIterator[bytes]:
+        head = {**meta, "object": self.fmt.object_chunk}
+        if req.include_usage:
+            head["usage"] = None  # OpenAI sends null usage on every chunk but the last
+        holdback = max((len(s) for s in plan.params[0].stop), default=1) - 1
+        cursors = [_Cursor(holdback) for _ in plan.prompts]
+        finals: dict[int, RequestOutput] = {}
+        for i in range(len(cursors)):
+            first = self.fmt.first_chunk_choice(i)
+            if first is not None:
+                yield R.sse({**head, "choices": [first]})
+        try:
+            async for batch in group.updates():
+                for i, out in sorted(batch.items()):
+                    frame = self._chunk(head, i, cursors[i], out)
+                    if frame is not None:
+                        yield frame
+                    if out.finished:
+                        finals[i] = out
+        except EngineDeadError as e:
+            yield R.sse(error_body(503, str(e)))
+            yield R.SSE_DONE
+            return
+        outs = [finals[i] for i in range(len(cursors))]
+        if req.include_usage:
+            num_out = sum(len(o.token_ids) for o in outs)
+            tail = {**head, "choices": [], "usage": R.usage(plan.num_prompt_tokens, num_out)}
+            yield R.sse({**tail, "spec_decode_stats": R.spec_stats([o.spec for o in outs])})
+        yield R.SSE_DONE
+        self._log(meta["id"], plan, outs, arrival)
+
+    def _chunk(self, head: dict, index: int, cursor: _Cursor, out: RequestOutput) -> bytes | None:
+        delta, entries = cursor.advance(out)
+        if not delta and not entries and not out.finished:
+            return None
+        choice = self.fmt.chunk_choice(self.ctx, index, cursor, delta, entries, out.finish_reason if out.finished else None)
+        chunk = {**head, "choices": [choice]}
+        if out.finished:
+            chunk["spec_decode_stats"] = R.spec_stats([out.spec])
+        return R.sse(chunk)
+
+    def _log(self, rid: str, plan: Plan, outs: list[RequestOutput] | None, arrival: float, note: str = "") -> None:
+        if not self.ctx.config.log_requests:
+            return
+        seconds = now() - arrival
+        if outs is None:
+            logger.info(
+                "%s: %d choice(s), %d prompt tokens, %s after %.3f s", rid, len(plan.prompts), plan.num_prompt_tokens, note, seconds
+            )
+            return
+        reasons = ",".join(sorted({o.finish_reason or "?" for o in outs}))
+        logger.info(
+            "%s: %d choice(s), %d prompt tokens, %d completion tokens, finish=%s, %.3f s",
+            rid, len(outs), plan.num_prompt_tokens, sum(len(o.token_ids) for o in outs), reasons, seconds,
+        )

@@ -1,0 +1,162 @@
+"""Malformed and hostile requests: each gets a 4xx OpenAI-style JSON error with a clear message,
+and the server keeps answering correctly afterwards."""
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_PROMPT = "w05x w06x w07x"
+MSG = [{"role": "user", "content": "w05x"}]
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}
+
+
+def _c(**fields):
+    return {"model": MODEL_NAME, "prompt": OK_PROMPT, "max_tokens": 4, **fields}
+
+
+def _chat(**fields):
+    return {"model": MODEL_NAME, "messages": MSG, "max_tokens": 4, **fields}
+
+
+def _without(d, key):
+    return {k: v for k, v in d.items() if k != key}
+
+
+def _chunks(total: int):
+    for _ in range(total // 65536):
+        yield b" " * 65536
+
+
+# (id, path, body: dict | bytes | generator factory, extra headers, expected status, words the message must contain)
+CASES = [
+    ("bad-json", C, b'{"prompt": "w05x",', {}, 400, "not valid JSON"),
+    ("invalid-utf8", C, b'{"prompt": "\xff\xfe w05x"}', {}, 400, "UTF-8"),
+    ("empty-body", C, b"", {}, 400, "empty"),
+    ("json-array", C, b"[1, 2, 3]", {}, 400, "JSON object"),
+    ("json-string", C, b'"hello"', {}, 400, "JSON object"),
+    ("nan-temperature", C, b'{"prompt": "w05x", "temperature": NaN}', {}, 400, "NaN"),
+    ("lone-surrogate", C, b'{"prompt": "w05x \\ud800"}', {}, 400, "surrogate"),
+    ("deep-nesting", C, b"[" * 200_000, {}, 400, "nested too deeply"),
+    ("oversized-body", C, json.dumps(_c(prompt="w05x " * 300_000)).encode(), {}, 413, "larger than"),
+    ("oversized-chunked-body", C, lambda: _chunks(2 << 20), {}, 413, "larger than"),
+    ("missing-prompt", C, _without(_c(), "prompt"), {}, 400, "'prompt' is required"),
+    ("prompt-wrong-type", C, _c(prompt=42), {}, 400, "prompt"),
+    ("prompt-empty-string", C, _c(prompt=""), {}, 400, "empty"),
+    ("prompt-empty-list", C, _c(prompt=[]), {}, 400, "empty"),
+    ("prompt-mixed-list", C, _c(prompt=["w05x", 5]), {}, 400, "prompt"),
+    ("token-id-out-of-vocab", C, _c(prompt=[5, 1000]), {}, 400, "vocabulary"),
+    ("token-id-negative", C, _c(prompt=[-1, 5]), {}, 400, "vocabulary"),
+    ("prompt-too-long", C, _c(prompt=[5] * 600), {}, 400, "prompt tokens"),
+    ("max-tokens-negative", C, _c(max_tokens=-5), {}, 400, "max_tokens"),
+    ("max-tokens-zero", C, _c(max_tokens=0), {}, 400, "max_tokens"),
+    ("max-tokens-huge", C, _c(max_tokens=10**12), {}, 400, "server limit"),
+    ("max-tokens-past-context", C, _c(max_tokens=1000), {}, 400, "context"),
+    ("max-tokens-string", C, _c(max_tokens="10"), {}, 400, "max_tokens"),
+    ("max-tokens-float", C, _c(max_tokens=4.5), {}, 400, "max_tokens"),
+    ("temperature-negative", C, _c(temperature=-0.5), {}, 400, "temperature"),
+    ("temperature-bool", C, _c(temperature=True), {}, 400, "temperature"),
+    ("top-p-above-1", C, _c(top_p=1.5), {}, 400, "top_p"),
+    ("top-p-zero", C, _c(top_p=0), {}, 400, "top_p"),
+    ("top-k-string", C, _c(top_k="5"), {}, 400, "top_k"),
+    ("n-zero", C, _c(n=0), {}, 400, "'n'"),
+    ("n-huge", C, _c(n=1000), {}, 400, "n must be <="),
+    ("too-many-choices", C, _c(prompt=[OK_PROMPT] * 20, n=4), {}, 400, "choices"),
+    ("stop-list-too-long", C, _c(stop=["a", "b", "c", "d", "e"]), {}, 400, "stop"),
+    ("stop-empty-string", C, _c(stop=[""]), {}, 400, "stop"),
+    ("stop-wrong-type", C, _c(stop=7), {}, 400, "stop"),
+    ("stop-string-too-long", C, _c(stop="x" * 1000), {}, 400, "stop"),
+    ("stop-token-id-out-of-vocab", C, _c(stop_token_ids=[500]), {}, 400, "stop_token_ids"),
+    ("seed-negative", C, _c(seed=-1), {}, 400, "seed"),
+    ("seed-huge", C, _c(seed=2**70), {}, 400, "seed"),
+    ("logprobs-too-many", C, _c(logprobs=100), {}, 400, "logprobs"),
+    ("unknown-model", C, _c(model="gpt-4"), {}, 404, "does not exist"),
+    ("unknown-field", C, _c(frobnicate=1), {}, 400, "frobnicate"),
+    ("presence-penalty", C, _c(presence_penalty=0.5), {}, 400, "presence_penalty"),
+    ("logit-bias", C, _c(logit_bias={"5": 10}), {}, 400, "logit_bias"),
+    ("echo", C, _c(echo=True), {}, 400, "echo"),
+    ("best-of", C, _c(best_of=3), {}, 400, "best_of"),
+    ("stream-not-bool", C, _c(stream="yes"), {}, 400, "stream"),
+    ("stream-options-unknown-key", C, _c(stream=True, stream_options={"foo": 1}), {}, 400, "stream_options.foo"),
+    ("stream-options-without-stream", C, _c(stream_options={"include_usage": True}), {}, 400, "stream_options"),
+    ("user-not-string", C, _c(user=5), {}, 400, "user"),
+    ("chat-empty-messages", CHAT, _chat(messages=[]), {}, 400, "messages"),
+    ("chat-messages-not-list", CHAT, _chat(messages="hello"), {}, 400, "messages"),
+    ("chat-unknown-role", CHAT, _chat(messages=[{"role": "tool", "content": "w05x"}]), {}, 400, "role 'tool'"),
+    ("chat-content-int", CHAT, _chat(messages=[{"role": "user", "content": 5}]), {}, 400, "messages[0].content"),
+    ("chat-missing-content", CHAT, _chat(messages=[{"role": "user"}]), {}, 400, "messages[0].content"),
+    ("chat-image-part", CHAT, _chat(messages=[{"role": "user", "content": [IMAGE_PART]}]), {}, 400, "'image_url' is not supported"),
+    ("chat-message-extra-field", CHAT, _chat(messages=[{"role": "user", "content": "w05x", "name": "bob"}]), {}, 400, "messages[0].name"),
+    ("chat-top-logprobs-without-logprobs", CHAT, _chat(top_logprobs=2), {}, 400, "top_logprobs"),
+    ("chat-both-max-tokens", CHAT, _chat(max_completion_tokens=4), {}, 400, "max_completion_tokens"),
+    ("chat-tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
+    ("chat-response-format-json", CHAT, _chat(response_format={"type": "json_object"}), {}, 400, "response_format"),
+    ("missing-api-key", C, _c(), {"Authorization": ""}, 401, "API key"),
+    ("wrong-api-key", C, _c(), {"Authorization": "Bearer nope"}, 401, "API key"),
+    ("get-on-post-route", C, None, {}, 405, "Method Not Allowed"),
+    ("unknown-route", "/v1/embeddings", _c(), {}, 404, "Not Found"),
+]
+
+
+@pytest.fixture(scope="module")
+def http(plain_server):
+    with httpx.Client(base_url=plain_server.url, headers=plain_server.headers(), timeout=60) as client:
+        yield client
+
+
+def _reference(http) -> dict:
+    r = http.post(C, json=_c(max_tokens=12, temperature=0.8, seed=4))
+    assert r.status_code == 200, r.text
+    return r.json()["choices"]
+
+
+def _send(http, path, body, headers):
+    if body is None:
+        return http.get(path, headers=headers)
+    if isinstance(body, dict):
+        return http.post(path, json=body, headers=headers)
+    content = body() if callable(body) else body
+    return http.post(path, content=content, headers={"Content-Type": "application/json", **headers})
+
+
+def test_at_least_30_hostile_cases():
+    assert len(CASES) >= 30 and len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_every_hostile_request_gets_a_4xx_json_error_and_the_server_keeps_serving(http, plain_server):
+    reference = _reference(http)
+    errors_before = plain_server.metrics()
+    failures = []
+    for name, path, body, headers, status, words in CASES:
+        r = _send(http, path, body, headers)
+        try:
+            err = r.json()["error"]
+            ok = r.status_code == status and words in err["message"] and err["type"]
+        except (ValueError, KeyError, TypeError):
+            ok, err = False, r.text[:300]
+        if not ok:
+            failures.append(f"{name}: {r.status_code} {err}")
+    assert not failures, "\n".join(failures)
+    assert http.get("/health").json() == {"status": "ok"}
+    assert _reference(http) == reference  # still correct, and the same as before the abuse
+    after = plain_server.metrics()
+    counted = sum(v - errors_before.get(k, 0.0) for k, v in after.items() if k.startswith("blockdraft_http_errors_total"))
+    assert counted == len(CASES)
+    assert after["blockdraft_kv_cache_free_blocks"] == after["blockdraft_kv_cache_total_blocks"]
+
+
+def test_errors_name_the_field(http):
+    r = http.post(C, json=_c(temperature=-1))
+    assert r.json()["error"]["param"] == "temperature"
+    r = http.post(CHAT, json=_chat(messages=[{"role": "user", "content": "w05x"}, {"role": "bot", "content": "w05x"}]))
+    assert r.json()["error"]["param"] == "messages[1].role"
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(http):
+    r = http.post(C, json=_c(presence_penalty=0, frequency_penalty=0.0, echo=False, logit_bias={}, best_of=None, user="u1"))
+    assert r.status_code == 200, r.text
+    r = http.post(C, json=_c(echo=0))  # 0 is not the neutral `false`: types are strict
+    assert r.status_code == 400

@@ -1,0 +1,87 @@
+"""DFlash on == plain decoding over HTTP, and /metrics spec counters == per-response stats summed."""
+
+import concurrent.futures
+
+from tests.server.conftest import MODEL_NAME, openai_client
+from tests.server.tiny_model import word
+
+PROMPTS = [" ".join(word(i) for i in range(s, s + 6)) for s in (3, 20, 41, 70)]
+CHAT = [{"role": "user", "content": f"{word(30)} {word(31)} {word(2)}"}]
+
+REQUESTS = [
+    ("completions", dict(prompt=PROMPTS[0], max_tokens=48, temperature=0.0, extra_body={"ignore_eos": True})),
+    ("completions", dict(prompt=PROMPTS[1:], max_tokens=40, temperature=0.8, top_k=20, seed=5, n=2)),
+    ("completions", dict(prompt=PROMPTS[3], max_tokens=40, temperature=0.6, top_p=0.9, seed=9, logprobs=1)),
+    ("chat", dict(messages=CHAT, max_tokens=48, temperature=0.0)),
+    ("chat", dict(messages=CHAT, max_tokens=40, temperature=1.0, seed=2, n=3, extra_body={"ignore_eos": True})),
+]
+SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
+def _create(client, kind, kw, stream=False):
+    kw = dict(kw)
+    if "top_k" in kw:
+        kw.setdefault("extra_body", {})["top_k"] = kw.pop("top_k")
+    api = client.completions if kind == "completions" else client.chat.completions
+    return api.create(model=MODEL_NAME, stream=stream, **kw)
+
+
+def _texts(resp) -> list[str]:
+    return [c.text if hasattr(c, "text") else c.message.content for c in resp.choices]
+
+
+def _streamed(client, kind, kw):
+    """(texts, spec stats of each finishing chunk, the usage chunk's stats and usage)."""
+    n = len(kw["prompt"]) * kw.get("n", 1) if isinstance(kw.get("prompt"), list) else kw.get("n", 1)
+    texts, per_choice, tail = [""] * n, [], None
+    for chunk in _create(client, kind, dict(kw, stream_options={"include_usage": True}), stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text if kind == "completions" else (c.delta.content or "")
+            if c.finish_reason:
+                per_choice.append(chunk.model_extra["spec_decode_stats"])
+        if chunk.usage is not None:
+            tail = (chunk.model_extra["spec_decode_stats"], chunk.usage)
+    return texts, per_choice, tail
+
+
+def _add(total: dict, stats: dict) -> None:
+    for k in SPEC_KEYS:
+        total[k] += stats[k]
+    for i, c in enumerate(stats["accepted_per_position"]):
+        total["pos"][i] = total["pos"].get(i, 0) + c
+
+
+def test_dflash_outputs_equal_plain_and_metrics_equal_summed_response_stats(plain_server, dflash_server):
+    plain, spec = openai_client(plain_server), openai_client(dflash_server)
+    before = dflash_server.metrics()
+    total = {k: 0 for k in SPEC_KEYS} | {"pos": {}}
+    for kind, kw in REQUESTS:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both servers work at once
+            ref, out = pool.map(lambda c: _create(c, kind, kw), (plain, spec))
+        assert _texts(out) == _texts(ref), (kind, kw)
+        assert [c.finish_reason for c in out.choices] == [c.finish_reason for c in ref.choices]
+        assert out.usage == ref.usage
+        assert ref.model_extra["spec_decode_stats"]["num_drafts"] == 0
+        _add(total, out.model_extra["spec_decode_stats"])
+
+        texts, per_choice, (tail_stats, usage) = _streamed(spec, kind, kw)
+        assert texts == _texts(ref) and usage == ref.usage
+        summed = {k: 0 for k in SPEC_KEYS} | {"pos": {}}
+        for s in per_choice:
+            _add(summed, s)
+        assert all(summed[k] == tail_stats[k] for k in SPEC_KEYS)
+        _add(total, tail_stats)
+
+    after = dflash_server.metrics()
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("blockdraft_spec_decode_num_drafts_total") == total["num_drafts"]
+    assert delta("blockdraft_spec_decode_num_draft_tokens_total") == total["num_draft_tokens"]
+    assert delta("blockdraft_spec_decode_num_accepted_tokens_total") == total["num_accepted_tokens"]
+    for i, count in total["pos"].items():
+        assert delta(f'blockdraft_spec_decode_num_accepted_tokens_per_pos_total{{position="{i + 1}"}}') == count
+    assert total["num_draft_tokens"] > 0
+    assert total["num_accepted_tokens"] > 0, "the tiny drafter no longer gets drafts accepted (see DRAFT_MASK_TOKEN)"
+    assert sum(1 for c in total["pos"].values() if c) >= 2  # accepted at more than one position

@@ -1,0 +1,66 @@
+"""A client that leaves (streaming or not) aborts its request and frees its KV pages at once;
+request logs never contain prompt text."""
+
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import MODEL_NAME
+from tests.server.load import wait_idle
+
+ABORTS = 'blockdraft_requests_total{finish_reason="abort"}'
+LONG = {"model": MODEL_NAME, "prompt": "w05x w06x", "max_tokens": 480, "temperature": 0.0, "ignore_eos": True}
+
+
+def _wait_running(server, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while server.metrics()["blockdraft_num_requests_running"] < 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+
+
+def _assert_aborted_and_freed(server, aborts_before, n=1):
+    after = wait_idle(server.metrics)
+    assert after.get(ABORTS, 0) == aborts_before + n
+    assert after["blockdraft_kv_cache_free_blocks"] == after["blockdraft_kv_cache_total_blocks"]
+
+
+def test_non_streaming_client_that_leaves_aborts_its_request(plain_server):
+    before = plain_server.metrics().get(ABORTS, 0)
+    with pytest.raises(httpx.ReadTimeout):  # 8 x 480 tokens take far longer than 0.5 s
+        httpx.post(
+            plain_server.v1 + "/completions", json={**LONG, "n": 8}, headers=plain_server.headers(),
+            timeout=httpx.Timeout(60, read=0.5),
+        )
+    _assert_aborted_and_freed(plain_server, before, n=8)
+
+
+def test_streaming_client_that_leaves_aborts_its_request(plain_server):
+    before = plain_server.metrics().get(ABORTS, 0)
+    with httpx.Client(headers=plain_server.headers(), timeout=60) as client:
+        with client.stream("POST", plain_server.v1 + "/completions", json={**LONG, "stream": True}) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 4:
+                    _wait_running(plain_server)
+                    break
+    _assert_aborted_and_freed(plain_server, before)
+
+
+def test_request_log_has_no_prompt_text(plain_server):
+    secret = "SecretPromptWord"
+    r = httpx.post(
+        plain_server.v1 + "/completions",
+        json={"model": MODEL_NAME, "prompt": f"w05x {secret} w06x", "max_tokens": 3},
+        headers=plain_server.headers(),
+        timeout=60,
+    )
+    assert r.status_code == 200
+    rid = r.json()["id"]
+    deadline = time.monotonic() + 10
+    while rid not in plain_server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = plain_server.log.read_text()
+    assert rid in log and "prompt tokens" in log
+    assert secret not in log and "w05x" not in log
