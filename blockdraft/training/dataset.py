@@ -1,0 +1,145 @@
+"""Token datasets on disk (safetensors, never pickles) and length-bucketed batches.
+
+File layout (one or more shards `data-NNNNN.safetensors` in a folder, read in name order):
+    input_ids  [total] int32    all sequences (prompt + target-generated response) concatenated
+    loss_mask  [total] uint8    1 on response tokens (the labels), 0 on prompt tokens
+    offsets    [n + 1] int64    sequence i is rows offsets[i]:offsets[i+1]
+    sampled    [n] uint8        1 if the response was sampled (T > 0), 0 if greedy
+metadata (safetensors string map): "info" = JSON (target, generation settings, counts).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SHARD_PATTERN = "data-*.safetensors"
+
+
+@dataclass
+class TokenDataset:
+    """Sequences of token ids with response masks (see the module docstring for the layout)."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    offsets: torch.Tensor
+    sampled: torch.Tensor
+    info: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_pairs(cls, pairs: list[tuple[list[int], list[int]]], sampled: list[bool], info: dict | None = None):
+        """Build from (prompt_ids, response_ids) pairs; the loss mask covers the responses."""
+        ids, mask, offsets = [], [], [0]
+        for prompt, response in pairs:
+            ids += list(prompt) + list(response)
+            mask += [0] * len(prompt) + [1] * len(response)
+            offsets.append(len(ids))
+        return cls(
+            torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.uint8),
+            torch.tensor(offsets, dtype=torch.int64), torch.tensor([int(s) for s in sampled], dtype=torch.uint8),
+            dict(info or {}),
+        )
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    def lengths(self) -> torch.Tensor:
+        """[n] int64 sequence lengths."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def sequence(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [L] int64, loss_mask [L] bool) of sequence i."""
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.input_ids[lo:hi].long(), self.loss_mask[lo:hi].bool()
+
+    def num_response_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def save(self, folder: str | Path, shard: int = 0) -> Path:
+        """Write this dataset as shard `shard` of `folder` (created); returns the file path."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"data-{shard:05d}.safetensors"
+        tensors = {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "offsets": self.offsets, "sampled": self.sampled}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"info": json.dumps(self.info)})
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "TokenDataset":
+        """Read and concatenate every shard of `folder` (or one .safetensors file).
+
+        Raises:
+            FileNotFoundError: no shard found.
+        """
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        files = [folder] if folder.is_file() else sorted(folder.glob(SHARD_PATTERN))
+        if not files:
+            raise FileNotFoundError(f"no {SHARD_PATTERN} in {folder}")
+        parts = []
+        for f in files:
+            with safe_open(str(f), framework="pt") as r:
+                t = {k: r.get_tensor(k) for k in r.keys()}
+                t["info"] = json.loads((r.metadata() or {}).get("info", "{}"))
+            parts.append(cls(t["input_ids"], t["loss_mask"], t["offsets"], t["sampled"], t["info"]))
+        return cls.concat(parts)
+
+    @classmethod
+    def concat(cls, parts: list["TokenDataset"]) -> "TokenDataset":
+        """One dataset holding every sequence of `parts`, in order (info of the first part)."""
+        shift, offsets = 0, [torch.zeros(1, dtype=torch.int64)]
+        for p in parts:
+            offsets.append(p.offsets[1:] + shift)
+            shift += int(p.offsets[-1])
+        return cls(
+            torch.cat([p.input_ids for p in parts]), torch.cat([p.loss_mask for p in parts]),
+            torch.cat(offsets), torch.cat([p.sampled for p in parts]), dict(parts[0].info) if parts else {},
+        )
+
+
+@dataclass
+class Batch:
+    """A right-padded batch: input_ids / loss_mask [b, T], lengths [b] (pad id 0, mask 0)."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    lengths: torch.Tensor
+
+    def to(self, device) -> "Batch":
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device))
+
+
+def collate(data: TokenDataset, indices: list[int], max_len: int) -> Batch:
+    """Right-pad sequences `indices` (each cut to `max_len` tokens) into a Batch."""
+    seqs = [data.sequence(i) for i in indices]
+    seqs = [(ids[:max_len], mask[:max_len]) for ids, mask in seqs]
+    t = max(len(ids) for ids, _ in seqs)
+    input_ids = torch.zeros(len(seqs), t, dtype=torch.long)
+    loss_mask = torch.zeros(len(seqs), t, dtype=torch.bool)
+    for r, (ids, mask) in enumerate(seqs):
+        input_ids[r, : len(ids)] = ids
+        loss_mask[r, : len(mask)] = mask
+    return Batch(input_ids, loss_mask, torch.tensor([len(ids) for ids, _ in seqs]))
+
+
+def epoch_batches(lengths: torch.Tensor, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Length-bucketed batches of one epoch, a pure function of (seed, epoch) (so resuming works).
+
+    Sequences are shuffled, sorted by length within windows of 64 batches (less padding), cut into
+    batches of `batch_size`, and the batches shuffled again. The last partial batch is kept.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(lengths.numel(), generator=g).tolist()
+    window = batch_size * 64
+    batches = []
+    for lo in range(0, len(order), window):
+        chunk = sorted(order[lo : lo + window], key=lambda i: int(lengths[i]))
+        batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[p] for p in perm]

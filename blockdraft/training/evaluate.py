@@ -1,0 +1,125 @@
+"""`blockdraft eval-drafter`: acceptance of a drafter measured by our engine on eval prompts.
+
+Runs `LLM(model, draft).generate` on HumanEval or MT-bench prompts (first turns) and reports the
+engine's own counters (DFLASH.md "Terms": acceptance length tau = accepted drafts + 1 per verify
+step; per-position acceptance rate i = steps with >= i accepted / steps), pooled over all steps
+of all prompts. Optionally also decodes without the drafter to check the outputs are identical
+(speculation is lossless) and to time the speedup, and draws the per-position plot.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class EvalResult:
+    """Pooled engine counters for one (dataset, temperature) run."""
+
+    dataset: str
+    temperature: float
+    num_prompts: int
+    max_tokens: int
+    num_steps: int
+    num_accepted: int
+    num_output_tokens: int
+    seconds: float
+    accepted_per_position: list[int] = field(default_factory=list)
+    plain_seconds: float | None = None
+    identical_to_plain: bool | None = None
+
+    @property
+    def acceptance_length(self) -> float:
+        return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else float("nan")
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / self.num_steps for a in self.accepted_per_position] if self.num_steps else []
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(acceptance_length=self.acceptance_length, per_position=self.per_position)
+        if self.plain_seconds:
+            d["speedup"] = self.plain_seconds / self.seconds
+        return d
+
+
+def evaluate_drafter(
+    target: str, draft: str, dataset: str = "humaneval", num_prompts: int = 10, temperature: float = 0.0,
+    max_tokens: int = 256, seed: int = 0, compare_plain: bool = False, dtype: str = "float32", cache_dir=None,
+    max_num_seqs: int = 16,
+) -> EvalResult:
+    """Generate with the drafter on the first `num_prompts` prompts of `dataset`; pool the counters.
+
+    With `compare_plain`, the same prompts are decoded without the drafter (same seeds) to check
+    token-for-token equality and to time the speedup.
+    """
+    from blockdraft.llm import LLM, load_target
+    from blockdraft.sampling_params import SamplingParams
+    from blockdraft.training.corpora import eval_prompts
+
+    loaded = load_target(target, dtype, cache_dir=cache_dir)
+    convs = [[{"role": "user", "content": t}] for t in eval_prompts(dataset, cache_dir)[:num_prompts]]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i) for i in range(len(convs))]
+    spec = LLM(target=loaded, draft=draft, dtype=dtype, max_num_seqs=max_num_seqs)
+    t0 = time.perf_counter()
+    outs = spec.generate(convs, params)
+    seconds = time.perf_counter() - t0
+    stats = spec.engine.stats.spec
+    result = EvalResult(dataset, temperature, len(convs), max_tokens, stats.num_steps, stats.num_accepted_tokens,
+                        sum(len(o.token_ids) for o in outs), seconds, list(stats.accepted_per_position))
+    if compare_plain:
+        plain = LLM(target=loaded, dtype=dtype, max_num_seqs=max_num_seqs)
+        t0 = time.perf_counter()
+        ref = plain.generate(convs, params)
+        result.plain_seconds = time.perf_counter() - t0
+        result.identical_to_plain = all(a.token_ids == b.token_ids for a, b in zip(outs, ref))
+    return result
+
+
+def plot_per_position(results: dict[str, list[float]], path: str, title: str = "") -> None:
+    """Per-position acceptance rate curves (one per label) as a PNG.
+
+    Raises:
+        ValueError: matplotlib is not installed (`pip install matplotlib`); ValueError so the CLI
+            reports it as a one-line error.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from e
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, rates in results.items():
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("P(>= i drafts accepted)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    """CLI body of `blockdraft eval-drafter` (arguments from cli.py)."""
+    from blockdraft.drafters import shipped_drafter
+
+    draft = args.draft or shipped_drafter(args.target, args.cache_dir)
+    if draft is None:
+        raise ValueError(f"no --draft given and no drafter ships for {args.target!r}")
+    result = evaluate_drafter(args.target, str(draft), args.dataset, args.num_prompts, args.temperature,
+                              args.max_tokens, args.seed, args.compare_plain, args.dtype, args.cache_dir)
+    out = result.to_dict() | {"target": args.target, "draft": str(draft)}
+    print(json.dumps(out, indent=1))
+    if args.plot:
+        label = f"{args.dataset} T={args.temperature:g} (tau {result.acceptance_length:.2f})"
+        plot_per_position({label: result.per_position}, args.plot, f"{args.target} + drafter {Path(draft).name}")
+    return 0

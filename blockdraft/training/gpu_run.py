@@ -1,0 +1,315 @@
+"""The one-call GPU recipe: target-generated data -> drafter training -> export -> acceptance.
+
+Made for a lent accelerator that has torch + transformers but no network and no tokenizer files
+worth parsing: everything text-related is done beforehand on the workstation (`prep`), so the GPU
+side (`run`) needs only the target's GGUF, its config.json, the pre-tokenized prompts and our
+package (plus the pure-Python `gguf` wheel).
+
+    # workstation: tokenized training prompts (ShareGPT, eval-free) + eval prompts
+    python -m blockdraft.training.gpu_run prep --target qwen2.5-coder-0.5b-instruct --out parts/qwen
+    # GPU: answer, train, export, evaluate (time budgets in seconds)
+    python -m blockdraft.training.gpu_run run --gguf Q.gguf --prep parts/qwen --work /tmp/w --drafters '[...]'
+
+The target is transformers' model on the weights our converter dequantizes (the documented GPU fast
+path: HF `generate` for the data, HF hidden states for the features); acceptance is measured
+offline (training/acceptance.py), which replays the engine's greedy walk exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# ---------------------------------------------------------------- prep (workstation)
+
+
+def _pack_lists(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = torch.tensor([t for ids in lists for t in ids], dtype=torch.int32)
+    offsets = torch.tensor([0] + list(_cumsum(len(x) for x in lists)), dtype=torch.int64)
+    return flat, offsets
+
+
+def _cumsum(xs):
+    total = 0
+    for x in xs:
+        total += x
+        yield total
+
+
+def _unpack_lists(flat: torch.Tensor, offsets: torch.Tensor) -> list[list[int]]:
+    o = offsets.tolist()
+    return [flat[o[i] : o[i + 1]].tolist() for i in range(len(o) - 1)]
+
+
+def prep(target: str, out: Path, num_prompts: int, max_prompt_tokens: int, seed: int, cache_dir=None) -> dict:
+    """Write `<out>/prompts.safetensors` (train/humaneval/mtbench token ids, chat template applied)
+    and `<out>/config.json` (the target's HF config). Returns stats (also in the file metadata)."""
+    from safetensors.torch import save_file
+
+    from blockdraft.training import corpora
+    from blockdraft.training.generate import encode_prompts
+    from blockdraft.training.prompts import assert_no_eval_overlap, select_prompts
+    from blockdraft.weights.fetch import resolve_model_path
+    from blockdraft.weights.loader import load_hf_config, load_tokenizer
+
+    path = resolve_model_path(target, cache_dir=cache_dir)
+    tok = load_tokenizer(path)
+    eval_texts = corpora.all_eval_texts(cache_dir)
+    texts, stats = select_prompts(corpora.sharegpt_first_turns(cache_dir), eval_texts, num_prompts, seed=seed)
+    assert_no_eval_overlap(texts, eval_texts)
+    train_ids, kept = encode_prompts(tok, texts, max_prompt_tokens)
+    stats.update(encoded=len(train_ids), max_prompt_tokens=max_prompt_tokens)
+    tensors = {}
+    for name, lists in (("train", train_ids),
+                        ("humaneval", encode_prompts(tok, corpora.eval_prompts("humaneval", cache_dir), 10**9)[0]),
+                        ("mtbench", encode_prompts(tok, corpora.eval_prompts("mtbench", cache_dir), 10**9)[0])):
+        tensors[f"{name}_ids"], tensors[f"{name}_offsets"] = _pack_lists(lists)
+    out.mkdir(parents=True, exist_ok=True)
+    info = {"target": target, "stats": stats, "eos_ids": _eos_ids(load_hf_config(path), tok), "pad_id": _pad_id(tok)}
+    save_file(tensors, str(out / "prompts.safetensors"), metadata={"info": json.dumps(info)})
+    (out / "config.json").write_text(json.dumps(load_hf_config(path), indent=1))
+    return info
+
+
+def _eos_ids(cfg: dict, tok) -> list[int]:
+    eos = cfg.get("eos_token_id")
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    return sorted(ids)
+
+
+def _pad_id(tok) -> int:
+    return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+
+
+# ---------------------------------------------------------------- run (GPU)
+
+
+def load_hf_target(gguf_path: Path, config_dir: Path, device: str):
+    """transformers model (bf16 on CUDA, fp32 on CPU) on the weights our converter dequantizes
+    from `gguf_path` (same tensors as the cached bf16 folder), config from `config_dir`."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from blockdraft.weights.convert import gguf_architecture, read_gguf_tensors
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    config = AutoConfig.from_pretrained(str(config_dir))
+    state = read_gguf_tensors(reader, gguf_architecture(reader), config, gguf_path, dtype=torch.bfloat16, progress=False)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]:
+        raise ValueError(f"GGUF tensors do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.eval().requires_grad_(False)
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(args) -> dict:
+    """Generate -> train (all drafters in lockstep) -> export -> offline acceptance; returns results."""
+    from safetensors import safe_open
+
+    from blockdraft.config import ModelConfig
+    from blockdraft.training.dataset import TokenDataset
+    from blockdraft.training.generate import generate_with_hf, sampling_plan, to_dataset
+
+    t_start = time.time()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    prep_dir = Path(args.prep)
+    with safe_open(str(prep_dir / "prompts.safetensors"), framework="pt") as f:
+        info = json.loads(f.metadata()["info"])
+        lists = {k: _unpack_lists(f.get_tensor(f"{k}_ids"), f.get_tensor(f"{k}_offsets")) for k in ("train", "humaneval", "mtbench")}
+    eos, pad = tuple(info["eos_ids"]), info["pad_id"]
+    hf = load_hf_target(Path(args.gguf), prep_dir, args.device)
+    target_cfg = ModelConfig.from_hf_dict(json.loads((prep_dir / "config.json").read_text()))
+    _log(f"target loaded ({time.time() - t_start:.0f} s)")
+
+    data_dir = work / "data"
+    if (data_dir / "data-00000.safetensors").is_file():
+        data = TokenDataset.load(data_dir)
+    else:
+        prompts = lists["train"][: args.num_prompts]
+        sampled = sampling_plan(len(prompts), args.sampled_fraction, args.seed)
+        t0 = time.time()
+        responses = generate_with_hf(hf, prompts, args.max_new_tokens, sampled, eos, pad, temperature=0.7, seed=args.seed,
+                                     batch_size=args.gen_batch, progress=True, deadline=t0 + args.gen_seconds)
+        gen_info = {"target": info["target"], "generator": "transformers.generate bf16", "max_new_tokens": args.max_new_tokens,
+                    "sampled_temperature": 0.7, "sampled_fraction": args.sampled_fraction, "seed": args.seed,
+                    "prompt_stats": info["stats"], "gen_seconds": round(time.time() - t0, 1)}
+        data = to_dataset(prompts, responses, sampled, gen_info)
+        data.save(data_dir)
+    _log(f"data: {json.dumps(data.info)}")
+    results = {"data": data.info, "drafters": {}}
+    trainers = _train(args, hf, target_cfg, data, work, results)
+    results["eval"] = _evaluate(args, hf, target_cfg, lists, eos, pad, trainers, work)
+    results["wall_seconds"] = round(time.time() - t_start, 1)
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def _train(args, hf, target_cfg, data, work: Path, results: dict) -> dict:
+    from blockdraft.spec.dflash.checkpoint import export_drafter
+    from blockdraft.training.build import new_drafter, num_parameters
+    from blockdraft.training.target import HFTarget
+    from blockdraft.training.trainer import TrainConfig, Trainer, fit_together
+
+    target = HFTarget(hf)
+    specs = json.loads(args.drafters)
+    cfg = TrainConfig(steps=10**9, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors,
+                      lr=args.lr, warmup_frac=args.warmup_frac, seed=args.seed, log_every=25, ckpt_every=0)
+    trainers = {}
+    for spec in specs:
+        d = new_drafter(target_cfg, spec["num_layers"], args.block_size, spec.get("intermediate_size"),
+                        num_feature_layers=spec.get("num_feature_layers"), seed=args.seed, device=args.device)
+        if spec.get("norm_from_target"):  # start in the LM head's input space: the target's final norm
+            with torch.no_grad():
+                d.norm.weight.copy_(hf.model.norm.weight.float())
+        if spec.get("init_from"):  # continue from an earlier run's fp32 weights (z-lab names)
+            from safetensors.torch import load_file
+
+            with torch.no_grad():
+                for k, v in load_file(spec["init_from"]).items():
+                    d.state_dict()[k].copy_(v)
+        trainers[spec["name"]] = Trainer(d, target, data, cfg, work / spec["name"])
+        results["drafters"][spec["name"]] = {"spec": spec, "params": num_parameters(d)}
+    steps = args.steps or _plan_steps(list(trainers.values()), args.train_seconds)
+    for tr in trainers.values():
+        tr.cfg = TrainConfig(**{**cfg.__dict__, "steps": steps})
+    _log(f"training {list(trainers)} for {steps} steps")
+    t0 = time.time()
+    last = fit_together(list(trainers.values()), progress=True, deadline=t0 + args.train_seconds * 1.1)
+    for (name, tr), summary in zip(trainers.items(), last):
+        export_drafter(tr.drafter, work / name / "export")
+        results["drafters"][name].update(final=summary, steps=tr.step, train_seconds=round(time.time() - t0, 1))
+        _log(f"{name}: {json.dumps(summary)}")
+    return trainers
+
+
+def _plan_steps(trainers: list, seconds: float) -> int:
+    """Steps that fit in `seconds`: time 6 forward/backward passes (after 2 warm-ups) without
+    updating the weights, then scale (the cosine schedule needs the total up front)."""
+    lead = trainers[0]
+    times = []
+    for i in range(8):
+        if lead.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        prep = lead.prepare(10**6 + i)
+        for tr in trainers:
+            loss, _ = tr.loss_on(prep)
+            loss.backward()
+            tr.optimizer.zero_grad(set_to_none=True)
+        if lead.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    # Fastest pass + 10% (optimizer, logging): early passes are inflated by the CUDA caching
+    # allocator growing its pool (the median overestimated real steps 1.7-2x on the H200).
+    per_step = min(times[2:]) * 1.1
+    return max(10, int(seconds / per_step))
+
+
+def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path) -> dict:
+    """Greedy (T=0) and sampled (T=1) target answers to the eval prompts, then offline acceptance of
+    every exported drafter (and of its int8 round trip when the spec asks for it)."""
+    from safetensors.torch import save_file
+
+    from blockdraft.drafters.pack import pack, unpack
+    from blockdraft.spec.dflash.checkpoint import load_drafter
+    from blockdraft.training.acceptance import offline_acceptance
+    from blockdraft.training.generate import generate_with_hf
+    from blockdraft.training.target import HFTarget
+
+    target = HFTarget(hf)
+    seqs = {}
+    if args.eval_sequences:  # reuse an earlier run's target answers (same prompts, same settings)
+        from safetensors import safe_open
+
+        with safe_open(args.eval_sequences, framework="pt") as f:
+            for ds in ("humaneval", "mtbench"):
+                prompts = lists[ds][: args.eval_prompts]
+                for temp in (0.0, 1.0):
+                    ss = [f.get_tensor(f"{ds}_T{int(temp)}_{i}").long() for i in range(len(prompts))]
+                    seqs[(ds, temp)] = (ss, [len(p) for p in prompts])
+    for ds in ("humaneval", "mtbench") if not seqs else ():
+        prompts = lists[ds][: args.eval_prompts]
+        for temp in (0.0, 1.0):
+            resp = generate_with_hf(hf, prompts, args.eval_max_tokens, [temp > 0] * len(prompts), eos, pad,
+                                    temperature=max(temp, 1e-5), seed=args.seed + 17, batch_size=256)
+            seqs[(ds, temp)] = ([torch.tensor(p + r) for p, r in zip(prompts, resp)], [len(p) for p in prompts])
+    save_file({f"{ds}_T{int(t)}_{i}": s.to(torch.int32) for (ds, t), (ss, _) in seqs.items() for i, s in enumerate(ss)},
+              str(work / "eval_sequences.safetensors"))
+    out = {}
+    for name, tr in trainers.items():
+        export = work / name / "export"
+        variants = {"bf16": load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)}
+        spec = next(s for s in json.loads(args.drafters) if s["name"] == name)
+        if spec.get("int8"):
+            q = variants["bf16"].state_dict()
+            packed = pack(q)
+            save_file(packed, str(work / name / "model.int8"))
+            d8 = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
+            d8.load_weights(unpack(packed))
+            variants["int8"] = d8
+        for vname, d in variants.items():
+            for (ds, temp), (ss, starts) in seqs.items():
+                r = offline_acceptance(d, target, ss, starts, eos, batch_size=8)
+                out[f"{name}/{vname}/{ds}/T{int(temp)}"] = {k: v for k, v in r.items() if k != "per_sequence"}
+                _log(f"{name}/{vname} {ds} T={temp}: acceptance length {r['acceptance_length']:.3f}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m blockdraft.training.gpu_run", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("prep")
+    a.add_argument("--target", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--num-prompts", type=int, default=100000)
+    a.add_argument("--max-prompt-tokens", type=int, default=512)
+    a.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("run")
+    r.add_argument("--gguf", required=True)
+    r.add_argument("--prep", required=True, help="folder written by `prep`")
+    r.add_argument("--work", required=True)
+    r.add_argument("--drafters", required=True, help='JSON list of {"name", "num_layers", "intermediate_size", '
+                   '"num_feature_layers", "int8" (also evaluate the 8-bit pack), "norm_from_target" (final norm '
+                   'starts as the target\'s), "init_from" (fp32 drafter.safetensors to continue from)}')
+    r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    r.add_argument("--num-prompts", type=int, default=100000)
+    r.add_argument("--sampled-fraction", type=float, default=0.25)
+    r.add_argument("--max-new-tokens", type=int, default=384)
+    r.add_argument("--gen-batch", type=int, default=512)
+    r.add_argument("--gen-seconds", type=float, default=270)
+    r.add_argument("--train-seconds", type=float, default=420)
+    r.add_argument("--steps", type=int, default=None, help="optimizer steps (default: as many as fit --train-seconds)")
+    r.add_argument("--block-size", type=int, default=16)
+    r.add_argument("--batch-size", type=int, default=16)
+    r.add_argument("--max-len", type=int, default=1024)
+    r.add_argument("--num-anchors", type=int, default=64)
+    r.add_argument("--lr", type=float, default=6e-4)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--eval-prompts", type=int, default=1000)
+    r.add_argument("--eval-max-tokens", type=int, default=256)
+    r.add_argument("--eval-sequences", default=None, help="reuse eval_sequences.safetensors of an earlier run")
+    r.add_argument("--warmup-frac", type=float, default=0.04)
+    args = p.parse_args(argv)
+    if args.cmd == "prep":
+        print(json.dumps(prep(args.target, Path(args.out), args.num_prompts, args.max_prompt_tokens, args.seed)))
+    else:
+        print(json.dumps(run(args), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

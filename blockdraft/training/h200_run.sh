@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU run behind the shipped drafters (docs/benchmarks/drafter-qwen2.5-coder-0.5b.md).
+#
+#   h200_run.sh start PARTS WORK   assemble the GGUFs, start both pipelines in the background
+#   h200_run.sh collect WORK OUT NAME   copy NAME's (qwen|smol) results into OUT (<= 16 MiB files)
+#
+# PARTS holds blob.NN (the Qwen2.5-Coder-0.5B GGUF followed by the SmolLM2-135M GGUF, cut into
+# pieces that fit the device's per-call transfer limit), qwen/ and smol/ (written by
+# `python -m blockdraft.training.gpu_run prep`) and whl/ (the pure-Python `gguf` wheel).
+set -u
+QWEN_BYTES=491400064
+QWEN_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+QWEN_DRAFTERS='[{"name":"A","num_layers":2,"intermediate_size":1024,"num_feature_layers":3},
+ {"name":"B","num_layers":3,"intermediate_size":1792,"num_feature_layers":3,"int8":true}]'
+SMOL_DRAFTERS='[{"name":"A","num_layers":2,"intermediate_size":960,"num_feature_layers":3},
+ {"name":"B","num_layers":3,"intermediate_size":1536,"num_feature_layers":3,"int8":true}]'
+# The settings of the run behind the shipped SmolLM2 drafter (the Qwen drafter came from two later
+# single-target runs: docs/benchmarks/drafter-qwen2.5-coder-0.5b.md).
+QWEN_ARGS=${QWEN_ARGS:-"--gen-seconds 270 --train-seconds 540 --gen-batch 768 --lr 8e-4"}
+SMOL_ARGS=${SMOL_ARGS:-"--gen-seconds 240 --train-seconds 480 --gen-batch 768 --lr 8e-4"}
+
+start() {
+  local P=$1 W=$2
+  mkdir -p "$W"
+  cat "$P"/blob.* > "$W/blob" || exit 1
+  head -c $QWEN_BYTES "$W/blob" > "$W/qwen.gguf"
+  tail -c +$((QWEN_BYTES + 1)) "$W/blob" > "$W/smol.gguf"
+  rm -f "$W/blob"
+  echo "$QWEN_SHA  $W/qwen.gguf" > "$W/sha.txt"; echo "$SMOL_SHA  $W/smol.gguf" >> "$W/sha.txt"
+  sha256sum -c "$W/sha.txt" || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/whl/*.whl || exit 1
+  # Run from a private copy: later calls re-sync the working tree under the running jobs.
+  mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
+  export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15
+  cd "$W/code" || exit 1
+  # shellcheck disable=SC2086
+  setsid nohup python3 -m blockdraft.training.gpu_run run --gguf "$W/qwen.gguf" --prep "$P/qwen" --work "$W/qwen" \
+    --drafters "$QWEN_DRAFTERS" $QWEN_ARGS > "$W/qwen.log" 2>&1 < /dev/null &
+  # shellcheck disable=SC2086
+  setsid nohup python3 -m blockdraft.training.gpu_run run --gguf "$W/smol.gguf" --prep "$P/smol" --work "$W/smol" \
+    --drafters "$SMOL_DRAFTERS" $SMOL_ARGS > "$W/smol.log" 2>&1 < /dev/null &
+}
+
+collect() {
+  local W=$1 OUT=$2 N=$3
+  mkdir -p "$OUT"
+  tar czf "$OUT/$N-small.tgz" -C "$W" "$N.log" \
+    $(cd "$W" && ls -d "$N"/results.json "$N"/eval_sequences.safetensors "$N"/*/train_log.jsonl \
+      "$N"/*/export/config.json "$N"/*/checkpoint/state.json 2>/dev/null)
+  for d in "$W/$N"/*/; do
+    local name; name=$(basename "$d")
+    if [ -f "$d/model.int8" ]; then
+      split -b 15000000 -d -a 1 "$d/model.int8" "$OUT/$N-$name-int8."
+    elif [ -f "$d/export/model.safetensors" ]; then
+      split -b 15000000 -d -a 1 "$d/export/model.safetensors" "$OUT/$N-$name-bf16."
+    fi
+  done
+  ls -la "$OUT"
+}
+
+"$@"

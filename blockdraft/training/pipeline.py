@@ -1,0 +1,98 @@
+"""`blockdraft train-drafter`: prompts -> target answers (our engine) -> training -> z-lab export.
+
+Layout of `--out`:
+    data/          the token dataset (reused when present; see training/dataset.py)
+    checkpoint/    resumable trainer state (training/trainer.py)
+    train_log.jsonl
+    drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors)
+    summary.json   settings, data counts, final loss / per-slot accuracy
+
+This is the engine path (CPU or GPU, any catalog target). The large GPU run behind the shipped
+drafters used the transformers fast path instead (training/gpu_run.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+# `--tiny`: a CPU smoke run in seconds (CI); any option given explicitly still wins.
+TINY = dict(num_prompts=8, max_prompt_tokens=128, max_new_tokens=16, steps=4, batch_size=4, num_anchors=4,
+            num_layers=1, intermediate_size=256, num_feature_layers=2, log_every=1)
+DEFAULTS = dict(num_prompts=2000, max_prompt_tokens=512, max_new_tokens=256, steps=2000, batch_size=8,
+                num_anchors=64, num_layers=2, intermediate_size=None, num_feature_layers=3, log_every=10)
+
+
+def resolve_settings(args) -> dict:
+    """Merge preset (TINY or DEFAULTS) with the options the user gave (None = not given)."""
+    preset = TINY if args.tiny else DEFAULTS
+    return {k: (getattr(args, k) if getattr(args, k, None) is not None else v) for k, v in preset.items()}
+
+
+def build_dataset(target, settings: dict, args, out: Path):
+    """The dataset in `out/data` (or `args.data`), generating it with our engine when missing."""
+    from blockdraft.llm import LLM
+    from blockdraft.training import corpora
+    from blockdraft.training.dataset import TokenDataset
+    from blockdraft.training.generate import encode_prompts, generate_with_engine, sampling_plan, to_dataset
+    from blockdraft.training.prompts import assert_no_eval_overlap, select_prompts
+
+    folder = Path(args.data) if args.data else out / "data"
+    if folder.exists() and any(folder.glob("data-*.safetensors")):
+        return TokenDataset.load(folder)
+    eval_texts = corpora.all_eval_texts(args.cache_dir)
+    texts, stats = select_prompts(corpora.sharegpt_first_turns(args.cache_dir), eval_texts,
+                                  settings["num_prompts"] * 2, seed=args.seed)
+    assert_no_eval_overlap(texts, eval_texts)
+    prompts, _ = encode_prompts(target.tokenizer, texts, settings["max_prompt_tokens"])
+    prompts = prompts[: settings["num_prompts"]]
+    sampled = sampling_plan(len(prompts), args.sampled_fraction, args.seed)
+    llm = LLM(target=target, dtype=args.dtype, device=args.device, max_num_seqs=32,
+              num_kv_blocks=max(1024, len(prompts) * 4))
+    t0 = time.perf_counter()
+    responses = generate_with_engine(llm, prompts, settings["max_new_tokens"], sampled, 0.7, args.seed, progress=True)
+    info = {"target": args.target, "generator": "blockdraft engine", "max_new_tokens": settings["max_new_tokens"],
+            "sampled_temperature": 0.7, "sampled_fraction": args.sampled_fraction, "seed": args.seed,
+            "prompt_stats": stats, "gen_seconds": round(time.perf_counter() - t0, 1)}
+    data = to_dataset(prompts, responses, sampled, info)
+    data.save(folder)
+    return data
+
+
+def train_drafter(args) -> dict:
+    """The whole command; returns the summary (also written to `out/summary.json`)."""
+    from blockdraft.llm import load_target
+    from blockdraft.spec.dflash.checkpoint import export_drafter
+    from blockdraft.training.build import new_drafter, num_parameters
+    from blockdraft.training.target import EngineTarget
+    from blockdraft.training.trainer import TrainConfig, Trainer
+
+    torch.manual_seed(args.seed)
+    settings = resolve_settings(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_target(args.target, args.dtype, args.device, args.cache_dir)
+    data = build_dataset(target, settings, args, out)
+    drafter = new_drafter(target.config, settings["num_layers"], args.block_size, settings["intermediate_size"],
+                          num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
+                          seed=args.seed, device=args.device)
+    cfg = TrainConfig(steps=settings["steps"], batch_size=settings["batch_size"], max_len=args.max_len,
+                      num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
+                      ckpt_every=args.ckpt_every, log_every=settings["log_every"])
+    trainer = Trainer(drafter, EngineTarget(target.model), data, cfg, out)
+    resumed = trainer.load_checkpoint() if not args.no_resume else False
+    final = trainer.fit(progress=True)
+    export_drafter(drafter, out / "drafter")
+    summary = {"target": args.target, "drafter": str(out / "drafter"), "resumed": resumed,
+               "params": num_parameters(drafter), "settings": settings, "data": data.info, "final": final}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(args) -> int:
+    """CLI body of `blockdraft train-drafter` (arguments from cli.py)."""
+    print(json.dumps(train_drafter(args), indent=1))
+    return 0

@@ -1,0 +1,333 @@
+"""Train a DFlash drafter against a frozen target (DFLASH.md "Training").
+
+One step: target features of a padded batch (no grad) -> random anchors among response tokens ->
+dense forward of every block at once (training/dense.py) -> target LM head on slots 1..B-1 ->
+decay-weighted CE (training/loss.py). AdamW with linear warmup + cosine decay, gradient clipping,
+bf16 autocast on CUDA (fp32 master weights), fp32 on CPU.
+
+Determinism: batch order is a pure function of (seed, epoch) and anchors of (seed, step), so a
+resumed run replays exactly the batches and anchors of an uninterrupted one.
+Checkpoints (`<out>/checkpoint/`): drafter.safetensors (fp32 master weights, z-lab names),
+optimizer.safetensors (AdamW moments by parameter name), state.json (step, config, metrics).
+No pickles are written or read. The result is exported in the z-lab format (export_drafter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from blockdraft.spec.dflash.draft_model import DFlashDraftModel
+from blockdraft.training.dataset import TokenDataset, collate, epoch_batches
+from blockdraft.training.dense import dense_block_forward
+from blockdraft.training.loss import block_labels, default_gamma, expected_acceptance, slot_weights, weighted_block_loss
+from blockdraft.training.masks import sample_anchors
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings (drafter shape lives in the DFlashConfig).
+
+    steps: optimizer steps. batch_size: sequences per step; max_len: tokens kept per sequence.
+    num_anchors: blocks per sequence (paper: 512 on long sequences). lr: peak AdamW lr;
+    warmup_frac: linear warmup share of the steps; min_lr_ratio: cosine floor (x lr).
+    gamma: loss decay (None: default_gamma(B)). grad_clip: max global grad norm (0 = off).
+    ckpt_every: steps between checkpoints (0 = only at the end). log_every: steps per log line.
+    """
+
+    steps: int = 1000
+    batch_size: int = 16
+    max_len: int = 1024
+    num_anchors: int = 64
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    gamma: float | None = None
+    seed: int = 0
+    ckpt_every: int = 0
+    log_every: int = 10
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr_ratio."""
+    warmup = max(1, round(cfg.warmup_frac * cfg.steps))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
+    floor = cfg.min_lr_ratio
+    return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class StepStats:
+    """Running sums over logged steps: loss, and per-slot correct / counted top-1 predictions."""
+
+    loss_sum: float = 0.0
+    steps: int = 0
+    correct: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+
+    def add(self, loss: float, stats: dict) -> None:
+        self.loss_sum += loss
+        self.steps += 1
+        c, n = stats["correct"].float().cpu(), stats["count"].float().cpu()
+        self.correct = c if self.correct is None else self.correct + c
+        self.count = n if self.count is None else self.count + n
+
+    def summary(self) -> dict:
+        """{"loss", "acc": per-slot top-1 accuracy list (slot 1 first), "acc_mean", "tau_proxy"}."""
+        acc = (self.correct / self.count.clamp(min=1)).tolist() if self.count is not None else []
+        acc = [a if n > 0 else float("nan") for a, n in zip(acc, self.count.tolist())] if acc else []
+        total = float(self.count.sum()) if self.count is not None else 0.0
+        mean = float(self.correct.sum()) / total if total else float("nan")
+        return {"loss": self.loss_sum / max(1, self.steps), "acc": acc, "acc_mean": mean,
+                "tau_proxy": expected_acceptance(acc)}
+
+
+@dataclass
+class Trainer:
+    """Owns the drafter being trained, its optimizer, and the loop.
+
+    Args:
+        drafter: a DFlashDraftModel in float32 on `device` (trainable params).
+        target: a TrainTarget (training/target.py) on the same device; frozen.
+        data: the TokenDataset. cfg: TrainConfig. out_dir: checkpoints + logs go here.
+    """
+
+    drafter: DFlashDraftModel
+    target: object
+    data: TokenDataset
+    cfg: TrainConfig
+    out_dir: Path
+    step: int = 0
+    history: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        self.device = self.drafter.device
+        self.drafter.requires_grad_(True).train()
+        decay = [p for n, p in self.drafter.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.drafter.named_parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=self.cfg.lr, betas=self.cfg.betas)
+        dcfg = self.drafter.config
+        self.block_size = dcfg.block_size
+        self.weights = slot_weights(self.block_size, self.cfg.gamma or default_gamma(self.block_size), self.device)
+        self._lengths = self.data.lengths()
+        self._epoch_cache: tuple[int, list] | None = None
+
+    # ---- data ----------------------------------------------------------------------------------
+
+    def batch_indices(self, step: int) -> list[int]:
+        """Sequence indices of optimizer step `step` (deterministic; epochs reshuffle)."""
+        n_batches = math.ceil(len(self.data) / self.cfg.batch_size)
+        epoch, i = divmod(step, n_batches)
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            self._epoch_cache = (epoch, epoch_batches(self._lengths, self.cfg.batch_size, self.cfg.seed, epoch))
+        return self._epoch_cache[1][i]
+
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def prepare(self, step: int) -> dict:
+        """Everything of step `step` that does not depend on the drafter's weights: the batch,
+        target features, anchors, block embeddings and labels (shareable between drafters with
+        the same target_layer_ids, block size, mask token and seed: see `fit_together`)."""
+        dcfg = self.drafter.config
+        batch = collate(self.data, self.batch_indices(step), self.cfg.max_len).to(self.device)
+        feats = self.target.features(batch.input_ids, batch.lengths, dcfg.target_layer_ids)
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
+        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, self.cfg.num_anchors, gen)
+        b, a, bs = anchors.shape[0], anchors.shape[1], self.block_size
+        block_ids = torch.full((b, a, bs), dcfg.mask_token_id, dtype=torch.long, device=self.device)
+        block_ids[:, :, 0] = batch.input_ids.gather(1, anchors)
+        embeds = self.target.embed(block_ids.view(b, a * bs))
+        if dcfg.input_embedding_scale != 1.0:
+            embeds = embeds * dcfg.input_embedding_scale
+        labels, keep = block_labels(batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, bs)
+        return {"feats": feats, "anchors": anchors, "valid": valid, "embeds": embeds, "labels": labels, "keep": keep}
+
+    def loss_on(self, prep: dict) -> tuple[torch.Tensor, dict]:
+        """Decay-weighted loss and per-slot stats of this drafter on a prepared step."""
+        anchors, keep, bs = prep["anchors"], prep["keep"], self.block_size
+        b, a = anchors.shape
+        with self._autocast():
+            hidden = dense_block_forward(self.drafter, prep["feats"], prep["embeds"], anchors, prep["valid"])
+            rows = hidden.view(b, a, bs, -1)[:, :, 1:][keep]  # [N, H] kept slots 1..B-1
+            slots = torch.arange(bs - 1, device=self.device).expand_as(keep)[keep]
+            logits = self.drafter.compute_logits(rows, self.target.lm_head)
+            return weighted_block_loss(logits, prep["labels"][keep], slots, self.weights)
+
+    def train_step(self, prep: dict | None = None) -> tuple[float, dict]:
+        """One optimizer step (on `prep` if given, else on this step's own batch); returns (loss, stats)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, self.cfg)
+        loss, stats = self.loss_on(prep if prep is not None else self.prepare(self.step))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return float(loss.detach()), stats
+
+    # ---- loop ----------------------------------------------------------------------------------
+
+    def fit(self, progress: bool = True, deadline: float | None = None, until: int | None = None) -> dict:
+        """Train until cfg.steps (or step `until`, or the wall-clock `deadline`, time.time()
+        seconds), checkpointing every cfg.ckpt_every steps and at the end. Returns the last logged
+        summary."""
+        return fit_together([self], progress, deadline, until)[0]
+
+    def _log(self, window: "StepStats", seconds: float) -> dict:
+        s = window.summary()
+        s.update(step=self.step, lr=lr_at(max(0, self.step - 1), self.cfg), seconds=round(seconds, 1))
+        self.history.append(s)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "train_log.jsonl", "a") as f:
+            f.write(json.dumps(s) + "\n")
+        return s
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out_dir / "checkpoint"
+
+    def save_checkpoint(self) -> Path:
+        """Write drafter + AdamW state (safetensors) and state.json into `<out>/checkpoint/` atomically
+        per file (write then rename)."""
+        from safetensors.torch import save_file
+
+        d = self.ckpt_dir
+        d.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.detach().float().cpu().contiguous() for k, v in self.drafter.state_dict().items()}
+        _atomic(d / "drafter.safetensors", lambda p: save_file(weights, str(p)))
+        _atomic(d / "optimizer.safetensors", lambda p: save_file(self._optimizer_tensors(), str(p)))
+        state = {"step": self.step, "train_config": asdict(self.cfg),
+                 "drafter_config": self.drafter.config.to_hf_dict(), "history": self.history}
+        _atomic(d / "state.json", lambda p: p.write_text(json.dumps(state, indent=1)))
+        return d
+
+    def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.drafter.named_parameters():
+            st = self.optimizer.state.get(p)
+            if st:
+                out[f"{name}.exp_avg"] = st["exp_avg"].detach().cpu().contiguous()
+                out[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().contiguous()
+                out[f"{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+        return out
+
+    def load_checkpoint(self) -> bool:
+        """Resume from `<out>/checkpoint/` if present: weights, AdamW moments, step, history.
+
+        Returns False when there is no checkpoint. Raises ValueError when the checkpoint's drafter
+        config differs from this drafter's (resuming into a different shape).
+        """
+        from safetensors.torch import load_file
+
+        d = self.ckpt_dir
+        if not (d / "state.json").is_file():
+            return False
+        state = json.loads((d / "state.json").read_text())
+        if state["drafter_config"] != self.drafter.config.to_hf_dict():
+            raise ValueError(f"checkpoint in {d} is for a different drafter config; use another --out")
+        weights = load_file(str(d / "drafter.safetensors"))
+        with torch.no_grad():
+            for k, v in self.drafter.state_dict().items():
+                v.copy_(weights[k])
+        moments = load_file(str(d / "optimizer.safetensors"))
+        for name, p in self.drafter.named_parameters():
+            if f"{name}.exp_avg" in moments:
+                self.optimizer.state[p] = {
+                    "step": moments[f"{name}.step"].reshape(()).clone(),
+                    "exp_avg": moments[f"{name}.exp_avg"].to(p.device),
+                    "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(p.device),
+                }
+        self.step, self.history = int(state["step"]), list(state.get("history", []))
+        return True
+
+
+def fit_together(
+    trainers: list[Trainer], progress: bool = True, deadline: float | None = None, until: int | None = None
+) -> list[dict]:
+    """Train several drafters in lockstep on the same batches: the target features, anchors and
+    labels of each step are computed once (by trainers[0]) and shared. Stops at the first
+    trainer's cfg.steps, at step `until` (an interruption: the schedule still spans cfg.steps) or
+    at `deadline` (time.time() seconds); checkpoints every trainer at the end. Returns each
+    trainer's last logged summary.
+
+    Raises:
+        ValueError: the trainers do not share data, target, seed, batch settings, block size,
+            mask token and target_layer_ids (their prepared steps would differ).
+    """
+    from tqdm.auto import tqdm
+
+    lead = trainers[0]
+    _check_shareable(trainers)
+    bar = tqdm(total=lead.cfg.steps, initial=lead.step, desc="train", unit="step", disable=not progress)
+    windows, last = [StepStats() for _ in trainers], [{} for _ in trainers]
+    t0 = time.perf_counter()
+    stop = lead.cfg.steps if until is None else min(until, lead.cfg.steps)
+    while lead.step < stop:
+        prep = lead.prepare(lead.step)
+        for i, tr in enumerate(trainers):
+            windows[i].add(*tr.train_step(prep))
+        del prep
+        bar.update(1)
+        step = lead.step
+        if step % lead.cfg.log_every == 0 or step == lead.cfg.steps:
+            for i, tr in enumerate(trainers):
+                last[i], windows[i] = tr._log(windows[i], time.perf_counter() - t0), StepStats()
+            bar.set_postfix(_postfix(last[0]))
+        if lead.cfg.ckpt_every and step % lead.cfg.ckpt_every == 0:
+            for tr in trainers:
+                tr.save_checkpoint()
+        if deadline is not None and time.time() > deadline:
+            break
+    for i, tr in enumerate(trainers):
+        if windows[i].steps:
+            last[i] = tr._log(windows[i], time.perf_counter() - t0)
+        tr.save_checkpoint()
+    bar.close()
+    return last
+
+
+def _postfix(s: dict) -> dict:
+    """tqdm postfix: loss, the tau proxy and top-1 accuracy of slots 1, 2, 4, 8, 15."""
+    acc = s["acc"]
+    picks = {f"a{k}": f"{acc[k - 1]:.2f}" for k in (1, 2, 4, 8, 15) if k <= len(acc)}
+    return {"loss": f"{s['loss']:.3f}", "tau": f"{s['tau_proxy']:.2f}", **picks}
+
+
+def _check_shareable(trainers: list[Trainer]) -> None:
+    lead = trainers[0]
+    key = lambda t: (  # noqa: E731
+        id(t.data), id(t.target), t.cfg.seed, t.cfg.batch_size, t.cfg.max_len, t.cfg.num_anchors, t.step,
+        t.drafter.config.block_size, t.drafter.config.mask_token_id, t.drafter.config.target_layer_ids,
+        t.drafter.config.input_embedding_scale,
+    )
+    for t in trainers[1:]:
+        if key(t) != key(lead):
+            raise ValueError("drafters trained together must share data, target, seed, batch settings, step, "
+                             "block size, mask token and target_layer_ids")
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    tmp.replace(path)

@@ -1,0 +1,38 @@
+"""The offline acceptance replay equals what the engine measures with the same drafter."""
+
+import torch
+
+from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec.dflash.checkpoint import export_drafter
+from blockdraft.training.acceptance import offline_acceptance, summarize, walk
+from blockdraft.training.build import new_drafter
+from blockdraft.training.target import EngineTarget
+from blockdraft.training.trainer import TrainConfig, Trainer
+from tests.conftest import EOS_ID, make_llm
+from tests.training._tiny import MASK_ID, tiny_data
+
+
+def test_walk_counts_like_greedy_verification():
+    seq = torch.tensor([9, 1, 2, 3, 4, 5, 6])
+    drafts = torch.full((7, 3), -1)
+    drafts[1] = torch.tensor([2, 3, 7])  # 2 accepted -> next anchor 4
+    drafts[4] = torch.tensor([5, 6, 7])  # 2 drafts allowed at most (max_tokens), both accepted
+    assert walk(seq, drafts, 1, 3, hit_max_tokens=True) == [2, 1]  # the last step may draft only 1
+    s = summarize([2, 0], 3)
+    assert s["acceptance_length"] == 2.0 and s["per_position"] == [0.5, 0.5, 0.0]
+
+
+def test_offline_acceptance_equals_the_engines(tmp_path):
+    target, data, prompts, _, _ = tiny_data(n=10, max_new_tokens=20)
+    drafter = new_drafter(target.config, 1, block_size=4, intermediate_size=64, num_feature_layers=2,
+                          mask_token_id=MASK_ID, seed=0)
+    Trainer(drafter, EngineTarget(target.model, 4), data, TrainConfig(steps=30, batch_size=4, num_anchors=6, lr=3e-3),
+            tmp_path).fit(progress=False)  # a drafter that accepts sometimes, not never
+    export_drafter(drafter, tmp_path / "drafter")
+    outs = make_llm(target, draft=str(tmp_path / "drafter")).generate(prompts, SamplingParams(max_tokens=20))
+    seqs = [torch.tensor(p + o.token_ids) for p, o in zip(prompts, outs)]
+    offline = offline_acceptance(drafter.eval(), EngineTarget(target.model, 4), seqs, [len(p) for p in prompts], (EOS_ID,))
+    steps = sum(o.spec.num_steps for o in outs)
+    accepted = sum(o.spec.num_accepted_tokens for o in outs)
+    assert offline["num_steps"] == steps
+    assert offline["acceptance_length"] == (accepted + steps) / steps > 1.0

@@ -1,0 +1,82 @@
+"""Loss terms, learning on a fixed batch, the LR schedule, and exact resume from a checkpoint."""
+
+import math
+
+import pytest
+import torch
+
+from blockdraft.training.build import new_drafter
+from blockdraft.training.loss import block_labels, default_gamma, slot_weights, weighted_block_loss
+from blockdraft.training.target import EngineTarget
+from blockdraft.training.trainer import TrainConfig, Trainer, lr_at
+from tests.training._tiny import MASK_ID, tiny_data
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_data()
+
+
+def test_slot_weights_follow_the_paper():
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    w = slot_weights(16, 7.0)
+    assert w.shape == (15,) and w[0] == 1.0
+    assert math.isclose(float(w[7]), math.exp(-7 / 7), rel_tol=1e-6)
+
+
+def test_block_labels_mask_prompt_padding_and_invalid_blocks():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0]], dtype=torch.bool)
+    labels, keep = block_labels(ids, loss_mask, torch.tensor([5]), torch.tensor([[2, 3]]), torch.tensor([[True, False]]), 4)
+    assert labels[0, 0].tolist() == [8, 9, 0] and keep[0, 0].tolist() == [True, True, False]  # pos 5 is padding
+    assert not keep[0, 1].any()
+
+
+def test_weighted_loss_is_the_weighted_mean_of_ce():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 11, generator=g)
+    labels = torch.tensor([1, 2, 3, 4, 5])
+    slots = torch.tensor([0, 1, 2, 0, 2])
+    w = slot_weights(4, 2.0)
+    loss, stats = weighted_block_loss(logits, labels, slots, w)
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    assert torch.allclose(loss, (ce * w[slots]).sum() / w[slots].sum())
+    assert stats["count"].tolist() == [2, 1, 2]
+
+
+def test_lr_warmup_then_cosine_to_floor():
+    cfg = TrainConfig(steps=100, lr=1.0, warmup_frac=0.1, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(99, cfg) == pytest.approx(0.1, abs=1e-3)
+    assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 99))
+
+
+def _trainer(tiny, out, steps, **kw):
+    target, data = tiny[0], tiny[1]
+    d = new_drafter(target.config, 1, block_size=4, intermediate_size=64, num_feature_layers=2, mask_token_id=MASK_ID, seed=0)
+    cfg = TrainConfig(steps=steps, batch_size=4, num_anchors=6, lr=3e-3, log_every=2, **kw)
+    return Trainer(d, EngineTarget(target.model, kv_block_size=4), data, cfg, out)
+
+
+def test_loss_decreases_on_a_fixed_batch(tiny, tmp_path):
+    tr = _trainer(tiny, tmp_path, steps=40)
+    tr.batch_indices = lambda step: [0, 1, 2, 3]  # the same batch every step
+    prep = tr.prepare(0)  # and the same anchors
+    first = float(tr.loss_on(prep)[0].detach())
+    for _ in range(40):
+        tr.train_step(prep)
+    assert float(tr.loss_on(prep)[0].detach()) < 0.5 * first
+
+
+def test_resume_replays_an_uninterrupted_run_exactly(tiny, tmp_path):
+    straight = _trainer(tiny, tmp_path / "a", steps=6)
+    straight.fit(progress=False)
+    part = _trainer(tiny, tmp_path / "b", steps=6)
+    part.fit(progress=False, until=3)  # interrupted half way
+    resumed = _trainer(tiny, tmp_path / "b", steps=6)
+    assert resumed.load_checkpoint() and resumed.step == 3
+    resumed.fit(progress=False)
+    for (k, a), b in zip(straight.drafter.state_dict().items(), resumed.drafter.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=k)
+    files = sorted(p.name for p in (tmp_path / "b" / "checkpoint").iterdir())
+    assert files == ["drafter.safetensors", "optimizer.safetensors", "state.json"]  # no pickles

