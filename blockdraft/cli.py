@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate an answer to one prompt")
     g.add_argument("prompt", help="sent as a user chat message through the model's chat template (see --raw)")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog name, HF folder or .gguf (default {DEFAULT_MODEL})")
-    g.add_argument("--draft", default=None, help="DFlash drafter checkpoint folder")
+    g.add_argument("--draft", default=None, help="DFlash drafter checkpoint folder, or 'shipped' for the one shipped for --model")
     g.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default block_size - 1)")
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 def _add_serve_parser(sub, default_model: str) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
     s.add_argument("--model", default=default_model, help=f"catalog name, HF folder or .gguf (default {default_model})")
-    s.add_argument("--draft", default=None, help="DFlash drafter checkpoint folder")
+    s.add_argument("--draft", default=None, help="DFlash drafter checkpoint folder, or 'shipped' for the one shipped for --model")
     s.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
     s.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default block_size - 1)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
@@ -146,7 +146,9 @@ def _generate(args) -> int:
     )
     if not args.prompt.strip():
         raise ValueError("prompt is empty: give a non-empty prompt")
-    draft = None if args.no_draft else args.draft
+    from blockdraft.drafters import resolve_draft
+
+    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir)
     llm = LLM(model=args.model, draft=draft, num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, cache_dir=args.cache_dir)
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     t0 = time.perf_counter()

@@ -42,6 +42,22 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
     return None
 
 
+def resolve_draft(draft: str | None, model: str, no_draft: bool = False, cache_dir=None) -> str | None:
+    """The CLI's `--draft PATH | shipped` and `--no-draft` -> a drafter folder, or None (plain decoding).
+
+    Raises:
+        ValueError: `shipped` for a model with no shipped drafter (names the models that have one).
+    """
+    if no_draft or draft is None:
+        return None
+    if draft != "shipped":
+        return draft
+    path = shipped_drafter(model, cache_dir=cache_dir)
+    if path is None:
+        raise ValueError(f"no drafter ships for model {model!r}; shipped drafters: {shipped_names()}")
+    return str(path)
+
+
 def _expand(folder: Path, cache_dir) -> Path:
     from safetensors.torch import load_file, save_file
 

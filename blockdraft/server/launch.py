@@ -37,11 +37,14 @@ def serve(args) -> int:
     from blockdraft.llm import LLM
     from blockdraft.server.api import build_app
 
+    from blockdraft.drafters import resolve_draft
+
     config = config_from_args(args)
+    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(
         model=args.model,
-        draft=None if args.no_draft else args.draft,
+        draft=draft,
         num_speculative_tokens=args.num_speculative_tokens,
         dtype=args.dtype,
         kv_block_size=args.kv_block_size,
@@ -51,7 +54,7 @@ def serve(args) -> int:
         cache_dir=args.cache_dir,
     )
     app = build_app(llm, config)
-    drafter = "DFlash drafter " + args.draft if llm.speculator is not None else "no drafter"
+    drafter = "DFlash drafter " + str(draft) if llm.speculator is not None else "no drafter"
     logger.info("serving %r (%s) on http://%s:%d", config.served_model_name, drafter, config.host, config.port)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
