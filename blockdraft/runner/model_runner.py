@@ -74,27 +74,29 @@ class ModelRunner:
         return out
 
     def _propose(self, so, batch: InputBatch, aux, target, num_accepted, out: ModelRunnerOutput) -> None:
-        """Write the drafter's context for committed rows, then draft for every sampling request."""
+        """Write the drafter's context for committed rows, then draft for every sampling request.
+
+        Tensor ops only (no per-request loop): rejected draft rows get PADDING_SLOT so they write
+        no draft KV; the bonus sits one past the anchor and the accepted drafts.
+        """
+        rows = batch.logits_rows  # [S, kmax + 1] logits index of anchor + draft rows, -1 = padding
+        slot_in_block = torch.arange(rows.shape[1], device=self.device)
+        rejected = (rows >= 0) & (slot_in_block[None, :] > num_accepted[:, None])
         slot_mapping = batch.slot_mapping.clone()
-        qsl = batch.meta.query_start_loc_host
-        bonus, bonus_pos = [], []
-        for s, i in enumerate(batch.sample_req):
-            sr, acc = so.requests[i], int(num_accepted[s])
-            first_draft_row = qsl[i + 1] - sr.num_spec_tokens
-            slot_mapping[first_draft_row + acc : qsl[i + 1]] = PADDING_SLOT  # rejected drafts
-            bonus.append(int(target[s, acc]))
-            bonus_pos.append(sr.start_position + len(sr.token_ids) - sr.num_spec_tokens + acc)
-        idx = torch.tensor(batch.sample_req, dtype=torch.long, device=self.device)
+        slot_mapping[batch.logits_indices[rows[rejected]]] = PADDING_SLOT
+        bonus = target.gather(1, num_accepted[:, None]).squeeze(1)  # [S]
+        anchor_positions = batch.positions[batch.logits_indices[rows[:, 0]]]
+        sample_req = torch.tensor(batch.sample_req, dtype=torch.long, device=self.device)
         drafts = self.speculator.propose(
             aux,
             batch.positions,
             slot_mapping,
-            torch.tensor(bonus, dtype=torch.long, device=self.device),
-            torch.tensor(bonus_pos, dtype=torch.long, device=self.device),
-            batch.meta.block_table[idx],
+            bonus,
+            anchor_positions + 1 + num_accepted,
+            batch.meta.block_table[sample_req],
         )
-        for s, i in enumerate(batch.sample_req):
-            out.draft_token_ids[so.requests[i].request_id] = drafts[s].tolist()
+        for s, draft_row in enumerate(drafts.tolist()):
+            out.draft_token_ids[so.requests[batch.sample_req[s]].request_id] = draft_row
 
 
 def _logprob_dicts(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[dict]:
