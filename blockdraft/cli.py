@@ -32,11 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default block_size - 1)")
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/KV dtype; auto = the checkpoint's (bf16 for catalog models)")
     g.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
@@ -146,6 +146,9 @@ def _generate(args) -> int:
     )
     if not args.prompt.strip():
         raise ValueError("prompt is empty: give a non-empty prompt")
+    from blockdraft.drafters import check_draft_flags
+
+    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens)
     from blockdraft.drafters import resolve_draft
 
     draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir)

@@ -45,7 +45,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check_int("top_k", self.top_k, low=-1)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer: 0 or -1 (off) or >= 1, got {self.top_k!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, low=0)
         for s in self.stop:

@@ -42,6 +42,18 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
     return None
 
 
+def check_draft_flags(draft: str | None, no_draft: bool, num_speculative_tokens: int | None) -> None:
+    """Refuse CLI speculative flags that would otherwise be silently ignored.
+
+    Raises:
+        ValueError: `--draft` with `--no-draft`, or `--num-speculative-tokens` without a drafter.
+    """
+    if no_draft and draft is not None:
+        raise ValueError(f"--draft {draft} and --no-draft contradict each other; give one")
+    if num_speculative_tokens is not None and (draft is None or no_draft):
+        raise ValueError("--num-speculative-tokens needs --draft PATH or --draft shipped")
+
+
 def resolve_draft(draft: str | None, model: str, no_draft: bool = False, cache_dir=None) -> str | None:
     """The CLI's `--draft PATH | shipped` and `--no-draft` -> a drafter folder, or None (plain decoding).
 

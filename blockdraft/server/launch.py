@@ -37,8 +37,9 @@ def serve(args) -> int:
     from blockdraft.llm import LLM
     from blockdraft.server.api import build_app
 
-    from blockdraft.drafters import resolve_draft
+    from blockdraft.drafters import check_draft_flags, resolve_draft
 
+    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens)
     config = config_from_args(args)
     draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -137,3 +137,12 @@ def test_kv_pool_is_fully_free_after_generation_and_abort(llama_target):
     outs = llm.engine.step()
     assert outs and outs[0].finish_reason == "abort"
     assert llm.engine.scheduler.kv.num_free_blocks == 256
+
+
+def test_cli_refuses_speculative_flags_that_would_be_ignored(capsys):
+    from blockdraft.cli import main
+
+    assert main(["generate", "hi", "--num-speculative-tokens", "3"]) == 2
+    assert "--num-speculative-tokens needs --draft" in capsys.readouterr().err
+    assert main(["generate", "hi", "--draft", "shipped", "--no-draft"]) == 2
+    assert "contradict" in capsys.readouterr().err

@@ -36,7 +36,9 @@ def load_drafter(
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"no config.json in drafter folder {path}")
+        nested = path / "drafter"  # train-drafter's --out holds data/, checkpoint/, drafter/
+        hint = f" (did you mean {nested}?)" if (nested / "config.json").is_file() else ""
+        raise FileNotFoundError(f"no config.json in drafter folder {path}{hint}")
     config = DFlashConfig.from_hf_dict(json.loads(config_file.read_text()))
     config.validate_against_target(target_config)
     model = empty_drafter(config, dtype, device)
