@@ -195,7 +195,9 @@ def _build_engine(target: LoadedTarget, cache: CacheConfig, sched: SchedulerConf
     runner = ModelRunner(target.model, kv_caches, cache.kv_block_size, device, speculator)
     scheduler = Scheduler(sched, KVCacheManager(cache.num_kv_blocks, cache.kv_block_size))
     eos = _eos_ids(target)
-    return LLMEngine(scheduler, runner, target.tokenizer, eos, target.config.max_position_embeddings)
+    # A request must always fit the pool on its own, or preempting it could never make room.
+    max_model_len = min(target.config.max_position_embeddings, cache.num_kv_blocks * cache.kv_block_size)
+    return LLMEngine(scheduler, runner, target.tokenizer, eos, max_model_len)
 
 
 def _eos_ids(target: LoadedTarget) -> tuple[int, ...]:

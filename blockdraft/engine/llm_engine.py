@@ -56,8 +56,9 @@ class LLMEngine:
             raise ValueError("prompt is empty: give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens but the model's context is {self.max_model_len} "
-                f"tokens (at most {self.max_model_len - 1} prompt tokens leave room for one output token)"
+                f"prompt has {len(prompt_token_ids)} tokens but the engine's context is {self.max_model_len} "
+                f"tokens (the smaller of the model's max positions and the KV pool; at most "
+                f"{self.max_model_len - 1} prompt tokens leave room for one output token)"
             )
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(req)

@@ -125,7 +125,7 @@ def test_empty_and_too_long_prompts_are_refused(llama_target):
         llm.generate("", SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], SamplingParams())
-    with pytest.raises(ValueError, match="600 tokens but the model's context is 512"):
+    with pytest.raises(ValueError, match="600 tokens but the engine's context is 512"):
         llm.generate([[1] * 600], SamplingParams())
 
 
@@ -146,3 +146,11 @@ def test_cli_refuses_speculative_flags_that_would_be_ignored(capsys):
     assert "--num-speculative-tokens needs --draft" in capsys.readouterr().err
     assert main(["generate", "hi", "--draft", "shipped", "--no-draft"]) == 2
     assert "contradict" in capsys.readouterr().err
+
+
+def test_a_request_longer_than_the_kv_pool_finishes_by_length_instead_of_hanging(llama_target):
+    llm = make_llm(llama_target, num_kv_blocks=4, kv_block_size=4)  # 16 tokens of KV in all
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 16 - 5
+    with pytest.raises(ValueError, match="20 tokens but the engine's context is 16"):
+        llm.generate([[1] * 20], SamplingParams())
