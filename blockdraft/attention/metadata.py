@@ -30,10 +30,18 @@ class AttentionMetadata:
             PADDING_SLOT writes nothing.
         kv_block_size: tokens per page.
         query_start_loc_host / seq_lens_host: the same as Python lists (CPU path convenience,
-            so the reference backend does not sync per layer).
+            so the reference backend does not sync per layer); None on the GPU path, where
+            nothing may be read back to the host inside a step.
         num_block_tokens: 0 for ordinary causal forwards. For a DFlash draft block, the number
             of block rows per request: those rows attend to the cached context (seq_lens tokens)
             and to every row of their own block bidirectionally; their K/V is not cached.
+        row_req: [num_rows] int32 request index of each row, -1 for padding rows (rows past
+            `query_start_loc[-1]`, e.g. in a CUDA-graph bucket). GPU kernels launch one
+            program per row and use it to find their request without a host sync.
+
+    Padding (CUDA-graph buckets): a forward may carry more rows and requests than are real.
+    Padding requests have seq_len 0 and an empty query range; padding rows have row_req -1 and
+    slot PADDING_SLOT, write nothing and produce zeros.
     """
 
     query_start_loc: torch.Tensor
@@ -41,13 +49,15 @@ class AttentionMetadata:
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     kv_block_size: int
-    query_start_loc_host: list[int]
-    seq_lens_host: list[int]
+    query_start_loc_host: list[int] | None
+    seq_lens_host: list[int] | None
     num_block_tokens: int = 0
+    row_req: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
-        return len(self.seq_lens_host)
+        """Requests in the batch, padding requests included."""
+        return int(self.seq_lens.shape[0])
 
 
 def build_metadata(
@@ -83,6 +93,7 @@ def build_metadata(
     qsl = [0]
     for q_len in query_lens:
         qsl.append(qsl[-1] + q_len)
+    row_req = [i for i, q_len in enumerate(query_lens) for _ in range(q_len)]
     return AttentionMetadata(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
@@ -92,7 +103,14 @@ def build_metadata(
         query_start_loc_host=qsl,
         seq_lens_host=list(seq_lens),
         num_block_tokens=num_block_tokens,
+        row_req=torch.tensor(row_req, dtype=torch.int32, device=device),
     )
+
+
+def row_requests(query_start_loc: list[int], device: str | torch.device = "cpu") -> torch.Tensor:
+    """[query_start_loc[-1]] int32 request index of each row, from host cumulative row counts."""
+    counts = torch.tensor([b - a for a, b in zip(query_start_loc, query_start_loc[1:])], dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts).to(device)
 
 
 def _request_slots(seq_len: int, q_len: int, pages: list[int], kv_block_size: int, num_block_tokens: int) -> list[int]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdraft.attention.metadata import AttentionMetadata
+from blockdraft.attention.metadata import AttentionMetadata, row_requests
 from blockdraft.engine.outputs import SchedulerOutput
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
@@ -53,7 +53,8 @@ def build_input_batch(so: SchedulerOutput, kv_block_size: int, device: torch.dev
             params += [sr.sampling_params] * (1 + sr.num_spec_tokens)
     positions = torch.tensor(pos, dtype=torch.long)
     block_table = _block_table(so, device)
-    pages = block_table[_row_request(qsl), positions // kv_block_size]
+    row_req = row_requests(qsl)
+    pages = block_table[row_req.long(), positions // kv_block_size]
     slot_mapping = pages.long() * kv_block_size + positions % kv_block_size
     kmax = max(num_drafts, default=0)
     meta = AttentionMetadata(
@@ -64,6 +65,7 @@ def build_input_batch(so: SchedulerOutput, kv_block_size: int, device: torch.dev
         kv_block_size=kv_block_size,
         query_start_loc_host=qsl,
         seq_lens_host=seq_lens,
+        row_req=row_req.to(device),
     )
     return InputBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
@@ -85,11 +87,6 @@ def _block_table(so: SchedulerOutput, device) -> torch.Tensor:
     for i, sr in enumerate(so.requests):
         table[i, : len(sr.block_ids)] = torch.tensor(sr.block_ids, dtype=torch.int32)
     return table.to(device)
-
-
-def _row_request(qsl: list[int]) -> torch.Tensor:
-    counts = torch.tensor([b - a for a, b in zip(qsl, qsl[1:])], dtype=torch.long)
-    return torch.repeat_interleave(torch.arange(len(counts)), counts)
 
 
 def _logits_rows(num_drafts: list[int], kmax: int, device) -> torch.Tensor:

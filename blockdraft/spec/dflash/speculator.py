@@ -143,4 +143,5 @@ def block_metadata(
         query_start_loc_host=qsl_host,
         seq_lens_host=seq_lens_host,
         num_block_tokens=num_block_tokens,
+        row_req=torch.arange(num_reqs, dtype=torch.int32, device=device).repeat_interleave(num_block_tokens),
     )
