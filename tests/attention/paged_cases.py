@@ -72,13 +72,14 @@ def random_case(
     causal: bool = True,
     num_pad_reqs: int = 1,
     num_pad_rows: int = 2,
+    max_chunk: int = 24,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> PagedCase:
     """One random batch; block_tokens > 0 makes a draft-block batch (B rows per real request).
 
     kinds: request kinds drawn for causal batches (decode = 1 row, verify = 2..8 rows,
-    prefill = a chunk of 1..24 rows after a random cached prefix).
+    prefill = a chunk of 1..max_chunk rows after a random cached prefix).
     """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -89,7 +90,7 @@ def random_case(
             q_len, seq_len = block_tokens, ctx  # block rows are not counted in seq_lens
         else:
             kind = rng.choice(kinds)
-            q_len = {"decode": 1, "verify": rng.randint(2, 8), "prefill": rng.randint(1, 24)}[kind]
+            q_len = {"decode": 1, "verify": rng.randint(2, 8), "prefill": rng.randint(1, max_chunk)}[kind]
             seq_len = ctx + q_len
         seq_lens.append(seq_len)
         q_lens.append(q_len)
@@ -147,3 +148,44 @@ def random_case(
         causal=causal,
     )
     return case.to(device)
+
+
+def pad_to(case: PagedCase, num_rows: int, num_reqs: int, width: int, num_pages: int, seed: int = 0) -> PagedCase:
+    """`case` padded to fixed (CUDA-graph bucket) shapes: padding rows (row_req -1, slot -1) and
+    padding requests (seq_len 0, no rows) appended, the block table widened with zeros, extra
+    garbage pages appended to the caches. Host lists are kept (for torch_ref)."""
+    m = case.meta
+    rows, reqs = case.q.shape[0], m.seq_lens.shape[0]
+    if rows > num_rows or reqs > num_reqs or m.block_table.shape[1] > width or case.k_cache.shape[0] > num_pages:
+        raise ValueError(f"case ({rows} rows, {reqs} reqs, {tuple(m.block_table.shape)} table, "
+                         f"{case.k_cache.shape[0]} pages) does not fit the bucket")  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    dev = case.q.device
+
+    def grow(x: torch.Tensor, n: int, fill: float | None = None) -> torch.Tensor:
+        extra_shape = (n - x.shape[0], *x.shape[1:])
+        if fill is None:
+            extra = torch.randn(extra_shape, generator=gen).to(x.dtype).to(dev)
+        else:
+            extra = torch.full(extra_shape, fill, dtype=x.dtype, device=dev)
+        return torch.cat([x, extra])
+
+    qsl = m.query_start_loc_host + [m.query_start_loc_host[-1]] * (num_reqs - reqs)
+    table = torch.zeros(num_reqs, width, dtype=torch.int32, device=dev)
+    table[:reqs, : m.block_table.shape[1]] = m.block_table
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        seq_lens=grow(m.seq_lens, num_reqs, 0),
+        block_table=table,
+        slot_mapping=grow(m.slot_mapping, num_rows, PADDING_SLOT),
+        kv_block_size=m.kv_block_size,
+        query_start_loc_host=qsl,
+        seq_lens_host=m.seq_lens_host + [0] * (num_reqs - reqs),
+        num_block_tokens=m.num_block_tokens,
+        row_req=grow(m.row_req, num_rows, -1),
+    )
+    return PagedCase(
+        grow(case.q, num_rows), grow(case.k, num_rows), grow(case.v, num_rows),
+        grow(case.k_cache, num_pages), grow(case.v_cache, num_pages),
+        meta, case.scale, case.sliding_window, case.causal,
+    )  # fmt: skip
