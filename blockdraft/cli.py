@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="weights/KV dtype; auto = the checkpoint's (bf16 for catalog models)")
     g.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_device_flags(g)
     g.set_defaults(func=_generate)
 
     f = sub.add_parser("fetch", help="download, verify and convert a catalog model into the cache")
@@ -71,13 +72,23 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/KV dtype; auto = the checkpoint's (bf16 for catalog models)")
     s.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV page")
-    s.add_argument("--num-kv-blocks", type=int, default=1024, help="KV pages in the pool")
+    s.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pages in the pool (default: 1024 on CPU; on CUDA as many as --gpu-memory-utilization allows)")
+    _add_device_flags(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
     s.add_argument("--cache-dir", default=None)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--no-request-log", action="store_true", help="no per-request log lines (they never hold prompt text)")
     s.set_defaults(func=_serve)
+
+
+def _add_device_flags(p) -> None:
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to run (default auto: cuda when torch sees a GPU, else cpu)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of GPU memory for weights, activations and the KV pool, in (0, 1] (default 0.9)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (every step runs eagerly)")
 
 
 def _add_train_drafter_parser(sub, default_model: str) -> None:
@@ -152,7 +163,16 @@ def _generate(args) -> int:
     from blockdraft.drafters import resolve_draft
 
     draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir)
-    llm = LLM(model=args.model, draft=draft, num_speculative_tokens=args.num_speculative_tokens, dtype=args.dtype, cache_dir=args.cache_dir)
+    llm = LLM(
+        model=args.model,
+        draft=draft,
+        num_speculative_tokens=args.num_speculative_tokens,
+        dtype=args.dtype,
+        cache_dir=args.cache_dir,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+    )
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     t0 = time.perf_counter()
     out = llm.generate(prompt, params)[0]

@@ -92,6 +92,8 @@ class LLM:
         max_num_batched_tokens / max_num_seqs: scheduler limits per step.
         target: an already loaded target (shares weights between engines; tests, benchmarks).
         attention_backend: "torch" | "dense" | "triton" | None (the device's default; tests).
+        graph_mode: None (CUDA graphs on CUDA unless enforce_eager) | "off" | "eager" (the
+            padded CUDA-graph code run without capture; tests and debugging) | "capture".
     Raises:
         ValueError: a bad setting (names it), including a GPU pool too small for one request.
     """
@@ -113,6 +115,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         attention_backend: str | None = None,
+        graph_mode: str | None = None,
     ) -> None:
         from blockdraft.weights.catalog import DEFAULT_MODEL
 
@@ -127,9 +130,8 @@ class LLM:
             spec_cfg = SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)
             speculator = _build_speculator(spec_cfg, self.target, cache, device)
         self.speculator = speculator
-        self.engine = _build_engine(
-            self.target, cache, sched, speculator, device, enforce_eager=enforce_eager, attention_backend=attention_backend
-        )
+        options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode)
+        self.engine = _build_engine(self.target, cache, sched, speculator, device, **options)
         self._ids = itertools.count()
 
     def generate(

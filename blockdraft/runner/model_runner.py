@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
-from blockdraft.attention.metadata import PADDING_SLOT
 from blockdraft.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from blockdraft.runner.input_batch import InputBatch, build_input_batch
 from blockdraft.runner.step_graphs import StepGraphs
@@ -52,6 +51,7 @@ class ModelRunner:
         self.aux_layer_ids = tuple(speculator.aux_layer_ids) if speculator is not None else ()
         self.attention_backend = attention_backend or select_attention_backend(self.device)
         self.graphs = graphs
+        self._prepare_draft_inputs = _draft_input_preparer(self.attention_backend)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -88,11 +88,16 @@ class ModelRunner:
 
     def _propose(self, batch: InputBatch, aux, target, num_accepted, graphed: bool) -> torch.Tensor:
         """Write the drafter's context for committed rows, then draft for every sampling request -> [S, K]."""
-        context_slots, bonus, bonus_positions = drafter_inputs(batch, target, num_accepted)
+        spec = self.speculator
+        prepared = self._prepare_draft_inputs(
+            batch.logits_rows, batch.logits_indices, num_accepted, target, batch.positions, batch.slot_mapping,
+            getattr(spec, "mask_token_id", 0), spec.num_speculative_tokens + 1,
+        )  # fmt: skip
+        slots, bonus, bonus_positions = prepared.context_slot_mapping, prepared.bonus_tokens, prepared.bonus_positions
         if graphed and self.graphs.draft is not None:
-            return self.graphs.draft.run(aux, context_slots, bonus, bonus_positions)[: len(batch.sample_req)]
+            return self.graphs.draft.run(aux, slots, bonus, bonus_positions)[: len(batch.sample_req)]
         block_table = batch.meta.block_table.index_select(0, batch.sample_req_index)
-        return self.speculator.propose(aux, batch.positions, context_slots, bonus, bonus_positions, block_table)
+        return spec.propose(aux, batch.positions, slots, bonus, bonus_positions, block_table)
 
 
 def _per_request(batch: InputBatch, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,23 +109,12 @@ def _per_request(batch: InputBatch, tokens: torch.Tensor) -> tuple[torch.Tensor,
     return target, drafts
 
 
-def drafter_inputs(
-    batch: InputBatch, target: torch.Tensor, num_accepted: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sync-free drafter inputs: (context slots [T] int64, bonus tokens [S] int64, bonus positions [S] int64).
+def _draft_input_preparer(backend: AttentionBackendSpec):
+    """The one-launch Triton kernel next to the Triton attention backend, else its torch twin."""
+    if backend.name == "triton":
+        from blockdraft.spec.dflash.prepare_inputs_triton import prepare_draft_inputs_triton
 
-    Context slots are the batch's slots with PADDING_SLOT on rejected draft rows (and on padding
-    rows already); the bonus sits one past the anchor and the accepted drafts.
-    """
-    rows = batch.logits_rows  # [S, kmax + 1] logits index of anchor + draft rows, -1 = padding
-    row_ids = batch.logits_indices[rows.clamp(min=0)]  # [S, kmax + 1] batch row of each
-    col = torch.arange(rows.shape[1], device=rows.device)
-    rejected = (rows >= 0) & (col[None, :] > num_accepted[:, None])
-    # Scatter, not boolean indexing (that would sync). Padding entries (rows == -1) point at the
-    # row of logits index 0, an anchor that is never rejected, and write its own slot back.
-    context_slots = batch.slot_mapping.clone()
-    new = torch.where(rejected, PADDING_SLOT, batch.slot_mapping[row_ids])
-    context_slots.index_put_((row_ids.reshape(-1),), new.reshape(-1))
-    bonus = target.gather(1, num_accepted[:, None]).squeeze(1)
-    anchor_positions = batch.positions[row_ids[:, 0]]
-    return context_slots, bonus, anchor_positions + 1 + num_accepted
+        return prepare_draft_inputs_triton
+    from blockdraft.spec.dflash.prepare_inputs import prepare_draft_inputs
+
+    return prepare_draft_inputs

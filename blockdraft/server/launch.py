@@ -53,6 +53,9 @@ def serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         cache_dir=args.cache_dir,
+        device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
     )
     app = build_app(llm, config)
     drafter = "DFlash drafter " + str(draft) if llm.speculator is not None else "no drafter"

@@ -1,0 +1,52 @@
+"""Bucket sizes, uniform-step detection and the inert padding layout of a padded batch."""
+
+import pytest
+import torch
+
+from blockdraft.attention.metadata import PADDING_SLOT
+from blockdraft.engine.outputs import ScheduledRequest, SchedulerOutput
+from blockdraft.runner.cuda_graphs import capture_sizes
+from blockdraft.runner.input_batch import BatchPadding, build_input_batch
+from blockdraft.runner.step_output import fetch_step_output, pack_step
+from blockdraft.sampling_params import SamplingParams
+
+
+def test_capture_sizes_are_powers_of_two_then_the_cap():
+    assert capture_sizes(64, 512, 1) == [1, 2, 4, 8, 16, 32, 64]
+    assert capture_sizes(64, 512, 16) == [1, 2, 4, 8, 16, 32]  # 512 // 16 rows
+    assert capture_sizes(48, 8192, 8) == [1, 2, 4, 8, 16, 32, 48]
+    assert capture_sizes(1, 512, 1) == [1]
+    assert capture_sizes(64, 8, 16) == []  # not even one verify block fits the token budget
+
+
+def _req(rid, n, start, k, pages, sample=True):
+    return ScheduledRequest(rid, list(range(1, n + 1)), start, k, sample, pages, SamplingParams(seed=1))
+
+
+def test_padded_batch_layout_is_inert_padding():
+    so = SchedulerOutput([_req("a", 3, 5, 2, [7, 2]), _req("b", 3, 9, 2, [4, 5, 6])])
+    b = build_input_batch(so, 4, "cpu", host_metadata=False, padding=BatchPadding(4, 12, 5))
+    assert b.num_reqs == 2 and b.num_rows == 6 and b.meta.num_reqs == 4
+    assert b.meta.query_start_loc.tolist() == [0, 3, 6, 6, 6]
+    assert b.meta.seq_lens.tolist() == [8, 12, 0, 0]
+    assert b.meta.row_req.tolist() == [0, 0, 0, 1, 1, 1] + [-1] * 6
+    assert b.slot_mapping[6:].tolist() == [PADDING_SLOT] * 6
+    assert b.slot_mapping[:6].tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3]
+    assert b.meta.block_table.tolist() == [[7, 2, 0, 0, 0], [4, 5, 6, 0, 0], [0] * 5, [0] * 5]
+    assert b.meta.query_start_loc_host is None and b.meta.seq_lens_host is None
+    assert b.logits_indices.tolist() == list(range(6))
+    with pytest.raises(ValueError, match="does not fit the padding"):
+        build_input_batch(so, 4, "cpu", padding=BatchPadding(1, 12, 5))
+
+
+def test_one_packed_tensor_carries_tokens_accepted_counts_and_drafts():
+    so = SchedulerOutput([_req("a", 3, 5, 2, [7, 2]), _req("b", 1, 0, 0, [1], sample=False), _req("c", 1, 9, 0, [3, 4, 8])])
+    batch = build_input_batch(so, 4, "cpu")
+    target = torch.tensor([[11, 12, 13], [21, -1, -1]])
+    packed = pack_step(target, torch.tensor([1, 0]), torch.tensor([[5, 6], [7, 8]]))
+    out = fetch_step_output(so, batch, packed)
+    assert out.sampled_token_ids == {"a": [11, 12], "c": [21]}
+    assert out.num_accepted == {"a": 1, "c": 0}
+    assert out.draft_token_ids == {"a": [5, 6], "c": [7, 8]}
+    plain = fetch_step_output(so, batch, pack_step(target, torch.tensor([2, 0]), None))
+    assert plain.sampled_token_ids == {"a": [11, 12, 13], "c": [21]} and plain.draft_token_ids == {}
