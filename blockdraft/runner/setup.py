@@ -53,16 +53,22 @@ def build_runner(
         graph_mode: None = "capture" on CUDA unless enforce_eager, else "off"; "eager" runs the
             padded static-shape graph code without capturing (tests; any device).
     Raises:
-        ValueError: an unknown graph mode or one the backend / device cannot do, num_kv_blocks
-            None on a CPU device, or a GPU memory budget that cannot hold one request.
+        ValueError: weights on another device, an unknown graph mode or one the backend / device
+            cannot do, num_kv_blocks None on a CPU device, or a GPU memory budget that cannot hold
+            one request.
     """
     device = torch.device(device)
+    weights_device = next(model.parameters()).device
+    if weights_device.type != device.type:
+        raise ValueError(f"the target's weights are on {weights_device} but the engine runs on {device}")
     backend = select_attention_backend(device, attention_backend)
+    mode = _graph_mode(graph_mode, device, enforce_eager, backend)
+    if cache.num_kv_blocks is None and device.type != "cuda":
+        raise ValueError(f"num_kv_blocks must be given on {device}: sizing the KV pool from memory needs CUDA")
     model.set_attention_backend(backend.attention)
     drafter = getattr(speculator, "drafter", None)
     if drafter is not None:
         drafter.set_attention_backend(backend)
-    mode = _graph_mode(graph_mode, device, enforce_eager, backend)
     num_kv_blocks = cache.num_kv_blocks
     if num_kv_blocks is None:
         num_kv_blocks = _pool_from_memory(model, config, speculator, cache, sched, device, mode == "capture")
@@ -98,8 +104,6 @@ def _graph_mode(mode: str | None, device: torch.device, enforce_eager: bool, bac
 def _pool_from_memory(model, config, speculator, cache, sched, device, cuda_graphs: bool) -> int:
     from blockdraft.runner.memory_profile import num_kv_blocks_for_gpu
 
-    if device.type != "cuda":
-        raise ValueError(f"num_kv_blocks must be given on {device}: sizing the KV pool from memory needs CUDA")
     return num_kv_blocks_for_gpu(
         model, config, speculator, cache.kv_block_size, sched.max_num_batched_tokens, sched.max_num_seqs,
         cache.gpu_memory_utilization, cuda_graphs, device,

@@ -1,0 +1,79 @@
+"""CUDA-graph steps on the GPU: replay == eager token for token (fp32, bf16), speculative ==
+plain greedy, graphs really replayed, padded buckets included. `python -m pytest -q tests/gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from blockdraft.sampling_params import SamplingParams  # noqa: E402
+from tests.conftest import random_prompts  # noqa: E402
+from tests.gpu.runner_util import cuda_llm, cuda_tiny_target, graph_runs  # noqa: E402
+
+pytestmark = [pytest.mark.gpu]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _params(n: int, max_tokens: int = 40, sampled: bool = True) -> list[SamplingParams]:
+    """Greedy and (when `sampled`) seeded T > 0 requests, alternating."""
+    return [
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8 if sampled and i % 2 else 0.0, seed=i)
+        for i in range(n)
+    ]
+
+
+def _tokens(llm, prompts, params) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k", [None, 3, 15], ids=["plain", "k3", "k15"])
+def test_graph_replay_equals_the_same_padded_step_run_eagerly(dtype, k):
+    target = cuda_tiny_target(dtype)
+    prompts, params = random_prompts(11, seed=1), _params(11)
+    want = _tokens(cuda_llm(target, k, graph_mode="eager"), prompts, params)
+    graphed = cuda_llm(target, k)
+    assert all(g.graph is not None for g in graphed.engine.runner.graphs.target.graphs.values())
+    with graph_runs() as (target_runs, draft_runs):
+        assert _tokens(graphed, prompts, params) == want
+    assert any(real < padded for real, padded in target_runs), "no padded bucket was replayed"
+    assert (k is None) == (not draft_runs)
+
+
+@pytest.mark.parametrize("k", [None, 4])
+def test_graphs_equal_enforce_eager_fp32(k):
+    target = cuda_tiny_target(torch.float32, arch="llama", seed=1)
+    prompts, params = random_prompts(6, seed=2), _params(6, 48)
+    eager = cuda_llm(target, k, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    want = _tokens(eager, prompts, params)
+    with graph_runs() as (target_runs, _):
+        assert _tokens(cuda_llm(target, k), prompts, params) == want
+    assert target_runs
+
+
+@pytest.mark.parametrize("k", [1, 7, 15])
+def test_speculative_equals_plain_greedy_fp32(k):
+    target = cuda_tiny_target(torch.float32, seed=2)
+    prompts = random_prompts(9, seed=3)
+    params = [SamplingParams(max_tokens=[1, k, k + 1, 64][i % 4], ignore_eos=True) for i in range(9)]
+    plain = _tokens(cuda_llm(target), prompts, params)
+    llm = cuda_llm(target, k)
+    with graph_runs() as (_, draft_runs):
+        assert _tokens(llm, prompts, params) == plain
+    assert draft_runs and llm.engine.stats.spec.num_drafted_tokens > 0
+
+
+def test_chunked_prefill_and_mixed_steps_run_eagerly_between_replays():
+    target = cuda_tiny_target(torch.float32, seed=4)
+    prompts, params = random_prompts(12, seed=4, low=10, high=40), _params(12, 24)
+    want = _tokens(cuda_llm(target, enforce_eager=True), prompts, params)
+    llm = cuda_llm(target, max_num_seqs=12, max_num_batched_tokens=8)  # buckets 1, 2, 4, 8; chunked prefill
+    assert llm.engine.runner.graphs.target.buckets == [1, 2, 4, 8]
+    with graph_runs() as (target_runs, _):
+        assert _tokens(llm, prompts, params) == want
+    assert target_runs and len(target_runs) < llm.engine.stats.num_steps

@@ -1,0 +1,43 @@
+"""The GPU step synchronises the host at most once (the final read-back): counted with torch's
+sync debug mode around every engine step, for graphed and eager steps, plain and speculative."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from blockdraft.sampling_params import SamplingParams  # noqa: E402
+from tests.conftest import random_prompts  # noqa: E402
+from tests.gpu.runner_util import count_host_syncs, cuda_llm, cuda_tiny_target, graph_runs  # noqa: E402
+
+pytestmark = [pytest.mark.gpu]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("k", [None, 5], ids=["plain", "k5"])
+def test_at_most_one_host_sync_per_step(k, enforce_eager):
+    llm = cuda_llm(cuda_tiny_target(torch.bfloat16), k, enforce_eager=enforce_eager, max_num_batched_tokens=64)
+    llm.generate(random_prompts(2, seed=6), SamplingParams(max_tokens=4))  # warm-up outside the count
+    prompts = random_prompts(6, seed=5, low=20, high=90)  # long prompts: chunked prefill, mixed steps
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.7 * (i % 2), top_p=0.9, seed=i)
+        llm.engine.add_request(f"r{i}", prompt, params)
+    counts = []
+    with graph_runs() as (target_runs, _):
+        while llm.engine.has_unfinished_requests():
+            counts.append(count_host_syncs(llm.engine.step))
+    assert len(counts) > 10 and max(counts) <= 1, counts
+    assert bool(target_runs) != enforce_eager
+
+
+def test_logprobs_work_and_are_the_documented_sync_exception():
+    llm = cuda_llm(cuda_tiny_target(torch.float32), enforce_eager=True)
+    llm.engine.add_request("r", random_prompts(1, seed=7)[0], SamplingParams(max_tokens=3, logprobs=2))
+    assert count_host_syncs(llm.engine.step) >= 1  # reads the log-probabilities back
+    while llm.engine.has_unfinished_requests():
+        outs = llm.engine.step()
+    assert len(outs[0].logprobs) == 3 and len(outs[0].logprobs[0]["top"]) == 2
