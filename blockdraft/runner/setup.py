@@ -38,7 +38,7 @@ def build_runner(
     sched: SchedulerConfig,
     device: str | torch.device,
     enforce_eager: bool = False,
-    attention_backend: str | None = None,
+    attention_backend: str | AttentionBackendSpec | None = None,
     graph_mode: str | None = None,
 ) -> RunnerSetup:
     """Set the models' attention backend, size and allocate the KV pool, capture graphs.
@@ -49,7 +49,8 @@ def build_runner(
             are (re)allocated to the pool's page count.
         cache: num_kv_blocks None sizes the pool from GPU memory (CUDA only).
         enforce_eager: never capture CUDA graphs (vLLM's --enforce-eager).
-        attention_backend: "torch" | "dense" | "triton" | None (the device's default).
+        attention_backend: "torch" | "dense" | "triton" | None (the device's default), or a
+            ready AttentionBackendSpec (tests run the Triton kernels under the interpreter on CPU).
         graph_mode: None = "capture" on CUDA unless enforce_eager, else "off"; "eager" runs the
             padded static-shape graph code without capturing (tests; any device).
     Raises:
@@ -61,7 +62,10 @@ def build_runner(
     weights_device = next(model.parameters()).device
     if weights_device.type != device.type:
         raise ValueError(f"the target's weights are on {weights_device} but the engine runs on {device}")
-    backend = select_attention_backend(device, attention_backend)
+    if isinstance(attention_backend, AttentionBackendSpec):
+        backend = attention_backend
+    else:
+        backend = select_attention_backend(device, attention_backend)
     mode = _graph_mode(graph_mode, device, enforce_eager, backend)
     if cache.num_kv_blocks is None and device.type != "cuda":
         raise ValueError(f"num_kv_blocks must be given on {device}: sizing the KV pool from memory needs CUDA")

@@ -56,6 +56,7 @@ def test_explicit_num_kv_blocks_wins():
 def test_a_budget_below_one_request_fails_at_start_naming_the_knob():
     target = cuda_tiny_target(torch.bfloat16)
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
-        LLM(target=target, device="cuda", num_kv_blocks=None, gpu_memory_utilization=_utilization_leaving(-GIB))
+        # A budget of exactly what is in use now: nothing left for activations, let alone pages.
+        LLM(target=target, device="cuda", num_kv_blocks=None, gpu_memory_utilization=_utilization_leaving(0))
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         LLM(target=target, device="cuda", num_kv_blocks=None, gpu_memory_utilization=1.5)
