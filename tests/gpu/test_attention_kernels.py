@@ -92,7 +92,8 @@ def test_draft_block_real_shapes(model, dtype, causal, window):
 def test_page_sizes_and_fp16(bs):
     for seed in range(4):
         check(random_case(200 + seed, num_heads=14, num_kv_heads=2, head_dim=64, kv_block_size=bs, num_reqs=6,
-                          max_ctx=300, sliding_window=[None, 33][seed % 2], dtype=torch.float16, device="cuda"))  # fmt: skip
+                          max_ctx=300, sliding_window=[None, 33][seed % 2], dtype=torch.float16,
+                          device="cuda"))  # fmt: skip
 
 
 def test_long_decode_and_long_prefill_chunk():
@@ -109,8 +110,9 @@ def test_forced_kv_splits(splits, dtype):
     whatever the heuristic would pick."""
     backend = functools.partial(paged_attention_triton, num_kv_splits=splits)
     for seed, (model, kinds, block, window) in enumerate([
-        ("qwen2.5-0.5b", ("decode",), 0, None), ("qwen3-8b", ("verify",), 0, 300), ("smollm2-135m", ("prefill",), 0, None),
-        ("qwen3-8b", (), DRAFT_BLOCK, None), ("qwen2.5-0.5b", (), DRAFT_BLOCK, 40),
+        ("qwen2.5-0.5b", ("decode",), 0, None), ("qwen3-8b", ("verify",), 0, 300),
+        ("smollm2-135m", ("prefill",), 0, None), ("qwen3-8b", (), DRAFT_BLOCK, None),
+        ("qwen2.5-0.5b", (), DRAFT_BLOCK, 40),
     ]):  # fmt: skip
         heads, kv_heads, dim = SHAPES[model]
         case = random_case(700 + seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, num_reqs=4,
@@ -130,7 +132,8 @@ def test_split_heuristic_fills_small_batches_only():
 def test_dense_twin_on_cuda(dtype):
     for seed, block in ((400, 0), (401, DRAFT_BLOCK), (402, 0)):
         case = random_case(seed, num_heads=14, num_kv_heads=2, head_dim=64, num_reqs=5, max_ctx=300,
-                           block_tokens=block, sliding_window=[None, 40][seed % 2], dtype=dtype, device="cuda")  # fmt: skip
+                           block_tokens=block, sliding_window=[None, 40][seed % 2], dtype=dtype,
+                           device="cuda")  # fmt: skip
         check(case, paged_attention_dense)
 
 
