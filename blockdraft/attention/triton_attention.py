@@ -12,11 +12,13 @@ Semantics are exactly those of the reference `blockdraft.attention.torch_ref.pag
       the layer has a sliding window.
   padding rows (row_req == -1) produce zeros.
 
-Launches: one to write K/V (causal forwards only), one to attend. Grids depend only on tensor
-shapes, the kernels read only device metadata, and nothing is read back to the host, so a call
-can be captured in a CUDA graph. One attention program handles one (row, kv head) pair: the
-GROUP = num_heads / num_kv_heads query heads sharing that KV head (padded to >= 16 rows for
-tl.dot) run an online softmax in float32 over key tiles gathered through the block table.
+Launches: one to write K/V (causal forwards only), one to attend, and -- only for batches too
+small to fill the GPU -- one to merge split-KV partials (flash-decoding). Grids depend only on
+tensor shapes, the kernels read only device metadata, and nothing is read back to the host, so a
+call can be captured in a CUDA graph. One attention program handles one (row, kv head[, split])
+triple: the GROUP = num_heads / num_kv_heads query heads sharing that KV head (padded to >= 16
+rows for tl.dot) run an online softmax in float32 over key tiles gathered through the block
+table.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from blockdraft.attention.metadata import AttentionMetadata
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = math.log2(math.e)  # the kernel works in exp2 units
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16
+MAX_KV_SPLITS = 32
 
 
 @triton.jit
@@ -85,22 +88,35 @@ def _paged_attention_kernel(
     stride_kc_page, stride_kc_tok, stride_kc_head,
     stride_vc_page, stride_vc_tok, stride_vc_head,
     stride_bt_req,
+    part_acc_ptr, part_m_ptr, part_l_ptr, num_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """Grid (rows, kv_heads): attention of one row's GROUP query heads over one KV head."""
+    """Grid (rows, kv_heads, NUM_SPLITS): attention of one row's GROUP query heads over one KV
+    head. NUM_SPLITS == 1 writes the output; otherwise split s covers the s-th share of the
+    row's key tiles (split 0 also the draft block) and writes unnormalised partials
+    (acc, running max, running sum) for `_combine_splits_kernel`."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + g
     head_ok = g < GROUP
     out_ptrs = out_ptr + row.to(tl.int64) * stride_o_row + heads[:, None] * stride_o_head + d[None, :]
+    part = (row.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G] partial index
     req = tl.load(row_req_ptr + row)
-    if req < 0:  # padding row
-        tl.store(out_ptrs, tl.zeros([BLOCK_G, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    if req < 0:  # padding row: zeros (an empty partial when split)
+        if NUM_SPLITS == 1:
+            tl.store(out_ptrs, tl.zeros([BLOCK_G, HEAD_DIM], dtype=out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        else:
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                     tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32), mask=head_ok[:, None])  # fmt: skip
+            tl.store(part_m_ptr + part, tl.full([BLOCK_G], float("-inf"), dtype=tl.float32), mask=head_ok)
+            tl.store(part_l_ptr + part, tl.zeros([BLOCK_G], dtype=tl.float32), mask=head_ok)
         return
 
     req_start = tl.load(query_start_loc_ptr + req)
@@ -126,9 +142,15 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
 
     # Cached keys, BLOCK_N tokens per tile; each token's page comes from the block table.
+    tile_lo = ctx_start // BLOCK_N
+    tile_hi = tl.cdiv(ctx_end, BLOCK_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tl.maximum(tile_hi - tile_lo, 0), NUM_SPLITS)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
-    for tile_start in range((ctx_start // BLOCK_N) * BLOCK_N, ctx_end, BLOCK_N):
-        n = tile_start + tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         allowed = (n >= ctx_start) & (n < ctx_end)
         page = tl.load(table_row + n // KV_BLOCK_SIZE, mask=allowed, other=0).to(tl.int64)
         tok = n % KV_BLOCK_SIZE
@@ -142,7 +164,7 @@ def _paged_attention_kernel(
         # The block's own rows (positions seq_len + j), read from this forward's k/v.
         j = tl.arange(0, BLOCK_B)
         k_pos = seq_len + j
-        allowed = (j < BLOCK_TOKENS) & (j < req_end - req_start)
+        allowed = (j < BLOCK_TOKENS) & (j < req_end - req_start) & (split == 0)
         if CAUSAL:
             allowed = allowed & (k_pos <= q_pos)
         if USE_WINDOW:
@@ -157,8 +179,36 @@ def _paged_attention_kernel(
         vals = vals.to(v_cache_ptr.dtype.element_ty).to(q.dtype)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, keys, vals, allowed, scale_log2, DOT_PRECISION)
 
-    out = acc / l_i[:, None]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    else:
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=head_ok[:, None])
+        tl.store(part_m_ptr + part, m_i, mask=head_ok)
+        tl.store(part_l_ptr + part, l_i, mask=head_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, stride_o_row, stride_o_head, num_heads,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """Grid (rows, heads): merge the split partials of one head (log-sum-exp weights, base 2).
+    A row whose partials are all empty (padding) gets zeros."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, HEAD_DIM)
+    split_ok = s < NUM_SPLITS
+    part = (row.to(tl.int64) * num_heads + head) * NUM_SPLITS + s
+    m = tl.load(part_m_ptr + part, mask=split_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=split_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=split_ok[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    denom = tl.sum(weight * l, axis=0)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + row.to(tl.int64) * stride_o_row + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty))
 
 
 def write_kv_triton(
@@ -204,6 +254,8 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     causal: bool = True,
+    *,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Write this forward's K/V (causal forwards only), then attend; an AttentionBackend.
 
@@ -217,12 +269,15 @@ def paged_attention_triton(
             query_start_loc when None, without a host sync).
         scale: softmax scale; sliding_window: window incl. self or None; causal: draft-block
             mode only (False = bidirectional inside the block).
+        num_kv_splits: split each row's keys over this many programs and merge them in a second
+            launch (flash-decoding), for batches too small to fill the GPU; None picks it from
+            the shapes (`kv_splits_for`), 1 = a single attention launch.
     Returns:
         [T, num_heads, head_dim] in q's dtype; padding rows are zero.
     Raises:
         ValueError: head_dim not a power of two in [16, 256], dtypes outside float16 / bfloat16 /
             float32 or not all equal, num_heads not a multiple of num_kv_heads, shape mismatches,
-            a non-positive sliding window.
+            a non-positive sliding window, num_kv_splits outside [1, MAX_KV_SPLITS].
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -238,6 +293,9 @@ def paged_attention_triton(
         raise ValueError(f"cache pages hold {k_cache.shape[1]} tokens but meta.kv_block_size is {meta.kv_block_size}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    splits = kv_splits_for(num_rows, num_kv_heads, q.device) if num_kv_splits is None else num_kv_splits
+    if not 1 <= splits <= MAX_KV_SPLITS:
+        raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {splits}")
 
     block_tokens = meta.num_block_tokens
     if not block_tokens:
@@ -249,7 +307,13 @@ def paged_attention_triton(
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     block_table = _last_dim_contiguous(meta.block_table)
     group = num_heads // num_kv_heads
-    _paged_attention_kernel[(num_rows, num_kv_heads)](
+    if splits > 1:  # float32 partials, merged by _combine_splits_kernel
+        part_acc = torch.empty(num_rows, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(num_rows, num_heads, splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    _paged_attention_kernel[(num_rows, num_kv_heads, splits)](
         out, q, k, v, k_cache, v_cache,
         meta.query_start_loc, meta.seq_lens, block_table, row_req,
         scale * _LOG2E, sliding_window or 0,
@@ -258,13 +322,32 @@ def paged_attention_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
+        part_acc, part_m, part_l, num_heads,
         GROUP=group, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         KV_BLOCK_SIZE=meta.kv_block_size, BLOCK_N=_key_tile(head_dim),
         BLOCK_TOKENS=block_tokens, BLOCK_B=max(_MIN_DOT, triton.next_power_of_2(max(block_tokens, 1))),
         CAUSAL=bool(causal or sliding_window is not None), USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,
     )  # fmt: skip
+    if splits > 1:
+        _combine_splits_kernel[(num_rows, num_heads)](
+            out, part_acc, part_m, part_l, out.stride(0), out.stride(1), num_heads,
+            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+        )  # fmt: skip
     return out
+
+
+def kv_splits_for(num_rows: int, num_kv_heads: int, device: torch.device) -> int:
+    """KV splits per (row, kv head) from shapes alone (graph-safe): enough programs for about two
+    per streaming multiprocessor when rows x kv_heads alone leave the GPU idle, else 1. Off CUDA
+    (the interpreter) 1."""
+    if device.type != "cuda":
+        return 1
+    programs = max(num_rows * num_kv_heads, 1)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return min(MAX_KV_SPLITS, -(-2 * sms // programs))
 
 
 def _key_tile(head_dim: int) -> int:

@@ -46,7 +46,9 @@ def make_batch(
     pages = list(range(batch * pages_per_req))
     random.Random(seed).shuffle(pages)  # scattered pages, as after many allocations
     tables = [pages[i * pages_per_req : (i + 1) * pages_per_req] for i in range(batch)]
-    meta = build_metadata([seq_len] * batch, [rows] * batch, tables, KV_BLOCK_SIZE, num_block_tokens=block, device=device)
+    meta = build_metadata(
+        [seq_len] * batch, [rows] * batch, tables, KV_BLOCK_SIZE, num_block_tokens=block, device=device
+    )
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*size: int) -> torch.Tensor:
@@ -98,8 +100,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     def call(backend, tensors=tensors, meta=meta, scale=scale):
                         return lambda: backend(*tensors, meta, scale, causal=scenario != "draft")
 
-                    rec = {"model": name, "scenario": scenario, "ctx": ctx, "batch": batch,
-                           "rows": tensors[0].shape[0], "torch_ref_ms": median_ms(call(paged_attention), device, args.reps)}  # fmt: skip
+                    rec = {"model": name, "scenario": scenario, "ctx": ctx, "batch": batch, "rows": tensors[0].shape[0]}
+                    rec["torch_ref_ms"] = median_ms(call(paged_attention), device, args.reps)
                     fits = dense_bytes(tensors, meta) <= args.dense_max_gib * 2**30
                     rec["dense_ms"] = median_ms(call(paged_attention_dense), device, args.reps) if fits else None
                     rec["triton_ms"] = rec["max_err"] = None
@@ -121,7 +123,8 @@ def format_row(rec: dict) -> str:
             f"{ms(rec['torch_ref_ms'])}{ms(rec['dense_ms'])}{ms(rec['triton_ms'])}  {err}")  # fmt: skip
 
 
-HEADER = f"{'model':<14}{'scenario':<8}{'ctx':>6}{'batch':>6}{'rows':>6}{'torch_ref':>10}{'dense':>10}{'triton':>10}  max_err (ms)"
+HEADER = (f"{'model':<14}{'scenario':<8}{'ctx':>6}{'batch':>6}{'rows':>6}"
+          f"{'torch_ref':>10}{'dense':>10}{'triton':>10}  max_err (ms)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -117,7 +117,8 @@ def random_case(
         if block_tokens:
             slots += [rng.randrange(num_pages * kv_block_size) for _ in range(q_len)]  # must be ignored
         else:
-            slots += [table[r][t // kv_block_size] * kv_block_size + t % kv_block_size for t in range(seq_len - q_len, seq_len)]
+            positions = range(seq_len - q_len, seq_len)
+            slots += [table[r][t // kv_block_size] * kv_block_size + t % kv_block_size for t in positions]
     slots += [PADDING_SLOT] * num_pad_rows
     row_req += [-1] * num_pad_rows
     rows = qsl[-1] + num_pad_rows

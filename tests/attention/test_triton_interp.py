@@ -9,6 +9,8 @@ from tests.triton_interp import require_interpreter
 
 require_interpreter("blockdraft.attention.triton_attention")
 
+import functools  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -21,10 +23,11 @@ from tests.triton_interp import numpy_index_shim  # noqa: E402,F401  (autouse fi
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
-def check(seed: int, **kwargs) -> None:
-    """Kernel and twin agree on the output (padding rows exactly zero) and on the caches."""
+def check(seed: int, splits: int = 1, **kwargs) -> None:
+    """Kernel (with `splits` KV splits) and twin agree on the output (padding rows exactly zero)
+    and on the caches."""
     case, twin = random_case(seed, **kwargs), random_case(seed, **kwargs)
-    out = case.run(paged_attention_triton)
+    out = case.run(functools.partial(paged_attention_triton, num_kv_splits=splits))
     expected = twin.run(paged_attention_dense)
     assert out.dtype == case.q.dtype
     torch.testing.assert_close(out, expected, **TOL[case.q.dtype])
@@ -33,20 +36,23 @@ def check(seed: int, **kwargs) -> None:
 
 
 @pytest.mark.parametrize(
-    "seed,heads,kv_heads,bs,window",
-    [(0, 4, 2, 8, None), (1, 4, 2, 4, 5), (2, 3, 3, 16, None), (3, 8, 1, 8, 1), (4, 4, 2, 8, 70)],
-)
-def test_causal_batches(seed, heads, kv_heads, bs, window):
-    check(seed, num_heads=heads, num_kv_heads=kv_heads, kv_block_size=bs, sliding_window=window,
-          num_reqs=3, num_pad_reqs=seed % 2 + 1, max_ctx=70)  # fmt: skip
+    "seed,heads,kv_heads,bs,window,splits",
+    [(0, 4, 2, 8, None, 1), (1, 4, 2, 4, 5, 1), (2, 3, 3, 16, None, 1), (3, 8, 1, 8, 1, 1), (4, 4, 2, 8, 70, 1),
+     (5, 4, 2, 8, None, 3), (6, 4, 2, 16, 40, 4), (7, 6, 3, 4, 2, 2)],
+)  # fmt: skip
+def test_causal_batches(seed, heads, kv_heads, bs, window, splits):
+    check(seed, splits, num_heads=heads, num_kv_heads=kv_heads, kv_block_size=bs, sliding_window=window,
+          num_reqs=3, num_pad_reqs=seed % 2 + 1, max_ctx=[70, 150][splits > 1])  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "seed,block,causal,window",
-    [(10, 4, False, None), (11, 4, True, None), (12, 5, False, 3), (13, 16, False, None), (14, 2, True, 9)],
-)
-def test_draft_blocks(seed, block, causal, window):
-    check(seed, block_tokens=block, causal=causal, sliding_window=window, num_reqs=2, num_pad_reqs=1, max_ctx=70)
+    "seed,block,causal,window,splits",
+    [(10, 4, False, None, 1), (11, 4, True, None, 1), (12, 5, False, 3, 1), (13, 16, False, None, 1),
+     (14, 2, True, 9, 1), (15, 4, False, None, 3), (16, 4, True, 70, 2)],
+)  # fmt: skip
+def test_draft_blocks(seed, block, causal, window, splits):
+    check(seed, splits, block_tokens=block, causal=causal, sliding_window=window, num_reqs=2, num_pad_reqs=1,
+          max_ctx=[70, 150][splits > 1])  # fmt: skip
 
 
 def test_fp16():
@@ -96,7 +102,7 @@ def test_refuses_unsupported_shapes(change, match):
         case.run(paged_attention_triton)
 
 
-def test_refuses_mixed_dtypes_and_bad_window():
+def test_refuses_mixed_dtypes_bad_window_and_bad_splits():
     case = random_case(24, num_reqs=1)
     case.q = case.q.half()
     with pytest.raises(ValueError, match="share one dtype"):
@@ -104,3 +110,6 @@ def test_refuses_mixed_dtypes_and_bad_window():
     case = random_case(24, num_reqs=1, sliding_window=0)
     with pytest.raises(ValueError, match="sliding_window"):
         case.run(paged_attention_triton)
+    case = random_case(24, num_reqs=1)
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        case.run(functools.partial(paged_attention_triton, num_kv_splits=0))

@@ -6,6 +6,8 @@ Run on a GPU machine: `python -m pytest -q tests/gpu`.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -15,7 +17,11 @@ pytest.importorskip("triton")
 
 from blockdraft.attention.dense_ref import paged_attention_dense  # noqa: E402
 from blockdraft.attention.torch_ref import paged_attention  # noqa: E402
-from blockdraft.attention.triton_attention import paged_attention_triton, write_kv_triton  # noqa: E402
+from blockdraft.attention.triton_attention import (  # noqa: E402
+    kv_splits_for,
+    paged_attention_triton,
+    write_kv_triton,
+)
 from tests.attention.paged_cases import PagedCase, pad_to, random_case  # noqa: E402
 from tests.gpu.cuda_util import capture, no_host_sync, poison_allocator  # noqa: E402
 
@@ -86,7 +92,8 @@ def test_draft_block_real_shapes(model, dtype, causal, window):
 def test_page_sizes_and_fp16(bs):
     for seed in range(4):
         check(random_case(200 + seed, num_heads=14, num_kv_heads=2, head_dim=64, kv_block_size=bs, num_reqs=6,
-                          max_ctx=300, sliding_window=[None, 33][seed % 2], dtype=torch.float16, device="cuda"))  # fmt: skip
+                          max_ctx=300, sliding_window=[None, 33][seed % 2], dtype=torch.float16,
+                          device="cuda"))  # fmt: skip
 
 
 def test_long_decode_and_long_prefill_chunk():
@@ -96,15 +103,45 @@ def test_long_decode_and_long_prefill_chunk():
                           max_chunk=chunk, kinds=kinds, dtype=torch.bfloat16, device="cuda"))  # fmt: skip
 
 
+@pytest.mark.parametrize("splits", [1, 3, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_forced_kv_splits(splits, dtype):
+    """The split-KV path (and the single launch) for decode, verify and draft-block batches,
+    whatever the heuristic would pick."""
+    backend = functools.partial(paged_attention_triton, num_kv_splits=splits)
+    for seed, (model, kinds, block, window) in enumerate([
+        ("qwen2.5-0.5b", ("decode",), 0, None), ("qwen3-8b", ("verify",), 0, 300),
+        ("smollm2-135m", ("prefill",), 0, None), ("qwen3-8b", (), DRAFT_BLOCK, None),
+        ("qwen2.5-0.5b", (), DRAFT_BLOCK, 40),
+    ]):  # fmt: skip
+        heads, kv_heads, dim = SHAPES[model]
+        case = random_case(700 + seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, num_reqs=4,
+                           max_ctx=4000, max_chunk=64, kinds=kinds or ("decode",), block_tokens=block,
+                           causal=False, sliding_window=window, dtype=dtype, device="cuda")  # fmt: skip
+        check(case, backend)
+
+
+def test_split_heuristic_fills_small_batches_only():
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    assert kv_splits_for(1, 2, device) > 1
+    assert kv_splits_for(sms, 1, device) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_dense_twin_on_cuda(dtype):
     for seed, block in ((400, 0), (401, DRAFT_BLOCK), (402, 0)):
         case = random_case(seed, num_heads=14, num_kv_heads=2, head_dim=64, num_reqs=5, max_ctx=300,
-                           block_tokens=block, sliding_window=[None, 40][seed % 2], dtype=dtype, device="cuda")  # fmt: skip
+                           block_tokens=block, sliding_window=[None, 40][seed % 2], dtype=dtype,
+                           device="cuda")  # fmt: skip
         check(case, paged_attention_dense)
 
 
-@pytest.mark.parametrize("backend", [paged_attention_triton, paged_attention_dense], ids=["triton", "dense"])
+@pytest.mark.parametrize(
+    "backend",
+    [paged_attention_triton, functools.partial(paged_attention_triton, num_kv_splits=4), paged_attention_dense],
+    ids=["triton", "triton_split4", "dense"],
+)
 @pytest.mark.parametrize("block", [0, DRAFT_BLOCK], ids=["causal", "draft_block"])
 def test_no_host_sync(backend, block):
     case = random_case(500, num_heads=14, num_kv_heads=2, head_dim=64, block_tokens=block, sliding_window=64,
@@ -120,14 +157,18 @@ def test_no_host_sync(backend, block):
 @pytest.mark.parametrize(
     "block,causal,window", [(0, True, None), (0, True, 100), (DRAFT_BLOCK, False, None), (DRAFT_BLOCK, True, 40)]
 )
-def test_cuda_graph_replay_with_new_batches(backend, block, causal, window):
+@pytest.mark.parametrize("bucket_rows", [160, 40], ids=["rows160", "rows40_split"])
+def test_cuda_graph_replay_with_new_batches(backend, block, causal, window, bucket_rows):
     """Capture once on a padded bucket, then replay with different batches copied into the static
-    tensors: outputs and cache writes follow the new contents."""
+    tensors: outputs and cache writes follow the new contents. The 40-row bucket leaves the GPU
+    idle, so the Triton backend captures its split-KV path."""
     heads, kv_heads, dim = SHAPES["qwen2.5-0.5b"]
-    bucket = dict(num_rows=160, num_reqs=10, width=40, num_pages=400)
+    bucket = dict(num_rows=bucket_rows, num_reqs=10, width=40, num_pages=400)
+    max_reqs = 6 if bucket_rows == 160 else 2
 
     def make(seed: int) -> PagedCase:
-        case = random_case(seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, num_reqs=1 + seed % 6,
+        case = random_case(seed, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, kv_block_size=16,
+                           num_reqs=1 + seed % max_reqs,
                            max_ctx=500, max_chunk=12, block_tokens=block, causal=causal, sliding_window=window,
                            dtype=torch.bfloat16, device="cuda")  # fmt: skip
         return pad_to(case, **bucket, seed=seed)

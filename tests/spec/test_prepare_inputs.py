@@ -53,7 +53,8 @@ def test_rejected_rows_are_exactly_the_unaccepted_drafts():
     expected = []
     for s in range(case.logits_rows.shape[0]):
         k = int((case.logits_rows[s] >= 0).sum()) - 1
-        expected += [int(case.logits_indices[case.logits_rows[s, c]]) for c in range(int(case.num_accepted[s]) + 1, k + 1)]
+        rejected_columns = range(int(case.num_accepted[s]) + 1, k + 1)
+        expected += [int(case.logits_indices[case.logits_rows[s, c]]) for c in rejected_columns]
     assert expected and sorted(cleared) == sorted(expected)
     assert torch.all(got.context_slot_mapping[cleared] == PADDING_SLOT)
 

@@ -63,13 +63,17 @@ def check_draft_inputs(
     if width < 1:
         raise ValueError(f"logits_rows must be [S, kmax + 1] with kmax >= 0, got {tuple(logits_rows.shape)}")
     if target_tokens.shape != logits_rows.shape:
-        raise ValueError(f"target_tokens {tuple(target_tokens.shape)} must match logits_rows {tuple(logits_rows.shape)}")
+        raise ValueError(
+            f"target_tokens {tuple(target_tokens.shape)} must match logits_rows {tuple(logits_rows.shape)}"
+        )
     if num_accepted.shape != (num_sample,):
         raise ValueError(f"num_accepted {tuple(num_accepted.shape)} must be [{num_sample}]")
     if logits_indices.dim() != 1:
         raise ValueError(f"logits_indices must be 1-D [L], got {tuple(logits_indices.shape)}")
     if positions.dim() != 1 or slot_mapping.shape != positions.shape:
-        raise ValueError(f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} must both be [T]")
+        raise ValueError(
+            f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} must both be [T]"
+        )
     if num_query_tokens < 1:
         raise ValueError(f"num_query_tokens must be >= 1 (anchor + K drafts), got {num_query_tokens}")
 
@@ -101,7 +105,9 @@ def prepare_draft_inputs(
     Raises:
         ValueError: see `check_draft_inputs`.
     """
-    check_draft_inputs(logits_rows, logits_indices, num_accepted, target_tokens, positions, slot_mapping, num_query_tokens)
+    check_draft_inputs(
+        logits_rows, logits_indices, num_accepted, target_tokens, positions, slot_mapping, num_query_tokens
+    )
     num_rows = slot_mapping.shape[0]
     rows = logits_rows.long()
     accepted = num_accepted.long()

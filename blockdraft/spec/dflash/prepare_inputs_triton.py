@@ -63,7 +63,9 @@ def prepare_draft_inputs_triton(
 
     Launches: a copy of slot_mapping, then one program per sampling request.
     """
-    check_draft_inputs(logits_rows, logits_indices, num_accepted, target_tokens, positions, slot_mapping, num_query_tokens)
+    check_draft_inputs(
+        logits_rows, logits_indices, num_accepted, target_tokens, positions, slot_mapping, num_query_tokens
+    )
     num_sample, width = logits_rows.shape
     logits_rows, target_tokens = logits_rows.contiguous(), target_tokens.contiguous()  # rows indexed base + column
     device = logits_rows.device
