@@ -47,16 +47,18 @@ def set_fused_ops(model: nn.Module, enabled: bool) -> nn.Module:
     return model
 
 
-def _kernel_device(x: torch.Tensor) -> bool:
-    """Whether x lives where the Triton kernels run (tests swap this for the CPU interpreter)."""
-    return x.is_cuda
+# Tests set this to run the kernels (under TRITON_INTERPRET=1) on CPU tensors too.
+_CPU_KERNELS = False
+
+
+def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def use_kernels(enabled: bool, *tensors: torch.Tensor | None) -> bool:
-    """True when `enabled`, tensors[0] is on the kernel device and no tensor needs autograd."""
-    if not (enabled and _kernel_device(tensors[0])):
-        return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+    """True when `enabled`, tensors[0] is a CUDA tensor and no tensor needs autograd."""
+    x = tensors[0]
+    return enabled and (x.is_cuda or _CPU_KERNELS) and not _needs_autograd(*tensors)
 
 
 _KERNELS: SimpleNamespace | None = None
@@ -131,7 +133,8 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# ---- dispatchers: the kernel when `use_kernels(fused, ...)`, else the twin ----
+# ---- dispatchers: the kernel when `use_kernels(fused, ...)` holds (spelled out: CPU calls pay
+# one attribute read), else the twin ----
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = True) -> torch.Tensor:
@@ -139,7 +142,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Tr
 
     fused: allow the Triton kernel (taken only for CUDA inputs without autograd).
     """
-    if use_kernels(fused, x, weight):
+    if fused and (x.is_cuda or _CPU_KERNELS) and not _needs_autograd(x, weight):
         return _kernels().rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
@@ -152,7 +155,7 @@ def fused_add_rms_norm(
     The new residual is bit-identical between kernel and twin (one rounded add); the inputs
     are not modified. fused: allow the Triton kernel.
     """
-    if use_kernels(fused, x, residual, weight):
+    if fused and (x.is_cuda or _CPU_KERNELS) and not _needs_autograd(x, residual, weight):
         return _kernels().fused_add_rms_norm(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
 
@@ -173,7 +176,7 @@ def qk_norm_rope(
     None (both or neither). Returns rotated (q, k) in the inputs' dtype. fused: allow the kernel
     (one launch for both; then all inputs must share one dtype, see blockdraft.kernels.rope).
     """
-    if use_kernels(fused, q, k, q_weight, k_weight):
+    if fused and (q.is_cuda or _CPU_KERNELS) and not _needs_autograd(q, k, q_weight, k_weight):
         return _kernels().qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
     return qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps)
 
@@ -182,20 +185,20 @@ def norm_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float, fused: bool = True
 ) -> torch.Tensor:
     """`qk_norm_rope` for one tensor x [rows, heads, D] -> [rows, heads, D]."""
-    if use_kernels(fused, x, weight):
+    if fused and (x.is_cuda or _CPU_KERNELS) and not _needs_autograd(x, weight):
         return _kernels().norm_rope(x, cos, sin, weight, eps)
     return norm_rope_ref(x, cos, sin, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """SwiGLU activation: gate_up [rows, 2 * I] (gate first) -> silu(gate) * up [rows, I]."""
-    if use_kernels(fused, gate_up):
+    if fused and (gate_up.is_cuda or _CPU_KERNELS) and not _needs_autograd(gate_up):
         return _kernels().silu_and_mul(gate_up)
     return silu_and_mul_ref(gate_up)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """silu(gate) * up for separate gate / up [rows, I] (DFlash drafter MLP)."""
-    if use_kernels(fused, gate, up):
+    if fused and (gate.is_cuda or _CPU_KERNELS) and not _needs_autograd(gate, up):
         return _kernels().silu_mul(gate, up)
     return silu_mul_ref(gate, up)
