@@ -133,6 +133,8 @@ def _launch(
             num_q_heads, num_k_heads, eps,
             HEAD_DIM=head_dim, HAS_NORM=k_weight is not None,
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=1 if head_dim <= 128 else 2,
+            # No FMA contraction: x * cos must be rounded before the add, as in torch's separate ops.
+            enable_fp_fusion=False,
         )  # fmt: skip
     return q_out, k_out
 
