@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from blockdraft.attention.metadata import AttentionMetadata
+from blockdraft.layers.fused_ops import UsesFusedOps, qk_norm_rope
 from blockdraft.layers.linear import Linear, StackedLinear
 from blockdraft.layers.norm import RMSNorm
-from blockdraft.layers.rotary import apply_rotary
 
 
 class AttentionBackend(Protocol):
@@ -39,7 +39,7 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-class Attention(nn.Module):
+class Attention(UsesFusedOps, nn.Module):
     """GQA self-attention with HF-compatible parameter names (q/k/v live in `qkv_proj`).
 
     Args:
@@ -51,7 +51,8 @@ class Attention(nn.Module):
         sliding_window: window (incl. self) for sliding-attention layers, None for full attention.
         backend: the paged attention function (see AttentionBackend).
         causal: passed to the backend; False only for non-causal draft blocks.
-    Parameters are left uninitialised (weights are always loaded).
+    Parameters are left uninitialised (weights are always loaded). On CUDA the q/k norm and
+    RoPE run as one Triton kernel (`blockdraft.layers.fused_ops.qk_norm_rope`).
     """
 
     def __init__(
@@ -84,16 +85,19 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [rows, hidden] -> q [rows, heads, D], k [rows, kv_heads, D] (normed, rotated), v [rows, kv_heads, D].
 
-        q, k, v are views of one matmul output where possible (no copies).
+        v is a view of the qkv matmul output; q and k are new tensors (normed and rotated).
         """
         rows = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(rows, self.num_heads, self.head_dim)
         k = k.view(rows, self.num_kv_heads, self.head_dim)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        if self.q_norm is None:
+            q, k = qk_norm_rope(q, k, cos, sin, None, None, 0.0, self.fused_ops)
+        else:
+            q_w, k_w = self.q_norm.weight, self.k_norm.weight
+            q, k = qk_norm_rope(q, k, cos, sin, q_w, k_w, self.q_norm.eps, self.fused_ops)
+        return q, k, v
 
     def forward(
         self,

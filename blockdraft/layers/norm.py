@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from blockdraft.layers.fused_ops import UsesFusedOps, fused_add_rms_norm, rms_norm
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesFusedOps, nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, over the last dim of size `hidden_size`.
 
-    Input [..., hidden_size] of any float dtype; output has the input's dtype.
+    Input [..., hidden_size] of any float dtype; output has the input's dtype (HF rounding:
+    see `blockdraft.layers.fused_ops.rms_norm_ref`). CUDA inputs use one Triton kernel.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -18,11 +20,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm = x * rsqrt(mean(x^2) + eps) in one call (fewer ops than spelling it out).
-        # HF normalises in fp32, rounds to the input dtype, then scales: fusing the weight is
-        # bit-identical only in fp32, so other dtypes keep HF's order.
-        shape = (x.shape[-1],)
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with `residual` (same shape and dtype as x): (norm(x + residual), x + residual).
+
+        The residual form is the fused residual-add of a pre-norm decoder layer (one launch on CUDA).
+        """
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, self.fused_ops)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, self.fused_ops)

@@ -18,6 +18,7 @@ from blockdraft.attention.torch_ref import paged_attention
 from blockdraft.config import ModelConfig
 from blockdraft.layers.attention import Attention, AttentionBackend
 from blockdraft.layers.embedding import VocabEmbedding
+from blockdraft.layers.fused_ops import UsesFusedOps, use_kernels
 from blockdraft.layers.linear import Linear, load_hf_state_dict
 from blockdraft.layers.mlp import GatedMLP
 from blockdraft.layers.norm import RMSNorm
@@ -30,7 +31,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)). [rows, hidden] -> [rows, hidden]."""
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)). [rows, hidden] -> [rows, hidden].
+
+    `forward` returns the residual stream (CPU path); `forward_with_residual` carries the stream
+    separately so both residual adds fuse into the next RMSNorm (CUDA path, vLLM's pattern).
+    """
 
     def __init__(self, config: ModelConfig, layer_id: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -59,6 +64,31 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_with_residual(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same block with the residual stream carried apart: stream = h + residual.
+
+        Args:
+            h: [rows, hidden] the previous layer's MLP output, or the embeddings when residual is None.
+            residual: [rows, hidden] the stream before the previous MLP, or None for the first layer.
+        Returns:
+            (mlp_out, residual) whose sum is this layer's output stream (what `forward` returns).
+        """
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
+
 
 class DecoderStack(nn.Module):
     """HF's `model.` submodule: embed_tokens, layers, norm (and the shared rotary table)."""
@@ -71,7 +101,7 @@ class DecoderStack(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
 
 
-class CausalLM(nn.Module):
+class CausalLM(UsesFusedOps, nn.Module):
     """Target model for the engine (and the embedding / LM head the DFlash drafter borrows).
 
     Parameter names are HF's except the stacked `qkv_proj` / `gate_up_proj`; `load_weights`
@@ -82,7 +112,9 @@ class CausalLM(nn.Module):
         backend: paged attention function (default: the torch reference, CPU path).
         pack_weights: after loading, pack the matmul weights for oneDNN (CPU fp32 / bf16 only;
             inference-only; see blockdraft.layers.linear).
-    Parameters are left uninitialised: use build_model, then load_weights.
+    Parameters are left uninitialised: use build_model, then load_weights. CUDA forwards use
+    the Triton kernels of `blockdraft.layers.fused_ops` (`set_fused_ops(model, False)` turns
+    them off); CPU forwards run the torch code.
     """
 
     def __init__(
@@ -142,13 +174,46 @@ class CausalLM(nn.Module):
         self._check_forward_args(kv_caches, aux_layer_ids)
         h = self.embed(input_ids)
         cos, sin = self.model.rotary_emb.cos_sin(positions, h.dtype)
-        captured: dict[int, torch.Tensor] = dict.fromkeys(aux_layer_ids)
+        run = self._run_layers_fused if use_kernels(self.fused_ops, h) else self._run_layers
+        hidden, captured = run(h, cos, sin, kv_caches, meta, set(aux_layer_ids))
+        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
+        return hidden, aux
+
+    def _run_layers(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        aux_ids: set[int],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """All layers and the final norm; returns (hidden, {layer id: output stream} for aux_ids)."""
+        captured = {}
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, kv_caches[i], meta)
-            if i in captured:
+            if i in aux_ids:
                 captured[i] = h
-        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
-        return self.model.norm(h), aux
+        return self.model.norm(h), captured
+
+    def _run_layers_fused(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        aux_ids: set[int],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """`_run_layers` with the residual carried between layers (two fused add+norms per layer)."""
+        captured = {}
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            h, residual = layer.forward_with_residual(h, residual, cos, sin, kv_caches[i], meta)
+            if i in aux_ids:
+                # The stream after layer i: the same rounded sum the next fused add+norm computes.
+                captured[i] = h + residual
+        return self.model.norm(h, residual)[0], captured
 
     def _check_forward_args(self, kv_caches: list[KVCache], aux_layer_ids: tuple[int, ...]) -> None:
         n = self.config.num_hidden_layers

@@ -18,20 +18,23 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.attention.metadata import AttentionMetadata
+from blockdraft.layers.fused_ops import UsesFusedOps, norm_rope, qk_norm_rope, silu_mul, use_kernels
 from blockdraft.layers.norm import RMSNorm
-from blockdraft.layers.rotary import RotaryEmbedding, apply_rotary
+from blockdraft.layers.rotary import RotaryEmbedding
 from blockdraft.spec.dflash.config import DFlashConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache)
 
 
-class DFlashAttention(nn.Module):
-    """Qwen3 attention (no biases, per-head q_norm/k_norm) with DFlash context injection."""
+class DFlashAttention(UsesFusedOps, nn.Module):
+    """Qwen3 attention (no biases, per-head q_norm/k_norm) with DFlash context injection.
+
+    On CUDA the q/k norms and RoPE run as one Triton kernel (`blockdraft.layers.fused_ops`).
+    """
 
     def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
         super().__init__()
@@ -54,18 +57,19 @@ class DFlashAttention(nn.Module):
         No input_layernorm on c and no norm on V (DFLASH.md "KV injection"; z-lab applies k_norm
         to the concatenated [context, block] keys and leaves values raw).
         """
-        k = self.k_norm(self.k_proj(c).view(-1, self.num_kv_heads, self.head_dim))
+        k = self.k_proj(c).view(-1, self.num_kv_heads, self.head_dim)
         v = self.v_proj(c).view(-1, self.num_kv_heads, self.head_dim)
-        return apply_rotary(k, cos, sin), v
+        return norm_rope(k, cos, sin, self.k_norm.weight, self.k_norm.eps, self.fused_ops), v
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Block rows x [R*Q, H] attend to their cached context and their own block -> [R*Q, H]."""
-        q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q_w, k_w = self.q_norm.weight, self.k_norm.weight
+        q, k = qk_norm_rope(q, k, cos, sin, q_w, k_w, self.q_norm.eps, self.fused_ops)
         k_cache, v_cache = kv_cache
         out = self.backend(
             q, k, v, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window, causal=self.causal
@@ -73,8 +77,8 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.reshape(x.shape[0], -1))
 
 
-class DFlashMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), no biases (HF Qwen3MLP)."""
+class DFlashMLP(UsesFusedOps, nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), no biases (HF Qwen3MLP); silu * up is one kernel on CUDA."""
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
@@ -84,11 +88,15 @@ class DFlashMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), self.fused_ops))
 
 
 class DFlashDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 decoder layer; only the block rows go through it (context is injected as K/V)."""
+    """Pre-norm Qwen3 decoder layer; only the block rows go through it (context is injected as K/V).
+
+    `forward_with_residual` is the same layer with the residual stream carried apart, so both
+    residual adds fuse into the next RMSNorm (CUDA path; see `blockdraft.models.llama.DecoderLayer`).
+    """
 
     def __init__(self, config: DFlashConfig, layer_idx: int) -> None:
         super().__init__()
@@ -103,12 +111,32 @@ class DFlashDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_with_residual(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (or the block embeddings when residual is None);
+        returns (mlp_out, residual) whose sum is what `forward` returns. All [R*Q, H]."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
-class DFlashDraftModel(nn.Module):
+
+class DFlashDraftModel(UsesFusedOps, nn.Module):
     """DFlash drafter. Parameter names match the z-lab checkpoint exactly (DFLASH.md "Checkpoint format").
 
     It has no embedding and no LM head: callers embed with the target (times
     `config.input_embedding_scale`) and score with `compute_logits(hidden, target_lm_head)`.
+    CUDA forwards use the Triton kernels of `blockdraft.layers.fused_ops` (norms, q/k norm +
+    RoPE, SwiGLU, residual adds fused into the norms); CPU forwards run the torch code.
     """
 
     def __init__(self, config: DFlashConfig) -> None:
@@ -199,6 +227,11 @@ class DFlashDraftModel(nn.Module):
             raise ValueError("DFlashDraftModel.forward needs block-mode metadata (meta.num_block_tokens > 0)")
         x = block_embeds.to(self.dtype)
         cos, sin = self.rotary_emb.cos_sin(positions, self.dtype)
+        if use_kernels(self.fused_ops, x):
+            residual = None
+            for layer, kv in zip(self.layers, kv_caches):
+                x, residual = layer.forward_with_residual(x, residual, cos, sin, kv, meta)
+            return self.norm(x, residual)[0]
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv, meta)
         return self.norm(x)

@@ -1,0 +1,13 @@
+"""Triton kernels for the CUDA path of the per-layer elementwise / normalisation ops.
+
+Each kernel fuses what the torch code in `blockdraft.layers` does in several launches, with the
+same rounding order (fp32 math, results rounded to the input dtype where the torch code rounds),
+so a kernel and its torch twin agree bit for bit or within an ulp in bf16. The dispatch between
+the two (CUDA tensors -> kernel, everything else -> the unchanged torch code) lives in
+`blockdraft.layers.fused_ops`; these modules import triton and are only imported on first use.
+
+Modules (each self-contained, so a test can load a fresh copy under TRITON_INTERPRET=1):
+    rms_norm: `rms_norm`, `fused_add_rms_norm`.
+    rope: `qk_norm_rope` (optional per-head RMSNorm, then rotate-half RoPE, q and k in one launch).
+    activation: `silu_and_mul`, `silu_mul`.
+"""

@@ -1,0 +1,179 @@
+"""Per-head RMSNorm (optional, Qwen3 q_norm / k_norm) + rotate-half RoPE for q and k in one launch.
+
+One program per (row, head) over q's heads then k's; q and k may be strided views of a fused
+qkv projection (any row and head stride, unit stride inside a head). Results go to new
+contiguous tensors, so attention backends see the same layout as with the torch path.
+
+Rounding follows the torch twin (`blockdraft.layers.fused_ops.qk_norm_rope_ref`, i.e.
+`RMSNorm` then `apply_rotary` in the input dtype): every product and the final sum are rounded
+to the input dtype, like the separate torch elementwise ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope_head(src, dst, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr):  # fmt: skip
+    half: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, BLOCK_HALF)
+    mask = d < half
+    x1 = tl.load(src + d, mask=mask, other=0.0)
+    x2 = tl.load(src + half + d, mask=mask, other=0.0)
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.math.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
+        w1 = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half + d, mask=mask, other=0.0).to(tl.float32)
+        f1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+        f2 = ((f2 * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    c1 = tl.load(cos + d, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + half + d, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin + d, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + half + d, mask=mask, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]; round like separate torch ops.
+    o1 = (f1 * c1).to(x1.dtype).to(tl.float32) - (f2 * s1).to(x1.dtype).to(tl.float32)
+    o2 = (f2 * c2).to(x1.dtype).to(tl.float32) + (f1 * s2).to(x1.dtype).to(tl.float32)
+    tl.store(dst + d, o1.to(x1.dtype), mask=mask)
+    tl.store(dst + half + d, o2.to(x1.dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr, q_row_stride, q_head_stride,
+    k_ptr, k_row_stride, k_head_stride,
+    q_out_ptr, k_out_ptr, q_w_ptr, k_w_ptr,
+    cos_ptr, cos_row_stride, sin_ptr, sin_row_stride,
+    num_q_heads, num_k_heads, eps,
+    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cos = cos_ptr + row * cos_row_stride
+    sin = sin_ptr + row * sin_row_stride
+    if head < num_q_heads:
+        src = q_ptr + row * q_row_stride + head * q_head_stride
+        dst = q_out_ptr + (row * num_q_heads + head) * HEAD_DIM
+        _norm_rope_head(src, dst, q_w_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM, BLOCK_HALF)
+    else:
+        kv_head = head - num_q_heads
+        src = k_ptr + row * k_row_stride + kv_head * k_head_stride
+        dst = k_out_ptr + (row * num_k_heads + kv_head) * HEAD_DIM
+        _norm_rope_head(src, dst, k_w_ptr, cos, sin, eps, HEAD_DIM, HAS_NORM, BLOCK_HALF)
+
+
+def _check_heads(x: torch.Tensor, name: str, rows: int, head_dim: int, dtype: torch.dtype) -> None:
+    if x.dim() != 3 or x.shape[0] != rows or x.shape[2] != head_dim:
+        raise ValueError(f"{name} must be [rows={rows}, heads, head_dim={head_dim}], got {tuple(x.shape)}")
+    if x.dtype != dtype:
+        raise ValueError(f"{name} has dtype {x.dtype}, expected {dtype} (all inputs must share one dtype)")
+    if x.stride(2) != 1:
+        raise ValueError(f"{name} must have unit stride inside a head, got strides {x.stride()}")
+
+
+def _cos_sin_rows(t: torch.Tensor, name: str, rows: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, 1, D] or [rows, D] -> [rows, D] view with unit column stride."""
+    if t.dim() == 3 and t.shape[1] == 1:
+        t = t[:, 0]
+    if t.dim() != 2 or tuple(t.shape) != (rows, head_dim):
+        raise ValueError(
+            f"{name} must be [rows={rows}, 1, head_dim={head_dim}] or [rows, head_dim], got {tuple(t.shape)}"
+        )
+    if t.dtype != dtype:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected {dtype} (all inputs must share one dtype)")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _check_weight(w: torch.Tensor, name: str, head_dim: int, dtype: torch.dtype) -> None:
+    if w.shape != (head_dim,) or w.dtype != dtype or not w.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous [{head_dim}] {dtype} tensor, got {tuple(w.shape)} {w.dtype}"
+            f"{'' if w.is_contiguous() else ' (non-contiguous)'}"
+        )
+
+
+def _launch(
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    if k.dim() != 3:
+        raise ValueError(f"k must be [rows, heads, head_dim], got {tuple(k.shape)}")
+    rows, num_k_heads, head_dim = k.shape
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {head_dim}")
+    dtype = k.dtype
+    _check_heads(k, "k", rows, head_dim, dtype)
+    if q is not None:
+        _check_heads(q, "q", rows, head_dim, dtype)
+    for w, name in ((q_weight, "q_weight"), (k_weight, "k_weight")):
+        if w is not None:
+            _check_weight(w, name, head_dim, dtype)
+    cos = _cos_sin_rows(cos, "cos", rows, head_dim, dtype)
+    sin = _cos_sin_rows(sin, "sin", rows, head_dim, dtype)
+    num_q_heads = 0 if q is None else q.shape[1]
+    k_out = torch.empty((rows, num_k_heads, head_dim), dtype=dtype, device=k.device)
+    q_out = None if q is None else torch.empty((rows, num_q_heads, head_dim), dtype=dtype, device=k.device)
+    if rows and num_q_heads + num_k_heads:
+        q_arg = k if q is None else q  # placeholders are never read (no program has such a head)
+        _qk_norm_rope_kernel[(rows, num_q_heads + num_k_heads)](
+            q_arg, q_arg.stride(0), q_arg.stride(1), k, k.stride(0), k.stride(1),
+            k_out if q_out is None else q_out, k_out,
+            k_weight if q_weight is None else q_weight, cos if k_weight is None else k_weight,
+            cos, cos.stride(0), sin, sin.stride(0),
+            num_q_heads, num_k_heads, eps,
+            HEAD_DIM=head_dim, HAS_NORM=k_weight is not None,
+            BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=1 if head_dim <= 128 else 2,
+            # No FMA contraction: x * cos must be rounded before the add, as in torch's separate ops.
+            enable_fp_fusion=False,
+        )  # fmt: skip
+    return q_out, k_out
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm, then RoPE, of q and k in one launch.
+
+    Args:
+        q: [rows, num_heads, head_dim]; k: [rows, num_kv_heads, head_dim]; any row / head
+            strides (e.g. views of a fused qkv output), unit stride inside a head.
+        cos, sin: [rows, 1, head_dim] or [rows, head_dim] (`RotaryEmbedding.cos_sin`).
+        q_weight, k_weight: [head_dim] RMSNorm weights (Qwen3 q_norm / k_norm), both or neither.
+        eps: RMSNorm epsilon (unused without weights).
+    Returns:
+        (q_out [rows, num_heads, head_dim], k_out [rows, num_kv_heads, head_dim]), new
+        contiguous tensors in the inputs' dtype.
+    Raises:
+        ValueError: mismatched shapes or dtypes (all inputs must share one dtype), an odd
+            head_dim, a strided head, or only one of the two weights.
+    """
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight and k_weight must be given together (per-head q/k RMSNorm) or both be None")
+    return _launch(q, k, cos, sin, q_weight, k_weight, eps)
+
+
+def norm_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6
+) -> torch.Tensor:
+    """`qk_norm_rope` for a single tensor (e.g. the DFlash drafter's context keys).
+
+    x [rows, heads, head_dim] (strided rows / heads allowed) -> new contiguous
+    [rows, heads, head_dim]; weight [head_dim] or None. Raises ValueError like `qk_norm_rope`.
+    """
+    return _launch(None, x, cos, sin, None, weight, eps)[1]

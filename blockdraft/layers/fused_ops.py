@@ -1,0 +1,204 @@
+"""Per-layer elementwise / normalisation ops with two implementations and one dispatch rule.
+
+Each op has a torch twin (`*_ref`), which is the code every layer ran before the kernels existed
+and still runs on CPU, and a Triton kernel (`blockdraft.kernels`) that does the same work in one
+launch with the same rounding order (bf16 results agree bit for bit or within an ulp). Decoding
+small batches on a GPU is launch-bound: the kernels cut a decoder layer from ~40 launches to ~10.
+
+Dispatch (`use_kernels`): the kernel runs when the calling module allows it (`fused_ops`, see
+`UsesFusedOps`), the input is a CUDA tensor and no autograd graph is being recorded through the
+op (the kernels have no backward). Everything else, CPU in particular, runs the twin unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from blockdraft.layers.rotary import apply_rotary
+
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
+class UsesFusedOps:
+    """Mixin for modules with a kernel path. `fused_ops = False` forces the torch twins.
+
+    Defaults to True when triton is importable; switch a whole model with `set_fused_ops`.
+    """
+
+    fused_ops: bool = TRITON_AVAILABLE
+
+
+def set_fused_ops(model: nn.Module, enabled: bool) -> nn.Module:
+    """Allow (True) or forbid (False) the Triton kernels in every submodule of `model`; returns it.
+
+    Raises:
+        RuntimeError: enabled=True but triton is not installed.
+    """
+    if enabled and not TRITON_AVAILABLE:
+        raise RuntimeError("fused ops need triton, which is not installed (pip install triton)")
+    for module in model.modules():
+        if isinstance(module, UsesFusedOps):
+            module.fused_ops = enabled
+    return model
+
+
+# Tests set this to run the kernels (under TRITON_INTERPRET=1) on CPU tensors too.
+_CPU_KERNELS = False
+
+
+def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def use_kernels(enabled: bool, *tensors: torch.Tensor | None) -> bool:
+    """True when `enabled`, tensors[0] is a CUDA tensor and no tensor needs autograd."""
+    x = tensors[0]
+    return enabled and (x.is_cuda or _CPU_KERNELS) and not _needs_autograd(*tensors)
+
+
+_KERNELS: SimpleNamespace | None = None
+
+
+def _kernels() -> SimpleNamespace:
+    """The kernel functions, imported on first use (CPU-only runs never import triton)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from blockdraft.kernels import activation, rms_norm, rope
+
+        _KERNELS = SimpleNamespace(
+            rms_norm=rms_norm.rms_norm, fused_add_rms_norm=rms_norm.fused_add_rms_norm,
+            qk_norm_rope=rope.qk_norm_rope, norm_rope=rope.norm_rope,
+            silu_and_mul=activation.silu_and_mul, silu_mul=activation.silu_mul,
+        )  # fmt: skip
+    return _KERNELS
+
+
+# ---- torch twins (the CPU path, and the oracle the kernels are tested against) ----
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N] -> x / sqrt(mean(x^2) + eps) * weight, dtype promote(x, weight) (HF's rounding)."""
+    # F.rms_norm = x * rsqrt(mean(x^2) + eps) in one call (fewer ops than spelling it out).
+    # HF normalises in fp32, rounds to the input dtype, then scales: fusing the weight is
+    # bit-identical only in fp32, so other dtypes keep HF's order.
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, shape, weight, eps)
+    return weight * F.rms_norm(x.float(), shape, eps=eps).to(x.dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm_ref(x + residual), x + residual); x, residual [..., N] of one dtype."""
+    residual = x + residual
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def qk_norm_rope_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (when weights are given), then RoPE; shapes as `qk_norm_rope`."""
+    if q_weight is not None:
+        q, k = rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def norm_rope_ref(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """Single-tensor `qk_norm_rope_ref` (e.g. DFlash context keys)."""
+    return apply_rotary(x if weight is None else rms_norm_ref(x, weight, eps), cos, sin)
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, [rows, I] each."""
+    return F.silu(gate) * up
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [rows, 2 * I] (gate first) -> silu(gate) * up [rows, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- dispatchers: the kernel when `use_kernels(fused, ...)` holds (spelled out: CPU calls pay
+# one attribute read), else the twin ----
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = True) -> torch.Tensor:
+    """RMSNorm over the last dim. x [..., N], weight [N] -> [..., N] in promote(x, weight).
+
+    fused: allow the Triton kernel (taken only for CUDA inputs without autograd).
+    """
+    if fused and (x.is_cuda or _CPU_KERNELS) and not _needs_autograd(x, weight):
+        return _kernels().rms_norm(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual = x + residual; returns (rms_norm(residual), residual). x, residual [..., N], one dtype.
+
+    The new residual is bit-identical between kernel and twin (one rounded add); the inputs
+    are not modified. fused: allow the Triton kernel.
+    """
+    if fused and (x.is_cuda or _CPU_KERNELS) and not _needs_autograd(x, residual, weight):
+        return _kernels().fused_add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    fused: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm, then RoPE, of q [rows, heads, D] and k [rows, kv_heads, D].
+
+    q / k may be strided views of a fused qkv output; cos / sin [rows, 1, D]; weights [D] or
+    None (both or neither). Returns rotated (q, k) in the inputs' dtype. fused: allow the kernel
+    (one launch for both; then all inputs must share one dtype, see blockdraft.kernels.rope).
+    """
+    if fused and (q.is_cuda or _CPU_KERNELS) and not _needs_autograd(q, k, q_weight, k_weight):
+        return _kernels().qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
+    return qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps)
+
+
+def norm_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float, fused: bool = True
+) -> torch.Tensor:
+    """`qk_norm_rope` for one tensor x [rows, heads, D] -> [rows, heads, D]."""
+    if fused and (x.is_cuda or _CPU_KERNELS) and not _needs_autograd(x, weight):
+        return _kernels().norm_rope(x, cos, sin, weight, eps)
+    return norm_rope_ref(x, cos, sin, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """SwiGLU activation: gate_up [rows, 2 * I] (gate first) -> silu(gate) * up [rows, I]."""
+    if fused and (gate_up.is_cuda or _CPU_KERNELS) and not _needs_autograd(gate_up):
+        return _kernels().silu_and_mul(gate_up)
+    return silu_and_mul_ref(gate_up)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """silu(gate) * up for separate gate / up [rows, I] (DFlash drafter MLP)."""
+    if fused and (gate.is_cuda or _CPU_KERNELS) and not _needs_autograd(gate, up):
+        return _kernels().silu_mul(gate, up)
+    return silu_mul_ref(gate, up)

@@ -1,0 +1,126 @@
+"""Compiled fused-op Triton kernels == their torch twins on CUDA, fp32 and bf16, at real shapes.
+
+Shapes: Qwen3-8B (hidden 4096, 32 / 8 heads x 128 with q/k norm, MLP 12288) and Qwen2.5-0.5B
+(hidden 896, 14 / 2 heads x 64, MLP 4864); q / k are strided views of a fused qkv output.
+Tolerances: RoPE alone is bit-identical; otherwise fp32 within float noise, and bf16 within
+2 ulps with at most 1% of elements differing at all (the kernels' rsqrt / exp may differ from
+torch's in the last fp32 bit, which flips a bf16 rounding now and then; the product with the
+weight can turn 1 ulp into 2).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1 would run the kernels in the interpreter", allow_module_level=True)
+pytest.importorskip("triton")
+
+from blockdraft.kernels.activation import silu_and_mul, silu_mul  # noqa: E402
+from blockdraft.kernels.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from blockdraft.kernels.rope import norm_rope, qk_norm_rope  # noqa: E402
+from blockdraft.layers import fused_ops  # noqa: E402
+from blockdraft.layers.rotary import RotaryEmbedding  # noqa: E402
+from tests.layers.fused_cases import ulp_distance  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float32, torch.bfloat16]
+IDS = ["fp32", "bf16"]
+ROWS = [1, 7, 257]
+# (hidden, heads, kv_heads, head_dim, intermediate, qk_norm)
+QWEN3_8B = (4096, 32, 8, 128, 12288, True)
+QWEN25_05B = (896, 14, 2, 64, 4864, False)
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen2.5-0.5b": QWEN25_05B}
+
+
+def assert_kernel_matches(out: torch.Tensor, ref: torch.Tensor, exact: bool = False, max_ulp: int = 2) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if exact:
+        assert torch.equal(out, ref)
+        return
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        return
+    ulps = ulp_distance(out, ref)
+    assert int(ulps.max()) <= max_ulp, f"max {int(ulps.max())} ulps"
+    assert float((ulps > 0).float().mean()) <= 0.01, f"{float((ulps > 0).float().mean()):.2%} of elements differ"
+
+
+def rand(*shape, dtype, scale=1.0, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("rows", ROWS)
+def test_rms_norm_and_fused_add(dtype, shape, rows):
+    hidden = SHAPES[shape][0]
+    x, r = rand(rows, hidden, dtype=dtype, scale=2), rand(rows, hidden, dtype=dtype, scale=8, seed=1)
+    w = rand(hidden, dtype=dtype, seed=2) * 0.2 + 1
+    assert_kernel_matches(rms_norm(x, w, 1e-6), fused_ops.rms_norm_ref(x, w, 1e-6))
+    normed, residual = fused_add_rms_norm(x, r, w, 1e-6)
+    ref_normed, ref_residual = fused_ops.add_rms_norm_ref(x, r, w, 1e-6)
+    assert torch.equal(residual, ref_residual)
+    assert_kernel_matches(normed, ref_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_norm", [False, True], ids=["rope", "norm_rope"])
+def test_qk_norm_rope_on_qkv_views(dtype, shape, rows, with_norm):
+    _, heads, kv_heads, head_dim, _, _ = SHAPES[shape]
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = rand(rows, q_size + 2 * kv_size, dtype=dtype, scale=2)
+    q = qkv[:, :q_size].view(rows, heads, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(rows, kv_heads, head_dim)
+    rope = RotaryEmbedding(head_dim, 1e6).cuda()
+    positions = torch.randint(0, 32768, (rows,), device="cuda")
+    cos, sin = rope.cos_sin(positions, dtype)
+    qw, kw = (rand(head_dim, dtype=dtype, seed=s) * 0.2 + 1 for s in (3, 4)) if with_norm else (None, None)
+    out_q, out_k = qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+    ref_q, ref_k = fused_ops.qk_norm_rope_ref(q, k, cos, sin, qw, kw, 1e-6)
+    # Without the norm every op is one rounded product or sum as in torch (the kernel is compiled
+    # without FMA contraction): bit-identical in both dtypes.
+    assert_kernel_matches(out_q, ref_q, exact=not with_norm)
+    assert_kernel_matches(out_k, ref_k, exact=not with_norm)
+    assert_kernel_matches(norm_rope(k, cos, sin, kw, 1e-6), ref_k, exact=not with_norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul(dtype, shape, rows):
+    inter = SHAPES[shape][4]
+    gate_up = rand(rows, 2 * inter, dtype=dtype, scale=3)
+    assert_kernel_matches(silu_and_mul(gate_up), fused_ops.silu_and_mul_ref(gate_up), max_ulp=2)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    assert_kernel_matches(silu_mul(gate, up), fused_ops.silu_mul_ref(gate, up), max_ulp=2)
+
+
+def test_layers_dispatch_cuda_inputs_to_the_kernels(monkeypatch):
+    calls = []
+    real = fused_ops._kernels()
+    spy = type(real)(**{name: _recorder(name, fn, calls) for name, fn in vars(real).items()})
+    monkeypatch.setattr(fused_ops, "_kernels", lambda: spy)
+    x = rand(3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        fused_ops.rms_norm(x, torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-6)
+        fused_ops.silu_and_mul(x)
+        fused_ops.rms_norm(x, torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-6, fused=False)
+    assert calls == ["rms_norm", "silu_and_mul"]
+
+
+def _recorder(name, fn, calls):
+    def record(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return record

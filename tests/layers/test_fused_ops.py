@@ -1,0 +1,108 @@
+"""Dispatch rules of blockdraft.layers.fused_ops and the residual-carrying layer path, on CPU.
+
+No triton needed: CPU inputs must always run the torch twins, and the fused model path (residual
+carried between layers, aux states rebuilt from it) must equal the plain path bit for bit when
+its ops are the twins -- so the kernels are the only source of difference on CUDA.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from blockdraft.layers import fused_ops
+from blockdraft.layers.fused_ops import set_fused_ops, use_kernels
+from blockdraft.layers.norm import RMSNorm
+from blockdraft.spec.dflash.checkpoint import random_drafter
+from tests.layers.fused_cases import decode, random_target
+
+TWINS = SimpleNamespace(
+    rms_norm=fused_ops.rms_norm_ref, fused_add_rms_norm=fused_ops.add_rms_norm_ref,
+    qk_norm_rope=fused_ops.qk_norm_rope_ref, norm_rope=fused_ops.norm_rope_ref,
+    silu_and_mul=fused_ops.silu_and_mul_ref, silu_mul=fused_ops.silu_mul_ref,
+)  # fmt: skip
+
+
+@pytest.fixture
+def kernel_path_with_twins(monkeypatch):
+    """Route CPU tensors through the kernel branch, with the twins standing in for the kernels."""
+    monkeypatch.setattr(fused_ops, "_CPU_KERNELS", True)
+    monkeypatch.setattr(fused_ops, "_kernels", lambda: TWINS)
+    monkeypatch.setattr(fused_ops, "TRITON_AVAILABLE", True)
+
+
+def test_cpu_inputs_never_reach_the_kernels(monkeypatch):
+    def refuse():
+        raise AssertionError("a CPU tensor took the kernel path")
+
+    monkeypatch.setattr(fused_ops, "_kernels", refuse)
+    model = random_target("qwen3")
+    assert model.fused_ops == fused_ops.TRITON_AVAILABLE
+    run = decode(model, [[1, 2, 3], [4, 5]], steps=2, aux_layer_ids=(0, 1))
+    assert run.tokens.shape == (2, 3) and run.aux.shape[-1] == 2 * model.config.hidden_size
+
+
+def test_use_kernels_rules(monkeypatch):
+    x, w = torch.ones(2, 4), torch.ones(4, requires_grad=True)
+    assert not use_kernels(True, x)  # CPU
+    monkeypatch.setattr(fused_ops, "_CPU_KERNELS", True)
+    assert use_kernels(True, x, None) and not use_kernels(False, x)
+    assert not use_kernels(True, x, w)  # autograd through the weight: kernels have no backward
+    with torch.no_grad():
+        assert use_kernels(True, x, w)
+
+
+def test_set_fused_ops_switches_every_module(monkeypatch):
+    model = random_target("qwen3")
+    flagged = [m for m in model.modules() if isinstance(m, fused_ops.UsesFusedOps)]
+    # CausalLM, and per layer: 2 norms + q/k norms, attention, MLP; plus the final norm.
+    assert len(flagged) == 1 + model.config.num_hidden_layers * 6 + 1
+    set_fused_ops(model, False)
+    assert not any(m.fused_ops for m in flagged)
+    monkeypatch.setattr(fused_ops, "TRITON_AVAILABLE", False)
+    with pytest.raises(RuntimeError, match="triton"):
+        set_fused_ops(model, True)
+
+
+def test_rms_norm_residual_form():
+    norm = RMSNorm(8, eps=1e-5)
+    norm.weight.data.normal_()
+    x, r = torch.randn(3, 8), torch.randn(3, 8)
+    normed, residual = norm(x, r)
+    assert torch.equal(residual, x + r) and torch.equal(normed, norm(x + r))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_residual_carry_is_bit_identical(kernel_path_with_twins, arch, dtype):
+    model = random_target(arch, dtype, seed=3)
+    prompts, aux_ids = [[5, 6, 7, 8, 9], [10, 11]], (1, 0, 1)  # last layer, and a repeated id
+    set_fused_ops(model, True)
+    fused = decode(model, prompts, steps=3, aux_layer_ids=aux_ids)
+    set_fused_ops(model, False)
+    plain = decode(model, prompts, steps=3, aux_layer_ids=aux_ids)
+    assert torch.equal(fused.logits, plain.logits)
+    assert torch.equal(fused.aux, plain.aux)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_drafter_residual_carry_is_bit_identical(kernel_path_with_twins, dtype):
+    from blockdraft.attention.metadata import build_metadata
+    from tests.spec._dflash_util import tiny_target_config
+
+    drafter = random_drafter(tiny_target_config(), num_layers=2, block_size=4, init_std=0.1, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    feats = torch.randn(7, drafter.config.num_aux_layers * 64, generator=gen)
+    block = torch.randn(8, 64, generator=gen)
+    outs = []
+    for enabled in (True, False):
+        set_fused_ops(drafter, enabled)
+        caches = drafter.allocate_kv_caches(4, 4)
+        drafter.write_context(feats, torch.arange(7), caches, torch.arange(7))
+        meta = build_metadata([4, 3], [4, 4], [[0], [1]], 4, num_block_tokens=4)
+        outs.append((drafter(block, torch.tensor([4, 5, 6, 7, 3, 4, 5, 6]), caches, meta), caches))
+    (fused, fused_caches), (plain, plain_caches) = outs
+    assert torch.equal(fused, plain)
+    assert all(torch.equal(a, b) for fa, pa in zip(fused_caches, plain_caches) for a, b in zip(fa, pa))
