@@ -114,16 +114,23 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: `num_kv_blocks` pages of `kv_block_size` tokens each (all groups share page ids)."""
+    """Paged KV cache: `num_kv_blocks` pages of `kv_block_size` tokens each (all groups share page ids).
+
+    num_kv_blocks None: size the pool from GPU memory, using at most `gpu_memory_utilization`
+    (in (0, 1]) of the device (blockdraft.runner.kv_budget); CUDA only.
+    """
 
     kv_block_size: int = 16
-    num_kv_blocks: int = 1024
+    num_kv_blocks: int | None = 1024
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
-        if self.num_kv_blocks < 1:
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,23 @@ from blockdraft.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *_DTYPES)
+DEVICE_CHOICES = ("cpu", "cuda", "auto")
+CPU_NUM_KV_BLOCKS = 1024  # the CPU pool when num_kv_blocks is not given
+
+
+def resolve_device(device: str) -> str:
+    """"cpu" | "cuda" | "auto" (CUDA when available) -> "cpu" or "cuda".
+
+    Raises:
+        ValueError: another value, or "cuda" without a CUDA device.
+    """
+    if device not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {list(DEVICE_CHOICES)}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for but torch sees no CUDA device (use --device cpu or auto)")
+    return device
 
 
 @dataclass
@@ -65,9 +82,18 @@ class LLM:
         draft: DFlash drafter checkpoint folder, or None for plain decoding.
         num_speculative_tokens: drafts per step K (default: the drafter's block_size - 1).
         dtype: "auto" (the checkpoint's dtype, bf16 for catalog models) | "float32" | "bfloat16" | "float16".
-        kv_block_size / num_kv_blocks: KV page size (tokens) and pool size (pages).
+        device: "cpu" | "cuda" | "auto" (CUDA when available). CUDA runs the Triton attention
+            kernels, a sync-free step and CUDA graphs for uniform decode / verify steps.
+        kv_block_size / num_kv_blocks: KV page size (tokens) and pool size (pages). num_kv_blocks
+            None: 1024 on CPU; on CUDA sized from `gpu_memory_utilization` after a profile step.
+        gpu_memory_utilization: fraction of the GPU the engine may use, in (0, 1] (CUDA, when
+            num_kv_blocks is None).
+        enforce_eager: CUDA: never capture CUDA graphs.
         max_num_batched_tokens / max_num_seqs: scheduler limits per step.
         target: an already loaded target (shares weights between engines; tests, benchmarks).
+        attention_backend: "torch" | "dense" | "triton" | None (the device's default; tests).
+    Raises:
+        ValueError: a bad setting (names it), including a GPU pool too small for one request.
     """
 
     def __init__(
@@ -78,24 +104,32 @@ class LLM:
         dtype: str = "auto",
         device: str = "cpu",
         kv_block_size: int = 16,
-        num_kv_blocks: int = 1024,
+        num_kv_blocks: int | None = None,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
         cache_dir: str | None = None,
         target: LoadedTarget | None = None,
         speculator=None,
+        gpu_memory_utilization: float = 0.9,
+        enforce_eager: bool = False,
+        attention_backend: str | None = None,
     ) -> None:
         from blockdraft.weights.catalog import DEFAULT_MODEL
 
+        device = resolve_device(device)
+        if num_kv_blocks is None and device != "cuda":
+            num_kv_blocks = CPU_NUM_KV_BLOCKS
+        cache = CacheConfig(kv_block_size, num_kv_blocks, gpu_memory_utilization)
+        sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         self.target = target or load_target(model or DEFAULT_MODEL, dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
-        cache = CacheConfig(kv_block_size=kv_block_size, num_kv_blocks=num_kv_blocks)
-        sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         if speculator is None and draft is not None:
             spec_cfg = SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)
             speculator = _build_speculator(spec_cfg, self.target, cache, device)
         self.speculator = speculator
-        self.engine = _build_engine(self.target, cache, sched, speculator, device)
+        self.engine = _build_engine(
+            self.target, cache, sched, speculator, device, enforce_eager=enforce_eager, attention_backend=attention_backend
+        )
         self._ids = itertools.count()
 
     def generate(
@@ -187,17 +221,15 @@ def _build_speculator(spec_cfg: SpeculativeConfig, target: LoadedTarget, cache: 
     return DFlashSpeculator(drafter, target.model, k, cache.num_kv_blocks, cache.kv_block_size)
 
 
-def _build_engine(target: LoadedTarget, cache: CacheConfig, sched: SchedulerConfig, speculator, device) -> LLMEngine:
-    from blockdraft.models import allocate_kv_caches
-    from blockdraft.runner.model_runner import ModelRunner
+def _build_engine(
+    target: LoadedTarget, cache: CacheConfig, sched: SchedulerConfig, speculator, device, **runner_options
+) -> LLMEngine:
+    """Runner (backend, KV pool, graphs; see blockdraft.runner.setup.build_runner) + scheduler + engine."""
+    from blockdraft.runner.setup import build_runner
 
-    kv_caches = allocate_kv_caches(target.config, cache.num_kv_blocks, cache.kv_block_size, target.dtype, device)
-    runner = ModelRunner(target.model, kv_caches, cache.kv_block_size, device, speculator)
-    scheduler = Scheduler(sched, KVCacheManager(cache.num_kv_blocks, cache.kv_block_size))
-    eos = _eos_ids(target)
-    # A request must always fit the pool on its own, or preempting it could never make room.
-    max_model_len = min(target.config.max_position_embeddings, cache.num_kv_blocks * cache.kv_block_size)
-    return LLMEngine(scheduler, runner, target.tokenizer, eos, max_model_len)
+    setup = build_runner(target.model, target.config, speculator, cache, sched, device, **runner_options)
+    scheduler = Scheduler(sched, KVCacheManager(setup.num_kv_blocks, cache.kv_block_size))
+    return LLMEngine(scheduler, setup.runner, target.tokenizer, _eos_ids(target), setup.max_model_len)
 
 
 def _eos_ids(target: LoadedTarget) -> tuple[int, ...]:

@@ -96,18 +96,24 @@ class CausalLM(nn.Module):
         # Tied: compute_logits uses embed_tokens (no second parameter).
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Use the paged attention function `backend` in every layer (see blockdraft.attention.backends)."""
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64 -> [T, hidden] in the model dtype."""
         return self.model.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, hidden] (after the final norm) -> logits [N, vocab] float32.
 
         Pass only the rows you need (e.g. the last row of each prompt): the LM head is the
-        largest matmul of a decode step.
+        largest matmul of a decode step. `out` ([N, vocab] float32): write there instead of a new
+        tensor (CUDA graphs keep one logits buffer for every bucket); the float32 cast is the copy.
         """
         logits = self.model.embed_tokens.logits(hidden) if self.lm_head is None else self.lm_head(hidden)
-        return logits.float()
+        return logits.float() if out is None else out.copy_(logits)
 
     def forward(
         self,

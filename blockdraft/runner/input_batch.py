@@ -1,26 +1,47 @@
-"""Turns a SchedulerOutput into the flat tensors of one forward."""
+"""Turns a SchedulerOutput into the flat tensors of one forward.
+
+Everything is laid out on the host (Python lists -> CPU tensors) and reaches the device in one
+asynchronous copy per dtype (runner.staging), so building a batch never synchronises the GPU.
+A batch may be padded to a CUDA-graph bucket: padding requests have seq_len 0, an empty query
+range and an all-zero block table row; padding rows have token 0, position 0, slot PADDING_SLOT
+and row_req -1 (AttentionMetadata's padding contract), so they write nothing.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from blockdraft.attention.metadata import AttentionMetadata, row_requests
+from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
 from blockdraft.engine.outputs import SchedulerOutput
+from blockdraft.runner.staging import stage_to_device
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BatchPadding:
+    """Static shape of a padded batch: `num_reqs` requests, `num_rows` rows, block tables
+    `block_table_width` pages wide. Each must be >= what the scheduled step needs."""
+
+    num_reqs: int
+    num_rows: int
+    block_table_width: int
 
 
 @dataclass
 class InputBatch:
     """Flat rows of one step (request i owns rows query_start_loc[i]:query_start_loc[i+1]).
 
-    input_ids/positions/slot_mapping: [T]. meta: attention metadata for the target forward.
-    logits_indices: [L] rows whose logits are needed (the last 1 + k rows of sampling requests).
-    sample_req: [S] batch index of each sampling request; sample_num_drafts: [S] its k;
-    kmax: max k (rows of sampling request s are padded to kmax + 1 in `logits_rows` [S, kmax+1],
-    -1 = padding). sampling: per logits row parameters (SamplingTensors, [L] rows).
+    input_ids/positions/slot_mapping: [T] (T includes padding rows when padded). meta: attention
+    metadata for the target forward. logits_indices: [L] rows whose logits are needed (the last
+    1 + k rows of sampling requests). sample_req: [S] batch index of each sampling request (host
+    list) and sample_req_index the same on the device; sample_num_drafts: [S] its k; kmax: max k
+    (rows of sampling request s are padded to kmax + 1 in `logits_rows` [S, kmax+1], -1 =
+    padding). sampling: per logits row parameters (SamplingTensors, [L] rows). num_reqs /
+    num_rows: the real (unpadded) request and row counts.
     """
 
     input_ids: torch.Tensor
@@ -30,13 +51,31 @@ class InputBatch:
     logits_indices: torch.Tensor
     logits_rows: torch.Tensor
     sample_req: list[int]
+    sample_req_index: torch.Tensor
     sample_num_drafts: torch.Tensor
     kmax: int
     sampling: SamplingTensors
+    num_reqs: int
+    num_rows: int
 
 
-def build_input_batch(so: SchedulerOutput, kv_block_size: int, device: torch.device | str) -> InputBatch:
-    """Lay out the scheduled tokens as rows and compute slots, block tables and logits rows."""
+def build_input_batch(
+    so: SchedulerOutput,
+    kv_block_size: int,
+    device: torch.device | str,
+    host_metadata: bool = True,
+    padding: BatchPadding | None = None,
+) -> InputBatch:
+    """Lay out the scheduled tokens as rows and compute slots, block tables and logits rows.
+
+    Args:
+        host_metadata: also keep query_start_loc / seq_lens as host lists in the metadata (the
+            torch reference backend needs them; the GPU backends do not).
+        padding: pad to this static shape (CUDA-graph buckets); None = exact shapes.
+    Raises:
+        ValueError: the step does not fit `padding`.
+    """
+    device = torch.device(device)
     ids, pos, qsl, seq_lens, logits_idx, sample_req, num_drafts = [], [], [0], [], [], [], []
     params: list[SamplingParams] = []
     for i, sr in enumerate(so.requests):
@@ -51,49 +90,101 @@ def build_input_batch(so: SchedulerOutput, kv_block_size: int, device: torch.dev
             sample_req.append(i)
             num_drafts.append(sr.num_spec_tokens)
             params += [sr.sampling_params] * (1 + sr.num_spec_tokens)
+    num_reqs, num_rows = len(so.requests), qsl[-1]
+    width = max((len(sr.block_ids) for sr in so.requests), default=1)
+    if padding is not None:
+        _check_fits(padding, num_reqs, num_rows, width)
+        ids += [0] * (padding.num_rows - num_rows)
+        pos += [0] * (padding.num_rows - num_rows)
+        qsl += [num_rows] * (padding.num_reqs - num_reqs)
+        seq_lens += [0] * (padding.num_reqs - num_reqs)
+        width = padding.block_table_width
     positions = torch.tensor(pos, dtype=torch.long)
-    block_table = _block_table(so, device)
-    row_req = row_requests(qsl)
-    pages = block_table[row_req.long(), positions // kv_block_size]
-    slot_mapping = pages.long() * kv_block_size + positions % kv_block_size
+    block_table = _block_table(so, max(width, 1), len(seq_lens))
+    row_req = _row_requests(qsl, len(pos))
+    slot_mapping = _slot_mapping(block_table, row_req, positions, kv_block_size)
     kmax = max(num_drafts, default=0)
+    sampling = SamplingTensors.from_params(params, "cpu")
+    host = {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "positions": positions,
+        "slot_mapping": slot_mapping,
+        "query_start_loc": torch.tensor(qsl, dtype=torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "block_table": block_table,
+        "row_req": row_req,
+        "logits_indices": torch.tensor(logits_idx, dtype=torch.long),
+        "logits_rows": _logits_rows(num_drafts, kmax),
+        "sample_req_index": torch.tensor(sample_req, dtype=torch.long),
+        "sample_num_drafts": torch.tensor(num_drafts, dtype=torch.long),
+        **{f"sampling.{f}": getattr(sampling, f) for f in ("temperature", "top_k", "top_p", "seeds")},
+    }
+    dev = stage_to_device(host, device)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_table=block_table,
-        slot_mapping=slot_mapping.to(device),
+        query_start_loc=dev["query_start_loc"],
+        seq_lens=dev["seq_lens"],
+        block_table=dev["block_table"],
+        slot_mapping=dev["slot_mapping"],
         kv_block_size=kv_block_size,
-        query_start_loc_host=qsl,
-        seq_lens_host=seq_lens,
-        row_req=row_req.to(device),
+        query_start_loc_host=qsl if host_metadata else None,
+        seq_lens_host=seq_lens if host_metadata else None,
+        row_req=dev["row_req"],
     )
     return InputBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=positions.to(device),
+        input_ids=dev["input_ids"],
+        positions=dev["positions"],
         slot_mapping=meta.slot_mapping,
         meta=meta,
-        logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
-        logits_rows=_logits_rows(num_drafts, kmax, device),
+        logits_indices=dev["logits_indices"],
+        logits_rows=dev["logits_rows"],
         sample_req=sample_req,
-        sample_num_drafts=torch.tensor(num_drafts, dtype=torch.long, device=device),
+        sample_req_index=dev["sample_req_index"],
+        sample_num_drafts=dev["sample_num_drafts"],
         kmax=kmax,
-        sampling=SamplingTensors.from_params(params, device),
+        sampling=dataclasses.replace(
+            sampling, **{f: dev[f"sampling.{f}"] for f in ("temperature", "top_k", "top_p", "seeds")}
+        ),
+        num_reqs=num_reqs,
+        num_rows=num_rows,
     )
 
 
-def _block_table(so: SchedulerOutput, device) -> torch.Tensor:
-    width = max((len(sr.block_ids) for sr in so.requests), default=1)
-    table = torch.zeros(len(so.requests), max(width, 1), dtype=torch.int32)
+def _check_fits(padding: BatchPadding, num_reqs: int, num_rows: int, width: int) -> None:
+    if num_reqs > padding.num_reqs or num_rows > padding.num_rows or width > padding.block_table_width:
+        raise ValueError(
+            f"step of {num_reqs} requests, {num_rows} rows and {width} pages per request does not fit "
+            f"the padding {padding}"
+        )
+
+
+def _block_table(so: SchedulerOutput, width: int, num_reqs: int) -> torch.Tensor:
+    """[num_reqs, width] int32 page ids; padding requests and unused entries are 0."""
+    table = torch.zeros(num_reqs, width, dtype=torch.int32)
     for i, sr in enumerate(so.requests):
         table[i, : len(sr.block_ids)] = torch.tensor(sr.block_ids, dtype=torch.int32)
-    return table.to(device)
+    return table
 
 
-def _logits_rows(num_drafts: list[int], kmax: int, device) -> torch.Tensor:
+def _row_requests(qsl: list[int], num_rows: int) -> torch.Tensor:
+    """[num_rows] int32 request of each row; rows past qsl[-1] (padding) get -1."""
+    counts = torch.tensor([b - a for a, b in zip(qsl, qsl[1:])], dtype=torch.long)
+    real = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts)
+    return torch.cat([real, torch.full((num_rows - real.shape[0],), -1, dtype=torch.int32)])
+
+
+def _slot_mapping(block_table: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor, kv_block_size: int):
+    """[T] int64 cache slot of each row; PADDING_SLOT for padding rows (row_req -1)."""
+    real = row_req >= 0
+    pages = block_table[row_req.clamp(min=0).long(), positions // kv_block_size]
+    slots = pages.long() * kv_block_size + positions % kv_block_size
+    return torch.where(real, slots, PADDING_SLOT)
+
+
+def _logits_rows(num_drafts: list[int], kmax: int) -> torch.Tensor:
     """[S, kmax + 1]: index into the logits tensor of each sampling request's rows, -1 = padding."""
     rows = torch.full((len(num_drafts), kmax + 1), -1, dtype=torch.long)
     start = 0
     for s, k in enumerate(num_drafts):
         rows[s, : k + 1] = torch.arange(start, start + k + 1)
         start += k + 1
-    return rows.to(device)
+    return rows

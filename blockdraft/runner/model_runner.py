@@ -1,16 +1,22 @@
 """Owns the tensors: KV caches, the target model, the speculator. One step = prepare -> target
-forward -> sample + verify -> propose (DFLASH.md, "One decode step")."""
+forward -> sample + verify -> propose -> one read-back (DFLASH.md, "One decode step").
+
+GPU path (a backend without host metadata): nothing in a step reads device values back to the
+host except the final `fetch_step_output` (and log-probabilities, when asked for). Uniform decode /
+verify steps replay CUDA graphs (runner.step_graphs); everything else runs eagerly.
+"""
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.attention.metadata import PADDING_SLOT
 from blockdraft.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from blockdraft.runner.input_batch import InputBatch, build_input_batch
-from blockdraft.sample.sampler import compute_logprobs
+from blockdraft.runner.step_graphs import StepGraphs
+from blockdraft.runner.step_output import add_logprobs, fetch_step_output, pack_step
+from blockdraft.runner.step_timer import StepTimer
 from blockdraft.spec.verify import verify_drafts
 
 
@@ -23,86 +29,98 @@ class ModelRunner:
         kv_block_size: tokens per KV page.
         speculator: None for plain decoding, else an object with `aux_layer_ids` and
             `propose(features, positions, slot_mapping, bonus_tokens, bonus_positions, block_table)`.
+        attention_backend: the backend the models run with (decides whether the metadata carries
+            host lists); default: the device's (blockdraft.attention.backends).
+        graphs: uniform-step graphs (runner.step_graphs.build_step_graphs), or None (all eager).
     """
 
-    def __init__(self, model, kv_caches, kv_block_size: int, device="cpu", speculator=None) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        kv_block_size: int,
+        device="cpu",
+        speculator=None,
+        attention_backend: AttentionBackendSpec | None = None,
+        graphs: StepGraphs | None = None,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.kv_block_size = kv_block_size
         self.device = torch.device(device)
         self.speculator = speculator
         self.aux_layer_ids = tuple(speculator.aux_layer_ids) if speculator is not None else ()
+        self.attention_backend = attention_backend or select_attention_backend(self.device)
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Compute the scheduled rows, sample, verify drafts and propose the next drafts."""
-        t0 = time.perf_counter()
-        batch = build_input_batch(so, self.kv_block_size, self.device)
-        hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.aux_layer_ids)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        timer = StepTimer(self.device)
+        padding = self.graphs.target.padding_for(so) if self.graphs is not None else None
+        host_metadata = self.attention_backend.host_metadata
+        batch = build_input_batch(so, self.kv_block_size, self.device, host_metadata, padding)
+        logits, aux = self._forward(batch, graphed=padding is not None)
         # the token sampled from row r sits at position r + 1: that position keys its noise
         tokens = batch.sampling.sample(logits, batch.positions[batch.logits_indices] + 1)
-        target, drafts = self._per_request(batch, tokens)
+        target, drafts = _per_request(batch, tokens)
         num_accepted = verify_drafts(target, drafts, batch.sample_num_drafts)
-        t1 = time.perf_counter()
-        out = self._output(so, batch, target, num_accepted, logits, tokens)
+        timer.mark()
+        next_drafts = None
         if self.speculator is not None:
-            self._propose(so, batch, aux, target, num_accepted, out)
-        out.forward_time_s, out.draft_time_s = t1 - t0, time.perf_counter() - t1
+            next_drafts = self._propose(batch, aux, target, num_accepted, graphed=padding is not None)
+        timer.mark()
+        out = fetch_step_output(so, batch, pack_step(target, num_accepted, next_drafts))
+        add_logprobs(so, batch, logits, out)
+        out.forward_time_s, out.draft_time_s = timer.seconds()
         return out
 
-    def _per_request(self, batch: InputBatch, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target tokens [S, kmax+1] and drafts [S, kmax] (the input tokens of draft rows)."""
-        rows = batch.logits_rows
-        target = torch.where(rows >= 0, tokens[rows.clamp(min=0)], -1)
-        row_ids = batch.logits_indices[rows.clamp(min=0)]
-        drafts = torch.where(rows >= 0, batch.input_ids[row_ids], -2)[:, 1:]
-        return target, drafts
+    def _forward(self, batch: InputBatch, graphed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target forward + LM head -> (logits [L, V] in logits_indices order, aux features).
 
-    def _output(self, so, batch, target, num_accepted, logits, tokens) -> ModelRunnerOutput:
-        out = ModelRunnerOutput()
-        acc = num_accepted.tolist()
-        for s, i in enumerate(batch.sample_req):
-            rid = so.requests[i].request_id
-            emitted = target[s, : acc[s] + 1]
-            out.sampled_token_ids[rid] = emitted.tolist()
-            out.num_accepted[rid] = acc[s]
-            num_top = so.requests[i].sampling_params.logprobs
-            if num_top is not None:
-                rows = batch.logits_rows[s, : acc[s] + 1]
-                out.logprobs[rid] = _logprob_dicts(logits[rows], emitted, num_top)
-        return out
-
-    def _propose(self, so, batch: InputBatch, aux, target, num_accepted, out: ModelRunnerOutput) -> None:
-        """Write the drafter's context for committed rows, then draft for every sampling request.
-
-        Tensor ops only (no per-request loop): rejected draft rows get PADDING_SLOT so they write
-        no draft KV; the bonus sits one past the anchor and the accepted drafts.
+        Graphed steps return the padded aux [R_b*Q, n*H] (the drafter graph reads it whole).
         """
-        rows = batch.logits_rows  # [S, kmax + 1] logits index of anchor + draft rows, -1 = padding
-        slot_in_block = torch.arange(rows.shape[1], device=self.device)
-        rejected = (rows >= 0) & (slot_in_block[None, :] > num_accepted[:, None])
-        slot_mapping = batch.slot_mapping.clone()
-        slot_mapping[batch.logits_indices[rows[rejected]]] = PADDING_SLOT
-        bonus = target.gather(1, num_accepted[:, None]).squeeze(1)  # [S]
-        anchor_positions = batch.positions[batch.logits_indices[rows[:, 0]]]
-        sample_req = torch.tensor(batch.sample_req, dtype=torch.long, device=self.device)
-        drafts = self.speculator.propose(
-            aux,
-            batch.positions,
-            slot_mapping,
-            bonus,
-            anchor_positions + 1 + num_accepted,
-            batch.meta.block_table[sample_req],
-        )
-        for s, draft_row in enumerate(drafts.tolist()):
-            out.draft_token_ids[so.requests[batch.sample_req[s]].request_id] = draft_row
+        if graphed:
+            logits, aux = self.graphs.target.run(batch)
+            return logits[: batch.num_rows], aux  # uniform: logits_indices = every real row, in order
+        hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.aux_layer_ids)
+        return self.model.compute_logits(hidden[batch.logits_indices]), aux
+
+    def _propose(self, batch: InputBatch, aux, target, num_accepted, graphed: bool) -> torch.Tensor:
+        """Write the drafter's context for committed rows, then draft for every sampling request -> [S, K]."""
+        context_slots, bonus, bonus_positions = drafter_inputs(batch, target, num_accepted)
+        if graphed and self.graphs.draft is not None:
+            return self.graphs.draft.run(aux, context_slots, bonus, bonus_positions)[: len(batch.sample_req)]
+        block_table = batch.meta.block_table.index_select(0, batch.sample_req_index)
+        return self.speculator.propose(aux, batch.positions, context_slots, bonus, bonus_positions, block_table)
 
 
-def _logprob_dicts(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[dict]:
-    """One {"token_id", "logprob", "top": [(id, logprob), ...]} per emitted token."""
-    lp, top_ids, top_lp = compute_logprobs(logits, tokens, num_top)
-    return [
-        {"token_id": int(t), "logprob": float(l), "top": list(zip(ti.tolist(), tl.tolist()))}
-        for t, l, ti, tl in zip(tokens, lp, top_ids, top_lp)
-    ]
+def _per_request(batch: InputBatch, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target tokens [S, kmax+1] and drafts [S, kmax] (the input tokens of draft rows)."""
+    rows = batch.logits_rows
+    target = torch.where(rows >= 0, tokens[rows.clamp(min=0)], -1)
+    row_ids = batch.logits_indices[rows.clamp(min=0)]
+    drafts = torch.where(rows >= 0, batch.input_ids[row_ids], -2)[:, 1:]
+    return target, drafts
+
+
+def drafter_inputs(
+    batch: InputBatch, target: torch.Tensor, num_accepted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sync-free drafter inputs: (context slots [T] int64, bonus tokens [S] int64, bonus positions [S] int64).
+
+    Context slots are the batch's slots with PADDING_SLOT on rejected draft rows (and on padding
+    rows already); the bonus sits one past the anchor and the accepted drafts.
+    """
+    rows = batch.logits_rows  # [S, kmax + 1] logits index of anchor + draft rows, -1 = padding
+    row_ids = batch.logits_indices[rows.clamp(min=0)]  # [S, kmax + 1] batch row of each
+    col = torch.arange(rows.shape[1], device=rows.device)
+    rejected = (rows >= 0) & (col[None, :] > num_accepted[:, None])
+    # Scatter, not boolean indexing (that would sync). Padding entries (rows == -1) point at the
+    # row of logits index 0, an anchor that is never rejected, and write its own slot back.
+    context_slots = batch.slot_mapping.clone()
+    new = torch.where(rejected, PADDING_SLOT, batch.slot_mapping[row_ids])
+    context_slots.index_put_((row_ids.reshape(-1),), new.reshape(-1))
+    bonus = target.gather(1, num_accepted[:, None]).squeeze(1)
+    anchor_positions = batch.positions[row_ids[:, 0]]
+    return context_slots, bonus, anchor_positions + 1 + num_accepted

@@ -8,6 +8,9 @@ whose attention reads that cache plus the block's own K/V (`forward`), which is 
 
 KV cache layout (the target's): `kv_caches[l]` = (k_cache, v_cache) per draft layer, each
 [num_kv_blocks, kv_block_size, num_kv_heads, head_dim], paged with the target's page ids.
+
+Attention backend: the torch reference by default; `set_attention_backend` swaps in another
+(blockdraft.attention.backends), the same way the engine sets the target's.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.attention.metadata import AttentionMetadata
-from blockdraft.attention.torch_ref import paged_attention, write_kv
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding, apply_rotary
 from blockdraft.spec.dflash.config import DFlashConfig
@@ -43,6 +46,7 @@ class DFlashAttention(nn.Module):
         self.scale = d**-0.5
         self.causal = config.layer_causal[layer_idx]
         self.sliding_window = config.layer_windows[layer_idx]
+        self.backend = select_attention_backend("cpu").attention  # see DFlashDraftModel.set_attention_backend
 
     def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c [T, H] (already hidden_norm(fc(.))) -> K = RoPE(k_norm(W_k c)), V = W_v c, each [T, kv_heads, D].
@@ -63,7 +67,7 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
-        out = paged_attention(
+        out = self.backend(
             q, k, v, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window, causal=self.causal
         )
         return self.o_proj(out.reshape(x.shape[0], -1))
@@ -116,6 +120,13 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.attention_backend = select_attention_backend("cpu")
+
+    def set_attention_backend(self, backend: AttentionBackendSpec) -> None:
+        """Use `backend` for the block attention and the context K/V writes of every layer."""
+        self.attention_backend = backend
+        for layer in self.layers:
+            layer.self_attn.backend = backend.attention
 
     def _apply(self, fn, recurse: bool = True):
         # A dtype cast (model.to(bfloat16)) also casts the non-persistent inv_freq buffer; HF and
@@ -167,7 +178,7 @@ class DFlashDraftModel(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(positions, self.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             k, v = layer.self_attn.context_kv(c, cos, sin)
-            write_kv(k_cache, v_cache, k, v, slot_mapping)
+            self.attention_backend.write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     @torch.no_grad()
     def forward(

@@ -44,13 +44,14 @@ class DFlashSpeculator:
         drafter: DFlashDraftModel,
         target: DraftTarget,
         num_speculative_tokens: int | None,
-        num_kv_blocks: int,
+        num_kv_blocks: int | None,
         kv_block_size: int,
     ) -> None:
         """
         Args:
             num_speculative_tokens: K, 1 <= K <= block_size - 1 (None: block_size - 1).
-            num_kv_blocks, kv_block_size: the target cache's page count and page size.
+            num_kv_blocks, kv_block_size: the target cache's page count and page size. None pages:
+                allocate later with `allocate_kv_caches` (the GPU pool is sized after profiling).
         Raises:
             ValueError: K out of range.
         """
@@ -66,7 +67,20 @@ class DFlashSpeculator:
         self.aux_layer_ids = drafter.config.target_layer_ids
         self.mask_token_id = drafter.config.mask_token_id
         self.kv_block_size = kv_block_size
-        self.kv_caches = drafter.allocate_kv_caches(num_kv_blocks, kv_block_size)
+        self.kv_caches: list = []
+        if num_kv_blocks is not None:
+            self.allocate_kv_caches(num_kv_blocks)
+
+    def allocate_kv_caches(self, num_kv_blocks: int) -> None:
+        """(Re)allocate the draft caches with `num_kv_blocks` pages (the target pool's page count)."""
+        self.kv_caches = []  # free the old tensors before allocating the new ones
+        self.kv_caches = self.drafter.allocate_kv_caches(num_kv_blocks, self.kv_block_size)
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one page costs across every draft layer (K and V), for sizing the shared pool."""
+        cfg = self.drafter.config
+        per_layer = 2 * self.kv_block_size * cfg.num_key_value_heads * cfg.head_dim
+        return per_layer * len(self.drafter.layers) * self.drafter.dtype.itemsize
 
     @property
     def num_query_tokens(self) -> int:
@@ -82,8 +96,10 @@ class DFlashSpeculator:
         bonus_tokens: torch.Tensor,
         bonus_positions: torch.Tensor,
         block_table: torch.Tensor,
+        block_layout: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Absorb this step's committed rows, then draft.
+        """Absorb this step's committed rows, then draft. Sync-free unless the drafter's backend
+        needs host metadata (the torch reference).
 
         Args:
             features: [T, n*H] target features of this step's rows (aux_layer_ids order).
@@ -92,17 +108,24 @@ class DFlashSpeculator:
             bonus_tokens: [R] int64 anchor token per request (last committed token).
             bonus_positions: [R] int P per request; context = positions < P.
             block_table: [R, M] int32 page ids per request (the target's).
+            block_layout: optional prebuilt (query_start_loc [R + 1] int32, row_req [R*Q] int32) of
+                the draft block (CUDA graphs pass static buffers with padding requests: empty
+                query range, bonus position 0, rows -1); None builds the dense layout.
         Returns:
             [R, K] int64 greedy drafts; column k-1 is the token proposed for position P + k.
         """
         self.drafter.write_context(features, positions, self.kv_caches, slot_mapping)
         if bonus_tokens.shape[0] == 0:  # a step of prefill chunks only: context, no drafts
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.long, device=bonus_tokens.device)
-        return self.draft_logits(bonus_tokens, bonus_positions, block_table).argmax(dim=-1)
+        return self.draft_logits(bonus_tokens, bonus_positions, block_table, block_layout).argmax(dim=-1)
 
     @torch.no_grad()
     def draft_logits(
-        self, bonus_tokens: torch.Tensor, bonus_positions: torch.Tensor, block_table: torch.Tensor
+        self,
+        bonus_tokens: torch.Tensor,
+        bonus_positions: torch.Tensor,
+        block_table: torch.Tensor,
+        block_layout: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One batched block forward over the cached context -> logits [R, K, V] float32."""
         num_reqs, q = bonus_tokens.shape[0], self.num_query_tokens
@@ -114,7 +137,8 @@ class DFlashSpeculator:
         scale = self.drafter.config.input_embedding_scale
         if scale != 1.0:
             embeds = embeds * scale
-        meta = block_metadata(bonus_positions, block_table, q, self.kv_block_size)
+        host_lists = self.drafter.attention_backend.host_metadata
+        meta = block_metadata(bonus_positions, block_table, q, self.kv_block_size, host_lists, block_layout)
         hidden = self.drafter(embeds, block_positions, self.kv_caches, meta)  # [R*Q, H]
         # Slot 0 (the anchor) predicts nothing (sample_from_anchor=false); slot k predicts P + k.
         drafts_hidden = hidden.view(num_reqs, q, -1)[:, 1:].reshape(num_reqs * (q - 1), -1)
@@ -123,25 +147,36 @@ class DFlashSpeculator:
 
 
 def block_metadata(
-    bonus_positions: torch.Tensor, block_table: torch.Tensor, num_block_tokens: int, kv_block_size: int
+    bonus_positions: torch.Tensor,
+    block_table: torch.Tensor,
+    num_block_tokens: int,
+    kv_block_size: int,
+    host_lists: bool = True,
+    block_layout: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AttentionMetadata:
     """Block-mode metadata: R requests x Q uncached block rows over seq_lens = P cached tokens.
 
     slot_mapping is all PADDING_SLOT: the block's own K/V must never enter the cache (the next
     step re-injects these positions from target features instead).
-    Note: the *_host lists sync bonus_positions to the CPU; fine for the torch reference path.
+    host_lists: also fill query_start_loc_host / seq_lens_host (for the torch reference backend;
+        this reads bonus_positions back to the host). False on the sync-free GPU path.
+    block_layout: (query_start_loc [R + 1] int32, row_req [R*Q] int32) to use as they are (padded
+        CUDA-graph layouts); None = request i owns rows i*Q..(i+1)*Q-1, built on the device.
     """
     num_reqs, device = bonus_positions.shape[0], bonus_positions.device
-    seq_lens_host = [int(p) for p in bonus_positions.tolist()]
-    qsl_host = [i * num_block_tokens for i in range(num_reqs + 1)]
+    if block_layout is None:
+        qsl = torch.arange(num_reqs + 1, dtype=torch.int32, device=device) * num_block_tokens
+        row_req = torch.arange(num_reqs, dtype=torch.int32, device=device).repeat_interleave(num_block_tokens)
+    else:
+        qsl, row_req = block_layout
     return AttentionMetadata(
-        query_start_loc=torch.tensor(qsl_host, dtype=torch.int32, device=device),
+        query_start_loc=qsl,
         seq_lens=bonus_positions.to(torch.int32),
         block_table=block_table,
         slot_mapping=torch.full((num_reqs * num_block_tokens,), PADDING_SLOT, dtype=torch.int64, device=device),
         kv_block_size=kv_block_size,
-        query_start_loc_host=qsl_host,
-        seq_lens_host=seq_lens_host,
+        query_start_loc_host=qsl.tolist() if host_lists else None,
+        seq_lens_host=[int(p) for p in bonus_positions.tolist()] if host_lists else None,
         num_block_tokens=num_block_tokens,
-        row_req=torch.arange(num_reqs, dtype=torch.int32, device=device).repeat_interleave(num_block_tokens),
+        row_req=row_req,
     )

@@ -1,0 +1,156 @@
+"""Micro-benchmark of the paged-attention backends: torch_ref vs the dense twin vs Triton.
+
+Scenarios per model shape and batch size (every request has `ctx` cached tokens):
+  decode  1 row per request (the row's K/V written, then attention over ctx keys),
+  verify  16 rows per request (anchor + 15 drafts, causal),
+  draft   a DFlash draft block of 16 uncached rows over ctx cached tokens (bidirectional).
+Times are medians of `triton.testing.do_bench` on CUDA (of repeated wall-clock calls on CPU);
+`max_err` is the largest |Triton - torch_ref| of the output, a sanity check. The dense twin
+gathers every row's pages, so it is skipped where that would exceed --dense-max-gib.
+
+    python -m blockdraft.bench.attention_kernels --out attention_kernels.json
+    python -m blockdraft.bench.attention_kernels --device cpu --tiny --out /tmp/smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from blockdraft.attention.dense_ref import paged_attention_dense
+from blockdraft.attention.metadata import AttentionMetadata, build_metadata
+from blockdraft.attention.torch_ref import paged_attention
+
+# name -> (num_heads, num_kv_heads, head_dim)
+SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "qwen3-8b": (32, 8, 128)}
+TINY_SHAPES = {"tiny": (4, 2, 16)}
+SCENARIO_ROWS = {"decode": 1, "verify": 16, "draft": 16}
+KV_BLOCK_SIZE = 16
+
+
+def make_batch(
+    scenario: str, batch: int, ctx: int, shape: tuple[int, int, int], dtype: torch.dtype, device: str, seed: int = 0
+) -> tuple[tuple[torch.Tensor, ...], AttentionMetadata]:
+    """(q, k, v, k_cache, v_cache) and metadata of `batch` requests with `ctx` cached tokens each."""
+    heads, kv_heads, dim = shape
+    rows = SCENARIO_ROWS[scenario]
+    block = rows if scenario == "draft" else 0
+    seq_len = ctx if block else ctx + rows
+    pages_per_req = -(-(ctx + rows) // KV_BLOCK_SIZE)
+    pages = list(range(batch * pages_per_req))
+    random.Random(seed).shuffle(pages)  # scattered pages, as after many allocations
+    tables = [pages[i * pages_per_req : (i + 1) * pages_per_req] for i in range(batch)]
+    meta = build_metadata([seq_len] * batch, [rows] * batch, tables, KV_BLOCK_SIZE, num_block_tokens=block, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen, device=device).to(dtype)
+
+    t = batch * rows
+    cache_shape = (len(pages), KV_BLOCK_SIZE, kv_heads, dim)
+    return (randn(t, heads, dim), randn(t, kv_heads, dim), randn(t, kv_heads, dim),
+            randn(*cache_shape), randn(*cache_shape)), meta  # fmt: skip
+
+
+def dense_bytes(tensors: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> int:
+    """Rough peak bytes of the dense twin: gathered K and V in the cache dtype and in float32."""
+    q, _, _, k_cache, _ = tensors
+    keys = q.shape[0] * meta.block_table.shape[1] * k_cache.shape[1] * k_cache.shape[2] * k_cache.shape[3]
+    return 2 * keys * (k_cache.element_size() + 4)
+
+
+def median_ms(fn: Callable[[], object], device: str, reps: int) -> float:
+    """Median milliseconds of fn() (do_bench on CUDA, wall clock on CPU)."""
+    if device.startswith("cuda"):
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Benchmark every (shape, scenario, ctx, batch); returns one record per combination."""
+    device, dtype = args.device, getattr(torch, args.dtype)
+    use_triton = device.startswith("cuda")
+    if use_triton:
+        from blockdraft.attention.triton_attention import paged_attention_triton
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    records = []
+    for name, shape in shapes.items():
+        for scenario in args.scenarios:
+            for ctx in args.ctx:
+                for batch in args.batch:
+                    tensors, meta = make_batch(scenario, batch, ctx, shape, dtype, device)
+                    scale = shape[2] ** -0.5
+
+                    def call(backend, tensors=tensors, meta=meta, scale=scale):
+                        return lambda: backend(*tensors, meta, scale, causal=scenario != "draft")
+
+                    rec = {"model": name, "scenario": scenario, "ctx": ctx, "batch": batch,
+                           "rows": tensors[0].shape[0], "torch_ref_ms": median_ms(call(paged_attention), device, args.reps)}  # fmt: skip
+                    fits = dense_bytes(tensors, meta) <= args.dense_max_gib * 2**30
+                    rec["dense_ms"] = median_ms(call(paged_attention_dense), device, args.reps) if fits else None
+                    rec["triton_ms"] = rec["max_err"] = None
+                    if use_triton:
+                        rec["triton_ms"] = median_ms(call(paged_attention_triton), device, args.reps)
+                        ref = call(paged_attention)().float()
+                        rec["max_err"] = float((call(paged_attention_triton)().float() - ref).abs().max())
+                    records.append(rec)
+                    print(format_row(rec), flush=True)
+    return records
+
+
+def format_row(rec: dict) -> str:
+    def ms(x: float | None) -> str:
+        return f"{x:10.4f}" if x is not None else f"{'-':>10}"
+
+    err = f"{rec['max_err']:.1e}" if rec["max_err"] is not None else "-"
+    return (f"{rec['model']:<14}{rec['scenario']:<8}{rec['ctx']:>6}{rec['batch']:>6}{rec['rows']:>6}"
+            f"{ms(rec['torch_ref_ms'])}{ms(rec['dense_ms'])}{ms(rec['triton_ms'])}  {err}")  # fmt: skip
+
+
+HEADER = f"{'model':<14}{'scenario':<8}{'ctx':>6}{'batch':>6}{'rows':>6}{'torch_ref':>10}{'dense':>10}{'triton':>10}  max_err (ms)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda (all three backends) or cpu (no Triton column)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes / contexts / batches: a smoke test")
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIO_ROWS), choices=list(SCENARIO_ROWS))
+    p.add_argument("--ctx", type=int, nargs="+", default=None, help="cached tokens per request (default 1024 4096)")
+    p.add_argument("--batch", type=int, nargs="+", default=None, help="requests per batch (default 1 8 32)")
+    p.add_argument("--reps", type=int, default=5, help="timed calls per CPU measurement (CUDA: do_bench decides)")
+    p.add_argument("--dense-max-gib", type=float, default=24.0, help="skip the dense twin above this estimate")
+    p.add_argument("--out", default=None, help="write the records as JSON here")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda but CUDA is not available (use --device cpu --tiny for a smoke test)")
+    args.ctx = args.ctx or ([24, 40] if args.tiny else [1024, 4096])
+    args.batch = args.batch or ([1, 2] if args.tiny else [1, 8, 32])
+    print(f"device {args.device}  dtype {args.dtype}  kv_block_size {KV_BLOCK_SIZE}  (median ms)")
+    print(HEADER)
+    with torch.inference_mode():
+        records = run(args)
+    if args.out:
+        meta = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                "dtype": args.dtype, "kv_block_size": KV_BLOCK_SIZE, "torch": torch.__version__}  # fmt: skip
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""CUDA graphs for uniform decode / verify steps of the target: forward + LM head per R bucket.
+
+A step is *uniform* when every scheduled request verifies exactly Q = 1 + K rows (K = the
+speculator's num_speculative_tokens; Q = 1 for plain decoding) and samples. Such a step is padded
+to the smallest bucket R_b >= R (buckets 1, 2, 4, ... up to the largest that max_num_seqs and
+max_num_batched_tokens allow; ARCHITECTURE.md "cuda_graph") with inert padding (see
+runner.input_batch) and replayed. Prefill, mixed and non-uniform steps, and R beyond the largest
+bucket, run eagerly. Inputs live in persistent max-size buffers; each bucket's graph reads
+leading slices of them, and every bucket writes its logits into one shared float32 buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
+from blockdraft.engine.outputs import SchedulerOutput
+from blockdraft.runner.input_batch import BatchPadding, InputBatch
+from blockdraft.runner.static_graph import StaticGraph
+
+
+def capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, rows_per_req: int) -> list[int]:
+    """Request-count buckets: powers of two below the cap, then the cap itself (ascending).
+
+    cap = min(max_num_seqs, max_num_batched_tokens // rows_per_req): no uniform step can have
+    more requests than that, so every uniform step finds a bucket. Empty when cap < 1.
+    """
+    cap = min(max_num_seqs, max_num_batched_tokens // rows_per_req)
+    sizes = []
+    size = 1
+    while size < cap:
+        sizes.append(size)
+        size *= 2
+    return sizes + [cap] if cap >= 1 else []
+
+
+@dataclass
+class StaticInputs:
+    """Persistent device buffers for the largest bucket (R_max requests, R_max * Q rows).
+
+    input_ids / positions / slot_mapping [R_max*Q] int64, row_req [R_max*Q] int32,
+    query_start_loc [R_max + 1] int32, seq_lens [R_max] int32, block_table [R_max, M] int32.
+    Initialised as all padding, so warm-up and capture write nothing to the KV cache.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    row_req: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_reqs: int, rows_per_req: int, block_table_width: int, device) -> "StaticInputs":
+        rows = max_reqs * rows_per_req
+        return cls(
+            input_ids=torch.zeros(rows, dtype=torch.long, device=device),
+            positions=torch.zeros(rows, dtype=torch.long, device=device),
+            slot_mapping=torch.full((rows,), PADDING_SLOT, dtype=torch.long, device=device),
+            row_req=torch.full((rows,), -1, dtype=torch.int32, device=device),
+            query_start_loc=torch.zeros(max_reqs + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.zeros(max_reqs, dtype=torch.int32, device=device),
+            block_table=torch.zeros(max_reqs, block_table_width, dtype=torch.int32, device=device),
+        )
+
+    def load(self, batch: InputBatch) -> None:
+        """Copy a batch padded to a bucket into the leading slices (device-to-device, async)."""
+        rows, reqs = batch.input_ids.shape[0], batch.meta.num_reqs
+        self.input_ids[:rows].copy_(batch.input_ids)
+        self.positions[:rows].copy_(batch.positions)
+        self.slot_mapping[:rows].copy_(batch.slot_mapping)
+        self.row_req[:rows].copy_(batch.meta.row_req)
+        self.query_start_loc[: reqs + 1].copy_(batch.meta.query_start_loc)
+        self.seq_lens[:reqs].copy_(batch.meta.seq_lens)
+        self.block_table[:reqs].copy_(batch.meta.block_table)
+
+    def metadata(self, num_reqs: int, rows_per_req: int, kv_block_size: int) -> AttentionMetadata:
+        """Causal metadata over the first `num_reqs` requests' slices (no host lists)."""
+        rows = num_reqs * rows_per_req
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs],
+            block_table=self.block_table[:num_reqs],
+            slot_mapping=self.slot_mapping[:rows],
+            kv_block_size=kv_block_size,
+            query_start_loc_host=None,
+            seq_lens_host=None,
+            row_req=self.row_req[:rows],
+        )
+
+
+class TargetGraphs:
+    """Target forward + LM head over static buffers, one StaticGraph per request bucket.
+
+    Args:
+        model: CausalLM (its attention backend must read device metadata only).
+        kv_caches: the target's paged caches.
+        aux_layer_ids: layers whose outputs the drafter needs (may be empty).
+        buckets: ascending request counts (capture_sizes).
+        rows_per_req: Q.
+        block_table_width: M pages per request (ceil(max_model_len / kv_block_size)).
+        kv_block_size: tokens per page.
+        capture: capture CUDA graphs (else run the same static-shape code eagerly).
+        pool: shared graph memory pool (capture mode).
+    """
+
+    def __init__(self, model, kv_caches, aux_layer_ids, buckets, rows_per_req, block_table_width, kv_block_size,
+                 capture: bool, pool=None) -> None:
+        self.model, self.kv_caches, self.aux_layer_ids = model, kv_caches, tuple(aux_layer_ids)
+        self.buckets, self.rows_per_req = list(buckets), rows_per_req
+        self.block_table_width, self.kv_block_size = block_table_width, kv_block_size
+        device = kv_caches[0][0].device
+        self.inputs = StaticInputs.allocate(self.buckets[-1], rows_per_req, block_table_width, device)
+        vocab = model.config.vocab_size
+        self.logits = torch.zeros(self.buckets[-1] * rows_per_req, vocab, dtype=torch.float32, device=device)
+        self.capture, self.pool = capture, pool
+        self.graphs: dict[int, StaticGraph] = {}
+
+    def capture_bucket(self, num_reqs: int) -> None:
+        """Build (capture, or prepare eagerly) the graph of one bucket."""
+        self.graphs[num_reqs] = StaticGraph(lambda: self._forward(num_reqs), capture=self.capture, pool=self.pool)
+
+    def padding_for(self, so: SchedulerOutput) -> BatchPadding | None:
+        """The bucket padding for a uniform step, or None (run eagerly)."""
+        q = self.rows_per_req
+        reqs = so.requests
+        uniform = all(
+            sr.sample and len(sr.token_ids) == q and sr.num_spec_tokens == q - 1
+            and len(sr.block_ids) <= self.block_table_width
+            for sr in reqs
+        )
+        if not reqs or not uniform or len(reqs) > self.buckets[-1]:
+            return None
+        bucket = next(b for b in self.buckets if b >= len(reqs))
+        return BatchPadding(bucket, bucket * q, self.block_table_width)
+
+    def run(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Load a padded batch and replay its bucket -> (logits [R_b*Q, V] float32, aux [R_b*Q, n*H] | None).
+
+        Rows past batch.num_rows are padding. The tensors are the graph's static outputs: read
+        them before the next replay of any target graph.
+        """
+        self.inputs.load(batch)
+        return self.graphs[batch.meta.num_reqs]()
+
+    def aux_output(self, num_reqs: int) -> torch.Tensor | None:
+        """The captured aux output of a bucket (the drafter graph's input), None when eager."""
+        outputs = self.graphs[num_reqs].outputs
+        return None if outputs is None else outputs[1]
+
+    def _forward(self, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows = num_reqs * self.rows_per_req
+        meta = self.inputs.metadata(num_reqs, self.rows_per_req, self.kv_block_size)
+        ids, positions = self.inputs.input_ids[:rows], self.inputs.positions[:rows]
+        hidden, aux = self.model(ids, positions, self.kv_caches, meta, self.aux_layer_ids)
+        return self.model.compute_logits(hidden, out=self.logits[:rows]), aux

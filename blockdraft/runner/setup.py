@@ -1,0 +1,110 @@
+"""Builds a ModelRunner for a device: attention backend, KV pool size, caches, CUDA graphs.
+
+CPU: the torch reference backend, the configured pool, no graphs (unchanged behaviour).
+CUDA: the Triton backend (dense torch twin without Triton), the pool sized from GPU memory unless
+num_kv_blocks is given, and CUDA graphs for uniform decode / verify steps unless enforce_eager.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
+from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig
+from blockdraft.models import allocate_kv_caches
+from blockdraft.runner.model_runner import ModelRunner
+from blockdraft.runner.step_graphs import build_step_graphs
+
+GRAPH_MODES = ("capture", "eager", "off")
+
+
+@dataclass
+class RunnerSetup:
+    """The runner and the pool it was built with (the scheduler needs the same numbers)."""
+
+    runner: ModelRunner
+    num_kv_blocks: int
+    max_model_len: int
+
+
+def build_runner(
+    model,
+    config: ModelConfig,
+    speculator,
+    cache: CacheConfig,
+    sched: SchedulerConfig,
+    device: str | torch.device,
+    enforce_eager: bool = False,
+    attention_backend: str | None = None,
+    graph_mode: str | None = None,
+) -> RunnerSetup:
+    """Set the models' attention backend, size and allocate the KV pool, capture graphs.
+
+    Args:
+        model / config: the target CausalLM (weights loaded, on `device`) and its config.
+        speculator: None, or a speculator; a DFlash drafter gets the same backend and its caches
+            are (re)allocated to the pool's page count.
+        cache: num_kv_blocks None sizes the pool from GPU memory (CUDA only).
+        enforce_eager: never capture CUDA graphs (vLLM's --enforce-eager).
+        attention_backend: "torch" | "dense" | "triton" | None (the device's default).
+        graph_mode: None = "capture" on CUDA unless enforce_eager, else "off"; "eager" runs the
+            padded static-shape graph code without capturing (tests; any device).
+    Raises:
+        ValueError: an unknown graph mode or one the backend / device cannot do, num_kv_blocks
+            None on a CPU device, or a GPU memory budget that cannot hold one request.
+    """
+    device = torch.device(device)
+    backend = select_attention_backend(device, attention_backend)
+    model.set_attention_backend(backend.attention)
+    drafter = getattr(speculator, "drafter", None)
+    if drafter is not None:
+        drafter.set_attention_backend(backend)
+    mode = _graph_mode(graph_mode, device, enforce_eager, backend)
+    num_kv_blocks = cache.num_kv_blocks
+    if num_kv_blocks is None:
+        num_kv_blocks = _pool_from_memory(model, config, speculator, cache, sched, device, mode == "capture")
+    if drafter is not None and _num_pages(speculator.kv_caches) != num_kv_blocks:
+        speculator.allocate_kv_caches(num_kv_blocks)
+    dtype = next(model.parameters()).dtype
+    kv_caches = allocate_kv_caches(config, num_kv_blocks, cache.kv_block_size, dtype, device)
+    # A request must always fit the pool on its own, or preempting it could never make room.
+    max_model_len = min(config.max_position_embeddings, num_kv_blocks * cache.kv_block_size)
+    graphs = None
+    if mode != "off":
+        with torch.inference_mode():
+            graphs = build_step_graphs(
+                model, kv_caches, speculator, sched.max_num_seqs, sched.max_num_batched_tokens,
+                math.ceil(max_model_len / cache.kv_block_size), cache.kv_block_size, capture=mode == "capture",
+            )
+    runner = ModelRunner(model, kv_caches, cache.kv_block_size, device, speculator, backend, graphs)
+    return RunnerSetup(runner, num_kv_blocks, max_model_len)
+
+
+def _graph_mode(mode: str | None, device: torch.device, enforce_eager: bool, backend: AttentionBackendSpec) -> str:
+    if mode is None:
+        return "capture" if device.type == "cuda" and not enforce_eager and not backend.host_metadata else "off"
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"graph_mode must be one of {list(GRAPH_MODES)} or None, got {mode!r}")
+    if mode != "off" and backend.host_metadata:
+        raise ValueError(f"graph_mode {mode!r} needs an attention backend without host metadata, not {backend.name!r}")
+    if mode == "capture" and (device.type != "cuda" or enforce_eager):
+        raise ValueError(f"graph_mode 'capture' needs a CUDA device and enforce_eager=False (device {device})")
+    return mode
+
+
+def _pool_from_memory(model, config, speculator, cache, sched, device, cuda_graphs: bool) -> int:
+    from blockdraft.runner.memory_profile import num_kv_blocks_for_gpu
+
+    if device.type != "cuda":
+        raise ValueError(f"num_kv_blocks must be given on {device}: sizing the KV pool from memory needs CUDA")
+    return num_kv_blocks_for_gpu(
+        model, config, speculator, cache.kv_block_size, sched.max_num_batched_tokens, sched.max_num_seqs,
+        cache.gpu_memory_utilization, cuda_graphs, device,
+    )
+
+
+def _num_pages(kv_caches) -> int | None:
+    return kv_caches[0][0].shape[0] if kv_caches else None

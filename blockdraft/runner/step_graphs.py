@@ -1,0 +1,67 @@
+"""Builds the graphs of uniform steps: target (forward + LM head) and drafter, per bucket.
+
+Capture order is largest bucket first, target then drafter of each bucket, all in one memory
+pool: the largest graph sizes the pool and the smaller ones reuse it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from blockdraft.runner.cuda_graphs import TargetGraphs, capture_sizes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepGraphs:
+    """The target graphs and, with a DFlash speculator, the drafter graphs of the same buckets."""
+
+    target: TargetGraphs
+    draft: object | None  # blockdraft.spec.dflash.cuda_graph.DraftGraphs
+
+
+def build_step_graphs(
+    model,
+    kv_caches,
+    speculator,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    block_table_width: int,
+    kv_block_size: int,
+    capture: bool,
+) -> StepGraphs | None:
+    """Capture (or, capture=False, prepare to run eagerly) the uniform-step graphs.
+
+    Args:
+        speculator: None (plain decoding: Q = 1) or a DFlashSpeculator (Q = K + 1).
+        capture: True on CUDA; False runs the identical padded static-shape code eagerly.
+    Returns:
+        None when no bucket fits (max_num_batched_tokens < Q) or the speculator is not a
+        DFlashSpeculator (other speculators run eagerly).
+    """
+    from blockdraft.spec.dflash.cuda_graph import DraftGraphs
+    from blockdraft.spec.dflash.speculator import DFlashSpeculator
+
+    if speculator is not None and not isinstance(speculator, DFlashSpeculator):
+        return None
+    rows_per_req = 1 if speculator is None else speculator.num_query_tokens
+    buckets = capture_sizes(max_num_seqs, max_num_batched_tokens, rows_per_req)
+    if not buckets:
+        return None
+    aux_layer_ids = () if speculator is None else speculator.aux_layer_ids
+    pool = torch.cuda.graph_pool_handle() if capture else None
+    target = TargetGraphs(
+        model, kv_caches, aux_layer_ids, buckets, rows_per_req, block_table_width, kv_block_size, capture, pool
+    )
+    draft = None if speculator is None else DraftGraphs(speculator, target, capture, pool)
+    for num_reqs in reversed(buckets):
+        target.capture_bucket(num_reqs)
+        if draft is not None:
+            draft.capture_bucket(num_reqs)
+    if capture:
+        logger.info("captured CUDA graphs for %d request buckets %s x %d rows", len(buckets), buckets, rows_per_req)
+    return StepGraphs(target, draft)

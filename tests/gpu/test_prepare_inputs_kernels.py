@@ -1,0 +1,56 @@
+"""Compiled Triton drafter input preparation == its torch twin on CUDA (random steps, no host
+sync, CUDA-graph replay). Run on a GPU machine: `python -m pytest -q tests/gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton")
+
+from blockdraft.spec.dflash.prepare_inputs import DraftInputs, prepare_draft_inputs  # noqa: E402
+from blockdraft.spec.dflash.prepare_inputs_triton import prepare_draft_inputs_triton  # noqa: E402
+from tests.gpu.cuda_util import capture, no_host_sync, poison_allocator  # noqa: E402
+from tests.spec.prepare_cases import pad_step, random_step  # noqa: E402
+
+pytestmark = [pytest.mark.gpu]
+MASK, Q = 151_665, 16
+
+
+def assert_same(a: DraftInputs, b: DraftInputs) -> None:
+    for name in DraftInputs.__dataclass_fields__:
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("fn", [prepare_draft_inputs_triton, prepare_draft_inputs], ids=["triton", "twin"])
+def test_matches_cpu_twin(fn):
+    for seed in range(30):
+        case = random_step(seed, num_reqs=1 + seed, max_drafts=15, pad_sample=seed % 3)
+        expected = prepare_draft_inputs(*case.args(), MASK, Q)
+        poison_allocator()
+        got = fn(*case.to("cuda").args(), MASK, Q)
+        assert_same(DraftInputs(*(x.cpu() for x in vars(got).values())), expected)
+
+
+@pytest.mark.parametrize("fn", [prepare_draft_inputs_triton, prepare_draft_inputs], ids=["triton", "twin"])
+def test_no_host_sync(fn):
+    case = random_step(1, num_reqs=8, pad_sample=1).to("cuda")
+    fn(*case.args(), MASK, Q)
+    with no_host_sync():
+        fn(*case.args(), MASK, Q)
+
+
+@pytest.mark.parametrize("fn", [prepare_draft_inputs_triton, prepare_draft_inputs], ids=["triton", "twin"])
+def test_cuda_graph_replay(fn):
+    """Same shapes, new contents: a captured call follows the new step."""
+    bucket = dict(num_sample=10, width=16, num_logits=160, num_rows=200)
+    static = pad_step(random_step(10, num_reqs=8, max_drafts=15), **bucket).to("cuda")
+    graph, out = capture(lambda: fn(*static.args(), MASK, Q))
+    for seed in range(11, 31):
+        case = pad_step(random_step(seed, num_reqs=1 + seed % 10, max_drafts=15), **bucket)
+        for dst, src in zip(static.args(), case.to("cuda").args()):
+            dst.copy_(src)
+        graph.replay()
+        assert_same(DraftInputs(*(x.cpu() for x in vars(out).values())), prepare_draft_inputs(*case.args(), MASK, Q))
