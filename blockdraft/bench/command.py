@@ -59,16 +59,17 @@ def add_bench_parser(sub) -> None:
                    help=f"comma-separated subset of {','.join(ENGINE_CHOICES)} (ours always; default all)")
     b.add_argument("--forced", action=argparse.BooleanOptionalAction, default=None,
                    help="also time DFlash with forced acceptance (default: on with --shape, off with --model)")
-    b.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
+    b.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto (default) = cuda if available, else cpu")
     b.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="weights / KV dtype (default auto: bf16 on CUDA, fp32 on CPU)")
     b.add_argument("--seed", type=int, default=0, help="random weights and prompts (default 0)")
     b.add_argument("--hbm-bandwidth", type=float, default=H200_HBM_BYTES_PER_S,
                    help=f"B/s for the HBM floor of a step (default {H200_HBM_BYTES_PER_S:.3g}, H200)")
     b.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="pass enforce_eager=True to our LLM (no CUDA graphs; only if this build's LLM has it)")
-    b.add_argument("--gpu-memory-utilization", type=float, default=None,
-                   help="pass to our LLM (only if this build's LLM has it)")
+                   help="our LLM without CUDA graphs (passed as enforce_eager=True)")
+    b.add_argument("--attention-backend", default=None, choices=["torch", "dense", "triton"],
+                   help="our attention backend (default: the device's, triton on CUDA)")
     b.add_argument("--out", default=None, help="output prefix: writes PREFIX.json and PREFIX.png (default bench-<name>)")
     b.add_argument("--no-plot", action="store_true", help="write no PNG")
     b.add_argument("--cache-dir", default=None, help="model / dataset cache (default $BLOCKDRAFT_CACHE)")
@@ -95,6 +96,8 @@ def _check_source_flags(args) -> None:
         raise ValueError("--draft is for --model; with --shape the drafter is random (see --draft-layers, --no-draft)")
     if args.model and (args.no_draft or args.draft_layers is not None):
         raise ValueError("--no-draft / --draft-layers are for --shape; with --model, leave out --draft for plain only")
+    if args.num_speculative_tokens is not None and (args.no_draft or (args.model and args.draft is None)):
+        raise ValueError("--num-speculative-tokens needs a drafter (--draft with --model; no --no-draft with --shape)")
     if args.prompt_len < 1:
         raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
 
@@ -159,8 +162,9 @@ def run_bench(args) -> int:
 
     _check_source_flags(args)
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
-    options = check_llm_options({"enforce_eager": args.enforce_eager,
-                                 "gpu_memory_utilization": args.gpu_memory_utilization})
+    # Our KV pools are sized explicitly (PoolPlan) so that several engines and the HF model share
+    # one GPU; gpu_memory_utilization (which sizes a pool to most of the GPU) is therefore not used.
+    options = check_llm_options({"enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend})
     forced = bool(args.shape) if args.forced is None else args.forced
     settings = Settings(parse_batch_sizes(args.batch_sizes), args.max_tokens, args.repeats, args.warmup, engines,
                         forced, args.num_speculative_tokens, options)

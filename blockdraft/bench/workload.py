@@ -42,15 +42,20 @@ class Workload:
         return self.target.config
 
 
-def resolve_device_dtype(device: str | None, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`device` None -> cuda if available else cpu; dtype "auto" -> bf16 on CUDA, fp32 on the CPU.
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """device "auto" | "cuda" | "cpu" (auto: cuda if available); dtype "auto" -> bf16 on CUDA,
+    fp32 on the CPU.
 
     Raises:
-        ValueError: unknown dtype, or cuda asked for without a CUDA device.
+        ValueError: unknown device or dtype, or cuda asked for without a CUDA device.
     """
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for but torch sees no CUDA device")
+        raise ValueError("device 'cuda' asked for but torch sees no CUDA device")
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     if dtype not in DTYPES:

@@ -74,6 +74,8 @@ def test_engine_subset_and_no_draft(tmp_path):
         (["--shape", "tiny", "--max-tokens", "1"], "max_tokens must be >= 2"),
         (["--shape", "tiny", "--engines", "hf"], "engines must include 'ours'"),
         (["--model", "x", "--no-draft"], "are for --shape"),
+        (["--model", "x", "--num-speculative-tokens", "3"], "--num-speculative-tokens needs a drafter"),
+        (["--shape", "tiny", "--prompt-len", "0"], "--prompt-len must be >= 1"),
     ],
 )
 def test_bad_flags_exit_2_with_a_named_error(tmp_path, capsys, args, message):

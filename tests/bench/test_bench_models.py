@@ -67,28 +67,19 @@ def test_random_drafter_has_the_released_shape_and_zlab_gets_its_weights():
         random_drafter_on_device(target.config, 2, 1, torch.float32, "cpu")
 
 
-class _Inner:
-    num_speculative_tokens = 3
-    aux_layer_ids = (1, 2)
-
-    def __init__(self):
-        self.calls = 0
-
-    def propose(self, features, positions, slot_mapping, bonus_tokens, bonus_positions, block_table):
-        self.calls += 1
-        return torch.full((bonus_tokens.shape[0], 3), 7, dtype=torch.long)
-
-
 def test_forced_speculator_runs_the_real_drafter_and_returns_the_known_continuation():
-    inner = _Inner()
-    seq = torch.tensor([10, 11, 12, 13, 14, 15])
-    spec = ForcedAcceptanceSpeculator(inner, seq)
-    drafts = spec.propose(None, None, None, torch.tensor([12, 14]), torch.tensor([2, 4]), None)
-    assert inner.calls == 1
-    assert drafts.tolist() == [[13, 14, 15], [15, 15, 15]]  # past the end: the last token
-    assert spec.aux_layer_ids == (1, 2)  # forwarded
+    _, target = random_target(get_shape("tiny"), torch.float32, "cpu")
+    drafter = random_drafter_on_device(target.config, 2, 4, torch.float32, "cpu")  # K = 3
+    spec = ForcedAcceptanceSpeculator(drafter, target.model, None, 4, 4, torch.arange(100, 106))
+    features = torch.randn(3, 2 * target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    drafts = spec.propose(features, torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2]), torch.tensor([7, 9]),
+                          torch.tensor([2, 4]), table)
+    assert drafts.tolist() == [[103, 104, 105], [105, 105, 105]]  # past the end: the last token
+    k_cache = spec.kv_caches[0][0]
+    assert k_cache[0, :3].abs().sum() > 0 and k_cache[0, 3:].abs().sum() == 0  # the real context write ran
     with pytest.raises(ValueError, match="non-empty 1-D"):
-        ForcedAcceptanceSpeculator(inner, torch.tensor([[1, 2]]))
+        ForcedAcceptanceSpeculator(drafter, target.model, None, 4, 4, torch.tensor([[1, 2]]))
 
 
 def test_left_pad():
@@ -115,3 +106,24 @@ def test_id_tokenizer():
     assert tok.decode([3, 17]) == "3 17"
     with pytest.raises(ValueError, match="token ids"):
         tok.encode("hi")
+
+
+def test_forced_speculator_goes_through_the_static_graph_step_path(monkeypatch):
+    """The drafter graphs call the speculator's propose: the oracle lookup must live there too.
+    Runs the CUDA-graph code path without capturing (graph mode "eager", dense attention, CPU)."""
+    import blockdraft.runner.setup as setup
+    from blockdraft.bench.engines.ours import OurEngine, PoolPlan, forced_speculator
+    from blockdraft.bench.workload import random_prompts
+
+    _, target = random_target(get_shape("tiny"), torch.float32, "cpu")
+    drafter = random_drafter_on_device(target.config, 2, 8, torch.float32, "cpu")  # K = 7
+    plan = PoolPlan(max_batch=3, max_prompt_len=10, max_tokens=12, lookahead=8)
+    prompt = random_prompts(1, 10, target.config.vocab_size, 0)[0]
+    reference = OurEngine(target, "cpu", plan).generate([prompt], 12).token_ids[0]
+    monkeypatch.setattr(setup, "_graph_mode", lambda mode, device, enforce_eager, backend: "eager")
+    spec = forced_speculator(drafter, target, plan, None, prompt + reference, "cpu")
+    engine = OurEngine(target, "cpu", plan, spec, "dflash-forced", {"attention_backend": "dense"})
+    assert engine.llm.engine.runner.graphs.draft is not None
+    gen = engine.generate([prompt] * 3, 12)
+    assert gen.token_ids == [reference] * 3
+    assert gen.num_steps == 3 and gen.acceptance_length == 5.5  # 1 + 8 + 3 tokens: every draft accepted

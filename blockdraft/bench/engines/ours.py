@@ -42,7 +42,7 @@ class PoolPlan:
 
 def check_llm_options(options: dict) -> dict:
     """Keep the LLM keyword options the installed engine accepts (e.g. enforce_eager,
-    gpu_memory_utilization from the CUDA runner); None values mean "not given" and are dropped.
+    attention_backend of the CUDA runner); None values mean "not given" and are dropped.
 
     Raises:
         ValueError: a given option this build's `LLM` does not take (names it and the accepted ones).
@@ -109,11 +109,12 @@ def dflash_speculator(drafter, target: LoadedTarget, plan: PoolPlan, num_specula
 
 def forced_speculator(drafter, target: LoadedTarget, plan: PoolPlan, num_speculative_tokens: int | None,
                       sequence: list[int], device: str):
-    """A ForcedAcceptanceSpeculator (bench/forced.py) around a fresh DFlashSpeculator."""
+    """A ForcedAcceptanceSpeculator (bench/forced.py): DFlash over `drafter` replaying `sequence`."""
     from blockdraft.bench.forced import ForcedAcceptanceSpeculator
 
-    inner = dflash_speculator(drafter, target, plan, num_speculative_tokens)
-    return ForcedAcceptanceSpeculator(inner, torch.tensor(sequence, dtype=torch.long, device=device))
+    seq = torch.tensor(sequence, dtype=torch.long, device=device)
+    return ForcedAcceptanceSpeculator(drafter, target.model, num_speculative_tokens, plan.num_kv_blocks,
+                                      plan.kv_block_size, seq)
 
 
 __all__ = ["DFLASH", "FORCED", "PLAIN", "OurEngine", "PoolPlan", "check_llm_options", "dflash_speculator",
