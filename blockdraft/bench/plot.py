@@ -50,8 +50,11 @@ def plot_report(report: dict, path: str) -> None:
     floor = report["floor"].get("plain_step_floor_ms")
     if floor:
         ax_ms.axhline(floor, color="black", linewidth=0.8, linestyle="-.", label="HBM floor (plain step)")
+    batches = sorted({r["batch_size"] for r in report["results"]})
     for ax, ylabel in ((ax_tps, "output tokens/s (end to end)"), (ax_ms, "ms per target step")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
         ax.set_yscale("log")
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(ylabel)
