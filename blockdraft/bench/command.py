@@ -70,7 +70,8 @@ def add_bench_parser(sub) -> None:
                    help="our LLM without CUDA graphs (passed as enforce_eager=True)")
     b.add_argument("--attention-backend", default=None, choices=["torch", "dense", "triton"],
                    help="our attention backend (default: the device's, triton on CUDA)")
-    b.add_argument("--out", default=None, help="output prefix: writes PREFIX.json and PREFIX.png (default bench-<name>)")
+    b.add_argument("--out", default=None,
+                   help="output prefix: writes PREFIX.json and PREFIX.png (default bench-<name>)")
     b.add_argument("--no-plot", action="store_true", help="write no PNG")
     b.add_argument("--cache-dir", default=None, help="model / dataset cache (default $BLOCKDRAFT_CACHE)")
     b.set_defaults(func=run_bench)

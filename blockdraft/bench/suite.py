@@ -67,6 +67,10 @@ def build_engines(workload: Workload, settings: Settings) -> tuple[list, dict, l
     k = num_speculative_tokens(workload, settings)
     plan = PoolPlan(max(settings.batch_sizes), max(len(p) for p in workload.prompts), settings.max_tokens,
                     lookahead=(k or 0) + 1)
+    longest = plan.max_prompt_len + plan.max_tokens + plan.lookahead
+    if longest > workload.config.max_position_embeddings:
+        raise ValueError(f"longest prompt ({plan.max_prompt_len}) + max_tokens ({plan.max_tokens}) + K + 1 exceeds "
+                         f"the model's context of {workload.config.max_position_embeddings} positions")
     dev, opts = str(workload.device), settings.llm_options or {}
     engines = [OurEngine(workload.target, dev, plan, options=opts)]
     if workload.drafter is None:
@@ -103,7 +107,9 @@ def _zlab_engines(workload: Workload, k: int | None, skipped: dict) -> list:
     return [ZLabEngine(zl, workload.hf_model, 1), ZLabEngine(zl, workload.hf_model, k + 1)]
 
 
-def run_matrix(workload: Workload, settings: Settings, on_batch: Callable[[list[Cell], list[dict], dict], None] | None = None):
+def run_matrix(
+    workload: Workload, settings: Settings, on_batch: Callable[[list[Cell], list[dict], dict], None] | None = None
+):
     """Measure every engine at every batch size; returns (cells, parity, skipped).
 
     parity rows compare, per batch size: ours DFlash vs ours plain, HF vs ours plain, z-lab plain

@@ -91,7 +91,9 @@ def random_workload(
     shape = get_shape(shape_name)
     hf, target = random_target(shape, dtype, device, seed)
     layers = draft_layers or shape.draft_layers
-    drafter = random_drafter_on_device(target.config, layers, block_size, dtype, device, seed + 1) if with_drafter else None
+    drafter = None
+    if with_drafter:
+        drafter = random_drafter_on_device(target.config, layers, block_size, dtype, device, seed + 1)
     prompts = random_prompts(num_prompts, prompt_len, target.config.vocab_size, seed)
     source = {"shape": shape.name, "description": shape.description, "weights": "random", "prompt_len": prompt_len,
               "draft_layers": layers if with_drafter else None}

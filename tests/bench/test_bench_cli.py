@@ -40,7 +40,7 @@ def test_tiny_shape_runs_every_engine_and_spec_equals_plain(tmp_path, capsys):
     if ZLAB:
         assert rows[("zlab", "dflash", 3)]["status"] == "n/a"
         assert "one request at a time" in rows[("zlab", "dflash", 3)]["reason"]
-        assert rows[("ours", "dflash", 1)]["runs"][0]["num_steps"] == rows[("zlab", "dflash", 1)]["runs"][0]["num_steps"]
+        assert rows[("zlab", "dflash", 1)]["acceptance_length"] >= 1.0
     else:
         assert "dflash==0.1.0" in doc["skipped"]["zlab"]
     assert parity[("ours/dflash", 3)]["num_requests"] == 3
@@ -58,8 +58,8 @@ def test_tiny_shape_runs_every_engine_and_spec_equals_plain(tmp_path, capsys):
 
 
 def test_engine_subset_and_no_draft(tmp_path):
-    rc, doc, rows, parity = _run(tmp_path, "--shape", "tiny", "--batch-sizes", "2", "--max-tokens", "4", "--prompt-len", "8",
-                                 "--engines", "ours", "--no-draft", "--no-plot", "--warmup", "0")
+    rc, doc, rows, parity = _run(tmp_path, "--shape", "tiny", "--batch-sizes", "2", "--max-tokens", "4",
+                                 "--prompt-len", "8", "--engines", "ours", "--no-draft", "--no-plot", "--warmup", "0")
     assert rc == 0 and list(rows) == [("ours", "plain", 2)]
     assert doc["skipped"] == {"ours/dflash": "no drafter"} and parity == {}
     assert doc["criteria"]["dflash_step_over_plain_step"] is None
@@ -76,6 +76,7 @@ def test_engine_subset_and_no_draft(tmp_path):
         (["--model", "x", "--no-draft"], "are for --shape"),
         (["--model", "x", "--num-speculative-tokens", "3"], "--num-speculative-tokens needs a drafter"),
         (["--shape", "tiny", "--prompt-len", "0"], "--prompt-len must be >= 1"),
+        (["--shape", "tiny", "--prompt-len", "2000", "--engines", "ours"], "exceeds the model's context of 2048"),
     ],
 )
 def test_bad_flags_exit_2_with_a_named_error(tmp_path, capsys, args, message):
