@@ -1,4 +1,4 @@
-"""Command line: `blockdraft generate | fetch` (more subcommands register themselves here)."""
+"""Command line: `blockdraft generate | fetch | serve | train-drafter | eval-drafter | bench`."""
 
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub, DEFAULT_MODEL)
     _add_train_drafter_parser(sub, DEFAULT_MODEL)
     _add_eval_drafter_parser(sub, DEFAULT_MODEL)
+    from blockdraft.bench.command import add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 

@@ -84,6 +84,48 @@ def export_drafter(model: DFlashDraftModel, path: str | Path) -> None:
     (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
 
 
+def random_drafter_config(
+    target_config: ModelConfig,
+    num_layers: int,
+    block_size: int,
+    target_layer_ids: tuple[int, ...] | list[int] | None = None,
+    mask_token_id: int | None = None,
+    **overrides,
+) -> DFlashConfig:
+    """The config of a drafter shaped for `target_config`, as released DFlash drafters are: layer
+    shapes copy the target's (hidden, heads, kv heads, head_dim, FFN, eps, RoPE); target_layer_ids
+    default to `build_target_layer_ids`; `mask_token_id` defaults to vocab_size - 1; `overrides`
+    go to DFlashConfig (e.g. layer_types, sliding_window, causal_override).
+
+    Raises:
+        ValueError: refused by DFlashConfig or by `validate_against_target`.
+    """
+    t = target_config
+    if target_layer_ids is None:
+        target_layer_ids = build_target_layer_ids(t.num_hidden_layers, num_layers)
+    fields = dict(
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        rms_norm_eps=t.rms_norm_eps,
+        rope_theta=t.rope_theta,
+        rope_scaling=t.rope_scaling,
+        max_position_embeddings=t.max_position_embeddings,
+        vocab_size=t.vocab_size,
+        num_target_layers=t.num_hidden_layers,
+        mask_token_id=t.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        target_layer_ids=tuple(target_layer_ids),
+        block_size=block_size,
+    )
+    fields.update(overrides)
+    config = DFlashConfig(**fields)
+    config.validate_against_target(t)
+    return config
+
+
 def random_drafter(
     target_config: ModelConfig,
     num_layers: int,
@@ -99,36 +141,12 @@ def random_drafter(
 ) -> DFlashDraftModel:
     """A randomly initialised drafter shaped for `target_config` (tests and benchmarks).
 
-    Layer shapes copy the target's (hidden, heads, kv heads, head_dim, FFN, eps, RoPE), as released
-    DFlash drafters do. Linear weights ~ N(0, init_std) (HF's 0.02 by default; tests use larger
-    values so the context visibly moves the drafts), norm weights ~ 1 + N(0, 0.1) so the norms are
-    exercised. Deterministic for a given seed. `mask_token_id` defaults to vocab_size - 1;
-    `overrides` are passed to DFlashConfig (e.g. layer_types, sliding_window, causal_override).
+    Config: `random_drafter_config`. Linear weights ~ N(0, init_std) (HF's 0.02 by default; tests
+    use larger values so the context visibly moves the drafts), norm weights ~ 1 + N(0, 0.1) so the
+    norms are exercised. Deterministic for a given seed. The noise is drawn on the CPU in float32
+    (large drafters on a GPU: see blockdraft.bench.random_weights).
     """
-    t = target_config
-    if target_layer_ids is None:
-        target_layer_ids = build_target_layer_ids(t.num_hidden_layers, num_layers)
-    ids = tuple(target_layer_ids)
-    fields = dict(
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads,
-        head_dim=t.head_dim,
-        rms_norm_eps=t.rms_norm_eps,
-        rope_theta=t.rope_theta,
-        rope_scaling=t.rope_scaling,
-        max_position_embeddings=t.max_position_embeddings,
-        vocab_size=t.vocab_size,
-        num_target_layers=t.num_hidden_layers,
-        mask_token_id=t.vocab_size - 1 if mask_token_id is None else mask_token_id,
-        target_layer_ids=ids,
-        block_size=block_size,
-    )
-    fields.update(overrides)
-    config = DFlashConfig(**fields)
-    config.validate_against_target(t)
+    config = random_drafter_config(target_config, num_layers, block_size, target_layer_ids, mask_token_id, **overrides)
     model = empty_drafter(config, dtype, device)
     _init_random(model, seed, init_std)
     return model

@@ -1,0 +1,218 @@
+"""`blockdraft bench`: HF generate vs z-lab dflash vs our plain and DFlash decoding, one process,
+same prompts, same device, at several batch sizes; table on stdout, JSON + PNG on disk."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+
+DESCRIPTION = """\
+Benchmark, in one process on one device: transformers `generate` (batched, left padding), the z-lab
+reference `dflash_generate` (plain and DFlash, batch 1 only), our plain decoding and our DFlash
+decoding, at batch 1 and at N concurrent requests. All engines share the same weights and prompts.
+
+Sources (give one):
+  --shape NAME   random weights of a real architecture, built on the device (qwen3-8b, qwen2.5-0.5b,
+                 tiny for CPU smoke tests) with a random DFlash drafter; random prompts. Acceptance of a
+                 random drafter is ~1 token/step, so the forced-acceptance row (on by default here) times
+                 DFlash with drafts replaced by plain decoding's known continuation.
+  --model NAME   a real model (catalog name, HF folder or .gguf) with --draft PATH|shipped, on
+                 HumanEval / MT-bench prompts through the chat template.
+
+Every cell: --warmup full runs, then --repeats x (prefill-only run, full run) with device-synchronised
+clocks; medians. ms/step = (t_full - t_prefill) / (steps_full - steps_prefill): one target forward
+(plain) or one verify + draft + bookkeeping (DFlash). Greedy (T=0), EOS ignored, --max-tokens tokens.
+Outputs of DFlash vs plain (and HF / z-lab vs ours) are compared token for token; mismatches (bf16
+near-ties) are counted, not hidden.
+"""
+
+
+def add_bench_parser(sub) -> None:
+    """Register the `bench` subcommand on an argparse subparsers object."""
+    from blockdraft.bench.shapes import H200_HBM_BYTES_PER_S, SHAPES
+    from blockdraft.bench.suite import ENGINE_CHOICES
+
+    b = sub.add_parser("bench", help="throughput / step-time benchmark vs transformers and z-lab dflash",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = b.add_mutually_exclusive_group(required=True)
+    src.add_argument("--shape", choices=list(SHAPES), help="random weights of this architecture")
+    src.add_argument("--model", help="real model: catalog name, HF folder or .gguf")
+    b.add_argument("--draft", default=None,
+                   help="with --model: DFlash drafter folder, or 'shipped' (default: none, plain rows only)")
+    b.add_argument("--no-draft", action="store_true", help="with --shape: no drafter (plain rows only)")
+    b.add_argument("--draft-layers", type=int, default=None,
+                   help="with --shape: random drafter depth (default: 5 for qwen3-8b / qwen2.5-0.5b, 2 for tiny)")
+    b.add_argument("--block-size", type=int, default=16, help="with --shape: drafter block size B (default 16)")
+    b.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default B - 1)")
+    b.add_argument("--prompt-len", type=int, default=128, help="with --shape: tokens per random prompt (default 128)")
+    b.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"],
+                   help="with --model: prompt set (default humaneval); batch N takes the first N")
+    b.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated concurrent requests (default 1,8,32,64)")
+    b.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    b.add_argument("--repeats", type=int, default=3, help="timed repeats per cell, median reported (default 3)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed full runs before timing (default 1)")
+    b.add_argument("--engines", default=",".join(ENGINE_CHOICES),
+                   help=f"comma-separated subset of {','.join(ENGINE_CHOICES)} (ours always; default all)")
+    b.add_argument("--forced", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time DFlash with forced acceptance (default: on with --shape, off with --model)")
+    b.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto (default) = cuda if available, else cpu")
+    b.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="weights / KV dtype (default auto: bf16 on CUDA, fp32 on CPU)")
+    b.add_argument("--seed", type=int, default=0, help="random weights and prompts (default 0)")
+    b.add_argument("--hbm-bandwidth", type=float, default=H200_HBM_BYTES_PER_S,
+                   help=f"B/s for the HBM floor of a step (default {H200_HBM_BYTES_PER_S:.3g}, H200)")
+    b.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="our LLM without CUDA graphs (passed as enforce_eager=True)")
+    b.add_argument("--attention-backend", default=None, choices=["torch", "dense", "triton"],
+                   help="our attention backend (default: the device's, triton on CUDA)")
+    b.add_argument("--out", default=None,
+                   help="output prefix: writes PREFIX.json and PREFIX.png (default bench-<name>)")
+    b.add_argument("--no-plot", action="store_true", help="write no PNG")
+    b.add_argument("--cache-dir", default=None, help="model / dataset cache (default $BLOCKDRAFT_CACHE)")
+    b.set_defaults(func=run_bench)
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """'1,8,32' -> (1, 8, 32).
+
+    Raises:
+        ValueError: an entry that is not a positive integer (named).
+    """
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--batch-sizes takes positive integers separated by commas, got {part!r} in {text!r}")
+        out.append(int(part))
+    return tuple(out)
+
+
+def _check_source_flags(args) -> None:
+    if args.shape and args.draft is not None:
+        raise ValueError("--draft is for --model; with --shape the drafter is random (see --draft-layers, --no-draft)")
+    if args.model and (args.no_draft or args.draft_layers is not None):
+        raise ValueError("--no-draft / --draft-layers are for --shape; with --model, leave out --draft for plain only")
+    if args.num_speculative_tokens is not None and (args.no_draft or (args.model and args.draft is None)):
+        raise ValueError("--num-speculative-tokens needs a drafter (--draft with --model; no --no-draft with --shape)")
+    if args.prompt_len < 1:
+        raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+
+
+def build_workload(args):
+    """The Workload the flags describe (see bench/workload.py)."""
+    from blockdraft.bench.workload import model_workload, random_workload, resolve_device_dtype
+    from blockdraft.drafters import resolve_draft
+
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    num_prompts = max(parse_batch_sizes(args.batch_sizes))
+    if args.shape:
+        return random_workload(args.shape, device, dtype, num_prompts=num_prompts, prompt_len=args.prompt_len,
+                               draft_layers=args.draft_layers, block_size=args.block_size,
+                               with_drafter=not args.no_draft, seed=args.seed)
+    draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
+    return model_workload(args.model, draft, device, dtype, dataset=args.dataset, num_prompts=num_prompts,
+                          cache_dir=args.cache_dir)
+
+
+def floor_of(workload, hbm_bytes_per_s: float) -> dict:
+    """HBM floors of a plain and a DFlash step for this workload's target (and drafter)."""
+    from blockdraft.bench.shapes import dflash_extra_bytes, hbm_floor_ms, weight_bytes_per_forward
+
+    elem = workload.dtype.itemsize
+    weights = weight_bytes_per_forward(workload.config, elem)
+    out = {"hbm_bytes_per_s": hbm_bytes_per_s, "target_weight_bytes": weights,
+           "plain_step_floor_ms": hbm_floor_ms(weights, hbm_bytes_per_s), "dflash_extra_bytes": None,
+           "dflash_step_floor_ms": None}
+    if workload.drafter is not None:
+        extra = dflash_extra_bytes(sum(p.numel() for p in workload.drafter.parameters()), workload.config, elem)
+        out.update(dflash_extra_bytes=extra, dflash_step_floor_ms=hbm_floor_ms(weights + extra, hbm_bytes_per_s))
+    return out
+
+
+def device_info(device) -> dict:
+    """Device name and library versions (into the JSON)."""
+    import importlib.metadata as md
+
+    import torch
+    import transformers
+
+    def version(pkg: str) -> str | None:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+    return {"type": device.type, "name": name, "torch": torch.__version__, "transformers": transformers.__version__,
+            "dflash": version("dflash"), "python": platform.python_version(), "cpu_count": os.cpu_count()}
+
+
+def run_bench(args) -> int:
+    """CLI entry: build the workload, run the matrix, print the table, write JSON (+ PNG).
+
+    Returns 0, or 1 when a cell failed with an error (the report still holds everything else).
+    """
+    from blockdraft.bench import report as rep
+    from blockdraft.bench.engines.ours import check_llm_options
+    from blockdraft.bench.suite import Settings, log, num_speculative_tokens, run_matrix
+
+    _check_source_flags(args)
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    # Our KV pools are sized explicitly (PoolPlan) so that several engines and the HF model share
+    # one GPU; gpu_memory_utilization (which sizes a pool to most of the GPU) is therefore not used.
+    options = check_llm_options({"enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend})
+    forced = bool(args.shape) if args.forced is None else args.forced
+    settings = Settings(parse_batch_sizes(args.batch_sizes), args.max_tokens, args.repeats, args.warmup, engines,
+                        forced, args.num_speculative_tokens, options)
+    log("building models")
+    workload = build_workload(args)
+    prefix = Path(args.out or f"bench-{Path(workload.name).name}")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    base = {
+        "schema": rep.SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "workload": {"name": workload.name, **workload.source, "arch": workload.config.arch,
+                     "num_hidden_layers": workload.config.num_hidden_layers,
+                     "hidden_size": workload.config.hidden_size},
+        "device": device_info(workload.device),
+        "dtype": str(workload.dtype).replace("torch.", ""),
+        "settings": {"batch_sizes": list(settings.batch_sizes), "max_tokens": settings.max_tokens,
+                     "repeats": settings.repeats, "warmup": settings.warmup, "engines": list(engines),
+                     "forced": forced, "num_speculative_tokens": num_speculative_tokens(workload, settings),
+                     "block_size": workload.drafter.config.block_size if workload.drafter else None,
+                     "draft_layers": workload.drafter.config.num_hidden_layers if workload.drafter else None,
+                     "llm_options": options},
+        "floor": floor_of(workload, args.hbm_bandwidth),
+    }
+    json_path = prefix.with_name(prefix.name + ".json")
+
+    def assemble(cells, parity, skipped) -> dict:
+        rows = rep.add_speedups([c.summary() for c in cells])
+        doc = {**base, "results": rows, "parity": parity, "skipped": skipped,
+               "criteria": rep.criteria(rows, base["floor"])}
+        rep.validate_report(doc)
+        return doc
+
+    def save(doc: dict) -> None:
+        json_path.write_text(json.dumps(doc, indent=1) + "\n")
+
+    cells, parity, skipped = run_matrix(workload, settings, on_batch=lambda c, p, s: save(assemble(c, p, s)))
+    doc = assemble(cells, parity, skipped)
+    save(doc)
+    print(rep.format_table(doc))
+    print(f"wrote {json_path}")
+    if not args.no_plot:
+        png = prefix.with_name(prefix.name + ".png")
+        try:
+            from blockdraft.bench.plot import plot_report
+
+            plot_report(doc, str(png))
+            print(f"wrote {png}")
+        except ValueError as e:
+            print(f"no plot: {e}")
+    return 1 if any(c.status == "error" for c in cells) else 0

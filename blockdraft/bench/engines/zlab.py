@@ -1,0 +1,78 @@
+"""The z-lab reference (`dflash==0.1.0`, `dflash.model.dflash_generate`) as a baseline.
+
+`dflash_generate` decodes ONE request ([1, L] input; its acceptance bookkeeping reads element 0),
+so this engine reports every batch size above 1 as unsupported. Plain decoding is the same loop
+with block_size=1 (what z-lab's own benchmark uses as its baseline); DFlash uses block_size =
+K + 1 with the same drafter weights as ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+from blockdraft.bench.engines import DFLASH, PLAIN, Generation
+
+
+class ZLabEngine:
+    """z-lab `dflash_generate` over an HF target and z-lab's DFlashDraftModel.
+
+    Args:
+        drafter: z-lab DFlashDraftModel (see bench.random_weights.zlab_drafter_from); also needed
+            for plain decoding, whose output buffer is initialised with its mask token.
+        target: the HF *ForCausalLM (the same object the HF baseline runs).
+        block_size: 1 = plain decoding; K + 1 = DFlash with K drafts per step.
+    Raises:
+        ValueError: block_size < 1.
+    """
+
+    engine = "zlab"
+
+    def __init__(self, drafter, target, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"z-lab block_size must be >= 1, got {block_size}")
+        self.drafter, self.target, self.block_size = drafter, target, block_size
+        self.mode = PLAIN if block_size == 1 else DFLASH
+
+    def unsupported(self, batch_size: int) -> str | None:
+        if batch_size > 1:
+            return "dflash_generate decodes one request at a time"
+        return None
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> Generation:
+        """Runs `dflash_generate(..., temperature=0, stop_token_ids=None)` on the single prompt.
+
+        Raises:
+            ValueError: more than one prompt.
+        """
+        from dflash import model as zlab
+
+        if len(prompts) != 1:
+            raise ValueError(f"z-lab dflash_generate takes one prompt, got {len(prompts)}")
+        ids = torch.tensor([prompts[0]], dtype=torch.long, device=self.target.device)
+        with _host_timer_off_cuda(zlab, ids.device):
+            res = zlab.dflash_generate(
+                self.drafter, self.target, ids, max_tokens, None,
+                temperature=0.0, block_size=self.block_size, return_stats=True,
+            )
+        tokens = res.output_ids[0, ids.shape[1] :].tolist()
+        steps = res.acceptance_lengths
+        acceptance = statistics.fmean(steps) if self.block_size > 1 and steps else None
+        return Generation(token_ids=[tokens], num_steps=1 + len(steps), acceptance_length=acceptance)
+
+
+@contextlib.contextmanager
+def _host_timer_off_cuda(zlab_module, device: torch.device):
+    """dflash_generate's stats timer calls torch.cuda.synchronize(); off CUDA use a host clock."""
+    if device.type == "cuda":
+        yield
+        return
+    saved = zlab_module._cuda_time
+    zlab_module._cuda_time = time.perf_counter
+    try:
+        yield
+    finally:
+        zlab_module._cuda_time = saved

@@ -1,0 +1,162 @@
+"""The benchmark matrix: every engine at every batch size on one workload, plus output parity.
+
+Engines (when selected and possible): ours plain (the reference every ratio and parity check
+uses), ours DFlash, ours DFlash with forced acceptance (bench/forced.py), HF `generate`, and
+z-lab `dflash_generate` plain (block_size 1) and DFlash (block_size K + 1) at batch 1.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from blockdraft.bench.engines import DFLASH, FORCED, PLAIN
+from blockdraft.bench.measure import Cell, compare_outputs, measure
+from blockdraft.bench.workload import Workload
+
+ENGINE_CHOICES = ("ours", "hf", "zlab")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Knobs of one benchmark run (see `blockdraft bench --help`)."""
+
+    batch_sizes: tuple[int, ...]
+    max_tokens: int
+    repeats: int = 3
+    warmup: int = 1
+    engines: tuple[str, ...] = ENGINE_CHOICES
+    forced: bool = False
+    num_speculative_tokens: int | None = None
+    llm_options: dict | None = None
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch sizes must be integers >= 1, got {list(self.batch_sizes)}")
+        if self.max_tokens < 2:
+            raise ValueError(f"max_tokens must be >= 2 (prefill + at least one decode step), got {self.max_tokens}")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(f"need repeats >= 1 and warmup >= 0, got {self.repeats} and {self.warmup}")
+        bad = sorted(set(self.engines) - set(ENGINE_CHOICES))
+        if bad or "ours" not in self.engines:
+            raise ValueError(f"engines must include 'ours' (the reference) and only {list(ENGINE_CHOICES)}, "
+                             f"got {list(self.engines)}")
+
+
+def log(msg: str) -> None:
+    """Progress on stderr with a wall-clock stamp (stdout carries the table)."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def num_speculative_tokens(workload: Workload, settings: Settings) -> int | None:
+    """K: the setting, else block_size - 1 of the drafter (None without a drafter)."""
+    if workload.drafter is None:
+        return None
+    return settings.num_speculative_tokens or workload.drafter.config.block_size - 1
+
+
+def build_engines(workload: Workload, settings: Settings) -> tuple[list, dict, list[int] | None]:
+    """(engines to run, ours plain first; {"engine/mode": reason} for those left out; the forced
+    prompt's plain continuation, which the forced engine's drafts replay, or None)."""
+    from blockdraft.bench.engines.ours import OurEngine, PoolPlan, dflash_speculator, forced_speculator
+
+    skipped: dict[str, str] = {}
+    forced_reference = None
+    k = num_speculative_tokens(workload, settings)
+    plan = PoolPlan(max(settings.batch_sizes), max(len(p) for p in workload.prompts), settings.max_tokens,
+                    lookahead=(k or 0) + 1)
+    longest = plan.max_prompt_len + plan.max_tokens + plan.lookahead
+    if longest > workload.config.max_position_embeddings:
+        raise ValueError(f"longest prompt ({plan.max_prompt_len}) + max_tokens ({plan.max_tokens}) + K + 1 exceeds "
+                         f"the model's context of {workload.config.max_position_embeddings} positions")
+    dev, opts = str(workload.device), settings.llm_options or {}
+    engines = [OurEngine(workload.target, dev, plan, options=opts)]
+    if workload.drafter is None:
+        skipped[f"ours/{DFLASH}"] = "no drafter"
+    else:
+        spec = dflash_speculator(workload.drafter, workload.target, plan, k)
+        engines.append(OurEngine(workload.target, dev, plan, spec, DFLASH, opts))
+        if settings.forced:
+            prompt = workload.prompts[0]
+            forced_reference = engines[0].generate([prompt], settings.max_tokens).token_ids[0]
+            spec = forced_speculator(workload.drafter, workload.target, plan, k, prompt + forced_reference, dev)
+            engines.append(OurEngine(workload.target, dev, plan, spec, FORCED, opts))
+    if "hf" in settings.engines:
+        from blockdraft.bench.engines.hf import HFEngine
+
+        engines.append(HFEngine(workload.hf_model, workload.pad_token_id))
+    if "zlab" in settings.engines:
+        engines += _zlab_engines(workload, k, skipped)
+    return engines, skipped, forced_reference
+
+
+def _zlab_engines(workload: Workload, k: int | None, skipped: dict) -> list:
+    if workload.drafter is None:
+        skipped["zlab"] = "no drafter (z-lab's loop needs one, even for block_size 1)"
+        return []
+    try:
+        from blockdraft.bench.engines.zlab import ZLabEngine
+        from blockdraft.bench.random_weights import zlab_drafter_from
+
+        zl = zlab_drafter_from(workload.drafter)
+    except ImportError as e:
+        skipped["zlab"] = f"z-lab reference not importable ({e}); install dflash==0.1.0"
+        return []
+    return [ZLabEngine(zl, workload.hf_model, 1), ZLabEngine(zl, workload.hf_model, k + 1)]
+
+
+def run_matrix(
+    workload: Workload, settings: Settings, on_batch: Callable[[list[Cell], list[dict], dict], None] | None = None
+):
+    """Measure every engine at every batch size; returns (cells, parity, skipped).
+
+    parity rows compare, per batch size: ours DFlash vs ours plain, HF vs ours plain, z-lab plain
+    vs ours plain, z-lab DFlash vs z-lab plain; the forced rows compare against ours plain's
+    output for the shared forced prompt. `on_batch(cells, parity, skipped)` is called after each batch size
+    (the CLI rewrites its JSON there, so a run cut short keeps what it measured).
+    """
+    engines, skipped, forced_reference = build_engines(workload, settings)
+    cells: list[Cell] = []
+    parity: list[dict] = []
+    for batch in settings.batch_sizes:
+        prompts = [workload.prompts[i] for i in range(batch)]
+        by_key: dict[tuple[str, str], Cell] = {}
+        for engine in engines:
+            batch_prompts = [workload.prompts[0]] * batch if engine.mode == FORCED else prompts
+            log(f"batch {batch}: {engine.engine} {engine.mode}")
+            cell = measure(engine, batch_prompts, settings.max_tokens, settings.repeats, settings.warmup,
+                           workload.device)
+            log(f"batch {batch}: {engine.engine} {engine.mode} -> {cell.status} "
+                f"{_fmt(cell.median('tokens_per_s'))} tok/s, {_fmt(cell.median('ms_per_step'))} ms/step"
+                + (f" ({cell.reason})" if cell.reason else ""))
+            cells.append(cell)
+            by_key[(cell.engine, cell.mode)] = cell
+        parity += _parity(batch, by_key, forced_reference)
+        if on_batch is not None:
+            on_batch(cells, parity, skipped)
+    return cells, parity, skipped
+
+
+_PAIRS = ((("ours", DFLASH), ("ours", PLAIN)), (("hf", PLAIN), ("ours", PLAIN)),
+          (("zlab", PLAIN), ("ours", PLAIN)), (("zlab", DFLASH), ("zlab", PLAIN)))
+
+
+def _parity(batch: int, by_key: dict, forced_reference: list[int] | None) -> list[dict]:
+    rows = []
+    for cand, ref in _PAIRS:
+        a, b = by_key.get(cand), by_key.get(ref)
+        if a is None or b is None or a.token_ids is None or b.token_ids is None:
+            continue
+        rows.append({"batch_size": batch, "candidate": "/".join(cand), "reference": "/".join(ref),
+                     **compare_outputs(a.token_ids, b.token_ids)})
+    forced = by_key.get(("ours", FORCED))
+    if forced is not None and forced.token_ids is not None and forced_reference is not None:
+        rows.append({"batch_size": batch, "candidate": f"ours/{FORCED}", "reference": "ours/plain (batch 1)",
+                     **compare_outputs(forced.token_ids, [forced_reference] * batch)})
+    return rows
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"

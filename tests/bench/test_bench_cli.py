@@ -1,0 +1,128 @@
+"""`blockdraft bench` end to end on the CPU: tiny random shape, and a tiny model folder + drafter."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from blockdraft.bench.report import validate_report
+from blockdraft.cli import main
+
+ZLAB = importlib.util.find_spec("dflash") is not None  # z-lab dflash==0.1.0; its rows are skipped without it
+
+
+def _run(tmp_path, *args):
+    rc = main(["bench", "--device", "cpu", "--repeats", "1", "--out", str(tmp_path / "r"), *args])
+    doc = json.loads((tmp_path / "r.json").read_text())
+    validate_report(doc)
+    rows = {(r["engine"], r["mode"], r["batch_size"]): r for r in doc["results"]}
+    parity = {(p["candidate"], p["batch_size"]): p for p in doc["parity"]}
+    return rc, doc, rows, parity
+
+
+def test_tiny_shape_runs_every_engine_and_spec_equals_plain(tmp_path, capsys):
+    rc, doc, rows, parity = _run(tmp_path, "--shape", "tiny", "--batch-sizes", "1,3", "--max-tokens", "8",
+                                 "--prompt-len", "12")
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "our plain step / HBM floor at batch 1" in out and "our DFlash step / our plain step at batch 1" in out
+    zlab = [("zlab", "plain", 1), ("zlab", "dflash", 1)] if ZLAB else []
+    for key in [("ours", "plain", 1), ("ours", "dflash", 1), ("ours", "dflash-forced", 1), ("hf", "plain", 1),
+                ("ours", "plain", 3), ("ours", "dflash", 3), ("ours", "dflash-forced", 3), ("hf", "plain", 3), *zlab]:
+        assert rows[key]["status"] == "ok", key
+        assert rows[key]["tokens_per_s"] > 0 and len(rows[key]["runs"]) == 1
+    # fp32 on the CPU: speculation is lossless token for token, and every engine agrees with ours
+    pairs = [("ours/dflash", 1), ("ours/dflash", 3), ("hf/plain", 1), ("hf/plain", 3), ("ours/dflash-forced", 1),
+             ("ours/dflash-forced", 3)]
+    for cand, batch in pairs + ([("zlab/plain", 1), ("zlab/dflash", 1)] if ZLAB else []):
+        assert parity[(cand, batch)]["mismatched_requests"] == 0, (cand, batch)
+    if ZLAB:
+        assert rows[("zlab", "dflash", 3)]["status"] == "n/a"
+        assert "one request at a time" in rows[("zlab", "dflash", 3)]["reason"]
+        assert rows[("zlab", "dflash", 1)]["acceptance_length"] >= 1.0
+    else:
+        assert "dflash==0.1.0" in doc["skipped"]["zlab"]
+    assert parity[("ours/dflash", 3)]["num_requests"] == 3
+    # random drafter: ~1 token per step; forced acceptance: all 7 decode tokens in one step
+    assert 1.0 <= rows[("ours", "dflash", 1)]["acceptance_length"] < 2.0
+    assert rows[("ours", "dflash-forced", 1)]["acceptance_length"] == 7.0
+    assert rows[("ours", "dflash-forced", 1)]["runs"][0]["num_steps"] == 2
+    assert rows[("ours", "plain", 3)]["speedup_vs_ours_plain"] == 1.0
+    s = doc["settings"]
+    assert (s["batch_sizes"], s["block_size"], s["draft_layers"], s["num_speculative_tokens"]) == ([1, 3], 16, 2, 15)
+    assert doc["floor"]["plain_step_floor_ms"] > 0 and doc["criteria"]["plain_step_over_floor"] > 0
+    assert doc["device"]["type"] == "cpu" and doc["dtype"] == "float32"
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_engine_subset_and_no_draft(tmp_path):
+    rc, doc, rows, parity = _run(tmp_path, "--shape", "tiny", "--batch-sizes", "2", "--max-tokens", "4",
+                                 "--prompt-len", "8", "--engines", "ours", "--no-draft", "--no-plot", "--warmup", "0")
+    assert rc == 0 and list(rows) == [("ours", "plain", 2)]
+    assert doc["skipped"] == {"ours/dflash": "no drafter"} and parity == {}
+    assert doc["criteria"]["dflash_step_over_plain_step"] is None
+    assert not (tmp_path / "r.png").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--shape", "tiny", "--draft", "x"], "--draft is for --model"),
+        (["--shape", "tiny", "--batch-sizes", "1,a"], "--batch-sizes takes positive integers"),
+        (["--shape", "tiny", "--max-tokens", "1"], "max_tokens must be >= 2"),
+        (["--shape", "tiny", "--engines", "hf"], "engines must include 'ours'"),
+        (["--model", "x", "--no-draft"], "are for --shape"),
+        (["--model", "x", "--num-speculative-tokens", "3"], "--num-speculative-tokens needs a drafter"),
+        (["--shape", "tiny", "--prompt-len", "0"], "--prompt-len must be >= 1"),
+        (["--shape", "tiny", "--prompt-len", "2000", "--engines", "ours"], "exceeds the model's context of 2048"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_named_error(tmp_path, capsys, args, message):
+    assert main(["bench", "--device", "cpu", "--out", str(tmp_path / "r"), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def _tiny_model_folder(path):
+    """A tiny Qwen3 checkpoint folder with a word-level tokenizer and a chat template."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.conftest import make_tokenizer
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=0,
+                               tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    hf.save_pretrained(path)
+    tok = make_tokenizer(96)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}w01x"
+    tok.save_pretrained(path)
+    return hf
+
+
+def test_model_folder_with_drafter_on_eval_prompts(tmp_path, monkeypatch):
+    from blockdraft.config import ModelConfig
+    from blockdraft.spec.dflash.checkpoint import export_drafter, random_drafter
+    from blockdraft.training import corpora
+
+    model_dir, draft_dir = tmp_path / "model", tmp_path / "drafter"
+    hf = _tiny_model_folder(model_dir)
+    export_drafter(random_drafter(ModelConfig.from_hf_dict(hf.config.to_dict()), 2, 8, seed=2, init_std=0.2),
+                   draft_dir)
+    texts = ["w05x w07x w09x", "w10x w11x", "w12x w13x w14x w15x w16x"]
+    monkeypatch.setattr(corpora, "eval_prompts", lambda dataset, cache_dir=None: texts)
+    rc, doc, rows, parity = _run(tmp_path, "--model", str(model_dir), "--draft", str(draft_dir),
+                                 "--batch-sizes", "1,3", "--max-tokens", "6", "--dtype", "float32", "--no-plot")
+    assert rc == 0
+    assert doc["workload"]["dataset"] == "humaneval" and doc["workload"]["draft"] == str(draft_dir)
+    assert doc["settings"]["forced"] is False and ("ours", "dflash-forced", 1) not in rows
+    assert doc["settings"]["num_speculative_tokens"] == 7
+    assert rows[("ours", "dflash", 3)]["status"] == "ok" and rows[("hf", "plain", 3)]["status"] == "ok"
+    # prompts of different lengths: HF left-pads; everything still agrees token for token in fp32
+    for cand in ("ours/dflash", "hf/plain"):
+        assert parity[(cand, 3)]["mismatched_requests"] == 0
+    if ZLAB:
+        assert parity[("zlab/dflash", 1)]["mismatched_requests"] == 0

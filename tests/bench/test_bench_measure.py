@@ -1,0 +1,140 @@
+"""Measurement loop, parity, settings, report assembly and the printed table (fake engines)."""
+
+import pytest
+import torch
+
+from blockdraft.bench import report as rep
+from blockdraft.bench.command import parse_batch_sizes
+from blockdraft.bench.engines import Generation
+from blockdraft.bench.measure import Run, compare_outputs, measure
+from blockdraft.bench.suite import Settings
+
+CPU = torch.device("cpu")
+
+
+class _Fake:
+    engine, mode = "fake", "plain"
+
+    def __init__(self, fail=False, limit=None):
+        self.fail, self.limit, self.calls = fail, limit, []
+
+    def unsupported(self, batch_size):
+        return "too many" if self.limit and batch_size > self.limit else None
+
+    def generate(self, prompts, max_tokens):
+        self.calls.append(max_tokens)
+        if self.fail:
+            raise RuntimeError("boom")
+        return Generation([[5] * max_tokens for _ in prompts], num_steps=max_tokens)
+
+
+def test_measure_warms_up_then_times_prefill_and_full_runs():
+    eng = _Fake()
+    cell = measure(eng, [[1, 2], [3]], max_tokens=6, repeats=3, warmup=2, device=CPU)
+    assert eng.calls == [6, 6, 1, 6, 1, 6, 1, 6]
+    assert cell.status == "ok" and len(cell.runs) == 3 and cell.deterministic
+    r = cell.runs[0]
+    assert (r.num_steps, r.num_tokens, r.prefill_steps, r.prefill_tokens) == (6, 12, 1, 2)
+    assert cell.summary()["tokens_per_s"] > 0 and cell.token_ids == [[5] * 6] * 2
+
+
+def test_measure_records_unsupported_and_failing_engines():
+    cell = measure(_Fake(limit=1), [[1], [2]], 4, 1, 0, CPU)
+    assert (cell.status, cell.reason, cell.runs) == ("n/a", "too many", [])
+    cell = measure(_Fake(fail=True), [[1]], 4, 1, 0, CPU)
+    assert cell.status == "error" and "RuntimeError: boom" in cell.reason
+    with pytest.raises(ValueError, match="max_tokens must be >= 2"):
+        measure(_Fake(), [[1]], 1, 1, 0, CPU)
+
+
+def test_step_time_subtracts_the_prefill_run():
+    r = Run(seconds=1.1, num_steps=11, num_tokens=22, prefill_seconds=0.1, prefill_steps=1, prefill_tokens=2)
+    assert r.ms_per_step == pytest.approx(100.0)
+    assert r.decode_tokens_per_s == pytest.approx(20.0)
+    assert r.tokens_per_s == pytest.approx(20.0)
+    noisy = Run(seconds=0.1, num_steps=11, num_tokens=22, prefill_seconds=0.2, prefill_steps=1, prefill_tokens=2)
+    assert noisy.ms_per_step is None and noisy.decode_tokens_per_s is None
+
+
+def test_compare_outputs_counts_requests_and_first_mismatch():
+    got = compare_outputs([[1, 2, 3], [1, 2, 3], [1, 2]], [[1, 2, 3], [1, 9, 3], [1, 2, 3]])
+    assert got == {"num_requests": 3, "mismatched_requests": 2, "first_mismatch": [None, 1, 2]}
+    with pytest.raises(ValueError, match="cannot compare 1 outputs with 2"):
+        compare_outputs([[1]], [[1], [2]])
+
+
+def test_settings_and_batch_sizes_refuse_bad_values():
+    assert parse_batch_sizes("1, 8,32") == (1, 8, 32)
+    for bad in ("1,x", "0", "1,,2", "-4"):
+        with pytest.raises(ValueError, match="--batch-sizes takes positive integers"):
+            parse_batch_sizes(bad)
+    with pytest.raises(ValueError, match="max_tokens must be >= 2"):
+        Settings((1,), 1)
+    with pytest.raises(ValueError, match="engines must include 'ours'"):
+        Settings((1,), 8, engines=("hf",))
+    with pytest.raises(ValueError, match="engines must include"):
+        Settings((1,), 8, engines=("ours", "vllm"))
+
+
+def _row(engine, mode, batch, tps, ms, status="ok"):
+    return {"engine": engine, "mode": mode, "batch_size": batch, "status": status, "reason": None,
+            "tokens_per_s": tps, "decode_tokens_per_s": tps, "ms_per_step": ms, "seconds": 1.0,
+            "acceptance_length": None, "deterministic": True, "runs": [{}] if status == "ok" else []}
+
+
+def _report(rows, parity=()):
+    floor = {"hbm_bytes_per_s": 4.25e12, "target_weight_bytes": 8.5e9, "plain_step_floor_ms": 2.0,
+             "dflash_extra_bytes": 1e9, "dflash_step_floor_ms": 2.2}
+    rows = rep.add_speedups(rows)
+    return {"schema": rep.SCHEMA, "created": "now", "workload": {"name": "w"}, "device": {"name": "dev"},
+            "dtype": "bfloat16", "settings": {"max_tokens": 8, "repeats": 3, "warmup": 1, "num_speculative_tokens": 15},
+            "floor": floor, "results": rows, "parity": list(parity), "skipped": {"x": "why"},
+            "criteria": rep.criteria(rows, floor)}
+
+
+def test_speedups_are_same_batch_ratios_and_zlab_is_mode_matched():
+    rows = [_row("ours", "plain", 1, 100, 2.4), _row("ours", "dflash", 1, 250, 2.9),
+            _row("ours", "dflash-forced", 1, 500, 3.0), _row("hf", "plain", 1, 50, 9.0),
+            _row("zlab", "plain", 1, 40, 10.0), _row("zlab", "dflash", 1, 80, 12.0),
+            _row("ours", "plain", 8, 800, 3.0), _row("zlab", "plain", 8, None, None, status="n/a")]
+    doc = _report(rows)
+    by = {(r["engine"], r["mode"], r["batch_size"]): r for r in doc["results"]}
+    assert by[("ours", "dflash", 1)]["speedup_vs_ours_plain"] == pytest.approx(2.5)
+    assert by[("ours", "dflash", 1)]["speedup_vs_hf"] == pytest.approx(5.0)
+    assert by[("ours", "dflash", 1)]["speedup_vs_zlab"] == pytest.approx(250 / 80)
+    assert by[("ours", "plain", 1)]["speedup_vs_zlab"] == pytest.approx(100 / 40)
+    assert by[("ours", "dflash-forced", 1)]["speedup_vs_zlab"] is None
+    assert by[("ours", "plain", 8)]["speedup_vs_hf"] is None
+    c = doc["criteria"]
+    assert c["plain_step_over_floor"] == pytest.approx(1.2) and c["plain_step_pass"] is True
+    assert c["dflash_step_over_plain_step"] == pytest.approx(2.9 / 2.4) and c["dflash_step_pass"] is True
+    rep.validate_report(doc)
+    table = rep.format_table(doc)
+    assert "our plain step / HBM floor at batch 1: 1.200 (target <= 1.3) PASS" in table
+    assert "our DFlash step / our plain step at batch 1: 1.208 (target <= 1.25) PASS" in table
+    assert "n/a" in table and "skipped x: why" in table
+
+
+def test_criteria_fail_and_missing_rows():
+    doc = _report([_row("ours", "plain", 1, 100, 3.0), _row("ours", "dflash", 1, 100, 4.0)])
+    assert doc["criteria"]["plain_step_pass"] is False and doc["criteria"]["dflash_step_pass"] is False
+    assert "FAIL" in rep.format_table(doc)
+    empty = _report([_row("ours", "plain", 8, 100, 3.0)])["criteria"]
+    assert empty["plain_step_over_floor"] is None and empty["plain_step_pass"] is None
+
+
+def test_validate_report_names_what_is_wrong():
+    doc = _report([_row("ours", "plain", 1, 100, 2.0)])
+    rep.validate_report(doc)
+    for breakage, message in (
+        (lambda d: d.update(schema="x"), "schema must be"),
+        (lambda d: d.pop("floor"), "missing top-level key 'floor'"),
+        (lambda d: d["results"][0].pop("ms_per_step"), r"results\[0\] is missing \['ms_per_step'\]"),
+        (lambda d: d["results"][0].update(status="maybe"), "status must be one of"),
+        (lambda d: d["results"][0].update(runs=[]), "ok but has no runs"),
+        (lambda d: d["parity"].append({"batch_size": 1}), r"parity\[0\] is missing"),
+    ):
+        broken = _report([_row("ours", "plain", 1, 100, 2.0)])
+        breakage(broken)
+        with pytest.raises(ValueError, match=message):
+            rep.validate_report(broken)

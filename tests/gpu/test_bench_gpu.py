@@ -1,0 +1,31 @@
+"""`blockdraft bench` on CUDA (tiny shape, bf16): every engine runs, forced acceptance is captured
+into the drafter graphs and accepts, the JSON is valid. Timings are not asserted."""
+
+import json
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_bench_tiny_shape_on_cuda(tmp_path, eager):
+    from blockdraft.bench.report import validate_report
+    from blockdraft.cli import main
+
+    args = ["bench", "--shape", "tiny", "--device", "cuda", "--batch-sizes", "1,4", "--max-tokens", "32",
+            "--prompt-len", "16", "--repeats", "1", "--no-plot", "--out", str(tmp_path / "r")]
+    assert main(args + (["--enforce-eager"] if eager else [])) == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    validate_report(doc)
+    rows = {(r["engine"], r["mode"], r["batch_size"]): r for r in doc["results"]}
+    for key in [("ours", m, b) for m in ("plain", "dflash", "dflash-forced") for b in (1, 4)] + [("hf", "plain", 4)]:
+        assert rows[key]["status"] == "ok", (key, rows[key]["reason"])
+        assert rows[key]["ms_per_step"] is not None, key
+        assert rows[key]["deterministic"] or key[0] != "ours", key
+    # random drafter ~1 token per step; forced drafts are accepted until a bf16 near-tie (tiny random
+    # logits are flat) makes the batch diverge from the batch-1 reference
+    assert rows[("ours", "dflash-forced", 1)]["acceptance_length"] > 1.5
+    assert doc["device"]["type"] == "cuda" and doc["dtype"] == "bfloat16"
+    assert doc["settings"]["llm_options"] == ({"enforce_eager": True} if eager else {})
