@@ -41,7 +41,7 @@ def serve(args) -> int:
 
     check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens)
     config = config_from_args(args)
-    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir)
+    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(
         model=args.model,
@@ -55,7 +55,8 @@ def serve(args) -> int:
         cache_dir=args.cache_dir,
     )
     app = build_app(llm, config)
-    drafter = "DFlash drafter " + str(draft) if llm.speculator is not None else "no drafter"
+    spec = llm.speculator
+    drafter = f"DFlash drafter {draft}, K={spec.num_speculative_tokens}" if spec is not None else "no drafter"
     logger.info("serving %r (%s) on http://%s:%d", config.served_model_name, drafter, config.host, config.port)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0
