@@ -28,9 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate an answer to one prompt")
     g.add_argument("prompt", help="sent as a user chat message through the model's chat template (see --raw)")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog name, HF folder or .gguf (default {DEFAULT_MODEL})")
-    g.add_argument("--draft", default=None, help="DFlash drafter checkpoint folder, or 'shipped' for the one shipped for --model")
-    g.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
-    g.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default block_size - 1)")
+    _add_draft_flags(g)
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -49,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--list", action="store_true", help="list the catalog")
     f.add_argument("--cache-dir", default=None)
     f.set_defaults(func=_fetch)
+    from blockdraft.demo import add_parser as add_demo_parser
+
+    add_demo_parser(sub, DEFAULT_MODEL)
     _add_serve_parser(sub, DEFAULT_MODEL)
     _add_train_drafter_parser(sub, DEFAULT_MODEL)
     _add_eval_drafter_parser(sub, DEFAULT_MODEL)
@@ -58,12 +59,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_draft_flags(p: argparse.ArgumentParser) -> None:
+    """--draft / --no-draft / --num-speculative-tokens, shared by generate and serve."""
+    p.add_argument("--draft", default="auto",
+                   help="DFlash drafter checkpoint folder; 'shipped' for the drafter shipped for --model; "
+                   "'auto' (default): the shipped drafter if one exists for --model, else plain decoding")
+    p.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts per step K (default: the K measured for the drafter, else block_size - 1)")
+
+
 def _add_serve_parser(sub, default_model: str) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
     s.add_argument("--model", default=default_model, help=f"catalog name, HF folder or .gguf (default {default_model})")
-    s.add_argument("--draft", default=None, help="DFlash drafter checkpoint folder, or 'shipped' for the one shipped for --model")
-    s.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
-    s.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default block_size - 1)")
+    _add_draft_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or set $BLOCKDRAFT_API_KEY)")
@@ -160,12 +169,10 @@ def _generate(args) -> int:
     )
     if not args.prompt.strip():
         raise ValueError("prompt is empty: give a non-empty prompt")
-    from blockdraft.drafters import check_draft_flags
+    from blockdraft.drafters import check_draft_flags, resolve_draft
 
     check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens)
-    from blockdraft.drafters import resolve_draft
-
-    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir)
+    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens)
     llm = LLM(
         model=args.model,
         draft=draft,
@@ -187,6 +194,7 @@ def _generate(args) -> int:
         draft_s=stats.draft_time_s,
         other_s=max(0.0, seconds - stats.forward_time_s - stats.draft_time_s),
         acceptance_per_position=out.spec.acceptance_rate_per_position(),
+        num_speculative_tokens=llm.speculator.num_speculative_tokens if llm.speculator is not None else None,
     )
     if args.json:
         print(json.dumps(result))
@@ -213,6 +221,8 @@ def _result_dict(out, seconds: float) -> dict:
 
 def _summary_line(r: dict) -> str:
     line = f"[{r['num_output_tokens']} tokens in {r['seconds']:.2f} s, {r['tokens_per_s']:.2f} tok/s, finish={r['finish_reason']}"
+    if r["num_speculative_tokens"] is not None:
+        line += f", DFlash K={r['num_speculative_tokens']}"
     if r["acceptance_length"] is not None:
         line += f", acceptance length {r['acceptance_length']:.2f}"
     return line + "]"

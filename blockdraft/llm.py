@@ -80,7 +80,8 @@ class LLM:
     Args:
         model: catalog name (see `blockdraft fetch --list`), HF-format folder, or .gguf file.
         draft: DFlash drafter checkpoint folder, or None for plain decoding.
-        num_speculative_tokens: drafts per step K (default: the drafter's block_size - 1).
+        num_speculative_tokens: drafts per step K (default: the K recorded in the drafter folder's
+            speculative.json, else the drafter's block_size - 1).
         dtype: "auto" (the checkpoint's dtype, bf16 for catalog models) | "float32" | "bfloat16" | "float16".
         device: "cpu" | "cuda" | "auto" (CUDA when available). CUDA runs the Triton attention
             kernels, a sync-free step and CUDA graphs for uniform decode / verify steps.
@@ -215,11 +216,15 @@ def _resolve_dtype(dtype: str, hf_config: dict) -> torch.dtype:
 
 
 def _build_speculator(spec_cfg: SpeculativeConfig, target: LoadedTarget, cache: CacheConfig, device):
-    from blockdraft.spec.dflash.checkpoint import load_drafter
+    from blockdraft.spec.dflash.checkpoint import load_drafter, recommended_num_speculative_tokens
     from blockdraft.spec.dflash.speculator import DFlashSpeculator
 
     drafter = load_drafter(spec_cfg.model, target.config, dtype=target.dtype, device=device)
-    k = spec_cfg.num_speculative_tokens or drafter.config.block_size - 1
+    k = (
+        spec_cfg.num_speculative_tokens
+        or recommended_num_speculative_tokens(spec_cfg.model)
+        or drafter.config.block_size - 1
+    )
     return DFlashSpeculator(drafter, target.model, k, cache.num_kv_blocks, cache.kv_block_size)
 
 

@@ -85,10 +85,37 @@ def paged_attention(
             vals = torch.cat([vals, v[lo:hi].to(vals.dtype)])
             block_causal = causal or sliding_window is not None
             mask = _mask(seq_len, hi - lo, keys.shape[0], sliding_window, block_causal)
+        elif 1 < hi - lo <= ROW_BY_ROW_MAX_ROWS:
+            _attend_row_by_row(q[lo:hi], keys, vals, seq_len, sliding_window, scale, out[lo:hi])
+            continue
         else:
             mask = _mask(seq_len - (hi - lo), hi - lo, seq_len, sliding_window, True)
         _attend(q[lo:hi], keys, vals, mask, scale, out[lo:hi])
     return out
+
+
+# Causal query ranges of at most this many rows (DFlash verify blocks: K + 1 <= block_size rows)
+# are attended one row at a time; longer ones (prefill chunks) in one call.
+ROW_BY_ROW_MAX_ROWS = 32
+
+
+def _attend_row_by_row(
+    q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, seq_len: int, window: int | None, scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Causal rows q [n, H, D] (the last n of `seq_len` positions), each attended exactly as a
+    one-row decode step at its position would be: same key count, same mask, same call.
+
+    Why: the matmuls' reduction order depends on their shapes (the probs @ V product splits the
+    key dimension differently for 300 and 316 keys), so a row inside a verify block would differ
+    from the same row decoded alone in the last bits, and a greedy near-tie could then flip:
+    speculative output must equal plain decoding token for token.
+    """
+    n = q.shape[0]
+    for j in range(n):
+        length = seq_len - n + j + 1
+        mask = _mask(length - 1, 1, length, window, True)
+        _attend(q[j : j + 1], keys[:length], vals[:length], mask, scale, out[j : j + 1])
 
 
 def _mask(q_start: int, num_q: int, num_keys: int, window: int | None, causal: bool) -> torch.Tensor | None:

@@ -6,6 +6,9 @@ folder under `<cache>/drafters/` so the engine always loads the standard format.
 
     from blockdraft.drafters import shipped_drafter
     LLM(model=name, draft=shipped_drafter(name))   # None when no drafter ships for `name`
+
+A folder may also hold `speculative.json` (the measured default K, see
+blockdraft.spec.dflash.checkpoint.recommended_num_speculative_tokens).
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from pathlib import Path
 SHIPPED_DIR = Path(__file__).resolve().parent
 
 
+AUTO = "auto"  # --draft default: the shipped drafter for the model if one exists, else plain decoding
+SHIPPED = "shipped"  # --draft shipped: the shipped drafter for the model, or an error
+
+
 def shipped_names() -> list[str]:
     """Catalog names that have a shipped drafter."""
     return sorted(p.name for p in SHIPPED_DIR.iterdir() if (p / "config.json").is_file())
@@ -27,14 +34,16 @@ def shipped_names() -> list[str]:
 def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> Path | None:
     """A loadable z-lab drafter folder for catalog model `model`, or None if none ships.
 
+    Only exact catalog names match (a model given as a folder or file path has no shipped drafter).
     bf16 folders are returned in place; an int8 pack is expanded on first use into
-    `<cache>/drafters/<model>-<sha256[:16] of the pack>/` (written to a temp folder, then renamed).
+    `<cache>/drafters/<model>-<sha256[:16] of the shipped files>/` (written to a temp folder, then
+    renamed), next to copies of config.json and speculative.json.
     """
     from blockdraft.drafters.pack import PACK_FILE
 
-    folder = SHIPPED_DIR / model
-    if not (folder / "config.json").is_file():
+    if model not in shipped_names():
         return None
+    folder = SHIPPED_DIR / model
     if (folder / "model.safetensors").is_file():
         return folder
     if (folder / PACK_FILE).is_file():
@@ -43,48 +52,69 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
 
 
 def check_draft_flags(draft: str | None, no_draft: bool, num_speculative_tokens: int | None) -> None:
-    """Refuse CLI speculative flags that would otherwise be silently ignored.
+    """Refuse CLI speculative flags that contradict each other or would be silently ignored.
 
+    `draft` None means the default, `auto`.
     Raises:
-        ValueError: `--draft` with `--no-draft`, or `--num-speculative-tokens` without a drafter.
+        ValueError: `--draft PATH | shipped` with `--no-draft`, or `--num-speculative-tokens`
+            with `--no-draft`.
     """
-    if no_draft and draft is not None:
+    if no_draft and draft not in (None, AUTO):
         raise ValueError(f"--draft {draft} and --no-draft contradict each other; give one")
-    if num_speculative_tokens is not None and (draft is None or no_draft):
-        raise ValueError("--num-speculative-tokens needs --draft PATH or --draft shipped")
+    if no_draft and num_speculative_tokens is not None:
+        raise ValueError("--num-speculative-tokens needs a drafter; drop --no-draft")
 
 
-def resolve_draft(draft: str | None, model: str, no_draft: bool = False, cache_dir=None) -> str | None:
-    """The CLI's `--draft PATH | shipped` and `--no-draft` -> a drafter folder, or None (plain decoding).
+def resolve_draft(
+    draft: str | None, model: str, no_draft: bool = False, cache_dir=None, num_speculative_tokens: int | None = None
+) -> str | None:
+    """The CLI's `--draft auto | shipped | PATH` and `--no-draft` -> a drafter folder, or None (plain).
 
+    `auto` (also `draft=None`) picks the drafter shipped for catalog model `model` when one exists
+    and plain decoding otherwise; `shipped` insists on it.
     Raises:
-        ValueError: `shipped` for a model with no shipped drafter (names the models that have one).
+        ValueError: `shipped` for a model with no shipped drafter (names the models that have one);
+            `num_speculative_tokens` given while `auto` finds no drafter.
     """
-    if no_draft or draft is None:
+    if no_draft:
         return None
-    if draft != "shipped":
+    if draft not in (None, AUTO, SHIPPED):
         return draft
     path = shipped_drafter(model, cache_dir=cache_dir)
-    if path is None:
+    if path is not None:
+        return str(path)
+    if draft == SHIPPED:
         raise ValueError(f"no drafter ships for model {model!r}; shipped drafters: {shipped_names()}")
-    return str(path)
+    if num_speculative_tokens is not None:
+        raise ValueError(
+            f"--num-speculative-tokens needs a drafter, and none ships for model {model!r} "
+            f"(shipped drafters: {shipped_names()}); give --draft PATH"
+        )
+    return None
 
 
 def _expand(folder: Path, cache_dir) -> Path:
     from safetensors.torch import load_file, save_file
 
     from blockdraft.drafters.pack import PACK_FILE, unpack
+    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE
     from blockdraft.weights.fetch import cache_root
 
     pack_path = folder / PACK_FILE
-    digest = hashlib.sha256(pack_path.read_bytes()).hexdigest()[:16]
+    # Every shipped file keys the expanded copy, so a new config or K is never served stale.
+    sidecars = [f for f in ("config.json", SPECULATIVE_FILE) if (folder / f).is_file()]
+    digest = hashlib.sha256()
+    for name in [PACK_FILE, *sidecars]:
+        digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    digest = digest.hexdigest()[:16]
     dest = cache_root(cache_dir) / "drafters" / f"{folder.name}-{digest}"
     if (dest / "model.safetensors").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=dest.parent))
     save_file(unpack(load_file(str(pack_path))), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(folder / "config.json", tmp / "config.json")
+    for name in sidecars:
+        shutil.copy(folder / name, tmp / name)
     try:
         tmp.rename(dest)
     except OSError:  # another process finished first

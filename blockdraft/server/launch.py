@@ -34,14 +34,13 @@ def serve(args) -> int:
     """
     import uvicorn
 
+    from blockdraft.drafters import check_draft_flags, resolve_draft
     from blockdraft.llm import LLM
     from blockdraft.server.api import build_app
 
-    from blockdraft.drafters import check_draft_flags, resolve_draft
-
     check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens)
     config = config_from_args(args)
-    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir)
+    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(
         model=args.model,
@@ -58,7 +57,8 @@ def serve(args) -> int:
         enforce_eager=args.enforce_eager,
     )
     app = build_app(llm, config)
-    drafter = "DFlash drafter " + str(draft) if llm.speculator is not None else "no drafter"
+    spec = llm.speculator
+    drafter = f"DFlash drafter {draft}, K={spec.num_speculative_tokens}" if spec is not None else "no drafter"
     logger.info("serving %r (%s) on http://%s:%d", config.served_model_name, drafter, config.host, config.port)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -142,8 +142,8 @@ def test_kv_pool_is_fully_free_after_generation_and_abort(llama_target):
 def test_cli_refuses_speculative_flags_that_would_be_ignored(capsys):
     from blockdraft.cli import main
 
-    assert main(["generate", "hi", "--num-speculative-tokens", "3"]) == 2
-    assert "--num-speculative-tokens needs --draft" in capsys.readouterr().err
+    assert main(["generate", "hi", "--no-draft", "--num-speculative-tokens", "3"]) == 2
+    assert "--num-speculative-tokens needs a drafter" in capsys.readouterr().err
     assert main(["generate", "hi", "--draft", "shipped", "--no-draft"]) == 2
     assert "contradict" in capsys.readouterr().err
 

@@ -17,6 +17,9 @@ from blockdraft.spec.dflash.config import DFlashConfig, build_target_layer_ids
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
 
 WEIGHTS_FILE = "model.safetensors"
+# blockdraft's serving defaults for a drafter, kept next to (not inside) the z-lab config.json:
+# z-lab, vLLM and SGLang ignore the file, and our DFlashConfig refuses unknown dflash_config keys.
+SPECULATIVE_FILE = "speculative.json"
 
 
 def load_drafter(
@@ -56,6 +59,45 @@ def empty_drafter(config: DFlashConfig, dtype: torch.dtype, device) -> DFlashDra
         model = DFlashDraftModel(config)
     model = model.to(dtype=dtype).to_empty(device=device)  # _apply also recomputes RoPE inv_freq
     return model.requires_grad_(False).eval()
+
+
+def recommended_num_speculative_tokens(path: str | Path) -> int | None:
+    """K recorded in `<path>/speculative.json` (`{"num_speculative_tokens": K, ...}`), or None.
+
+    The file records the drafts-per-step that measured fastest for this drafter (see
+    `python -m blockdraft.bench.spec_k`); an explicit `num_speculative_tokens` always wins over it.
+    Whether K fits the drafter's block size is checked where the speculator is built.
+    Raises:
+        ValueError: the file is not a JSON object or its value is not an integer >= 1.
+    """
+    file = Path(path) / SPECULATIVE_FILE
+    if not file.is_file():
+        return None
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    k = data.get("num_speculative_tokens")
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"{file}: num_speculative_tokens must be an integer >= 1, got {k!r}")
+    return k
+
+
+def write_recommended_num_speculative_tokens(path: str | Path, k: int, evidence: dict | None = None) -> Path:
+    """Write `<path>/speculative.json` with K and the measurements that chose it; returns the file.
+
+    Raises:
+        ValueError: k is not an integer >= 1.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+    file = Path(path) / SPECULATIVE_FILE
+    file.write_text(json.dumps({"num_speculative_tokens": k, **(evidence or {})}, indent=1) + "\n")
+    return file
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

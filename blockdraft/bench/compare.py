@@ -1,0 +1,103 @@
+"""Time several engines on the same prompts in one process, interleaved, and keep their outputs.
+
+The engines usually share one loaded target (`LLM(target=...)`) and differ only in speculation
+(plain decoding vs a DFlash drafter at some K), so the comparison measures speculation alone on
+the same weights, machine and moment. Each prompt is run by every engine before the next prompt
+starts, and the engine order rotates with the repeat index, so slow drift in machine load (other
+processes, thermal state) lands on every engine alike. Requests run one at a time (batch 1): the
+time of a `generate` call is that prompt's end-to-end latency, prefill included.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from blockdraft.engine.outputs import RequestOutput
+from blockdraft.sampling_params import SamplingParams
+
+
+@dataclass
+class TimedRun:
+    """One engine on one prompt, over all repeats.
+
+    output: the output of the first repeat. seconds: wall time of each repeat's `generate` call.
+    deterministic: every repeat produced the same token ids as the first.
+    """
+
+    output: RequestOutput
+    seconds: list[float] = field(default_factory=list)
+    deterministic: bool = True
+
+    @property
+    def median_seconds(self) -> float:
+        """Median wall time over the repeats (s)."""
+        return statistics.median(self.seconds)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tokens per second at the median wall time."""
+        return self.output.num_output_tokens / self.median_seconds if self.median_seconds > 0 else float("inf")
+
+
+def timed_generate(llm, prompt, params: SamplingParams) -> tuple[RequestOutput, float]:
+    """Run one prompt alone through `llm.generate`; returns (output, wall seconds)."""
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], params)[0]
+    return out, time.perf_counter() - t0
+
+
+def compare_engines(
+    engines: Mapping[str, object],
+    prompts: Sequence,
+    params: SamplingParams,
+    repeats: int = 1,
+    warmup_tokens: int = 8,
+    on_run: Callable[[str, int, int, float], None] | None = None,
+) -> dict[str, list[TimedRun]]:
+    """Run every prompt on every engine `repeats` times, interleaved; returns runs per engine label.
+
+    Args:
+        engines: label -> LLM (anything with `generate(prompts, params)`); order is the first
+            repeat's run order.
+        prompts: prompts in any form `LLM.generate` takes for one request (a str, a token-id list,
+            or a chat conversation).
+        params: sampling parameters for every run (use greedy or a fixed seed so runs compare).
+        repeats: runs per (engine, prompt); the reported time is the median.
+        warmup_tokens: each engine first generates this many tokens of the first prompt, untimed
+            (one-time costs: oneDNN kernel selection, allocator growth); 0 skips the warm-up.
+        on_run: called as on_run(label, prompt_index, repeat, seconds) after every timed run
+            (progress reports).
+    Returns:
+        {label: [TimedRun per prompt, in prompt order]}.
+    Raises:
+        ValueError: no engines, no prompts, or repeats < 1.
+    """
+    if not engines:
+        raise ValueError("compare_engines needs at least one engine")
+    if not prompts:
+        raise ValueError("compare_engines needs at least one prompt")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    labels = list(engines)
+    if warmup_tokens > 0:
+        warm = SamplingParams(max_tokens=warmup_tokens, temperature=params.temperature, seed=params.seed)
+        for label in labels:
+            engines[label].generate([prompts[0]], warm)
+    runs: dict[str, list[TimedRun | None]] = {label: [None] * len(prompts) for label in labels}
+    for r in range(repeats):
+        order = labels[r % len(labels):] + labels[: r % len(labels)]
+        for i, prompt in enumerate(prompts):
+            for label in order:
+                out, seconds = timed_generate(engines[label], prompt, params)
+                if on_run is not None:
+                    on_run(label, i, r, seconds)
+                run = runs[label][i]
+                if run is None:
+                    runs[label][i] = TimedRun(out, [seconds])
+                else:
+                    run.seconds.append(seconds)
+                    run.deterministic &= out.token_ids == run.output.token_ids
+    return runs  # type: ignore[return-value]

@@ -1,0 +1,130 @@
+"""Which K (drafts per step) is fastest for a drafter on this machine? Plain vs DFlash at several K.
+
+One process loads the target once; plain decoding and one DFlash engine per K share it and run
+every prompt interleaved (blockdraft.bench.compare), `--repeats` times, medians. Prints a table of
+K, acceptance length, tokens/s and speedup over plain, and checks every answer equals plain
+decoding. `--write-default` stores the fastest K in the drafter folder's speculative.json, which
+`LLM` / `blockdraft generate` use when --num-speculative-tokens is not given.
+
+    OMP_WAIT_POLICY=PASSIVE python -m blockdraft.bench.spec_k --model qwen2.5-coder-0.5b-instruct \\
+        --ks 1,2,3,4,7,15 --max-tokens 64 --repeats 3 --write-default
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+from blockdraft.bench.compare import TimedRun, compare_engines
+
+PLAIN = "plain"
+
+
+def k_table(runs: dict[str, list[TimedRun]], ks: list[int]) -> list[dict]:
+    """Rows {k, acceptance_length, tokens_per_s, speedup, per_prompt_speedup, identical} from runs.
+
+    Pooled over prompts: acceptance length over all verify steps; speedup = total median plain time /
+    total median time at K (equal token counts when identical).
+    """
+    plain = runs[PLAIN]
+    plain_s = sum(r.median_seconds for r in plain)
+    rows = []
+    for k in ks:
+        spec = runs[f"K={k}"]
+        steps = sum(r.output.spec.num_steps for r in spec)
+        accepted = sum(r.output.spec.num_accepted_tokens for r in spec)
+        seconds = sum(r.median_seconds for r in spec)
+        tokens = sum(r.output.num_output_tokens for r in spec)
+        rows.append({
+            "k": k,
+            "acceptance_length": (accepted + steps) / steps if steps else None,
+            "tokens_per_s": tokens / seconds,
+            "speedup": plain_s / seconds,
+            "per_prompt_speedup": [p.median_seconds / s.median_seconds for p, s in zip(plain, spec)],
+            "identical": all(s.output.token_ids == p.output.token_ids and s.deterministic for p, s in zip(plain, spec)),
+        })
+    return rows
+
+
+def best_k(rows: list[dict]) -> int:
+    """The K with the highest pooled speedup among rows whose answers were identical (ties: smaller K).
+
+    Raises:
+        ValueError: no row with identical answers.
+    """
+    ok = [r for r in rows if r["identical"]]
+    if not ok:
+        raise ValueError("no K produced answers identical to plain decoding; not choosing a default")
+    return max(ok, key=lambda r: (r["speedup"], -r["k"]))["k"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from blockdraft.demo import DEMO_PROMPTS
+    from blockdraft.drafters import SHIPPED, SHIPPED_DIR, resolve_draft
+    from blockdraft.llm import LLM, load_target
+    from blockdraft.sampling_params import SamplingParams
+    from blockdraft.spec.dflash.checkpoint import write_recommended_num_speculative_tokens
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--draft", default=SHIPPED, help="drafter folder or 'shipped' (default)")
+    p.add_argument("--ks", default="1,2,3,4,7,15", help="comma-separated K values")
+    p.add_argument("--prompts", nargs="*", default=None, help="default: the demo's prompts")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the table and all timings here")
+    p.add_argument("--write-default", action="store_true",
+                   help="store the fastest K in the drafter folder's speculative.json (the shipped folder for 'shipped')")
+    p.add_argument("--cache-dir", default=None)
+    args = p.parse_args(argv)
+
+    ks = [int(k) for k in args.ks.split(",")]
+    draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
+    target = load_target(args.model, args.dtype, cache_dir=args.cache_dir)
+    small_pool = dict(num_kv_blocks=128, kv_block_size=16)  # 2048 tokens: plenty for short prompts
+    engines = {PLAIN: LLM(target=target, **small_pool)}
+    for k in ks:
+        engines[f"K={k}"] = LLM(target=target, draft=draft, num_speculative_tokens=k, **small_pool)
+    prompts = [[{"role": "user", "content": t}] for t in (args.prompts or DEMO_PROMPTS)]
+    params = SamplingParams(max_tokens=args.max_tokens)
+
+    def progress(label, i, r, seconds):
+        print(f"  repeat {r + 1} prompt {i + 1}: {label} {seconds:.2f} s", file=sys.stderr, flush=True)
+
+    runs = compare_engines(engines, prompts, params, args.repeats, on_run=progress)
+    rows = k_table(runs, ks)
+    plain_tps = sum(r.output.num_output_tokens for r in runs[PLAIN]) / sum(r.median_seconds for r in runs[PLAIN])
+    print(f"{args.model} ({target.dtype}), drafter {draft}, {len(prompts)} prompts x {args.max_tokens} tokens, "
+          f"{args.repeats} repeats (medians); plain {plain_tps:.1f} tok/s")
+    print("| K | acceptance length | tok/s | speedup vs plain | per-prompt speedups | identical |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        tau = "n/a" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        per = ", ".join(f"{x:.2f}" for x in r["per_prompt_speedup"])
+        print(f"| {r['k']} | {tau} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {per} | {r['identical']} |")
+    evidence = {
+        "measured": datetime.date.today().isoformat(),
+        "command": "python -m blockdraft.bench.spec_k " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{platform.machine()} CPU, {__import__('torch').get_num_threads()} threads",
+        "target": args.model, "dtype": str(target.dtype).replace("torch.", ""),
+        "max_tokens": args.max_tokens, "repeats": args.repeats, "plain_tokens_per_s": round(plain_tps, 2),
+        "table": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "per_prompt_speedup"}
+                  for r in rows],
+    }
+    if args.json:
+        timings = {label: [r.seconds for r in rs] for label, rs in runs.items()}
+        Path(args.json).write_text(json.dumps(evidence | {"rows": rows, "seconds": timings}, indent=1))
+    if args.write_default:
+        k = best_k(rows)
+        folder = SHIPPED_DIR / args.model if args.draft == SHIPPED else Path(draft)
+        print(f"fastest K = {k}; wrote {write_recommended_num_speculative_tokens(folder, k, evidence)}")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""`blockdraft demo`: a few real prompts decoded plainly and with DFlash, side by side, in one run.
+
+Both engines share one loaded target (`LLM(target=...)`): the only difference between them is the
+drafter. For each prompt the demo shows the answer, whether it is identical to plain decoding token
+for token (speculation must be lossless), the mean acceptance length (accepted drafts + 1 per
+verify step, from the engine's SpecStats) and the speed of both, measured interleaved in the same
+process (blockdraft.bench.compare).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from blockdraft.bench.compare import TimedRun, compare_engines
+from blockdraft.engine.request import SpecStats
+from blockdraft.sampling_params import SamplingParams
+
+# Short prompts, code and chat, sent as user messages through the chat template.
+DEMO_PROMPTS = (
+    "Write a Python function that checks whether a number is prime.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a short, friendly message inviting a colleague to lunch on Friday.",
+)
+PLAIN, DFLASH = "plain", "dflash"
+
+
+@dataclass
+class PromptResult:
+    """One prompt: the answer, losslessness, acceptance and the speed of both engines.
+
+    Times are medians over the repeats of the end-to-end `generate` call (prefill included), s.
+    acceptance_length: None when the drafter proposed nothing (answer of one token).
+    """
+
+    prompt: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    identical_to_plain: bool
+    deterministic: bool
+    num_output_tokens: int
+    acceptance_length: float | None
+    acceptance_per_position: list[float]
+    num_verify_steps: int
+    num_drafted_tokens: int
+    num_accepted_tokens: int
+    plain_seconds: list[float]
+    dflash_seconds: list[float]
+    plain_tokens_per_s: float
+    dflash_tokens_per_s: float
+    speedup: float
+
+
+@dataclass
+class DemoReport:
+    """Everything `blockdraft demo` prints (and writes with --json)."""
+
+    model: str
+    draft: str
+    dtype: str
+    num_speculative_tokens: int
+    max_tokens: int
+    repeats: int
+    temperature: float
+    seed: int | None
+    num_threads: int
+    prompts: list[PromptResult] = field(default_factory=list)
+
+    @property
+    def all_identical(self) -> bool:
+        return all(p.identical_to_plain and p.deterministic for p in self.prompts)
+
+    def summary(self) -> dict:
+        """Pooled over prompts: acceptance length over all verify steps, tokens/s over all time."""
+        stats = SpecStats()
+        for p in self.prompts:
+            stats.merge(SpecStats(p.num_verify_steps, p.num_drafted_tokens, p.num_accepted_tokens))
+        tokens = sum(p.num_output_tokens for p in self.prompts)
+        plain_s = sum(_median(p.plain_seconds) for p in self.prompts)
+        dflash_s = sum(_median(p.dflash_seconds) for p in self.prompts)
+        return {
+            "num_prompts": len(self.prompts),
+            "num_identical": sum(p.identical_to_plain for p in self.prompts),
+            "all_identical": self.all_identical,
+            "num_output_tokens": tokens,
+            "acceptance_length": stats.acceptance_length,
+            "plain_tokens_per_s": tokens / plain_s if plain_s > 0 else None,
+            "dflash_tokens_per_s": tokens / dflash_s if dflash_s > 0 else None,
+            "speedup": plain_s / dflash_s if dflash_s > 0 else None,
+        }
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["summary"] = self.summary()
+        return d
+
+
+def run_demo(
+    target,
+    draft: str,
+    prompts,
+    params: SamplingParams,
+    repeats: int = 1,
+    num_speculative_tokens: int | None = None,
+    raw: bool = False,
+    model_name: str | None = None,
+    on_start: Callable[[DemoReport], None] | None = None,
+    on_run: Callable[[str, int, int, float], None] | None = None,
+) -> DemoReport:
+    """Decode every prompt plainly and with the drafter on the same loaded target; compare.
+
+    Args:
+        target: a LoadedTarget (blockdraft.llm.load_target), shared by both engines.
+        draft: DFlash drafter checkpoint folder.
+        prompts: prompt strings; sent as user chat messages unless `raw`.
+        params: sampling parameters of every run (greedy, or sampled with a fixed seed).
+        repeats: runs per (engine, prompt), interleaved; times are medians.
+        num_speculative_tokens: K (None: the drafter folder's recommended K, else block_size - 1).
+        on_start: called with the (still prompt-less) report once both engines are built.
+        on_run: called after every timed run (see `compare_engines`).
+    Raises:
+        ValueError: no prompts, an empty prompt, sampling without a seed (runs would not compare),
+            or a bad drafter / K (from the loaders).
+    """
+    from blockdraft.llm import LLM
+
+    if not prompts:
+        raise ValueError("demo needs at least one prompt")
+    if any(not p.strip() for p in prompts):
+        raise ValueError("prompt is empty: give non-empty prompts")
+    if params.temperature > 0 and params.seed is None:
+        raise ValueError("sampling (temperature > 0) needs a seed so plain and speculative runs can be compared")
+    import torch
+
+    plain = LLM(target=target)
+    spec = LLM(target=target, draft=draft, num_speculative_tokens=num_speculative_tokens)
+    report = DemoReport(
+        model=model_name or target.path, draft=str(draft), dtype=str(target.dtype).replace("torch.", ""),
+        num_speculative_tokens=spec.speculator.num_speculative_tokens, max_tokens=params.max_tokens,
+        repeats=repeats, temperature=params.temperature, seed=params.seed, num_threads=torch.get_num_threads(),
+    )
+    if on_start is not None:
+        on_start(report)
+    inputs = [p if raw else [{"role": "user", "content": p}] for p in prompts]
+    runs = compare_engines({PLAIN: plain, DFLASH: spec}, inputs, params, repeats, on_run=on_run)
+    for prompt, p_run, s_run in zip(prompts, runs[PLAIN], runs[DFLASH]):
+        report.prompts.append(_prompt_result(prompt, p_run, s_run))
+    return report
+
+
+def _prompt_result(prompt: str, plain: TimedRun, spec: TimedRun) -> PromptResult:
+    out = spec.output
+    return PromptResult(
+        prompt=prompt,
+        text=plain.output.text,
+        token_ids=list(plain.output.token_ids),
+        finish_reason=plain.output.finish_reason,
+        identical_to_plain=list(out.token_ids) == list(plain.output.token_ids),
+        deterministic=plain.deterministic and spec.deterministic,
+        num_output_tokens=plain.output.num_output_tokens,
+        acceptance_length=out.spec.acceptance_length,
+        acceptance_per_position=out.spec.acceptance_rate_per_position(),
+        num_verify_steps=out.spec.num_steps,
+        num_drafted_tokens=out.spec.num_drafted_tokens,
+        num_accepted_tokens=out.spec.num_accepted_tokens,
+        plain_seconds=plain.seconds,
+        dflash_seconds=spec.seconds,
+        plain_tokens_per_s=plain.tokens_per_s,
+        dflash_tokens_per_s=spec.tokens_per_s,
+        speedup=plain.median_seconds / spec.median_seconds,
+    )
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+# ---- text output --------------------------------------------------------------------------------
+
+
+def format_header(r: DemoReport) -> str:
+    """First lines: what runs against what."""
+    return (
+        f"blockdraft demo: {r.model} ({r.dtype}, CPU, {r.num_threads} threads) + DFlash drafter "
+        f"{r.draft} (K = {r.num_speculative_tokens} drafts per step)\n"
+        f"each prompt: plain decoding and speculative decoding on the same loaded weights, "
+        f"{_sampling_words(r.temperature, r.seed)}, at most {r.max_tokens} tokens, "
+        f"{r.repeats} timed run(s) each, interleaved"
+    )
+
+
+def format_prompt(index: int, total: int, p: PromptResult) -> str:
+    """One prompt's block: the prompt, the answer, then the comparison line."""
+    tau = "n/a (no drafts)" if p.acceptance_length is None else f"{p.acceptance_length:.2f}"
+    return (
+        f"[{index}/{total}] {p.prompt}\n{p.text.rstrip()}\n"
+        f"  -> identical to plain: {_yes(p.identical_to_plain and p.deterministic)} | {p.num_output_tokens} tokens | "
+        f"acceptance length {tau} | plain {p.plain_tokens_per_s:.1f} tok/s | "
+        f"DFlash {p.dflash_tokens_per_s:.1f} tok/s | speedup {p.speedup:.2f}x"
+    )
+
+
+def format_summary(report: DemoReport) -> str:
+    """The last line: pooled over all prompts."""
+    s = report.summary()
+    tau = "n/a" if s["acceptance_length"] is None else f"{s['acceptance_length']:.2f}"
+    return (
+        f"summary: identical to plain on {s['num_identical']}/{s['num_prompts']} prompts | "
+        f"{s['num_output_tokens']} tokens | acceptance length {tau} | "
+        f"plain {s['plain_tokens_per_s']:.1f} tok/s | DFlash {s['dflash_tokens_per_s']:.1f} tok/s | "
+        f"speedup {s['speedup']:.2f}x"
+    )
+
+
+def _sampling_words(temperature: float, seed: int | None) -> str:
+    return "greedy" if temperature == 0 else f"sampled at T={temperature:g} with seed {seed}"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+
+
+def add_parser(sub, default_model: str) -> None:
+    """Register `blockdraft demo` on the CLI's subparsers."""
+    d = sub.add_parser(
+        "demo",
+        help="answer a few prompts plainly and with the DFlash drafter: answers, acceptance, speedup",
+        description="Decode each prompt with plain decoding and with DFlash speculative decoding on the same "
+        "loaded model, interleaved, and print the answer, whether it is identical to plain decoding, the "
+        "acceptance length and the speedup measured in this run.",
+    )
+    d.add_argument("prompts", nargs="*", help="prompts (default: 3 built-in code and chat prompts)")
+    d.add_argument("--model", default=default_model, help=f"catalog name, HF folder or .gguf (default {default_model})")
+    d.add_argument("--draft", default="auto",
+                   help="drafter folder, or 'auto' / 'shipped' for the one shipped for --model (default auto)")
+    d.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts per step K (default: the drafter's measured K, else block_size - 1)")
+    d.add_argument("--max-tokens", type=int, default=96, help="output tokens at most per prompt (default 96)")
+    d.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and engine; medians (default 1)")
+    d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed")
+    d.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0 (default 0)")
+    d.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
+    d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights/KV dtype; auto = the checkpoint's (bf16 for catalog models)")
+    d.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON to PATH")
+    d.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
+    d.set_defaults(func=main)
+
+
+def main(args) -> int:
+    """CLI body of `blockdraft demo`; exit code 1 when an answer differs from plain decoding.
+
+    Raises:
+        ValueError: bad flags (naming the value), no drafter for the model, bad prompts.
+    """
+    from blockdraft.drafters import SHIPPED, resolve_draft
+    from blockdraft.llm import load_target
+
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    prompts = list(args.prompts) or list(DEMO_PROMPTS)
+    # The demo compares against a drafter, so `auto` must find one: same error as `shipped`.
+    draft = resolve_draft(SHIPPED if args.draft == "auto" else args.draft, args.model, cache_dir=args.cache_dir)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    target = load_target(args.model, args.dtype, cache_dir=args.cache_dir)
+
+    def on_start(report: DemoReport) -> None:
+        print(format_header(report) + "\n", flush=True)
+
+    def on_run(label: str, index: int, repeat: int, seconds: float) -> None:
+        print(f"  (prompt {index + 1}/{len(prompts)}, run {repeat + 1}/{args.repeats}: {label} {seconds:.1f} s)",
+              file=sys.stderr, flush=True)
+
+    report = run_demo(target, draft, prompts, params, args.repeats, args.num_speculative_tokens, args.raw,
+                      args.model, on_start, on_run)
+    for i, p in enumerate(report.prompts, 1):
+        print(format_prompt(i, len(report.prompts), p) + "\n")
+    print(format_summary(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_dict(), f, indent=1)
+    if not report.all_identical:
+        print("error: speculative decoding changed an answer; please report this as a bug", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,76 @@
+"""`blockdraft demo` end to end on the tiny random model + a tiny DFlash drafter (CPU, seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockdraft.cli import main
+from blockdraft.llm import LLM
+from blockdraft.sampling_params import SamplingParams
+from tests.server.tiny_model import word, write_tiny_drafter, write_tiny_model
+
+PROMPTS = [" ".join(word(i) for i in (5, 17, 33, 8)), " ".join(word(i) for i in (60, 2, 71))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    model = write_tiny_model(root / "model")
+    return model, write_tiny_drafter(root / "drafter", model)
+
+
+def _demo(tiny, tmp_path, *extra):
+    model, drafter = tiny
+    out = tmp_path / "demo.json"
+    code = main(["demo", *PROMPTS, "--model", str(model), "--draft", str(drafter), "--max-tokens", "12",
+                 "--json", str(out), *extra])
+    return code, json.loads(out.read_text())
+
+
+def test_demo_prints_answers_identical_to_plain_with_acceptance_and_speedup(tiny, tmp_path, capsys):
+    code, report = _demo(tiny, tmp_path, "--repeats", "2")
+    printed = capsys.readouterr().out
+    assert code == 0
+    plain = LLM(model=str(tiny[0])).generate([[{"role": "user", "content": p}] for p in PROMPTS],
+                                             SamplingParams(max_tokens=12))
+    assert [p["prompt"] for p in report["prompts"]] == PROMPTS
+    for row, ref in zip(report["prompts"], plain):
+        assert row["token_ids"] == ref.token_ids and row["text"] == ref.text
+        assert row["identical_to_plain"] and row["deterministic"]
+        assert len(row["plain_seconds"]) == len(row["dflash_seconds"]) == 2
+        assert row["num_drafted_tokens"] > 0 and row["acceptance_length"] >= 1.0
+        assert row["acceptance_length"] == pytest.approx(
+            (row["num_accepted_tokens"] + row["num_verify_steps"]) / row["num_verify_steps"])
+        assert row["speedup"] > 0 and row["plain_tokens_per_s"] > 0 and row["dflash_tokens_per_s"] > 0
+        assert f"[{report['prompts'].index(row) + 1}/2] {row['prompt']}" in printed
+        assert row["text"].rstrip() in printed
+    summary = report["summary"]
+    assert summary["all_identical"] and summary["num_identical"] == 2
+    assert summary["num_output_tokens"] == sum(len(o.token_ids) for o in plain)
+    assert report["num_speculative_tokens"] == 7  # the tiny drafter's block_size 8 - 1
+    assert printed.count("identical to plain: yes") == 2
+    assert "summary: identical to plain on 2/2 prompts" in printed and "speedup" in printed
+
+
+def test_demo_reports_an_answer_that_differs_from_plain(tiny, tmp_path, capsys, monkeypatch):
+    """Control: a verifier that accepts every draft changes the answers; the demo must say so."""
+    import blockdraft.runner.model_runner as runner
+
+    monkeypatch.setattr(runner, "verify_drafts", lambda target, drafts, num_drafts: num_drafts.clone())
+    code, report = _demo(tiny, tmp_path)
+    captured = capsys.readouterr()
+    assert code == 1 and not report["summary"]["all_identical"]
+    assert "identical to plain: NO" in captured.out and "changed an answer" in captured.err
+
+
+def test_demo_explicit_k_and_bad_flags(tiny, tmp_path, capsys):
+    code, report = _demo(tiny, tmp_path, "--num-speculative-tokens", "2")
+    assert code == 0 and report["num_speculative_tokens"] == 2 and report["summary"]["all_identical"]
+    model, _ = tiny
+    assert main(["demo", "w05x", "--model", str(model)]) == 2  # a folder model: no shipped drafter
+    assert "no drafter ships for model" in capsys.readouterr().err
+    assert main(["demo", "w05x", "--model", str(model), "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["demo", "w05x", "--model", str(model), "--draft", str(tiny[1]), "--temperature", "0.7"]) == 0

@@ -1,0 +1,107 @@
+"""Which drafter `generate` / `serve` use by default (`--draft auto`), and the recorded default K."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from blockdraft.cli import main
+from blockdraft.drafters import SHIPPED_DIR, check_draft_flags, resolve_draft, shipped_drafter
+from blockdraft.llm import LLM
+from blockdraft.spec.dflash.checkpoint import (
+    SPECULATIVE_FILE,
+    recommended_num_speculative_tokens,
+    write_recommended_num_speculative_tokens,
+)
+from tests.server.tiny_model import write_tiny_drafter, write_tiny_model
+
+QWEN, SMOL = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model = write_tiny_model(root / "model")
+    return model, write_tiny_drafter(root / "drafter", model)
+
+
+def test_auto_picks_the_shipped_drafter_for_catalog_models_and_nothing_otherwise(tmp_path):
+    assert resolve_draft(None, QWEN) == resolve_draft("auto", QWEN) == str(SHIPPED_DIR / QWEN)
+    smol = resolve_draft("auto", SMOL, cache_dir=tmp_path)  # int8 pack, expanded into the cache
+    assert smol is not None and (tmp_path / "drafters") in Path(smol).parents
+    assert resolve_draft("auto", "qwen2.5-coder-1.5b-instruct") is None  # catalog model, no drafter
+    assert resolve_draft("auto", str(tmp_path)) is None  # a model folder
+    # A path is never taken for a catalog name, not even the shipped folder's own path.
+    assert shipped_drafter(str(SHIPPED_DIR / QWEN)) is None
+    assert resolve_draft("auto", QWEN, no_draft=True) is None
+    assert resolve_draft("shipped", QWEN) == str(SHIPPED_DIR / QWEN)
+    assert resolve_draft("/some/drafter", QWEN) == "/some/drafter"
+
+
+def test_resolution_errors_name_the_problem():
+    with pytest.raises(ValueError, match="no drafter ships for model 'qwen2.5-coder-1.5b-instruct'"):
+        resolve_draft("shipped", "qwen2.5-coder-1.5b-instruct")
+    with pytest.raises(ValueError, match="--num-speculative-tokens needs a drafter, and none ships"):
+        resolve_draft("auto", "qwen2.5-coder-1.5b-instruct", num_speculative_tokens=3)
+    with pytest.raises(ValueError, match="contradict"):
+        check_draft_flags("/some/drafter", True, None)
+    with pytest.raises(ValueError, match="drop --no-draft"):
+        check_draft_flags("auto", True, 3)
+    check_draft_flags("auto", True, None)  # the default --draft with --no-draft: plain decoding
+    check_draft_flags(None, False, 3)
+
+
+def test_cli_generate_defaults(tiny, tmp_path, capsys):
+    model, drafter = tiny
+    assert main(["generate", "w05x w06x", "--model", str(model), "--max-tokens", "6", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)  # a folder model has no shipped drafter: plain decoding
+    assert plain["num_speculative_tokens"] is None and plain["acceptance_length"] is None
+    assert main(["generate", "w05x w06x", "--model", str(model), "--max-tokens", "6", "--json",
+                 "--draft", str(drafter)]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["num_speculative_tokens"] == 7 and spec["token_ids"] == plain["token_ids"]
+    assert main(["generate", "w05x", "--model", str(model), "--num-speculative-tokens", "3"]) == 2
+    assert "none ships for model" in capsys.readouterr().err
+    assert main(["generate", "w05x", "--no-draft", "--num-speculative-tokens", "3"]) == 2
+    assert "drop --no-draft" in capsys.readouterr().err
+
+
+def test_recorded_k_is_the_default_and_an_explicit_k_wins(tiny, tmp_path):
+    model, drafter = tiny
+    folder = tmp_path / "drafter"
+    shutil.copytree(drafter, folder)
+    assert recommended_num_speculative_tokens(folder) is None
+    write_recommended_num_speculative_tokens(folder, 3, {"note": "test"})
+    assert recommended_num_speculative_tokens(folder) == 3
+    assert json.loads((folder / SPECULATIVE_FILE).read_text()) == {"num_speculative_tokens": 3, "note": "test"}
+    assert LLM(model=str(model), draft=str(folder)).speculator.num_speculative_tokens == 3
+    assert LLM(model=str(model), draft=str(folder), num_speculative_tokens=5).speculator.num_speculative_tokens == 5
+    write_recommended_num_speculative_tokens(folder, 9)  # more than block_size - 1 = 7
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, block_size - 1 = 7\]"):
+        LLM(model=str(model), draft=str(folder))
+    (folder / SPECULATIVE_FILE).write_text('{"num_speculative_tokens": 0}')
+    with pytest.raises(ValueError, match="speculative.json: num_speculative_tokens must be an integer >= 1, got 0"):
+        recommended_num_speculative_tokens(folder)
+    (folder / SPECULATIVE_FILE).write_text("[3]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        recommended_num_speculative_tokens(folder)
+
+
+def test_shipped_k_files_are_valid_and_travel_with_the_int8_expansion(tmp_path, monkeypatch):
+    for name in (QWEN, SMOL):
+        k = recommended_num_speculative_tokens(SHIPPED_DIR / name)
+        block_size = json.loads((SHIPPED_DIR / name / "config.json").read_text())["dflash_config"]["block_size"]
+        assert k is None or 1 <= k <= block_size - 1
+    # The expanded int8 folder carries the K file, and a new K gives a new expansion (never stale).
+    shipped = tmp_path / "shipped"
+    shutil.copytree(SHIPPED_DIR / SMOL, shipped / SMOL)
+    monkeypatch.setattr("blockdraft.drafters.SHIPPED_DIR", shipped)
+    write_recommended_num_speculative_tokens(shipped / SMOL, 2)
+    first = shipped_drafter(SMOL, cache_dir=tmp_path / "cache")
+    assert recommended_num_speculative_tokens(first) == 2
+    write_recommended_num_speculative_tokens(shipped / SMOL, 4)
+    second = shipped_drafter(SMOL, cache_dir=tmp_path / "cache")
+    assert second != first and recommended_num_speculative_tokens(second) == 4
