@@ -7,7 +7,9 @@ small batches on a GPU is launch-bound: the kernels cut a decoder layer from ~40
 
 Dispatch (`use_kernels`): the kernel runs when the calling module allows it (`fused_ops`, see
 `UsesFusedOps`), the input is a CUDA tensor and no autograd graph is being recorded through the
-op (the kernels have no backward). Everything else, CPU in particular, runs the twin unchanged.
+op (the kernels have no backward). Ops whose kernel needs one dtype also take the twin for mixed
+dtypes (autocast: bf16 activations, fp32 weights). Everything else, CPU in particular, runs the
+twin unchanged.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ _CPU_KERNELS = False
 
 def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _one_dtype(*tensors: torch.Tensor | None) -> bool:
+    """All given tensors share a dtype (mixed dtypes, e.g. under autocast, take the twin)."""
+    dtype = tensors[0].dtype
+    return all(t is None or t.dtype == dtype for t in tensors)
 
 
 def use_kernels(enabled: bool, *tensors: torch.Tensor | None) -> bool:
@@ -155,7 +163,7 @@ def fused_add_rms_norm(
     The new residual is bit-identical between kernel and twin (one rounded add); the inputs
     are not modified. fused: allow the Triton kernel.
     """
-    if fused and (x.is_cuda or _CPU_KERNELS) and not _needs_autograd(x, residual, weight):
+    if fused and (x.is_cuda or _CPU_KERNELS) and x.dtype == residual.dtype and not _needs_autograd(x, residual, weight):
         return _kernels().fused_add_rms_norm(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
 
@@ -176,7 +184,8 @@ def qk_norm_rope(
     None (both or neither). Returns rotated (q, k) in the inputs' dtype. fused: allow the kernel
     (one launch for both; then all inputs must share one dtype, see blockdraft.kernels.rope).
     """
-    if fused and (q.is_cuda or _CPU_KERNELS) and not _needs_autograd(q, k, q_weight, k_weight):
+    kernel_ok = _one_dtype(q, k, cos, sin, q_weight, k_weight) and not _needs_autograd(q, k, q_weight, k_weight)
+    if fused and (q.is_cuda or _CPU_KERNELS) and kernel_ok:
         return _kernels().qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps)
     return qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps)
 
@@ -185,7 +194,7 @@ def norm_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float, fused: bool = True
 ) -> torch.Tensor:
     """`qk_norm_rope` for one tensor x [rows, heads, D] -> [rows, heads, D]."""
-    if fused and (x.is_cuda or _CPU_KERNELS) and not _needs_autograd(x, weight):
+    if fused and (x.is_cuda or _CPU_KERNELS) and _one_dtype(x, cos, sin, weight) and not _needs_autograd(x, weight):
         return _kernels().norm_rope(x, cos, sin, weight, eps)
     return norm_rope_ref(x, cos, sin, weight, eps)
 
@@ -199,6 +208,6 @@ def silu_and_mul(gate_up: torch.Tensor, fused: bool = True) -> torch.Tensor:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """silu(gate) * up for separate gate / up [rows, I] (DFlash drafter MLP)."""
-    if fused and (gate.is_cuda or _CPU_KERNELS) and not _needs_autograd(gate, up):
+    if fused and (gate.is_cuda or _CPU_KERNELS) and gate.dtype == up.dtype and not _needs_autograd(gate, up):
         return _kernels().silu_mul(gate, up)
     return silu_mul_ref(gate, up)

@@ -26,8 +26,9 @@ class ModelRunner:
         model: a blockdraft CausalLM (forward / compute_logits / embed).
         kv_caches: per target layer (k_cache, v_cache), [num_kv_blocks, kv_block_size, kv_heads, head_dim].
         kv_block_size: tokens per KV page.
-        speculator: None for plain decoding, else an object with `aux_layer_ids` and
-            `propose(features, positions, slot_mapping, bonus_tokens, bonus_positions, block_table)`.
+        speculator: None for plain decoding, else a Speculator (blockdraft.spec.base):
+            `num_speculative_tokens`, `aux_layer_ids` and `propose(features, positions,
+            slot_mapping, bonus_tokens, bonus_positions, block_table)`; `mask_token_id` if it has one.
         attention_backend: the backend the models run with (decides whether the metadata carries
             host lists); default: the device's (blockdraft.attention.backends).
         graphs: uniform-step graphs (runner.step_graphs.build_step_graphs), or None (all eager).

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from blockdraft.runner.cuda_graphs import TargetGraphs, capture_sizes
+
+if TYPE_CHECKING:
+    from blockdraft.spec.dflash.cuda_graph import DraftGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +25,7 @@ class StepGraphs:
     """The target graphs and, with a DFlash speculator, the drafter graphs of the same buckets."""
 
     target: TargetGraphs
-    draft: object | None  # blockdraft.spec.dflash.cuda_graph.DraftGraphs
+    draft: DraftGraphs | None
 
 
 def build_step_graphs(

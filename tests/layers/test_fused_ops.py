@@ -54,6 +54,25 @@ def test_use_kernels_rules(monkeypatch):
         assert use_kernels(True, x, w)
 
 
+def test_mixed_dtypes_take_the_twin(monkeypatch):
+    """Autocast evaluation (bf16 activations, fp32 weights and cos/sin) must not reach the
+    one-dtype kernels."""
+
+    def refuse():
+        raise AssertionError("mixed dtypes took the kernel path")
+
+    monkeypatch.setattr(fused_ops, "_CPU_KERNELS", True)
+    monkeypatch.setattr(fused_ops, "_kernels", refuse)
+    k = torch.randn(3, 2, 8).bfloat16()
+    cos, sin, w = torch.ones(3, 1, 8), torch.zeros(3, 1, 8), torch.ones(8)
+    with torch.no_grad():
+        out = fused_ops.norm_rope(k, cos, sin, w, 1e-6)
+        q, _ = fused_ops.qk_norm_rope(k, k, cos, sin, w, w, 1e-6)
+        fused_ops.fused_add_rms_norm(k, k.float(), w, 1e-6)
+        fused_ops.silu_mul(k, k.float())
+    assert out.dtype == q.dtype == torch.float32  # the twin's type promotion, as before
+
+
 def test_set_fused_ops_switches_every_module(monkeypatch):
     model = random_target("qwen3")
     flagged = [m for m in model.modules() if isinstance(m, fused_ops.UsesFusedOps)]

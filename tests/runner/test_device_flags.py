@@ -33,3 +33,13 @@ def test_device_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             resolve_device("cuda")
+
+
+def test_auto_dtype_is_the_checkpoints_except_fp32_on_cuda():
+    from blockdraft.llm import _resolve_dtype
+
+    assert _resolve_dtype("auto", {"torch_dtype": "float32"}, "cpu") == torch.float32
+    assert _resolve_dtype("auto", {"torch_dtype": "float32"}, "cuda") == torch.bfloat16
+    assert _resolve_dtype("auto", {"dtype": "bfloat16"}, "cuda") == torch.bfloat16
+    assert _resolve_dtype("auto", {"dtype": "float16"}, "cuda") == torch.float16
+    assert _resolve_dtype("float32", {"dtype": "bfloat16"}, "cuda") == torch.float32
