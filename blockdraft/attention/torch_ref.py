@@ -84,12 +84,12 @@ def paged_attention(
             keys = torch.cat([keys, k[lo:hi].to(keys.dtype)])
             vals = torch.cat([vals, v[lo:hi].to(vals.dtype)])
             block_causal = causal or sliding_window is not None
-            mask = _mask(seq_len, hi - lo, keys.shape[0], sliding_window, block_causal)
+            mask = _mask(seq_len, hi - lo, keys.shape[0], sliding_window, block_causal, q.device)
         elif 1 < hi - lo <= ROW_BY_ROW_MAX_ROWS:
             _attend_row_by_row(q[lo:hi], keys, vals, seq_len, sliding_window, scale, out[lo:hi])
             continue
         else:
-            mask = _mask(seq_len - (hi - lo), hi - lo, seq_len, sliding_window, True)
+            mask = _mask(seq_len - (hi - lo), hi - lo, seq_len, sliding_window, True, q.device)
         _attend(q[lo:hi], keys, vals, mask, scale, out[lo:hi])
     return out
 
@@ -114,11 +114,13 @@ def _attend_row_by_row(
     n = q.shape[0]
     for j in range(n):
         length = seq_len - n + j + 1
-        mask = _mask(length - 1, 1, length, window, True)
+        mask = _mask(length - 1, 1, length, window, True, q.device)
         _attend(q[j : j + 1], keys[:length], vals[:length], mask, scale, out[j : j + 1])
 
 
-def _mask(q_start: int, num_q: int, num_keys: int, window: int | None, causal: bool) -> torch.Tensor | None:
+def _mask(
+    q_start: int, num_q: int, num_keys: int, window: int | None, causal: bool, device=None
+) -> torch.Tensor | None:
     """Boolean [num_q, num_keys] mask (True = may attend) for queries at positions
     q_start..q_start+num_q-1 over keys at positions 0..num_keys-1; None when every query may
     attend to every key (the common decode row), which lets `_attend` skip masking."""
@@ -126,9 +128,9 @@ def _mask(q_start: int, num_q: int, num_keys: int, window: int | None, causal: b
     sees_all = (not causal or (num_q == 1 and last_q >= num_keys - 1)) and (window is None or last_q - window < 0)
     if sees_all:
         return None
-    q_pos = torch.arange(q_start, q_start + num_q)[:, None]
-    k_pos = torch.arange(num_keys)[None, :]
-    allowed = k_pos <= q_pos if causal else torch.ones(num_q, num_keys, dtype=torch.bool)
+    q_pos = torch.arange(q_start, q_start + num_q, device=device)[:, None]
+    k_pos = torch.arange(num_keys, device=device)[None, :]
+    allowed = k_pos <= q_pos if causal else torch.ones(num_q, num_keys, dtype=torch.bool, device=device)
     if window is not None:
         allowed = allowed & (k_pos > q_pos - window)
     return allowed

@@ -128,11 +128,13 @@ class LLMEngine:
                 return self._finish(req, "length")
 
     def _trim_drafts(self, req: Request, drafts: list[int]) -> list[int]:
-        """Drop drafts that could never be emitted (past max_tokens or the context length)."""
-        room = min(
-            req.sampling_params.max_tokens - len(req.output_token_ids),
-            self.max_model_len - req.num_tokens,
-        )
+        """Drop drafts that would not fit the context (max_model_len).
+
+        Drafts past max_tokens are kept, as in vLLM: `_append_tokens` stops at max_tokens exactly,
+        and a step that keeps all K drafts stays uniform, so it replays a CUDA graph instead of
+        running eagerly (trimming made the last K steps of every request eager).
+        """
+        room = self.max_model_len - req.num_tokens
         return list(drafts[: max(0, room - 1)])
 
     def _finish(self, req: Request, reason: str) -> None:
