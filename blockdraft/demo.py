@@ -22,7 +22,7 @@ from blockdraft.sampling_params import SamplingParams
 # Short prompts, code and chat, sent as user messages through the chat template.
 DEMO_PROMPTS = (
     "Write a Python function that checks whether a number is prime.",
-    "What is the difference between a list and a tuple in Python?",
+    "Explain in two sentences what a Python list comprehension is.",
     "Write a short, friendly message inviting a colleague to lunch on Friday.",
 )
 PLAIN, DFLASH = "plain", "dflash"
@@ -32,7 +32,8 @@ PLAIN, DFLASH = "plain", "dflash"
 class PromptResult:
     """One prompt: the answer, losslessness, acceptance and the speed of both engines.
 
-    Times are medians over the repeats of the end-to-end `generate` call (prefill included), s.
+    Times are per repeat, of the end-to-end `generate` call (prefill included), s: wall time, and
+    process CPU time (steadier on a shared machine); tokens/s and speedup use median wall times.
     acceptance_length: None when the drafter proposed nothing (answer of one token).
     """
 
@@ -50,6 +51,8 @@ class PromptResult:
     num_accepted_tokens: int
     plain_seconds: list[float]
     dflash_seconds: list[float]
+    plain_cpu_seconds: list[float]
+    dflash_cpu_seconds: list[float]
     plain_tokens_per_s: float
     dflash_tokens_per_s: float
     speedup: float
@@ -169,6 +172,8 @@ def _prompt_result(prompt: str, plain: TimedRun, spec: TimedRun) -> PromptResult
         num_accepted_tokens=out.spec.num_accepted_tokens,
         plain_seconds=plain.seconds,
         dflash_seconds=spec.seconds,
+        plain_cpu_seconds=plain.cpu_seconds,
+        dflash_cpu_seconds=spec.cpu_seconds,
         plain_tokens_per_s=plain.tokens_per_s,
         dflash_tokens_per_s=spec.tokens_per_s,
         speedup=plain.median_seconds / spec.median_seconds,
@@ -186,7 +191,7 @@ def format_header(r: DemoReport) -> str:
     """First lines: what runs against what."""
     return (
         f"blockdraft demo: {r.model} ({r.dtype}, CPU, {r.num_threads} threads) + DFlash drafter "
-        f"{r.draft} (K = {r.num_speculative_tokens} drafts per step)\n"
+        f"{r.draft} (K = {r.num_speculative_tokens}: drafts per step)\n"
         f"each prompt: plain decoding and speculative decoding on the same loaded weights, "
         f"{_sampling_words(r.temperature, r.seed)}, at most {r.max_tokens} tokens, "
         f"{r.repeats} timed run(s) each, interleaved"

@@ -3,8 +3,8 @@
 The engines usually share one loaded target (`LLM(target=...)`) and differ only in speculation
 (plain decoding vs a DFlash drafter at some K), so the comparison measures speculation alone on
 the same weights, machine and moment. Each prompt is run by every engine before the next prompt
-starts, and the engine order rotates with the repeat index, so slow drift in machine load (other
-processes, thermal state) lands on every engine alike. Requests run one at a time (batch 1): the
+starts, and the engine that goes first rotates over prompts and repeats, so slow drift in machine
+load (other processes, thermal state) lands on every engine alike. Requests run one at a time (batch 1): the
 time of a `generate` call is that prompt's end-to-end latency, prefill included.
 """
 
@@ -24,11 +24,14 @@ class TimedRun:
     """One engine on one prompt, over all repeats.
 
     output: the output of the first repeat. seconds: wall time of each repeat's `generate` call.
+    cpu_seconds: CPU time of this process (all threads) during each call; on a machine shared with
+        other jobs it tracks the work done far more steadily than the wall time does.
     deterministic: every repeat produced the same token ids as the first.
     """
 
     output: RequestOutput
     seconds: list[float] = field(default_factory=list)
+    cpu_seconds: list[float] = field(default_factory=list)
     deterministic: bool = True
 
     @property
@@ -37,16 +40,21 @@ class TimedRun:
         return statistics.median(self.seconds)
 
     @property
+    def median_cpu_seconds(self) -> float:
+        """Median process CPU time over the repeats (s)."""
+        return statistics.median(self.cpu_seconds)
+
+    @property
     def tokens_per_s(self) -> float:
         """Output tokens per second at the median wall time."""
         return self.output.num_output_tokens / self.median_seconds if self.median_seconds > 0 else float("inf")
 
 
-def timed_generate(llm, prompt, params: SamplingParams) -> tuple[RequestOutput, float]:
-    """Run one prompt alone through `llm.generate`; returns (output, wall seconds)."""
-    t0 = time.perf_counter()
+def timed_generate(llm, prompt, params: SamplingParams) -> tuple[RequestOutput, float, float]:
+    """Run one prompt alone through `llm.generate`; returns (output, wall seconds, CPU seconds)."""
+    c0, t0 = time.process_time(), time.perf_counter()
     out = llm.generate([prompt], params)[0]
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, time.process_time() - c0
 
 
 def compare_engines(
@@ -60,14 +68,15 @@ def compare_engines(
     """Run every prompt on every engine `repeats` times, interleaved; returns runs per engine label.
 
     Args:
-        engines: label -> LLM (anything with `generate(prompts, params)`); order is the first
-            repeat's run order.
+        engines: label -> LLM (anything with `generate(prompts, params)`); their order is the run
+            order for the first prompt of the first repeat.
         prompts: prompts in any form `LLM.generate` takes for one request (a str, a token-id list,
             or a chat conversation).
         params: sampling parameters for every run (use greedy or a fixed seed so runs compare).
         repeats: runs per (engine, prompt); the reported time is the median.
-        warmup_tokens: each engine first generates this many tokens of the first prompt, untimed
-            (one-time costs: oneDNN kernel selection, allocator growth); 0 skips the warm-up.
+        warmup_tokens: each engine first generates this many tokens of every prompt, untimed, so
+            one-time costs (oneDNN creates a kernel per new row count, e.g. each prompt's prefill;
+            allocator growth) land on no timed run; 0 skips the warm-up.
         on_run: called as on_run(label, prompt_index, repeat, seconds) after every timed run
             (progress reports).
     Returns:
@@ -85,19 +94,21 @@ def compare_engines(
     if warmup_tokens > 0:
         warm = SamplingParams(max_tokens=warmup_tokens, temperature=params.temperature, seed=params.seed)
         for label in labels:
-            engines[label].generate([prompts[0]], warm)
+            for prompt in prompts:  # one at a time: the timed runs' prefill shapes
+                engines[label].generate([prompt], warm)
     runs: dict[str, list[TimedRun | None]] = {label: [None] * len(prompts) for label in labels}
     for r in range(repeats):
-        order = labels[r % len(labels):] + labels[: r % len(labels)]
         for i, prompt in enumerate(prompts):
-            for label in order:
-                out, seconds = timed_generate(engines[label], prompt, params)
+            first = (r + i) % len(labels)  # who goes first rotates over prompts and repeats
+            for label in labels[first:] + labels[:first]:
+                out, seconds, cpu_seconds = timed_generate(engines[label], prompt, params)
                 if on_run is not None:
                     on_run(label, i, r, seconds)
                 run = runs[label][i]
                 if run is None:
-                    runs[label][i] = TimedRun(out, [seconds])
+                    runs[label][i] = TimedRun(out, [seconds], [cpu_seconds])
                 else:
                     run.seconds.append(seconds)
+                    run.cpu_seconds.append(cpu_seconds)
                     run.deterministic &= out.token_ids == run.output.token_ids
     return runs  # type: ignore[return-value]

@@ -1,0 +1,41 @@
+"""bench.spec_k: the K table from timed runs and the choice of the default K."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from blockdraft.bench.compare import TimedRun
+from blockdraft.bench.spec_k import best_k, k_table
+from blockdraft.engine.request import SpecStats
+
+
+def run(tokens, seconds, steps=0, accepted=0):
+    out = SimpleNamespace(token_ids=tokens, num_output_tokens=len(tokens), spec=SpecStats(steps, steps, accepted))
+    return TimedRun(out, [seconds], [2 * seconds])
+
+
+def test_table_pools_prompts_and_flags_differing_answers():
+    runs = {
+        "plain": [run([1, 2, 3, 4], 4.0), run([5, 6], 2.0)],
+        "K=1": [run([1, 2, 3, 4], 3.0, steps=3, accepted=1), run([5, 6], 1.0, steps=1, accepted=1)],
+        "K=2": [run([1, 2, 3, 9], 2.0, steps=2, accepted=2), run([5, 6], 1.0, steps=1, accepted=1)],
+    }
+    rows = k_table(runs, [1, 2])
+    assert rows[0]["acceptance_length"] == pytest.approx((2 + 4) / 4)
+    assert rows[0]["speedup"] == pytest.approx(6 / 4) and rows[0]["cpu_speedup"] == pytest.approx(6 / 4)
+    assert rows[0]["per_prompt_speedup"] == pytest.approx([4 / 3, 2.0])
+    assert rows[0]["tokens_per_s"] == pytest.approx(6 / 4)
+    assert rows[0]["identical"] and not rows[1]["identical"]
+    assert best_k(rows) == 1  # K=2 is faster but changed an answer
+
+
+def test_best_k_prefers_the_smaller_k_on_ties_and_refuses_without_identical_rows():
+    rows = [{"k": 3, "speedup": 1.1, "cpu_speedup": 1.0, "identical": True},
+            {"k": 1, "speedup": 1.1, "cpu_speedup": 1.2, "identical": True}]
+    assert best_k(rows) == 1 and best_k(rows, "cpu_speedup") == 1
+    rows[1]["cpu_speedup"] = 0.9
+    assert best_k(rows, "cpu_speedup") == 3
+    with pytest.raises(ValueError, match="metric must be"):
+        best_k(rows, "tokens")
+    with pytest.raises(ValueError, match="no K produced answers identical"):
+        best_k([dict(rows[0], identical=False)])
