@@ -35,6 +35,7 @@ class PromptResult:
     Times are per repeat, of the end-to-end `generate` call (prefill included), s: wall time, and
     process CPU time (steadier on a shared machine); tokens/s and speedup use median wall times.
     acceptance_length: None when the drafter proposed nothing (answer of one token).
+    text / token_ids: the plain answer; dflash_token_ids: the speculative one when it differs.
     """
 
     prompt: str
@@ -42,6 +43,7 @@ class PromptResult:
     token_ids: list[int]
     finish_reason: str | None
     identical_to_plain: bool
+    dflash_token_ids: list[int] | None
     deterministic: bool
     num_output_tokens: int
     acceptance_length: float | None
@@ -157,12 +159,14 @@ def run_demo(
 
 def _prompt_result(prompt: str, plain: TimedRun, spec: TimedRun) -> PromptResult:
     out = spec.output
+    identical = list(out.token_ids) == list(plain.output.token_ids)
     return PromptResult(
         prompt=prompt,
         text=plain.output.text,
         token_ids=list(plain.output.token_ids),
         finish_reason=plain.output.finish_reason,
-        identical_to_plain=list(out.token_ids) == list(plain.output.token_ids),
+        identical_to_plain=identical,
+        dflash_token_ids=None if identical else list(out.token_ids),
         deterministic=plain.deterministic and spec.deterministic,
         num_output_tokens=plain.output.num_output_tokens,
         acceptance_length=out.spec.acceptance_length,

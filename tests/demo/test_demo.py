@@ -38,7 +38,7 @@ def test_demo_prints_answers_identical_to_plain_with_acceptance_and_speedup(tiny
     assert [p["prompt"] for p in report["prompts"]] == PROMPTS
     for row, ref in zip(report["prompts"], plain):
         assert row["token_ids"] == ref.token_ids and row["text"] == ref.text
-        assert row["identical_to_plain"] and row["deterministic"]
+        assert row["identical_to_plain"] and row["deterministic"] and row["dflash_token_ids"] is None
         assert len(row["plain_seconds"]) == len(row["dflash_seconds"]) == 2
         assert row["num_drafted_tokens"] > 0 and row["acceptance_length"] >= 1.0
         assert row["acceptance_length"] == pytest.approx(
@@ -62,6 +62,8 @@ def test_demo_reports_an_answer_that_differs_from_plain(tiny, tmp_path, capsys, 
     code, report = _demo(tiny, tmp_path)
     captured = capsys.readouterr()
     assert code == 1 and not report["summary"]["all_identical"]
+    differing = [p for p in report["prompts"] if not p["identical_to_plain"]]
+    assert differing and all(p["dflash_token_ids"] != p["token_ids"] for p in differing)
     assert "identical to plain: NO" in captured.out and "changed an answer" in captured.err
 
 
