@@ -276,6 +276,8 @@ def main(args) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.json:  # fail before minutes of decoding, not after
+        _check_writable(args.json)
     prompts = list(args.prompts) or list(DEMO_PROMPTS)
     # The demo compares against a drafter, so `auto` must find one: same error as `shipped`.
     draft = resolve_draft(SHIPPED if args.draft == "auto" else args.draft, args.model, cache_dir=args.cache_dir)
@@ -302,3 +304,14 @@ def main(args) -> int:
         print("error: speculative decoding changed an answer; please report this as a bug", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_writable(path: str) -> None:
+    """Raise ValueError naming `path` when its folder does not exist or the file cannot be written."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--json {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--json {path!r}: not writable")

@@ -79,7 +79,9 @@ class LLM:
 
     Args:
         model: catalog name (see `blockdraft fetch --list`), HF-format folder, or .gguf file.
-        draft: DFlash drafter checkpoint folder, or None for plain decoding.
+        draft: DFlash drafter checkpoint folder, "shipped" (the drafter shipped for `model`),
+            "auto" (shipped if one exists, else plain), or None for plain decoding (the default
+            here, as in vLLM's LLM; the CLI's `generate` defaults to "auto").
         num_speculative_tokens: drafts per step K (default: the K recorded in the drafter folder's
             speculative.json, else the drafter's block_size - 1).
         dtype: "auto" (the checkpoint's dtype, bf16 for catalog models) | "float32" | "bfloat16" | "float16".
@@ -127,6 +129,10 @@ class LLM:
         sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
         self.target = target or load_target(model or DEFAULT_MODEL, dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
+        if draft in ("auto", "shipped"):
+            from blockdraft.drafters import resolve_draft
+
+            draft = resolve_draft(draft, model or DEFAULT_MODEL, cache_dir=cache_dir)
         if speculator is None and draft is not None:
             spec_cfg = SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)
             speculator = _build_speculator(spec_cfg, self.target, cache, device)

@@ -131,7 +131,10 @@ def format_table(report: dict) -> str:
         )
     for name, reason in report["skipped"].items():
         lines.append(f"skipped {name}: {reason}")
-    lines += _floor_lines(report["floor"], report["criteria"])
+    if report["device"].get("type") == "cpu":
+        lines.append("HBM floor and step criteria: n/a on the CPU (they are GPU criteria; see the JSON)")
+    else:
+        lines += _floor_lines(report["floor"], report["criteria"])
     return "\n".join(lines)
 
 
