@@ -94,8 +94,12 @@ class LLMEngine:
                 req.num_computed_tokens += len(sr.token_ids)
                 continue
             accepted = run_out.num_accepted.get(sr.request_id, 0)
-            req.spec_stats.record(sr.num_spec_tokens, accepted)
-            self.stats.spec.record(sr.num_spec_tokens, accepted)
+            # Metrics count only drafts that could be emitted before max_tokens (drafts past it
+            # are verified, to keep steps uniform, but are not the drafter's merit).
+            countable = max(0, req.sampling_params.max_tokens - len(req.output_token_ids) - 1)
+            drafted, counted = min(sr.num_spec_tokens, countable), min(accepted, countable)
+            req.spec_stats.record(drafted, counted)
+            self.stats.spec.record(drafted, counted)
             # the committed rows: everything before the drafts, plus the accepted drafts
             req.num_computed_tokens += len(sr.token_ids) - sr.num_spec_tokens + accepted
             req.spec_token_ids = []

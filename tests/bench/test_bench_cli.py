@@ -26,7 +26,9 @@ def test_tiny_shape_runs_every_engine_and_spec_equals_plain(tmp_path, capsys):
                                  "--prompt-len", "12")
     assert rc == 0
     out = capsys.readouterr().out
-    assert "our plain step / HBM floor at batch 1" in out and "our DFlash step / our plain step at batch 1" in out
+    # GPU criteria are not printed as PASS/FAIL for a CPU run, but stay in the JSON
+    assert "step criteria: n/a on the CPU" in out and "FAIL" not in out and "PASS" not in out
+    assert doc["criteria"]["plain_step_over_floor"] is not None
     zlab = [("zlab", "plain", 1), ("zlab", "dflash", 1)] if ZLAB else []
     for key in [("ours", "plain", 1), ("ours", "dflash", 1), ("ours", "dflash-forced", 1), ("hf", "plain", 1),
                 ("ours", "plain", 3), ("ours", "dflash", 3), ("ours", "dflash-forced", 3), ("hf", "plain", 3), *zlab]:

@@ -76,3 +76,12 @@ def test_demo_explicit_k_and_bad_flags(tiny, tmp_path, capsys):
     assert main(["demo", "w05x", "--model", str(model), "--repeats", "0"]) == 2
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
     assert main(["demo", "w05x", "--model", str(model), "--draft", str(tiny[1]), "--temperature", "0.7"]) == 0
+
+
+def test_demo_refuses_an_unwritable_json_path_before_decoding(tiny, tmp_path, capsys):
+    model, drafter = tiny
+    bad = tmp_path / "missing-folder" / "report.json"
+    assert main(["demo", "w05x", "--model", str(model), "--draft", str(drafter), "--json", str(bad)]) == 2
+    err = capsys.readouterr()
+    assert "does not exist" in err.err and "missing-folder" in err.err
+    assert "identical to plain" not in err.out  # nothing was decoded

@@ -105,3 +105,11 @@ def test_shipped_k_files_are_valid_and_travel_with_the_int8_expansion(tmp_path, 
     write_recommended_num_speculative_tokens(shipped / SMOL, 4)
     second = shipped_drafter(SMOL, cache_dir=tmp_path / "cache")
     assert second != first and recommended_num_speculative_tokens(second) == 4
+
+
+def test_llm_api_takes_auto_and_shipped(tiny):
+    model, _ = tiny
+    assert LLM(model=str(model)).speculator is None  # the Python API decodes plainly by default
+    assert LLM(model=str(model), draft="auto").speculator is None  # a folder model has no shipped drafter
+    with pytest.raises(ValueError, match="no drafter ships for model"):
+        LLM(model=str(model), draft="shipped")

@@ -101,3 +101,26 @@ def test_stop_at_every_offset_of_a_block_is_trimmed_exactly(llama_target, offset
     # max_tokens inside a block
     out_m = _spec_llm(llama_target, k, answers, 1.0).generate([prompt], SamplingParams(max_tokens=target_index + 1, ignore_eos=True))[0]
     assert out_m.token_ids == full.token_ids[: target_index + 1] and out_m.finish_reason == "length"
+
+
+@pytest.mark.parametrize("k", [3, 7])
+def test_drafts_are_kept_near_max_tokens_and_output_stops_exactly(llama_target, k):
+    """Every decode step verifies all K drafts (uniform steps replay CUDA graphs), even when fewer
+    tokens remain before max_tokens; the output still stops at max_tokens exactly (vLLM behaviour)."""
+    prompts = random_prompts(3, seed=11)
+    params = SamplingParams(max_tokens=2 * k + 1, ignore_eos=True)
+    plain = _plain(llama_target, prompts, params)
+    answers = {tuple(p): p + out for p, out in zip(prompts, plain)}
+    llm = _spec_llm(llama_target, k, answers, p_right=1.0)
+    seen = []
+    execute = llm.engine.runner.execute
+
+    def spy(so):
+        seen.extend(sr.num_spec_tokens for sr in so.requests if sr.sample and sr.start_position > 0)
+        return execute(so)
+
+    llm.engine.runner.execute = spy
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert all(len(o.token_ids) == 2 * k + 1 for o in outs)
+    assert seen and all(n == k for n in seen)
