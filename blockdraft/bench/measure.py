@@ -52,24 +52,29 @@ class Run:
 
     @property
     def decode_seconds(self) -> float:
+        """Seconds of the full run minus the prefill-only run (s)."""
         return self.seconds - self.prefill_seconds
 
     @property
     def ms_per_step(self) -> float | None:
+        """Decode milliseconds per engine step (target forward, or verify + draft); None if no decode step."""
         steps = self.num_steps - self.prefill_steps
         return self.decode_seconds / steps * 1e3 if steps > 0 and self.decode_seconds > 0 else None
 
     @property
     def tokens_per_s(self) -> float:
+        """Output tokens / wall seconds of the full run, prefill included (tokens/s)."""
         return self.num_tokens / self.seconds
 
     @property
     def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first / decode seconds (tokens/s); None when decode took no time."""
         if self.decode_seconds <= 0:
             return None
         return (self.num_tokens - self.prefill_tokens) / self.decode_seconds
 
     def to_dict(self) -> dict:
+        """The raw fields (seconds, steps, tokens) as a JSON-ready dict."""
         return dict(self.__dict__)
 
 

@@ -55,6 +55,8 @@ class StaticInputs:
 
     @classmethod
     def allocate(cls, max_reqs: int, rows_per_req: int, block_table_width: int, device) -> "StaticInputs":
+        """Zeroed buffers for the largest bucket: max_reqs x rows_per_req rows, block tables
+        [max_reqs, block_table_width] int32 (smaller buckets use leading slices)."""
         rows = max_reqs * rows_per_req
         return cls(
             input_ids=torch.zeros(rows, dtype=torch.long, device=device),
