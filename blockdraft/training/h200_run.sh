@@ -3,6 +3,9 @@
 #
 #   h200_run.sh start PARTS WORK   assemble the GGUFs, start both pipelines in the background
 #   h200_run.sh collect WORK OUT NAME   copy NAME's (qwen|smol) results into OUT (<= 16 MiB files)
+#   h200_run.sh resume PARTS WORK INIT  Qwen only: fresh answers, continue training the drafter whose
+#                                       weights are INIT, evaluate, then `blockdraft bench` the result
+#   h200_run.sh pack WORK OUT           resume's results + generated data into OUT (<= 15 MB pieces)
 #
 # PARTS holds blob.NN (the Qwen2.5-Coder-0.5B GGUF followed by the SmolLM2-135M GGUF, cut into
 # pieces that fit the device's per-call transfer limit), qwen/ and smol/ (written by
@@ -56,6 +59,40 @@ collect() {
       split -b 15000000 -d -a 1 "$d/export/model.safetensors" "$OUT/$N-$name-bf16."
     fi
   done
+  ls -la "$OUT"
+}
+
+# Session 3 (docs/benchmarks/drafter-qwen2.5-coder-0.5b.md): PARTS/g*/blob.* is the Qwen GGUF alone,
+# PARTS/base holds qwen/ (prep), whl/ and cache/downloads/ (HumanEval + MT-bench wheels for bench).
+RESUME_ARGS=${RESUME_ARGS:-"--gen-seconds 200 --gen-batch 1024 --train-seconds 420 --lr 1e-3 --seed 1"}
+resume() {
+  local P=$1 W=$2 INIT=$3
+  mkdir -p "$W" /tmp/bdc/gguf && cp -r "$P/base/cache/downloads" /tmp/bdc/ || exit 1
+  cat "$P"/g*/blob.* > /tmp/bdc/gguf/qwen.gguf || exit 1
+  echo "$QWEN_SHA  /tmp/bdc/gguf/qwen.gguf" | sha256sum -c || exit 1
+  cp "$INIT" "$W/init.safetensors" || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
+  mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
+  export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
+  cd "$W/code" || exit 1
+  local drafters='[{"name":"A","num_layers":2,"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"}]'
+  # shellcheck disable=SC2086
+  setsid nohup bash -c "
+    python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/qwen.gguf\"))' &&
+    python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep $P/base/qwen --work $W/qwen \
+      --drafters '$drafters' $RESUME_ARGS &&
+    python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
+      --batch-sizes 1,8,32 --max-tokens 128 --out $W/bench-real &&
+    echo RESUME-DONE" > "$W/resume.log" 2>&1 < /dev/null &
+}
+
+pack() {
+  local W=$1 OUT=$2
+  mkdir -p "$OUT"
+  tar czf "$OUT/small.tgz" -C "$W" resume.log $(cd "$W" && ls -d qwen/results.json qwen/eval_sequences.safetensors \
+    qwen/A/train_log.jsonl qwen/A/export/config.json bench-real.* 2>/dev/null)
+  split -b 15000000 -d -a 1 "$W/qwen/A/export/model.safetensors" "$OUT/A-bf16."
+  split -b 15000000 -d -a 1 "$W/qwen/A/checkpoint/drafter.safetensors" "$OUT/A-fp32."
   ls -la "$OUT"
 }
 
