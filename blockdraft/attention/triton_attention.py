@@ -15,10 +15,19 @@ Semantics are exactly those of the reference `blockdraft.attention.torch_ref.pag
 Launches: one to write K/V (causal forwards only), one to attend, and -- only for batches too
 small to fill the GPU -- one to merge split-KV partials (flash-decoding). Grids depend only on
 tensor shapes, the kernels read only device metadata, and nothing is read back to the host, so a
-call can be captured in a CUDA graph. One attention program handles one (row, kv head[, split])
-triple: the GROUP = num_heads / num_kv_heads query heads sharing that KV head (padded to >= 16
-rows for tl.dot) run an online softmax in float32 over key tiles gathered through the block
-table.
+call can be captured in a CUDA graph. Two attention kernels, picked from shapes alone
+(`use_multi_row`):
+  single-row (`_paged_attention_kernel`, decode batches): one program per (row, kv head[, split]);
+      the GROUP = num_heads / num_kv_heads query heads sharing that KV head (padded to >= 16
+      rows for tl.dot) run an online softmax in float32 over key tiles gathered through the
+      block table.
+  multi-row (`_multi_row_attention_kernel`, verify / draft blocks / prefill chunks): one program
+      per (query tile of up to ROWS rows of one request, kv head[, split]); the tile's rows x
+      GROUP heads are stacked into the M dimension of one tl.dot (BLOCK_M, a power of two >= 16,
+      holds ROWS = BLOCK_M // GROUP rows), so each K/V tile is read from the cache once per
+      request tile instead of once per row (16 verify rows re-read the context 16 times in the
+      single-row kernel). Per-(row, key) masks carry the causal / window / context / block rules.
+      Long chunks span several tiles; spare and padding tiles are inert (see `_find_segment`).
 """
 
 from __future__ import annotations
@@ -65,9 +74,11 @@ def _write_kv_kernel(
 
 @triton.jit
 def _online_softmax_step(acc, m_i, l_i, q, keys, vals, allowed, scale_log2, DOT_PRECISION: tl.constexpr):
-    """Fold one key tile into the running (acc, max, sum); scores are in log2 units."""
+    """Fold one key tile into the running (acc, max, sum); scores are in log2 units.
+
+    q [M, D], keys / vals [N, D], allowed [M, N] or [1, N] (broadcast over the M query rows)."""
     s = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION) * scale_log2
-    s = tl.where(allowed[None, :], s, float("-inf"))
+    s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A tile with no allowed key leaves m_new at -inf: shift by 0 so exp2 gives 0, not NaN.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -158,7 +169,9 @@ def _paged_attention_kernel(
         vc = v_cache_ptr + page * stride_vc_page + tok * stride_vc_tok + kv_head * stride_vc_head
         keys = tl.load(kc[:, None] + d[None, :], mask=allowed[:, None], other=0.0).to(q.dtype)
         vals = tl.load(vc[:, None] + d[None, :], mask=allowed[:, None], other=0.0).to(q.dtype)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, keys, vals, allowed, scale_log2, DOT_PRECISION)
+        acc, m_i, l_i = _online_softmax_step(
+            acc, m_i, l_i, q, keys, vals, allowed[None, :], scale_log2, DOT_PRECISION
+        )
 
     if BLOCK_TOKENS > 0:
         # The block's own rows (positions seq_len + j), read from this forward's k/v.
@@ -177,7 +190,9 @@ def _paged_attention_kernel(
         # Round through the cache dtype as torch_ref does (a no-op when the dtypes agree).
         keys = keys.to(k_cache_ptr.dtype.element_ty).to(q.dtype)
         vals = vals.to(v_cache_ptr.dtype.element_ty).to(q.dtype)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, keys, vals, allowed, scale_log2, DOT_PRECISION)
+        acc, m_i, l_i = _online_softmax_step(
+            acc, m_i, l_i, q, keys, vals, allowed[None, :], scale_log2, DOT_PRECISION
+        )
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
@@ -186,6 +201,148 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=head_ok[:, None])
         tl.store(part_m_ptr + part, m_i, mask=head_ok)
         tl.store(part_l_ptr + part, l_i, mask=head_ok)
+
+
+@triton.jit
+def _find_segment(query_start_loc_ptr, tile, num_reqs, ROWS: tl.constexpr):
+    """Segment (request, or num_reqs = the trailing padding rows) owning query tile `tile`.
+
+    Segment i owns tiles qsl[i] // ROWS + i .. qsl[i+1] // ROWS + i (its first tile index is
+    non-decreasing in i and the count is >= cdiv(rows of i, ROWS)), so a binary search over
+    query_start_loc finds it without a host-built tile map."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_reqs + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // ROWS + mid
+        if first <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _multi_row_attention_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, row_req_ptr,
+    scale_log2, window, num_rows, num_reqs,
+    stride_o_row, stride_o_head, stride_q_row, stride_q_head,
+    stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+    stride_kc_page, stride_kc_tok, stride_kc_head,
+    stride_vc_page, stride_vc_tok, stride_vc_head,
+    stride_bt_req,
+    part_acc_ptr, part_m_ptr, part_l_ptr, num_heads,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_TOKENS: tl.constexpr, BLOCK_B: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_ROW_REQ: tl.constexpr,
+):  # fmt: skip
+    """Grid (num_rows // ROWS + num_reqs + 1, kv_heads, NUM_SPLITS): attention of up to ROWS
+    consecutive query rows of ONE request x the GROUP query heads of one KV head.
+
+    The M = BLOCK_M dimension stacks (row, head) pairs, m -> (row0 + m // GROUP, m % GROUP),
+    ROWS = BLOCK_M // GROUP; each gathered [BLOCK_N, HEAD_DIM] K/V tile is read once and used by
+    every row through one tl.dot, with the per-(row, key) mask (causal position, context length,
+    window, draft block) applied to the scores. Programs past their segment's last row exit;
+    the trailing padding segment (rows qsl[-1] .. num_rows) writes zeros. NUM_SPLITS as in
+    `_paged_attention_kernel` (partials per (row, head, split)).
+
+    Tensors: out / q [T, H, D] and k / v [T, KVH, D] (q's dtype, last dim contiguous), caches
+    [pages, KV_BLOCK_SIZE, KVH, D], query_start_loc [num_reqs + 1] / seq_lens [num_reqs] /
+    block_table [num_reqs, W] / row_req [T] int32 (row_req read only when HAS_ROW_REQ);
+    partials float32 part_acc [T, H, NUM_SPLITS, D], part_m / part_l [T, H, NUM_SPLITS]."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seg = _find_segment(query_start_loc_ptr, tile, num_reqs, ROWS)
+    is_req = seg < num_reqs  # else the padding segment
+    seg_start = tl.load(query_start_loc_ptr + seg)
+    seg_end = tl.load(query_start_loc_ptr + seg + 1, mask=is_req, other=num_rows)
+    row0 = seg_start + (tile - (seg_start // ROWS + seg)) * ROWS
+    if row0 >= seg_end:  # a spare tile of this segment
+        return
+    seq_len = tl.load(seq_lens_ptr + seg, mask=is_req, other=0)
+
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    rows = row0 + m // GROUP  # [BLOCK_M] query row of each stacked (row, head)
+    heads = kv_head * GROUP + m % GROUP
+    in_tile = (m < ROWS * GROUP) & (rows < seg_end)  # (row, head) pairs this program writes
+    real = in_tile & is_req
+    if HAS_ROW_REQ:
+        real = real & (tl.load(row_req_ptr + rows, mask=in_tile, other=-1) >= 0)
+    rows64 = rows.to(tl.int64)
+
+    if BLOCK_TOKENS == 0:
+        q_pos = seq_len - (seg_end - rows)
+        ctx_end = q_pos + 1  # cached keys 0 .. q_pos (the rows' K/V were just written)
+    else:
+        q_pos = seq_len + (rows - seg_start)
+        ctx_end = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len  # the block follows from k/v
+    ctx_start = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if USE_WINDOW:
+        ctx_start = tl.maximum(q_pos - window + 1, 0)
+    # Key range of the whole tile: the union of its real rows' ranges.
+    key_lo = tl.min(tl.where(real, ctx_start, 1 << 30), axis=0)
+    key_hi = tl.max(tl.where(real, ctx_end, 0), axis=0)
+
+    q = tl.load(q_ptr + rows64[:, None] * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
+                mask=in_tile[:, None], other=0.0)  # fmt: skip
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    tile_lo = key_lo // BLOCK_N
+    tile_hi = tl.cdiv(key_hi, BLOCK_N)
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tl.maximum(tile_hi - tile_lo, 0), NUM_SPLITS)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+    table_row = block_table_ptr + seg.to(tl.int64) * stride_bt_req
+    for key_tile in range(tile_lo, tile_hi):
+        n = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        needed = (n >= key_lo) & (n < key_hi)  # some row of the tile reads key n
+        page = tl.load(table_row + n // KV_BLOCK_SIZE, mask=needed, other=0).to(tl.int64)
+        tok = n % KV_BLOCK_SIZE
+        kc = k_cache_ptr + page * stride_kc_page + tok * stride_kc_tok + kv_head * stride_kc_head
+        vc = v_cache_ptr + page * stride_vc_page + tok * stride_vc_tok + kv_head * stride_vc_head
+        keys = tl.load(kc[:, None] + d[None, :], mask=needed[:, None], other=0.0).to(q.dtype)
+        vals = tl.load(vc[:, None] + d[None, :], mask=needed[:, None], other=0.0).to(q.dtype)
+        allowed = real[:, None] & (n[None, :] >= ctx_start[:, None]) & (n[None, :] < ctx_end[:, None])
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, keys, vals, allowed, scale_log2, DOT_PRECISION)
+
+    if BLOCK_TOKENS > 0:
+        # The block's own rows (positions seq_len + j), read from this forward's k/v.
+        j = tl.arange(0, BLOCK_B)
+        k_pos = seq_len + j
+        key_ok = (j < BLOCK_TOKENS) & (j < seg_end - seg_start) & (split == 0) & is_req
+        src = (seg_start + j).to(tl.int64)
+        keys = tl.load(k_ptr + src[:, None] * stride_k_row + kv_head * stride_k_head + d[None, :],
+                       mask=key_ok[:, None], other=0.0)  # fmt: skip
+        vals = tl.load(v_ptr + src[:, None] * stride_v_row + kv_head * stride_v_head + d[None, :],
+                       mask=key_ok[:, None], other=0.0)  # fmt: skip
+        # Round through the cache dtype as torch_ref does (a no-op when the dtypes agree).
+        keys = keys.to(k_cache_ptr.dtype.element_ty).to(q.dtype)
+        vals = vals.to(v_cache_ptr.dtype.element_ty).to(q.dtype)
+        allowed = real[:, None] & key_ok[None, :]
+        if CAUSAL:
+            allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, keys, vals, allowed, scale_log2, DOT_PRECISION)
+
+    # Rows that are not real (padding) end with acc = 0, l = 0, max = -inf: zeros / empty partials.
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_ptrs = out_ptr + rows64[:, None] * stride_o_row + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=in_tile[:, None])
+    else:
+        part = (rows64 * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=in_tile[:, None])
+        tl.store(part_m_ptr + part, m_i, mask=in_tile)
+        tl.store(part_l_ptr + part, l_i, mask=in_tile)
 
 
 @triton.jit
@@ -256,6 +413,8 @@ def paged_attention_triton(
     causal: bool = True,
     *,
     num_kv_splits: int | None = None,
+    multi_row: bool | None = None,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Write this forward's K/V (causal forwards only), then attend; an AttentionBackend.
 
@@ -269,15 +428,19 @@ def paged_attention_triton(
             query_start_loc when None, without a host sync).
         scale: softmax scale; sliding_window: window incl. self or None; causal: draft-block
             mode only (False = bidirectional inside the block).
-        num_kv_splits: split each row's keys over this many programs and merge them in a second
-            launch (flash-decoding), for batches too small to fill the GPU; None picks it from
-            the shapes (`kv_splits_for`), 1 = a single attention launch.
+        num_kv_splits: split each program's keys over this many programs and merge them in a
+            second launch (flash-decoding), for batches too small to fill the GPU; None picks it
+            from the shapes (`kv_splits_for`), 1 = a single attention launch.
+        multi_row: True = the multi-row kernel, False = the single-row one, None = pick from the
+            shapes (`use_multi_row`). Benchmarks and tests force a path; callers leave it None.
+        block_m: M of a multi-row program (query rows x GQA group), a power of two >= 16 and >=
+            the group; None = `multi_row_block_m`. Tests force small tiles with it.
     Returns:
         [T, num_heads, head_dim] in q's dtype; padding rows are zero.
     Raises:
         ValueError: head_dim not a power of two in [16, 256], dtypes outside float16 / bfloat16 /
             float32 or not all equal, num_heads not a multiple of num_kv_heads, shape mismatches,
-            a non-positive sliding window, num_kv_splits outside [1, MAX_KV_SPLITS].
+            a non-positive sliding window, num_kv_splits outside [1, MAX_KV_SPLITS], a bad block_m.
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -293,42 +456,67 @@ def paged_attention_triton(
         raise ValueError(f"cache pages hold {k_cache.shape[1]} tokens but meta.kv_block_size is {meta.kv_block_size}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    splits = kv_splits_for(num_rows, num_kv_heads, q.device) if num_kv_splits is None else num_kv_splits
+    group = num_heads // num_kv_heads
+    num_reqs = meta.seq_lens.shape[0]
+    block_tokens = meta.num_block_tokens
+    if block_m is not None and (block_m < _MIN_DOT or block_m & (block_m - 1) or block_m < group):
+        raise ValueError(f"block_m must be a power of two >= max(16, GQA group {group}), got {block_m}")
+    if multi_row is None:
+        multi_row = use_multi_row(num_rows, num_reqs, block_tokens, group)
+    rows_per_tile = 1
+    if multi_row:
+        block_m = block_m or multi_row_block_m(num_rows, num_reqs, group, head_dim, block_tokens, q.element_size())
+        rows_per_tile = block_m // group
+    programs = -(-num_rows // rows_per_tile)
+    splits = kv_splits_for(programs, num_kv_heads, q.device) if num_kv_splits is None else num_kv_splits
     if not 1 <= splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {splits}")
 
-    block_tokens = meta.num_block_tokens
     if not block_tokens:
         write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_rows == 0:
         return out
-    row_req = meta.row_req if meta.row_req is not None else row_requests_device(meta.query_start_loc, num_rows)
+    row_req = meta.row_req
+    if row_req is None and not multi_row:  # the multi-row kernel finds requests from query_start_loc
+        row_req = row_requests_device(meta.query_start_loc, num_rows)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     block_table = _last_dim_contiguous(meta.block_table)
-    group = num_heads // num_kv_heads
     if splits > 1:  # float32 partials, merged by _combine_splits_kernel
         part_acc = torch.empty(num_rows, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_m = torch.empty(num_rows, num_heads, splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused
-    _paged_attention_kernel[(num_rows, num_kv_heads, splits)](
-        out, q, k, v, k_cache, v_cache,
-        meta.query_start_loc, meta.seq_lens, block_table, row_req,
-        scale * _LOG2E, sliding_window or 0,
+    tensors = (out, q, k, v, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, block_table,
+               row_req if row_req is not None else meta.query_start_loc)  # fmt: skip
+    strides = (
         out.stride(0), out.stride(1), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         part_acc, part_m, part_l, num_heads,
-        GROUP=group, BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        KV_BLOCK_SIZE=meta.kv_block_size, BLOCK_N=_key_tile(head_dim),
+    )  # fmt: skip
+    consts = dict(
+        GROUP=group, HEAD_DIM=head_dim, KV_BLOCK_SIZE=meta.kv_block_size, BLOCK_N=_key_tile(head_dim),
         BLOCK_TOKENS=block_tokens, BLOCK_B=max(_MIN_DOT, triton.next_power_of_2(max(block_tokens, 1))),
         CAUSAL=bool(causal or sliding_window is not None), USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", NUM_SPLITS=splits,
     )  # fmt: skip
+    scale_log2, window = scale * _LOG2E, sliding_window or 0
+    if multi_row:
+        grid = (num_rows // rows_per_tile + num_reqs + 1, num_kv_heads, splits)
+        _multi_row_attention_kernel[grid](
+            *tensors, scale_log2, window, num_rows, num_reqs, *strides,
+            BLOCK_M=block_m, ROWS=rows_per_tile, HAS_ROW_REQ=row_req is not None,
+            num_warps=4 if block_m * head_dim <= 64 * 128 else 8, **consts,
+        )  # fmt: skip
+    else:
+        _paged_attention_kernel[(num_rows, num_kv_heads, splits)](
+            *tensors, scale_log2, window, *strides,
+            BLOCK_G=max(_MIN_DOT, triton.next_power_of_2(group)), **consts,
+        )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(num_rows, num_heads)](
             out, part_acc, part_m, part_l, out.stride(0), out.stride(1), num_heads,
@@ -337,10 +525,42 @@ def paged_attention_triton(
     return out
 
 
+MULTI_ROW_MAX_GROUP = 4  # see use_multi_row
+
+
+def use_multi_row(num_rows: int, num_reqs: int, num_block_tokens: int, group: int = 1) -> bool:
+    """Multi-row programs when requests carry several rows on average (verify, draft blocks,
+    prefill chunks) and the GQA group is at most MULTI_ROW_MAX_GROUP; shapes only, so a CUDA-graph
+    bucket always takes the same path. Decode batches (one row per request) keep the single-row
+    kernel, whose programs are smaller.
+
+    The group bound is measured (H200, bf16, 32 requests x 16 rows over 1K tokens,
+    docs/benchmarks/gpu.md): Qwen3-8B (group 4, 8 KV heads) verify 0.09 ms multi-row vs 0.34 ms
+    single-row, draft block 0.07 vs 0.38; Qwen2.5-0.5B (group 7, 2 KV heads) verify 0.21 vs
+    0.15, draft block 0.16 vs 0.11, so groups above 4 stay on the single-row kernel."""
+    return group <= MULTI_ROW_MAX_GROUP and (num_block_tokens > 1 or num_rows >= 2 * max(num_reqs, 1))
+
+
+def multi_row_block_m(
+    num_rows: int, num_reqs: int, group: int, head_dim: int, num_block_tokens: int = 0, elem_bytes: int = 2
+) -> int:
+    """M of a multi-row program (query rows x GQA group stacked), a power of two >= 16.
+
+    Sized to hold a whole typical request (the draft block, or the mean rows per request, e.g.
+    16 verify rows x group 4 = 64 for Qwen3-8B), capped at 128 for head_dim x elem_bytes <= 256
+    (bf16 / fp16 up to head_dim 128), else 64: the float32 [M, head_dim] accumulator plus the
+    [M, BLOCK_N] scores stay in registers (M 128 x head_dim 128 runs with 8 warps, 64
+    regs/thread for acc) and float32 inputs (tests) keep their shared-memory tiles small; longer
+    prefill chunks are tiled over several programs."""
+    rows = num_block_tokens or -(-num_rows // max(num_reqs, 1))
+    cap = 128 if head_dim * elem_bytes <= 256 else 64
+    return max(_MIN_DOT, triton.next_power_of_2(group), min(cap, triton.next_power_of_2(rows * group)))
+
+
 def kv_splits_for(num_rows: int, num_kv_heads: int, device: torch.device) -> int:
-    """KV splits per (row, kv head) from shapes alone (graph-safe): enough programs for about two
-    per streaming multiprocessor when rows x kv_heads alone leave the GPU idle, else 1. Off CUDA
-    (the interpreter) 1."""
+    """KV splits per (row or query tile, kv head) from shapes alone (graph-safe): enough programs
+    for about two per streaming multiprocessor when `num_rows` (rows, or query tiles of the
+    multi-row kernel) x kv_heads alone leave the GPU idle, else 1. Off CUDA (the interpreter) 1."""
     if device.type != "cuda":
         return 1
     programs = max(num_rows * num_kv_heads, 1)

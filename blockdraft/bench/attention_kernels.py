@@ -5,8 +5,14 @@ Scenarios per model shape and batch size (every request has `ctx` cached tokens)
   verify  16 rows per request (anchor + 15 drafts, causal),
   draft   a DFlash draft block of 16 uncached rows over ctx cached tokens (bidirectional).
 Times are medians of `triton.testing.do_bench` on CUDA (of repeated wall-clock calls on CPU);
-`max_err` is the largest |Triton - torch_ref| of the output, a sanity check. The dense twin
-gathers every row's pages, so it is skipped where that would exceed --dense-max-gib.
+`max_err` is the largest |Triton - torch_ref| of the output over both Triton kernels, a sanity
+check. The dense twin gathers every row's pages, so it is skipped where that would exceed
+--dense-max-gib. Triton columns (CUDA only):
+  triton    the kernel `paged_attention_triton` picks from the shapes (decode: single-row;
+            verify / draft: multi-row),
+  multi     the multi-row kernel forced (one program per query tile of a request x KV head),
+  1row      the single-row kernel forced (one program per query row x KV head, the old path),
+e.g. the verify row at ctx 1024, batch 32 (512 rows, Qwen3-8B) compares multi vs 1row.
 
     python -m blockdraft.bench.attention_kernels --out attention_kernels.json
     python -m blockdraft.bench.attention_kernels --device cpu --tiny --out /tmp/smoke.json
@@ -15,6 +21,7 @@ gathers every row's pages, so it is skipped where that would exceed --dense-max-
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
@@ -31,6 +38,8 @@ from blockdraft.attention.torch_ref import paged_attention
 SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "qwen3-8b": (32, 8, 128)}
 TINY_SHAPES = {"tiny": (4, 2, 16)}
 SCENARIO_ROWS = {"decode": 1, "verify": 16, "draft": 16}
+# Triton record column -> multi_row argument (None = the kernel picks from the shapes).
+TRITON_PATHS = {"triton": None, "triton_multi": True, "triton_1row": False}
 KV_BLOCK_SIZE = 16
 
 
@@ -86,8 +95,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     """Benchmark every (shape, scenario, ctx, batch); returns one record per combination."""
     device, dtype = args.device, getattr(torch, args.dtype)
     use_triton = device.startswith("cuda")
-    if use_triton:
-        from blockdraft.attention.triton_attention import paged_attention_triton
     shapes = TINY_SHAPES if args.tiny else SHAPES
     records = []
     for name, shape in shapes.items():
@@ -104,14 +111,26 @@ def run(args: argparse.Namespace) -> list[dict]:
                     rec["torch_ref_ms"] = median_ms(call(paged_attention), device, args.reps)
                     fits = dense_bytes(tensors, meta) <= args.dense_max_gib * 2**30
                     rec["dense_ms"] = median_ms(call(paged_attention_dense), device, args.reps) if fits else None
-                    rec["triton_ms"] = rec["max_err"] = None
+                    rec.update({f"{col}_ms": None for col in TRITON_PATHS}, max_err=None)
                     if use_triton:
-                        rec["triton_ms"] = median_ms(call(paged_attention_triton), device, args.reps)
-                        ref = call(paged_attention)().float()
-                        rec["max_err"] = float((call(paged_attention_triton)().float() - ref).abs().max())
+                        rec.update(time_triton(call, device, args.reps))
                     records.append(rec)
                     print(format_row(rec), flush=True)
     return records
+
+
+def time_triton(call: Callable, device: str, reps: int) -> dict:
+    """Median ms of each TRITON_PATHS kernel choice (`call(backend)` -> a no-argument closure)
+    and the largest |Triton - torch_ref| over all of them (CUDA only)."""
+    from blockdraft.attention.triton_attention import paged_attention_triton
+
+    ref = call(paged_attention)().float()
+    rec, errs = {}, []
+    for col, multi_row in TRITON_PATHS.items():
+        backend = functools.partial(paged_attention_triton, multi_row=multi_row)
+        rec[f"{col}_ms"] = median_ms(call(backend), device, reps)
+        errs.append(float((call(backend)().float() - ref).abs().max()))
+    return rec | {"max_err": max(errs)}
 
 
 def format_row(rec: dict) -> str:
@@ -119,12 +138,13 @@ def format_row(rec: dict) -> str:
         return f"{x:10.4f}" if x is not None else f"{'-':>10}"
 
     err = f"{rec['max_err']:.1e}" if rec["max_err"] is not None else "-"
+    triton_cols = "".join(ms(rec[f"{col}_ms"]) for col in TRITON_PATHS)
     return (f"{rec['model']:<14}{rec['scenario']:<8}{rec['ctx']:>6}{rec['batch']:>6}{rec['rows']:>6}"
-            f"{ms(rec['torch_ref_ms'])}{ms(rec['dense_ms'])}{ms(rec['triton_ms'])}  {err}")  # fmt: skip
+            f"{ms(rec['torch_ref_ms'])}{ms(rec['dense_ms'])}{triton_cols}  {err}")  # fmt: skip
 
 
 HEADER = (f"{'model':<14}{'scenario':<8}{'ctx':>6}{'batch':>6}{'rows':>6}"
-          f"{'torch_ref':>10}{'dense':>10}{'triton':>10}  max_err (ms)")  # fmt: skip
+          f"{'torch_ref':>10}{'dense':>10}{'triton':>10}{'multi':>10}{'1row':>10}  max_err (ms)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

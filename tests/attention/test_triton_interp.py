@@ -1,6 +1,11 @@
 """Triton paged attention == its torch twin (dense_ref, itself checked against torch_ref), run on
 CPU through Triton's interpreter. Tiny shapes: the interpreter is slow. bf16 is covered by the
 GPU suite only (the 3.6 interpreter multiplies bf16 tl.dot operands as raw bits).
+
+Both attention kernels are checked on every case: the single-row one (`multi_row=False`) and the
+multi-row one (`multi_row=True`), the latter also with small forced tiles (`block_m`) so that
+requests span several query tiles and tiles hold odd row counts. Outputs are allocated poisoned
+(NaN) so a row or partial that no program writes shows up.
 """
 
 from __future__ import annotations
@@ -16,18 +21,40 @@ import torch  # noqa: E402
 
 from blockdraft.attention.dense_ref import paged_attention_dense  # noqa: E402
 from blockdraft.attention.metadata import PADDING_SLOT  # noqa: E402
-from blockdraft.attention.triton_attention import paged_attention_triton, write_kv_triton  # noqa: E402
+from blockdraft.attention.triton_attention import (  # noqa: E402
+    multi_row_block_m,
+    paged_attention_triton,
+    use_multi_row,
+    write_kv_triton,
+)
 from tests.attention.paged_cases import random_case  # noqa: E402
 from tests.triton_interp import numpy_index_shim  # noqa: E402,F401  (autouse fixture)
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+# (multi_row, block_m): the single-row kernel, the multi-row one with its own tile, and with a
+# 16-wide tile (GQA group 2 -> 8 rows per tile, group 3 -> 5, group 8 -> 2).
+PATHS = {"single": (False, None), "multi": (True, None), "multi16": (True, 16)}
 
 
-def check(seed: int, splits: int = 1, **kwargs) -> None:
-    """Kernel (with `splits` KV splits) and twin agree on the output (padding rows exactly zero)
-    and on the caches."""
+@pytest.fixture(autouse=True)
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.empty returns NaN-filled float tensors, so unwritten outputs / partials show."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def check(seed: int, splits: int = 1, path: str = "single", **kwargs) -> None:
+    """Kernel (`path` of PATHS, with `splits` KV splits) and twin agree on the output (padding
+    rows exactly zero) and on the caches."""
     case, twin = random_case(seed, **kwargs), random_case(seed, **kwargs)
-    out = case.run(functools.partial(paged_attention_triton, num_kv_splits=splits))
+    multi_row, block_m = PATHS[path]
+    out = case.run(functools.partial(paged_attention_triton, num_kv_splits=splits, multi_row=multi_row,
+                                     block_m=block_m))  # fmt: skip
     expected = twin.run(paged_attention_dense)
     assert out.dtype == case.q.dtype
     torch.testing.assert_close(out, expected, **TOL[case.q.dtype])
@@ -40,8 +67,9 @@ def check(seed: int, splits: int = 1, **kwargs) -> None:
     [(0, 4, 2, 8, None, 1), (1, 4, 2, 4, 5, 1), (2, 3, 3, 16, None, 1), (3, 8, 1, 8, 1, 1), (4, 4, 2, 8, 70, 1),
      (5, 4, 2, 8, None, 3), (6, 4, 2, 16, 40, 4), (7, 6, 3, 4, 2, 2)],
 )  # fmt: skip
-def test_causal_batches(seed, heads, kv_heads, bs, window, splits):
-    check(seed, splits, num_heads=heads, num_kv_heads=kv_heads, kv_block_size=bs, sliding_window=window,
+@pytest.mark.parametrize("path", PATHS)
+def test_causal_batches(seed, heads, kv_heads, bs, window, splits, path):
+    check(seed, splits, path, num_heads=heads, num_kv_heads=kv_heads, kv_block_size=bs, sliding_window=window,
           num_reqs=3, num_pad_reqs=seed % 2 + 1, max_ctx=[70, 150][splits > 1])  # fmt: skip
 
 
@@ -50,20 +78,95 @@ def test_causal_batches(seed, heads, kv_heads, bs, window, splits):
     [(10, 4, False, None, 1), (11, 4, True, None, 1), (12, 5, False, 3, 1), (13, 16, False, None, 1),
      (14, 2, True, 9, 1), (15, 4, False, None, 3), (16, 4, True, 70, 2)],
 )  # fmt: skip
-def test_draft_blocks(seed, block, causal, window, splits):
-    check(seed, splits, block_tokens=block, causal=causal, sliding_window=window, num_reqs=2, num_pad_reqs=1,
+@pytest.mark.parametrize("path", PATHS)
+def test_draft_blocks(seed, block, causal, window, splits, path):
+    check(seed, splits, path, block_tokens=block, causal=causal, sliding_window=window, num_reqs=2, num_pad_reqs=1,
           max_ctx=[70, 150][splits > 1])  # fmt: skip
 
 
-def test_fp16():
-    check(20, dtype=torch.float16, num_reqs=3, sliding_window=7)
+@pytest.mark.parametrize("path", PATHS)
+def test_fp16(path):
+    check(20, path=path, dtype=torch.float16, num_reqs=3, sliding_window=7)
 
 
-def test_missing_row_req_and_host_lists():
+@pytest.mark.parametrize(
+    "seed,heads,kv_heads,dim,bs,kinds,block,window,block_m,splits",
+    [
+        # GQA groups 1 / 2 / 4 / 7, head dims 64 / 128, page sizes 1..16, mixed decode+verify+prefill.
+        (30, 4, 4, 16, 8, ("decode", "verify", "prefill"), 0, None, 16, 1),
+        (31, 8, 2, 64, 4, ("verify",), 0, None, None, 1),
+        (32, 8, 2, 128, 16, ("verify", "prefill"), 0, 9, 16, 1),
+        (33, 14, 2, 64, 8, ("decode", "prefill"), 0, None, 16, 2),
+        (34, 14, 2, 16, 1, ("verify", "prefill"), 0, 4, 32, 1),
+        (35, 4, 2, 16, 16, ("prefill",), 0, None, 16, 1),  # chunks of up to 40 rows: 5+ tiles
+        (36, 6, 2, 16, 3, ("decode",), 0, 2, 16, 1),  # decode rows forced onto multi-row tiles
+        # Draft blocks: bidirectional / causal / causal + window, blocks wider than one tile.
+        (40, 8, 2, 64, 8, (), 16, None, None, 1),
+        (41, 8, 2, 16, 4, (), 16, None, 16, 1),  # 16 block rows over two 8-row tiles
+        (42, 14, 2, 16, 8, (), 5, 3, 16, 2),  # group 7: 2 rows per tile, odd block
+        (43, 4, 1, 128, 16, (), 7, None, 16, 1),  # group 4: 4 rows per tile, odd block
+    ],
+)  # fmt: skip
+def test_multi_row_shapes(seed, heads, kv_heads, dim, bs, kinds, block, window, block_m, splits):
+    """The multi-row kernel on GQA groups, head dims, page sizes and tiles the PATHS cases miss
+    (draft blocks: causal for even seeds, bidirectional for odd ones)."""
+    case_kwargs = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, kv_block_size=bs, num_reqs=3,
+                       kinds=kinds or ("decode",), block_tokens=block, causal=seed % 2 == 0, sliding_window=window,
+                       max_ctx=60, max_chunk=40, num_pad_reqs=seed % 2 + 1, num_pad_rows=seed % 3 + 1)  # fmt: skip
+    case, twin = random_case(seed, **case_kwargs), random_case(seed, **case_kwargs)
+    backend = functools.partial(paged_attention_triton, multi_row=True, block_m=block_m, num_kv_splits=splits)
+    out = case.run(backend)
+    torch.testing.assert_close(out, twin.run(paged_attention_dense), **TOL[torch.float32])
+    assert torch.all(out[case.meta.row_req < 0] == 0)
+    assert torch.equal(case.k_cache, twin.k_cache) and torch.equal(case.v_cache, twin.v_cache)
+
+
+@pytest.mark.parametrize("path", ["multi", "multi16"])
+@pytest.mark.parametrize("block", [0, 4])
+def test_multi_row_only_padding(path, block):
+    """A bucket with no real request (padding requests, padding rows): zeros, nothing written."""
+    case = random_case(25, num_reqs=0, num_pad_reqs=2, num_pad_rows=5, block_tokens=block)
+    before = case.k_cache.clone()
+    multi_row, block_m = PATHS[path]
+    out = case.run(functools.partial(paged_attention_triton, multi_row=multi_row, block_m=block_m))
+    assert out.shape[0] == 5 and torch.all(out == 0)
+    assert torch.equal(case.k_cache, before)
+
+
+def test_multi_row_padding_row_req_is_inert():
+    """A row whose row_req is -1 gives zeros on the multi-row path too (as in the twin)."""
+    case, twin = random_case(26, num_reqs=3, kinds=("verify",)), random_case(26, num_reqs=3, kinds=("verify",))
+    for c in (case, twin):
+        c.meta.row_req[1] = -1
+    out = case.run(functools.partial(paged_attention_triton, multi_row=True, block_m=16))
+    torch.testing.assert_close(out, twin.run(paged_attention_dense), **TOL[torch.float32])
+    assert torch.all(out[1] == 0)
+
+
+def test_path_choice_from_shapes():
+    """Decode batches keep the single-row kernel; verify / draft / prefill batches go multi-row;
+    the tile holds a whole 16-row request where it fits."""
+    assert not use_multi_row(num_rows=32, num_reqs=32, num_block_tokens=0)
+    assert use_multi_row(num_rows=512, num_reqs=32, num_block_tokens=0)
+    assert use_multi_row(num_rows=16, num_reqs=1, num_block_tokens=16)
+    assert use_multi_row(num_rows=512, num_reqs=32, num_block_tokens=0, group=4)
+    assert not use_multi_row(num_rows=512, num_reqs=32, num_block_tokens=16, group=7)  # measured slower
+    assert multi_row_block_m(512, 32, group=4, head_dim=128) == 64  # Qwen3-8B verify: 16 rows x 4
+    assert multi_row_block_m(512, 32, group=7, head_dim=64) == 128  # 18 rows of group 7
+    assert multi_row_block_m(4096, 2, group=4, head_dim=128) == 128  # prefill: 32-row tiles
+    assert multi_row_block_m(4096, 2, group=4, head_dim=256) == 64
+    assert multi_row_block_m(4096, 2, group=4, head_dim=128, elem_bytes=4) == 64  # float32 tiles
+    assert multi_row_block_m(32, 16, group=1, head_dim=128, num_block_tokens=16) == 16
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_missing_row_req_and_host_lists(path):
     case, twin = random_case(21, num_reqs=3), random_case(21, num_reqs=3)
     case.meta.row_req = None
     case.meta.query_start_loc_host = case.meta.seq_lens_host = None
-    torch.testing.assert_close(case.run(paged_attention_triton), twin.run(paged_attention_dense), **TOL[torch.float32])
+    multi_row, block_m = PATHS[path]
+    out = case.run(functools.partial(paged_attention_triton, multi_row=multi_row, block_m=block_m))
+    torch.testing.assert_close(out, twin.run(paged_attention_dense), **TOL[torch.float32])
 
 
 def test_strided_qkv_views_are_read_in_place():
@@ -113,3 +216,6 @@ def test_refuses_mixed_dtypes_bad_window_and_bad_splits():
     case = random_case(24, num_reqs=1)
     with pytest.raises(ValueError, match="num_kv_splits"):
         case.run(functools.partial(paged_attention_triton, num_kv_splits=0))
+    for block_m in (8, 24, 2):  # below 16, not a power of two, below the GQA group (2 here)
+        with pytest.raises(ValueError, match="block_m"):
+            case.run(functools.partial(paged_attention_triton, multi_row=True, block_m=block_m))
