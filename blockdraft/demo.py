@@ -133,12 +133,7 @@ def run_demo(
     """
     from blockdraft.llm import LLM
 
-    if not prompts:
-        raise ValueError("demo needs at least one prompt")
-    if any(not p.strip() for p in prompts):
-        raise ValueError("prompt is empty: give non-empty prompts")
-    if params.temperature > 0 and params.seed is None:
-        raise ValueError("sampling (temperature > 0) needs a seed so plain and speculative runs can be compared")
+    check_demo_inputs(prompts, params)
     import torch
 
     plain = LLM(target=target)
@@ -155,6 +150,20 @@ def run_demo(
     for prompt, p_run, s_run in zip(prompts, runs[PLAIN], runs[DFLASH]):
         report.prompts.append(_prompt_result(prompt, p_run, s_run))
     return report
+
+
+def check_demo_inputs(prompts, params: SamplingParams) -> None:
+    """The demo's own input rules (run_demo; the CLI runs them before loading the model).
+
+    Raises:
+        ValueError: no prompts, an empty prompt, or sampling without a seed.
+    """
+    if not prompts:
+        raise ValueError("demo needs at least one prompt")
+    if any(not p.strip() for p in prompts):
+        raise ValueError("prompt is empty: give non-empty prompts")
+    if params.temperature > 0 and params.seed is None:
+        raise ValueError("sampling (temperature > 0) needs a seed so plain and speculative runs can be compared")
 
 
 def _prompt_result(prompt: str, plain: TimedRun, spec: TimedRun) -> PromptResult:
@@ -269,8 +278,9 @@ def main(args) -> int:
     Raises:
         ValueError: bad flags (naming the value), no drafter for the model, bad prompts.
     """
-    from blockdraft.drafters import SHIPPED, resolve_draft
+    from blockdraft.drafters import SHIPPED
     from blockdraft.llm import load_target
+    from blockdraft.preflight import preflight
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -279,11 +289,15 @@ def main(args) -> int:
     if args.json:  # fail before minutes of decoding, not after
         _check_writable(args.json)
     prompts = list(args.prompts) or list(DEMO_PROMPTS)
-    # The demo compares against a drafter, so `auto` must find one: same error as `shipped`.
-    draft = resolve_draft(SHIPPED if args.draft == "auto" else args.draft, args.model, cache_dir=args.cache_dir)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    check_demo_inputs(prompts, params)
+    # Drafter folder, its config against the target's, K, dtype: all before the weights load. The
+    # demo compares against a drafter, so `auto` must find one: same error as `shipped`.
+    pre = preflight(args.model, SHIPPED if args.draft == "auto" else args.draft, args.num_speculative_tokens,
+                    args.dtype, cache_dir=args.cache_dir)
+    draft = pre.draft
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    target = load_target(args.model, args.dtype, cache_dir=args.cache_dir)
+    target = load_target(str(pre.target_path), args.dtype, cache_dir=args.cache_dir)
 
     def on_start(report: DemoReport) -> None:
         print(format_header(report) + "\n", flush=True)
@@ -306,12 +320,12 @@ def main(args) -> int:
     return 0
 
 
-def _check_writable(path: str) -> None:
-    """Raise ValueError naming `path` when its folder does not exist or the file cannot be written."""
+def _check_writable(path: str, flag: str = "--json") -> None:
+    """Raise ValueError naming `flag` and `path` when its folder does not exist or the file cannot be written."""
     import os
 
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ValueError(f"--json {path!r}: folder {folder!r} does not exist")
+        raise ValueError(f"{flag} {path!r}: folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"--json {path!r}: not writable")
+        raise ValueError(f"{flag} {path!r}: not writable")

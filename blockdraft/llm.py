@@ -8,32 +8,24 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig
 from blockdraft.engine.kv_cache_manager import KVCacheManager
 from blockdraft.engine.llm_engine import LLMEngine
 from blockdraft.engine.outputs import RequestOutput
 from blockdraft.engine.scheduler import Scheduler
+from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names used to live here)
+    CPU_NUM_KV_BLOCKS,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    Preflight,
+    check_dtype,
+    preflight,
+    read_target_config,
+    resolve_device,
+)
 from blockdraft.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *_DTYPES)
-DEVICE_CHOICES = ("cpu", "cuda", "auto")
-CPU_NUM_KV_BLOCKS = 1024  # the CPU pool when num_kv_blocks is not given
-
-
-def resolve_device(device: str) -> str:
-    """"cpu" | "cuda" | "auto" (CUDA when available) -> "cpu" or "cuda".
-
-    Raises:
-        ValueError: another value, or "cuda" without a CUDA device.
-    """
-    if device not in DEVICE_CHOICES:
-        raise ValueError(f"device must be one of {list(DEVICE_CHOICES)}, got {device!r}")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for but torch sees no CUDA device (use --device cpu or auto)")
-    return device
 
 
 @dataclass
@@ -60,14 +52,10 @@ def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir:
         ValueError: unknown model name or dtype, unsupported architecture, corrupt weights.
     """
     from blockdraft.models import build_model
-    from blockdraft.weights.fetch import resolve_model_path
-    from blockdraft.weights.loader import load_hf_config, load_state_dict, load_tokenizer
+    from blockdraft.weights.loader import load_state_dict, load_tokenizer
 
-    if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
-    path = resolve_model_path(model, cache_dir=cache_dir)
-    hf_config = load_hf_config(path)
-    config = ModelConfig.from_hf_dict(hf_config)
+    check_dtype(dtype)
+    path, hf_config, config = read_target_config(model, cache_dir)
     module = build_model(config, dtype=_resolve_dtype(dtype, hf_config, device), device=device)
     module.load_weights(load_state_dict(path))
     module.eval()
@@ -98,7 +86,10 @@ class LLM:
         graph_mode: None (CUDA graphs on CUDA unless enforce_eager) | "off" | "eager" (the
             padded CUDA-graph code run without capture; tests and debugging) | "capture".
     Raises:
-        ValueError: a bad setting (names it), including a GPU pool too small for one request.
+        ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
+            for one request. Everything that needs no weights (see blockdraft.preflight: device,
+            dtype, pool and scheduler sizes, the drafter folder and config, K, the drafter against
+            the target's config) is checked before any weights load.
     """
 
     def __init__(
@@ -120,25 +111,19 @@ class LLM:
         attention_backend: str | None = None,
         graph_mode: str | None = None,
     ) -> None:
-        from blockdraft.weights.catalog import DEFAULT_MODEL
-
-        device = resolve_device(device)
-        if num_kv_blocks is None and device != "cuda":
-            num_kv_blocks = CPU_NUM_KV_BLOCKS
-        cache = CacheConfig(kv_block_size, num_kv_blocks, gpu_memory_utilization)
-        sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
-        self.target = target or load_target(model or DEFAULT_MODEL, dtype, device, cache_dir)
+        pre = preflight(
+            model, draft if speculator is None else None, num_speculative_tokens, dtype, device, kv_block_size,
+            num_kv_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, cache_dir,
+            target_config=target.config if target is not None else None,
+        )
+        device, cache = pre.device, pre.cache
+        self.target = target or load_target(str(pre.target_path), dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
-        if draft in ("auto", "shipped"):
-            from blockdraft.drafters import resolve_draft
-
-            draft = resolve_draft(draft, model or DEFAULT_MODEL, cache_dir=cache_dir)
-        if speculator is None and draft is not None:
-            spec_cfg = SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)
-            speculator = _build_speculator(spec_cfg, self.target, cache, device)
+        if speculator is None and pre.draft is not None:
+            speculator = _build_speculator(pre, self.target)
         self.speculator = speculator
         options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode)
-        self.engine = _build_engine(self.target, cache, sched, speculator, device, **options)
+        self.engine = _build_engine(self.target, cache, pre.scheduler, speculator, device, **options)
         self._ids = itertools.count()
 
     def generate(
@@ -224,17 +209,14 @@ def _resolve_dtype(dtype: str, hf_config: dict, device: str = "cpu") -> torch.dt
     return torch.bfloat16 if resolved == torch.float32 and torch.device(device).type == "cuda" else resolved
 
 
-def _build_speculator(spec_cfg: SpeculativeConfig, target: LoadedTarget, cache: CacheConfig, device):
-    from blockdraft.spec.dflash.checkpoint import load_drafter, recommended_num_speculative_tokens
+def _build_speculator(pre: Preflight, target: LoadedTarget):
+    """The DFlash speculator for the drafter and K that `preflight` resolved and checked."""
+    from blockdraft.spec.dflash.checkpoint import load_drafter
     from blockdraft.spec.dflash.speculator import DFlashSpeculator
 
-    drafter = load_drafter(spec_cfg.model, target.config, dtype=target.dtype, device=device)
-    k = (
-        spec_cfg.num_speculative_tokens
-        or recommended_num_speculative_tokens(spec_cfg.model)
-        or drafter.config.block_size - 1
-    )
-    return DFlashSpeculator(drafter, target.model, k, cache.num_kv_blocks, cache.kv_block_size)
+    drafter = load_drafter(pre.draft, target.config, dtype=target.dtype, device=pre.device)
+    k = pre.num_speculative_tokens
+    return DFlashSpeculator(drafter, target.model, k, pre.cache.num_kv_blocks, pre.cache.kv_block_size)
 
 
 def _build_engine(

@@ -103,18 +103,41 @@ def _check_source_flags(args) -> None:
         raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
 
 
+def check_drafter_flags(args) -> str | None:
+    """The drafter flags against the target's config, before any weights are built or loaded:
+    with --shape the random drafter's shape and K; with --model the drafter folder, its config
+    against the model's config.json, and K (blockdraft.preflight). Returns the drafter folder
+    (--model; None: plain rows only) or None (--shape).
+
+    Raises:
+        ValueError / FileNotFoundError: naming the flag value and what is allowed.
+    """
+    if args.shape:
+        from blockdraft.bench.random_weights import random_drafter_shape
+        from blockdraft.bench.shapes import get_shape, model_config
+
+        shape = get_shape(args.shape)
+        if not args.no_draft:
+            config = random_drafter_shape(model_config(shape), args.draft_layers or shape.draft_layers, args.block_size)
+            if args.num_speculative_tokens is not None:
+                config.check_num_speculative_tokens(args.num_speculative_tokens)
+        return None
+    from blockdraft.preflight import preflight
+
+    return preflight(args.model, args.draft, args.num_speculative_tokens, cache_dir=args.cache_dir).draft
+
+
 def build_workload(args):
     """The Workload the flags describe (see bench/workload.py)."""
     from blockdraft.bench.workload import model_workload, random_workload, resolve_device_dtype
-    from blockdraft.drafters import resolve_draft
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     num_prompts = max(parse_batch_sizes(args.batch_sizes))
+    draft = check_drafter_flags(args)
     if args.shape:
         return random_workload(args.shape, device, dtype, num_prompts=num_prompts, prompt_len=args.prompt_len,
                                draft_layers=args.draft_layers, block_size=args.block_size,
                                with_drafter=not args.no_draft, seed=args.seed)
-    draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
     return model_workload(args.model, draft, device, dtype, dataset=args.dataset, num_prompts=num_prompts,
                           cache_dir=args.cache_dir)
 

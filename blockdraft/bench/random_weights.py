@@ -101,15 +101,27 @@ def random_drafter_on_device(
     Raises:
         ValueError: num_layers < 1, block_size < 2, or a target too shallow for the layer ids.
     """
-    from blockdraft.spec.dflash.checkpoint import empty_drafter, random_drafter_config
+    from blockdraft.spec.dflash.checkpoint import empty_drafter
+
+    drafter = empty_drafter(random_drafter_shape(target_config, num_layers, block_size), dtype, device)
+    init_random_(drafter, seed)
+    return drafter
+
+
+def random_drafter_shape(target_config: ModelConfig, num_layers: int, block_size: int):
+    """The DFlashConfig `random_drafter_on_device` builds (no weights: `blockdraft bench` checks
+    its flags with it before building the random target).
+
+    Raises:
+        ValueError: num_layers < 1, block_size < 2, or a target too shallow for the layer ids.
+    """
+    from blockdraft.spec.dflash.checkpoint import random_drafter_config
 
     if num_layers < 1:
         raise ValueError(f"draft layers must be >= 1, got {num_layers}")
     if block_size < 2:
         raise ValueError(f"block size must be >= 2 (1 anchor + drafts), got {block_size}")
-    drafter = empty_drafter(random_drafter_config(target_config, num_layers, block_size), dtype, device)
-    init_random_(drafter, seed)
-    return drafter
+    return random_drafter_config(target_config, num_layers, block_size)
 
 
 def zlab_drafter_from(drafter: DFlashDraftModel):

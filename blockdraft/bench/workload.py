@@ -119,11 +119,11 @@ def model_workload(
     from blockdraft.weights.fetch import resolve_model_path
 
     name = {v: k for k, v in DTYPES.items()}[dtype]
+    texts = eval_prompts(dataset, cache_dir)  # before the weights: an unknown dataset fails at once
     path = resolve_model_path(model, cache_dir=cache_dir)
     target = load_target(str(path), name, str(device), cache_dir)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval().requires_grad_(False)
     drafter = load_drafter(draft, target.config, dtype=dtype, device=device) if draft else None
-    texts = eval_prompts(dataset, cache_dir)
     tok = target.tokenizer
     prompts = [encode_chat(tok, texts[i % len(texts)]) for i in range(num_prompts)]
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)

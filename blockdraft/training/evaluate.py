@@ -58,13 +58,19 @@ def evaluate_drafter(
     token-for-token equality and to time the speedup.
     """
     from blockdraft.llm import LLM, load_target
+    from blockdraft.preflight import preflight
     from blockdraft.sampling_params import SamplingParams
     from blockdraft.training.corpora import eval_prompts
 
-    loaded = load_target(target, dtype, cache_dir=cache_dir)
+    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
+        raise ValueError(f"num_prompts (--num-prompts) must be an integer >= 1, got {num_prompts!r}")
+    SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)  # checks the values
+    # Drafter folder and config against the target's config, dtype, scheduler: before any weights.
+    pre = preflight(target, draft, dtype=dtype, max_num_seqs=max_num_seqs, cache_dir=cache_dir)
     convs = [[{"role": "user", "content": t}] for t in eval_prompts(dataset, cache_dir)[:num_prompts]]
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i) for i in range(len(convs))]
-    spec = LLM(target=loaded, draft=draft, dtype=dtype, max_num_seqs=max_num_seqs)
+    loaded = load_target(str(pre.target_path), dtype, cache_dir=cache_dir)
+    spec = LLM(target=loaded, draft=pre.draft, dtype=dtype, max_num_seqs=max_num_seqs)
     t0 = time.perf_counter()
     outs = spec.generate(convs, params)
     seconds = time.perf_counter() - t0
@@ -87,13 +93,7 @@ def plot_per_position(results: dict[str, list[float]], path: str, title: str = "
         ValueError: matplotlib is not installed (`pip install matplotlib`); ValueError so the CLI
             reports it as a one-line error.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from e
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, rates in results.items():
         ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
@@ -108,10 +108,30 @@ def plot_per_position(results: dict[str, list[float]], path: str, title: str = "
     plt.close(fig)
 
 
+def _pyplot():
+    """matplotlib.pyplot with the Agg backend.
+
+    Raises:
+        ValueError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib") from e
+    return plt
+
+
 def main(args) -> int:
     """CLI body of `blockdraft eval-drafter` (arguments from cli.py)."""
+    from blockdraft.demo import _check_writable
     from blockdraft.drafters import shipped_drafter
 
+    if args.plot:  # fail before minutes of decoding, not after
+        _pyplot()
+        _check_writable(args.plot, "--plot")
     draft = args.draft or shipped_drafter(args.target, args.cache_dir)
     if draft is None:
         raise ValueError(f"no --draft given and no drafter ships for {args.target!r}")

@@ -32,6 +32,25 @@ def resolve_settings(args) -> dict:
     return {k: (getattr(args, k) if getattr(args, k, None) is not None else v) for k, v in preset.items()}
 
 
+def check_settings(settings: dict, args) -> None:
+    """The values only this command reads (the drafter shape and TrainConfig check their own).
+
+    Raises:
+        ValueError: naming the flag, the value and what is allowed.
+    """
+    for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "num_layers", "num_feature_layers"):
+        value = settings[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+    width = settings["intermediate_size"]
+    if width is not None and width < 1:
+        raise ValueError(f"--intermediate-size must be >= 1 (or left out: the target's), got {width}")
+    if not 0.0 <= args.sampled_fraction <= 1.0:
+        raise ValueError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
+    if args.data and Path(args.data).is_file():
+        raise ValueError(f"--data {args.data!r} is a file; expected a dataset folder (data-*.safetensors)")
+
+
 def build_dataset(target, settings: dict, args, out: Path):
     """The dataset in `out/data` (or `args.data`), generating it with our engine when missing."""
     from blockdraft.llm import LLM
@@ -65,6 +84,7 @@ def build_dataset(target, settings: dict, args, out: Path):
 def train_drafter(args) -> dict:
     """The whole command; returns the summary (also written to `out/summary.json`)."""
     from blockdraft.llm import load_target
+    from blockdraft.preflight import check_dtype, read_target_config, resolve_device
     from blockdraft.spec.dflash.checkpoint import export_drafter
     from blockdraft.training.build import new_drafter, num_parameters
     from blockdraft.training.target import EngineTarget
@@ -72,16 +92,22 @@ def train_drafter(args) -> dict:
 
     torch.manual_seed(args.seed)
     settings = resolve_settings(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    target = load_target(args.target, args.dtype, args.device, args.cache_dir)
-    data = build_dataset(target, settings, args, out)
-    drafter = new_drafter(target.config, settings["num_layers"], args.block_size, settings["intermediate_size"],
-                          num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
-                          seed=args.seed, device=args.device)
+    # Every setting is checked before the target's weights load and the dataset is generated
+    # (minutes to hours): the values, then the drafter's shape against the target's config.json.
+    check_settings(settings, args)
+    check_dtype(args.dtype)
+    device = resolve_device(args.device)
     cfg = TrainConfig(steps=settings["steps"], batch_size=settings["batch_size"], max_len=args.max_len,
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
                       ckpt_every=args.ckpt_every, log_every=settings["log_every"])
+    path, _, target_config = read_target_config(args.target, args.cache_dir)
+    drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
+                          num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
+                          seed=args.seed, device=device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_target(str(path), args.dtype, device, args.cache_dir)
+    data = build_dataset(target, settings, args, out)
     trainer = Trainer(drafter, EngineTarget(target.model), data, cfg, out)
     resumed = trainer.load_checkpoint() if not args.no_resume else False
     final = trainer.fit(progress=True)

@@ -56,6 +56,20 @@ class TrainConfig:
     ckpt_every: int = 0
     log_every: int = 10
 
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("batch_size", 1), ("max_len", 2), ("num_anchors", 1), ("ckpt_every", 0),
+                          ("log_every", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        for name in ("warmup_frac", "min_lr_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if not self.weight_decay >= 0 or not self.grad_clip >= 0:
+            raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay!r}, {self.grad_clip!r}")
+
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr_ratio."""

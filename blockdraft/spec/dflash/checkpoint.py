@@ -37,16 +37,65 @@ def load_drafter(
             (validate_against_target), or weights that do not match the config.
     """
     path = Path(path)
+    config = read_drafter_config(path, target_config)
+    model = empty_drafter(config, dtype, device)
+    model.load_weights(_read_safetensors(path))
+    return model
+
+
+def read_drafter_config(path: str | Path, target_config: ModelConfig | None = None) -> DFlashConfig:
+    """The drafter's config from `<path>/config.json`, checked against the target when given.
+
+    Reads no weights: callers run it before loading anything (blockdraft.preflight).
+    Raises:
+        FileNotFoundError: `path` is not a folder, or has no config.json.
+        ValueError: config.json is not valid JSON, is refused (DFlashConfig.from_hf_dict), or does
+            not fit the target (validate_against_target); the message names the drafter folder.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise FileNotFoundError(
+            f"drafter folder {str(path)!r} {what}; --draft takes a DFlash checkpoint folder "
+            "(config.json + *.safetensors), 'shipped' or 'auto'"
+        )
     config_file = path / "config.json"
     if not config_file.is_file():
         nested = path / "drafter"  # train-drafter's --out holds data/, checkpoint/, drafter/
         hint = f" (did you mean {nested}?)" if (nested / "config.json").is_file() else ""
         raise FileNotFoundError(f"no config.json in drafter folder {path}{hint}")
-    config = DFlashConfig.from_hf_dict(json.loads(config_file.read_text()))
-    config.validate_against_target(target_config)
-    model = empty_drafter(config, dtype, device)
-    model.load_weights(_read_safetensors(path))
-    return model
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
+    try:
+        config = DFlashConfig.from_hf_dict(raw)
+        if target_config is not None:
+            config.validate_against_target(target_config)
+    except (ValueError, KeyError) as e:
+        detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"drafter {path}: {detail}") from e
+    return config
+
+
+def resolve_num_speculative_tokens(k: int | None, path: str | Path, config: DFlashConfig) -> int:
+    """K for the drafter in `path`: `k` when given, else the folder's recorded K
+    (recommended_num_speculative_tokens), else block_size - 1; checked against the block size.
+
+    Raises:
+        ValueError: K outside [1, block_size - 1] (naming where it came from), bad speculative.json.
+    """
+    if k is not None:
+        return config.check_num_speculative_tokens(k)
+    recorded = recommended_num_speculative_tokens(path)
+    if recorded is None:
+        return config.block_size - 1
+    try:
+        return config.check_num_speculative_tokens(recorded)
+    except ValueError as e:
+        raise ValueError(f"{Path(path) / SPECULATIVE_FILE}: {e}") from e
 
 
 def empty_drafter(config: DFlashConfig, dtype: torch.dtype, device) -> DFlashDraftModel:
@@ -66,7 +115,7 @@ def recommended_num_speculative_tokens(path: str | Path) -> int | None:
 
     The file records the drafts-per-step that measured fastest for this drafter (see
     `python -m blockdraft.bench.spec_k`); an explicit `num_speculative_tokens` always wins over it.
-    Whether K fits the drafter's block size is checked where the speculator is built.
+    Whether K fits the drafter's block size: resolve_num_speculative_tokens.
     Raises:
         ValueError: the file is not a JSON object or its value is not an integer >= 1.
     """

@@ -291,6 +291,19 @@ class DFlashConfig:
             out["is_causal"] = self.causal_override
         return out
 
+    def check_num_speculative_tokens(self, k) -> int:
+        """K, checked against this drafter: an integer in [1, block_size - 1]; returns it.
+
+        Raises:
+            ValueError: K out of range or not an integer (names K and the range).
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.block_size - 1:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, block_size - 1 = {self.block_size - 1}] for this drafter, "
+                f"got {k!r}"
+            )
+        return k
+
     def validate_against_target(self, target: ModelConfig) -> None:
         """Check that this drafter fits `target` (DFLASH.md: mismatches are clear errors).
 

@@ -55,12 +55,8 @@ class DFlashSpeculator:
         Raises:
             ValueError: K out of range.
         """
-        block_size = drafter.config.block_size
-        k = block_size - 1 if num_speculative_tokens is None else num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= block_size - 1:
-            raise ValueError(
-                f"num_speculative_tokens must be in [1, block_size - 1 = {block_size - 1}] for this drafter, got {k!r}"
-            )
+        k = drafter.config.block_size - 1 if num_speculative_tokens is None else num_speculative_tokens
+        k = drafter.config.check_num_speculative_tokens(k)
         self.drafter = drafter
         self.target = target
         self.num_speculative_tokens = k

@@ -1,0 +1,141 @@
+"""Every check that needs only the arguments and config.json files, run before any weights load.
+
+Loading a target takes seconds to minutes; a typo in --draft, an out-of-range K or a bad --device
+must not wait for it. `preflight` resolves and checks, in order:
+
+1. the argument values alone: device, dtype, KV cache and scheduler sizes, the K type;
+2. the drafter folder (`auto` / `shipped` resolved) and its config.json, and K against its block size;
+3. the target's config.json (a catalog model is fetched first if not cached), and the drafter
+   against it (hidden size, vocab, target layer ids).
+
+`LLM` calls it before `load_target`; the CLI commands call it (through `LLM` or directly) before
+any other expensive step. Each check itself lives with the thing it checks (CacheConfig,
+DFlashConfig, ...); this module only makes sure they all run first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+DEVICE_CHOICES = ("cpu", "cuda", "auto")
+CPU_NUM_KV_BLOCKS = 1024  # the CPU pool when num_kv_blocks is not given
+
+
+def resolve_device(device: str) -> str:
+    """"cpu" | "cuda" | "auto" (CUDA when available) -> "cpu" or "cuda".
+
+    Raises:
+        ValueError: another value, or "cuda" without a CUDA device.
+    """
+    import torch
+
+    if device not in DEVICE_CHOICES:
+        raise ValueError(f"device must be one of {list(DEVICE_CHOICES)}, got {device!r}")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for but torch sees no CUDA device (use --device cpu or auto)")
+    return device
+
+
+def check_dtype(dtype: str) -> str:
+    """Raise ValueError naming `dtype` unless it is one of DTYPE_CHOICES; returns it."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+    return dtype
+
+
+def read_target_config(model: str, cache_dir: str | None = None) -> tuple[Path, dict, ModelConfig]:
+    """(folder, config.json dict, ModelConfig) of a catalog name / HF folder / .gguf; no weights read.
+
+    A catalog model not yet in the cache is fetched (and a .gguf converted) first: its config
+    comes with the download.
+    Raises:
+        ValueError: unknown model, missing or corrupt config.json, unsupported architecture.
+    """
+    from blockdraft.weights.fetch import resolve_model_path
+    from blockdraft.weights.loader import load_hf_config
+
+    path = resolve_model_path(model, cache_dir=cache_dir)
+    hf_config = load_hf_config(path)
+    try:
+        config = ModelConfig.from_hf_dict(hf_config)
+    except KeyError as e:
+        raise ValueError(f"{path}/config.json has no {e} entry; expected an HF-format model config") from e
+    return path, hf_config, config
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What `preflight` resolved: use these values, not the raw arguments.
+
+    target_path: the target's folder; None when a loaded target's config was passed in.
+    draft: the drafter folder (None: plain decoding); num_speculative_tokens: K (None without one).
+    """
+
+    device: str
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    target_config: ModelConfig
+    target_path: Path | None = None
+    draft: str | None = None
+    drafter_config: object | None = None  # DFlashConfig
+    num_speculative_tokens: int | None = None
+
+
+def preflight(
+    model: str | None = None,
+    draft: str | None = None,
+    num_speculative_tokens: int | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    kv_block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    max_num_batched_tokens: int = 512,
+    max_num_seqs: int = 64,
+    cache_dir: str | None = None,
+    target_config: ModelConfig | None = None,
+) -> Preflight:
+    """Check the settings of an `LLM` (same argument meanings) without loading any weights.
+
+    `target_config`: the config of an already loaded target (then `model` only names the catalog
+    entry whose shipped drafter `draft="auto" | "shipped"` picks); else `model` is resolved and
+    its config.json read. `draft`: a folder, "auto", "shipped" or None (plain).
+    Raises:
+        ValueError / FileNotFoundError: the first bad setting, naming the value and what is allowed.
+    """
+    from blockdraft.weights.catalog import DEFAULT_MODEL
+
+    model = model or DEFAULT_MODEL
+    # 1. The values alone.
+    device = resolve_device(device)
+    check_dtype(dtype)
+    if num_kv_blocks is None and device != "cuda":
+        num_kv_blocks = CPU_NUM_KV_BLOCKS
+    cache = CacheConfig(kv_block_size, num_kv_blocks, gpu_memory_utilization)
+    sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)  # K's type
+    # 2. The drafter's config.json, and K against its block size.
+    drafter_config = k = None
+    if draft is not None:
+        from blockdraft.drafters import resolve_draft
+        from blockdraft.spec.dflash.checkpoint import read_drafter_config, resolve_num_speculative_tokens
+
+        draft = resolve_draft(draft, model, cache_dir=cache_dir, num_speculative_tokens=num_speculative_tokens)
+    if draft is not None:
+        draft = str(draft)
+        drafter_config = read_drafter_config(draft)
+        k = resolve_num_speculative_tokens(num_speculative_tokens, draft, drafter_config)
+    # 3. The target's config.json, and the drafter against it.
+    path = None
+    if target_config is None:
+        path, _, target_config = read_target_config(model, cache_dir)
+    if drafter_config is not None:
+        read_drafter_config(draft, target_config)  # same parse, now with the target cross-check
+    return Preflight(device, cache, sched, target_config, path, draft, drafter_config, k)

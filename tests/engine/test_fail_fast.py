@@ -1,0 +1,177 @@
+"""Bad arguments fail before any weights load (blockdraft.preflight), naming the value.
+
+Every weight loader is replaced by one that raises AssertionError, which the CLI does not catch:
+a test passes only if the command refused its arguments (exit code 2, message on stderr) without
+reaching a loader. The cases run on a tiny model folder and, when it is already in the cache, on
+the real default catalog model (no download: the test is skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from blockdraft.cli import main
+from blockdraft.drafters import SHIPPED_DIR
+from blockdraft.llm import LLM
+from blockdraft.weights.catalog import DEFAULT_MODEL
+from blockdraft.weights.fetch import cache_root, is_complete
+from tests.server.tiny_model import write_tiny_drafter, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fail_fast")
+    model = write_tiny_model(root / "model")
+    drafter = write_tiny_drafter(root / "drafter", model)  # block_size 8, target layers (0, 2) of 4
+    return model, drafter
+
+
+@pytest.fixture(autouse=True)
+def no_weights(monkeypatch):
+    """Any weight load fails the test (AssertionError passes through the CLI's error handler)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded before the arguments were checked")
+
+    for target in (
+        "blockdraft.weights.loader.load_state_dict",  # every target model (load_target)
+        "blockdraft.spec.dflash.checkpoint._read_safetensors",  # every drafter (load_drafter)
+        "blockdraft.drafters._expand",  # unpacking a shipped int8 drafter
+        "blockdraft.bench.random_weights.random_target",  # bench --shape
+        "transformers.AutoModelForCausalLM.from_pretrained",  # bench --model's HF twin
+    ):
+        monkeypatch.setattr(target, refuse)
+
+
+def _drafter_variant(tmp_path: Path, drafter: Path, **changes) -> Path:
+    folder = tmp_path / ("variant-" + "-".join(changes))
+    shutil.copytree(drafter, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if key in cfg.get("dflash_config", {}):
+            cfg["dflash_config"][key] = value
+        cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def _refused(capsys, argv: list[str], *expected: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+def test_generate_and_serve_refuse_a_bad_drafter_before_loading_the_target(tiny, tmp_path, capsys):
+    model, drafter = tiny
+    no_config = tmp_path / "empty"
+    no_config.mkdir()
+    wide = _drafter_variant(tmp_path, drafter, hidden_size=128)
+    cases = [
+        (["--draft", "/nonexistent/drafter"], ["'/nonexistent/drafter' does not exist", "--draft takes"]),
+        (["--draft", str(no_config)], [f"no config.json in drafter folder {no_config}"]),
+        (["--draft", str(wide)], ["drafter hidden_size 128 != target hidden_size 64"]),
+        (["--draft", str(drafter), "--num-speculative-tokens", "8"], ["block_size - 1 = 7", "got 8"]),
+        (["--draft", str(drafter), "--num-speculative-tokens", "0"], ["integer >= 1, got 0"]),
+    ]
+    for command in (["generate", "w05x"], ["serve"]):
+        for flags, expected in cases:
+            _refused(capsys, [*command, "--model", str(model), *flags], *expected)
+    deep = _drafter_variant(tmp_path, drafter, target_layer_ids=[0, 9], num_target_layers=None)
+    _refused(capsys, ["generate", "w05x", "--model", str(model), "--draft", str(deep)],
+             "target_layer_ids [0, 9] has ids [9] >= the target's num_hidden_layers (4)")
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--gpu-memory-utilization", "0"], "gpu_memory_utilization must be in (0, 1], got 0.0"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1], got 1.5"),
+        (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+        (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
+        (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+    ],
+)
+def test_generate_refuses_bad_values_before_loading(tiny, capsys, flags, expected):
+    model, _ = tiny
+    _refused(capsys, ["generate", "w05x", "--model", str(model), *flags], expected)
+
+
+def test_serve_refuses_bad_pool_and_scheduler_sizes_before_loading(tiny, capsys):
+    model, _ = tiny
+    for flags, expected in [
+        (["--kv-block-size", "0"], "kv_block_size must be >= 1, got 0"),
+        (["--num-kv-blocks", "0"], "num_kv_blocks must be >= 1, got 0"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+        (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1, got 0"),
+    ]:
+        _refused(capsys, ["serve", "--model", str(model), *flags], expected)
+
+
+def test_python_api_checks_before_loading(tiny, tmp_path):
+    model, drafter = tiny
+    with pytest.raises(FileNotFoundError, match="'/nonexistent' does not exist"):
+        LLM(model=str(model), draft="/nonexistent")
+    with pytest.raises(ValueError, match=r"block_size - 1 = 7\] for this drafter, got 99"):
+        LLM(model=str(model), draft=str(drafter), num_speculative_tokens=99)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LLM(model=str(model), dtype="int4")
+    with pytest.raises(ValueError, match="device must be one of"):
+        LLM(model=str(model), device="tpu")
+    with pytest.raises(ValueError, match="vocab_size 50 != target vocab_size 96"):
+        LLM(model=str(model), draft=str(_drafter_variant(tmp_path, drafter, vocab_size=50, mask_token_id=40)))
+    # A recorded K (speculative.json) out of range names the file.
+    (Path(drafter) / "speculative.json").write_text('{"num_speculative_tokens": 9}')
+    try:
+        with pytest.raises(ValueError, match=r"speculative.json: num_speculative_tokens must be in \[1, block_size - 1 = 7\]"):
+            LLM(model=str(model), draft=str(drafter))
+    finally:
+        (Path(drafter) / "speculative.json").unlink()
+
+
+def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
+    model, drafter = tiny
+    m = str(model)
+    _refused(capsys, ["demo", "--model", m, "--draft", "/nonexistent"], "'/nonexistent' does not exist")
+    _refused(capsys, ["demo", "--model", m, "--draft", str(drafter), "--num-speculative-tokens", "8"], "got 8")
+    _refused(capsys, ["demo", "--model", m, "--draft", str(drafter), ""], "prompt is empty")
+    _refused(capsys, ["eval-drafter", "--target", m, "--draft", "/nonexistent"], "'/nonexistent' does not exist")
+    _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--num-prompts", "0"],
+             "--num-prompts) must be an integer >= 1, got 0")
+    _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--plot", "/nonexistent/p.png"],
+             "--plot '/nonexistent/p.png': folder '/nonexistent' does not exist")
+    _refused(capsys, ["bench", "--model", m, "--draft", "/nonexistent", "--device", "cpu"],
+             "'/nonexistent' does not exist")
+    _refused(capsys, ["bench", "--model", m, "--draft", str(drafter), "--num-speculative-tokens", "8",
+                      "--device", "cpu"], "got 8")
+    _refused(capsys, ["bench", "--shape", "tiny", "--num-speculative-tokens", "16", "--device", "cpu"],
+             "block_size - 1 = 15", "got 16")
+    _refused(capsys, ["bench", "--shape", "tiny", "--block-size", "1", "--device", "cpu"], "block size must be >= 2")
+    out = tmp_path / "train"
+    for flags, expected in [
+        (["--block-size", "1"], "block_size must be >= 2"),
+        (["--mask-token-id", "96"], "mask_token_id 96 is outside [0, vocab_size=96)"),
+        (["--num-feature-layers", "9"], "cannot pick 9 distinct feature layers below the last of 4"),
+        (["--lr", "0"], "lr must be > 0"),
+        (["--steps", "0"], "steps must be an integer >= 1, got 0"),
+        (["--sampled-fraction", "1.5"], "--sampled-fraction must be in [0, 1], got 1.5"),
+        (["--device", "tpu"], "device must be one of"),
+    ]:
+        _refused(capsys, ["train-drafter", "--tiny", "--target", m, "--out", str(out), *flags], expected)
+    assert not out.exists()  # refused before anything was written
+
+
+@pytest.mark.skipif(not is_complete(cache_root() / "models" / DEFAULT_MODEL),
+                    reason=f"{DEFAULT_MODEL} is not in the cache (this test never downloads)")
+def test_real_model_refuses_bad_drafter_flags_without_loading_weights(capsys):
+    _refused(capsys, ["generate", "hi", "--draft", "/nonexistent"], "'/nonexistent' does not exist")
+    _refused(capsys, ["generate", "hi", "--num-speculative-tokens", "99"], "block_size - 1 = 15", "got 99")
+    _refused(capsys, ["serve", "--num-speculative-tokens", "99"], "got 99")
+    small = str(SHIPPED_DIR / "qwen2.5-coder-0.5b-instruct")  # a drafter for another target
+    _refused(capsys, ["generate", "hi", "--model", "smollm2-135m-instruct", "--draft", small],
+             "drafter hidden_size 896 != target hidden_size 576")
