@@ -10,6 +10,7 @@ and row_req -1 (AttentionMetadata's padding contract), so they write nothing.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -77,20 +78,21 @@ def build_input_batch(
     """
     device = torch.device(device)
     ids, pos, qsl, seq_lens, logits_idx, sample_req, num_drafts = [], [], [0], [], [], [], []
-    params: list[SamplingParams] = []
+    params: list[SamplingParams] = []  # one per sampling request (its 1 + k logits rows share it)
+    end = 0
     for i, sr in enumerate(so.requests):
-        n = len(sr.token_ids)
+        n, start = len(sr.token_ids), sr.start_position
         ids += sr.token_ids
-        pos += range(sr.start_position, sr.start_position + n)
-        qsl.append(qsl[-1] + n)
-        seq_lens.append(sr.start_position + n)
+        pos += range(start, start + n)
+        end += n
+        qsl.append(end)
+        seq_lens.append(start + n)
         if sr.sample:
-            first = qsl[-1] - 1 - sr.num_spec_tokens
-            logits_idx += range(first, qsl[-1])
+            logits_idx += range(end - 1 - sr.num_spec_tokens, end)
             sample_req.append(i)
             num_drafts.append(sr.num_spec_tokens)
-            params += [sr.sampling_params] * (1 + sr.num_spec_tokens)
-    num_reqs, num_rows = len(so.requests), qsl[-1]
+            params.append(sr.sampling_params)
+    num_reqs, num_rows = len(so.requests), end
     width = max((len(sr.block_ids) for sr in so.requests), default=1)
     if padding is not None:
         _check_fits(padding, num_reqs, num_rows, width)
@@ -104,7 +106,7 @@ def build_input_batch(
     row_req = _row_requests(qsl, len(pos))
     slot_mapping = _slot_mapping(block_table, row_req, positions, kv_block_size)
     kmax = max(num_drafts, default=0)
-    sampling = SamplingTensors.from_params(params, "cpu")
+    sampling = SamplingTensors.from_params(params, "cpu", repeats=[k + 1 for k in num_drafts])
     host = {
         "input_ids": torch.tensor(ids, dtype=torch.long),
         "positions": positions,
@@ -160,8 +162,14 @@ def _check_fits(padding: BatchPadding, num_reqs: int, num_rows: int, width: int)
 def _block_table(so: SchedulerOutput, width: int, num_reqs: int) -> torch.Tensor:
     """[num_reqs, width] int32 page ids; padding requests and unused entries are 0."""
     table = torch.zeros(num_reqs, width, dtype=torch.int32)
-    for i, sr in enumerate(so.requests):
-        table[i, : len(sr.block_ids)] = torch.tensor(sr.block_ids, dtype=torch.int32)
+    lens = [len(sr.block_ids) for sr in so.requests]
+    if not lens:
+        return table
+    # one masked fill for all requests instead of one small tensor per request
+    lens += [0] * (num_reqs - len(lens))
+    used = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
+    table[used] = torch.tensor(list(itertools.chain.from_iterable(sr.block_ids for sr in so.requests)),
+                               dtype=torch.int32)
     return table
 
 
@@ -182,9 +190,10 @@ def _slot_mapping(block_table: torch.Tensor, row_req: torch.Tensor, positions: t
 
 def _logits_rows(num_drafts: list[int], kmax: int) -> torch.Tensor:
     """[S, kmax + 1]: index into the logits tensor of each sampling request's rows, -1 = padding."""
-    rows = torch.full((len(num_drafts), kmax + 1), -1, dtype=torch.long)
-    start = 0
-    for s, k in enumerate(num_drafts):
-        rows[s, : k + 1] = torch.arange(start, start + k + 1)
-        start += k + 1
-    return rows
+    width = kmax + 1
+    if all(k == kmax for k in num_drafts):  # uniform steps: every request has kmax + 1 rows
+        return torch.arange(len(num_drafts) * width, dtype=torch.long).view(-1, width)
+    counts = torch.tensor(num_drafts, dtype=torch.long) + 1
+    starts = torch.cumsum(counts, 0) - counts
+    column = torch.arange(width, dtype=torch.long)[None, :]
+    return torch.where(column < counts[:, None], starts[:, None] + column, -1)
