@@ -10,8 +10,10 @@ and row_req -1 (AttentionMetadata's padding contract), so they write nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -77,7 +79,7 @@ def build_input_batch(
         ValueError: the step does not fit `padding`.
     """
     device = torch.device(device)
-    ids, pos, qsl, seq_lens, logits_idx, sample_req, num_drafts = [], [], [0], [], [], [], []
+    ids, pos, qsl, seq_lens, sample_req, num_drafts = [], [], [0], [], [], []
     params: list[SamplingParams] = []  # one per sampling request (its 1 + k logits rows share it)
     end = 0
     for i, sr in enumerate(so.requests):
@@ -88,7 +90,6 @@ def build_input_batch(
         qsl.append(end)
         seq_lens.append(start + n)
         if sr.sample:
-            logits_idx += range(end - 1 - sr.num_spec_tokens, end)
             sample_req.append(i)
             num_drafts.append(sr.num_spec_tokens)
             params.append(sr.sampling_params)
@@ -103,7 +104,8 @@ def build_input_batch(
         width = padding.block_table_width
     positions = torch.tensor(pos, dtype=torch.long)
     block_table = _block_table(so, max(width, 1), len(seq_lens))
-    row_req = _row_requests(qsl, len(pos))
+    layout = _layout(tuple(qsl), len(pos), tuple(sample_req), tuple(num_drafts))
+    row_req = layout.row_req
     slot_mapping = _slot_mapping(block_table, row_req, positions, kv_block_size)
     kmax = max(num_drafts, default=0)
     sampling = SamplingTensors.from_params(params, "cpu", repeats=[k + 1 for k in num_drafts])
@@ -111,14 +113,14 @@ def build_input_batch(
         "input_ids": torch.tensor(ids, dtype=torch.long),
         "positions": positions,
         "slot_mapping": slot_mapping,
-        "query_start_loc": torch.tensor(qsl, dtype=torch.int32),
+        "query_start_loc": layout.query_start_loc,
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
         "block_table": block_table,
         "row_req": row_req,
-        "logits_indices": torch.tensor(logits_idx, dtype=torch.long),
-        "logits_rows": _logits_rows(num_drafts, kmax),
-        "sample_req_index": torch.tensor(sample_req, dtype=torch.long),
-        "sample_num_drafts": torch.tensor(num_drafts, dtype=torch.long),
+        "logits_indices": layout.logits_indices,
+        "logits_rows": layout.logits_rows,
+        "sample_req_index": layout.sample_req_index,
+        "sample_num_drafts": layout.sample_num_drafts,
         **{f"sampling.{f}": getattr(sampling, f) for f in ("temperature", "top_k", "top_p", "seeds")},
     }
     dev = stage_to_device(host, device)
@@ -148,6 +150,34 @@ def build_input_batch(
         ),
         num_reqs=num_reqs,
         num_rows=num_rows,
+    )
+
+
+class _Layout(NamedTuple):
+    """Host tensors fixed by the row layout of a step (see InputBatch for shapes)."""
+
+    query_start_loc: torch.Tensor
+    row_req: torch.Tensor
+    logits_indices: torch.Tensor
+    logits_rows: torch.Tensor
+    sample_req_index: torch.Tensor
+    sample_num_drafts: torch.Tensor
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(qsl: tuple[int, ...], num_rows: int, sample_req: tuple[int, ...], num_drafts: tuple[int, ...]) -> _Layout:
+    """The layout tensors of a step; cached because decode steps repeat a few layouts (one per
+    batch size), and each costs a dozen small tensor ops. Shared: callers never write to them."""
+    logits_idx: list[int] = []
+    for i, k in zip(sample_req, num_drafts):
+        logits_idx += range(qsl[i + 1] - 1 - k, qsl[i + 1])
+    return _Layout(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        row_req=_row_requests(list(qsl), num_rows),
+        logits_indices=torch.tensor(logits_idx, dtype=torch.long),
+        logits_rows=_logits_rows(list(num_drafts), max(num_drafts, default=0)),
+        sample_req_index=torch.tensor(sample_req, dtype=torch.long),
+        sample_num_drafts=torch.tensor(num_drafts, dtype=torch.long),
     )
 
 
