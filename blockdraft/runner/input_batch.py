@@ -19,7 +19,7 @@ import torch
 
 from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
 from blockdraft.engine.outputs import SchedulerOutput
-from blockdraft.runner.staging import stage_to_device
+from blockdraft.runner.staging import host_tensor, stage_to_device
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
 
@@ -79,13 +79,14 @@ def build_input_batch(
         ValueError: the step does not fit `padding`.
     """
     device = torch.device(device)
-    ids, pos, qsl, seq_lens, sample_req, num_drafts = [], [], [0], [], [], []
+    ids, pos, slots, qsl, seq_lens, sample_req, num_drafts = [], [], [], [0], [], [], []
     params: list[SamplingParams] = []  # one per sampling request (its 1 + k logits rows share it)
     end = 0
     for i, sr in enumerate(so.requests):
         n, start = len(sr.token_ids), sr.start_position
         ids += sr.token_ids
         pos += range(start, start + n)
+        slots += _request_slots(sr.block_ids, start, start + n, kv_block_size)
         end += n
         qsl.append(end)
         seq_lens.append(start + n)
@@ -99,24 +100,23 @@ def build_input_batch(
         _check_fits(padding, num_reqs, num_rows, width)
         ids += [0] * (padding.num_rows - num_rows)
         pos += [0] * (padding.num_rows - num_rows)
+        slots += [PADDING_SLOT] * (padding.num_rows - num_rows)
         qsl += [num_rows] * (padding.num_reqs - num_reqs)
         seq_lens += [0] * (padding.num_reqs - num_reqs)
         width = padding.block_table_width
-    positions = torch.tensor(pos, dtype=torch.long)
+    ids_pos_slots = host_tensor(ids + pos + slots, torch.long).view(3, -1)  # one conversion, three rows
     block_table = _block_table(so, max(width, 1), len(seq_lens))
     layout = _layout(tuple(qsl), len(pos), tuple(sample_req), tuple(num_drafts))
-    row_req = layout.row_req
-    slot_mapping = _slot_mapping(block_table, row_req, positions, kv_block_size)
     kmax = max(num_drafts, default=0)
     sampling = SamplingTensors.from_params(params, "cpu", repeats=[k + 1 for k in num_drafts])
     host = {
-        "input_ids": torch.tensor(ids, dtype=torch.long),
-        "positions": positions,
-        "slot_mapping": slot_mapping,
+        "input_ids": ids_pos_slots[0],
+        "positions": ids_pos_slots[1],
+        "slot_mapping": ids_pos_slots[2],
         "query_start_loc": layout.query_start_loc,
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "seq_lens": host_tensor(seq_lens, torch.int32),
         "block_table": block_table,
-        "row_req": row_req,
+        "row_req": layout.row_req,
         "logits_indices": layout.logits_indices,
         "logits_rows": layout.logits_rows,
         "sample_req_index": layout.sample_req_index,
@@ -195,11 +195,13 @@ def _block_table(so: SchedulerOutput, width: int, num_reqs: int) -> torch.Tensor
     lens = [len(sr.block_ids) for sr in so.requests]
     if not lens:
         return table
+    pages = torch.tensor(list(itertools.chain.from_iterable(sr.block_ids for sr in so.requests)), dtype=torch.int32)
+    if len(lens) == 1:
+        table[0, : lens[0]] = pages
+        return table
     # one masked fill for all requests instead of one small tensor per request
     lens += [0] * (num_reqs - len(lens))
-    used = torch.arange(width)[None, :] < torch.tensor(lens)[:, None]
-    table[used] = torch.tensor(list(itertools.chain.from_iterable(sr.block_ids for sr in so.requests)),
-                               dtype=torch.int32)
+    table[torch.arange(width)[None, :] < torch.tensor(lens)[:, None]] = pages
     return table
 
 
@@ -210,12 +212,17 @@ def _row_requests(qsl: list[int], num_rows: int) -> torch.Tensor:
     return torch.cat([real, torch.full((num_rows - real.shape[0],), -1, dtype=torch.int32)])
 
 
-def _slot_mapping(block_table: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor, kv_block_size: int):
-    """[T] int64 cache slot of each row; PADDING_SLOT for padding rows (row_req -1)."""
-    real = row_req >= 0
-    pages = block_table[row_req.clamp(min=0).long(), positions // kv_block_size]
-    slots = pages.long() * kv_block_size + positions % kv_block_size
-    return torch.where(real, slots, PADDING_SLOT)
+def _request_slots(pages: list[int], start: int, stop: int, kv_block_size: int) -> list[int]:
+    """Cache slots of positions start..stop-1 of one request: a range per page touched."""
+    out: list[int] = []
+    p = start
+    while p < stop:
+        page, offset = divmod(p, kv_block_size)
+        n = min(stop - p, kv_block_size - offset)
+        base = pages[page] * kv_block_size + offset
+        out += range(base, base + n)
+        p += n
+    return out
 
 
 def _logits_rows(num_drafts: list[int], kmax: int) -> torch.Tensor:

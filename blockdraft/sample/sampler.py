@@ -36,6 +36,7 @@ from typing import Sequence
 
 import torch
 
+from blockdraft.runner.staging import host_tensor
 from blockdraft.sampling_params import SamplingParams
 
 __all__ = [
@@ -326,6 +327,8 @@ def _repeat(values: list, repeats: Sequence[int]) -> list:
     """values[i] repeated repeats[i] times, in order."""
     if len(values) != len(repeats):
         raise ValueError(f"got {len(repeats)} repeats for {len(values)} params")
+    if all(n == 1 for n in repeats):
+        return values
     out = []
     for v, n in zip(values, repeats):
         out += [v] * n
@@ -370,11 +373,14 @@ class SamplingTensors:
         max_top_k = max((ks[i] for i in rand), default=0) if rand and all(ks[i] > 0 for i in rand) else None
         if repeats is not None:
             temps, ks, ps, seeds = (_repeat(v, repeats) for v in (temps, ks, ps, seeds))
+        # two conversions of two rows each (host_tensor: much faster than torch.tensor on lists)
+        floats = host_tensor(temps + ps, torch.float32).view(2, -1).to(device)
+        ints = host_tensor(ks + seeds, torch.int64).view(2, -1).to(device)
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(ks, dtype=torch.int64, device=device),
-            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            seeds=ints[1],
             all_greedy=not rand,
             any_top_k=any_top_k,
             any_top_p=any_top_p,
