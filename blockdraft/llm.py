@@ -182,7 +182,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(stream=False):
                 if out.finished and out.request_id in ids:
                     done[out.request_id] = out
                     bar.update(1) if bar else None

@@ -34,6 +34,18 @@ class IncrementalDetokenizer:
         self.text += new_text
         return self._check_stop(start)
 
+    def extend(self, token_ids: list[int]) -> tuple[int, str] | None:
+        """`append` each token in turn; stop at the first stop string.
+
+        Returns (index in token_ids of the token that completed it, the stop string), or None
+        (all tokens appended).
+        """
+        for i, tok in enumerate(token_ids):
+            stop_str = self.append(tok)
+            if stop_str is not None:
+                return i, stop_str
+        return None
+
     def flush(self) -> None:
         """At the end of a request: emit text held back waiting for more UTF-8 bytes."""
         if self._stopped:

@@ -41,6 +41,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._num_new: dict[str, int] = {}
+        self._stop_ids: dict[str, frozenset[int]] = {}  # EOS (unless ignore_eos) + stop_token_ids
         self._finished_unreported: list[Request] = []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -64,6 +65,8 @@ class LLMEngine:
         self.scheduler.add_request(req)
         self._requests[request_id] = req
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        eos = () if params.ignore_eos else self.eos_token_ids
+        self._stop_ids[request_id] = frozenset(params.stop_token_ids).union(eos)
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
     def abort_request(self, request_id: str) -> None:
@@ -76,8 +79,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step. Returns outputs of requests that produced tokens or finished."""
+    def step(self, stream: bool = True) -> list[RequestOutput]:
+        """One engine step. Returns outputs of requests that produced tokens or finished.
+
+        stream=False returns the finished requests' outputs only (all `LLM.generate` reads): the
+        others build no RequestOutput (a copy of all their tokens) this step; stats are the same.
+        """
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if not sched_out.requests:
@@ -85,6 +92,8 @@ class LLMEngine:
         run_out = self.runner.execute(sched_out)
         self._commit(sched_out, run_out)
         self._account(run_out, time.perf_counter() - t0)
+        if not stream:
+            return self._pop_finished_outputs() + self._count_new_tokens(sched_out)
         return self._pop_finished_outputs() + self._outputs_of(sched_out)
 
     def _commit(self, sched_out: SchedulerOutput, run_out: ModelRunnerOutput) -> None:
@@ -110,26 +119,33 @@ class LLMEngine:
                 req.spec_token_ids = self._trim_drafts(req, run_out.draft_token_ids.get(sr.request_id, []))
 
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[dict] | None) -> None:
-        """Commit tokens one by one, stopping exactly at the first stop condition."""
+        """Commit tokens, stopping exactly at the first stop condition.
+
+        Per token, in this order: a completed stop string, EOS (unless ignore_eos), a stop token
+        id, then max_tokens / max_model_len. The token-id and length limits are found first, so
+        only the detokenizer runs per token; the tokens are then committed as one slice.
+        """
         params = req.sampling_params
-        detok = self._detok[req.request_id]
-        for i, tok in enumerate(tokens):
-            req.output_token_ids.append(tok)
-            if logprobs:
-                req.logprobs.append(logprobs[i])
-            self._num_new[req.request_id] = self._num_new.get(req.request_id, 0) + 1
-            stop_str = detok.append(tok)
-            if stop_str is not None:
-                req.stop_reason = stop_str
-                return self._finish(req, "stop")
-            if not params.ignore_eos and tok in req.eos_token_ids:
-                req.stop_reason = tok
-                return self._finish(req, "stop")
-            if tok in params.stop_token_ids:
-                req.stop_reason = tok
-                return self._finish(req, "stop")
-            if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
-                return self._finish(req, "length")
+        # tokens that fit; the first is committed even without room (the length check follows it)
+        room = max(1, min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens))
+        end = min(len(tokens), room)
+        reason, stop_reason = ("length" if end == room else None), None
+        stop_ids = self._stop_ids[req.request_id]
+        if stop_ids:
+            for i in range(end):
+                if tokens[i] in stop_ids:
+                    end, reason, stop_reason = i + 1, "stop", tokens[i]
+                    break
+        hit = self._detok[req.request_id].extend(tokens[:end])
+        if hit is not None:
+            end, reason, stop_reason = hit[0] + 1, "stop", hit[1]
+        req.output_token_ids += tokens[:end]
+        if logprobs:
+            req.logprobs += logprobs[:end]
+        self._num_new[req.request_id] = self._num_new.get(req.request_id, 0) + end
+        if reason is not None:
+            req.stop_reason = stop_reason
+            self._finish(req, reason)
 
     def _trim_drafts(self, req: Request, drafts: list[int]) -> list[int]:
         """Drop drafts that would not fit the context (max_model_len).
@@ -162,12 +178,21 @@ class LLMEngine:
                 outs.append(self._output(req))
         return outs
 
+    def _count_new_tokens(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+        """The bookkeeping of `_outputs_of` without the outputs (stream=False) -> []."""
+        for sr in sched_out.requests:
+            req = self._requests.get(sr.request_id)
+            if req is not None and not req.is_finished:
+                self.stats.num_generated_tokens += self._num_new.pop(req.request_id, 0)
+        return []
+
     def _pop_finished_outputs(self) -> list[RequestOutput]:
         done, self._finished_unreported = self._finished_unreported, []
         outs = [self._output(r) for r in done]
         for r in done:
             self._requests.pop(r.request_id, None)
             self._detok.pop(r.request_id, None)
+            self._stop_ids.pop(r.request_id, None)
         return outs
 
     def _output(self, req: Request) -> RequestOutput:

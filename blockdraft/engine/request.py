@@ -70,9 +70,13 @@ class SpecStats:
         return [c / self.num_steps for c in self.accepted_per_position] if self.num_steps else []
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One generation request. `eos_token_ids` come from the model; params from the user."""
+    """One generation request. `eos_token_ids` come from the model; params from the user.
+
+    Compared by identity (eq=False): the scheduler's `in` / `remove` on its queues would otherwise
+    compare every field of every queued request (quadratic in the batch, every step).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -113,3 +117,15 @@ class Request:
         if index < len(self.output_token_ids):
             return self.output_token_ids[index]
         return self.spec_token_ids[index - len(self.output_token_ids)]
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens at sequence indices start..stop-1 (prompt, then output, then drafts), as one list."""
+        n_prompt, n_out = len(self.prompt_token_ids), len(self.output_token_ids)
+        out: list[int] = []
+        if start < n_prompt:
+            out += self.prompt_token_ids[start:stop]
+        if stop > n_prompt and start < n_prompt + n_out:
+            out += self.output_token_ids[max(0, start - n_prompt) : stop - n_prompt]
+        if stop > n_prompt + n_out:
+            out += self.spec_token_ids[max(0, start - n_prompt - n_out) : stop - n_prompt - n_out]
+        return out

@@ -92,7 +92,7 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        token_ids = [req.token_at(i) for i in range(start, start + num_new)]
+        token_ids = req.token_slice(start, start + num_new)
         reaches_end = start + num_new == req.num_tokens + len(req.spec_token_ids)
         return ScheduledRequest(
             request_id=req.request_id,

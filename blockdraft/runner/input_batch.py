@@ -10,13 +10,16 @@ and row_req -1 (AttentionMetadata's padding contract), so they write nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
 from blockdraft.engine.outputs import SchedulerOutput
-from blockdraft.runner.staging import stage_to_device
+from blockdraft.runner.staging import host_tensor, stage_to_device
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
 
@@ -76,47 +79,48 @@ def build_input_batch(
         ValueError: the step does not fit `padding`.
     """
     device = torch.device(device)
-    ids, pos, qsl, seq_lens, logits_idx, sample_req, num_drafts = [], [], [0], [], [], [], []
-    params: list[SamplingParams] = []
+    ids, pos, slots, qsl, seq_lens, sample_req, num_drafts = [], [], [], [0], [], [], []
+    params: list[SamplingParams] = []  # one per sampling request (its 1 + k logits rows share it)
+    end = 0
     for i, sr in enumerate(so.requests):
-        n = len(sr.token_ids)
+        n, start = len(sr.token_ids), sr.start_position
         ids += sr.token_ids
-        pos += range(sr.start_position, sr.start_position + n)
-        qsl.append(qsl[-1] + n)
-        seq_lens.append(sr.start_position + n)
+        pos += range(start, start + n)
+        slots += _request_slots(sr.block_ids, start, start + n, kv_block_size)
+        end += n
+        qsl.append(end)
+        seq_lens.append(start + n)
         if sr.sample:
-            first = qsl[-1] - 1 - sr.num_spec_tokens
-            logits_idx += range(first, qsl[-1])
             sample_req.append(i)
             num_drafts.append(sr.num_spec_tokens)
-            params += [sr.sampling_params] * (1 + sr.num_spec_tokens)
-    num_reqs, num_rows = len(so.requests), qsl[-1]
+            params.append(sr.sampling_params)
+    num_reqs, num_rows = len(so.requests), end
     width = max((len(sr.block_ids) for sr in so.requests), default=1)
     if padding is not None:
         _check_fits(padding, num_reqs, num_rows, width)
         ids += [0] * (padding.num_rows - num_rows)
         pos += [0] * (padding.num_rows - num_rows)
+        slots += [PADDING_SLOT] * (padding.num_rows - num_rows)
         qsl += [num_rows] * (padding.num_reqs - num_reqs)
         seq_lens += [0] * (padding.num_reqs - num_reqs)
         width = padding.block_table_width
-    positions = torch.tensor(pos, dtype=torch.long)
+    ids_pos_slots = host_tensor(ids + pos + slots, torch.long).view(3, -1)  # one conversion, three rows
     block_table = _block_table(so, max(width, 1), len(seq_lens))
-    row_req = _row_requests(qsl, len(pos))
-    slot_mapping = _slot_mapping(block_table, row_req, positions, kv_block_size)
+    layout = _layout(tuple(qsl), len(pos), tuple(sample_req), tuple(num_drafts))
     kmax = max(num_drafts, default=0)
-    sampling = SamplingTensors.from_params(params, "cpu")
+    sampling = SamplingTensors.from_params(params, "cpu", repeats=[k + 1 for k in num_drafts])
     host = {
-        "input_ids": torch.tensor(ids, dtype=torch.long),
-        "positions": positions,
-        "slot_mapping": slot_mapping,
-        "query_start_loc": torch.tensor(qsl, dtype=torch.int32),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "input_ids": ids_pos_slots[0],
+        "positions": ids_pos_slots[1],
+        "slot_mapping": ids_pos_slots[2],
+        "query_start_loc": layout.query_start_loc,
+        "seq_lens": host_tensor(seq_lens, torch.int32),
         "block_table": block_table,
-        "row_req": row_req,
-        "logits_indices": torch.tensor(logits_idx, dtype=torch.long),
-        "logits_rows": _logits_rows(num_drafts, kmax),
-        "sample_req_index": torch.tensor(sample_req, dtype=torch.long),
-        "sample_num_drafts": torch.tensor(num_drafts, dtype=torch.long),
+        "row_req": layout.row_req,
+        "logits_indices": layout.logits_indices,
+        "logits_rows": layout.logits_rows,
+        "sample_req_index": layout.sample_req_index,
+        "sample_num_drafts": layout.sample_num_drafts,
         **{f"sampling.{f}": getattr(sampling, f) for f in ("temperature", "top_k", "top_p", "seeds")},
     }
     dev = stage_to_device(host, device)
@@ -149,6 +153,34 @@ def build_input_batch(
     )
 
 
+class _Layout(NamedTuple):
+    """Host tensors fixed by the row layout of a step (see InputBatch for shapes)."""
+
+    query_start_loc: torch.Tensor
+    row_req: torch.Tensor
+    logits_indices: torch.Tensor
+    logits_rows: torch.Tensor
+    sample_req_index: torch.Tensor
+    sample_num_drafts: torch.Tensor
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(qsl: tuple[int, ...], num_rows: int, sample_req: tuple[int, ...], num_drafts: tuple[int, ...]) -> _Layout:
+    """The layout tensors of a step; cached because decode steps repeat a few layouts (one per
+    batch size), and each costs a dozen small tensor ops. Shared: callers never write to them."""
+    logits_idx: list[int] = []
+    for i, k in zip(sample_req, num_drafts):
+        logits_idx += range(qsl[i + 1] - 1 - k, qsl[i + 1])
+    return _Layout(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        row_req=_row_requests(list(qsl), num_rows),
+        logits_indices=torch.tensor(logits_idx, dtype=torch.long),
+        logits_rows=_logits_rows(list(num_drafts), max(num_drafts, default=0)),
+        sample_req_index=torch.tensor(sample_req, dtype=torch.long),
+        sample_num_drafts=torch.tensor(num_drafts, dtype=torch.long),
+    )
+
+
 def _check_fits(padding: BatchPadding, num_reqs: int, num_rows: int, width: int) -> None:
     if num_reqs > padding.num_reqs or num_rows > padding.num_rows or width > padding.block_table_width:
         raise ValueError(
@@ -160,8 +192,16 @@ def _check_fits(padding: BatchPadding, num_reqs: int, num_rows: int, width: int)
 def _block_table(so: SchedulerOutput, width: int, num_reqs: int) -> torch.Tensor:
     """[num_reqs, width] int32 page ids; padding requests and unused entries are 0."""
     table = torch.zeros(num_reqs, width, dtype=torch.int32)
-    for i, sr in enumerate(so.requests):
-        table[i, : len(sr.block_ids)] = torch.tensor(sr.block_ids, dtype=torch.int32)
+    lens = [len(sr.block_ids) for sr in so.requests]
+    if not lens:
+        return table
+    pages = torch.tensor(list(itertools.chain.from_iterable(sr.block_ids for sr in so.requests)), dtype=torch.int32)
+    if len(lens) == 1:
+        table[0, : lens[0]] = pages
+        return table
+    # one masked fill for all requests instead of one small tensor per request
+    lens += [0] * (num_reqs - len(lens))
+    table[torch.arange(width)[None, :] < torch.tensor(lens)[:, None]] = pages
     return table
 
 
@@ -172,19 +212,25 @@ def _row_requests(qsl: list[int], num_rows: int) -> torch.Tensor:
     return torch.cat([real, torch.full((num_rows - real.shape[0],), -1, dtype=torch.int32)])
 
 
-def _slot_mapping(block_table: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor, kv_block_size: int):
-    """[T] int64 cache slot of each row; PADDING_SLOT for padding rows (row_req -1)."""
-    real = row_req >= 0
-    pages = block_table[row_req.clamp(min=0).long(), positions // kv_block_size]
-    slots = pages.long() * kv_block_size + positions % kv_block_size
-    return torch.where(real, slots, PADDING_SLOT)
+def _request_slots(pages: list[int], start: int, stop: int, kv_block_size: int) -> list[int]:
+    """Cache slots of positions start..stop-1 of one request: a range per page touched."""
+    out: list[int] = []
+    p = start
+    while p < stop:
+        page, offset = divmod(p, kv_block_size)
+        n = min(stop - p, kv_block_size - offset)
+        base = pages[page] * kv_block_size + offset
+        out += range(base, base + n)
+        p += n
+    return out
 
 
 def _logits_rows(num_drafts: list[int], kmax: int) -> torch.Tensor:
     """[S, kmax + 1]: index into the logits tensor of each sampling request's rows, -1 = padding."""
-    rows = torch.full((len(num_drafts), kmax + 1), -1, dtype=torch.long)
-    start = 0
-    for s, k in enumerate(num_drafts):
-        rows[s, : k + 1] = torch.arange(start, start + k + 1)
-        start += k + 1
-    return rows
+    width = kmax + 1
+    if all(k == kmax for k in num_drafts):  # uniform steps: every request has kmax + 1 rows
+        return torch.arange(len(num_drafts) * width, dtype=torch.long).view(-1, width)
+    counts = torch.tensor(num_drafts, dtype=torch.long) + 1
+    starts = torch.cumsum(counts, 0) - counts
+    column = torch.arange(width, dtype=torch.long)[None, :]
+    return torch.where(column < counts[:, None], starts[:, None] + column, -1)

@@ -62,9 +62,8 @@ class ModelRunner:
         host_metadata = self.attention_backend.host_metadata
         batch = build_input_batch(so, self.kv_block_size, self.device, host_metadata, padding)
         logits, aux = self._forward(batch, graphed=padding is not None)
-        # the token sampled from row r sits at position r + 1: that position keys its noise
-        tokens = batch.sampling.sample(logits, batch.positions[batch.logits_indices] + 1)
-        target, drafts = _per_request(batch, tokens)
+        tokens = _sample(batch, logits)
+        target, drafts = _per_request(batch, tokens, uniform=padding is not None)
         num_accepted = verify_drafts(target, drafts, batch.sample_num_drafts)
         timer.mark()
         next_drafts = None
@@ -101,8 +100,23 @@ class ModelRunner:
         return spec.propose(aux, batch.positions, slots, bonus, bonus_positions, block_table)
 
 
-def _per_request(batch: InputBatch, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target tokens [S, kmax+1] and drafts [S, kmax] (the input tokens of draft rows)."""
+def _sample(batch: InputBatch, logits: torch.Tensor) -> torch.Tensor:
+    """[L] int64 token per logits row."""
+    if batch.sampling.all_greedy:  # what sample() returns for all-greedy rows, without the key positions
+        return logits.argmax(dim=-1)
+    # the token sampled from row r sits at position r + 1: that position keys its noise
+    return batch.sampling.sample(logits, batch.positions[batch.logits_indices] + 1)
+
+
+def _per_request(batch: InputBatch, tokens: torch.Tensor, uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target tokens [S, kmax+1] and drafts [S, kmax] (the input tokens of draft rows).
+
+    uniform: every request has kmax + 1 logits rows, the step's rows in order (padded graph
+    steps), so both are plain views instead of gathers.
+    """
+    if uniform:
+        num_sample, q = len(batch.sample_req), batch.kmax + 1
+        return tokens.view(num_sample, q), batch.input_ids[: num_sample * q].view(num_sample, q)[:, 1:]
     rows = batch.logits_rows
     target = torch.where(rows >= 0, tokens[rows.clamp(min=0)], -1)
     row_ids = batch.logits_indices[rows.clamp(min=0)]

@@ -36,6 +36,7 @@ from typing import Sequence
 
 import torch
 
+from blockdraft.runner.staging import host_tensor
 from blockdraft.sampling_params import SamplingParams
 
 __all__ = [
@@ -322,6 +323,18 @@ def _to_int64(seed: int) -> int:
     return s - (1 << 64) if s >= (1 << 63) else s
 
 
+def _repeat(values: list, repeats: Sequence[int]) -> list:
+    """values[i] repeated repeats[i] times, in order."""
+    if len(values) != len(repeats):
+        raise ValueError(f"got {len(repeats)} repeats for {len(values)} params")
+    if all(n == 1 for n in repeats):
+        return values
+    out = []
+    for v, n in zip(values, repeats):
+        out += [v] * n
+    return out
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters as device tensors, plus host-side fast-path hints.
@@ -342,21 +355,32 @@ class SamplingTensors:
     max_top_k: int | None
 
     @classmethod
-    def from_params(cls, params: Sequence[SamplingParams], device: torch.device | str | None = None) -> "SamplingTensors":
-        """One row per SamplingParams, in order."""
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        device: torch.device | str | None = None,
+        repeats: Sequence[int] | None = None,
+    ) -> "SamplingTensors":
+        """One row per SamplingParams, in order; with `repeats`, params[i] fills repeats[i] rows
+        (e.g. the 1 + k logits rows of a verify step), converted once per params."""
         temps = [float(p.temperature) for p in params]
         ks = [int(p.top_k) if p.top_k > 0 else 0 for p in params]
         ps = [float(p.top_p) for p in params]
         seeds = [_to_int64(p.resolved_seed) for p in params]
-        rand = [i for i, t in enumerate(temps) if t > 0]
+        rand = [i for i, t in enumerate(temps) if t > 0 and (repeats is None or repeats[i] > 0)]
         any_top_k = any(ks[i] > 0 for i in rand)
         any_top_p = any(ps[i] < 1.0 for i in rand)
         max_top_k = max((ks[i] for i in rand), default=0) if rand and all(ks[i] > 0 for i in rand) else None
+        if repeats is not None:
+            temps, ks, ps, seeds = (_repeat(v, repeats) for v in (temps, ks, ps, seeds))
+        # two conversions of two rows each (host_tensor: much faster than torch.tensor on lists)
+        floats = host_tensor(temps + ps, torch.float32).view(2, -1).to(device)
+        ints = host_tensor(ks + seeds, torch.int64).view(2, -1).to(device)
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_k=torch.tensor(ks, dtype=torch.int64, device=device),
-            top_p=torch.tensor(ps, dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            seeds=ints[1],
             all_greedy=not rand,
             any_top_k=any_top_k,
             any_top_p=any_top_p,

@@ -82,3 +82,14 @@ def test_dense_backend_without_graphs_equals_the_reference(target):
     want = _generate(make_llm(target), prompts, params)
     got = _generate(_spec_llm(target, 3, attention_backend="dense", max_num_batched_tokens=16), prompts, params)
     assert got == want
+
+
+def test_host_tensor_matches_torch_tensor():
+    import torch
+
+    from blockdraft.runner.staging import host_tensor
+
+    for dtype, values in [(torch.int64, [3, -1, 2**40]), (torch.int32, [0, 7, -5]), (torch.float32, [0.1, 1e-8, 2.5])]:
+        got = host_tensor(values, dtype)
+        assert got.dtype == dtype and torch.equal(got, torch.tensor(values, dtype=dtype))
+        assert host_tensor([], dtype).shape == (0,) and host_tensor([], dtype).dtype == dtype

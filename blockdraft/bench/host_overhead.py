@@ -1,0 +1,218 @@
+"""Per-step host (Python) overhead of the engine, measured on the CPU with a near-free model.
+
+On the GPU path the target and drafter forwards replay CUDA graphs, so for small models the step
+time is set by the Python work around them: scheduling, building and staging inputs, sampling and
+verification bookkeeping, output assembly, stop checks, detokenization. This benchmark makes the
+model nearly free (1 target layer, hidden 64, vocab 1024, random weights, float32 on the CPU) and
+runs the code path the GPU runs (the sync-free "dense" attention backend and the padded
+CUDA-graph step code run eagerly, graph_mode="eager"), then reports microseconds per engine step:
+
+  step_us: wall time of `LLM.generate` / engine steps (prefill included).
+  host_us: step_us minus the time inside the static-graph functions (the target forward + LM head
+      and the drafter block, which a GPU replays as graphs): the per-step Python work that stays
+      on the GPU path (plus the eager sampling / verification ops, which the GPU launches too).
+
+Cases: batch 1 and 32, plain decoding, DFlash with K drafts (random drafter: ~0 accepted, one
+token per step) and forced-acceptance DFlash (bench/forced.py: ~K+1 tokens per step, so the
+per-token commit work shows). It is a benchmark, not a test:
+
+    python -m blockdraft.bench.host_overhead [--out host.json] [--profile dflash-forced/32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+
+import torch
+
+from blockdraft.bench.engines import DFLASH, FORCED, PLAIN
+from blockdraft.bench.shapes import Shape, model_config
+
+HOST_SHAPE = Shape(
+    "host",
+    "qwen3",
+    dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=256,
+        tie_word_embeddings=False, attention_bias=False, vocab_size=1024,
+    ),
+    draft_layers=1,
+    description="near-free Qwen3 for host-overhead runs: hidden 64, 2 layers, vocab 1024",
+)
+MODES = (PLAIN, DFLASH, FORCED)
+PATHS = {
+    # the GPU path's code (sync-free backend, padded static-shape steps), run eagerly on the CPU
+    "graph": {"attention_backend": "dense", "graph_mode": "eager"},
+    # the CPU default (torch reference backend with host metadata, no graphs)
+    "cpu": {},
+}
+
+
+class GraphClock:
+    """Accumulates seconds spent inside StaticGraph calls (the parts a GPU replays as graphs)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Wrap StaticGraph.__call__ for the duration of the block."""
+        from blockdraft.runner.static_graph import StaticGraph
+
+        original = StaticGraph.__call__
+
+        def timed(graph, *inputs):
+            t0 = time.perf_counter()
+            try:
+                return original(graph, *inputs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        StaticGraph.__call__ = timed
+        try:
+            yield self
+        finally:
+            StaticGraph.__call__ = original
+
+
+def build_engines(max_batch: int, prompt_len: int, max_tokens: int, k: int, path: str, seed: int = 0) -> dict:
+    """{mode: OurEngine} over one random target (and drafter) of HOST_SHAPE on the CPU.
+
+    The forced engine replays the plain continuation of prompt 0, so its batches must be copies
+    of that prompt (see `prompts_for`).
+    """
+    from blockdraft.bench.engines.ours import OurEngine, PoolPlan, dflash_speculator, forced_speculator
+    from blockdraft.bench.random_weights import IdTokenizer, init_random_, random_drafter_on_device
+    from blockdraft.bench.workload import random_prompts
+    from blockdraft.llm import LoadedTarget
+    from blockdraft.models import build_model
+
+    config = model_config(HOST_SHAPE)
+    model = init_random_(build_model(config, dtype=torch.float32, device="cpu"), seed).eval()
+    target = LoadedTarget(config, model, IdTokenizer(), "<random host>")
+    drafter = random_drafter_on_device(config, HOST_SHAPE.draft_layers, k + 1, torch.float32, "cpu", seed + 1)
+    plan = PoolPlan(max_batch, prompt_len, max_tokens, lookahead=k + 1)
+    options = PATHS[path]
+    plain = OurEngine(target, "cpu", plan, options=options)
+    prompt = random_prompts(1, prompt_len, config.vocab_size, seed)[0]
+    reference = plain.generate([prompt], max_tokens).token_ids[0]
+    return {
+        PLAIN: plain,
+        DFLASH: OurEngine(target, "cpu", plan, dflash_speculator(drafter, target, plan, k), DFLASH, options),
+        FORCED: OurEngine(
+            target, "cpu", plan, forced_speculator(drafter, target, plan, k, prompt + reference, "cpu"), FORCED,
+            options,
+        ),
+        "_prompts": random_prompts(max_batch, prompt_len, config.vocab_size, seed + 7),
+        "_forced_prompt": prompt,
+    }
+
+
+def prompts_for(engines: dict, mode: str, batch: int) -> list[list[int]]:
+    """`batch` prompts for `mode`: copies of the reference prompt for forced acceptance."""
+    if mode == FORCED:
+        return [list(engines["_forced_prompt"]) for _ in range(batch)]
+    return engines["_prompts"][:batch]
+
+
+def measure_case(engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """One `generate` call -> {"step_us", "host_us", "graph_us", "steps", "tokens_per_step"} (us per step)."""
+    clock = GraphClock()
+    with clock.installed():
+        t0 = time.perf_counter()
+        gen = engine.generate(prompts, max_tokens)
+        seconds = time.perf_counter() - t0
+    steps = gen.num_steps
+    tokens = sum(len(t) for t in gen.token_ids)
+    return {
+        "step_us": seconds / steps * 1e6,
+        "graph_us": clock.seconds / steps * 1e6,
+        "host_us": (seconds - clock.seconds) / steps * 1e6,
+        "steps": steps,
+        "tokens_per_step": tokens / steps,
+        "token_ids": gen.token_ids,
+    }
+
+
+def run(batches: list[int], modes: list[str], max_tokens: int, prompt_len: int, k: int, repeats: int,
+        path: str) -> list[dict]:
+    """Median over `repeats` runs (after one warm-up) of every (mode, batch) case; us per step."""
+    engines = build_engines(max(batches), prompt_len, max_tokens, k, path)
+    rows = []
+    for mode in modes:
+        for batch in batches:
+            prompts = prompts_for(engines, mode, batch)
+            engines[mode].generate(prompts, max_tokens)  # warm-up
+            runs = [measure_case(engines[mode], prompts, max_tokens) for _ in range(repeats)]
+            row = {"case": f"{mode}/{batch}", "mode": mode, "batch": batch, "path": path}
+            for key in ("step_us", "host_us", "graph_us", "tokens_per_step"):
+                row[key] = statistics.median(r[key] for r in runs)
+            row["steps"] = runs[0]["steps"]
+            row["output_digest"] = hash(tuple(tuple(t) for t in runs[0]["token_ids"])) & 0xFFFFFFFF
+            rows.append(row)
+    return rows
+
+
+def profile_case(case: str, max_tokens: int, prompt_len: int, k: int, path: str, top: int = 30) -> str:
+    """cProfile one `generate` of `case` ("mode/batch") -> the top functions by tottime and cumtime."""
+    mode, batch = case.split("/")
+    engines = build_engines(int(batch), prompt_len, max_tokens, k, path)
+    prompts = prompts_for(engines, mode, int(batch))
+    engines[mode].generate(prompts, max_tokens)
+    prof = cProfile.Profile()
+    prof.enable()
+    engines[mode].generate(prompts, max_tokens)
+    prof.disable()
+    buf = io.StringIO()
+    for key in ("tottime", "cumtime"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+    return buf.getvalue()
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width table: case, steps, tokens/step, step / host / graph us per step."""
+    lines = [f"{'case':<18}{'steps':>7}{'tok/step':>10}{'step us':>10}{'host us':>10}{'graph us':>10}"]
+    for r in rows:
+        lines.append(
+            f"{r['case']:<18}{r['steps']:>7}{r['tokens_per_step']:>10.2f}{r['step_us']:>10.0f}"
+            f"{r['host_us']:>10.0f}{r['graph_us']:>10.0f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=15)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--path", choices=list(PATHS), default="graph",
+                   help="graph: the GPU path's code run eagerly (default); cpu: the CPU default path")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps op overhead steady)")
+    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--profile", metavar="MODE/BATCH", help="print a cProfile of one case instead")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.profile:
+        print(profile_case(args.profile, args.max_tokens, args.prompt_len, args.num_speculative_tokens, args.path))
+        return
+    rows = run(args.batch, args.mode, args.max_tokens, args.prompt_len, args.num_speculative_tokens, args.repeats,
+               args.path)
+    print(format_table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"shape": HOST_SHAPE.hf_fields, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
+                       "k": args.num_speculative_tokens, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
