@@ -19,7 +19,8 @@ import torch
 
 from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
 from blockdraft.engine.outputs import SchedulerOutput
-from blockdraft.runner.staging import host_tensor, stage_to_device
+from blockdraft.host_tensor import host_tensor
+from blockdraft.runner.staging import stage_to_device
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
 

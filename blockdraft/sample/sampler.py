@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from blockdraft.runner.staging import host_tensor
+from blockdraft.host_tensor import host_tensor
 from blockdraft.sampling_params import SamplingParams
 
 __all__ = [

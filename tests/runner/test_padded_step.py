@@ -87,7 +87,7 @@ def test_dense_backend_without_graphs_equals_the_reference(target):
 def test_host_tensor_matches_torch_tensor():
     import torch
 
-    from blockdraft.runner.staging import host_tensor
+    from blockdraft.host_tensor import host_tensor
 
     for dtype, values in [(torch.int64, [3, -1, 2**40]), (torch.int32, [0, 7, -5]), (torch.float32, [0.1, 1e-8, 2.5])]:
         got = host_tensor(values, dtype)
