@@ -103,6 +103,19 @@ def write_dataset_draft_vocab(
     return save_draft_vocab(folder, ids, counts, meta)
 
 
+def coverage(ranked: torch.Tensor, tokens: torch.Tensor, sizes: Sequence[int]) -> dict[int, float]:
+    """Fraction of `tokens` (any shape, int ids) inside the first N ids of `ranked`, per N in sizes.
+
+    The share of positions whose target token the draft head can still propose (an upper bound on
+    the acceptance a draft vocabulary keeps). Returns {N: fraction in [0, 1]} (nan for no tokens).
+    """
+    flat = tokens.reshape(-1).long()
+    out = {}
+    for n in sizes:
+        out[int(n)] = float(torch.isin(flat, ranked[:n]).float().mean()) if flat.numel() else float("nan")
+    return out
+
+
 def save_draft_vocab(folder: str | Path, token_ids: torch.Tensor, counts: torch.Tensor, metadata: dict) -> Path:
     """Write `<folder>/draft_vocab.safetensors`; returns the file.
 
