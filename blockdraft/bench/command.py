@@ -49,7 +49,7 @@ def add_bench_parser(sub) -> None:
                    help="with --shape: random drafter depth (default: 5 for qwen3-8b / qwen2.5-0.5b, 2 for tiny)")
     b.add_argument("--block-size", type=int, default=16, help="with --shape: drafter block size B (default 16)")
     b.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default B - 1)")
-    add_draft_vocab_size_flag(b)
+    add_draft_vocab_size_flag(b, "; with --shape: ids 0..N-1 of the random vocabulary (times an N-column head)")
     b.add_argument("--prompt-len", type=int, default=128, help="with --shape: tokens per random prompt (default 128)")
     b.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"],
                    help="with --model: prompt set (default humaneval); batch N takes the first N")

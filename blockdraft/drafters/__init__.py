@@ -52,13 +52,14 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
     return None
 
 
-def add_draft_vocab_size_flag(parser) -> None:
-    """`--draft-vocab-size N` on an argparse parser (generate, serve, demo, eval-drafter, bench)."""
+def add_draft_vocab_size_flag(parser, extra: str = "") -> None:
+    """`--draft-vocab-size N` on an argparse parser (generate, serve, demo, eval-drafter, bench);
+    `extra` is appended to the help text."""
     parser.add_argument(
         "--draft-vocab-size", type=int, default=None, metavar="N",
         help="score drafts over the drafter's N most frequent target tokens (its draft_vocab.safetensors, "
         "FR-Spec): a cheaper draft LM head, output unchanged; 0 = the full vocabulary (default: the size "
-        "recorded in the drafter's speculative.json, else 0)",
+        "recorded in the drafter's speculative.json, else 0)" + extra,
     )
 
 
