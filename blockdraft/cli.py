@@ -60,13 +60,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_draft_flags(p: argparse.ArgumentParser) -> None:
-    """--draft / --no-draft / --num-speculative-tokens, shared by generate and serve."""
+    """--draft / --no-draft / --num-speculative-tokens / --draft-vocab-size, shared by generate and serve."""
+    from blockdraft.drafters import add_draft_vocab_size_flag
+
     p.add_argument("--draft", default="auto",
                    help="DFlash drafter checkpoint folder; 'shipped' for the drafter shipped for --model; "
                    "'auto' (default): the shipped drafter if one exists for --model, else plain decoding")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="drafts per step K (default: the K measured for the drafter, else block_size - 1)")
+    add_draft_vocab_size_flag(p)
 
 
 def _add_serve_parser(sub, default_model: str) -> None:
@@ -127,6 +130,8 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
 
 
 def _add_eval_drafter_parser(sub, default_model: str) -> None:
+    from blockdraft.drafters import add_draft_vocab_size_flag
+
     e = sub.add_parser("eval-drafter", help="acceptance length of a drafter on HumanEval / MT-bench prompts")
     e.add_argument("--target", default=default_model)
     e.add_argument("--draft", default=None, help="drafter folder (default: the one shipped for --target)")
@@ -135,6 +140,7 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--max-tokens", type=int, default=256)
     e.add_argument("--seed", type=int, default=0)
+    add_draft_vocab_size_flag(e)
     e.add_argument("--compare-plain", action="store_true", help="also decode without the drafter: equality + speedup")
     e.add_argument("--plot", default=None, help="write the per-position acceptance plot to this PNG (needs matplotlib)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -177,6 +183,7 @@ def _generate(args) -> int:
         model=args.model,
         draft=draft,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_vocab_size=args.draft_vocab_size,
         dtype=args.dtype,
         cache_dir=args.cache_dir,
         device=args.device,
@@ -195,6 +202,7 @@ def _generate(args) -> int:
         other_s=max(0.0, seconds - stats.forward_time_s - stats.draft_time_s),
         acceptance_per_position=out.spec.acceptance_rate_per_position(),
         num_speculative_tokens=llm.speculator.num_speculative_tokens if llm.speculator is not None else None,
+        draft_vocab_size=_draft_vocab_size(llm.speculator),
     )
     if args.json:
         print(json.dumps(result))
@@ -202,6 +210,14 @@ def _generate(args) -> int:
         print(out.text)
         print(_summary_line(result), file=sys.stderr)
     return 0
+
+
+def _draft_vocab_size(speculator) -> int | None:
+    """Columns the draft LM head scores (0: the full vocabulary), None without a drafter."""
+    if speculator is None:
+        return None
+    head = getattr(speculator, "draft_head", None)
+    return 0 if head is None else head.size
 
 
 def _result_dict(out, seconds: float) -> dict:
@@ -223,6 +239,8 @@ def _summary_line(r: dict) -> str:
     line = f"[{r['num_output_tokens']} tokens in {r['seconds']:.2f} s, {r['tokens_per_s']:.2f} tok/s, finish={r['finish_reason']}"
     if r["num_speculative_tokens"] is not None:
         line += f", DFlash K={r['num_speculative_tokens']}"
+    if r.get("draft_vocab_size"):
+        line += f", draft vocab {r['draft_vocab_size']}"
     if r["acceptance_length"] is not None:
         line += f", acceptance length {r['acceptance_length']:.2f}"
     return line + "]"

@@ -115,6 +115,7 @@ def run_demo(
     model_name: str | None = None,
     on_start: Callable[[DemoReport], None] | None = None,
     on_run: Callable[[str, int, int, float], None] | None = None,
+    draft_vocab_size: int | None = None,
 ) -> DemoReport:
     """Decode every prompt plainly and with the drafter on the same loaded target; compare.
 
@@ -125,6 +126,7 @@ def run_demo(
         params: sampling parameters of every run (greedy, or sampled with a fixed seed).
         repeats: runs per (engine, prompt), interleaved; times are medians.
         num_speculative_tokens: K (None: the drafter folder's recommended K, else block_size - 1).
+        draft_vocab_size: draft vocabulary size (0: full; None: the folder's recorded one, else 0).
         on_start: called with the (still prompt-less) report once both engines are built.
         on_run: called after every timed run (see `compare_engines`).
     Raises:
@@ -137,7 +139,8 @@ def run_demo(
     import torch
 
     plain = LLM(target=target)
-    spec = LLM(target=target, draft=draft, num_speculative_tokens=num_speculative_tokens)
+    spec = LLM(target=target, draft=draft, num_speculative_tokens=num_speculative_tokens,
+               draft_vocab_size=draft_vocab_size)
     report = DemoReport(
         model=model_name or target.path, draft=str(draft), dtype=str(target.dtype).replace("torch.", ""),
         num_speculative_tokens=spec.speculator.num_speculative_tokens, max_tokens=params.max_tokens,
@@ -247,6 +250,8 @@ def _yes(flag: bool) -> str:
 
 def add_parser(sub, default_model: str) -> None:
     """Register `blockdraft demo` on the CLI's subparsers."""
+    from blockdraft.drafters import add_draft_vocab_size_flag
+
     d = sub.add_parser(
         "demo",
         help="answer a few prompts plainly and with the DFlash drafter: answers, acceptance, speedup",
@@ -260,6 +265,7 @@ def add_parser(sub, default_model: str) -> None:
                    help="drafter folder, or 'auto' / 'shipped' for the one shipped for --model (default auto)")
     d.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="drafts per step K (default: the drafter's measured K, else block_size - 1)")
+    add_draft_vocab_size_flag(d)
     d.add_argument("--max-tokens", type=int, default=96, help="output tokens at most per prompt (default 96)")
     d.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and engine; medians (default 1)")
     d.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples with --seed")
@@ -294,7 +300,7 @@ def main(args) -> int:
     # Drafter folder, its config against the target's, K, dtype: all before the weights load. The
     # demo compares against a drafter, so `auto` must find one: same error as `shipped`.
     pre = preflight(args.model, SHIPPED if args.draft == "auto" else args.draft, args.num_speculative_tokens,
-                    args.dtype, cache_dir=args.cache_dir)
+                    args.dtype, cache_dir=args.cache_dir, draft_vocab_size=args.draft_vocab_size)
     draft = pre.draft
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     target = load_target(str(pre.target_path), args.dtype, cache_dir=args.cache_dir)
@@ -307,7 +313,7 @@ def main(args) -> int:
               file=sys.stderr, flush=True)
 
     report = run_demo(target, draft, prompts, params, args.repeats, args.num_speculative_tokens, args.raw,
-                      args.model, on_start, on_run)
+                      args.model, on_start, on_run, pre.draft_vocab_size)
     for i, p in enumerate(report.prompts, 1):
         print(format_prompt(i, len(report.prompts), p) + "\n")
     print(format_summary(report))

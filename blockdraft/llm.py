@@ -72,6 +72,10 @@ class LLM:
             here, as in vLLM's LLM; the CLI's `generate` defaults to "auto").
         num_speculative_tokens: drafts per step K (default: the K recorded in the drafter folder's
             speculative.json, else the drafter's block_size - 1).
+        draft_vocab_size: score drafts over the drafter folder's N most frequent target tokens
+            (its draft_vocab.safetensors; FR-Spec, see blockdraft.spec.draft_vocab) instead of the
+            whole vocabulary: a cheaper draft LM head, output unchanged (lossless). 0 = the full
+            vocabulary; None = the size recorded in the folder's speculative.json, else 0.
         dtype: "auto" (the checkpoint's dtype, bf16 for catalog models) | "float32" | "bfloat16" | "float16".
         device: "cpu" | "cuda" | "auto" (CUDA when available). CUDA runs the Triton attention
             kernels, a sync-free step and CUDA graphs for uniform decode / verify steps.
@@ -110,11 +114,13 @@ class LLM:
         enforce_eager: bool = False,
         attention_backend: str | None = None,
         graph_mode: str | None = None,
+        draft_vocab_size: int | None = None,
     ) -> None:
         pre = preflight(
             model, draft if speculator is None else None, num_speculative_tokens, dtype, device, kv_block_size,
             num_kv_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, cache_dir,
             target_config=target.config if target is not None else None,
+            draft_vocab_size=draft_vocab_size if speculator is None else None,
         )
         device, cache = pre.device, pre.cache
         self.target = target or load_target(str(pre.target_path), dtype, device, cache_dir)
@@ -210,13 +216,15 @@ def _resolve_dtype(dtype: str, hf_config: dict, device: str = "cpu") -> torch.dt
 
 
 def _build_speculator(pre: Preflight, target: LoadedTarget):
-    """The DFlash speculator for the drafter and K that `preflight` resolved and checked."""
+    """The DFlash speculator for the drafter, K and draft vocabulary that `preflight` resolved and checked."""
     from blockdraft.spec.dflash.checkpoint import load_drafter
     from blockdraft.spec.dflash.speculator import DFlashSpeculator
+    from blockdraft.spec.draft_vocab import build_draft_head
 
     drafter = load_drafter(pre.draft, target.config, dtype=target.dtype, device=pre.device)
+    head = build_draft_head(target.model, pre.draft, pre.draft_vocab_size)
     k = pre.num_speculative_tokens
-    return DFlashSpeculator(drafter, target.model, k, pre.cache.num_kv_blocks, pre.cache.kv_block_size)
+    return DFlashSpeculator(drafter, target.model, k, pre.cache.num_kv_blocks, pre.cache.kv_block_size, head)
 
 
 def _build_engine(
@@ -227,10 +235,11 @@ def _build_engine(
 
     setup = build_runner(target.model, target.config, speculator, cache, sched, device, **runner_options)
     scheduler = Scheduler(sched, KVCacheManager(setup.num_kv_blocks, cache.kv_block_size))
-    return LLMEngine(scheduler, setup.runner, target.tokenizer, _eos_ids(target), setup.max_model_len)
+    return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len)
 
 
-def _eos_ids(target: LoadedTarget) -> tuple[int, ...]:
+def eos_token_ids(target: LoadedTarget) -> tuple[int, ...]:
+    """The target's stop ids, sorted: config.json's eos_token_id(s) plus the tokenizer's EOS."""
     ids = set(target.config.eos_token_ids)
     tok_eos = getattr(target.tokenizer, "eos_token_id", None)
     if tok_eos is not None:

@@ -4,9 +4,10 @@ Loading a target takes seconds to minutes; a typo in --draft, an out-of-range K 
 must not wait for it. `preflight` resolves and checks, in order:
 
 1. the argument values alone: device, dtype, KV cache and scheduler sizes, the K type;
-2. the drafter folder (`auto` / `shipped` resolved) and its config.json, and K against its block size;
+2. the drafter folder (`auto` / `shipped` resolved) and its config.json, K against its block size,
+   and the draft vocabulary size against its draft_vocab.safetensors;
 3. the target's config.json (a catalog model is fetched first if not cached), and the drafter
-   against it (hidden size, vocab, target layer ids).
+   against it (hidden size, vocab, target layer ids; the draft vocabulary's ids).
 
 `LLM` calls it before `load_target`; the CLI commands call it (through `LLM` or directly) before
 any other expensive step. Each check itself lives with the thing it checks (CacheConfig,
@@ -76,6 +77,8 @@ class Preflight:
 
     target_path: the target's folder; None when a loaded target's config was passed in.
     draft: the drafter folder (None: plain decoding); num_speculative_tokens: K (None without one).
+    draft_vocab_size: ranked ids the drafter's LM head scores (0: the full vocabulary; see
+        blockdraft.spec.draft_vocab).
     """
 
     device: str
@@ -86,6 +89,7 @@ class Preflight:
     draft: str | None = None
     drafter_config: object | None = None  # DFlashConfig
     num_speculative_tokens: int | None = None
+    draft_vocab_size: int = 0
 
 
 def preflight(
@@ -101,12 +105,15 @@ def preflight(
     max_num_seqs: int = 64,
     cache_dir: str | None = None,
     target_config: ModelConfig | None = None,
+    draft_vocab_size: int | None = None,
 ) -> Preflight:
     """Check the settings of an `LLM` (same argument meanings) without loading any weights.
 
     `target_config`: the config of an already loaded target (then `model` only names the catalog
     entry whose shipped drafter `draft="auto" | "shipped"` picks); else `model` is resolved and
     its config.json read. `draft`: a folder, "auto", "shipped" or None (plain).
+    `draft_vocab_size`: 0 = full vocabulary, N = the drafter folder's N most frequent ids, None =
+    the size recorded in its speculative.json, else 0 (resolve_draft_vocab_size).
     Raises:
         ValueError / FileNotFoundError: the first bad setting, naming the value and what is allowed.
     """
@@ -123,19 +130,32 @@ def preflight(
     SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)  # K's type
     # 2. The drafter's config.json, and K against its block size.
     drafter_config = k = None
+    vocab_n = 0
     if draft is not None:
         from blockdraft.drafters import resolve_draft
-        from blockdraft.spec.dflash.checkpoint import read_drafter_config, resolve_num_speculative_tokens
+        from blockdraft.spec.dflash.checkpoint import (
+            read_drafter_config,
+            resolve_draft_vocab_size,
+            resolve_num_speculative_tokens,
+        )
 
         draft = resolve_draft(draft, model, cache_dir=cache_dir, num_speculative_tokens=num_speculative_tokens)
     if draft is not None:
         draft = str(draft)
         drafter_config = read_drafter_config(draft)
         k = resolve_num_speculative_tokens(num_speculative_tokens, draft, drafter_config)
+        vocab_n = resolve_draft_vocab_size(draft_vocab_size, draft)
+    elif draft_vocab_size not in (None, 0):
+        raise ValueError(f"draft_vocab_size (--draft-vocab-size) {draft_vocab_size!r} needs a drafter; "
+                         "give --draft (or leave it out / 0 for plain decoding)")
     # 3. The target's config.json, and the drafter against it.
     path = None
     if target_config is None:
         path, _, target_config = read_target_config(model, cache_dir)
     if drafter_config is not None:
         read_drafter_config(draft, target_config)  # same parse, now with the target cross-check
-    return Preflight(device, cache, sched, target_config, path, draft, drafter_config, k)
+    if vocab_n:
+        from blockdraft.spec.draft_vocab import load_draft_vocab
+
+        load_draft_vocab(draft, vocab_n, target_config.vocab_size)  # its ids against the target's vocabulary
+    return Preflight(device, cache, sched, target_config, path, draft, drafter_config, k, vocab_n)

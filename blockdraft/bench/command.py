@@ -35,6 +35,7 @@ def add_bench_parser(sub) -> None:
     """Register the `bench` subcommand on an argparse subparsers object."""
     from blockdraft.bench.shapes import H200_HBM_BYTES_PER_S, SHAPES
     from blockdraft.bench.suite import ENGINE_CHOICES
+    from blockdraft.drafters import add_draft_vocab_size_flag
 
     b = sub.add_parser("bench", help="throughput / step-time benchmark vs transformers and z-lab dflash",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,6 +49,7 @@ def add_bench_parser(sub) -> None:
                    help="with --shape: random drafter depth (default: 5 for qwen3-8b / qwen2.5-0.5b, 2 for tiny)")
     b.add_argument("--block-size", type=int, default=16, help="with --shape: drafter block size B (default 16)")
     b.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default B - 1)")
+    add_draft_vocab_size_flag(b, "; with --shape: ids 0..N-1 of the random vocabulary (times an N-column head)")
     b.add_argument("--prompt-len", type=int, default=128, help="with --shape: tokens per random prompt (default 128)")
     b.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"],
                    help="with --model: prompt set (default humaneval); batch N takes the first N")
@@ -103,11 +105,12 @@ def _check_source_flags(args) -> None:
         raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
 
 
-def check_drafter_flags(args) -> str | None:
+def check_drafter_flags(args) -> tuple[str | None, int]:
     """The drafter flags against the target's config, before any weights are built or loaded:
-    with --shape the random drafter's shape and K; with --model the drafter folder, its config
-    against the model's config.json, and K (blockdraft.preflight). Returns the drafter folder
-    (--model; None: plain rows only) or None (--shape).
+    with --shape the random drafter's shape, K and the draft vocabulary size (ids 0..N-1, N in
+    [0, vocab]); with --model the drafter folder, its config against the model's config.json, K
+    and the draft vocabulary size (blockdraft.preflight). Returns (the drafter folder (--model;
+    None: plain rows only) or None (--shape), the draft vocabulary size (0: full vocabulary)).
 
     Raises:
         ValueError / FileNotFoundError: naming the flag value and what is allowed.
@@ -117,14 +120,22 @@ def check_drafter_flags(args) -> str | None:
         from blockdraft.bench.shapes import get_shape, model_config
 
         shape = get_shape(args.shape)
+        n = args.draft_vocab_size or 0
         if not args.no_draft:
             config = random_drafter_shape(model_config(shape), args.draft_layers or shape.draft_layers, args.block_size)
             if args.num_speculative_tokens is not None:
                 config.check_num_speculative_tokens(args.num_speculative_tokens)
-        return None
+            if isinstance(n, bool) or not 0 <= n <= config.vocab_size:
+                raise ValueError(f"--draft-vocab-size with --shape must be in [0, {config.vocab_size}] (ids 0..N-1 of "
+                                 f"the random vocabulary; 0: full), got {args.draft_vocab_size}")
+        elif n:
+            raise ValueError("--draft-vocab-size needs a drafter; drop --no-draft")
+        return None, n
     from blockdraft.preflight import preflight
 
-    return preflight(args.model, args.draft, args.num_speculative_tokens, cache_dir=args.cache_dir).draft
+    pre = preflight(args.model, args.draft, args.num_speculative_tokens, cache_dir=args.cache_dir,
+                    draft_vocab_size=args.draft_vocab_size)
+    return pre.draft, pre.draft_vocab_size
 
 
 def build_workload(args):
@@ -133,13 +144,13 @@ def build_workload(args):
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     num_prompts = max(parse_batch_sizes(args.batch_sizes))
-    draft = check_drafter_flags(args)
+    draft, draft_vocab_size = check_drafter_flags(args)
     if args.shape:
         return random_workload(args.shape, device, dtype, num_prompts=num_prompts, prompt_len=args.prompt_len,
                                draft_layers=args.draft_layers, block_size=args.block_size,
-                               with_drafter=not args.no_draft, seed=args.seed)
+                               with_drafter=not args.no_draft, seed=args.seed, draft_vocab_size=draft_vocab_size)
     return model_workload(args.model, draft, device, dtype, dataset=args.dataset, num_prompts=num_prompts,
-                          cache_dir=args.cache_dir)
+                          cache_dir=args.cache_dir, draft_vocab_size=draft_vocab_size)
 
 
 def floor_of(workload, hbm_bytes_per_s: float) -> dict:
@@ -209,6 +220,7 @@ def run_bench(args) -> int:
                      "forced": forced, "num_speculative_tokens": num_speculative_tokens(workload, settings),
                      "block_size": workload.drafter.config.block_size if workload.drafter else None,
                      "draft_layers": workload.drafter.config.num_hidden_layers if workload.drafter else None,
+                     "draft_vocab_size": workload.draft_head.size if workload.draft_head is not None else 0,
                      "llm_options": options},
         "floor": floor_of(workload, args.hbm_bandwidth),
     }

@@ -23,7 +23,8 @@ class ForcedAcceptanceSpeculator(DFlashSpeculator):
     KV pool sizing, same CUDA graphs, into which the oracle lookup is captured too.
 
     Args:
-        drafter, target, num_speculative_tokens, num_kv_blocks, kv_block_size: as DFlashSpeculator.
+        drafter, target, num_speculative_tokens, num_kv_blocks, kv_block_size, draft_head: as
+            DFlashSpeculator (the draft head's cost is paid; its drafts are replaced anyway).
         sequence: [L] int64, prompt + plain-decoding continuation of the single benchmark prompt,
             on the drafter's device. The draft for position p is sequence[p] (positions past the
             end repeat the last token; the engine trims drafts past max_tokens anyway).
@@ -32,10 +33,10 @@ class ForcedAcceptanceSpeculator(DFlashSpeculator):
     """
 
     def __init__(self, drafter, target, num_speculative_tokens, num_kv_blocks, kv_block_size,
-                 sequence: torch.Tensor) -> None:
+                 sequence: torch.Tensor, draft_head=None) -> None:
         if sequence.dim() != 1 or sequence.numel() == 0:
             raise ValueError(f"sequence must be a non-empty 1-D token tensor, got shape {tuple(sequence.shape)}")
-        super().__init__(drafter, target, num_speculative_tokens, num_kv_blocks, kv_block_size)
+        super().__init__(drafter, target, num_speculative_tokens, num_kv_blocks, kv_block_size, draft_head)
         self.sequence = sequence.long()
         # draft k-1 is for position P + k
         self._offsets = torch.arange(1, self.num_speculative_tokens + 1, device=sequence.device)

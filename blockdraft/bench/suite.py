@@ -76,12 +76,13 @@ def build_engines(workload: Workload, settings: Settings) -> tuple[list, dict, l
     if workload.drafter is None:
         skipped[f"ours/{DFLASH}"] = "no drafter"
     else:
-        spec = dflash_speculator(workload.drafter, workload.target, plan, k)
+        spec = dflash_speculator(workload.drafter, workload.target, plan, k, workload.draft_head)
         engines.append(OurEngine(workload.target, dev, plan, spec, DFLASH, opts))
         if settings.forced:
             prompt = workload.prompts[0]
             forced_reference = engines[0].generate([prompt], settings.max_tokens).token_ids[0]
-            spec = forced_speculator(workload.drafter, workload.target, plan, k, prompt + forced_reference, dev)
+            spec = forced_speculator(workload.drafter, workload.target, plan, k, prompt + forced_reference, dev,
+                                     workload.draft_head)
             engines.append(OurEngine(workload.target, dev, plan, spec, FORCED, opts))
     if "hf" in settings.engines:
         from blockdraft.bench.engines.hf import HFEngine

@@ -25,6 +25,7 @@ class Workload:
     target: our loaded target. drafter: our DFlash drafter (None: no DFlash rows).
     prompts: token-id prompts, at least as many as the largest batch (batch N uses the first N).
     pad_token_id: left-padding id for HF. source: how it was made (goes into the JSON).
+    draft_head: the drafter's draft vocabulary (blockdraft.spec.draft_vocab; None: full vocabulary).
     """
 
     name: str
@@ -36,6 +37,7 @@ class Workload:
     prompts: list[list[int]]
     pad_token_id: int = 0
     source: dict = field(default_factory=dict)
+    draft_head: object | None = None  # DraftHead
 
     @property
     def config(self) -> ModelConfig:
@@ -77,10 +79,12 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
 
 def random_workload(
     shape_name: str, device: torch.device, dtype: torch.dtype, *, num_prompts: int, prompt_len: int,
-    draft_layers: int | None, block_size: int, with_drafter: bool = True, seed: int = 0,
+    draft_layers: int | None, block_size: int, with_drafter: bool = True, seed: int = 0, draft_vocab_size: int = 0,
 ) -> Workload:
     """Random weights of a named shape on `device`, shared by HF and ours; a random drafter of
     `draft_layers` (default: the shape's) DFlash layers and block size `block_size`.
+    draft_vocab_size N > 0: a draft head over ids 0..N-1 (random weights have no frequencies; this
+    measures the cost of an N-column draft head, e.g. with forced acceptance), checked by the caller.
 
     Raises:
         ValueError: unknown shape, bad drafter sizes, or prompts too long for the shape's context.
@@ -97,12 +101,18 @@ def random_workload(
     prompts = random_prompts(num_prompts, prompt_len, target.config.vocab_size, seed)
     source = {"shape": shape.name, "description": shape.description, "weights": "random", "prompt_len": prompt_len,
               "draft_layers": layers if with_drafter else None}
-    return Workload(shape.name, device, dtype, hf, target, drafter, prompts, 0, source)
+    head = None
+    if drafter is not None and draft_vocab_size:
+        from blockdraft.spec.draft_vocab import DraftHead
+
+        head = DraftHead.from_target(target.model, torch.arange(draft_vocab_size, device=device))
+        source["draft_vocab_size"] = draft_vocab_size
+    return Workload(shape.name, device, dtype, hf, target, drafter, prompts, 0, source, head)
 
 
 def model_workload(
     model: str, draft: str | None, device: torch.device, dtype: torch.dtype, *, dataset: str, num_prompts: int,
-    cache_dir: str | None = None,
+    cache_dir: str | None = None, draft_vocab_size: int = 0,
 ) -> Workload:
     """A real model (ours via load_target, HF via from_pretrained on the same folder), its drafter
     folder (or None), and the first `num_prompts` prompts of `dataset` ("humaneval" | "mtbench")
@@ -115,6 +125,7 @@ def model_workload(
 
     from blockdraft.llm import load_target
     from blockdraft.spec.dflash.checkpoint import load_drafter
+    from blockdraft.spec.draft_vocab import build_draft_head
     from blockdraft.training.corpora import eval_prompts
     from blockdraft.weights.fetch import resolve_model_path
 
@@ -124,12 +135,13 @@ def model_workload(
     target = load_target(str(path), name, str(device), cache_dir)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval().requires_grad_(False)
     drafter = load_drafter(draft, target.config, dtype=dtype, device=device) if draft else None
+    head = build_draft_head(target.model, draft, draft_vocab_size) if draft else None
     tok = target.tokenizer
     prompts = [encode_chat(tok, texts[i % len(texts)]) for i in range(num_prompts)]
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     source = {"model": model, "path": str(path), "draft": draft, "dataset": dataset, "weights": "checkpoint",
-              "num_distinct_prompts": min(num_prompts, len(texts))}
-    return Workload(model, device, dtype, hf, target, drafter, prompts, int(pad), source)
+              "num_distinct_prompts": min(num_prompts, len(texts)), "draft_vocab_size": draft_vocab_size}
+    return Workload(model, device, dtype, hf, target, drafter, prompts, int(pad), source, head)
 
 
 def encode_chat(tokenizer, user_text: str) -> list[int]:

@@ -8,7 +8,8 @@ folder under `<cache>/drafters/` so the engine always loads the standard format.
     LLM(model=name, draft=shipped_drafter(name))   # None when no drafter ships for `name`
 
 A folder may also hold `speculative.json` (the measured default K, see
-blockdraft.spec.dflash.checkpoint.recommended_num_speculative_tokens).
+blockdraft.spec.dflash.checkpoint.recommended_num_speculative_tokens) and `draft_vocab.safetensors`
+(the ranked draft vocabulary, see blockdraft.spec.draft_vocab).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
     Only exact catalog names match (a model given as a folder or file path has no shipped drafter).
     bf16 folders are returned in place; an int8 pack is expanded on first use into
     `<cache>/drafters/<model>-<sha256[:16] of the shipped files>/` (written to a temp folder, then
-    renamed), next to copies of config.json and speculative.json.
+    renamed), next to copies of config.json, speculative.json and draft_vocab.safetensors.
     """
     from blockdraft.drafters.pack import PACK_FILE
 
@@ -49,6 +50,17 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
     if (folder / PACK_FILE).is_file():
         return _expand(folder, cache_dir)
     return None
+
+
+def add_draft_vocab_size_flag(parser, extra: str = "") -> None:
+    """`--draft-vocab-size N` on an argparse parser (generate, serve, demo, eval-drafter, bench);
+    `extra` is appended to the help text."""
+    parser.add_argument(
+        "--draft-vocab-size", type=int, default=None, metavar="N",
+        help="score drafts over the drafter's N most frequent target tokens (its draft_vocab.safetensors, "
+        "FR-Spec): a cheaper draft LM head, output unchanged; 0 = the full vocabulary (default: the size "
+        "recorded in the drafter's speculative.json, else 0)" + extra,
+    )
 
 
 def check_draft_flags(draft: str | None, no_draft: bool, num_speculative_tokens: int | None) -> None:
@@ -98,11 +110,12 @@ def _expand(folder: Path, cache_dir) -> Path:
 
     from blockdraft.drafters.pack import PACK_FILE, unpack
     from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE
+    from blockdraft.spec.draft_vocab import DRAFT_VOCAB_FILE
     from blockdraft.weights.fetch import cache_root
 
     pack_path = folder / PACK_FILE
     # Every shipped file keys the expanded copy, so a new config or K is never served stale.
-    sidecars = [f for f in ("config.json", SPECULATIVE_FILE) if (folder / f).is_file()]
+    sidecars = [f for f in ("config.json", SPECULATIVE_FILE, DRAFT_VOCAB_FILE) if (folder / f).is_file()]
     digest = hashlib.sha256()
     for name in [PACK_FILE, *sidecars]:
         digest.update(name.encode() + b"\0" + (folder / name).read_bytes())

@@ -147,6 +147,38 @@ class CausalLM(UsesFusedOps, nn.Module):
         logits = self.model.embed_tokens.logits(hidden) if self.lm_head is None else self.lm_head(hidden)
         return logits.float() if out is None else out.copy_(logits)
 
+    @torch.no_grad()
+    def lm_head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The LM-head rows of `token_ids` [N] -> a new [N, hidden] tensor in the model dtype/device.
+
+        Row i scores token token_ids[i] exactly as `compute_logits` does (tied models: the
+        embedding rows). For a draft vocabulary (blockdraft.spec.draft_vocab.DraftHead). When the
+        untied head was packed for oneDNN (its dense weight is dropped), the rows are read back
+        through the packed matmul with identity inputs (exact: each output is one weight times 1).
+        Raises:
+            ValueError: token_ids not 1-D, or an id outside [0, vocab_size).
+        """
+        vocab = self.config.vocab_size
+        if token_ids.dim() != 1 or (token_ids.numel() and not (0 <= int(token_ids.min()) and int(token_ids.max()) < vocab)):
+            raise ValueError(f"token_ids must be a 1-D tensor of ids in [0, {vocab}), got shape "
+                             f"{list(token_ids.shape)} with ids outside that range")
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if head is not None:
+            return head.index_select(0, token_ids.to(head.device)).clone()
+        ids = token_ids.to(self.lm_head.packed_weight.device)
+        h = self.config.hidden_size
+        rows = torch.empty(ids.numel(), h, dtype=self.embed_tokens_dtype, device=ids.device)
+        eye = torch.eye(h, dtype=rows.dtype, device=ids.device)
+        for start in range(0, h, 256):  # [256, V] at a time, not a [H, V] transpose of the head
+            block = self.lm_head(eye[start : start + 256])  # [b, V] = W[:, start:start+b].T
+            rows[:, start : start + block.shape[0]] = block.index_select(1, ids).T
+        return rows
+
+    @property
+    def embed_tokens_dtype(self) -> torch.dtype:
+        """The dtype of the weights (the embedding table is never packed away)."""
+        return self.model.embed_tokens.weight.dtype
+
     def forward(
         self,
         input_ids: torch.Tensor,

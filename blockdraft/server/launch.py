@@ -46,6 +46,7 @@ def serve(args) -> int:
         model=args.model,
         draft=draft,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_vocab_size=args.draft_vocab_size,
         dtype=args.dtype,
         kv_block_size=args.kv_block_size,
         num_kv_blocks=args.num_kv_blocks,
@@ -59,6 +60,8 @@ def serve(args) -> int:
     app = build_app(llm, config)
     spec = llm.speculator
     drafter = f"DFlash drafter {draft}, K={spec.num_speculative_tokens}" if spec is not None else "no drafter"
+    if spec is not None and getattr(spec, "draft_head", None) is not None:
+        drafter += f", draft vocab {spec.draft_head.size}"
     logger.info("serving %r (%s) on http://%s:%d", config.served_model_name, drafter, config.host, config.port)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

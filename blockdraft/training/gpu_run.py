@@ -151,15 +151,18 @@ def run(args) -> dict:
         data.save(data_dir)
     _log(f"data: {json.dumps(data.info)}")
     results = {"data": data.info, "drafters": {}}
-    trainers = _train(args, hf, target_cfg, data, work, results)
+    trainers = _train(args, hf, target_cfg, data, work, results, eos)
     results["eval"] = _evaluate(args, hf, target_cfg, lists, eos, pad, trainers, work)
     results["wall_seconds"] = round(time.time() - t_start, 1)
     (work / "results.json").write_text(json.dumps(results, indent=1))
     return results
 
 
-def _train(args, hf, target_cfg, data, work: Path, results: dict) -> dict:
+def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple[int, ...] = ()) -> dict:
+    """Train every drafter of --drafters in lockstep; export each (z-lab files + a draft vocabulary
+    ranked from `data`'s response tokens with `eos_ids` first) to `work/<name>/export`."""
     from blockdraft.spec.dflash.checkpoint import export_drafter
+    from blockdraft.spec.draft_vocab import write_dataset_draft_vocab
     from blockdraft.training.build import new_drafter, num_parameters
     from blockdraft.training.target import HFTarget
     from blockdraft.training.trainer import TrainConfig, Trainer, fit_together
@@ -191,6 +194,8 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict) -> dict:
     last = fit_together(list(trainers.values()), progress=True, deadline=t0 + args.train_seconds * 1.1)
     for (name, tr), summary in zip(trainers.items(), last):
         export_drafter(tr.drafter, work / name / "export")
+        write_dataset_draft_vocab(work / name / "export", data, target_cfg.vocab_size, eos_ids,
+                                  f"gpu_run training data {work / 'data'} (response tokens)")
         results["drafters"][name].update(final=summary, steps=tr.step, train_seconds=round(time.time() - t0, 1))
         _log(f"{name}: {json.dumps(summary)}")
     return trainers

@@ -4,7 +4,9 @@ Layout of `--out`:
     data/          the token dataset (reused when present; see training/dataset.py)
     checkpoint/    resumable trainer state (training/trainer.py)
     train_log.jsonl
-    drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors)
+    drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors) and its
+                   draft vocabulary (draft_vocab.safetensors: the training answers' tokens ranked
+                   by frequency, the target's EOS ids first; see blockdraft.spec.draft_vocab)
     summary.json   settings, data counts, final loss / per-slot accuracy
 
 This is the engine path (CPU or GPU, any catalog target). The large GPU run behind the shipped
@@ -83,9 +85,10 @@ def build_dataset(target, settings: dict, args, out: Path):
 
 def train_drafter(args) -> dict:
     """The whole command; returns the summary (also written to `out/summary.json`)."""
-    from blockdraft.llm import load_target
+    from blockdraft.llm import eos_token_ids, load_target
     from blockdraft.preflight import check_dtype, read_target_config, resolve_device
     from blockdraft.spec.dflash.checkpoint import export_drafter
+    from blockdraft.spec.draft_vocab import write_dataset_draft_vocab
     from blockdraft.training.build import new_drafter, num_parameters
     from blockdraft.training.target import EngineTarget
     from blockdraft.training.trainer import TrainConfig, Trainer
@@ -112,6 +115,8 @@ def train_drafter(args) -> dict:
     resumed = trainer.load_checkpoint() if not args.no_resume else False
     final = trainer.fit(progress=True)
     export_drafter(drafter, out / "drafter")
+    write_dataset_draft_vocab(out / "drafter", data, target_config.vocab_size, eos_token_ids(target),
+                              f"train-drafter data {args.data or out / 'data'} (response tokens)")
     summary = {"target": args.target, "drafter": str(out / "drafter"), "resumed": resumed,
                "params": num_parameters(drafter), "settings": settings, "data": data.info, "final": final}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -107,6 +107,31 @@ def test_shipped_k_files_are_valid_and_travel_with_the_int8_expansion(tmp_path, 
     assert second != first and recommended_num_speculative_tokens(second) == 4
 
 
+def test_shipped_draft_vocab_is_valid_and_travels_with_the_int8_expansion(tmp_path, monkeypatch):
+    import torch
+
+    from blockdraft.spec.draft_vocab import (
+        DRAFT_VOCAB_FILE,
+        draft_vocab_capacity,
+        load_draft_vocab,
+        read_draft_vocab_metadata,
+        save_draft_vocab,
+    )
+
+    qwen = SHIPPED_DIR / QWEN
+    ids = load_draft_vocab(qwen, 32768, vocab_size=151936)
+    assert draft_vocab_capacity(qwen) == 32768 and ids[:2].tolist() == [151645, 151643]  # EOS ids first
+    meta = read_draft_vocab_metadata(qwen)
+    assert meta["num_tokens"] > 10**6 and set(meta["coverage"]) == {"humaneval", "mtbench"}
+    assert "draft_vocab_size" not in json.loads((qwen / SPECULATIVE_FILE).read_text())  # the lead decides the default
+    shipped = tmp_path / "shipped"
+    shutil.copytree(SHIPPED_DIR / SMOL, shipped / SMOL)
+    monkeypatch.setattr("blockdraft.drafters.SHIPPED_DIR", shipped)
+    save_draft_vocab(shipped / SMOL, torch.tensor([2, 0, 1]), torch.tensor([0, 5, 4]), {"source": "test"})
+    expanded = shipped_drafter(SMOL, cache_dir=tmp_path / "cache")
+    assert (expanded / DRAFT_VOCAB_FILE).is_file() and load_draft_vocab(expanded, 3).tolist() == [2, 0, 1]
+
+
 def test_llm_api_takes_auto_and_shipped(tiny):
     model, _ = tiny
     assert LLM(model=str(model)).speculator is None  # the Python API decodes plainly by default

@@ -175,3 +175,35 @@ def test_real_model_refuses_bad_drafter_flags_without_loading_weights(capsys):
     small = str(SHIPPED_DIR / "qwen2.5-coder-0.5b-instruct")  # a drafter for another target
     _refused(capsys, ["generate", "hi", "--model", "smollm2-135m-instruct", "--draft", small],
              "drafter hidden_size 896 != target hidden_size 576")
+
+
+def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):
+    """--draft-vocab-size against the drafter folder's draft_vocab.safetensors, in every command."""
+    import torch
+
+    from blockdraft.spec.draft_vocab import save_draft_vocab
+
+    model, drafter = tiny
+    m = str(model)
+    ranked, foreign = shutil.copytree(drafter, tmp_path / "ranked"), shutil.copytree(drafter, tmp_path / "foreign")
+    save_draft_vocab(ranked, torch.arange(10), torch.zeros(10, dtype=torch.long), {"source": "test"})
+    # ranked for a larger vocabulary
+    save_draft_vocab(foreign, torch.tensor([0, 500]), torch.zeros(2, dtype=torch.long), {"source": "test"})
+    cases = [
+        (["--draft", str(drafter), "--draft-vocab-size", "5"], [f"drafter folder {drafter} has no draft_vocab"]),
+        (["--draft", str(ranked), "--draft-vocab-size", "11"], ["in [1, 10]", "got 11"]),
+        (["--draft", str(ranked), "--draft-vocab-size", "-1"], ["integer >= 0 (0: full vocabulary), got -1"]),
+        (["--draft", str(foreign), "--draft-vocab-size", "2"], ["holds token id 500", "vocabulary [0, 96)"]),
+    ]
+    for command in (["generate", "w05x", "--model", m], ["serve", "--model", m], ["demo", "--model", m]):
+        for flags, expected in cases:
+            _refused(capsys, [*command, *flags], *expected)
+    _refused(capsys, ["generate", "w05x", "--model", m, "--no-draft", "--draft-vocab-size", "4"], "needs a drafter")
+    _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(ranked), "--draft-vocab-size", "11"], "got 11")
+    _refused(capsys, ["bench", "--model", m, "--draft", str(ranked), "--draft-vocab-size", "11", "--device", "cpu"],
+             "got 11")
+    _refused(capsys, ["bench", "--shape", "tiny", "--draft-vocab-size", "999999", "--device", "cpu"],
+             "--draft-vocab-size with --shape must be in [0,", "got 999999")
+    (ranked / "speculative.json").write_text('{"draft_vocab_size": 12}')
+    with pytest.raises(ValueError, match=r"speculative.json: draft_vocab_size must be 0 .*\[1, 10\].*got 12"):
+        LLM(model=m, draft=str(ranked))

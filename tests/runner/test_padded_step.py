@@ -2,6 +2,7 @@
 the dense sync-free backend, emits exactly the tokens of the normal path: padding is inert."""
 
 import pytest
+import torch
 
 from blockdraft.runner.cuda_graphs import TargetGraphs
 from blockdraft.sampling_params import SamplingParams
@@ -36,9 +37,9 @@ def _record_buckets(monkeypatch):
     return target_steps, draft_steps
 
 
-def _spec_llm(target, k, **kw):
+def _spec_llm(target, k, draft_head=None, **kw):
     drafter = random_drafter(target.config, num_layers=2, block_size=8, target_layer_ids=(0, 2), seed=k, init_std=0.1)
-    spec = DFlashSpeculator(drafter, target.model, k, None, 4)
+    spec = DFlashSpeculator(drafter, target.model, k, None, 4, draft_head)
     return make_llm(target, speculator=spec, **kw)
 
 
@@ -74,6 +75,26 @@ def test_speculative_padded_steps_equal_plain_and_eager_speculative(target, monk
     # Same drafts as the unpadded speculator: the padded drafter step is inert as well.
     assert padded_llm.engine.stats.spec.num_accepted_tokens == eager_llm.engine.stats.spec.num_accepted_tokens
     assert padded_llm.engine.stats.spec.num_drafted_tokens == eager_llm.engine.stats.spec.num_drafted_tokens
+
+
+def test_speculative_padded_steps_with_a_draft_vocabulary(target, monkeypatch):
+    """The draft head's gather back to target ids runs inside the padded drafter step (the code a
+    CUDA graph captures): same tokens as plain, same drafts as the unpadded speculator."""
+    from blockdraft.spec.draft_vocab import DraftHead
+
+    ids = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(2))[:40]
+    prompts = random_prompts(5, seed=31)
+    params = [SamplingParams(max_tokens=[12, 17, 23, 30, 30][i], ignore_eos=True) for i in range(5)]
+    plain = _generate(make_llm(target), prompts, params)
+    eager_llm = _spec_llm(target, 3, DraftHead.from_target(target.model, ids))
+    eager = _generate(eager_llm, prompts, params)
+    _, draft_steps = _record_buckets(monkeypatch)
+    padded_llm = _spec_llm(target, 3, DraftHead.from_target(target.model, ids), attention_backend="dense",
+                           graph_mode="eager", max_num_seqs=8)
+    assert _generate(padded_llm, prompts, params) == plain == eager
+    assert (5, 8) in draft_steps
+    assert padded_llm.engine.stats.spec.num_drafted_tokens == eager_llm.engine.stats.spec.num_drafted_tokens
+    assert padded_llm.engine.stats.spec.num_accepted_tokens == eager_llm.engine.stats.spec.num_accepted_tokens
 
 
 def test_dense_backend_without_graphs_equals_the_reference(target):

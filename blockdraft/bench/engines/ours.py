@@ -100,21 +100,24 @@ class OurEngine:
         )
 
 
-def dflash_speculator(drafter, target: LoadedTarget, plan: PoolPlan, num_speculative_tokens: int | None):
-    """A DFlashSpeculator for `drafter` over `target`, its draft cache sized like the target's."""
+def dflash_speculator(drafter, target: LoadedTarget, plan: PoolPlan, num_speculative_tokens: int | None,
+                      draft_head=None):
+    """A DFlashSpeculator for `drafter` over `target`, its draft cache sized like the target's
+    (draft_head: its draft vocabulary, None = full)."""
     from blockdraft.spec.dflash.speculator import DFlashSpeculator
 
-    return DFlashSpeculator(drafter, target.model, num_speculative_tokens, plan.num_kv_blocks, plan.kv_block_size)
+    return DFlashSpeculator(drafter, target.model, num_speculative_tokens, plan.num_kv_blocks, plan.kv_block_size,
+                            draft_head)
 
 
 def forced_speculator(drafter, target: LoadedTarget, plan: PoolPlan, num_speculative_tokens: int | None,
-                      sequence: list[int], device: str):
+                      sequence: list[int], device: str, draft_head=None):
     """A ForcedAcceptanceSpeculator (bench/forced.py): DFlash over `drafter` replaying `sequence`."""
     from blockdraft.bench.forced import ForcedAcceptanceSpeculator
 
     seq = torch.tensor(sequence, dtype=torch.long, device=device)
     return ForcedAcceptanceSpeculator(drafter, target.model, num_speculative_tokens, plan.num_kv_blocks,
-                                      plan.kv_block_size, seq)
+                                      plan.kv_block_size, seq, draft_head)
 
 
 __all__ = ["DFLASH", "FORCED", "PLAIN", "OurEngine", "PoolPlan", "check_llm_options", "dflash_speculator",

@@ -120,20 +120,62 @@ def recommended_num_speculative_tokens(path: str | Path) -> int | None:
         ValueError: the file is not a JSON object or its value is not an integer >= 1.
     """
     file = Path(path) / SPECULATIVE_FILE
-    if not file.is_file():
+    k = _read_speculative_json(path).get("num_speculative_tokens")
+    if k is None:
         return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"{file}: num_speculative_tokens must be an integer >= 1, got {k!r}")
+    return k
+
+
+def recommended_draft_vocab_size(path: str | Path) -> int | None:
+    """The draft vocabulary size recorded in `<path>/speculative.json` ("draft_vocab_size"), or None.
+
+    Whether it fits the folder's draft_vocab.safetensors: resolve_draft_vocab_size.
+    Raises:
+        ValueError: the file is not a JSON object.
+    """
+    return _read_speculative_json(path).get("draft_vocab_size")
+
+
+def resolve_draft_vocab_size(size: int | None, path: str | Path) -> int:
+    """The draft vocabulary size for the drafter in `path`: `size` when given, else the folder's
+    recorded one (recommended_draft_vocab_size), else 0 (the full vocabulary); checked against the
+    folder's draft_vocab.safetensors (blockdraft.spec.draft_vocab.check_draft_vocab_size).
+
+    Raises:
+        ValueError / FileNotFoundError: a size that is not 0 or within [1, ids in the file], or
+            nonzero without the file (naming where the size came from).
+    """
+    from blockdraft.spec.draft_vocab import check_draft_vocab_size
+
+    if size is not None:
+        return check_draft_vocab_size(size, path)
+    recorded = recommended_draft_vocab_size(path)
+    if recorded is None:
+        return 0
+    try:
+        return check_draft_vocab_size(recorded, path)
+    except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"{Path(path) / SPECULATIVE_FILE}: {e}") from e
+
+
+def _read_speculative_json(path: str | Path) -> dict:
+    """`<path>/speculative.json` as a dict ({} when the folder has none).
+
+    Raises:
+        ValueError: the file is not valid JSON or not a JSON object.
+    """
+    file = Path(path) / SPECULATIVE_FILE
+    if not file.is_file():
+        return {}
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{file} must hold a JSON object, got {type(data).__name__}")
-    k = data.get("num_speculative_tokens")
-    if k is None:
-        return None
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"{file}: num_speculative_tokens must be an integer >= 1, got {k!r}")
-    return k
+    return data
 
 
 def write_recommended_num_speculative_tokens(path: str | Path, k: int, evidence: dict | None = None) -> Path:
@@ -150,7 +192,10 @@ def write_recommended_num_speculative_tokens(path: str | Path, k: int, evidence:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
+    """Every weight tensor of the folder's *.safetensors, except the draft vocabulary's file."""
+    from blockdraft.spec.draft_vocab import DRAFT_VOCAB_FILE
+
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in drafter folder {path} (pickled .bin/.pt weights are not read)")
     tensors: dict[str, torch.Tensor] = {}

@@ -3,6 +3,9 @@
 One call = DFLASH.md "One decode step" steps 4-5: write the committed rows' context K/V into the
 draft cache, then ONE batched block forward on [bonus, MASK x K] per request at positions
 P..P+K (P = bonus position), scored with the target's LM head at slots 1..K, argmax.
+With a draft vocabulary (blockdraft.spec.draft_vocab.DraftHead, FR-Spec) the scoring uses only the
+head rows of the N ranked ids and the argmax is mapped back to target ids; verification is
+unchanged, so the output stays the target's.
 Reference loop: z-lab `dflash/model.py` `dflash_generate` (its `block_size` argument = K + 1).
 """
 
@@ -14,6 +17,7 @@ import torch
 
 from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
+from blockdraft.spec.draft_vocab import DraftHead
 
 
 class DraftTarget(Protocol):
@@ -46,14 +50,17 @@ class DFlashSpeculator:
         num_speculative_tokens: int | None,
         num_kv_blocks: int | None,
         kv_block_size: int,
+        draft_head: DraftHead | None = None,
     ) -> None:
         """
         Args:
             num_speculative_tokens: K, 1 <= K <= block_size - 1 (None: block_size - 1).
             num_kv_blocks, kv_block_size: the target cache's page count and page size. None pages:
                 allocate later with `allocate_kv_caches` (the GPU pool is sized after profiling).
+            draft_head: score drafts over this draft vocabulary (its N ranked ids) instead of the
+                target's full LM head; None = the full vocabulary.
         Raises:
-            ValueError: K out of range.
+            ValueError: K out of range; a draft head whose hidden size or ids do not fit the drafter.
         """
         k = drafter.config.block_size - 1 if num_speculative_tokens is None else num_speculative_tokens
         k = drafter.config.check_num_speculative_tokens(k)
@@ -63,6 +70,7 @@ class DFlashSpeculator:
         self.aux_layer_ids = drafter.config.target_layer_ids
         self.mask_token_id = drafter.config.mask_token_id
         self.kv_block_size = kv_block_size
+        self.draft_head = _check_draft_head(draft_head, drafter)
         self.kv_caches: list = []
         if num_kv_blocks is not None:
             self.allocate_kv_caches(num_kv_blocks)
@@ -108,12 +116,16 @@ class DFlashSpeculator:
                 the draft block (CUDA graphs pass static buffers with padding requests: empty
                 query range, bonus position 0, rows -1); None builds the dense layout.
         Returns:
-            [R, K] int64 greedy drafts; column k-1 is the token proposed for position P + k.
+            [R, K] int64 greedy drafts (target token ids, also with a draft head); column k-1 is the
+            token proposed for position P + k.
         """
         self.drafter.write_context(features, positions, self.kv_caches, slot_mapping)
         if bonus_tokens.shape[0] == 0:  # a step of prefill chunks only: context, no drafts
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.long, device=bonus_tokens.device)
-        return self.draft_logits(bonus_tokens, bonus_positions, block_table, block_layout).argmax(dim=-1)
+        drafts = self.draft_logits(bonus_tokens, bonus_positions, block_table, block_layout).argmax(dim=-1)
+        if self.draft_head is not None:  # draft-vocab columns -> target ids: one gather, no sync
+            drafts = self.draft_head.to_target_ids(drafts)
+        return drafts
 
     @torch.no_grad()
     def draft_logits(
@@ -123,7 +135,11 @@ class DFlashSpeculator:
         block_table: torch.Tensor,
         block_layout: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One batched block forward over the cached context -> logits [R, K, V] float32."""
+        """One batched block forward over the cached context -> logits [R, K, V] float32.
+
+        With a draft head the last dimension is its N draft-vocabulary columns instead, in
+        draft-vocab order (column j scores target token `draft_head.token_ids[j]`): [R, K, N].
+        """
         num_reqs, q = bonus_tokens.shape[0], self.num_query_tokens
         ids = torch.full((num_reqs, q), self.mask_token_id, dtype=torch.long, device=bonus_tokens.device)
         ids[:, 0] = bonus_tokens
@@ -138,8 +154,21 @@ class DFlashSpeculator:
         hidden = self.drafter(embeds, block_positions, self.kv_caches, meta)  # [R*Q, H]
         # Slot 0 (the anchor) predicts nothing (sample_from_anchor=false); slot k predicts P + k.
         drafts_hidden = hidden.view(num_reqs, q, -1)[:, 1:].reshape(num_reqs * (q - 1), -1)
-        logits = self.drafter.compute_logits(drafts_hidden, self.target.compute_logits)
+        head = self.target.compute_logits if self.draft_head is None else self.draft_head.logits
+        logits = self.drafter.compute_logits(drafts_hidden, head)  # output_multiplier / softcapping
         return logits.view(num_reqs, q - 1, -1)
+
+
+def _check_draft_head(head: DraftHead | None, drafter: DFlashDraftModel) -> DraftHead | None:
+    """Raise ValueError unless `head` (if any) fits the drafter's hidden size and vocabulary."""
+    if head is None:
+        return None
+    cfg = drafter.config
+    if head.weight.shape[1] != cfg.hidden_size:
+        raise ValueError(f"draft head rows have hidden size {head.weight.shape[1]}, the drafter {cfg.hidden_size}")
+    if int(head.token_ids.max()) >= cfg.vocab_size:
+        raise ValueError(f"draft head holds id {int(head.token_ids.max())}, outside the vocabulary [0, {cfg.vocab_size})")
+    return head
 
 
 def block_metadata(

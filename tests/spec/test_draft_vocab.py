@@ -1,0 +1,239 @@
+"""The draft vocabulary (blockdraft.spec.draft_vocab): ranking, the file, the sliced head, and the
+speculator / engine with a slice (drafts restricted to it, output still the target's)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from blockdraft.models import build_model
+from blockdraft.spec.dflash import DFlashSpeculator, random_drafter
+from blockdraft.spec.dflash.checkpoint import resolve_draft_vocab_size
+from blockdraft.spec.draft_vocab import (
+    DRAFT_VOCAB_FILE,
+    DraftHead,
+    check_draft_vocab_size,
+    draft_vocab_capacity,
+    load_draft_vocab,
+    rank_tokens,
+    read_draft_vocab_metadata,
+    save_draft_vocab,
+)
+from tests.conftest import tiny_config
+from tests.spec._dflash_util import TinyTarget, shuffled_block_table, slots_for, tiny_target_config
+
+
+def _seq(ids, mask):
+    return torch.tensor(ids), torch.tensor(mask, dtype=torch.bool)
+
+
+def test_rank_counts_response_tokens_only_breaks_ties_by_id_and_puts_given_ids_first():
+    sequences = [
+        _seq([9, 9, 9, 4, 4, 7], [0, 0, 1, 1, 1, 1]),  # the two masked-out 9s must not count
+        _seq([7, 2, 5, 5, 3, 8], [1, 1, 1, 1, 0, 1]),  # 3 is prompt-only
+    ]
+    # counts: 5:2, 4:2, 7:2, 9:1, 2:1, 8:1, rest 0. Ties by id: 4, 5, 7 | 2, 8, 9 | 0, 1, 3, 6.
+    ids, counts, total = rank_tokens(sequences, vocab_size=10, always_include=(6, 0, 6))
+    assert ids.tolist() == [6, 0, 4, 5, 7, 2, 8, 9, 1, 3]
+    assert counts.tolist() == [0, 0, 2, 2, 2, 1, 1, 1, 0, 0]
+    assert total == 9 and ids.dtype == counts.dtype == torch.int64
+    top, top_counts, _ = rank_tokens(sequences, 10, always_include=(6,), max_size=3)
+    assert top.tolist() == [6, 4, 5] and top_counts.tolist() == [0, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(always_include=(10,)), r"always-included ids \[10\] are outside the vocabulary \[0, 10\)"),
+        (dict(always_include=(1, 2), max_size=1), "max_size must be >= max"),
+        (dict(max_size=0), "max_size must be >= max"),
+    ],
+)
+def test_rank_refuses_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rank_tokens([_seq([1], [1])], 10, **kwargs)
+
+
+def test_rank_refuses_out_of_vocab_and_mismatched_sequences():
+    with pytest.raises(ValueError, match=r"sequence 0 holds token ids outside the vocabulary \[0, 10\)"):
+        rank_tokens([_seq([1, 12], [1, 1])], 10)
+    with pytest.raises(ValueError, match="sequence 1: token ids"):
+        rank_tokens([_seq([1], [1]), (torch.tensor([1, 2]), torch.tensor([True]))], 10)
+
+
+def _write(folder: Path, n: int = 6) -> torch.Tensor:
+    ids = torch.tensor([5, 0, 3, 9, 1, 2][:n])
+    save_draft_vocab(folder, ids, torch.arange(n, 0, -1), {"source": "test", "num_tokens": 21})
+    return ids
+
+
+def test_save_load_round_trip(tmp_path):
+    ids = _write(tmp_path)
+    assert (tmp_path / DRAFT_VOCAB_FILE).is_file() and draft_vocab_capacity(tmp_path) == 6
+    assert load_draft_vocab(tmp_path, 4).tolist() == ids[:4].tolist()
+    assert load_draft_vocab(tmp_path, 6, vocab_size=10).tolist() == ids.tolist()
+    assert read_draft_vocab_metadata(tmp_path) == {"source": "test", "num_tokens": 21}
+    assert draft_vocab_capacity(tmp_path / "nothing-here") is None
+
+
+def test_size_checks_name_the_file_the_folder_and_the_range(tmp_path):
+    _write(tmp_path)
+    assert check_draft_vocab_size(0, tmp_path / "no-file") == 0  # full vocabulary: no file needed
+    with pytest.raises(ValueError, match=rf"in \[1, 6\] for {tmp_path / DRAFT_VOCAB_FILE}.*got 7"):
+        check_draft_vocab_size(7, tmp_path)
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match=r"integer >= 0 \(0: full vocabulary\), got"):
+            check_draft_vocab_size(bad, tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=f"drafter folder {empty} has no {DRAFT_VOCAB_FILE}"):
+        check_draft_vocab_size(3, empty)
+    with pytest.raises(ValueError, match="load_draft_vocab needs size >= 1"):
+        load_draft_vocab(tmp_path, 0)
+    with pytest.raises(ValueError, match=r"holds token id 9 among its first 4, outside the target's vocabulary \[0, 8\)"):
+        load_draft_vocab(tmp_path, 4, vocab_size=8)
+
+
+def test_corrupt_files_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="repeated ids"):
+        save_draft_vocab(tmp_path, torch.tensor([1, 1]), torch.tensor([2, 2]), {})
+    save_file({"token_ids": torch.tensor([1, 2, 2]), "counts": torch.zeros(3, dtype=torch.long)},
+              str(tmp_path / DRAFT_VOCAB_FILE))
+    with pytest.raises(ValueError, match="token_ids holds repeated ids"):
+        load_draft_vocab(tmp_path, 2)
+    save_file({"token_ids": torch.tensor([1, 2], dtype=torch.int32), "counts": torch.zeros(2, dtype=torch.long)},
+              str(tmp_path / DRAFT_VOCAB_FILE))
+    with pytest.raises(ValueError, match="token_ids must be int64, got torch.int32"):
+        load_draft_vocab(tmp_path, 2)
+    save_file({"ids": torch.tensor([1])}, str(tmp_path / DRAFT_VOCAB_FILE))
+    with pytest.raises(ValueError, match="has no 'token_ids' tensor"):
+        check_draft_vocab_size(1, tmp_path)
+    (tmp_path / DRAFT_VOCAB_FILE).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):
+        check_draft_vocab_size(1, tmp_path)
+
+
+def test_resolve_uses_the_recorded_size_and_names_speculative_json(tmp_path):
+    _write(tmp_path)
+    assert resolve_draft_vocab_size(None, tmp_path) == 0  # no speculative.json: full vocabulary
+    (tmp_path / "speculative.json").write_text(json.dumps({"num_speculative_tokens": 3, "draft_vocab_size": 4}))
+    assert resolve_draft_vocab_size(None, tmp_path) == 4
+    assert resolve_draft_vocab_size(0, tmp_path) == 0 and resolve_draft_vocab_size(6, tmp_path) == 6
+    (tmp_path / "speculative.json").write_text(json.dumps({"draft_vocab_size": 60}))
+    with pytest.raises(ValueError, match=r"speculative.json: draft_vocab_size must be 0 .* \[1, 6\].*got 60"):
+        resolve_draft_vocab_size(None, tmp_path)
+
+
+@pytest.mark.parametrize("tied, pack", [(True, True), (False, False), (False, True)])
+def test_lm_head_rows_score_like_compute_logits(tied, pack):
+    """The accessor returns exactly the head rows, also when the untied head was packed away."""
+    cfg = tiny_config("llama", tie_word_embeddings=tied)
+    model = build_model(cfg, torch.float32, "cpu", pack_weights=pack)
+    model.init_random_weights_(std=0.1, seed=3)
+    ids = torch.tensor([7, 0, 95, 41])
+    rows = model.lm_head_rows(ids)
+    hidden = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(hidden @ rows.T, model.compute_logits(hidden)[:, ids], rtol=1e-5, atol=1e-5)
+    if pack and not tied:
+        assert model.lm_head.weight is None  # the rows came back through the packed matmul
+    with pytest.raises(ValueError, match=r"ids in \[0, 96\)"):
+        model.lm_head_rows(torch.tensor([96]))
+
+
+def _spec(head=None, k=3):
+    cfg = tiny_target_config()
+    drafter = random_drafter(cfg, num_layers=2, block_size=4, seed=5, init_std=0.25)
+    return DFlashSpeculator(drafter, TinyTarget(cfg), k, num_kv_blocks=16, kv_block_size=4, draft_head=head)
+
+
+def _head(ids: torch.Tensor) -> DraftHead:
+    return DraftHead(ids, TinyTarget(tiny_target_config()).lm_head.weight.detach()[ids])
+
+
+def _propose(spec):
+    """Context of two requests (lengths 9 and 13) then drafts -> ([R, K] drafts, [R, K, N] logits)."""
+    table = shuffled_block_table(2, 8, seed=9)
+    lens = (9, 13)
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(sum(lens), 2 * 64, generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    slots = torch.cat([slots_for(table[r], torch.arange(n), 4) for r, n in enumerate(lens)])
+    bonus, bonus_pos = torch.tensor([5, 60]), torch.tensor(lens)
+    drafts = spec.propose(feats, pos, slots, bonus, bonus_pos, table)
+    return drafts, spec.draft_logits(bonus, bonus_pos, table)
+
+
+def test_a_full_vocabulary_permutation_head_drafts_like_the_target_head():
+    want, full = _propose(_spec())
+    perm = torch.randperm(97, generator=torch.Generator().manual_seed(1))
+    got, logits = _propose(_spec(_head(perm)))
+    assert logits.shape == full.shape == (2, 3, 97)
+    torch.testing.assert_close(logits, full[..., perm], rtol=1e-5, atol=1e-5)  # columns in draft-vocab order
+    assert torch.equal(got, want)
+
+
+def test_a_slice_drafts_the_argmax_of_the_full_logits_restricted_to_it():
+    want_drafts, full = _propose(_spec())
+    # A slice that leaves out most of the full-vocabulary drafts, so the mapping is exercised.
+    keep = torch.tensor([t for t in range(97) if t not in set(want_drafts.flatten().tolist()[:4])])[::3]
+    drafts, logits = _propose(_spec(_head(keep)))
+    assert logits.shape == (2, 3, keep.numel())
+    expected = keep[full[..., keep].argmax(dim=-1)]
+    assert torch.equal(drafts, expected) and not torch.equal(drafts, want_drafts)
+    assert set(drafts.flatten().tolist()) <= set(keep.tolist())
+
+
+def test_output_multiplier_and_softcapping_apply_to_the_slice():
+    cfg = tiny_target_config()
+    ids = torch.arange(0, 97, 2)
+    drafter = random_drafter(cfg, num_layers=1, block_size=4, seed=5, init_std=0.25, output_multiplier=0.5,
+                             final_logit_softcapping=3.0)
+    target = TinyTarget(cfg)
+    hidden = torch.randn(4, 64)
+    head = DraftHead(ids, target.lm_head.weight.detach()[ids])
+    with torch.no_grad():
+        full = drafter.compute_logits(hidden, target.compute_logits)
+        sliced = drafter.compute_logits(hidden, head.logits)
+    torch.testing.assert_close(sliced, full[:, ids], rtol=1e-5, atol=1e-5)
+    assert float(full.abs().max()) <= 3.0
+
+
+def test_the_speculator_refuses_a_head_that_does_not_fit():
+    with pytest.raises(ValueError, match="draft head rows have hidden size 32, the drafter 64"):
+        _spec(DraftHead(torch.arange(4), torch.zeros(4, 32)))
+    with pytest.raises(ValueError, match=r"draft head holds id 200, outside the vocabulary \[0, 97\)"):
+        _spec(DraftHead(torch.tensor([1, 200]), torch.zeros(2, 64)))
+
+
+def test_engine_with_a_slice_emits_the_plain_greedy_output(tmp_path):
+    """Folder drafter + draft_vocab.safetensors through LLM (preflight, head built from the packed
+    untied tiny target): token for token the plain output, drafts accepted, every draft in the slice."""
+    from blockdraft.llm import LLM
+    from blockdraft.sampling_params import SamplingParams
+    from tests.server.tiny_model import write_tiny_drafter, write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    drafter = write_tiny_drafter(tmp_path / "drafter", model, block_size=4)
+    prompts = [[{"role": "user", "content": f"w{i:02d}x w{i + 7:02d}x w{i + 20:02d}x"}] for i in range(1, 5)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    pool = dict(num_kv_blocks=128, kv_block_size=4)
+    plain = LLM(model=str(model), **pool)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    # Rank the plain answers (as train-drafter ranks its data): the accepted drafts lie in the slice.
+    ranked = rank_tokens([(torch.tensor(w), torch.ones(len(w), dtype=torch.bool)) for w in want], 96, (0,))
+    save_draft_vocab(drafter, ranked[0], ranked[1], {"source": "plain answers", "num_tokens": ranked[2]})
+    size = 12
+    spec = LLM(model=str(model), draft=str(drafter), draft_vocab_size=size, **pool)
+    head = spec.speculator.draft_head
+    assert head.size == size and spec.target.model.lm_head.weight is None  # rows read back from the packed head
+    drafted = []
+    propose = spec.speculator.propose
+    spec.speculator.propose = lambda *a, **kw: drafted.append(propose(*a, **kw)) or drafted[-1]
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.spec.num_accepted_tokens for o in outs) > 0
+    assert set(torch.cat([d.flatten() for d in drafted]).tolist()) <= set(ranked[0][:size].tolist())
