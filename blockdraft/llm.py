@@ -73,7 +73,7 @@ class LLM:
         num_speculative_tokens: drafts per step K (default: the K recorded in the drafter folder's
             speculative.json, else the drafter's block_size - 1).
         draft_vocab_size: score drafts over the drafter folder's N most frequent target tokens
-            (its draft_vocab.safetensors; FR-Spec, see blockdraft.spec.draft_vocab) instead of the
+            (its draft_vocab.json; FR-Spec, see blockdraft.spec.draft_vocab) instead of the
             whole vocabulary: a cheaper draft LM head, output unchanged (lossless). 0 = the full
             vocabulary; None = the size recorded in the folder's speculative.json, else 0.
         dtype: "auto" (the checkpoint's dtype, bf16 for catalog models) | "float32" | "bfloat16" | "float16".

@@ -5,7 +5,7 @@ must not wait for it. `preflight` resolves and checks, in order:
 
 1. the argument values alone: device, dtype, KV cache and scheduler sizes, the K type;
 2. the drafter folder (`auto` / `shipped` resolved) and its config.json, K against its block size,
-   and the draft vocabulary size against its draft_vocab.safetensors;
+   and the draft vocabulary size against its draft_vocab.json;
 3. the target's config.json (a catalog model is fetched first if not cached), and the drafter
    against it (hidden size, vocab, target layer ids; the draft vocabulary's ids).
 

@@ -8,7 +8,7 @@ folder under `<cache>/drafters/` so the engine always loads the standard format.
     LLM(model=name, draft=shipped_drafter(name))   # None when no drafter ships for `name`
 
 A folder may also hold `speculative.json` (the measured default K, see
-blockdraft.spec.dflash.checkpoint.recommended_num_speculative_tokens) and `draft_vocab.safetensors`
+blockdraft.spec.dflash.checkpoint.recommended_num_speculative_tokens) and `draft_vocab.json`
 (the ranked draft vocabulary, see blockdraft.spec.draft_vocab).
 """
 
@@ -38,7 +38,7 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
     Only exact catalog names match (a model given as a folder or file path has no shipped drafter).
     bf16 folders are returned in place; an int8 pack is expanded on first use into
     `<cache>/drafters/<model>-<sha256[:16] of the shipped files>/` (written to a temp folder, then
-    renamed), next to copies of config.json, speculative.json and draft_vocab.safetensors.
+    renamed), next to copies of config.json, speculative.json and draft_vocab.json.
     """
     from blockdraft.drafters.pack import PACK_FILE
 
@@ -57,7 +57,7 @@ def add_draft_vocab_size_flag(parser, extra: str = "") -> None:
     `extra` is appended to the help text."""
     parser.add_argument(
         "--draft-vocab-size", type=int, default=None, metavar="N",
-        help="score drafts over the drafter's N most frequent target tokens (its draft_vocab.safetensors, "
+        help="score drafts over the drafter's N most frequent target tokens (its draft_vocab.json, "
         "FR-Spec): a cheaper draft LM head, output unchanged; 0 = the full vocabulary (default: the size "
         "recorded in the drafter's speculative.json, else 0)" + extra,
     )

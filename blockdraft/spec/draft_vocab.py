@@ -7,11 +7,13 @@ via Frequency-Ranked Speculative Sampling") restricts the draft head to the N mo
 (EAGLE-3's draft vocabulary, `d2t` / `t2d`, is the same idea): the head costs ~N/V, verification
 is untouched, so the output is still exactly the target's; only drafts outside the slice are lost.
 
-File `draft_vocab.safetensors` in a drafter folder (safetensors only, never pickles):
-    token_ids  [N_max] int64  target token ids, most frequent first (the always-included ids,
-                              e.g. EOS, lead); every prefix is a draft vocabulary
-    counts     [N_max] int64  how often each id occurred among the counted (response) tokens
-    metadata   "draft_vocab": JSON {"source": str, "num_tokens": counted tokens, ...}
+File `draft_vocab.json` in a drafter folder (plain JSON, not a `*.safetensors` file: vLLM and
+SGLang load every `*.safetensors` of a folder without an index as weights):
+    "format"     "blockdraft-draft-vocab/1"
+    "token_ids"  [N_max] target token ids, most frequent first (the always-included ids, e.g. EOS,
+                 lead); every prefix is a draft vocabulary
+    "counts"     [N_max] how often each id occurred among the counted (response) tokens
+    "metadata"   {"source": str, "num_tokens": counted tokens, ...}
 
 `--draft-vocab-size N` picks the first N ids (0 = the full vocabulary, no slice).
 """
@@ -23,11 +25,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
-_META_KEY = "draft_vocab"
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+_FORMAT = "blockdraft-draft-vocab/1"
 
 
 def rank_tokens(
@@ -93,7 +93,7 @@ def write_dataset_draft_vocab(
     max_size: int = EXPORT_MAX_IDS,
 ) -> Path:
     """Rank a TokenDataset's response tokens (`rank_dataset`) with `always_include` (the target's
-    EOS ids) in front and write the first min(max_size, V) ids to `<folder>/draft_vocab.safetensors`.
+    EOS ids) in front and write the first min(max_size, V) ids to `<folder>/draft_vocab.json`.
 
     Returns the file. Raises: ValueError as `rank_tokens`.
     """
@@ -117,7 +117,7 @@ def coverage(ranked: torch.Tensor, tokens: torch.Tensor, sizes: Sequence[int]) -
 
 
 def save_draft_vocab(folder: str | Path, token_ids: torch.Tensor, counts: torch.Tensor, metadata: dict) -> Path:
-    """Write `<folder>/draft_vocab.safetensors`; returns the file.
+    """Write `<folder>/draft_vocab.json`; returns the file.
 
     Args:
         token_ids / counts: [N] int ranked ids and their counts (see `rank_tokens`).
@@ -130,43 +130,58 @@ def save_draft_vocab(folder: str | Path, token_ids: torch.Tensor, counts: torch.
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / DRAFT_VOCAB_FILE
-    save_file({"token_ids": token_ids, "counts": counts}, str(file), metadata={_META_KEY: json.dumps(metadata)})
+    data = {"format": _FORMAT, "metadata": metadata, "token_ids": token_ids.tolist(), "counts": counts.tolist()}
+    file.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     return file
 
 
-def draft_vocab_capacity(folder: str | Path) -> int | None:
-    """How many ranked ids `<folder>/draft_vocab.safetensors` holds (reads the header only), or
-    None when the folder has no such file.
+def _read(file: Path) -> dict:
+    """Parse and check a draft_vocab.json: the dict with "token_ids" / "counts" as int64 tensors.
 
     Raises:
-        ValueError: the file is not a safetensors file with a 1-D `token_ids` tensor.
+        ValueError: not JSON, another format, missing or malformed ids / counts.
+    """
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not a readable draft vocabulary (JSON): {e}") from e
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{file}: format must be {_FORMAT!r}, got {found!r}")
+    ids, counts = data.get("token_ids"), data.get("counts")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{file}: 'token_ids' must be a list of integers")
+    if counts is None:
+        counts = [0] * len(ids)
+    if not isinstance(counts, list) or not all(isinstance(c, int) for c in counts):
+        raise ValueError(f"{file}: 'counts' must be a list of integers")
+    data["token_ids"] = torch.tensor(ids, dtype=torch.int64)
+    data["counts"] = torch.tensor(counts, dtype=torch.int64)
+    _check_ids(data["token_ids"], data["counts"], f"{file}: token_ids")
+    return data
+
+
+def draft_vocab_capacity(folder: str | Path) -> int | None:
+    """How many ranked ids `<folder>/draft_vocab.json` holds, or None when the folder has none.
+
+    Raises:
+        ValueError: the file is not a valid draft vocabulary (see `_read`).
     """
     file = Path(folder) / DRAFT_VOCAB_FILE
     if not file.is_file():
         return None
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            if "token_ids" not in f.keys():
-                raise ValueError(f"{file} has no 'token_ids' tensor (has {sorted(f.keys())})")
-            shape = f.get_slice("token_ids").get_shape()
-    except ValueError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise ValueError(f"{file} is not a readable safetensors file: {e}") from e
-    if len(shape) != 1 or shape[0] < 1:
-        raise ValueError(f"{file}: token_ids must be a non-empty 1-D tensor, got shape {list(shape)}")
-    return int(shape[0])
+    return int(_read(file)["token_ids"].numel())
 
 
 def check_draft_vocab_size(size, folder: str | Path) -> int:
     """The one check of a draft vocabulary size against a drafter folder; returns the size.
 
-    0 means the full vocabulary (no file needed); N >= 1 needs `<folder>/draft_vocab.safetensors`
+    0 means the full vocabulary (no file needed); N >= 1 needs `<folder>/draft_vocab.json`
     with at least N ranked ids.
     Raises:
         ValueError: not an integer >= 0, or N larger than the ids in the file (names the file and
             the allowed range).
-        FileNotFoundError: N >= 1 and the folder has no draft_vocab.safetensors (names the folder).
+        FileNotFoundError: N >= 1 and the folder has no draft_vocab.json (names the folder).
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ValueError(f"draft_vocab_size (--draft-vocab-size) must be an integer >= 0 (0: full vocabulary), "
@@ -186,7 +201,7 @@ def check_draft_vocab_size(size, folder: str | Path) -> int:
 
 
 def load_draft_vocab(folder: str | Path, size: int, vocab_size: int | None = None) -> torch.Tensor:
-    """The first `size` ranked ids of `<folder>/draft_vocab.safetensors` -> [size] int64 (CPU).
+    """The first `size` ranked ids of `<folder>/draft_vocab.json` -> [size] int64 (CPU).
 
     vocab_size: the target's V; when given, every loaded id must be below it.
     Raises:
@@ -198,13 +213,7 @@ def load_draft_vocab(folder: str | Path, size: int, vocab_size: int | None = Non
         raise ValueError(f"load_draft_vocab needs size >= 1 (0 means the full vocabulary: no draft vocabulary), "
                          f"got {size}")
     file = Path(folder) / DRAFT_VOCAB_FILE
-    with safe_open(str(file), framework="pt") as f:
-        ids = f.get_tensor("token_ids")
-        counts = f.get_tensor("counts") if "counts" in f.keys() else torch.zeros_like(ids)
-    if ids.dtype != torch.int64:
-        raise ValueError(f"{file}: token_ids must be int64, got {ids.dtype}")
-    _check_ids(ids, counts, f"{file}: token_ids")
-    ids = ids[:size].clone()
+    ids = _read(file)["token_ids"][:size].clone()
     if vocab_size is not None and int(ids.max()) >= vocab_size:
         raise ValueError(f"{file} holds token id {int(ids.max())} among its first {size}, outside the target's "
                          f"vocabulary [0, {vocab_size}): was it ranked for another target?")
@@ -212,20 +221,15 @@ def load_draft_vocab(folder: str | Path, size: int, vocab_size: int | None = Non
 
 
 def read_draft_vocab_metadata(folder: str | Path) -> dict:
-    """The JSON metadata of `<folder>/draft_vocab.safetensors` ({} when it has none).
+    """The "metadata" of `<folder>/draft_vocab.json` ({} when it has none).
 
     Raises:
-        FileNotFoundError: no such file. ValueError: metadata that is not JSON.
+        FileNotFoundError: no such file. ValueError: not a valid draft vocabulary.
     """
     file = Path(folder) / DRAFT_VOCAB_FILE
     if not file.is_file():
         raise FileNotFoundError(f"no {DRAFT_VOCAB_FILE} in {folder}")
-    with safe_open(str(file), framework="pt") as f:
-        raw = (f.metadata() or {}).get(_META_KEY)
-    try:
-        return json.loads(raw) if raw else {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: metadata {_META_KEY!r} is not valid JSON: {e}") from e
+    return _read(file).get("metadata") or {}
 
 
 def _check_ids(ids: torch.Tensor, counts: torch.Tensor, what: str) -> None:
@@ -296,7 +300,7 @@ class DraftHead:
 
 
 def build_draft_head(target, folder: str | Path | None, size: int) -> DraftHead | None:
-    """The DraftHead of the first `size` ids of `<folder>/draft_vocab.safetensors` over `target`'s
+    """The DraftHead of the first `size` ids of `<folder>/draft_vocab.json` over `target`'s
     LM head (blockdraft CausalLM), or None when size is 0 (the full vocabulary).
 
     Raises:

@@ -5,7 +5,7 @@ Layout of `--out`:
     checkpoint/    resumable trainer state (training/trainer.py)
     train_log.jsonl
     drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors) and its
-                   draft vocabulary (draft_vocab.safetensors: the training answers' tokens ranked
+                   draft vocabulary (draft_vocab.json: the training answers' tokens ranked
                    by frequency, the target's EOS ids first; see blockdraft.spec.draft_vocab)
     summary.json   settings, data counts, final loss / per-slot accuracy
 

@@ -178,7 +178,7 @@ def test_real_model_refuses_bad_drafter_flags_without_loading_weights(capsys):
 
 
 def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):
-    """--draft-vocab-size against the drafter folder's draft_vocab.safetensors, in every command."""
+    """--draft-vocab-size against the drafter folder's draft_vocab.json, in every command."""
     import torch
 
     from blockdraft.spec.draft_vocab import save_draft_vocab

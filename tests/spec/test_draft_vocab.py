@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from blockdraft.models import build_model
 from blockdraft.spec.dflash import DFlashSpeculator, random_drafter
@@ -101,19 +100,25 @@ def test_size_checks_name_the_file_the_folder_and_the_range(tmp_path):
 def test_corrupt_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match="repeated ids"):
         save_draft_vocab(tmp_path, torch.tensor([1, 1]), torch.tensor([2, 2]), {})
-    save_file({"token_ids": torch.tensor([1, 2, 2]), "counts": torch.zeros(3, dtype=torch.long)},
-              str(tmp_path / DRAFT_VOCAB_FILE))
+    file = tmp_path / DRAFT_VOCAB_FILE
+
+    def write(**data):
+        file.write_text(json.dumps({"format": "blockdraft-draft-vocab/1", **data}))
+
+    write(token_ids=[1, 2, 2], counts=[0, 0, 0])
     with pytest.raises(ValueError, match="token_ids holds repeated ids"):
         load_draft_vocab(tmp_path, 2)
-    save_file({"token_ids": torch.tensor([1, 2], dtype=torch.int32), "counts": torch.zeros(2, dtype=torch.long)},
-              str(tmp_path / DRAFT_VOCAB_FILE))
-    with pytest.raises(ValueError, match="token_ids must be int64, got torch.int32"):
+    write(token_ids=[1, 2.5], counts=[0, 0])
+    with pytest.raises(ValueError, match="'token_ids' must be a list of integers"):
         load_draft_vocab(tmp_path, 2)
-    save_file({"ids": torch.tensor([1])}, str(tmp_path / DRAFT_VOCAB_FILE))
-    with pytest.raises(ValueError, match="has no 'token_ids' tensor"):
+    write(ids=[1])
+    with pytest.raises(ValueError, match="'token_ids' must be a list of integers"):
         check_draft_vocab_size(1, tmp_path)
-    (tmp_path / DRAFT_VOCAB_FILE).write_bytes(b"not a safetensors file")
-    with pytest.raises(ValueError, match="is not a readable safetensors file"):
+    file.write_text(json.dumps({"format": "something-else", "token_ids": [1]}))
+    with pytest.raises(ValueError, match="format must be 'blockdraft-draft-vocab/1', got 'something-else'"):
+        check_draft_vocab_size(1, tmp_path)
+    file.write_bytes(b"not json")
+    with pytest.raises(ValueError, match="is not a readable draft vocabulary"):
         check_draft_vocab_size(1, tmp_path)
 
 
@@ -210,7 +215,7 @@ def test_the_speculator_refuses_a_head_that_does_not_fit():
 
 
 def test_engine_with_a_slice_emits_the_plain_greedy_output(tmp_path):
-    """Folder drafter + draft_vocab.safetensors through LLM (preflight, head built from the packed
+    """Folder drafter + draft_vocab.json through LLM (preflight, head built from the packed
     untied tiny target): token for token the plain output, drafts accepted, every draft in the slice."""
     from blockdraft.llm import LLM
     from blockdraft.sampling_params import SamplingParams

@@ -131,7 +131,7 @@ def recommended_num_speculative_tokens(path: str | Path) -> int | None:
 def recommended_draft_vocab_size(path: str | Path) -> int | None:
     """The draft vocabulary size recorded in `<path>/speculative.json` ("draft_vocab_size"), or None.
 
-    Whether it fits the folder's draft_vocab.safetensors: resolve_draft_vocab_size.
+    Whether it fits the folder's draft_vocab.json: resolve_draft_vocab_size.
     Raises:
         ValueError: the file is not a JSON object.
     """
@@ -141,7 +141,7 @@ def recommended_draft_vocab_size(path: str | Path) -> int | None:
 def resolve_draft_vocab_size(size: int | None, path: str | Path) -> int:
     """The draft vocabulary size for the drafter in `path`: `size` when given, else the folder's
     recorded one (recommended_draft_vocab_size), else 0 (the full vocabulary); checked against the
-    folder's draft_vocab.safetensors (blockdraft.spec.draft_vocab.check_draft_vocab_size).
+    folder's draft_vocab.json (blockdraft.spec.draft_vocab.check_draft_vocab_size).
 
     Raises:
         ValueError / FileNotFoundError: a size that is not 0 or within [1, ids in the file], or
@@ -192,10 +192,8 @@ def write_recommended_num_speculative_tokens(path: str | Path, k: int, evidence:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every weight tensor of the folder's *.safetensors, except the draft vocabulary's file."""
-    from blockdraft.spec.draft_vocab import DRAFT_VOCAB_FILE
-
-    files = sorted(f for f in path.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE)
+    """Every weight tensor of the folder's *.safetensors (as vLLM / SGLang read a folder)."""
+    files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in drafter folder {path} (pickled .bin/.pt weights are not read)")
     tensors: dict[str, torch.Tensor] = {}
