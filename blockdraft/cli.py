@@ -133,13 +133,16 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
     from blockdraft.drafters import add_draft_vocab_size_flag
 
     e = sub.add_parser("eval-drafter", help="acceptance length of a drafter on HumanEval / MT-bench prompts")
-    e.add_argument("--target", default=default_model)
+    e.add_argument("--target", default=default_model, help=f"catalog name or HF folder (default {default_model})")
     e.add_argument("--draft", default=None, help="drafter folder (default: the one shipped for --target)")
-    e.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"])
-    e.add_argument("--num-prompts", type=int, default=10)
-    e.add_argument("--temperature", type=float, default=0.0)
-    e.add_argument("--max-tokens", type=int, default=256)
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"],
+                   help="held-out prompts: HumanEval or MT-bench first turns (default humaneval)")
+    e.add_argument("--num-prompts", type=int, default=10, help="first N prompts of the dataset (default 10)")
+    e.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    e.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (default 256)")
+    e.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i (default 0)")
+    e.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts per step K (default: the drafter's whole block, block_size - 1)")
     add_draft_vocab_size_flag(e)
     e.add_argument("--compare-plain", action="store_true", help="also decode without the drafter: equality + speedup")
     e.add_argument("--plot", default=None, help="write the per-position acceptance plot to this PNG (needs matplotlib)")

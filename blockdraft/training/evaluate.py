@@ -31,6 +31,7 @@ class EvalResult:
     plain_seconds: float | None = None
     identical_to_plain: bool | None = None
     draft_vocab_size: int = 0  # draft LM-head columns (0: the full vocabulary)
+    num_speculative_tokens: int | None = None  # K drafts per step
 
     @property
     def acceptance_length(self) -> float:
@@ -51,11 +52,13 @@ class EvalResult:
 def evaluate_drafter(
     target: str, draft: str, dataset: str = "humaneval", num_prompts: int = 10, temperature: float = 0.0,
     max_tokens: int = 256, seed: int = 0, compare_plain: bool = False, dtype: str = "float32", cache_dir=None,
-    max_num_seqs: int = 16, draft_vocab_size: int | None = None,
+    max_num_seqs: int = 16, draft_vocab_size: int | None = None, num_speculative_tokens: int | None = None,
 ) -> EvalResult:
     """Generate with the drafter on the first `num_prompts` prompts of `dataset`; pool the counters.
 
     draft_vocab_size: the drafter's draft vocabulary (0: full; None: the folder's recorded size, else 0).
+    num_speculative_tokens: K; None = the drafter's whole block (block_size - 1), as the DFlash paper
+        reports acceptance, not the speed-tuned K of the folder's speculative.json.
 
     With `compare_plain`, the same prompts are decoded without the drafter (same seeds) to check
     token-for-token equality and to time the speedup.
@@ -69,20 +72,21 @@ def evaluate_drafter(
         raise ValueError(f"num_prompts (--num-prompts) must be an integer >= 1, got {num_prompts!r}")
     SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)  # checks the values
     # Drafter folder and config against the target's config, dtype, scheduler: before any weights.
-    pre = preflight(target, draft, dtype=dtype, max_num_seqs=max_num_seqs, cache_dir=cache_dir,
-                    draft_vocab_size=draft_vocab_size)
+    pre = preflight(target, draft, num_speculative_tokens, dtype=dtype, max_num_seqs=max_num_seqs,
+                    cache_dir=cache_dir, draft_vocab_size=draft_vocab_size)
+    k = num_speculative_tokens if num_speculative_tokens is not None else pre.drafter_config.block_size - 1
     convs = [[{"role": "user", "content": t}] for t in eval_prompts(dataset, cache_dir)[:num_prompts]]
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i) for i in range(len(convs))]
     loaded = load_target(str(pre.target_path), dtype, cache_dir=cache_dir)
-    spec = LLM(target=loaded, draft=pre.draft, dtype=dtype, max_num_seqs=max_num_seqs,
-               draft_vocab_size=pre.draft_vocab_size)
+    spec = LLM(target=loaded, draft=pre.draft, num_speculative_tokens=k, dtype=dtype,
+               max_num_seqs=max_num_seqs, draft_vocab_size=pre.draft_vocab_size)
     t0 = time.perf_counter()
     outs = spec.generate(convs, params)
     seconds = time.perf_counter() - t0
     stats = spec.engine.stats.spec
     result = EvalResult(dataset, temperature, len(convs), max_tokens, stats.num_steps, stats.num_accepted_tokens,
                         sum(len(o.token_ids) for o in outs), seconds, list(stats.accepted_per_position),
-                        draft_vocab_size=pre.draft_vocab_size)
+                        draft_vocab_size=pre.draft_vocab_size, num_speculative_tokens=k)
     if compare_plain:
         plain = LLM(target=loaded, dtype=dtype, max_num_seqs=max_num_seqs)
         t0 = time.perf_counter()
@@ -143,7 +147,7 @@ def main(args) -> int:
         raise ValueError(f"no --draft given and no drafter ships for {args.target!r}")
     result = evaluate_drafter(args.target, str(draft), args.dataset, args.num_prompts, args.temperature,
                               args.max_tokens, args.seed, args.compare_plain, args.dtype, args.cache_dir,
-                              draft_vocab_size=args.draft_vocab_size)
+                              draft_vocab_size=args.draft_vocab_size, num_speculative_tokens=args.num_speculative_tokens)
     out = result.to_dict() | {"target": args.target, "draft": str(draft)}
     print(json.dumps(out, indent=1))
     if args.plot:

@@ -1,0 +1,39 @@
+"""eval-drafter measures acceptance over the drafter's whole block by default (block_size - 1
+drafts, as acceptance lengths are reported), not the speed-tuned K of speculative.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockdraft.training import evaluate
+from tests.server.tiny_model import write_tiny_drafter, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_k")
+    model = write_tiny_model(root / "model")
+    drafter = write_tiny_drafter(root / "drafter", model)  # block_size 8
+    (drafter / "speculative.json").write_text(json.dumps({"num_speculative_tokens": 1}))
+    return model, drafter
+
+
+@pytest.fixture(autouse=True)
+def fixed_prompts(monkeypatch):
+    monkeypatch.setattr("blockdraft.training.corpora.eval_prompts", lambda dataset, cache_dir=None: ["hello", "hi there"])
+
+
+def test_default_k_is_the_whole_block(tiny):
+    model, drafter = tiny
+    r = evaluate.evaluate_drafter(str(model), str(drafter), num_prompts=2, max_tokens=6, compare_plain=True)
+    # positions past 1 were drafted and accepted: K = 1 from speculative.json would give at most one
+    assert r.num_speculative_tokens == 7 and 1 < len(r.accepted_per_position) <= 7
+    assert r.identical_to_plain
+
+
+def test_explicit_k_wins(tiny):
+    model, drafter = tiny
+    r = evaluate.evaluate_drafter(str(model), str(drafter), num_prompts=2, max_tokens=6, num_speculative_tokens=2)
+    assert r.num_speculative_tokens == 2 and len(r.accepted_per_position) <= 2
