@@ -1,10 +1,11 @@
 """Which K (drafts per step) is fastest for a drafter on this machine? Plain vs DFlash at several K.
 
-One process loads the target once; plain decoding and one DFlash engine per K share it and run
-every prompt interleaved (blockdraft.bench.compare), `--repeats` times, medians. Prints a table of
-K, acceptance length, tokens/s and speedup over plain, and checks every answer equals plain
-decoding. `--write-default` stores the fastest K in the drafter folder's speculative.json, which
-`LLM` / `blockdraft generate` use when --num-speculative-tokens is not given.
+One process loads the target once; plain decoding and one DFlash engine per (K, draft vocabulary
+size) share it and run every prompt interleaved (blockdraft.bench.compare), `--repeats` times,
+medians. Prints a table of K, draft vocabulary, acceptance length, tokens/s and speedup over plain,
+and checks every answer equals plain decoding. `--write-default` stores the fastest K (and its draft
+vocabulary size) in the drafter folder's speculative.json, which `LLM` / `blockdraft generate` use
+when --num-speculative-tokens / --draft-vocab-size are not given.
 
     OMP_WAIT_POLICY=PASSIVE python -m blockdraft.bench.spec_k --model qwen2.5-coder-0.5b-instruct \\
         --ks 1,2,3,4,7,15 --max-tokens 64 --repeats 3 --write-default
@@ -24,8 +25,14 @@ from blockdraft.bench.compare import TimedRun, compare_engines
 PLAIN = "plain"
 
 
-def k_table(runs: dict[str, list[TimedRun]], ks: list[int]) -> list[dict]:
-    """Rows {k, acceptance_length, tokens_per_s, speedup, cpu_speedup, per_prompt_speedup, identical}.
+def label(k: int, draft_vocab_size: int = 0) -> str:
+    """Engine label of one (K, draft vocabulary size) setting: "K=3" or "K=3,V=32768"."""
+    return f"K={k}" if not draft_vocab_size else f"K={k},V={draft_vocab_size}"
+
+
+def k_table(runs: dict[str, list[TimedRun]], ks: list) -> list[dict]:
+    """Rows {k, draft_vocab_size, acceptance_length, tokens_per_s, speedup, cpu_speedup,
+    per_prompt_speedup, identical}, one per entry of `ks`: K, or (K, draft vocabulary size).
 
     Pooled over prompts: acceptance length over all verify steps; speedup = total median plain wall
     time / total median wall time at K (equal token counts when identical); cpu_speedup the same
@@ -35,14 +42,16 @@ def k_table(runs: dict[str, list[TimedRun]], ks: list[int]) -> list[dict]:
     plain_s = sum(r.median_seconds for r in plain)
     plain_cpu = sum(r.median_cpu_seconds for r in plain)
     rows = []
-    for k in ks:
-        spec = runs[f"K={k}"]
+    for entry in ks:
+        k, vocab = entry if isinstance(entry, tuple) else (entry, 0)
+        spec = runs[label(k, vocab)]
         steps = sum(r.output.spec.num_steps for r in spec)
         accepted = sum(r.output.spec.num_accepted_tokens for r in spec)
         seconds = sum(r.median_seconds for r in spec)
         tokens = sum(r.output.num_output_tokens for r in spec)
         rows.append({
             "k": k,
+            "draft_vocab_size": vocab,
             "acceptance_length": (accepted + steps) / steps if steps else None,
             "tokens_per_s": tokens / seconds,
             "speedup": plain_s / seconds,
@@ -53,9 +62,9 @@ def k_table(runs: dict[str, list[TimedRun]], ks: list[int]) -> list[dict]:
     return rows
 
 
-def best_k(rows: list[dict], metric: str = "speedup") -> int:
-    """The K with the highest pooled `metric` ("speedup" or "cpu_speedup") among rows whose answers
-    were identical (ties: smaller K).
+def best_row(rows: list[dict], metric: str = "speedup") -> dict:
+    """The row with the highest pooled `metric` ("speedup" or "cpu_speedup") among rows whose
+    answers were identical (ties: smaller K, then smaller draft vocabulary).
 
     Raises:
         ValueError: no row with identical answers, or an unknown metric.
@@ -65,7 +74,12 @@ def best_k(rows: list[dict], metric: str = "speedup") -> int:
     ok = [r for r in rows if r["identical"]]
     if not ok:
         raise ValueError("no K produced answers identical to plain decoding; not choosing a default")
-    return max(ok, key=lambda r: (r[metric], -r["k"]))["k"]
+    return max(ok, key=lambda r: (r[metric], -r["k"], -r.get("draft_vocab_size", 0)))
+
+
+def best_k(rows: list[dict], metric: str = "speedup") -> int:
+    """K of `best_row` (same rules and errors)."""
+    return best_row(rows, metric)["k"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--draft", default=SHIPPED, help="drafter folder or 'shipped' (default)")
     p.add_argument("--ks", default="1,2,3,4,7,15", help="comma-separated K values")
+    p.add_argument("--draft-vocab-sizes", default="0",
+                   help="comma-separated draft vocabulary sizes to try with every K (0 = full vocabulary; "
+                        "N needs the drafter's draft_vocab.json); default 0")
     p.add_argument("--prompts", nargs="*", default=None, help="default: the demo's prompts")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
@@ -91,13 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=None)
     args = p.parse_args(argv)
 
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = [(int(k), int(v)) for k in args.ks.split(",") for v in args.draft_vocab_sizes.split(",")]
     draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
     target = load_target(args.model, args.dtype, cache_dir=args.cache_dir)
     small_pool = dict(num_kv_blocks=128, kv_block_size=16)  # 2048 tokens: plenty for short prompts
     engines = {PLAIN: LLM(target=target, **small_pool)}
-    for k in ks:
-        engines[f"K={k}"] = LLM(target=target, draft=draft, num_speculative_tokens=k, **small_pool)
+    for k, v in ks:
+        engines[label(k, v)] = LLM(target=target, draft=draft, num_speculative_tokens=k, draft_vocab_size=v,
+                                   **small_pool)
     prompts = [[{"role": "user", "content": t}] for t in (args.prompts or DEMO_PROMPTS)]
     params = SamplingParams(max_tokens=args.max_tokens)
 
@@ -109,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     plain_tps = sum(r.output.num_output_tokens for r in runs[PLAIN]) / sum(r.median_seconds for r in runs[PLAIN])
     print(f"{args.model} ({target.dtype}), drafter {draft}, {len(prompts)} prompts x {args.max_tokens} tokens, "
           f"{args.repeats} repeats (medians); plain {plain_tps:.1f} tok/s")
-    print("| K | acceptance length | tok/s | speedup vs plain (wall) | per-prompt (wall) | speedup (CPU time) | identical |")
-    print("|---|---|---|---|---|---|---|")
+    print("| K | draft vocab | acceptance length | tok/s | speedup vs plain (wall) | per-prompt (wall) | "
+          "speedup (CPU time) | identical |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         tau = "n/a" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         per = ", ".join(f"{x:.2f}" for x in r["per_prompt_speedup"])
-        print(f"| {r['k']} | {tau} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {per} | "
+        vocab = r["draft_vocab_size"] or "full"
+        print(f"| {r['k']} | {vocab} | {tau} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {per} | "
               f"{r['cpu_speedup']:.2f}x | {r['identical']} |")
     evidence = {
         "measured": datetime.date.today().isoformat(),
@@ -130,10 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         cpu = {label: [r.cpu_seconds for r in rs] for label, rs in runs.items()}
         Path(args.json).write_text(json.dumps(evidence | {"rows": rows, "seconds": timings, "cpu_seconds": cpu}, indent=1))
     if args.write_default:
-        k = best_k(rows, args.choose_by)
+        best = best_row(rows, args.choose_by)
         evidence["chosen_by"] = args.choose_by
+        if best["draft_vocab_size"]:  # read back by LLM as the default --draft-vocab-size
+            evidence = {"draft_vocab_size": best["draft_vocab_size"], **evidence}
         folder = SHIPPED_DIR / args.model if args.draft == SHIPPED else Path(draft)
-        print(f"fastest K = {k}; wrote {write_recommended_num_speculative_tokens(folder, k, evidence)}")
+        file = write_recommended_num_speculative_tokens(folder, best["k"], evidence)
+        print(f"fastest: K = {best['k']}, draft vocabulary {best['draft_vocab_size'] or 'full'}; wrote {file}")
     return 0 if all(r["identical"] for r in rows) else 1
 
 

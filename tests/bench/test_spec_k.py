@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from blockdraft.bench.compare import TimedRun
-from blockdraft.bench.spec_k import best_k, k_table
+from blockdraft.bench.spec_k import best_k, best_row, k_table
 from blockdraft.engine.request import SpecStats
 
 
@@ -39,3 +39,16 @@ def test_best_k_prefers_the_smaller_k_on_ties_and_refuses_without_identical_rows
         best_k(rows, "tokens")
     with pytest.raises(ValueError, match="no K produced answers identical"):
         best_k([dict(rows[0], identical=False)])
+
+
+def test_table_and_choice_over_draft_vocabulary_sizes():
+    runs = {
+        "plain": [run([1, 2], 2.0)],
+        "K=2": [run([1, 2], 1.6, steps=1, accepted=1)],
+        "K=2,V=64": [run([1, 2], 1.2, steps=1, accepted=1)],
+    }
+    rows = k_table(runs, [(2, 0), (2, 64)])
+    assert [r["draft_vocab_size"] for r in rows] == [0, 64]
+    assert rows[1]["speedup"] == pytest.approx(2.0 / 1.2)
+    best = best_row(rows)
+    assert (best["k"], best["draft_vocab_size"]) == (2, 64)
