@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        _set_threads(getattr(args, "threads", None))
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -56,7 +57,28 @@ def _parser() -> argparse.ArgumentParser:
     from blockdraft.bench.command import add_bench_parser
 
     add_bench_parser(sub)
+    for name, command in sub.choices.items():
+        if name != "fetch":
+            command.add_argument(
+                "--threads", type=int, default=None,
+                help="CPU threads for the model's math (default: torch's, one per core); on a machine "
+                     "shared with other jobs 1 can be much faster than oversubscribed cores")
     return p
+
+
+def _set_threads(threads: int | None) -> None:
+    """Apply --threads (torch.set_num_threads) before any model work.
+
+    Raises:
+        ValueError: threads < 1.
+    """
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be an integer >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def _add_draft_flags(p: argparse.ArgumentParser) -> None:

@@ -205,5 +205,5 @@ def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):
     _refused(capsys, ["bench", "--shape", "tiny", "--draft-vocab-size", "999999", "--device", "cpu"],
              "--draft-vocab-size with --shape must be in [0,", "got 999999")
     (ranked / "speculative.json").write_text('{"draft_vocab_size": 12}')
-    with pytest.raises(ValueError, match=r"speculative.json: draft_vocab_size must be 0 .*\[1, 10\].*got 12"):
+    with pytest.raises(ValueError, match=r"size 12 recorded in .*speculative.json cannot be used: draft_vocab_size must be 0 .*\[1, 10\].*got 12"):
         LLM(model=m, draft=str(ranked))

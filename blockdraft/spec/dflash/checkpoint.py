@@ -157,7 +157,8 @@ def resolve_draft_vocab_size(size: int | None, path: str | Path) -> int:
     try:
         return check_draft_vocab_size(recorded, path)
     except (ValueError, FileNotFoundError) as e:
-        raise type(e)(f"{Path(path) / SPECULATIVE_FILE}: {e}") from e
+        raise type(e)(f"draft vocabulary size {recorded!r} recorded in {Path(path) / SPECULATIVE_FILE} cannot be "
+                      f"used: {e} (--draft-vocab-size 0 scores drafts over the full vocabulary)") from e
 
 
 def _read_speculative_json(path: str | Path) -> dict:
