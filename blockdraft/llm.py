@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -62,6 +63,15 @@ def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir:
     return LoadedTarget(config, module, load_tokenizer(path), str(path))
 
 
+def _catalog_name(path: str) -> str:
+    """The catalog name of a target loaded from `<cache>/models/<name>/`, else `path` itself (which
+    names no shipped drafter, so draft="auto" decodes plainly and "shipped" explains why)."""
+    from blockdraft.weights.catalog import CATALOG
+
+    name = Path(path).name
+    return name if name in CATALOG else str(path)
+
+
 class LLM:
     """A target model, optionally with a DFlash drafter, behind a continuous-batching engine.
 
@@ -116,8 +126,11 @@ class LLM:
         graph_mode: str | None = None,
         draft_vocab_size: int | None = None,
     ) -> None:
+        if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
+            model = _catalog_name(target.path)
         pre = preflight(
-            model, draft if speculator is None else None, num_speculative_tokens, dtype, device, kv_block_size,
+            model, draft if speculator is None else None, num_speculative_tokens if speculator is None else None,
+            dtype, device, kv_block_size,
             num_kv_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, cache_dir,
             target_config=target.config if target is not None else None,
             draft_vocab_size=draft_vocab_size if speculator is None else None,

@@ -140,6 +140,9 @@ def preflight(
         )
 
         draft = resolve_draft(draft, model, cache_dir=cache_dir, num_speculative_tokens=num_speculative_tokens)
+    elif num_speculative_tokens is not None:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} needs a drafter: pass draft= a drafter "
+                         f"folder, 'shipped' or 'auto' (draft=None decodes plainly)")
     if draft is not None:
         draft = str(draft)
         drafter_config = read_drafter_config(draft)
