@@ -6,6 +6,9 @@
 #   h200_run.sh resume PARTS WORK INIT  Qwen only: fresh answers, continue training the drafter whose
 #                                       weights are INIT, evaluate, then `blockdraft bench` the result
 #   h200_run.sh pack WORK OUT           resume's results + generated data into OUT (<= 15 MB pieces)
+#   h200_run.sh train_more PARTS WORK INIT DATA_TAR EVAL   Qwen only, no generation: continue INIT
+#                                       (fp32 drafter weights) on kept answers (a tar of a data/
+#                                       folder) for STEPS steps, evaluate on kept EVAL sequences
 #
 # PARTS holds blob.NN (the Qwen2.5-Coder-0.5B GGUF followed by the SmolLM2-135M GGUF, cut into
 # pieces that fit the device's per-call transfer limit), qwen/ and smol/ (written by
@@ -84,6 +87,27 @@ resume() {
     python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
       --batch-sizes 1,8,32 --max-tokens 128 --out $W/bench-real &&
     echo RESUME-DONE" > "$W/resume.log" 2>&1 < /dev/null &
+}
+
+# Next run (planned after session 3): the whole budget on training. Carry the GGUF pieces, then
+# parts/state3/{A-fp32.safetensors,data.tar,eval_sequences.safetensors}; ~5.8 steps/s alone on the
+# H200 (16 x 1024 tokens, 64 anchors), so STEPS=4500 is ~13 min. Nothing else may use the GPU
+# meanwhile (session 3 planned its steps while GPU tests ran and used half its time).
+STEPS=${STEPS:-4500}
+train_more() {
+  local P=$1 W=$2 INIT=$3 DATA=$4 EVAL=$5
+  mkdir -p "$W/qwen" /tmp/bdc/gguf || exit 1
+  cat "$P"/g*/blob.* > /tmp/bdc/gguf/qwen.gguf || exit 1
+  echo "$QWEN_SHA  /tmp/bdc/gguf/qwen.gguf" | sha256sum -c || exit 1
+  cp "$INIT" "$W/init.safetensors" && cp "$EVAL" "$W/eval_sequences.safetensors" && tar xf "$DATA" -C "$W/qwen" || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
+  mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
+  export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15
+  cd "$W/code" || exit 1
+  local drafters='[{"name":"A","num_layers":2,"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"}]'
+  setsid nohup python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep "$P/base/qwen" \
+    --work "$W/qwen" --drafters "$drafters" --steps "$STEPS" --train-seconds 100000 --lr 8e-4 --seed 2 \
+    --eval-sequences "$W/eval_sequences.safetensors" > "$W/resume.log" 2>&1 < /dev/null &
 }
 
 pack() {
