@@ -73,7 +73,7 @@ def test_engine_subset_and_no_draft(tmp_path):
     [
         (["--shape", "tiny", "--draft", "x"], "--draft is for --model"),
         (["--shape", "tiny", "--batch-sizes", "1,a"], "--batch-sizes takes positive integers"),
-        (["--shape", "tiny", "--max-tokens", "1"], "max_tokens must be >= 2"),
+        (["--shape", "tiny", "--max-tokens", "1"], "max_tokens (--max-tokens) must be >= 2"),
         (["--shape", "tiny", "--engines", "hf"], "engines must include 'ours'"),
         (["--model", "x", "--no-draft"], "are for --shape"),
         (["--model", "x", "--num-speculative-tokens", "3"], "--num-speculative-tokens needs a drafter"),
