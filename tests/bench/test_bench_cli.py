@@ -128,3 +128,13 @@ def test_model_folder_with_drafter_on_eval_prompts(tmp_path, monkeypatch):
         assert parity[(cand, 3)]["mismatched_requests"] == 0
     if ZLAB:
         assert parity[("zlab/dflash", 1)]["mismatched_requests"] == 0
+
+
+def test_help_says_where_files_go_and_gives_a_quick_cpu_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert "bench-<shape or model name> in the current folder" in text
+    quick = next(line.split() for line in text.splitlines() if "--shape tiny --device cpu" in line)
+    assert quick[:2] == ["blockdraft", "bench"] and quick[quick.index("--out") + 1] == "/tmp/bench-tiny"
+    assert quick[quick.index("--repeats") + 1] == "1" and quick[quick.index("--warmup") + 1] == "0"
