@@ -65,6 +65,21 @@ def test_cli_generate_defaults(tiny, tmp_path, capsys):
     assert spec["num_speculative_tokens"] == 7 and spec["token_ids"] == plain["token_ids"]
     assert main(["generate", "w05x", "--model", str(model), "--num-speculative-tokens", "3"]) == 2
     assert "none ships for model" in capsys.readouterr().err
+
+
+def test_cli_generate_summary_line(tiny, capsys):
+    """Singular for one token; with a drafter but no verify step (one token: prefill only), acceptance n/a."""
+    model, drafter = tiny
+    assert main(["generate", "w05x w06x", "--model", str(model), "--max-tokens", "1", "--draft", str(drafter)]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("[1 token in ") and "DFlash K=7" in line and "acceptance length n/a" in line
+    assert main(["generate", "w05x w06x", "--model", str(model), "--max-tokens", "6", "--draft", str(drafter)]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("[6 tokens in ") and "acceptance length n/a" not in line
+    assert "acceptance length 1." in line  # a verify step ran: a number >= 1
+    assert main(["generate", "w05x w06x", "--model", str(model), "--max-tokens", "1", "--no-draft"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("[1 token in ") and "acceptance" not in line
     assert main(["generate", "w05x", "--no-draft", "--num-speculative-tokens", "3"]) == 2
     assert "drop --no-draft" in capsys.readouterr().err
 
