@@ -261,13 +261,17 @@ def _result_dict(out, seconds: float) -> dict:
 
 
 def _summary_line(r: dict) -> str:
-    line = f"[{r['num_output_tokens']} tokens in {r['seconds']:.2f} s, {r['tokens_per_s']:.2f} tok/s, finish={r['finish_reason']}"
+    """`generate`'s stderr line; with a drafter, acceptance length n/a when no verify step ran."""
+    n = r["num_output_tokens"]
+    line = f"[{n} token{'' if n == 1 else 's'} in {r['seconds']:.2f} s, {r['tokens_per_s']:.2f} tok/s, finish={r['finish_reason']}"
     if r["num_speculative_tokens"] is not None:
         line += f", DFlash K={r['num_speculative_tokens']}"
     if r.get("draft_vocab_size"):
         line += f", draft vocab {r['draft_vocab_size']}"
     if r["acceptance_length"] is not None:
         line += f", acceptance length {r['acceptance_length']:.2f}"
+    elif r["num_speculative_tokens"] is not None:  # e.g. one output token: prefill only
+        line += ", acceptance length n/a (no verify step)"
     return line + "]"
 
 

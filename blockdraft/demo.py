@@ -4,7 +4,8 @@ Both engines share one loaded target (`LLM(target=...)`): the only difference be
 drafter. For each prompt the demo shows the answer, whether it is identical to plain decoding token
 for token (speculation must be lossless), the mean acceptance length (accepted drafts + 1 per
 verify step, from the engine's SpecStats) and the speed of both, measured interleaved in the same
-process (blockdraft.bench.compare).
+process (blockdraft.bench.compare). Each answer is printed as soon as both engines have produced
+it once; the speed lines follow once every timed run of that prompt is done.
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ def run_demo(
     on_start: Callable[[DemoReport], None] | None = None,
     on_run: Callable[[str, int, int, float], None] | None = None,
     draft_vocab_size: int | None = None,
+    on_answer: Callable[[int, PromptResult], None] | None = None,
+    on_timed: Callable[[int, PromptResult], None] | None = None,
 ) -> DemoReport:
     """Decode every prompt plainly and with the drafter on the same loaded target; compare.
 
@@ -129,6 +132,11 @@ def run_demo(
         draft_vocab_size: draft vocabulary size (0: full; None: the folder's recorded one, else 0).
         on_start: called with the (still prompt-less) report once both engines are built.
         on_run: called after every timed run (see `compare_engines`).
+        on_answer: called as on_answer(prompt_index, result) once both engines have answered that
+            prompt once (answer, identical_to_plain and acceptance are final; times and
+            `deterministic` cover that first run only).
+        on_timed: called as on_timed(prompt_index, result) once all repeats of that prompt ran
+            (the result that goes into the report).
     Raises:
         ValueError: no prompts, an empty prompt, sampling without a seed (runs would not compare),
             or a bad drafter / K (from the loaders).
@@ -149,7 +157,14 @@ def run_demo(
     if on_start is not None:
         on_start(report)
     inputs = [p if raw else [{"role": "user", "content": p}] for p in prompts]
-    runs = compare_engines({PLAIN: plain, DFLASH: spec}, inputs, params, repeats, on_run=on_run)
+
+    def on_prompt(index: int, repeat: int, runs: dict[str, TimedRun]) -> None:
+        callbacks = ([on_answer] if repeat == 0 else []) + ([on_timed] if repeat == repeats - 1 else [])
+        for callback in filter(None, callbacks):
+            callback(index, _prompt_result(prompts[index], runs[PLAIN], runs[DFLASH]))
+
+    runs = compare_engines({PLAIN: plain, DFLASH: spec}, inputs, params, repeats, on_run=on_run,
+                           on_prompt=on_prompt)
     for prompt, p_run, s_run in zip(prompts, runs[PLAIN], runs[DFLASH]):
         report.prompts.append(_prompt_result(prompt, p_run, s_run))
     return report
@@ -186,10 +201,10 @@ def _prompt_result(prompt: str, plain: TimedRun, spec: TimedRun) -> PromptResult
         num_verify_steps=out.spec.num_steps,
         num_drafted_tokens=out.spec.num_drafted_tokens,
         num_accepted_tokens=out.spec.num_accepted_tokens,
-        plain_seconds=plain.seconds,
-        dflash_seconds=spec.seconds,
-        plain_cpu_seconds=plain.cpu_seconds,
-        dflash_cpu_seconds=spec.cpu_seconds,
+        plain_seconds=list(plain.seconds),
+        dflash_seconds=list(spec.seconds),
+        plain_cpu_seconds=list(plain.cpu_seconds),
+        dflash_cpu_seconds=list(spec.cpu_seconds),
         plain_tokens_per_s=plain.tokens_per_s,
         dflash_tokens_per_s=spec.tokens_per_s,
         speedup=plain.median_seconds / spec.median_seconds,
@@ -214,14 +229,22 @@ def format_header(r: DemoReport) -> str:
     )
 
 
-def format_prompt(index: int, total: int, p: PromptResult) -> str:
-    """One prompt's block: the prompt, the answer, then the comparison line."""
+def format_answer(index: int, total: int, p: PromptResult) -> str:
+    """One prompt's answer block (known after the first run): prompt, answer, losslessness line."""
     tau = "n/a (no drafts)" if p.acceptance_length is None else f"{p.acceptance_length:.2f}"
     return (
         f"[{index}/{total}] {p.prompt}\n{p.text.rstrip()}\n"
-        f"  -> identical to plain: {_yes(p.identical_to_plain and p.deterministic)} | {p.num_output_tokens} tokens | "
-        f"acceptance length {tau} | plain {p.plain_tokens_per_s:.1f} tok/s | "
-        f"DFlash {p.dflash_tokens_per_s:.1f} tok/s | speedup {p.speedup:.2f}x"
+        f"  -> identical to plain: {_yes(p.identical_to_plain)} | {p.num_output_tokens} tokens | "
+        f"acceptance length {tau}"
+    )
+
+
+def format_speed(index: int, total: int, p: PromptResult) -> str:
+    """One prompt's speed line (after all its timed runs): tokens/s at the median time, speedup."""
+    flaky = "" if p.deterministic else " | repeats gave the same tokens: NO"
+    return (
+        f"  -> [{index}/{total}] plain {p.plain_tokens_per_s:.1f} tok/s | DFlash {p.dflash_tokens_per_s:.1f} tok/s | "
+        f"speedup {p.speedup:.2f}x{flaky}"
     )
 
 
@@ -312,11 +335,20 @@ def main(args) -> int:
         print(f"  (prompt {index + 1}/{len(prompts)}, run {repeat + 1}/{args.repeats}: {label} {seconds:.1f} s)",
               file=sys.stderr, flush=True)
 
+    # One timed run: each speed line follows its answer. More: answers first, speed lines together.
+    single = args.repeats == 1
+
+    def on_answer(index: int, result: PromptResult) -> None:
+        print(format_answer(index + 1, len(prompts), result) + ("" if single else "\n"), flush=True)
+
+    def on_timed(index: int, result: PromptResult) -> None:
+        if index == 0 and not single:
+            print(f"speed, median of {args.repeats} timed runs per engine:", flush=True)
+        print(format_speed(index + 1, len(prompts), result) + ("\n" if single else ""), flush=True)
+
     report = run_demo(target, draft, prompts, params, args.repeats, args.num_speculative_tokens, args.raw,
-                      args.model, on_start, on_run, pre.draft_vocab_size)
-    for i, p in enumerate(report.prompts, 1):
-        print(format_prompt(i, len(report.prompts), p) + "\n")
-    print(format_summary(report))
+                      args.model, on_start, on_run, pre.draft_vocab_size, on_answer, on_timed)
+    print(("" if single else "\n") + format_summary(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_dict(), f, indent=1)

@@ -36,7 +36,7 @@ def resolve_device(device: str) -> str:
     import torch
 
     if device not in DEVICE_CHOICES:
-        raise ValueError(f"device must be one of {list(DEVICE_CHOICES)}, got {device!r}")
+        raise ValueError(f"device (--device) must be one of {list(DEVICE_CHOICES)}, got {device!r}")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -47,7 +47,7 @@ def resolve_device(device: str) -> str:
 def check_dtype(dtype: str) -> str:
     """Raise ValueError naming `dtype` unless it is one of DTYPE_CHOICES; returns it."""
     if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+        raise ValueError(f"dtype (--dtype) must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     return dtype
 
 

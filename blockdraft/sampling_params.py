@@ -38,17 +38,17 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("max_tokens (--max-tokens)", self.max_tokens, low=1)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature (--temperature) must be a number >= 0, got {self.temperature!r}")
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature (--temperature) must be >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p (--top-p) must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer: 0 or -1 (off) or >= 1, got {self.top_k!r}")
+            raise ValueError(f"top_k (--top-k) must be an integer: 0 or -1 (off) or >= 1, got {self.top_k!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed, low=0)
+            _check_int("seed (--seed)", self.seed, low=0)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")

@@ -28,6 +28,13 @@ clocks; medians. ms/step = (t_full - t_prefill) / (steps_full - steps_prefill): 
 (plain) or one verify + draft + bookkeeping (DFlash). Greedy (T=0), EOS ignored, --max-tokens tokens.
 Outputs of DFlash vs plain (and HF / z-lab vs ours) are compared token for token; mismatches (bf16
 near-ties) are counted, not hidden.
+
+Output: the table on stdout, and PREFIX.json + PREFIX.png where PREFIX is --out, by default
+bench-<shape or model name> in the current folder (e.g. ./bench-tiny.json and ./bench-tiny.png).
+
+The defaults (batch 1,8,32,64 x 128 tokens x 3 repeats + 1 warm-up) are for GPU numbers and take
+minutes on a CPU. A CPU smoke test in about 10 s (files in /tmp):
+  blockdraft bench --shape tiny --device cpu --batch-sizes 1,8 --max-tokens 32 --repeats 1 --warmup 0 --out /tmp/bench-tiny
 """
 
 
@@ -73,7 +80,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--attention-backend", default=None, choices=["torch", "dense", "triton"],
                    help="our attention backend (default: the device's, triton on CUDA)")
     b.add_argument("--out", default=None,
-                   help="output prefix: writes PREFIX.json and PREFIX.png (default bench-<name>)")
+                   help="output prefix: writes PREFIX.json and PREFIX.png (default: bench-<shape or model name> "
+                   "in the current folder)")
     b.add_argument("--no-plot", action="store_true", help="write no PNG")
     b.add_argument("--cache-dir", default=None, help="model / dataset cache (default $BLOCKDRAFT_CACHE)")
     b.set_defaults(func=run_bench)

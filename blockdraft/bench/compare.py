@@ -64,6 +64,7 @@ def compare_engines(
     repeats: int = 1,
     warmup_tokens: int = 8,
     on_run: Callable[[str, int, int, float], None] | None = None,
+    on_prompt: Callable[[int, int, dict[str, TimedRun]], None] | None = None,
 ) -> dict[str, list[TimedRun]]:
     """Run every prompt on every engine `repeats` times, interleaved; returns runs per engine label.
 
@@ -79,6 +80,9 @@ def compare_engines(
             allocator growth) land on no timed run; 0 skips the warm-up.
         on_run: called as on_run(label, prompt_index, repeat, seconds) after every timed run
             (progress reports).
+        on_prompt: called as on_prompt(prompt_index, repeat, {label: TimedRun}) once every engine
+            has run that prompt in that repeat; the runs hold the repeats so far (repeat 0: each
+            engine's output is known, to show it early; repeat `repeats - 1`: its timings are final).
     Returns:
         {label: [TimedRun per prompt, in prompt order]}.
     Raises:
@@ -111,4 +115,6 @@ def compare_engines(
                     run.seconds.append(seconds)
                     run.cpu_seconds.append(cpu_seconds)
                     run.deterministic &= out.token_ids == run.output.token_ids
+            if on_prompt is not None:
+                on_prompt(i, r, {label: runs[label][i] for label in labels})
     return runs  # type: ignore[return-value]

@@ -131,7 +131,7 @@ def measure(
         ValueError: max_tokens < 2 (no decode step to time) or repeats < 1.
     """
     if max_tokens < 2:
-        raise ValueError(f"max_tokens must be >= 2 so that decode steps exist to time, got {max_tokens}")
+        raise ValueError(f"max_tokens (--max-tokens) must be >= 2 so that decode steps exist to time, got {max_tokens}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     cell = Cell(engine.engine, engine.mode, len(prompts))

@@ -36,7 +36,7 @@ class Settings:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be integers >= 1, got {list(self.batch_sizes)}")
         if self.max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2 (prefill + at least one decode step), got {self.max_tokens}")
+            raise ValueError(f"max_tokens (--max-tokens) must be >= 2 (prefill + at least one decode step), got {self.max_tokens}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0, got {self.repeats} and {self.warmup}")
         bad = sorted(set(self.engines) - set(ENGINE_CHOICES))

@@ -195,7 +195,7 @@ def check_draft_vocab_size(size, folder: str | Path) -> int:
             f"{DRAFT_VOCAB_FILE}; use 0 (full vocabulary) or rank one (blockdraft.spec.draft_vocab)"
         )
     if size > capacity:
-        raise ValueError(f"draft_vocab_size must be 0 (full vocabulary) or in [1, {capacity}] for "
+        raise ValueError(f"draft_vocab_size (--draft-vocab-size) must be 0 (full vocabulary) or in [1, {capacity}] for "
                          f"{Path(folder) / DRAFT_VOCAB_FILE} ({capacity} ranked ids), got {size}")
     return size
 

@@ -73,7 +73,7 @@ def test_engine_subset_and_no_draft(tmp_path):
     [
         (["--shape", "tiny", "--draft", "x"], "--draft is for --model"),
         (["--shape", "tiny", "--batch-sizes", "1,a"], "--batch-sizes takes positive integers"),
-        (["--shape", "tiny", "--max-tokens", "1"], "max_tokens must be >= 2"),
+        (["--shape", "tiny", "--max-tokens", "1"], "max_tokens (--max-tokens) must be >= 2"),
         (["--shape", "tiny", "--engines", "hf"], "engines must include 'ours'"),
         (["--model", "x", "--no-draft"], "are for --shape"),
         (["--model", "x", "--num-speculative-tokens", "3"], "--num-speculative-tokens needs a drafter"),
@@ -128,3 +128,13 @@ def test_model_folder_with_drafter_on_eval_prompts(tmp_path, monkeypatch):
         assert parity[(cand, 3)]["mismatched_requests"] == 0
     if ZLAB:
         assert parity[("zlab/dflash", 1)]["mismatched_requests"] == 0
+
+
+def test_help_says_where_files_go_and_gives_a_quick_cpu_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert "bench-<shape or model name> in the current folder" in text
+    quick = next(line.split() for line in text.splitlines() if "--shape tiny --device cpu" in line)
+    assert quick[:2] == ["blockdraft", "bench"] and quick[quick.index("--out") + 1] == "/tmp/bench-tiny"
+    assert quick[quick.index("--repeats") + 1] == "1" and quick[quick.index("--warmup") + 1] == "0"

@@ -30,7 +30,13 @@ def test_runs_are_interleaved_rotated_warmed_up_and_checked_for_determinism():
     log = []
     engines = {"a": FakeEngine("a", log), "b": FakeEngine("b", log, flip_on_call=5)}
     prompts = [[1], [2, 3]]
-    runs = compare_engines(engines, prompts, SamplingParams(max_tokens=9), repeats=2, warmup_tokens=2)
+    seen = []
+
+    def on_prompt(i, r, prompt_runs):  # after every engine ran prompt i in repeat r
+        seen.append((i, r, sorted(prompt_runs), [len(run.seconds) for run in prompt_runs.values()], len(log)))
+
+    runs = compare_engines(engines, prompts, SamplingParams(max_tokens=9), repeats=2, warmup_tokens=2,
+                           on_prompt=on_prompt)
     warm, timed = log[:4], log[4:]
     assert warm == [("a", [1], 2), ("a", [2, 3], 2), ("b", [1], 2), ("b", [2, 3], 2)]
     # repeat 0: prompt 0 a first, prompt 1 b first; repeat 1: prompt 0 b first, prompt 1 a first
@@ -43,6 +49,9 @@ def test_runs_are_interleaved_rotated_warmed_up_and_checked_for_determinism():
     # b's 5th call (warm-ups are calls 1-2) is its second repeat of prompt 0: reported as nondeterministic
     assert [r.deterministic for r in runs["a"]] == [True, True]
     assert [r.deterministic for r in runs["b"]] == [False, True]
+    # 4 warm-up calls, then 2 timed calls per (prompt, repeat)
+    assert seen == [(0, 0, ["a", "b"], [1, 1], 6), (1, 0, ["a", "b"], [1, 1], 8),
+                    (0, 1, ["a", "b"], [2, 2], 10), (1, 1, ["a", "b"], [2, 2], 12)]
 
 
 def test_bad_arguments_are_refused():

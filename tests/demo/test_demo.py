@@ -51,7 +51,34 @@ def test_demo_prints_answers_identical_to_plain_with_acceptance_and_speedup(tiny
     assert summary["num_output_tokens"] == sum(len(o.token_ids) for o in plain)
     assert report["num_speculative_tokens"] == 7  # the tiny drafter's block_size 8 - 1
     assert printed.count("identical to plain: yes") == 2
+    # Two repeats: both answers come first, then one speed line per prompt, then the summary.
+    speed = printed.index("speed, median of 2 timed runs per engine:")
+    assert max(printed.index(row["text"].rstrip()) for row in report["prompts"]) < speed
+    assert printed.index("  -> [1/2] plain ") > speed and printed.index("  -> [2/2] plain ") > speed
     assert "summary: identical to plain on 2/2 prompts" in printed and "speedup" in printed
+    assert printed.index("summary:") > printed.index("  -> [2/2] plain ")
+
+
+def test_demo_shows_each_answer_before_the_later_timed_runs(tiny):
+    """A user who stops a slow demo has seen every answer decoded so far."""
+    from blockdraft.demo import run_demo
+    from blockdraft.llm import load_target
+
+    model, drafter = tiny
+    events = []
+    report = run_demo(
+        load_target(str(model), "auto"), drafter, PROMPTS, SamplingParams(max_tokens=12), repeats=3,
+        on_run=lambda label, i, r, s: events.append(("run", i, r)),
+        on_answer=lambda i, res: events.append(("answer", i, res.text, res.identical_to_plain)),
+        on_timed=lambda i, res: events.append(("timed", i, len(res.plain_seconds), len(res.dflash_seconds))),
+    )
+    answers = [e for e in events if e[0] == "answer"]
+    assert [(i, text, same) for _, i, text, same in answers] == [(i, p.text, True) for i, p in enumerate(report.prompts)]
+    for i in range(len(PROMPTS)):  # answer i right after both engines' first run of prompt i
+        at = events.index(answers[i])
+        assert events[at - 2:at] == [("run", i, 0)] * 2
+        assert ("timed", i, 3, 3) in events and events.index(("timed", i, 3, 3)) == events.index(("run", i, 2)) + 2
+    assert events[-1] == ("timed", len(PROMPTS) - 1, 3, 3)
 
 
 def test_demo_reports_an_answer_that_differs_from_plain(tiny, tmp_path, capsys, monkeypatch):

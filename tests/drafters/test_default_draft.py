@@ -65,6 +65,21 @@ def test_cli_generate_defaults(tiny, tmp_path, capsys):
     assert spec["num_speculative_tokens"] == 7 and spec["token_ids"] == plain["token_ids"]
     assert main(["generate", "w05x", "--model", str(model), "--num-speculative-tokens", "3"]) == 2
     assert "none ships for model" in capsys.readouterr().err
+
+
+def test_cli_generate_summary_line(tiny, capsys):
+    """Singular for one token; with a drafter but no verify step (one token: prefill only), acceptance n/a."""
+    model, drafter = tiny
+    assert main(["generate", "w05x w06x", "--model", str(model), "--max-tokens", "1", "--draft", str(drafter)]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("[1 token in ") and "DFlash K=7" in line and "acceptance length n/a" in line
+    assert main(["generate", "w05x w06x", "--model", str(model), "--max-tokens", "6", "--draft", str(drafter)]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("[6 tokens in ") and "acceptance length n/a" not in line
+    assert "acceptance length 1." in line  # a verify step ran: a number >= 1
+    assert main(["generate", "w05x w06x", "--model", str(model), "--max-tokens", "1", "--no-draft"]) == 0
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("[1 token in ") and "acceptance" not in line
     assert main(["generate", "w05x", "--no-draft", "--num-speculative-tokens", "3"]) == 2
     assert "drop --no-draft" in capsys.readouterr().err
 
@@ -80,7 +95,7 @@ def test_recorded_k_is_the_default_and_an_explicit_k_wins(tiny, tmp_path):
     assert LLM(model=str(model), draft=str(folder)).speculator.num_speculative_tokens == 3
     assert LLM(model=str(model), draft=str(folder), num_speculative_tokens=5).speculator.num_speculative_tokens == 5
     write_recommended_num_speculative_tokens(folder, 9)  # more than block_size - 1 = 7
-    with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, block_size - 1 = 7\]"):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens \(--num-speculative-tokens\) must be in \[1, block_size - 1 = 7\]"):
         LLM(model=str(model), draft=str(folder))
     (folder / SPECULATIVE_FILE).write_text('{"num_speculative_tokens": 0}')
     with pytest.raises(ValueError, match="speculative.json: num_speculative_tokens must be an integer >= 1, got 0"):

@@ -90,11 +90,11 @@ def test_generate_and_serve_refuse_a_bad_drafter_before_loading_the_target(tiny,
 @pytest.mark.parametrize(
     "flags, expected",
     [
-        (["--gpu-memory-utilization", "0"], "gpu_memory_utilization must be in (0, 1], got 0.0"),
-        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1], got 1.5"),
-        (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
-        (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
-        (["--max-tokens", "0"], "max_tokens must be an integer >= 1, got 0"),
+        (["--gpu-memory-utilization", "0"], "gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got 0.0"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got 1.5"),
+        (["--top-p", "0"], "top_p (--top-p) must be in (0, 1], got 0.0"),
+        (["--temperature", "-1"], "temperature (--temperature) must be >= 0, got -1.0"),
+        (["--max-tokens", "0"], "max_tokens (--max-tokens) must be an integer >= 1, got 0"),
     ],
 )
 def test_generate_refuses_bad_values_before_loading(tiny, capsys, flags, expected):
@@ -105,10 +105,10 @@ def test_generate_refuses_bad_values_before_loading(tiny, capsys, flags, expecte
 def test_serve_refuses_bad_pool_and_scheduler_sizes_before_loading(tiny, capsys):
     model, _ = tiny
     for flags, expected in [
-        (["--kv-block-size", "0"], "kv_block_size must be >= 1, got 0"),
-        (["--num-kv-blocks", "0"], "num_kv_blocks must be >= 1, got 0"),
-        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
-        (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be >= 1, got 0"),
+        (["--kv-block-size", "0"], "kv_block_size (--kv-block-size) must be >= 1, got 0"),
+        (["--num-kv-blocks", "0"], "num_kv_blocks (--num-kv-blocks) must be >= 1, got 0"),
+        (["--max-num-seqs", "0"], "max_num_seqs (--max-num-seqs) must be >= 1, got 0"),
+        (["--max-num-batched-tokens", "0"], "max_num_batched_tokens (--max-num-batched-tokens) must be >= 1, got 0"),
     ]:
         _refused(capsys, ["serve", "--model", str(model), *flags], expected)
 
@@ -119,16 +119,16 @@ def test_python_api_checks_before_loading(tiny, tmp_path):
         LLM(model=str(model), draft="/nonexistent")
     with pytest.raises(ValueError, match=r"block_size - 1 = 7\] for this drafter, got 99"):
         LLM(model=str(model), draft=str(drafter), num_speculative_tokens=99)
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(ValueError, match=r"dtype \(--dtype\) must be one of"):
         LLM(model=str(model), dtype="int4")
-    with pytest.raises(ValueError, match="device must be one of"):
+    with pytest.raises(ValueError, match=r"device \(--device\) must be one of"):
         LLM(model=str(model), device="tpu")
     with pytest.raises(ValueError, match="vocab_size 50 != target vocab_size 96"):
         LLM(model=str(model), draft=str(_drafter_variant(tmp_path, drafter, vocab_size=50, mask_token_id=40)))
     # A recorded K (speculative.json) out of range names the file.
     (Path(drafter) / "speculative.json").write_text('{"num_speculative_tokens": 9}')
     try:
-        with pytest.raises(ValueError, match=r"speculative.json: num_speculative_tokens must be in \[1, block_size - 1 = 7\]"):
+        with pytest.raises(ValueError, match=r"speculative.json: num_speculative_tokens \(--num-speculative-tokens\) must be in \[1, block_size - 1 = 7\].*--num-speculative-tokens overrides it"):
             LLM(model=str(model), draft=str(drafter))
     finally:
         (Path(drafter) / "speculative.json").unlink()
@@ -160,7 +160,7 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
         (["--lr", "0"], "lr must be > 0"),
         (["--steps", "0"], "steps must be an integer >= 1, got 0"),
         (["--sampled-fraction", "1.5"], "--sampled-fraction must be in [0, 1], got 1.5"),
-        (["--device", "tpu"], "device must be one of"),
+        (["--device", "tpu"], "device (--device) must be one of"),
     ]:
         _refused(capsys, ["train-drafter", "--tiny", "--target", m, "--out", str(out), *flags], expected)
     assert not out.exists()  # refused before anything was written
@@ -205,5 +205,5 @@ def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):
     _refused(capsys, ["bench", "--shape", "tiny", "--draft-vocab-size", "999999", "--device", "cpu"],
              "--draft-vocab-size with --shape must be in [0,", "got 999999")
     (ranked / "speculative.json").write_text('{"draft_vocab_size": 12}')
-    with pytest.raises(ValueError, match=r"size 12 recorded in .*speculative.json cannot be used: draft_vocab_size must be 0 .*\[1, 10\].*got 12"):
+    with pytest.raises(ValueError, match=r"size 12 recorded in .*speculative.json cannot be used: draft_vocab_size \(--draft-vocab-size\) must be 0 .*\[1, 10\].*got 12"):
         LLM(model=m, draft=str(ranked))

@@ -107,14 +107,15 @@ def test_eos_stops_unless_ignored(llama_target):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(temperature=-0.1), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-2), "top_k"),
+        (dict(max_tokens=0), r"max_tokens \(--max-tokens\) must be an integer >= 1, got 0"),
+        (dict(temperature=-0.1), r"temperature \(--temperature\) must be >= 0, got -0.1"),
+        (dict(top_p=0.0), r"top_p \(--top-p\) must be in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), r"top_p \(--top-p\) must be in \(0, 1\], got 1.5"),
+        (dict(top_k=-2), r"top_k \(--top-k\) must be an integer: 0 or -1 \(off\) or >= 1, got -2"),
+        (dict(seed=-1), r"seed \(--seed\) must be an integer >= 0, got -1"),
     ],
 )
-def test_bad_sampling_params_name_the_value(kw, match):
+def test_bad_sampling_params_name_the_value_and_the_flag(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
 

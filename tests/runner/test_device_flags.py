@@ -22,13 +22,13 @@ def test_serve_pool_defaults_to_sizing_from_memory():
 
 def test_bad_utilization_fails_at_start_naming_the_knob(capsys):
     assert main(["generate", "hi", "--device", "cpu", "--gpu-memory-utilization", "1.5", "--no-draft"]) == 2
-    assert "gpu_memory_utilization must be in (0, 1], got 1.5" in capsys.readouterr().err
+    assert "gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got 1.5" in capsys.readouterr().err
 
 
 def test_device_resolution():
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(ValueError, match="device must be one of"):
+    with pytest.raises(ValueError, match=r"device \(--device\) must be one of"):
         resolve_device("tpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):

@@ -95,7 +95,7 @@ def resolve_num_speculative_tokens(k: int | None, path: str | Path, config: DFla
     try:
         return config.check_num_speculative_tokens(recorded)
     except ValueError as e:
-        raise ValueError(f"{Path(path) / SPECULATIVE_FILE}: {e}") from e
+        raise ValueError(f"{Path(path) / SPECULATIVE_FILE}: {e} (recorded K; --num-speculative-tokens overrides it)") from e
 
 
 def empty_drafter(config: DFlashConfig, dtype: torch.dtype, device) -> DFlashDraftModel:
@@ -186,7 +186,7 @@ def write_recommended_num_speculative_tokens(path: str | Path, k: int, evidence:
         ValueError: k is not an integer >= 1.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        raise ValueError(f"num_speculative_tokens (--num-speculative-tokens) must be an integer >= 1, got {k!r}")
     file = Path(path) / SPECULATIVE_FILE
     file.write_text(json.dumps({"num_speculative_tokens": k, **(evidence or {})}, indent=1) + "\n")
     return file

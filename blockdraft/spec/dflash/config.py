@@ -299,7 +299,7 @@ class DFlashConfig:
         """
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.block_size - 1:
             raise ValueError(
-                f"num_speculative_tokens must be in [1, block_size - 1 = {self.block_size - 1}] for this drafter, "
+                f"num_speculative_tokens (--num-speculative-tokens) must be in [1, block_size - 1 = {self.block_size - 1}] for this drafter, "
                 f"got {k!r}"
             )
         return k
