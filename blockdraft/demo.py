@@ -4,7 +4,7 @@ Both engines share one loaded target (`LLM(target=...)`): the only difference be
 drafter. For each prompt the demo shows the answer, whether it is identical to plain decoding token
 for token (speculation must be lossless), the mean acceptance length (accepted drafts + 1 per
 verify step, from the engine's SpecStats) and the speed of both, measured interleaved in the same
-process (blockdraft.bench.compare). Each answer is printed as soon as both engines have produced
+process (blockdraft.side_by_side). Each answer is printed as soon as both engines have produced
 it once; the speed lines follow once every timed run of that prompt is done.
 """
 
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from blockdraft.bench.compare import TimedRun, compare_engines
+from blockdraft.side_by_side import TimedRun, compare_engines
 from blockdraft.engine.request import SpecStats
 from blockdraft.sampling_params import SamplingParams
 

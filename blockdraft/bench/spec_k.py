@@ -1,7 +1,7 @@
 """Which K (drafts per step) is fastest for a drafter on this machine? Plain vs DFlash at several K.
 
 One process loads the target once; plain decoding and one DFlash engine per (K, draft vocabulary
-size) share it and run every prompt interleaved (blockdraft.bench.compare), `--repeats` times,
+size) share it and run every prompt interleaved (blockdraft.side_by_side), `--repeats` times,
 medians. Prints a table of K, draft vocabulary, acceptance length, tokens/s and speedup over plain,
 and checks every answer equals plain decoding. `--write-default` stores the fastest K (and its draft
 vocabulary size) in the drafter folder's speculative.json, which `LLM` / `blockdraft generate` use
@@ -20,7 +20,7 @@ import platform
 import sys
 from pathlib import Path
 
-from blockdraft.bench.compare import TimedRun, compare_engines
+from blockdraft.side_by_side import TimedRun, compare_engines
 
 PLAIN = "plain"
 

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from blockdraft.bench.compare import TimedRun
+from blockdraft.side_by_side import TimedRun
 from blockdraft.bench.spec_k import best_k, best_row, k_table
 from blockdraft.engine.request import SpecStats
 

@@ -1,8 +1,8 @@
-"""bench.compare: interleaving, rotation of who runs first, warm-up, repeats and medians."""
+"""side_by_side: interleaving, rotation of who runs first, warm-up, repeats and medians."""
 
 import pytest
 
-from blockdraft.bench.compare import compare_engines
+from blockdraft.side_by_side import compare_engines
 from blockdraft.sampling_params import SamplingParams
 
 
