@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from blockdraft.layers.attention import AttentionBackend
+from blockdraft.attention.interface import AttentionBackend
 
 # (k_cache, v_cache, k [rows, kv_heads, D], v, slot_mapping [rows] int64) -> None; skips PADDING_SLOT.
 KVWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]

@@ -34,7 +34,7 @@ import torch
 from blockdraft.attention.metadata import build_metadata
 from blockdraft.bench.random_weights import fill_random_
 from blockdraft.config import ModelConfig
-from blockdraft.layers.attention import AttentionBackend
+from blockdraft.attention.interface import AttentionBackend
 from blockdraft.layers.fused_ops import set_fused_ops
 from blockdraft.models import CausalLM, allocate_kv_caches, build_model
 

@@ -7,36 +7,14 @@ The backend is passed in (no module globals) so a GPU kernel can replace the tor
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
+from blockdraft.attention.interface import AttentionBackend
 from blockdraft.attention.metadata import AttentionMetadata
 from blockdraft.layers.fused_ops import UsesFusedOps, qk_norm_rope
 from blockdraft.layers.linear import Linear, StackedLinear
 from blockdraft.layers.norm import RMSNorm
-
-
-class AttentionBackend(Protocol):
-    """Writes this forward's K/V into the paged cache (causal forwards) and attends.
-
-    q [rows, heads, head_dim]; k, v [rows, kv_heads, head_dim]; k_cache, v_cache
-    [num_kv_blocks, kv_block_size, kv_heads, head_dim]. Returns [rows, heads, head_dim].
-    """
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        causal: bool = True,
-    ) -> torch.Tensor: ...
 
 
 class Attention(UsesFusedOps, nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.config import ModelConfig
-from blockdraft.layers.attention import AttentionBackend
+from blockdraft.attention.interface import AttentionBackend
 from blockdraft.layers.linear import cpu_packing_supported
 from blockdraft.models.kv_cache import allocate_kv_caches
 from blockdraft.models.llama import CausalLM

@@ -16,7 +16,8 @@ from torch import nn
 from blockdraft.attention.metadata import AttentionMetadata
 from blockdraft.attention.torch_ref import paged_attention
 from blockdraft.config import ModelConfig
-from blockdraft.layers.attention import Attention, AttentionBackend
+from blockdraft.attention.interface import AttentionBackend
+from blockdraft.layers.attention import Attention
 from blockdraft.layers.embedding import VocabEmbedding
 from blockdraft.layers.fused_ops import UsesFusedOps, use_kernels
 from blockdraft.layers.linear import Linear, load_hf_state_dict
