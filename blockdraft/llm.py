@@ -53,12 +53,15 @@ def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir:
         ValueError: unknown model name or dtype, unsupported architecture, corrupt weights.
     """
     from blockdraft.models import build_model
-    from blockdraft.weights.loader import load_state_dict, load_tokenizer
+    from blockdraft.weights.loader import LazyStateDict, load_tokenizer
 
     check_dtype(dtype)
     path, hf_config, config = read_target_config(model, cache_dir)
     module = build_model(config, dtype=_resolve_dtype(dtype, hf_config, device), device=device)
-    module.load_weights(load_state_dict(path))
+    # Tensors are read one at a time and packing starts after the last copy: peak memory is the
+    # weights plus one tensor, then plus the packed copies as the dense ones are dropped.
+    module.load_weights(LazyStateDict(path), pack=False)
+    module.pack_loaded_weights()
     module.eval()
     return LoadedTarget(config, module, load_tokenizer(path), str(path))
 

@@ -256,12 +256,14 @@ class CausalLM(UsesFusedOps, nn.Module):
         if bad:
             raise ValueError(f"aux_layer_ids {bad} out of range: the model has layers 0..{n - 1}")
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], pack: bool = True) -> None:
         """Copy an HF-named state dict (safetensors, or a transformers GGUF conversion) into the model.
 
         `lm_head.weight` is ignored when the config ties embeddings (HF does the same); stale
         `rotary_emb.inv_freq` buffers are ignored. Tensors are cast to the model dtype. Packs
-        the weights afterwards when the model was built with pack_weights.
+        the weights afterwards when the model was built with pack_weights, unless `pack` is False:
+        then call `pack_loaded_weights()` once the caller has dropped `state_dict`, so the state
+        dict, the dense weights and their packed copies are never all in memory at once.
         Raises:
             ValueError: missing / unexpected keys (first few, with counts), a shape mismatch, or
                 weights already packed; the model is untouched when the key sets do not match.
@@ -269,6 +271,13 @@ class CausalLM(UsesFusedOps, nn.Module):
         self._check_not_packed()
         ignore = _IGNORED_KEYS + ((r"^lm_head\.weight$",) if self.lm_head is None else ())
         load_hf_state_dict(self, state_dict, ignore)
+        if pack:
+            self._maybe_pack()
+
+    def pack_loaded_weights(self) -> None:
+        """Pack the weights for CPU inference when the model was built with pack_weights (after
+        `load_weights(..., pack=False)`). Raises ValueError if they are packed already."""
+        self._check_not_packed()
         self._maybe_pack()
 
     @torch.no_grad()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -88,6 +89,49 @@ def load_state_dict(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
             raise ValueError(f"{file} repeats tensors already loaded from another file: {dup[:5]}")
         state.update(part)
     return state
+
+
+class LazyStateDict(Mapping):
+    """The tensors of a folder's *.safetensors files, read one at a time on access.
+
+    For `load_hf_state_dict`, which copies each tensor into the model and drops it: loading then
+    holds one tensor beside the model instead of a whole second copy of the weights.
+    Raises (at construction): ValueError as `load_state_dict` (no files, corrupt header, a name
+    stored twice); on access: ValueError for a tensor that cannot be read, KeyError for a name
+    not stored.
+    """
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        self._folder = _check_folder(folder)
+        self._file_of: dict[str, Path] = {}
+        for file in safetensors_files(self._folder):
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    names = list(f.keys())
+            except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+                raise ValueError(f"{file} is corrupt or truncated ({e}); {_fix_hint(self._folder)}") from e
+            dup = sorted(set(names) & set(self._file_of))
+            if dup:
+                raise ValueError(f"{file} repeats tensors already loaded from another file: {dup[:5]}")
+            self._file_of.update(dict.fromkeys(names, file))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        file = self._file_of[name]
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                return f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+            raise ValueError(f"{file} is corrupt or truncated ({e}); {_fix_hint(self._folder)}") from e
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
 
 
 def load_tokenizer(folder: str | os.PathLike):

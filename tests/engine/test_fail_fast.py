@@ -38,7 +38,8 @@ def no_weights(monkeypatch):
         raise AssertionError("weights were loaded before the arguments were checked")
 
     for target in (
-        "blockdraft.weights.loader.load_state_dict",  # every target model (load_target)
+        "blockdraft.weights.loader.load_state_dict",
+        "blockdraft.weights.loader.LazyStateDict",  # every target model (load_target)
         "blockdraft.spec.dflash.checkpoint._read_safetensors",  # every drafter (load_drafter)
         "blockdraft.drafters._expand",  # unpacking a shipped int8 drafter
         "blockdraft.bench.random_weights.random_target",  # bench --shape

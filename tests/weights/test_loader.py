@@ -8,7 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from blockdraft.weights.loader import load_hf_config, load_state_dict, load_tokenizer
+from blockdraft.weights.loader import LazyStateDict, load_hf_config, load_state_dict, load_tokenizer
+
+# Both readers: the whole dict at once, and the lazy one (materialised here so every tensor is read).
+READERS = [load_state_dict, lambda folder: dict(LazyStateDict(folder))]
 
 
 def make_folder(path, shards=2):
@@ -22,9 +25,10 @@ def make_folder(path, shards=2):
     return tensors
 
 
-def test_load_state_dict_reads_all_shards(tmp_path):
+@pytest.mark.parametrize("read", READERS, ids=["eager", "lazy"])
+def test_load_state_dict_reads_all_shards(tmp_path, read):
     expected = make_folder(tmp_path / "m")
-    state = load_state_dict(tmp_path / "m")
+    state = read(tmp_path / "m")
     assert set(state) == set(expected)
     for k, v in expected.items():
         assert state[k].dtype == v.dtype and torch.equal(state[k], v)
@@ -41,9 +45,10 @@ def test_missing_config(tmp_path):
         load_hf_config(tmp_path / "m")
 
 
-def test_missing_folder(tmp_path):
+@pytest.mark.parametrize("read", READERS, ids=["eager", "lazy"])
+def test_missing_folder(tmp_path, read):
     with pytest.raises(ValueError, match="does not exist"):
-        load_state_dict(tmp_path / "absent")
+        read(tmp_path / "absent")
 
 
 def test_corrupt_config(tmp_path):
@@ -53,45 +58,58 @@ def test_corrupt_config(tmp_path):
         load_hf_config(tmp_path / "m")
 
 
-def test_no_safetensors(tmp_path):
+@pytest.mark.parametrize("read", READERS, ids=["eager", "lazy"])
+def test_no_safetensors(tmp_path, read):
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     (folder / "pytorch_model.bin").write_bytes(b"pickles are never read")
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
-        load_state_dict(folder)
+        read(folder)
 
 
-def test_corrupt_safetensors(tmp_path):
+@pytest.mark.parametrize("read", READERS, ids=["eager", "lazy"])
+def test_corrupt_safetensors(tmp_path, read):
     folder = tmp_path / "smollm2-135m-instruct"
     make_folder(folder)
     bad = folder / "model-00001.safetensors"
     bad.write_bytes(b"\x00garbage that is no safetensors header" * 4)
     with pytest.raises(ValueError) as info:
-        load_state_dict(folder)
+        read(folder)
     msg = str(info.value)
     assert str(bad) in msg and "corrupt or truncated" in msg
     assert "blockdraft fetch smollm2-135m-instruct" in msg and "delete the folder" in msg
 
 
-def test_truncated_safetensors(tmp_path):
+@pytest.mark.parametrize("read", READERS, ids=["eager", "lazy"])
+def test_truncated_safetensors(tmp_path, read):
     folder = tmp_path / "m"
     make_folder(folder)
     file = folder / "model-00000.safetensors"
     file.write_bytes(file.read_bytes()[:-7])
     with pytest.raises(ValueError, match="model-00000.safetensors is corrupt or truncated"):
-        load_state_dict(folder)
+        read(folder)
 
 
-def test_duplicate_tensor_across_shards(tmp_path):
+@pytest.mark.parametrize("read", READERS, ids=["eager", "lazy"])
+def test_duplicate_tensor_across_shards(tmp_path, read):
     folder = tmp_path / "m"
     make_folder(folder, shards=1)
     save_file({"model.layers.0.w": torch.zeros(1)}, str(folder / "model-extra.safetensors"))
     with pytest.raises(ValueError, match="repeats tensors"):
-        load_state_dict(folder)
+        read(folder)
 
 
 def test_load_tokenizer_missing_files(tmp_path):
     make_folder(tmp_path / "m")
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         load_tokenizer(tmp_path / "m")
+
+
+def test_lazy_state_dict_reads_on_access(tmp_path):
+    expected = make_folder(tmp_path / "m")
+    lazy = LazyStateDict(tmp_path / "m")
+    assert len(lazy) == len(expected) and set(lazy) == set(expected) and "model.layers.0.w" in lazy
+    assert torch.equal(lazy["model.layers.1.w"], expected["model.layers.1.w"])
+    with pytest.raises(KeyError):
+        lazy["model.layers.9.w"]
