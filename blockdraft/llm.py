@@ -159,13 +159,16 @@ class LLM:
         prompts: a str, a list of str (raw text), a list of token-id lists, a chat conversation
             (list of {"role", "content"} dicts) or a list of conversations (chat template applied).
         Raises:
-            ValueError: empty prompt, prompt longer than the context, mismatched params list.
+            ValueError: empty prompt, a token id outside the vocabulary, prompt longer than the
+                context, mismatched params list; nothing of the batch is queued then.
         """
         token_lists = self._tokenize_all(prompts)
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(token_lists)
         if len(params) != len(token_lists):
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
+        for toks, p in zip(token_lists, params):  # the whole batch first: a bad prompt queues nothing
+            self.engine.check_request(toks, p)
         ids = [f"req-{next(self._ids)}" for _ in token_lists]
         for rid, toks, p in zip(ids, token_lists, params):
             self.engine.add_request(rid, toks, p)
@@ -251,7 +254,8 @@ def _build_engine(
 
     setup = build_runner(target.model, target.config, speculator, cache, sched, device, **runner_options)
     scheduler = Scheduler(sched, KVCacheManager(setup.num_kv_blocks, cache.kv_block_size))
-    return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len)
+    return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len,
+                     target.config.vocab_size)
 
 
 def eos_token_ids(target: LoadedTarget) -> tuple[int, ...]:

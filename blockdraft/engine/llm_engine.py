@@ -31,8 +31,12 @@ class LLMEngine:
     `runner.execute(SchedulerOutput) -> ModelRunnerOutput` is the only call into tensor land.
     """
 
-    def __init__(self, scheduler: Scheduler, runner, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int):
+    def __init__(
+        self, scheduler: Scheduler, runner, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int,
+        vocab_size: int | None = None,
+    ):
         self.scheduler = scheduler
+        self.vocab_size = vocab_size  # prompt / stop ids must lie in [0, vocab_size) (None: unchecked)
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -45,14 +49,35 @@ class LLMEngine:
         self._finished_unreported: list[Request] = []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request.
+        """Queue a request (after `check_request`; nothing is queued when it raises).
 
         Raises:
-            ValueError: duplicate id, empty prompt, or a prompt that leaves no room for one output
-                token within `max_model_len` (names the lengths).
+            ValueError: duplicate id, or as `check_request`.
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_request(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add_request(req)
+        self._requests[request_id] = req
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        eos = () if params.ignore_eos else self.eos_token_ids
+        self._stop_ids[request_id] = frozenset(params.stop_token_ids).union(eos)
+        self.stats.num_prompt_tokens += len(prompt_token_ids)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Whether a request can be queued, without queuing it (callers check a whole batch first).
+
+        Raises:
+            ValueError: empty prompt, a prompt or stop token id outside [0, vocab_size) (names the
+                first one), or a prompt that leaves no room for one output token within
+                `max_model_len` (names the lengths).
+        """
+        if self.vocab_size is not None:
+            for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
+                bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    raise ValueError(f"{what} has token id {bad}, outside the vocabulary [0, {self.vocab_size})")
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -61,13 +86,6 @@ class LLMEngine:
                 f"tokens (the smaller of the model's max positions and the KV pool; at most "
                 f"{self.max_model_len - 1} prompt tokens leave room for one output token)"
             )
-        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
-        self.scheduler.add_request(req)
-        self._requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        eos = () if params.ignore_eos else self.eos_token_ids
-        self._stop_ids[request_id] = frozenset(params.stop_token_ids).union(eos)
-        self.stats.num_prompt_tokens += len(prompt_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV pages (no-op for unknown or finished ids)."""
