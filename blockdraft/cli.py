@@ -202,7 +202,7 @@ def _generate(args) -> int:
         raise ValueError("prompt is empty: give a non-empty prompt")
     from blockdraft.drafters import check_draft_flags, resolve_draft
 
-    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens)
+    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size)
     draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens)
     llm = LLM(
         model=args.model,

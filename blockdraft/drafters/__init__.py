@@ -63,18 +63,22 @@ def add_draft_vocab_size_flag(parser, extra: str = "") -> None:
     )
 
 
-def check_draft_flags(draft: str | None, no_draft: bool, num_speculative_tokens: int | None) -> None:
+def check_draft_flags(
+    draft: str | None, no_draft: bool, num_speculative_tokens: int | None, draft_vocab_size: int | None = None
+) -> None:
     """Refuse CLI speculative flags that contradict each other or would be silently ignored.
 
     `draft` None means the default, `auto`.
     Raises:
-        ValueError: `--draft PATH | shipped` with `--no-draft`, or `--num-speculative-tokens`
-            with `--no-draft`.
+        ValueError: `--draft PATH | shipped`, `--num-speculative-tokens` or a nonzero
+            `--draft-vocab-size` with `--no-draft`.
     """
     if no_draft and draft not in (None, AUTO):
         raise ValueError(f"--draft {draft} and --no-draft contradict each other; give one")
     if no_draft and num_speculative_tokens is not None:
         raise ValueError("--num-speculative-tokens needs a drafter; drop --no-draft")
+    if no_draft and draft_vocab_size not in (None, 0):
+        raise ValueError(f"--draft-vocab-size {draft_vocab_size} needs a drafter; drop --no-draft")
 
 
 def resolve_draft(

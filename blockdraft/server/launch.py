@@ -38,7 +38,7 @@ def serve(args) -> int:
     from blockdraft.llm import LLM
     from blockdraft.server.api import build_app
 
-    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens)
+    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size)
     config = config_from_args(args)
     draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -10,6 +10,7 @@ of all prompts. Optionally also decodes without the drafter to check the outputs
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +97,16 @@ def evaluate_drafter(
     return result
 
 
+def summary_line(r: EvalResult) -> str:
+    """One human-readable line of an evaluation (the JSON on stdout has every figure)."""
+    line = (f"{r.dataset} T={r.temperature:g}: acceptance length {r.acceptance_length:.2f} (K={r.num_speculative_tokens}, "
+            f"draft vocabulary {r.draft_vocab_size or 'full'}, {r.num_steps} verify steps, {r.num_prompts} prompts)")
+    if r.identical_to_plain is not None:
+        line += f" | identical to plain: {'yes' if r.identical_to_plain else 'NO'}"
+        line += f" | speedup {r.plain_seconds / r.seconds:.2f}x (K={r.num_speculative_tokens}, this machine)"
+    return line
+
+
 def plot_per_position(results: dict[str, list[float]], path: str, title: str = "") -> None:
     """Per-position acceptance rate curves (one per label) as a PNG.
 
@@ -150,6 +161,7 @@ def main(args) -> int:
                               draft_vocab_size=args.draft_vocab_size, num_speculative_tokens=args.num_speculative_tokens)
     out = result.to_dict() | {"target": args.target, "draft": str(draft)}
     print(json.dumps(out, indent=1))
+    print(summary_line(result), file=sys.stderr)
     if args.plot:
         label = f"{args.dataset} T={args.temperature:g} (tau {result.acceptance_length:.2f})"
         plot_per_position({label: result.per_position}, args.plot, f"{args.target} + drafter {Path(draft).name}")

@@ -50,6 +50,9 @@ def test_resolution_errors_name_the_problem():
         check_draft_flags("/some/drafter", True, None)
     with pytest.raises(ValueError, match="drop --no-draft"):
         check_draft_flags("auto", True, 3)
+    with pytest.raises(ValueError, match="--draft-vocab-size 100 needs a drafter; drop --no-draft"):
+        check_draft_flags(None, True, None, 100)
+    check_draft_flags("auto", True, None, 0)  # 0 = full vocabulary: nothing to contradict
     check_draft_flags("auto", True, None)  # the default --draft with --no-draft: plain decoding
     check_draft_flags(None, False, 3)
 

@@ -37,3 +37,11 @@ def test_explicit_k_wins(tiny):
     model, drafter = tiny
     r = evaluate.evaluate_drafter(str(model), str(drafter), num_prompts=2, max_tokens=6, num_speculative_tokens=2)
     assert r.num_speculative_tokens == 2 and len(r.accepted_per_position) <= 2
+
+
+def test_summary_line_reads_the_result(tiny):
+    model, drafter = tiny
+    r = evaluate.evaluate_drafter(str(model), str(drafter), num_prompts=2, max_tokens=6, compare_plain=True)
+    line = evaluate.summary_line(r)
+    assert f"acceptance length {r.acceptance_length:.2f} (K=7, draft vocabulary full" in line
+    assert "identical to plain: yes" in line and "speedup" in line
