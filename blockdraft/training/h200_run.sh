@@ -90,7 +90,10 @@ resume() {
 }
 
 # Next run (planned after session 3): the whole budget on training. Carry the GGUF pieces, then
-# parts/state3/{A-fp32.safetensors,data.tar,eval_sequences.safetensors}; ~5.8 steps/s alone on the
+# parts/state3/{A-fp32.safetensors,data.tar,eval_sequences.safetensors} (46 + 8.5 + 0.8 MB: with the
+# shipped drafter weights left out of the index while they travel, as for the GGUF pieces, and
+# copied to /tmp on the device after each call, since the 64 MiB per call counts the whole tree);
+# ~5.8 steps/s alone on the
 # H200 (16 x 1024 tokens, 64 anchors), so STEPS=4500 is ~13 min. Nothing else may use the GPU
 # meanwhile (session 3 planned its steps while GPU tests ran and used half its time).
 STEPS=${STEPS:-4500}
