@@ -28,21 +28,20 @@ import io
 import json
 import pstats
 import statistics
+import sys
+from dataclasses import replace
 import time
 
 import torch
 
 from blockdraft.bench.engines import DFLASH, FORCED, PLAIN
-from blockdraft.bench.shapes import Shape, model_config
+from blockdraft.bench.shapes import SHAPES, model_config
 
-HOST_SHAPE = Shape(
-    "host",
-    "qwen3",
-    dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=128, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=256,
-        tie_word_embeddings=False, attention_bias=False, vocab_size=1024,
-    ),
+# The CPU smoke shape cut down further (2 layers, vocab 1024): the forward costs next to nothing.
+HOST_SHAPE = replace(
+    SHAPES["tiny"],
+    name="host",
+    hf_fields={**SHAPES["tiny"].hf_fields, "num_hidden_layers": 2, "max_position_embeddings": 256, "vocab_size": 1024},
     draft_layers=1,
     description="near-free Qwen3 for host-overhead runs: hidden 64, 2 layers, vocab 1024",
 )
@@ -187,7 +186,9 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """`python -m blockdraft.bench.host_overhead`: print the table (us per engine step), write JSON
+    with --out; returns the exit code."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if args.profile:
         print(profile_case(args.profile, args.max_tokens, args.prompt_len, args.num_speculative_tokens, args.path))
-        return
+        return 0
     rows = run(args.batch, args.mode, args.max_tokens, args.prompt_len, args.num_speculative_tokens, args.repeats,
                args.path)
     print(format_table(rows))
@@ -212,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out, "w") as f:
             json.dump({"shape": HOST_SHAPE.hf_fields, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
                        "k": args.num_speculative_tokens, "rows": rows}, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,17 @@
+"""bench.host_overhead runs end to end on the CPU and writes one row per case."""
+
+import json
+
+from blockdraft.bench.host_overhead import HOST_SHAPE, main
+
+
+def test_runs_and_writes_rows(tmp_path):
+    out = tmp_path / "host.json"
+    assert main(["--batch", "1", "2", "--mode", "plain", "dflash", "--max-tokens", "6", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"] if isinstance(data, dict) else data
+    assert len(rows) == 4
+    for row in rows:
+        assert row["steps"] > 0 and 0 < row["host_us"] <= row["step_us"]
+    assert HOST_SHAPE.hf_fields["num_hidden_layers"] == 2 and HOST_SHAPE.hf_fields["hidden_size"] == 64
