@@ -73,6 +73,47 @@ def _write_kv_kernel(
 
 
 @triton.jit
+def _split_tiles(tile_lo, tile_hi, split, NUM_SPLITS: tl.constexpr):
+    """Key tiles [lo, hi) of KV split `split` out of NUM_SPLITS equal shares of [tile_lo, tile_hi)."""
+    if NUM_SPLITS > 1:
+        per_split = tl.cdiv(tl.maximum(tile_hi - tile_lo, 0), NUM_SPLITS)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+    return tile_lo, tile_hi
+
+
+@triton.jit
+def _load_cached_kv(
+    k_cache_ptr, v_cache_ptr, table_row, n, mask, d, kv_head,
+    stride_kc_page, stride_kc_tok, stride_kc_head, stride_vc_page, stride_vc_tok, stride_vc_head,
+    KV_BLOCK_SIZE: tl.constexpr,
+):
+    """Cached K and V [N, D] (cache dtype) of token positions n [N] of one request, whose pages
+    come from its block-table row; positions where mask is False read as 0."""
+    page = tl.load(table_row + n // KV_BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    tok = n % KV_BLOCK_SIZE
+    kc = k_cache_ptr + page * stride_kc_page + tok * stride_kc_tok + kv_head * stride_kc_head
+    vc = v_cache_ptr + page * stride_vc_page + tok * stride_vc_tok + kv_head * stride_vc_head
+    keys = tl.load(kc[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+    vals = tl.load(vc[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+    return keys, vals
+
+
+@triton.jit
+def _load_block_kv(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, src, mask, d, kv_head,
+    stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+):
+    """This forward's K and V [B, D] of rows src [B] (int64), rounded through the cache dtype as
+    torch_ref does (a no-op when the dtypes agree); rows where mask is False read as 0."""
+    keys = tl.load(k_ptr + src[:, None] * stride_k_row + kv_head * stride_k_head + d[None, :],
+                   mask=mask[:, None], other=0.0)  # fmt: skip
+    vals = tl.load(v_ptr + src[:, None] * stride_v_row + kv_head * stride_v_head + d[None, :],
+                   mask=mask[:, None], other=0.0)  # fmt: skip
+    return keys.to(k_cache_ptr.dtype.element_ty), vals.to(v_cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _online_softmax_step(acc, m_i, l_i, q, keys, vals, allowed, scale_log2, DOT_PRECISION: tl.constexpr):
     """Fold one key tile into the running (acc, max, sum); scores are in log2 units.
 
@@ -153,22 +194,17 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
 
     # Cached keys, BLOCK_N tokens per tile; each token's page comes from the block table.
-    tile_lo = ctx_start // BLOCK_N
-    tile_hi = tl.cdiv(ctx_end, BLOCK_N)
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(tl.maximum(tile_hi - tile_lo, 0), NUM_SPLITS)
-        tile_lo = tile_lo + split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+    tile_lo, tile_hi = _split_tiles(ctx_start // BLOCK_N, tl.cdiv(ctx_end, BLOCK_N), split, NUM_SPLITS)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt_req
     for tile in range(tile_lo, tile_hi):
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         allowed = (n >= ctx_start) & (n < ctx_end)
-        page = tl.load(table_row + n // KV_BLOCK_SIZE, mask=allowed, other=0).to(tl.int64)
-        tok = n % KV_BLOCK_SIZE
-        kc = k_cache_ptr + page * stride_kc_page + tok * stride_kc_tok + kv_head * stride_kc_head
-        vc = v_cache_ptr + page * stride_vc_page + tok * stride_vc_tok + kv_head * stride_vc_head
-        keys = tl.load(kc[:, None] + d[None, :], mask=allowed[:, None], other=0.0).to(q.dtype)
-        vals = tl.load(vc[:, None] + d[None, :], mask=allowed[:, None], other=0.0).to(q.dtype)
+        keys, vals = _load_cached_kv(
+            k_cache_ptr, v_cache_ptr, table_row, n, allowed, d, kv_head,
+            stride_kc_page, stride_kc_tok, stride_kc_head, stride_vc_page, stride_vc_tok, stride_vc_head,
+            KV_BLOCK_SIZE,
+        )
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         acc, m_i, l_i = _online_softmax_step(
             acc, m_i, l_i, q, keys, vals, allowed[None, :], scale_log2, DOT_PRECISION
         )
@@ -182,14 +218,11 @@ def _paged_attention_kernel(
             allowed = allowed & (k_pos <= q_pos)
         if USE_WINDOW:
             allowed = allowed & (k_pos > q_pos - window)
-        src = (req_start + j).to(tl.int64)
-        keys = tl.load(k_ptr + src[:, None] * stride_k_row + kv_head * stride_k_head + d[None, :],
-                       mask=allowed[:, None], other=0.0)  # fmt: skip
-        vals = tl.load(v_ptr + src[:, None] * stride_v_row + kv_head * stride_v_head + d[None, :],
-                       mask=allowed[:, None], other=0.0)  # fmt: skip
-        # Round through the cache dtype as torch_ref does (a no-op when the dtypes agree).
-        keys = keys.to(k_cache_ptr.dtype.element_ty).to(q.dtype)
-        vals = vals.to(v_cache_ptr.dtype.element_ty).to(q.dtype)
+        keys, vals = _load_block_kv(
+            k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, (req_start + j).to(tl.int64), allowed, d, kv_head,
+            stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+        )
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         acc, m_i, l_i = _online_softmax_step(
             acc, m_i, l_i, q, keys, vals, allowed[None, :], scale_log2, DOT_PRECISION
         )
@@ -294,22 +327,17 @@ def _multi_row_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    tile_lo = key_lo // BLOCK_N
-    tile_hi = tl.cdiv(key_hi, BLOCK_N)
-    if NUM_SPLITS > 1:
-        per_split = tl.cdiv(tl.maximum(tile_hi - tile_lo, 0), NUM_SPLITS)
-        tile_lo = tile_lo + split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+    tile_lo, tile_hi = _split_tiles(key_lo // BLOCK_N, tl.cdiv(key_hi, BLOCK_N), split, NUM_SPLITS)
     table_row = block_table_ptr + seg.to(tl.int64) * stride_bt_req
     for key_tile in range(tile_lo, tile_hi):
         n = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         needed = (n >= key_lo) & (n < key_hi)  # some row of the tile reads key n
-        page = tl.load(table_row + n // KV_BLOCK_SIZE, mask=needed, other=0).to(tl.int64)
-        tok = n % KV_BLOCK_SIZE
-        kc = k_cache_ptr + page * stride_kc_page + tok * stride_kc_tok + kv_head * stride_kc_head
-        vc = v_cache_ptr + page * stride_vc_page + tok * stride_vc_tok + kv_head * stride_vc_head
-        keys = tl.load(kc[:, None] + d[None, :], mask=needed[:, None], other=0.0).to(q.dtype)
-        vals = tl.load(vc[:, None] + d[None, :], mask=needed[:, None], other=0.0).to(q.dtype)
+        keys, vals = _load_cached_kv(
+            k_cache_ptr, v_cache_ptr, table_row, n, needed, d, kv_head,
+            stride_kc_page, stride_kc_tok, stride_kc_head, stride_vc_page, stride_vc_tok, stride_vc_head,
+            KV_BLOCK_SIZE,
+        )
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         allowed = real[:, None] & (n[None, :] >= ctx_start[:, None]) & (n[None, :] < ctx_end[:, None])
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, keys, vals, allowed, scale_log2, DOT_PRECISION)
 
@@ -318,14 +346,11 @@ def _multi_row_attention_kernel(
         j = tl.arange(0, BLOCK_B)
         k_pos = seq_len + j
         key_ok = (j < BLOCK_TOKENS) & (j < seg_end - seg_start) & (split == 0) & is_req
-        src = (seg_start + j).to(tl.int64)
-        keys = tl.load(k_ptr + src[:, None] * stride_k_row + kv_head * stride_k_head + d[None, :],
-                       mask=key_ok[:, None], other=0.0)  # fmt: skip
-        vals = tl.load(v_ptr + src[:, None] * stride_v_row + kv_head * stride_v_head + d[None, :],
-                       mask=key_ok[:, None], other=0.0)  # fmt: skip
-        # Round through the cache dtype as torch_ref does (a no-op when the dtypes agree).
-        keys = keys.to(k_cache_ptr.dtype.element_ty).to(q.dtype)
-        vals = vals.to(v_cache_ptr.dtype.element_ty).to(q.dtype)
+        keys, vals = _load_block_kv(
+            k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, (seg_start + j).to(tl.int64), key_ok, d, kv_head,
+            stride_k_row, stride_k_head, stride_v_row, stride_v_head,
+        )
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         allowed = real[:, None] & key_ok[None, :]
         if CAUSAL:
             allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
