@@ -134,6 +134,7 @@ def preflight(
     if draft is not None:
         from blockdraft.drafters import resolve_draft
         from blockdraft.spec.dflash.checkpoint import (
+            check_drafter_fits,
             read_drafter_config,
             resolve_draft_vocab_size,
             resolve_num_speculative_tokens,
@@ -156,7 +157,7 @@ def preflight(
     if target_config is None:
         path, _, target_config = read_target_config(model, cache_dir)
     if drafter_config is not None:
-        read_drafter_config(draft, target_config)  # same parse, now with the target cross-check
+        check_drafter_fits(drafter_config, draft, target_config)
     if vocab_n:
         from blockdraft.spec.draft_vocab import load_draft_vocab
 

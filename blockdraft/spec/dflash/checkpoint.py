@@ -72,12 +72,24 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
         raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
     try:
         config = DFlashConfig.from_hf_dict(raw)
-        if target_config is not None:
-            config.validate_against_target(target_config)
     except (ValueError, KeyError) as e:
         detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
         raise ValueError(f"drafter {path}: {detail}") from e
+    if target_config is not None:
+        check_drafter_fits(config, path, target_config)
     return config
+
+
+def check_drafter_fits(config: DFlashConfig, path: str | Path, target_config: ModelConfig) -> None:
+    """DFlashConfig.validate_against_target, its message prefixed with the drafter folder.
+
+    Raises:
+        ValueError: hidden size, vocabulary or target layer ids that do not fit the target.
+    """
+    try:
+        config.validate_against_target(target_config)
+    except ValueError as e:
+        raise ValueError(f"drafter {path}: {e}") from e
 
 
 def resolve_num_speculative_tokens(k: int | None, path: str | Path, config: DFlashConfig) -> int:
