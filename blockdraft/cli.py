@@ -143,6 +143,14 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--sampled-fraction", type=float, default=0.25, help="share of prompts answered at T=0.7")
     t.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    t.add_argument("--cache-features", action="store_true",
+                   help="compute the target's features of every training sequence once and keep them in memory "
+                        "(tokens x feature layers x hidden x 2 or 4 bytes) instead of running the target every "
+                        "step: same result, much faster over several epochs")
+    t.add_argument("--train-vocab-size", type=int, default=0,
+                   help="train the loss over the LM-head rows of the N most frequent answer tokens (EOS first), "
+                        "the draft vocabulary that decoding with --draft-vocab-size N uses; N/V of the LM-head "
+                        "cost (0: the full vocabulary, the default)")
     t.add_argument("--no-resume", action="store_true")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")

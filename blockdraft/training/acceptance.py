@@ -21,12 +21,15 @@ from blockdraft.training.dense import dense_block_forward
 @torch.no_grad()
 def draft_every_anchor(
     drafter: DFlashDraftModel, target, seqs: list[torch.Tensor], starts: list[int], chunk: int = 128,
+    draft_vocab: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Greedy drafts at every anchor start_i..L_i-2 of each sequence.
 
     Args:
         seqs: token id tensors [L_i] (prompt + response); starts: first anchor (= prompt length).
         chunk: anchors per dense forward (bounds the mask / logits memory).
+        draft_vocab: [N] int64 target ids the drafter may propose (the engine's DraftHead: argmax
+            over those LM-head rows), or None for the full vocabulary.
     Returns:
         per sequence a [L_i, B-1] int64 tensor; row P holds the drafts for positions P+1..P+B-1
         (rows outside start..L-2 are -1).
@@ -42,6 +45,11 @@ def draft_every_anchor(
     out = [torch.full((len(s), bs - 1), -1, dtype=torch.long) for s in seqs]
     span = max(len(s) - 1 - st for s, st in zip(seqs, starts))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    lm_head, ids_of = target.lm_head, None
+    if draft_vocab is not None:
+        ids_of = draft_vocab.to(dev).long()
+        rows_w = target.lm_head_rows(ids_of).to(dev)
+        lm_head = lambda h: torch.nn.functional.linear(h.to(rows_w.dtype), rows_w)  # noqa: E731
     for lo in range(0, max(span, 0), chunk):
         offs = torch.arange(lo, min(lo + chunk, span), device=dev)
         anchors = torch.stack([st + offs for st in starts]).clamp(max=t - 1)  # [b, A]
@@ -54,7 +62,8 @@ def draft_every_anchor(
         with autocast:
             hidden = dense_block_forward(drafter, feats, embeds, anchors, valid)
             rows = hidden.view(b, a, bs, -1)[:, :, 1:][valid]
-            drafts = drafter.compute_logits(rows, target.lm_head).argmax(dim=-1).view(-1, bs - 1).cpu()
+            best = drafter.compute_logits(rows, lm_head).argmax(dim=-1)
+            drafts = (best if ids_of is None else ids_of[best]).view(-1, bs - 1).cpu()
         pos, which = anchors[valid].cpu(), valid.nonzero()[:, 0].cpu()
         for row in range(drafts.shape[0]):
             out[int(which[row])][int(pos[row])] = drafts[row]
@@ -94,16 +103,17 @@ def summarize(steps: list[int], num_speculative_tokens: int) -> dict:
 
 def offline_acceptance(
     drafter: DFlashDraftModel, target, seqs: list[torch.Tensor], starts: list[int], eos_ids: tuple[int, ...],
-    batch_size: int = 8, num_speculative_tokens: int | None = None,
+    batch_size: int = 8, num_speculative_tokens: int | None = None, draft_vocab: torch.Tensor | None = None,
 ) -> dict:
     """Acceptance over many sequences (pooled over steps, as the engine's aggregate stats are),
     plus the per-sequence means under "per_sequence". A sequence whose last token is not in
-    `eos_ids` is taken to have stopped at max_tokens (see `walk`)."""
+    `eos_ids` is taken to have stopped at max_tokens (see `walk`). draft_vocab: as in
+    `draft_every_anchor`."""
     k = num_speculative_tokens or drafter.config.block_size - 1
     all_steps, per_seq = [], []
     for lo in range(0, len(seqs), batch_size):
         chunk, st = seqs[lo : lo + batch_size], starts[lo : lo + batch_size]
-        for s, d, a in zip(chunk, draft_every_anchor(drafter, target, chunk, st), st):
+        for s, d, a in zip(chunk, draft_every_anchor(drafter, target, chunk, st, draft_vocab=draft_vocab), st):
             steps = walk(s, d, a, k, hit_max_tokens=int(s[-1]) not in eos_ids)
             all_steps += steps
             per_seq.append(summarize(steps, k)["acceptance_length"])

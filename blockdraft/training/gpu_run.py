@@ -121,7 +121,6 @@ def run(args) -> dict:
 
     from blockdraft.config import ModelConfig
     from blockdraft.training.dataset import TokenDataset
-    from blockdraft.training.generate import generate_with_hf, sampling_plan, to_dataset
 
     t_start = time.time()
     work = Path(args.work)
@@ -138,16 +137,17 @@ def run(args) -> dict:
     data_dir = work / "data"
     if (data_dir / "data-00000.safetensors").is_file():
         data = TokenDataset.load(data_dir)
+        if args.extend_seconds > 0 and not (data_dir / "data-00001.safetensors").is_file():
+            seen = {tuple(data.sequence(i)[0][: _prompt_len(data, i)].tolist()) for i in range(len(data))}
+            fresh = [p for p in lists["train"][: args.num_prompts] if tuple(p) not in seen]
+            _log(f"extending the data: {len(fresh)} prompts not answered yet, {args.extend_seconds:.0f} s")
+            more = _answer(hf, fresh, args, info, eos, pad, args.seed + 1000, args.extend_seconds)
+            more.save(data_dir, shard=1)
+            data = TokenDataset.concat([data, more])
+            data.info.update(num_sequences=len(data), num_tokens=int(data.offsets[-1]),
+                             num_response_tokens=data.num_response_tokens(), extended=more.info)
     else:
-        prompts = lists["train"][: args.num_prompts]
-        sampled = sampling_plan(len(prompts), args.sampled_fraction, args.seed)
-        t0 = time.time()
-        responses = generate_with_hf(hf, prompts, args.max_new_tokens, sampled, eos, pad, temperature=0.7, seed=args.seed,
-                                     batch_size=args.gen_batch, progress=True, deadline=t0 + args.gen_seconds)
-        gen_info = {"target": info["target"], "generator": "transformers.generate bf16", "max_new_tokens": args.max_new_tokens,
-                    "sampled_temperature": 0.7, "sampled_fraction": args.sampled_fraction, "seed": args.seed,
-                    "prompt_stats": info["stats"], "gen_seconds": round(time.time() - t0, 1)}
-        data = to_dataset(prompts, responses, sampled, gen_info)
+        data = _answer(hf, lists["train"][: args.num_prompts], args, info, eos, pad, args.seed, args.gen_seconds)
         data.save(data_dir)
     _log(f"data: {json.dumps(data.info)}")
     results = {"data": data.info, "drafters": {}}
@@ -158,16 +158,42 @@ def run(args) -> dict:
     return results
 
 
+def _answer(hf, prompts: list[list[int]], args, info: dict, eos, pad, seed: int, seconds: float):
+    """The target's answers to `prompts` (a `sampled_fraction` share at T = 0.7) as a TokenDataset,
+    from transformers `generate` for at most `seconds` (prompts left unanswered are dropped)."""
+    from blockdraft.training.generate import generate_with_hf, sampling_plan, to_dataset
+
+    sampled = sampling_plan(len(prompts), args.sampled_fraction, seed)
+    t0 = time.time()
+    responses = generate_with_hf(hf, prompts, args.max_new_tokens, sampled, eos, pad, temperature=0.7, seed=seed,
+                                 batch_size=args.gen_batch, progress=True, deadline=t0 + seconds)
+    gen_info = {"target": info["target"], "generator": "transformers.generate bf16", "max_new_tokens": args.max_new_tokens,
+                "sampled_temperature": 0.7, "sampled_fraction": args.sampled_fraction, "seed": seed,
+                "prompt_stats": info["stats"], "gen_seconds": round(time.time() - t0, 1)}
+    return to_dataset(prompts, responses, sampled, gen_info)
+
+
+def _prompt_len(data, i: int) -> int:
+    """Tokens before sequence i's first response token (its prompt)."""
+    mask = data.sequence(i)[1]
+    return int(mask.int().argmax()) if bool(mask.any()) else mask.numel()
+
+
 def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple[int, ...] = ()) -> dict:
     """Train every drafter of --drafters in lockstep; export each (z-lab files + a draft vocabulary
     ranked from `data`'s response tokens with `eos_ids` first) to `work/<name>/export`."""
     from blockdraft.spec.dflash.checkpoint import export_drafter
-    from blockdraft.spec.draft_vocab import write_dataset_draft_vocab
+    from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
     from blockdraft.training.build import new_drafter, num_parameters
+    from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import HFTarget
     from blockdraft.training.trainer import TrainConfig, Trainer, fit_together
 
     target = HFTarget(hf)
+    draft_vocab = None
+    if args.train_vocab_size:  # the same ranking the export writes to draft_vocab.json
+        draft_vocab = rank_dataset(data, target_cfg.vocab_size, eos_ids, args.train_vocab_size)[0]
+    features = None
     specs = json.loads(args.drafters)
     cfg = TrainConfig(steps=10**9, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors,
                       lr=args.lr, warmup_frac=args.warmup_frac, seed=args.seed, log_every=25, ckpt_every=0)
@@ -184,7 +210,13 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
             with torch.no_grad():
                 for k, v in load_file(spec["init_from"]).items():
                     d.state_dict()[k].copy_(v)
-        trainers[spec["name"]] = Trainer(d, target, data, cfg, work / spec["name"])
+        if args.cache_features and features is None:  # one cache: drafters trained together share layer ids
+            t0 = time.time()
+            features = FeatureCache.build(target, data, d.config.target_layer_ids, cfg.max_len, args.device,
+                                          batch_size=args.batch_size)
+            _log(f"target features cached: {tuple(features.feats.shape)} ({time.time() - t0:.0f} s)")
+        trainers[spec["name"]] = Trainer(d, target, data, cfg, work / spec["name"], features=features,
+                                         draft_vocab=draft_vocab)
         results["drafters"][spec["name"]] = {"spec": spec, "params": num_parameters(d)}
     steps = args.steps or _plan_steps(list(trainers.values()), args.train_seconds)
     for tr in trainers.values():
@@ -266,9 +298,15 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path)
             d8 = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
             d8.load_weights(unpack(packed))
             variants["int8"] = d8
-        for vname, d in variants.items():
+        heads = {"": None}
+        if args.train_vocab_size:  # also as decoding with --draft-vocab-size N runs it
+            from blockdraft.spec.draft_vocab import load_draft_vocab
+
+            heads[f"-dv{args.train_vocab_size}"] = load_draft_vocab(export, args.train_vocab_size, target_cfg.vocab_size)
+        for (vname, d), (suffix, dv) in ((v, h) for v in variants.items() for h in heads.items()):
+            vname = vname + suffix
             for (ds, temp), (ss, starts) in seqs.items():
-                r = offline_acceptance(d, target, ss, starts, eos, batch_size=8)
+                r = offline_acceptance(d, target, ss, starts, eos, batch_size=8, draft_vocab=dv)
                 out[f"{name}/{vname}/{ds}/T{int(temp)}"] = {k: v for k, v in r.items() if k != "per_sequence"}
                 _log(f"{name}/{vname} {ds} T={temp}: acceptance length {r['acceptance_length']:.3f}")
     return out
@@ -296,6 +334,8 @@ def main(argv=None) -> int:
     r.add_argument("--max-new-tokens", type=int, default=384)
     r.add_argument("--gen-batch", type=int, default=512)
     r.add_argument("--gen-seconds", type=float, default=270)
+    r.add_argument("--extend-seconds", type=float, default=0,
+                   help="when --work already holds data: answer prompts not in it for this long and add them (once)")
     r.add_argument("--train-seconds", type=float, default=420)
     r.add_argument("--steps", type=int, default=None, help="optimizer steps (default: as many as fit --train-seconds)")
     r.add_argument("--block-size", type=int, default=16)
@@ -308,6 +348,8 @@ def main(argv=None) -> int:
     r.add_argument("--eval-max-tokens", type=int, default=256)
     r.add_argument("--eval-sequences", default=None, help="reuse eval_sequences.safetensors of an earlier run")
     r.add_argument("--warmup-frac", type=float, default=0.04)
+    r.add_argument("--cache-features", action="store_true", help="compute the target features once (FeatureCache)")
+    r.add_argument("--train-vocab-size", type=int, default=0, help="loss over the N most frequent answer tokens (0: all)")
     args = p.parse_args(argv)
     if args.cmd == "prep":
         print(json.dumps(prep(args.target, Path(args.out), args.num_prompts, args.max_prompt_tokens, args.seed)))

