@@ -6,9 +6,10 @@
 #   h200_run.sh resume PARTS WORK INIT  Qwen only: fresh answers, continue training the drafter whose
 #                                       weights are INIT, evaluate, then `blockdraft bench` the result
 #   h200_run.sh pack WORK OUT           resume's results + generated data into OUT (<= 15 MB pieces)
-#   h200_run.sh train_more PARTS WORK INIT DATA_TAR EVAL   Qwen only, no generation: continue INIT
-#                                       (fp32 drafter weights) on kept answers (a tar of a data/
-#                                       folder) for STEPS steps, evaluate on kept EVAL sequences
+#   h200_run.sh prepare4 PARTS; stash PARTS (per GGUF piece); train_fast WORK INIT DATA_TAR EVAL;
+#   pack4 WORK OUT                      session 4: GPU tests + continue INIT (fp32 drafter weights)
+#                                       on kept answers (a tar of a data/ folder) plus new ones,
+#                                       cached features, 32K-id loss; bench; 8B profile (see below)
 #
 # PARTS holds blob.NN (the Qwen2.5-Coder-0.5B GGUF followed by the SmolLM2-135M GGUF, cut into
 # pieces that fit the device's per-call transfer limit), qwen/ and smol/ (written by
@@ -89,28 +90,62 @@ resume() {
     echo RESUME-DONE" > "$W/resume.log" 2>&1 < /dev/null &
 }
 
-# Next run (planned after session 3): the whole budget on training. Carry the GGUF pieces, then
-# parts/state3/{A-fp32.safetensors,data.tar,eval_sequences.safetensors} (46 + 8.5 + 0.8 MB: with the
-# shipped drafter weights left out of the index while they travel, as for the GGUF pieces, and
-# copied to /tmp on the device after each call, since the 64 MiB per call counts the whole tree);
-# ~5.8 steps/s alone on the
-# H200 (16 x 1024 tokens, 64 anchors), so STEPS=4500 is ~13 min. Nothing else may use the GPU
-# meanwhile (session 3 planned its steps while GPU tests ran and used half its time).
-STEPS=${STEPS:-4500}
-train_more() {
-  local P=$1 W=$2 INIT=$3 DATA=$4 EVAL=$5
-  mkdir -p "$W/qwen" /tmp/bdc/gguf || exit 1
-  cat "$P"/g*/blob.* > /tmp/bdc/gguf/qwen.gguf || exit 1
+# Session 4: the GPU tests and the training share the lent GPU, the tests first (their Triton
+# compiles are CPU work). Calls: `prepare4 PARTS` with the whole tree (shipped drafters included,
+# for the real-model GPU tests); `stash PARTS` once per GGUF piece (parts/gN/blob.*, the drafter
+# weights left out of the index so a piece fits the 64 MiB per call); then `train_fast PARTS WORK
+# INIT DATA_TAR EVAL` starts two background chains: convert the GGUF -> tests/gpu (pytest-xdist,
+# log in /tmp/gputests.log); and gpu_run with --extend-seconds (new answers), --cache-features,
+# --train-vocab-size 32768 for TRAIN seconds -> bench on the real model -> profile_step at the 8B
+# shape. `pack4 WORK OUT` brings everything back (<= 16 MB files).
+EXTEND=${EXTEND:-150}
+TRAIN=${TRAIN:-660}
+prepare4() {
+  local P=$1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
+  rm -rf /tmp/tcode && mkdir -p /tmp/tcode /tmp/bdc/gguf /tmp/blobs && cp -r blockdraft tests pyproject.toml /tmp/tcode/ || exit 1
+  cp -r "$P/base/cache/downloads" /tmp/bdc/ && cp -r "$P/base" /tmp/base || exit 1
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+}
+
+stash() {
+  cp "$1"/g*/blob.* /tmp/blobs/ && ls /tmp/blobs | wc -l
+}
+
+train_fast() {
+  local W=$1 INIT=$2 DATA=$3 EVAL=$4
+  mkdir -p "$W/qwen" || exit 1
+  cat /tmp/blobs/blob.* > /tmp/bdc/gguf/qwen.gguf || exit 1
   echo "$QWEN_SHA  /tmp/bdc/gguf/qwen.gguf" | sha256sum -c || exit 1
   cp "$INIT" "$W/init.safetensors" && cp "$EVAL" "$W/eval_sequences.safetensors" && tar xf "$DATA" -C "$W/qwen" || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
   mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
-  export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15
+  export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
+  (cd /tmp/tcode && PYTHONPATH=/tmp/site:/tmp/tcode setsid nohup bash -c "
+    python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/qwen.gguf\"))' &&
+    python3 -m pytest -q -n 8 -p xdist tests/gpu; echo GPU-TESTS-DONE" > /tmp/gputests.log 2>&1 < /dev/null &)
   cd "$W/code" || exit 1
   local drafters='[{"name":"A","num_layers":2,"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"}]'
-  setsid nohup python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep "$P/base/qwen" \
-    --work "$W/qwen" --drafters "$drafters" --steps "$STEPS" --train-seconds 100000 --lr 8e-4 --seed 2 \
-    --eval-sequences "$W/eval_sequences.safetensors" > "$W/resume.log" 2>&1 < /dev/null &
+  setsid nohup bash -c "
+    python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
+      --drafters '$drafters' --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
+      --train-seconds $TRAIN --lr 8e-4 --seed 3 --eval-sequences $W/eval_sequences.safetensors &&
+    python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
+      --draft-vocab-size 32768 --batch-sizes 1,8,32 --max-tokens 128 --out $W/bench-real ;
+    python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
+      --out $W/profile-qwen3-8b-b1.json --trace $W/trace-qwen3-8b-b1.json.gz > $W/profile-qwen3-8b-b1.txt 2>&1 ;
+    echo TRAIN-CHAIN-DONE" > "$W/resume.log" 2>&1 < /dev/null &
+}
+
+pack4() {
+  local W=$1 OUT=$2
+  mkdir -p "$OUT"
+  cp /tmp/gputests.log "$W/" 2>/dev/null
+  tar czf "$OUT/small.tgz" -C "$W" resume.log $(cd "$W" && ls -d gputests.log qwen/results.json qwen/A/train_log.jsonl \
+    qwen/A/export/config.json qwen/A/export/draft_vocab.json qwen/data/data-00001.safetensors bench-real.* \
+    profile-qwen3-8b-b1.* trace-qwen3-8b-b1-*.json.gz 2>/dev/null)
+  split -b 15000000 -d -a 1 "$W/qwen/A/export/model.safetensors" "$OUT/A-bf16."
+  split -b 16000000 -d -a 1 "$W/qwen/A/checkpoint/drafter.safetensors" "$OUT/A-fp32."
+  ls -la "$OUT"
 }
 
 pack() {
