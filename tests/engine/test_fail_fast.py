@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from blockdraft.cli import main
 from blockdraft.drafters import SHIPPED_DIR
@@ -146,6 +147,9 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
              "--num-prompts) must be an integer >= 1, got 0")
     _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--plot", "/nonexistent/p.png"],
              "--plot '/nonexistent/p.png': folder '/nonexistent' does not exist")
+    if not torch.cuda.is_available():
+        _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--device", "cuda"],
+                 "device 'cuda' asked for but torch sees no CUDA device")
     _refused(capsys, ["bench", "--model", m, "--draft", "/nonexistent", "--device", "cpu"],
              "'/nonexistent' does not exist")
     _refused(capsys, ["bench", "--model", m, "--draft", str(drafter), "--num-speculative-tokens", "8",
