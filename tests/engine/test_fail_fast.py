@@ -193,12 +193,15 @@ def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):
     ranked, foreign = shutil.copytree(drafter, tmp_path / "ranked"), shutil.copytree(drafter, tmp_path / "foreign")
     save_draft_vocab(ranked, torch.arange(10), torch.zeros(10, dtype=torch.long), {"source": "test"})
     # ranked for a larger vocabulary
-    save_draft_vocab(foreign, torch.tensor([0, 500]), torch.zeros(2, dtype=torch.long), {"source": "test"})
+    save_draft_vocab(foreign, torch.tensor([*range(7), 500]), torch.zeros(8, dtype=torch.long), {"source": "test"})
     cases = [
         (["--draft", str(drafter), "--draft-vocab-size", "5"], [f"drafter folder {drafter} has no draft_vocab"]),
         (["--draft", str(ranked), "--draft-vocab-size", "11"], ["in [1, 10]", "got 11"]),
         (["--draft", str(ranked), "--draft-vocab-size", "-1"], ["integer >= 0 (0: full vocabulary), got -1"]),
-        (["--draft", str(foreign), "--draft-vocab-size", "2"], ["holds token id 500", "vocabulary [0, 96)"]),
+        (["--draft", str(foreign), "--draft-vocab-size", "8"], ["holds token id 500", "vocabulary [0, 96)"]),
+        # below 1/16 of the tiny vocabulary (256 ids for a real one): checked against the target's config
+        (["--draft", str(ranked), "--draft-vocab-size", "5"], ["in [6, 10] for a target vocabulary of 96 ids",
+                                                               "got 5"]),
     ]
     for command in (["generate", "w05x", "--model", m], ["serve", "--model", m], ["demo", "--model", m]):
         for flags, expected in cases:
