@@ -5,7 +5,8 @@ drafter. For each prompt the demo shows the answer, whether it is identical to p
 for token (speculation must be lossless), the mean acceptance length (accepted drafts + 1 per
 verify step, from the engine's SpecStats) and the speed of both, measured interleaved in the same
 process (blockdraft.side_by_side). Each answer is printed as soon as both engines have produced
-it once; the speed lines follow once every timed run of that prompt is done.
+it once; with one timed run, its speed line follows once that prompt's run is done, with more, the
+speed lines of all prompts follow once every timed run is done.
 """
 
 from __future__ import annotations
@@ -335,20 +336,23 @@ def main(args) -> int:
         print(f"  (prompt {index + 1}/{len(prompts)}, run {repeat + 1}/{args.repeats}: {label} {seconds:.1f} s)",
               file=sys.stderr, flush=True)
 
-    # One timed run: each speed line follows its answer. More: answers first, speed lines together.
+    # One timed run: each speed line follows its answer. More: answers first, then the speed lines
+    # together once every timed run is done, so no run's progress line (stderr) splits them.
     single = args.repeats == 1
 
     def on_answer(index: int, result: PromptResult) -> None:
         print(format_answer(index + 1, len(prompts), result) + ("" if single else "\n"), flush=True)
 
     def on_timed(index: int, result: PromptResult) -> None:
-        if index == 0 and not single:
-            print(f"speed, median of {args.repeats} timed runs per engine:", flush=True)
-        print(format_speed(index + 1, len(prompts), result) + ("\n" if single else ""), flush=True)
+        if single:
+            print(format_speed(index + 1, len(prompts), result) + "\n", flush=True)
 
     report = run_demo(target, draft, prompts, params, args.repeats, args.num_speculative_tokens, args.raw,
                       args.model, on_start, on_run, pre.draft_vocab_size, on_answer, on_timed)
-    print(("" if single else "\n") + format_summary(report))
+    if not single:
+        speed = [format_speed(i + 1, len(prompts), p) for i, p in enumerate(report.prompts)]
+        print("\n".join([f"speed, median of {args.repeats} timed runs per engine:", *speed, ""]), flush=True)
+    print(format_summary(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_dict(), f, indent=1)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.chat_messages import check_chat_messages
 from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig
 from blockdraft.engine.kv_cache_manager import KVCacheManager
 from blockdraft.engine.llm_engine import LLMEngine
@@ -159,8 +160,9 @@ class LLM:
         prompts: a str, a list of str (raw text), a list of token-id lists, a chat conversation
             (list of {"role", "content"} dicts) or a list of conversations (chat template applied).
         Raises:
-            ValueError: empty prompt, a token id outside the vocabulary, prompt longer than the
-                context, mismatched params list; nothing of the batch is queued then.
+            ValueError: empty prompt, a bad chat message (its index, value and the allowed roles), a
+                token id outside the vocabulary, prompt longer than the context, mismatched params
+                list; nothing of the batch is queued then.
         """
         token_lists = self._tokenize_all(prompts)
         params = sampling_params or SamplingParams()
@@ -175,14 +177,23 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """`generate` for one conversation or a list of conversations (chat template applied)."""
+        """`generate` for one conversation or a list of conversations (chat template applied).
+
+        Raises:
+            ValueError: as `generate`; a message whose role is not system / user / assistant or
+                that has no string content names the message's index and value.
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate([self.encode_chat(c) for c in convs], sampling_params)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation through the model's chat template (with the assistant cue)."""
-        if not messages:
-            raise ValueError("chat conversation is empty: give at least one message")
+        """Token ids of a conversation through the model's chat template (with the assistant cue).
+
+        Raises:
+            ValueError: an empty conversation or a bad message (blockdraft.chat_messages: the
+                message index, the value, the allowed roles).
+        """
+        check_chat_messages(messages)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 

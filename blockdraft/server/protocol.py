@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from blockdraft.chat_messages import check_role
 from blockdraft.server.errors import APIError
 
 # field -> its neutral values (accepted because they change nothing; null is always neutral).
@@ -138,9 +139,7 @@ class ChatMessage(_Strict):
     @field_validator("role")
     @classmethod
     def _known_role(cls, v: str) -> str:
-        if v not in ("system", "user", "assistant"):
-            raise ValueError(f"role {v[:32]!r} is not supported; use 'system', 'user' or 'assistant'")
-        return v
+        return check_role(v)
 
     @property
     def text(self) -> str:

@@ -173,14 +173,27 @@ def draft_vocab_capacity(folder: str | Path) -> int | None:
     return int(_read(file)["token_ids"].numel())
 
 
-def check_draft_vocab_size(size, folder: str | Path) -> int:
+# Smallest useful draft vocabulary: at 256 ids the sliced head already costs little next to the
+# drafter's layers, so fewer ids save almost no time and only lose the drafts outside them.
+MIN_DRAFT_VOCAB_SIZE = 256
+
+
+def min_draft_vocab_size(vocab_size: int) -> int:
+    """The smallest draft vocabulary allowed for a target vocabulary of `vocab_size` ids:
+    MIN_DRAFT_VOCAB_SIZE, or 1/16 of the vocabulary when that is smaller (tiny test vocabularies,
+    so that proper slices of them stay possible), at least 1."""
+    return max(1, min(MIN_DRAFT_VOCAB_SIZE, vocab_size // 16))
+
+
+def check_draft_vocab_size(size, folder: str | Path, vocab_size: int | None = None) -> int:
     """The one check of a draft vocabulary size against a drafter folder; returns the size.
 
     0 means the full vocabulary (no file needed); N >= 1 needs `<folder>/draft_vocab.json`
-    with at least N ranked ids.
+    with at least N ranked ids, and, when the target's vocabulary size V is given,
+    N >= min_draft_vocab_size(V) (256 for real vocabularies).
     Raises:
-        ValueError: not an integer >= 0, or N larger than the ids in the file (names the file and
-            the allowed range).
+        ValueError: not an integer >= 0, N larger than the ids in the file (names the file and
+            the allowed range), or N below min_draft_vocab_size(V) (names the minimum and why).
         FileNotFoundError: N >= 1 and the folder has no draft_vocab.json (names the folder).
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -197,19 +210,27 @@ def check_draft_vocab_size(size, folder: str | Path) -> int:
     if size > capacity:
         raise ValueError(f"draft_vocab_size (--draft-vocab-size) must be 0 (full vocabulary) or in [1, {capacity}] for "
                          f"{Path(folder) / DRAFT_VOCAB_FILE} ({capacity} ranked ids), got {size}")
+    if vocab_size is not None and size < min_draft_vocab_size(vocab_size):
+        low = min_draft_vocab_size(vocab_size)
+        raise ValueError(
+            f"draft_vocab_size (--draft-vocab-size) must be 0 (full vocabulary) or in [{low}, {capacity}] for a "
+            f"target vocabulary of {vocab_size} ids and {Path(folder) / DRAFT_VOCAB_FILE}, got {size}: a draft "
+            f"vocabulary under {low} ids saves almost no time over {low} (the head is already a small part of a draft "
+            f"step) and loses the drafts outside it")
     return size
 
 
 def load_draft_vocab(folder: str | Path, size: int, vocab_size: int | None = None) -> torch.Tensor:
     """The first `size` ranked ids of `<folder>/draft_vocab.json` -> [size] int64 (CPU).
 
-    vocab_size: the target's V; when given, every loaded id must be below it.
+    vocab_size: the target's V; when given, every loaded id must be below it and `size` at least
+        min_draft_vocab_size(V).
     Raises:
         FileNotFoundError / ValueError: as `check_draft_vocab_size` (size 0 is refused here: there
             is nothing to load), a corrupt file (wrong dtype, repeated or negative ids), or an id
             >= vocab_size (a vocabulary ranked for another target).
     """
-    if check_draft_vocab_size(size, folder) == 0:
+    if check_draft_vocab_size(size, folder, vocab_size) == 0:
         raise ValueError(f"load_draft_vocab needs size >= 1 (0 means the full vocabulary: no draft vocabulary), "
                          f"got {size}")
     file = Path(folder) / DRAFT_VOCAB_FILE

@@ -33,6 +33,7 @@ class EvalResult:
     identical_to_plain: bool | None = None
     draft_vocab_size: int = 0  # draft LM-head columns (0: the full vocabulary)
     num_speculative_tokens: int | None = None  # K drafts per step
+    device: str = "cpu"  # where the engines ran: "cpu" or "cuda"
 
     @property
     def acceptance_length(self) -> float:
@@ -54,6 +55,7 @@ def evaluate_drafter(
     target: str, draft: str, dataset: str = "humaneval", num_prompts: int = 10, temperature: float = 0.0,
     max_tokens: int = 256, seed: int = 0, compare_plain: bool = False, dtype: str = "float32", cache_dir=None,
     max_num_seqs: int = 16, draft_vocab_size: int | None = None, num_speculative_tokens: int | None = None,
+    device: str = "cpu", gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
 ) -> EvalResult:
     """Generate with the drafter on the first `num_prompts` prompts of `dataset`; pool the counters.
 
@@ -61,8 +63,14 @@ def evaluate_drafter(
     num_speculative_tokens: K; None = the drafter's whole block (block_size - 1), as the DFlash paper
         reports acceptance, not the speed-tuned K of the folder's speculative.json.
 
+    device: "cpu" | "cuda" | "auto" (CUDA when torch sees one), as `LLM` / `generate --device`;
+        gpu_memory_utilization / enforce_eager: the CUDA pool budget and no CUDA graphs, as `LLM`.
+
     With `compare_plain`, the same prompts are decoded without the drafter (same seeds) to check
     token-for-token equality and to time the speedup.
+    Raises:
+        ValueError / FileNotFoundError: a bad setting (num_prompts < 1, sampling values, device,
+            drafter folder, K, draft vocabulary size), before any weights load.
     """
     from blockdraft.llm import LLM, load_target
     from blockdraft.preflight import preflight
@@ -73,28 +81,45 @@ def evaluate_drafter(
         raise ValueError(f"num_prompts (--num-prompts) must be an integer >= 1, got {num_prompts!r}")
     SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)  # checks the values
     # Drafter folder and config against the target's config, dtype, scheduler: before any weights.
-    pre = preflight(target, draft, num_speculative_tokens, dtype=dtype, max_num_seqs=max_num_seqs,
+    pre = preflight(target, draft, num_speculative_tokens, dtype=dtype, device=device,
+                    gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                     cache_dir=cache_dir, draft_vocab_size=draft_vocab_size)
     k = num_speculative_tokens if num_speculative_tokens is not None else pre.drafter_config.block_size - 1
     convs = [[{"role": "user", "content": t}] for t in eval_prompts(dataset, cache_dir)[:num_prompts]]
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i) for i in range(len(convs))]
-    loaded = load_target(str(pre.target_path), dtype, cache_dir=cache_dir)
-    spec = LLM(target=loaded, draft=pre.draft, num_speculative_tokens=k, dtype=dtype,
-               max_num_seqs=max_num_seqs, draft_vocab_size=pre.draft_vocab_size)
+    loaded = load_target(str(pre.target_path), dtype, pre.device, cache_dir=cache_dir)
+    engine_options = dict(dtype=dtype, device=pre.device, gpu_memory_utilization=gpu_memory_utilization,
+                          enforce_eager=enforce_eager, max_num_seqs=max_num_seqs)
+    spec = LLM(target=loaded, draft=pre.draft, num_speculative_tokens=k, draft_vocab_size=pre.draft_vocab_size,
+               **engine_options)
     t0 = time.perf_counter()
     outs = spec.generate(convs, params)
     seconds = time.perf_counter() - t0
     stats = spec.engine.stats.spec
     result = EvalResult(dataset, temperature, len(convs), max_tokens, stats.num_steps, stats.num_accepted_tokens,
                         sum(len(o.token_ids) for o in outs), seconds, list(stats.accepted_per_position),
-                        draft_vocab_size=pre.draft_vocab_size, num_speculative_tokens=k)
+                        draft_vocab_size=pre.draft_vocab_size, num_speculative_tokens=k, device=pre.device)
     if compare_plain:
-        plain = LLM(target=loaded, dtype=dtype, max_num_seqs=max_num_seqs)
+        # On CUDA each engine sizes its KV pool from the free memory: free the speculative one first.
+        del spec
+        _release_device_memory(pre.device)
+        plain = LLM(target=loaded, **engine_options)
         t0 = time.perf_counter()
         ref = plain.generate(convs, params)
         result.plain_seconds = time.perf_counter() - t0
         result.identical_to_plain = all(a.token_ids == b.token_ids for a, b in zip(outs, ref))
     return result
+
+
+def _release_device_memory(device: str) -> None:
+    """Return the memory of engines dropped so far to the device (CUDA; a no-op on the CPU)."""
+    if device == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()  # engine objects in reference cycles hold their KV pools until collected
+        torch.cuda.empty_cache()
 
 
 def summary_line(r: EvalResult) -> str:
@@ -158,7 +183,9 @@ def main(args) -> int:
         raise ValueError(f"no --draft given and no drafter ships for {args.target!r}")
     result = evaluate_drafter(args.target, str(draft), args.dataset, args.num_prompts, args.temperature,
                               args.max_tokens, args.seed, args.compare_plain, args.dtype, args.cache_dir,
-                              draft_vocab_size=args.draft_vocab_size, num_speculative_tokens=args.num_speculative_tokens)
+                              draft_vocab_size=args.draft_vocab_size, num_speculative_tokens=args.num_speculative_tokens,
+                              device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
+                              enforce_eager=args.enforce_eager)
     out = result.to_dict() | {"target": args.target, "draft": str(draft)}
     print(json.dumps(out, indent=1))
     print(summary_line(result), file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -57,6 +58,45 @@ def test_demo_prints_answers_identical_to_plain_with_acceptance_and_speedup(tiny
     assert printed.index("  -> [1/2] plain ") > speed and printed.index("  -> [2/2] plain ") > speed
     assert "summary: identical to plain on 2/2 prompts" in printed and "speedup" in printed
     assert printed.index("summary:") > printed.index("  -> [2/2] plain ")
+
+
+def _demo_terminal(tiny, tmp_path, capsys, monkeypatch, repeats: int) -> list[str]:
+    """The demo's lines as a terminal shows them: stdout and stderr (progress) in one stream."""
+    monkeypatch.setattr(sys, "stderr", sys.stdout)
+    code, _ = _demo(tiny, tmp_path, "--repeats", str(repeats))
+    assert code == 0
+    return [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def _kinds(lines: list[str]) -> list[str]:
+    """Each line's kind, in order: answer header, progress, speed header, speed line, summary."""
+    kinds = []
+    for line in lines:
+        if line.startswith("[") and "/2] " in line:
+            kinds.append("answer")
+        elif line.startswith("  (prompt "):
+            kinds.append("progress")
+        elif line.startswith("speed, median"):
+            kinds.append("speed header")
+        elif line.startswith("  -> [") and " plain " in line:
+            kinds.append("speed")
+        elif line.startswith("summary:"):
+            kinds.append("summary")
+    return kinds
+
+
+def test_demo_with_repeats_prints_answers_then_speed_lines_then_summary(tiny, tmp_path, capsys, monkeypatch):
+    """No progress line of a timed run lands between the speed lines (they come after all runs)."""
+    kinds = _kinds(_demo_terminal(tiny, tmp_path, capsys, monkeypatch, repeats=3))
+    first_speed = kinds.index("speed header")
+    assert "progress" not in kinds[first_speed:] and "answer" not in kinds[first_speed:]
+    assert kinds[first_speed:] == ["speed header", "speed", "speed", "summary"]
+    assert kinds[:first_speed].count("answer") == 2 and kinds[:first_speed].count("progress") == 2 * 2 * 3
+
+
+def test_demo_with_one_run_prints_each_speed_line_after_its_answer(tiny, tmp_path, capsys, monkeypatch):
+    kinds = [k for k in _kinds(_demo_terminal(tiny, tmp_path, capsys, monkeypatch, repeats=1)) if k != "progress"]
+    assert kinds == ["answer", "speed", "answer", "speed", "summary"]
 
 
 def test_demo_shows_each_answer_before_the_later_timed_runs(tiny):

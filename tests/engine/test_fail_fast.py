@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from blockdraft.cli import main
 from blockdraft.drafters import SHIPPED_DIR
@@ -146,6 +147,9 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
              "--num-prompts) must be an integer >= 1, got 0")
     _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--plot", "/nonexistent/p.png"],
              "--plot '/nonexistent/p.png': folder '/nonexistent' does not exist")
+    if not torch.cuda.is_available():
+        _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--device", "cuda"],
+                 "device 'cuda' asked for but torch sees no CUDA device")
     _refused(capsys, ["bench", "--model", m, "--draft", "/nonexistent", "--device", "cpu"],
              "'/nonexistent' does not exist")
     _refused(capsys, ["bench", "--model", m, "--draft", str(drafter), "--num-speculative-tokens", "8",
@@ -189,12 +193,15 @@ def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):
     ranked, foreign = shutil.copytree(drafter, tmp_path / "ranked"), shutil.copytree(drafter, tmp_path / "foreign")
     save_draft_vocab(ranked, torch.arange(10), torch.zeros(10, dtype=torch.long), {"source": "test"})
     # ranked for a larger vocabulary
-    save_draft_vocab(foreign, torch.tensor([0, 500]), torch.zeros(2, dtype=torch.long), {"source": "test"})
+    save_draft_vocab(foreign, torch.tensor([*range(7), 500]), torch.zeros(8, dtype=torch.long), {"source": "test"})
     cases = [
         (["--draft", str(drafter), "--draft-vocab-size", "5"], [f"drafter folder {drafter} has no draft_vocab"]),
         (["--draft", str(ranked), "--draft-vocab-size", "11"], ["in [1, 10]", "got 11"]),
         (["--draft", str(ranked), "--draft-vocab-size", "-1"], ["integer >= 0 (0: full vocabulary), got -1"]),
-        (["--draft", str(foreign), "--draft-vocab-size", "2"], ["holds token id 500", "vocabulary [0, 96)"]),
+        (["--draft", str(foreign), "--draft-vocab-size", "8"], ["holds token id 500", "vocabulary [0, 96)"]),
+        # below 1/16 of the tiny vocabulary (256 ids for a real one): checked against the target's config
+        (["--draft", str(ranked), "--draft-vocab-size", "5"], ["in [6, 10] for a target vocabulary of 96 ids",
+                                                               "got 5"]),
     ]
     for command in (["generate", "w05x", "--model", m], ["serve", "--model", m], ["demo", "--model", m]):
         for flags, expected in cases:

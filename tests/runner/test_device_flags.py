@@ -1,5 +1,5 @@
-"""--device / --gpu-memory-utilization / --enforce-eager on generate and serve: defaults, help and
-clear errors before any model is loaded."""
+"""--device / --gpu-memory-utilization / --enforce-eager on generate, serve and eval-drafter: defaults,
+help and clear errors before any model is loaded."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from blockdraft.cli import _parser, main
 from blockdraft.llm import resolve_device
 
 
-@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]])
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["eval-drafter"]])
 def test_flags_and_defaults(command):
     args = _parser().parse_args(command)
     assert (args.device, args.gpu_memory_utilization, args.enforce_eager) == ("auto", 0.9, False)

@@ -97,6 +97,25 @@ def test_size_checks_name_the_file_the_folder_and_the_range(tmp_path):
         load_draft_vocab(tmp_path, 4, vocab_size=8)
 
 
+def test_sizes_below_the_useful_minimum_are_refused_when_the_vocabulary_is_known(tmp_path):
+    """256 ids for real vocabularies (1/16 of a tiny one): smaller slices only lose drafts."""
+    from blockdraft.spec.draft_vocab import min_draft_vocab_size
+
+    save_draft_vocab(tmp_path, torch.arange(1000), torch.zeros(1000, dtype=torch.long), {"source": "test"})
+    assert [min_draft_vocab_size(v) for v in (151936, 49152, 4096, 96, 10)] == [256, 256, 256, 6, 1]
+    with pytest.raises(ValueError, match=r"must be 0 \(full vocabulary\) or in \[256, 1000\] for a target vocabulary "
+                                         r"of 151936 ids .*got 10: a draft vocabulary under 256 ids saves almost no time"):
+        check_draft_vocab_size(10, tmp_path, vocab_size=151936)
+    with pytest.raises(ValueError, match=r"in \[256, 1000\].*got 255"):
+        load_draft_vocab(tmp_path, 255, vocab_size=151936)
+    assert check_draft_vocab_size(256, tmp_path, vocab_size=151936) == 256
+    assert check_draft_vocab_size(0, tmp_path, vocab_size=151936) == 0
+    assert load_draft_vocab(tmp_path, 6, vocab_size=96).tolist() == list(range(6))
+    with pytest.raises(ValueError, match=r"in \[6, 1000\] for a target vocabulary of 96 ids.*got 5"):
+        check_draft_vocab_size(5, tmp_path, vocab_size=96)
+    assert check_draft_vocab_size(5, tmp_path) == 5  # V unknown (before the target's config is read): no minimum
+
+
 def test_corrupt_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match="repeated ids"):
         save_draft_vocab(tmp_path, torch.tensor([1, 1]), torch.tensor([2, 2]), {})

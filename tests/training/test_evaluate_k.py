@@ -45,3 +45,17 @@ def test_summary_line_reads_the_result(tiny):
     line = evaluate.summary_line(r)
     assert f"acceptance length {r.acceptance_length:.2f} (K=7, draft vocabulary full" in line
     assert "identical to plain: yes" in line and "speedup" in line
+
+
+def test_cli_runs_on_the_device_asked_for(tiny, capsys):
+    """eval-drafter --device reaches the engines; the JSON records where they ran."""
+    from blockdraft.cli import main
+    from blockdraft.preflight import resolve_device
+
+    model, drafter = tiny
+    base = ["eval-drafter", "--target", str(model), "--draft", str(drafter), "--num-prompts", "2", "--max-tokens", "4"]
+    assert main([*base, "--device", "cpu", "--compare-plain"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == "cpu" and out["identical_to_plain"]
+    assert main(base) == 0  # default: auto, as generate
+    assert json.loads(capsys.readouterr().out)["device"] == resolve_device("auto")

@@ -53,12 +53,12 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
 
     data = TokenDataset.load(out / "data")
     eos = eos_token_ids(target)
-    ids = load_draft_vocab(out / "drafter", 64, target.config.vocab_size)
+    ids = load_draft_vocab(out / "drafter", 256, target.config.vocab_size)
     assert ids[: len(eos)].tolist() == list(eos)
-    assert ids.tolist() == rank_dataset(data, target.config.vocab_size, eos, 64)[0].tolist()
+    assert ids.tolist() == rank_dataset(data, target.config.vocab_size, eos, 256)[0].tolist()
     assert read_draft_vocab_metadata(out / "drafter")["num_tokens"] == data.num_response_tokens()
-    sliced = LLM(target=target, draft=str(out / "drafter"), dtype="float32", draft_vocab_size=64)
-    assert sliced.speculator.draft_head.size == 64
+    sliced = LLM(target=target, draft=str(out / "drafter"), dtype="float32", draft_vocab_size=256)
+    assert sliced.speculator.draft_head.size == 256
     assert [o.token_ids for o in sliced.generate(prompts, params)] == [o.token_ids for o in plain]
 
 

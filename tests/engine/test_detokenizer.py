@@ -1,0 +1,91 @@
+"""Incremental detokenization on the real catalog tokenizers (byte-level BPE: SmolLM2, Qwen2.5):
+the streamed pieces add up to the full decode, multi-byte characters split across tokens
+included, at one decode call per token (plus one per window restart)."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockdraft.engine.detokenizer import IncrementalDetokenizer
+from blockdraft.weights.catalog import DEFAULT_MODEL
+from blockdraft.weights.fetch import cache_root, is_complete
+
+MODELS = ["smollm2-135m-instruct", DEFAULT_MODEL]
+TEXT = (
+    "def greet(name):\n    return f\"Hello, {name}! 👋\"\n\n"
+    "Emoji: 🎉🚀 👨‍👩‍👧‍👦 🇯🇵 🏳️‍🌈 ✅. CJK: 日本語の文章を書きます。中文分词测试，한국어 문장입니다. "
+    "Accents: café naïve Ωμέγα, Привет мир, مرحبا بالعالم; math ∑∫√∞ ≠ ≤.\n"
+    "Repeated emoji across tokens: 🤖🤖🤖🧠🧠🧠 done."
+)
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and counts `decode` calls."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls += 1
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def tokenizer(request):
+    from blockdraft.weights.loader import load_tokenizer
+
+    folder = cache_root() / "models" / request.param
+    if not is_complete(folder):
+        pytest.skip(f"{request.param} is not in the cache (this test never downloads)")
+    return load_tokenizer(folder)
+
+
+def _stream(tokenizer, ids: list[int]) -> tuple[list[str], IncrementalDetokenizer]:
+    """The text each token added (empty while a character is incomplete), then the flushed rest."""
+    detok, pieces = IncrementalDetokenizer(tokenizer, []), []
+    for t in ids:
+        before = detok.text
+        assert detok.append(t) is None
+        pieces.append(detok.text[len(before):])
+    before = detok.text
+    detok.flush()
+    pieces.append(detok.text[len(before):])
+    return pieces, detok
+
+
+def test_pieces_add_up_to_the_full_text_with_multibyte_characters_split_across_tokens(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    # the test is only meaningful if characters really are split across tokens
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+    ids = ids + [tokenizer.eos_token_id]  # a special token, skipped in the text
+    pieces, detok = _stream(tokenizer, ids)
+    assert "".join(pieces) == detok.text == tokenizer.decode(ids, skip_special_tokens=True) == TEXT
+    assert not any("\ufffd" in p for p in pieces)  # held back until complete, never emitted half
+
+
+def test_every_prefix_of_the_stream_is_a_prefix_of_the_text(tokenizer):
+    """Streaming clients see text that only grows: every cut of the token stream."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    for t in ids:
+        detok.append(t)
+        assert TEXT.startswith(detok.text)
+
+
+def test_one_decode_call_per_token(tokenizer):
+    ids = tokenizer.encode(TEXT * 3, add_special_tokens=False)
+    counting = CountingTokenizer(tokenizer)
+    pieces, detok = _stream(counting, ids)
+    assert detok.text == TEXT * 3
+    n = len(ids)
+    # one per token, one per window restart (every WINDOW tokens, less the few of a split
+    # character), one for the flush; was two per token
+    assert counting.calls <= n + n // (IncrementalDetokenizer.WINDOW // 2) + 1, (counting.calls, n)
+
+
+def test_stop_string_split_across_multibyte_tokens(tokenizer):
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, ["中文"])
+    hit = detok.extend(ids)
+    assert hit is not None and hit[1] == "中文"
+    assert detok.text == TEXT[: TEXT.index("中文")]
