@@ -90,7 +90,7 @@ def train_drafter(args) -> dict:
     from blockdraft.llm import eos_token_ids, load_target
     from blockdraft.preflight import check_dtype, read_target_config, resolve_device
     from blockdraft.spec.dflash.checkpoint import export_drafter
-    from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
+    from blockdraft.spec.draft_vocab import min_draft_vocab_size, rank_dataset, write_dataset_draft_vocab
     from blockdraft.training.build import new_drafter, num_parameters
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import EngineTarget
@@ -107,9 +107,10 @@ def train_drafter(args) -> dict:
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
                       ckpt_every=args.ckpt_every, log_every=settings["log_every"])
     path, _, target_config = read_target_config(args.target, args.cache_dir)
-    if args.train_vocab_size > target_config.vocab_size:
-        raise ValueError(f"--train-vocab-size {args.train_vocab_size} is larger than the target's vocabulary "
-                         f"({target_config.vocab_size}); give at most that, or 0 for the full vocabulary")
+    low, high = min_draft_vocab_size(target_config.vocab_size), target_config.vocab_size
+    if args.train_vocab_size and not low <= args.train_vocab_size <= high:
+        raise ValueError(f"--train-vocab-size must be 0 (full vocabulary) or in [{low}, {high}] for this target's "
+                         f"{high}-id vocabulary (the range --draft-vocab-size allows), got {args.train_vocab_size}")
     drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
                           seed=args.seed, device=device)

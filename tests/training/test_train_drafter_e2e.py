@@ -62,13 +62,13 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     assert [o.token_ids for o in sliced.generate(prompts, params)] == [o.token_ids for o in plain]
 
 
-    # Again on the same answers, with the target features cached and the loss over the 64 ids.
+    # Again on the same answers, with the target features cached and the loss over the 256 ids.
     args = ["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "fast"), "--data", str(out / "data"),
-            "--steps", "2", "--cache-features", "--train-vocab-size", "64"]
+            "--steps", "2", "--cache-features", "--train-vocab-size", "256"]
     assert main(args) == 0
     fast = json.loads(capsys.readouterr().out)
-    assert fast["cache_features"] and fast["train_vocab_size"] == 64 and fast["final"]["step"] == 2
-    assert load_draft_vocab(tmp_path / "fast" / "drafter", 64, target.config.vocab_size).tolist() == ids.tolist()
+    assert fast["cache_features"] and fast["train_vocab_size"] == 256 and fast["final"]["step"] == 2
+    assert load_draft_vocab(tmp_path / "fast" / "drafter", 256, target.config.vocab_size).tolist() == ids.tolist()
 
 
 def test_train_vocab_size_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
@@ -76,6 +76,7 @@ def test_train_vocab_size_is_checked_before_anything_loads(tmp_path, capsys, mon
 
     monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
     for value, message in (("-1", "--train-vocab-size must be an integer >= 0"),
-                           ("10000000", "larger than the target's vocabulary")):
+                           ("10000000", "--train-vocab-size must be 0 (full vocabulary) or in [256, 49152]"),
+                           ("100", "--train-vocab-size must be 0 (full vocabulary) or in [256, 49152]")):
         assert main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--train-vocab-size", value]) != 0
         assert message in capsys.readouterr().err
