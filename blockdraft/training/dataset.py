@@ -92,15 +92,21 @@ class TokenDataset:
 
     @classmethod
     def concat(cls, parts: list["TokenDataset"]) -> "TokenDataset":
-        """One dataset holding every sequence of `parts`, in order (info of the first part)."""
+        """One dataset holding every sequence of `parts`, in order. Its info is the first part's;
+        with several parts, the counts (num_sequences, num_tokens, num_response_tokens,
+        num_sampled) are those of the whole, and "shards" lists each part's own info."""
         shift, offsets = 0, [torch.zeros(1, dtype=torch.int64)]
         for p in parts:
             offsets.append(p.offsets[1:] + shift)
             shift += int(p.offsets[-1])
-        return cls(
+        out = cls(
             torch.cat([p.input_ids for p in parts]), torch.cat([p.loss_mask for p in parts]),
             torch.cat(offsets), torch.cat([p.sampled for p in parts]), dict(parts[0].info) if parts else {},
         )
+        if len(parts) > 1:
+            out.info.update(shards=[p.info for p in parts], num_sequences=len(out), num_tokens=int(out.offsets[-1]),
+                            num_response_tokens=out.num_response_tokens(), num_sampled=int(out.sampled.sum()))
+        return out
 
 
 @dataclass

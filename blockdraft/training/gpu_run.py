@@ -144,8 +144,6 @@ def run(args) -> dict:
             more = _answer(hf, fresh, args, info, eos, pad, args.seed + 1000, args.extend_seconds)
             more.save(data_dir, shard=1)
             data = TokenDataset.concat([data, more])
-            data.info.update(num_sequences=len(data), num_tokens=int(data.offsets[-1]),
-                             num_response_tokens=data.num_response_tokens(), extended=more.info)
     else:
         data = _answer(hf, lists["train"][: args.num_prompts], args, info, eos, pad, args.seed, args.gen_seconds)
         data.save(data_dir)

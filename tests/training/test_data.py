@@ -52,6 +52,18 @@ def test_dataset_round_trip_and_batches(tmp_path):
     assert batches == epoch_batches(torch.tensor([5, 9, 3, 7, 1]), 2, seed=0, epoch=0)
 
 
+def test_a_folder_of_shards_loads_as_one_dataset_with_whole_counts(tmp_path):
+    first = TokenDataset.from_pairs([([1, 2], [3, 4, 5]), ([6], [7])], [False, True], {"num_sequences": 2, "k": 1})
+    second = TokenDataset.from_pairs([([8], [9, 10])], [True], {"num_sequences": 1, "k": 2})
+    first.save(tmp_path, shard=0)
+    second.save(tmp_path, shard=1)
+    both = TokenDataset.load(tmp_path)
+    assert both.lengths().tolist() == [5, 2, 3] and both.sequence(2)[0].tolist() == [8, 9, 10]
+    assert both.info["k"] == 1 and [s["k"] for s in both.info["shards"]] == [1, 2]
+    assert (both.info["num_sequences"], both.info["num_tokens"], both.info["num_response_tokens"],
+            both.info["num_sampled"]) == (3, 10, 6, 2)
+
+
 def test_generation_helpers():
     assert cut_at_eos([5, 6, 2, 7], (2,)) == [5, 6, 2] and cut_at_eos([5], (2,)) == [5]
     plan = sampling_plan(20, 0.25, seed=3)
