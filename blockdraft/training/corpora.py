@@ -110,6 +110,28 @@ def sharegpt_first_turns(cache_dir: str | Path | None = None) -> list[str]:
     return out
 
 
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def sharegpt_conversations(cache_dir: str | Path | None = None) -> list[list[dict]]:
+    """Every complete ShareGPT conversation as chat messages [{"role", "content"}] (roles "user" /
+    "assistant", alternating, starting with "user"), in file order (not filtered). A conversation
+    is cut before its first turn that breaks that pattern (another speaker, a non-string value)."""
+    text = read_member(SHAREGPT, cache_dir).decode("utf-8")
+    out = []
+    for record in iter_json_array(text):
+        messages = []
+        for turn in record.get("conversations") or []:
+            role = _SHAREGPT_ROLES.get(turn.get("from"))
+            expected = "user" if len(messages) % 2 == 0 else "assistant"
+            if role != expected or not isinstance(turn.get("value"), str):
+                break
+            messages.append({"role": role, "content": turn["value"]})
+        if messages:
+            out.append(messages)
+    return out
+
+
 def humaneval_problems(cache_dir: str | Path | None = None) -> list[dict]:
     """The 164 HumanEval problems as dicts (task_id, prompt, ...); only `prompt` is used here."""
     raw = gzip.decompress(read_member(HUMANEVAL, cache_dir)).decode("utf-8")

@@ -19,12 +19,14 @@ import torch
 from blockdraft.training.dataset import TokenDataset
 
 
-def encode_prompts(tokenizer, texts: list[str], max_prompt_tokens: int) -> tuple[list[list[int]], list[int]]:
-    """Chat-encode each text as one user turn (with the assistant cue), dropping prompts longer than
-    `max_prompt_tokens`. Returns (token id lists, indices of the kept texts)."""
+def encode_prompts(tokenizer, texts: list, max_prompt_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Chat-encode each prompt (a text: one user turn; or a chat message list) with the assistant
+    cue, dropping prompts longer than `max_prompt_tokens`. Returns (token id lists, indices of the
+    kept prompts)."""
     out, kept = [], []
     for i, text in enumerate(texts):
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        messages = text if isinstance(text, list) else [{"role": "user", "content": text}]
+        chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer.encode(chat, add_special_tokens=False)
         if len(ids) <= max_prompt_tokens:
             out.append(ids)

@@ -46,9 +46,14 @@ def _unpack_lists(flat: torch.Tensor, offsets: torch.Tensor) -> list[list[int]]:
     return [flat[o[i] : o[i + 1]].tolist() for i in range(len(o) - 1)]
 
 
-def prep(target: str, out: Path, num_prompts: int, max_prompt_tokens: int, seed: int, cache_dir=None) -> dict:
+def prep(target: str, out: Path, num_prompts: int, max_prompt_tokens: int, seed: int, cache_dir=None,
+         later_turns: int = 0) -> dict:
     """Write `<out>/prompts.safetensors` (train/humaneval/mtbench token ids, chat template applied)
-    and `<out>/config.json` (the target's HF config). Returns stats (also in the file metadata)."""
+    and `<out>/config.json` (the target's HF config). Returns stats (also in the file metadata).
+
+    later_turns: also up to this many multi-turn prompts (ShareGPT prefixes ending in a later user
+    turn, prompts.select_later_turns), appended after the first-turn prompts, so the first-turn
+    list (and the answers an earlier run gave to it) stays the same."""
     from safetensors.torch import save_file
 
     from blockdraft.training import corpora
@@ -64,6 +69,15 @@ def prep(target: str, out: Path, num_prompts: int, max_prompt_tokens: int, seed:
     assert_no_eval_overlap(texts, eval_texts)
     train_ids, kept = encode_prompts(tok, texts, max_prompt_tokens)
     stats.update(encoded=len(train_ids), max_prompt_tokens=max_prompt_tokens)
+    if later_turns:
+        from blockdraft.training.prompts import select_later_turns
+
+        convs, later_stats = select_later_turns(corpora.sharegpt_conversations(cache_dir), eval_texts, later_turns,
+                                                seed=seed)
+        assert_no_eval_overlap(convs, eval_texts)
+        later_ids, _ = encode_prompts(tok, convs, max_prompt_tokens)
+        train_ids += later_ids
+        stats["later_turns"] = {**later_stats, "encoded": len(later_ids)}
     tensors = {}
     for name, lists in (("train", train_ids),
                         ("humaneval", encode_prompts(tok, corpora.eval_prompts("humaneval", cache_dir), 10**9)[0]),
@@ -319,6 +333,8 @@ def main(argv=None) -> int:
     a.add_argument("--num-prompts", type=int, default=100000)
     a.add_argument("--max-prompt-tokens", type=int, default=512)
     a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--later-turns", type=int, default=0,
+                   help="also this many multi-turn prompts (ShareGPT prefixes ending in a later user turn)")
     r = sub.add_parser("run")
     r.add_argument("--gguf", required=True)
     r.add_argument("--prep", required=True, help="folder written by `prep`")
@@ -350,7 +366,8 @@ def main(argv=None) -> int:
     r.add_argument("--train-vocab-size", type=int, default=0, help="loss over the N most frequent answer tokens (0: all)")
     args = p.parse_args(argv)
     if args.cmd == "prep":
-        print(json.dumps(prep(args.target, Path(args.out), args.num_prompts, args.max_prompt_tokens, args.seed)))
+        print(json.dumps(prep(args.target, Path(args.out), args.num_prompts, args.max_prompt_tokens, args.seed,
+                              later_turns=args.later_turns)))
     else:
         print(json.dumps(run(args), indent=1))
     return 0

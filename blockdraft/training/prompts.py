@@ -92,9 +92,62 @@ def select_prompts(
     return kept, stats
 
 
-def assert_no_eval_overlap(prompts: Iterable[str], eval_texts: Iterable[str]) -> None:
-    """Raise ValueError naming the first training prompt that overlaps an evaluation text."""
+def assert_no_eval_overlap(prompts: Iterable, eval_texts: Iterable[str]) -> None:
+    """Raise ValueError naming the first training prompt (a text, or a chat message list: every
+    message is checked) that overlaps an evaluation text."""
     index = EvalIndex(eval_texts)
     for p in prompts:
-        if index.overlaps(p):
-            raise ValueError(f"training prompt overlaps an evaluation prompt: {p[:120]!r}")
+        for text in ([m["content"] for m in p] if isinstance(p, list) else [p]):
+            if index.overlaps(text):
+                raise ValueError(f"training prompt overlaps an evaluation prompt: {text[:120]!r}")
+
+
+def select_later_turns(
+    conversations: Iterable[list[dict]],
+    eval_texts: Iterable[str],
+    num_prompts: int,
+    min_chars: int = 16,
+    max_chars: int = 2000,
+    min_ascii: float = 0.9,
+    seed: int = 0,
+) -> tuple[list[list[dict]], dict]:
+    """Multi-turn training prompts: every prefix of a conversation that ends in its 2nd, 3rd, ...
+    user turn (the earlier user and assistant turns kept as context), shuffled with `seed`, at most
+    `num_prompts`. The target answers the last user turn; only that answer is trained on.
+
+    Filters, in order: the last user turn's length in [min_chars, max_chars] characters; at least
+    `min_ascii` ASCII characters over the whole prefix; first occurrence of each prefix
+    (normalised); no message of the prefix overlapping `eval_texts` (EvalIndex).
+    Args:
+        conversations: chat message lists [{"role": "user" | "assistant", "content": str}],
+            alternating from "user" (corpora.sharegpt_conversations).
+    Returns:
+        (prefixes, stats) where stats counts what each filter removed.
+    """
+    index = EvalIndex(eval_texts)
+    seen: set[str] = set()
+    kept: list[list[dict]] = []
+    stats = {"input": 0, "length": 0, "non_ascii": 0, "duplicate": 0, "eval_overlap": 0}
+    for conv in conversations:
+        for end in range(3, len(conv) + 1, 2):  # prefixes ending in user turns 2, 3, ...
+            prefix = [{"role": m["role"], "content": m["content"].strip()} for m in conv[:end]]
+            stats["input"] += 1
+            if not min_chars <= len(prefix[-1]["content"]) <= max_chars:
+                stats["length"] += 1
+                continue
+            if ascii_ratio("".join(m["content"] for m in prefix)) < min_ascii:
+                stats["non_ascii"] += 1
+                continue
+            key = "\x00".join(normalize(m["content"]) for m in prefix)
+            if key in seen:
+                stats["duplicate"] += 1
+                continue
+            seen.add(key)
+            if any(index.overlaps(m["content"]) for m in prefix):
+                stats["eval_overlap"] += 1
+                continue
+            kept.append(prefix)
+    random.Random(seed).shuffle(kept)
+    kept = kept[:num_prompts]
+    stats["kept"] = len(kept)
+    return kept, stats

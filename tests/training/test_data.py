@@ -8,7 +8,7 @@ import torch
 from blockdraft.training import corpora
 from blockdraft.training.dataset import TokenDataset, collate, epoch_batches
 from blockdraft.training.generate import cut_at_eos, sampling_plan
-from blockdraft.training.prompts import EvalIndex, assert_no_eval_overlap, select_prompts
+from blockdraft.training.prompts import EvalIndex, assert_no_eval_overlap, select_later_turns, select_prompts
 from blockdraft.weights.fetch import cache_root, find_wheel
 
 EVAL = ["Write a function that returns the sum of the squares of all odd numbers in a list of integers please",
@@ -29,6 +29,26 @@ def test_select_prompts_filters_dedups_and_drops_eval_overlap():
     assert stats == {"input": 6, "length": 1, "non_ascii": 1, "duplicate": 1, "eval_overlap": 2, "kept": 1}
     with pytest.raises(ValueError, match="overlaps"):
         assert_no_eval_overlap(texts[4:5], EVAL)
+
+
+def _conv(*texts):
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
+
+
+def test_later_turns_are_prefixes_ending_in_a_later_user_turn_with_eval_text_nowhere():
+    convs = [
+        _conv("What is a Python list?", "A sequence.", "And how do I sort one?", "sorted(x).", "Reverse it too, please?"),
+        _conv("Tell me a joke please", EVAL[1], "Another one, thanks!"),  # eval text in an assistant turn
+        _conv("Only one question here"),
+        _conv("What is a Python list?", "A sequence.", "And how do I sort one?"),  # duplicate prefix
+    ]
+    kept, stats = select_later_turns(convs, EVAL, 100, seed=0)
+    got = sorted([m["content"] for m in p] for p in kept)
+    assert got == [[m["content"] for m in convs[0][:3]], [m["content"] for m in convs[0]]]
+    assert stats == {"input": 4, "length": 0, "non_ascii": 0, "duplicate": 1, "eval_overlap": 1, "kept": 2}
+    assert_no_eval_overlap(kept, EVAL)
+    with pytest.raises(ValueError, match="overlaps an evaluation prompt"):
+        assert_no_eval_overlap([convs[1]], EVAL)
 
 
 def test_eval_index_uses_word_shingles():
@@ -87,3 +107,10 @@ def test_real_training_prompts_contain_no_eval_prompt():
     index = EvalIndex(eval_texts)
     assert not any(index.overlaps(t) for t in kept)
     assert len(kept) > 5000
+    # Multi-turn prefixes, with the eval prompts planted as later user turns and as assistant turns.
+    convs = corpora.sharegpt_conversations()
+    planted = convs + [_conv("Hello there, friend", "Hi!", t) for t in eval_texts] + [_conv("Hi there friend", t, "Ok")
+                                                                                      for t in eval_texts]
+    later, stats = select_later_turns(planted, eval_texts, 10**6)
+    assert_no_eval_overlap(later, eval_texts)
+    assert stats["eval_overlap"] >= len(set(eval_texts)) and len(later) > 10000

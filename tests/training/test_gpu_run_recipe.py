@@ -23,7 +23,11 @@ pytestmark = [] if _cached() else [pytest.mark.slow]
 
 
 def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
-    assert gpu_run.main(["prep", "--target", NAME, "--out", str(tmp_path / "prep"), "--num-prompts", "8"]) == 0
+    assert gpu_run.main(["prep", "--target", NAME, "--out", str(tmp_path / "prep"), "--num-prompts", "8",
+                         "--later-turns", "40"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    later = info["stats"]["later_turns"]
+    assert later["kept"] == 40 and 1 <= later["encoded"] < 40  # most ShareGPT prefixes exceed 512 tokens
     drafters = '[{"name": "A", "num_layers": 1, "intermediate_size": 128, "num_feature_layers": 2}]'
     args = ["run", "--gguf", str(cache_root() / "gguf" / f"{NAME}.gguf"), "--prep", str(tmp_path / "prep"),
             "--work", str(tmp_path / "w"), "--drafters", drafters, "--num-prompts", "4", "--max-new-tokens", "6",
