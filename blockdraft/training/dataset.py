@@ -121,11 +121,16 @@ class Batch:
         return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device))
 
 
-def collate(data: TokenDataset, indices: list[int], max_len: int) -> Batch:
-    """Right-pad sequences `indices` (each cut to `max_len` tokens) into a Batch."""
+def collate(data: TokenDataset, indices: list[int], max_len: int, pad_multiple: int = 1) -> Batch:
+    """Right-pad sequences `indices` (each cut to `max_len` tokens) into a Batch.
+
+    pad_multiple: the padded width T is rounded up to a multiple of this (never past max_len), so
+    that batches come in few distinct shapes (each new shape costs the GPU a slow first step).
+    """
     seqs = [data.sequence(i) for i in indices]
     seqs = [(ids[:max_len], mask[:max_len]) for ids, mask in seqs]
     t = max(len(ids) for ids, _ in seqs)
+    t = max(t, min(max_len, -(-t // pad_multiple) * pad_multiple))
     input_ids = torch.zeros(len(seqs), t, dtype=torch.long)
     loss_mask = torch.zeros(len(seqs), t, dtype=torch.bool)
     for r, (ids, mask) in enumerate(seqs):

@@ -42,7 +42,11 @@ def sample_anchors(
     ok = loss_mask.bool() & (pos[None, :] + 1 < lengths.to(loss_mask.device)[:, None])
     counts = ok.sum(dim=1)
     a = max(1, min(num_anchors, int(counts.max()) if b else 1))
-    keys = torch.rand(b, t, generator=generator).to(loss_mask.device)
+    # Draw over the longest sequence only, so padding the batch wider does not change the anchors.
+    longest = int(lengths.max()) if b else 0
+    keys = torch.full((b, t), 2.0)
+    keys[:, :longest] = torch.rand(b, longest, generator=generator)
+    keys = keys.to(loss_mask.device)
     keys = torch.where(ok, keys, torch.full_like(keys, 2.0))  # invalid positions sort last
     picked = keys.argsort(dim=1)[:, :a]  # [b, A] random valid positions first
     valid = torch.arange(a, device=loss_mask.device)[None, :] < counts[:, None]

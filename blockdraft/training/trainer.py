@@ -41,6 +41,8 @@ class TrainConfig:
     num_anchors: blocks per sequence (paper: 512 on long sequences). lr: peak AdamW lr;
     warmup_frac: linear warmup share of the steps; min_lr_ratio: cosine floor (x lr).
     gamma: loss decay (None: default_gamma(B)). grad_clip: max global grad norm (0 = off).
+    pad_multiple: batch width rounded up to a multiple of this (dataset.collate; the same loss,
+    few distinct shapes: on an H200 a 16-sequence step ran 140-170 ms on new shapes, 22 ms warm).
     ckpt_every: steps between checkpoints (0 = only at the end). log_every: steps per log line.
     """
 
@@ -58,10 +60,11 @@ class TrainConfig:
     seed: int = 0
     ckpt_every: int = 0
     log_every: int = 10
+    pad_multiple: int = 64
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("batch_size", 1), ("max_len", 2), ("num_anchors", 1), ("ckpt_every", 0),
-                          ("log_every", 1), ("seed", 0)):
+                          ("log_every", 1), ("seed", 0), ("pad_multiple", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -191,7 +194,7 @@ class Trainer:
         the same target_layer_ids, block size, mask token and seed: see `fit_together`)."""
         dcfg = self.drafter.config
         indices = self.batch_indices(step)
-        batch = collate(self.data, indices, self.cfg.max_len).to(self.device)
+        batch = collate(self.data, indices, self.cfg.max_len, self.cfg.pad_multiple).to(self.device)
         if self.features is not None:
             feats = self.features.batch(indices, batch.input_ids.shape[1])
         else:

@@ -19,11 +19,19 @@ def tiny():
     return tiny_data()
 
 
-def _trainer(tiny, out, **kw):
+def _trainer(tiny, out, max_len=40, pad_multiple=64, **kw):
     target, data = tiny[0], tiny[1]
     d = new_drafter(target.config, 1, block_size=4, intermediate_size=64, num_feature_layers=2, mask_token_id=MASK_ID, seed=0)
-    cfg = TrainConfig(steps=8, batch_size=4, num_anchors=6, lr=3e-3, log_every=2, max_len=40)
+    cfg = TrainConfig(steps=8, batch_size=4, num_anchors=6, lr=3e-3, log_every=2, max_len=max_len, pad_multiple=pad_multiple)
     return Trainer(d, EngineTarget(target.model, kv_block_size=4), data, cfg, out, **kw)
+
+
+def test_padding_batches_to_a_width_multiple_keeps_the_loss(tiny, tmp_path):
+    exact, padded = _trainer(tiny, tmp_path / "a", 1024, 1), _trainer(tiny, tmp_path / "b", 1024, 64)
+    for step in range(3):
+        pe, pp = exact.prepare(step), padded.prepare(step)
+        assert pp["feats"].shape[1] == 64 and pe["feats"].shape[1] < 64  # tiny sequences: 64 wide when padded
+        torch.testing.assert_close(padded.loss_on(pp)[0], exact.loss_on(pe)[0])
 
 
 def test_cached_features_equal_the_targets_per_batch(tiny, tmp_path):
