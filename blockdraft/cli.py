@@ -133,7 +133,8 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--target", default=default_model, help=f"catalog name or HF folder (default {default_model})")
     t.add_argument("--tiny", action="store_true", help="CPU smoke run in seconds: few prompts, tokens and steps")
     t.add_argument("--out", default="drafter-out", help="output folder (data/, checkpoint/, drafter/); resumes if present")
-    t.add_argument("--data", default=None, help="reuse a dataset folder instead of generating one")
+    t.add_argument("--data", default=None, help="dataset folder to use instead of OUT/data: reused when it holds data-*.safetensors, "
+                        "else generated into it (default: OUT/data)")
     for name in ("num-prompts", "max-prompt-tokens", "max-new-tokens", "steps", "batch-size", "num-anchors",
                  "num-layers", "intermediate-size", "num-feature-layers", "log-every"):
         t.add_argument(f"--{name}", type=int, default=None, help="(preset value unless given)")
@@ -150,7 +151,8 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--train-vocab-size", type=int, default=0,
                    help="train the loss over the LM-head rows of the N most frequent answer tokens (EOS first), "
                         "the draft vocabulary that decoding with --draft-vocab-size N uses; N/V of the LM-head "
-                        "cost (0: the full vocabulary, the default)")
+                        "cost; 0 (the default) = the full vocabulary, else 256 <= N <= V (1/16 of V under 4096 ids), "
+                        "the range --draft-vocab-size allows")
     t.add_argument("--no-resume", action="store_true")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="cpu")

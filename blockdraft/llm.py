@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,12 +158,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for a batch, continuously batched; outputs come back in input order.
 
-        prompts: a str, a list of str (raw text), a list of token-id lists, a chat conversation
-            (list of {"role", "content"} dicts) or a list of conversations (chat template applied).
+        prompts: a str, a list of token ids, a chat conversation (list of {"role", "content"}
+            dicts; chat template applied) or a list of any of these (str: raw text).
         Raises:
-            ValueError: empty prompt, a bad chat message (its index, value and the allowed roles), a
-                token id outside the vocabulary, prompt longer than the context, mismatched params
-                list; nothing of the batch is queued then.
+            ValueError: empty prompt, a prompt of another type or a token id that is not an integer
+                (naming the prompt's index and the value), a bad chat message (its index, value and
+                the allowed roles), a token id outside the vocabulary, prompt longer than the
+                context, mismatched params list; nothing of the batch is queued then.
         """
         token_lists = self._tokenize_all(prompts)
         params = sampling_params or SamplingParams()
@@ -183,7 +185,11 @@ class LLM:
             ValueError: as `generate`; a message whose role is not system / user / assistant or
                 that has no string content names the message's index and value.
         """
-        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"LLM.chat takes a conversation (a list of {{'role', 'content'}} dicts) or a list of "
+                             f"conversations, got {_shown(messages)}; raw text goes to LLM.generate")
+        # a list whose first item is a list: several conversations; else one (its messages are checked)
+        convs = list(messages) if messages and isinstance(messages[0], list) else [messages]
         return self.generate([self.encode_chat(c) for c in convs], sampling_params)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -193,25 +199,47 @@ class LLM:
             ValueError: an empty conversation or a bad message (blockdraft.chat_messages: the
                 message index, the value, the allowed roles).
         """
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"a chat conversation must be a list of {{'role', 'content'}} dicts, got {_shown(messages)}")
         check_chat_messages(messages)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _tokenize_all(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+        """Token ids of each prompt (see `generate`).
+
+        Raises:
+            ValueError: no prompts, a prompt of another type (names its index and type), a token id
+                that is not an integer (names the prompt, the position and the value), an empty
+                string or a bad conversation.
+        """
+        if prompts is None:
+            raise ValueError("no prompts given")
+        one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
+                                           and (isinstance(prompts[0], dict) or _is_token_id(prompts[0])))
+        if one:  # one raw text, one conversation or one list of token ids
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a str, a list of token ids, a conversation (a list of {{'role', "
+                             f"'content'}} dicts) or a list of these, got {_shown(prompts)}")
         if not prompts:
             raise ValueError("no prompts given")
         out = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
             if isinstance(p, str):
                 if not p:
                     raise ValueError("prompt is empty: give a non-empty string")
                 out.append(self.tokenizer.encode(p))
-            elif p and isinstance(p[0], dict):
+            elif isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
                 out.append(self.encode_chat(p))
+            elif isinstance(p, (list, tuple)):
+                for j, t in enumerate(p):
+                    if not _is_token_id(t):
+                        raise ValueError(f"prompt {i}: token {j} must be an integer token id, got {_shown(t)}")
+                out.append([operator.index(t) for t in p])
             else:
-                out.append([int(t) for t in p])
+                raise ValueError(f"prompt {i} must be a str, a list of token ids or a conversation (a list of "
+                                 f"{{'role', 'content'}} dicts), got {_shown(p)}")
         return out
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -225,6 +253,22 @@ class LLM:
         if bar:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _is_token_id(value) -> bool:
+    """An integer (Python, numpy or a 0-d integer tensor), not a bool: floats are never rounded."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _shown(value) -> str:
+    """A value's type and its first 80 characters, for error messages."""
+    return f"{type(value).__name__} {value!r:.80}"
 
 
 def _progress(total: int, enabled: bool):

@@ -148,7 +148,8 @@ def preflight(
         draft = str(draft)
         drafter_config = read_drafter_config(draft)
         k = resolve_num_speculative_tokens(num_speculative_tokens, draft, drafter_config)
-        vocab_n = resolve_draft_vocab_size(draft_vocab_size, draft)
+        # the drafter's vocabulary is the target's (check_drafter_fits): the range named starts at its minimum
+        vocab_n = resolve_draft_vocab_size(draft_vocab_size, draft, drafter_config.vocab_size)
     elif draft_vocab_size not in (None, 0):
         raise ValueError(f"draft_vocab_size (--draft-vocab-size) {draft_vocab_size!r} needs a drafter; "
                          "give --draft (or leave it out / 0 for plain decoding)")

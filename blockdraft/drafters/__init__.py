@@ -58,8 +58,9 @@ def add_draft_vocab_size_flag(parser, extra: str = "") -> None:
     parser.add_argument(
         "--draft-vocab-size", type=int, default=None, metavar="N",
         help="score drafts over the drafter's N most frequent target tokens (its draft_vocab.json, "
-        "FR-Spec): a cheaper draft LM head, output unchanged; 0 = the full vocabulary (default: the size "
-        "recorded in the drafter's speculative.json, else 0)" + extra,
+        "FR-Spec): a cheaper draft LM head, output unchanged; 0 = the full vocabulary, else N >= 256 "
+        "(1/16 of a vocabulary under 4096 ids) and at most the ids ranked in draft_vocab.json (default: the "
+        "size recorded in the drafter's speculative.json, else 0)" + extra,
     )
 
 

@@ -192,8 +192,9 @@ def check_draft_vocab_size(size, folder: str | Path, vocab_size: int | None = No
     with at least N ranked ids, and, when the target's vocabulary size V is given,
     N >= min_draft_vocab_size(V) (256 for real vocabularies).
     Raises:
-        ValueError: not an integer >= 0, N larger than the ids in the file (names the file and
-            the allowed range), or N below min_draft_vocab_size(V) (names the minimum and why).
+        ValueError: not an integer >= 0, N larger than the ids in the file or below
+            min_draft_vocab_size(V) (both name the file and the allowed range [minimum, ids in the
+            file]; the second also why), or a file ranking fewer ids than that minimum.
         FileNotFoundError: N >= 1 and the folder has no draft_vocab.json (names the folder).
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -207,11 +208,17 @@ def check_draft_vocab_size(size, folder: str | Path, vocab_size: int | None = No
             f"draft_vocab_size {size} needs a ranked draft vocabulary, but drafter folder {folder} has no "
             f"{DRAFT_VOCAB_FILE}; use 0 (full vocabulary) or rank one (blockdraft.spec.draft_vocab)"
         )
+    file = Path(folder) / DRAFT_VOCAB_FILE
+    low = 1 if vocab_size is None else min_draft_vocab_size(vocab_size)
+    if capacity < low:
+        raise ValueError(f"draft_vocab_size (--draft-vocab-size) {size} cannot be used with {file}: it ranks only "
+                         f"{capacity} ids, fewer than the {low} a target vocabulary of {vocab_size} ids needs at "
+                         f"least; use 0 (full vocabulary) or rank at least {low} ids")
     if size > capacity:
-        raise ValueError(f"draft_vocab_size (--draft-vocab-size) must be 0 (full vocabulary) or in [1, {capacity}] for "
-                         f"{Path(folder) / DRAFT_VOCAB_FILE} ({capacity} ranked ids), got {size}")
-    if vocab_size is not None and size < min_draft_vocab_size(vocab_size):
-        low = min_draft_vocab_size(vocab_size)
+        target = "" if vocab_size is None else f"a target vocabulary of {vocab_size} ids and "
+        raise ValueError(f"draft_vocab_size (--draft-vocab-size) must be 0 (full vocabulary) or in [{low}, {capacity}] "
+                         f"for {target}{file} ({capacity} ranked ids), got {size}")
+    if size < low:
         raise ValueError(
             f"draft_vocab_size (--draft-vocab-size) must be 0 (full vocabulary) or in [{low}, {capacity}] for a "
             f"target vocabulary of {vocab_size} ids and {Path(folder) / DRAFT_VOCAB_FILE}, got {size}: a draft "

@@ -58,6 +58,24 @@ class TokenDataset:
     def num_response_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def num_anchor_positions(self, max_len: int) -> int:
+        """Response tokens that can anchor a training block once each sequence is cut to `max_len`
+        tokens (as `collate` cuts them): a response token followed by at least one kept token."""
+        lengths = self.lengths()
+        seq = torch.repeat_interleave(torch.arange(len(self)), lengths)
+        pos = torch.arange(int(self.offsets[-1])) - self.offsets[:-1][seq]
+        return int((self.loss_mask.bool() & (pos + 1 < lengths.clamp(max=max_len)[seq])).sum())
+
+    def shortest_prompt(self) -> int:
+        """Tokens before the first response token, the fewest over the sequences (0 when empty)."""
+        lengths = self.lengths()
+        seq = torch.repeat_interleave(torch.arange(len(self)), lengths)
+        pos = torch.arange(int(self.offsets[-1])) - self.offsets[:-1][seq]
+        first = lengths.clone()  # a sequence without response tokens is all prompt
+        resp = self.loss_mask.bool()
+        first.scatter_reduce_(0, seq[resp], pos[resp], reduce="amin")
+        return int(first.min()) if len(self) else 0
+
     def save(self, folder: str | Path, shard: int = 0) -> Path:
         """Write this dataset as shard `shard` of `folder` (created); returns the file path."""
         from safetensors.torch import save_file

@@ -36,8 +36,10 @@ class EvalResult:
     device: str = "cpu"  # where the engines ran: "cpu" or "cuda"
 
     @property
-    def acceptance_length(self) -> float:
-        return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else float("nan")
+    def acceptance_length(self) -> float | None:
+        """Tokens committed per verify step; None without any verify step (every answer ended
+        at its first token: JSON null, as generate --json writes it, never NaN)."""
+        return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else None
 
     @property
     def per_position(self) -> list[float]:
@@ -124,7 +126,8 @@ def _release_device_memory(device: str) -> None:
 
 def summary_line(r: EvalResult) -> str:
     """One human-readable line of an evaluation (the JSON on stdout has every figure)."""
-    line = (f"{r.dataset} T={r.temperature:g}: acceptance length {r.acceptance_length:.2f} (K={r.num_speculative_tokens}, "
+    tau = "n/a" if r.acceptance_length is None else f"{r.acceptance_length:.2f}"
+    line = (f"{r.dataset} T={r.temperature:g}: acceptance length {tau} (K={r.num_speculative_tokens}, "
             f"draft vocabulary {r.draft_vocab_size or 'full'}, {r.num_steps} verify steps, {r.num_prompts} prompts)")
     if r.identical_to_plain is not None:
         line += f" | identical to plain: {'yes' if r.identical_to_plain else 'NO'}"
@@ -187,9 +190,10 @@ def main(args) -> int:
                               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                               enforce_eager=args.enforce_eager)
     out = result.to_dict() | {"target": args.target, "draft": str(draft)}
-    print(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1, allow_nan=False))
     print(summary_line(result), file=sys.stderr)
     if args.plot:
-        label = f"{args.dataset} T={args.temperature:g} (tau {result.acceptance_length:.2f})"
+        tau = "n/a" if result.acceptance_length is None else f"{result.acceptance_length:.2f}"
+        label = f"{args.dataset} T={args.temperature:g} (tau {tau})"
         plot_per_position({label: result.per_position}, args.plot, f"{args.target} + drafter {Path(draft).name}")
     return 0

@@ -129,7 +129,9 @@ class Trainer:
             2502.14856), at N/V of the LM-head cost; labels outside it are left out of the loss
             and counted as misses in the per-slot accuracy.
     Raises:
-        ValueError: draft_vocab not 1-D, with repeated ids or ids outside [0, target vocab).
+        ValueError: draft_vocab not 1-D, with repeated ids or ids outside [0, target vocab); no
+            response token left to anchor a block once sequences are cut to cfg.max_len (every
+            prompt that long: training would only log a loss of 0).
     """
 
     drafter: DFlashDraftModel
@@ -153,6 +155,12 @@ class Trainer:
         dcfg = self.drafter.config
         self.block_size = dcfg.block_size
         self.weights = slot_weights(self.block_size, self.cfg.gamma or default_gamma(self.block_size), self.device)
+        if self.data.num_anchor_positions(self.cfg.max_len) == 0:
+            raise ValueError(
+                f"max_len (--max-len) {self.cfg.max_len} keeps no response token to train on in any of the "
+                f"{len(self.data)} training sequences (the shortest prompt has {self.data.shortest_prompt()} tokens; "
+                f"a block needs a response token and one more token within max_len): raise --max-len or lower "
+                f"--max-prompt-tokens")
         self._lengths = self.data.lengths()
         self._epoch_cache: tuple[int, list] | None = None
         self._draft = None if self.draft_vocab is None else self._draft_rows(self.draft_vocab)

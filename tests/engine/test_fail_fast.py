@@ -196,7 +196,7 @@ def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):
     save_draft_vocab(foreign, torch.tensor([*range(7), 500]), torch.zeros(8, dtype=torch.long), {"source": "test"})
     cases = [
         (["--draft", str(drafter), "--draft-vocab-size", "5"], [f"drafter folder {drafter} has no draft_vocab"]),
-        (["--draft", str(ranked), "--draft-vocab-size", "11"], ["in [1, 10]", "got 11"]),
+        (["--draft", str(ranked), "--draft-vocab-size", "11"], ["in [6, 10] for a target vocabulary of 96 ids", "got 11"]),
         (["--draft", str(ranked), "--draft-vocab-size", "-1"], ["integer >= 0 (0: full vocabulary), got -1"]),
         (["--draft", str(foreign), "--draft-vocab-size", "8"], ["holds token id 500", "vocabulary [0, 96)"]),
         # below 1/16 of the tiny vocabulary (256 ids for a real one): checked against the target's config
@@ -213,5 +213,5 @@ def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):
     _refused(capsys, ["bench", "--shape", "tiny", "--draft-vocab-size", "999999", "--device", "cpu"],
              "--draft-vocab-size with --shape must be in [0,", "got 999999")
     (ranked / "speculative.json").write_text('{"draft_vocab_size": 12}')
-    with pytest.raises(ValueError, match=r"size 12 recorded in .*speculative.json cannot be used: draft_vocab_size \(--draft-vocab-size\) must be 0 .*\[1, 10\].*got 12"):
+    with pytest.raises(ValueError, match=r"size 12 recorded in .*speculative.json cannot be used: draft_vocab_size \(--draft-vocab-size\) must be 0 .*\[6, 10\] for a target vocabulary of 96 ids.*got 12"):
         LLM(model=m, draft=str(ranked))

@@ -116,6 +116,23 @@ def test_sizes_below_the_useful_minimum_are_refused_when_the_vocabulary_is_known
     assert check_draft_vocab_size(5, tmp_path) == 5  # V unknown (before the target's config is read): no minimum
 
 
+def test_too_large_sizes_name_the_minimum_when_the_vocabulary_is_known(tmp_path):
+    """Above the file's ids, the range named starts at the minimum (256), not 1: every value in
+    the range the message names is accepted."""
+    save_draft_vocab(tmp_path, torch.arange(1000), torch.zeros(1000, dtype=torch.long), {"source": "test"})
+    with pytest.raises(ValueError, match=r"must be 0 \(full vocabulary\) or in \[256, 1000\] for a target vocabulary "
+                                         r"of 151936 ids and .*draft_vocab.json \(1000 ranked ids\), got 1001$"):
+        check_draft_vocab_size(1001, tmp_path, vocab_size=151936)
+    with pytest.raises(ValueError, match=r"in \[1, 1000\] for .*got 1001"):  # V unknown: no minimum yet
+        check_draft_vocab_size(1001, tmp_path)
+    small = tmp_path / "small"
+    save_draft_vocab(small, torch.arange(100), torch.zeros(100, dtype=torch.long), {"source": "test"})
+    for size in (50, 100, 300):  # no size fits: the file ranks fewer ids than the minimum
+        with pytest.raises(ValueError, match=r"ranks only 100 ids, fewer than the 256 a target vocabulary of 151936 "
+                                             r"ids needs at least; use 0 \(full vocabulary\) or rank at least 256"):
+            check_draft_vocab_size(size, small, vocab_size=151936)
+
+
 def test_corrupt_files_are_refused(tmp_path):
     with pytest.raises(ValueError, match="repeated ids"):
         save_draft_vocab(tmp_path, torch.tensor([1, 1]), torch.tensor([2, 2]), {})

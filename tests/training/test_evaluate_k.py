@@ -59,3 +59,22 @@ def test_cli_runs_on_the_device_asked_for(tiny, capsys):
     assert out["device"] == "cpu" and out["identical_to_plain"]
     assert main(base) == 0  # default: auto, as generate
     assert json.loads(capsys.readouterr().out)["device"] == resolve_device("auto")
+
+
+def test_no_verify_step_gives_null_not_nan(tiny, capsys):
+    """--max-tokens 1: every answer ends at its first token, no verify step: the JSON on stdout
+    stays valid JSON (acceptance_length null, not NaN) and the summary says n/a."""
+    from blockdraft.cli import main
+
+    model, drafter = tiny
+    argv = ["eval-drafter", "--target", str(model), "--draft", str(drafter), "--num-prompts", "2", "--max-tokens", "1",
+            "--device", "cpu"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    out = json.loads(captured.out, parse_constant=refuse)
+    assert out["num_steps"] == 0 and out["acceptance_length"] is None and out["per_position"] == []
+    assert "acceptance length n/a (K=7" in captured.err

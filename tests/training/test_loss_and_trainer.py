@@ -80,3 +80,18 @@ def test_resume_replays_an_uninterrupted_run_exactly(tiny, tmp_path):
         torch.testing.assert_close(a, b, msg=k)
     files = sorted(p.name for p in (tmp_path / "b" / "checkpoint").iterdir())
     assert files == ["drafter.safetensors", "optimizer.safetensors", "state.json"]  # no pickles
+
+
+def test_max_len_that_keeps_no_response_token_is_refused(tiny, tmp_path):
+    """Sequences cut before their answers leave nothing to train on: refused naming max_len and the
+    shortest prompt, instead of steps of loss 0 and NaN accuracies."""
+    data = tiny[1]
+    shortest = data.shortest_prompt()
+    assert 3 <= shortest == min(len(p) for p in tiny[2])  # random_prompts: 3..19 tokens
+    assert data.num_anchor_positions(shortest) == 0 and data.num_anchor_positions(shortest + 2) > 0
+    assert data.num_anchor_positions(10**6) == sum(len(r) for r in tiny[3]) - len(data)  # last token: no label
+    with pytest.raises(ValueError, match=rf"max_len \(--max-len\) {shortest} keeps no response token to train on in "
+                                         rf"any of the {len(data)} training sequences \(the shortest prompt has "
+                                         rf"{shortest} tokens"):
+        _trainer(tiny, tmp_path, 2, max_len=shortest)
+    _trainer(tiny, tmp_path, 2, max_len=shortest + 2)  # one anchor and its label fit: accepted

@@ -150,10 +150,11 @@ def recommended_draft_vocab_size(path: str | Path) -> int | None:
     return _read_speculative_json(path).get("draft_vocab_size")
 
 
-def resolve_draft_vocab_size(size: int | None, path: str | Path) -> int:
+def resolve_draft_vocab_size(size: int | None, path: str | Path, vocab_size: int | None = None) -> int:
     """The draft vocabulary size for the drafter in `path`: `size` when given, else the folder's
     recorded one (recommended_draft_vocab_size), else 0 (the full vocabulary); checked against the
-    folder's draft_vocab.json (blockdraft.spec.draft_vocab.check_draft_vocab_size).
+    folder's draft_vocab.json (blockdraft.spec.draft_vocab.check_draft_vocab_size) and, when
+    `vocab_size` (the drafter's = the target's vocabulary) is given, its minimum size.
 
     Raises:
         ValueError / FileNotFoundError: a size that is not 0 or within [1, ids in the file], or
@@ -162,12 +163,12 @@ def resolve_draft_vocab_size(size: int | None, path: str | Path) -> int:
     from blockdraft.spec.draft_vocab import check_draft_vocab_size
 
     if size is not None:
-        return check_draft_vocab_size(size, path)
+        return check_draft_vocab_size(size, path, vocab_size)
     recorded = recommended_draft_vocab_size(path)
     if recorded is None:
         return 0
     try:
-        return check_draft_vocab_size(recorded, path)
+        return check_draft_vocab_size(recorded, path, vocab_size)
     except (ValueError, FileNotFoundError) as e:
         raise type(e)(f"draft vocabulary size {recorded!r} recorded in {Path(path) / SPECULATIVE_FILE} cannot be "
                       f"used: {e} (--draft-vocab-size 0 scores drafts over the full vocabulary)") from e
