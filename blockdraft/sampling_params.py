@@ -41,8 +41,8 @@ class SamplingParams:
         _check_int("max_tokens (--max-tokens)", self.max_tokens, low=1)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise ValueError(f"temperature (--temperature) must be a number >= 0, got {self.temperature!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature (--temperature) must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature (--temperature) must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p (--top-p) must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:

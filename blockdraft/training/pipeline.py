@@ -89,7 +89,7 @@ def train_drafter(args) -> dict:
     """The whole command; returns the summary (also written to `out/summary.json`)."""
     from blockdraft.llm import eos_token_ids, load_target
     from blockdraft.preflight import check_dtype, read_target_config, resolve_device
-    from blockdraft.spec.dflash.checkpoint import export_drafter
+    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter
     from blockdraft.spec.draft_vocab import min_draft_vocab_size, rank_dataset, write_dataset_draft_vocab
     from blockdraft.training.build import new_drafter, num_parameters
     from blockdraft.training.features import FeatureCache
@@ -132,6 +132,9 @@ def train_drafter(args) -> dict:
     export_drafter(drafter, out / "drafter")
     write_dataset_draft_vocab(out / "drafter", data, target_config.vocab_size, eos_token_ids(target),
                               f"train-drafter data {args.data or out / 'data'} (response tokens)")
+    if args.train_vocab_size:  # decode over the vocabulary it was trained on unless told otherwise
+        (out / "drafter" / SPECULATIVE_FILE).write_text(json.dumps(
+            {"draft_vocab_size": args.train_vocab_size, "source": "train-drafter --train-vocab-size"}, indent=1))
     summary = {"target": args.target, "drafter": str(out / "drafter"), "resumed": resumed,
                "params": num_parameters(drafter), "settings": settings, "train_vocab_size": args.train_vocab_size,
                "cache_features": args.cache_features, "data": data.info, "final": final}

@@ -69,6 +69,10 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     fast = json.loads(capsys.readouterr().out)
     assert fast["cache_features"] and fast["train_vocab_size"] == 256 and fast["final"]["step"] == 2
     assert load_draft_vocab(tmp_path / "fast" / "drafter", 256, target.config.vocab_size).tolist() == ids.tolist()
+    # and it decodes over the 256 ids it was trained on without being told (speculative.json)
+    trained = LLM(target=target, draft=str(tmp_path / "fast" / "drafter"), dtype="float32")
+    assert trained.speculator.draft_head.size == 256
+    assert [o.token_ids for o in trained.generate(prompts, params)] == [o.token_ids for o in plain]
 
 
 def test_train_vocab_size_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
