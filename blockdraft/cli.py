@@ -135,13 +135,22 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--out", default="drafter-out", help="output folder (data/, checkpoint/, drafter/); resumes if present")
     t.add_argument("--data", default=None, help="dataset folder to use instead of OUT/data: reused when it holds data-*.safetensors, "
                         "else generated into it (default: OUT/data)")
-    for name in ("num-prompts", "max-prompt-tokens", "max-new-tokens", "steps", "batch-size", "num-anchors",
-                 "num-layers", "intermediate-size", "num-feature-layers", "log-every"):
-        t.add_argument(f"--{name}", type=int, default=None, help="(preset value unless given)")
+    from blockdraft.training.pipeline import DEFAULTS, TINY
+
+    what = {"num-prompts": "ShareGPT prompts the target answers", "max-prompt-tokens": "longest prompt kept, tokens",
+            "max-new-tokens": "tokens per answer", "steps": "optimizer steps", "batch-size": "sequences per step",
+            "num-anchors": "draft blocks per sequence per step", "num-layers": "drafter layers",
+            "intermediate-size": "drafter MLP width (default: the target's)",
+            "num-feature-layers": "target layers the drafter reads", "log-every": "steps per log line"}
+    for name, text in what.items():
+        key = name.replace("-", "_")
+        t.add_argument(f"--{name}", type=int, default=None,
+                       help=f"{text} (default {DEFAULTS[key]}; --tiny: {TINY[key]})".replace("default None; ", ""))
     t.add_argument("--block-size", type=int, default=16, help="B = 1 anchor + B-1 drafts")
-    t.add_argument("--mask-token-id", type=int, default=None)
+    t.add_argument("--mask-token-id", type=int, default=None,
+                   help="id fed in the draft slots (default: an unused id of the target's vocabulary)")
     t.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence")
-    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (warmup, then cosine)")
     t.add_argument("--sampled-fraction", type=float, default=0.25, help="share of prompts answered at T=0.7")
     t.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     t.add_argument("--cache-features", action="store_true",
@@ -153,11 +162,12 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "the draft vocabulary that decoding with --draft-vocab-size N uses; N/V of the LM-head "
                         "cost; 0 (the default) = the full vocabulary, else 256 <= N <= V (1/16 of V under 4096 ids), "
                         "the range --draft-vocab-size allows")
-    t.add_argument("--no-resume", action="store_true")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--device", default="cpu")
+    t.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a checkpoint")
+    t.add_argument("--seed", type=int, default=0, help="seeds prompt choice, sampling, init, batches, anchors")
+    t.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
+                   help="where the target answers and the drafter trains (default cpu; auto: cuda when available)")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights")
-    t.add_argument("--cache-dir", default=None)
+    t.add_argument("--cache-dir", default=None, help="model and data cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
     t.set_defaults(func=_train_drafter)
 
 

@@ -27,3 +27,13 @@ def test_data_help_says_a_missing_folder_is_generated_into():
     text = _help("train-drafter")
     assert "reused when it holds data-*.safetensors, else generated into it" in text
     assert "instead of generating one" not in text
+
+
+def test_train_drafter_help_gives_every_preset_value():
+    from blockdraft.training.pipeline import DEFAULTS, TINY
+
+    text = _help("train-drafter")
+    assert "(preset value unless given)" not in text
+    assert f"(default {DEFAULTS['num_prompts']}; --tiny: {TINY['num_prompts']})" in text
+    assert f"(default {DEFAULTS['steps']}; --tiny: {TINY['steps']})" in text
+    assert f"(default: the target's) (--tiny: {TINY['intermediate_size']})" in text

@@ -19,8 +19,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 # `--tiny`: a CPU smoke run in seconds (CI); any option given explicitly still wins.
 TINY = dict(num_prompts=8, max_prompt_tokens=128, max_new_tokens=16, steps=4, batch_size=4, num_anchors=4,
             num_layers=1, intermediate_size=256, num_feature_layers=2, log_every=1)
@@ -87,6 +85,8 @@ def build_dataset(target, settings: dict, args, out: Path):
 
 def train_drafter(args) -> dict:
     """The whole command; returns the summary (also written to `out/summary.json`)."""
+    import torch
+
     from blockdraft.llm import eos_token_ids, load_target
     from blockdraft.preflight import check_dtype, read_target_config, resolve_device
     from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter
