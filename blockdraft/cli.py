@@ -164,8 +164,9 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "the range --draft-vocab-size allows")
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a checkpoint")
     t.add_argument("--seed", type=int, default=0, help="seeds prompt choice, sampling, init, batches, anchors")
-    t.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"],
-                   help="where the target answers and the drafter trains (default cpu; auto: cuda when available)")
+    t.add_argument("--device", default="cpu",
+                   help="where the target answers and the drafter trains: cpu (default), cuda or auto (cuda when "
+                        "available)")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights")
     t.add_argument("--cache-dir", default=None, help="model and data cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
     t.set_defaults(func=_train_drafter)
