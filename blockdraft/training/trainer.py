@@ -285,10 +285,14 @@ class Trainer:
         weights = {k: v.detach().float().cpu().contiguous() for k, v in self.drafter.state_dict().items()}
         _atomic(d / "drafter.safetensors", lambda p: save_file(weights, str(p)))
         _atomic(d / "optimizer.safetensors", lambda p: save_file(self._optimizer_tensors(), str(p)))
-        state = {"step": self.step, "train_config": asdict(self.cfg),
+        state = {"step": self.step, "train_config": asdict(self.cfg), "train_vocab_size": self._train_vocab_size(),
                  "drafter_config": self.drafter.config.to_hf_dict(), "history": self.history}
         _atomic(d / "state.json", lambda p: p.write_text(json.dumps(state, indent=1)))
         return d
+
+    def _train_vocab_size(self) -> int:
+        """Columns of the loss's LM head: the draft vocabulary's size, 0 for the full vocabulary."""
+        return 0 if self._draft is None else int(self._draft[0].shape[0])
 
     def _optimizer_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -304,7 +308,10 @@ class Trainer:
         """Resume from `<out>/checkpoint/` if present: weights, AdamW moments, step, history.
 
         Returns False when there is no checkpoint. Raises ValueError when the checkpoint's drafter
-        config differs from this drafter's (resuming into a different shape).
+        config differs from this drafter's (resuming into a different shape), or when a setting
+        that decides the batches, anchors, schedule or loss differs (every TrainConfig field but
+        ckpt_every / log_every, and the draft vocabulary's size): the resumed run would not be
+        the run the checkpoint belongs to. The message names each differing setting.
         """
         from safetensors.torch import load_file
 
@@ -314,6 +321,13 @@ class Trainer:
         state = json.loads((d / "state.json").read_text())
         if state["drafter_config"] != self.drafter.config.to_hf_dict():
             raise ValueError(f"checkpoint in {d} is for a different drafter config; use another --out")
+        saved = {**state.get("train_config", {}), "train_vocab_size": state.get("train_vocab_size", 0)}
+        asked = {**asdict(self.cfg), "train_vocab_size": self._train_vocab_size()}
+        differ = [f"{k}={saved[k]!r} (now {asked[k]!r})" for k in asked
+                  if k not in ("ckpt_every", "log_every") and k in saved and _as_json(saved[k]) != _as_json(asked[k])]
+        if differ:
+            raise ValueError(f"checkpoint in {d} was trained with {', '.join(differ)}: resume with the same settings, "
+                             f"or start over (train-drafter --no-resume) or in another --out")
         weights = load_file(str(d / "drafter.safetensors"))
         with torch.no_grad():
             for k, v in self.drafter.state_dict().items():
@@ -393,6 +407,11 @@ def _check_shareable(trainers: list[Trainer]) -> None:
         if key(t) != key(lead):
             raise ValueError("drafters trained together must share data, target, seed, batch settings, step, "
                              "block size, mask token and target_layer_ids")
+
+
+def _as_json(value):
+    """A setting as state.json stores it (tuples become lists), for comparing saved and asked values."""
+    return json.loads(json.dumps(value))
 
 
 def _atomic(path: Path, write) -> None:

@@ -95,3 +95,22 @@ def test_max_len_that_keeps_no_response_token_is_refused(tiny, tmp_path):
                                          rf"{shortest} tokens"):
         _trainer(tiny, tmp_path, 2, max_len=shortest)
     _trainer(tiny, tmp_path, 2, max_len=shortest + 2)  # one anchor and its label fit: accepted
+
+
+def test_resuming_with_other_settings_is_refused_naming_them(tiny, tmp_path):
+    first = _trainer(tiny, tmp_path, steps=6)
+    first.fit(progress=False, until=2)
+    with pytest.raises(ValueError, match=r"steps=6 \(now 8\), lr=0.003 \(now 0.001\).*--no-resume"):
+        other = _trainer(tiny, tmp_path, steps=8)
+        other.cfg.lr = 1e-3
+        other.load_checkpoint()
+    with pytest.raises(ValueError, match=r"train_vocab_size=0 \(now 40\)"):
+        target, data = tiny[0], tiny[1]
+        d = new_drafter(target.config, 1, block_size=4, intermediate_size=64, num_feature_layers=2, mask_token_id=MASK_ID,
+                        seed=0)
+        cfg = TrainConfig(steps=6, batch_size=4, num_anchors=6, lr=3e-3, log_every=2)
+        Trainer(d, EngineTarget(target.model, kv_block_size=4), data, cfg, tmp_path,
+                draft_vocab=torch.arange(40)).load_checkpoint()
+    same = _trainer(tiny, tmp_path, steps=6)
+    same.cfg.log_every = 3  # the logging cadence may change
+    assert same.load_checkpoint() and same.step == 2
