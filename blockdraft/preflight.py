@@ -57,13 +57,17 @@ def read_target_config(model: str, cache_dir: str | None = None) -> tuple[Path, 
     A catalog model not yet in the cache is fetched (and a .gguf converted) first: its config
     comes with the download.
     Raises:
-        ValueError: unknown model, missing or corrupt config.json, unsupported architecture.
+        ValueError: unknown model, missing or corrupt config.json, unsupported architecture, or a
+            DFlash drafter folder given as the model.
     """
     from blockdraft.weights.fetch import resolve_model_path
     from blockdraft.weights.loader import load_hf_config
 
     path = resolve_model_path(model, cache_dir=cache_dir)
     hf_config = load_hf_config(path)
+    if "dflash_config" in hf_config or "DFlashDraftModel" in (hf_config.get("architectures") or []):
+        raise ValueError(f"{path} is a DFlash drafter (its config.json has dflash_config), not a target model: "
+                         f"give it as --draft {path}, with --model the target it was trained for")
     try:
         config = ModelConfig.from_hf_dict(hf_config)
     except KeyError as e:

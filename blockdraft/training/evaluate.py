@@ -181,6 +181,9 @@ def main(args) -> int:
     if args.plot:  # fail before minutes of decoding, not after
         _pyplot()
         _check_writable(args.plot, "--plot")
+    from blockdraft.preflight import read_target_config
+
+    read_target_config(args.target, args.cache_dir)  # an unknown model is named as such, not as "no drafter"
     draft = args.draft or shipped_drafter(args.target, args.cache_dir)
     if draft is None:
         raise ValueError(f"no --draft given and no drafter ships for {args.target!r}")

@@ -158,6 +158,8 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
     _refused(capsys, ["bench", "--shape", "tiny", "--num-speculative-tokens", "16", "--device", "cpu"],
              "block_size - 1 = 15", "got 16")
     _refused(capsys, ["bench", "--shape", "tiny", "--block-size", "1", "--device", "cpu"], "block size must be >= 2")
+    _refused(capsys, ["generate", "hi", "--model", str(drafter)], "is a DFlash drafter", f"--draft {drafter}")
+    _refused(capsys, ["eval-drafter", "--target", "nope"], "unknown model 'nope'")
     out = tmp_path / "train"
     for flags, expected in [
         (["--block-size", "1"], "block_size must be >= 2"),
