@@ -64,32 +64,9 @@ def select_prompts(
     Returns:
         (prompts, stats) where stats counts what each filter removed.
     """
-    index = EvalIndex(eval_texts)
-    seen: set[str] = set()
-    kept: list[str] = []
-    stats = {"input": 0, "length": 0, "non_ascii": 0, "duplicate": 0, "eval_overlap": 0}
-    for raw in texts:
-        stats["input"] += 1
-        text = raw.strip()
-        if not min_chars <= len(text) <= max_chars:
-            stats["length"] += 1
-            continue
-        if ascii_ratio(text) < min_ascii:
-            stats["non_ascii"] += 1
-            continue
-        key = normalize(text)
-        if key in seen:
-            stats["duplicate"] += 1
-            continue
-        seen.add(key)
-        if index.overlaps(text):
-            stats["eval_overlap"] += 1
-            continue
-        kept.append(text)
-    random.Random(seed).shuffle(kept)
-    kept = kept[:num_prompts]
-    stats["kept"] = len(kept)
-    return kept, stats
+    one_turn = ([{"role": "user", "content": text.strip()}] for text in texts)
+    kept, stats = _select(one_turn, eval_texts, num_prompts, min_chars, max_chars, min_ascii, seed)
+    return [prefix[0]["content"] for prefix in kept], stats
 
 
 def assert_no_eval_overlap(prompts: Iterable, eval_texts: Iterable[str]) -> None:
@@ -124,29 +101,42 @@ def select_later_turns(
     Returns:
         (prefixes, stats) where stats counts what each filter removed.
     """
+    prefixes = ([{"role": m["role"], "content": m["content"].strip()} for m in conv[:end]]
+                for conv in conversations for end in range(3, len(conv) + 1, 2))  # ends in user turn 2, 3, ...
+    return _select(prefixes, eval_texts, num_prompts, min_chars, max_chars, min_ascii, seed)
+
+
+def _select(
+    prefixes: Iterable[list[dict]], eval_texts: Iterable[str], num_prompts: int, min_chars: int, max_chars: int,
+    min_ascii: float, seed: int,
+) -> tuple[list[list[dict]], dict]:
+    """The filters of both selectors over chat prefixes (message lists ending in the user turn the
+    target answers; a first-turn prompt is a one-message prefix), in order: the last message's
+    length, the ASCII share over every message, first occurrence of the normalised prefix, no
+    message overlapping `eval_texts`; then a `seed` shuffle and the first `num_prompts`.
+    Returns (prefixes, stats) where stats counts what each filter removed."""
     index = EvalIndex(eval_texts)
     seen: set[str] = set()
     kept: list[list[dict]] = []
     stats = {"input": 0, "length": 0, "non_ascii": 0, "duplicate": 0, "eval_overlap": 0}
-    for conv in conversations:
-        for end in range(3, len(conv) + 1, 2):  # prefixes ending in user turns 2, 3, ...
-            prefix = [{"role": m["role"], "content": m["content"].strip()} for m in conv[:end]]
-            stats["input"] += 1
-            if not min_chars <= len(prefix[-1]["content"]) <= max_chars:
-                stats["length"] += 1
-                continue
-            if ascii_ratio("".join(m["content"] for m in prefix)) < min_ascii:
-                stats["non_ascii"] += 1
-                continue
-            key = "\x00".join(normalize(m["content"]) for m in prefix)
-            if key in seen:
-                stats["duplicate"] += 1
-                continue
-            seen.add(key)
-            if any(index.overlaps(m["content"]) for m in prefix):
-                stats["eval_overlap"] += 1
-                continue
-            kept.append(prefix)
+    for prefix in prefixes:
+        stats["input"] += 1
+        contents = [m["content"] for m in prefix]
+        if not min_chars <= len(contents[-1]) <= max_chars:
+            stats["length"] += 1
+            continue
+        if ascii_ratio("".join(contents)) < min_ascii:
+            stats["non_ascii"] += 1
+            continue
+        key = "\x00".join(normalize(c) for c in contents)
+        if key in seen:
+            stats["duplicate"] += 1
+            continue
+        seen.add(key)
+        if any(index.overlaps(c) for c in contents):
+            stats["eval_overlap"] += 1
+            continue
+        kept.append(prefix)
     random.Random(seed).shuffle(kept)
     kept = kept[:num_prompts]
     stats["kept"] = len(kept)
