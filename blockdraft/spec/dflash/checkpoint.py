@@ -64,12 +64,7 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
         nested = path / "drafter"  # train-drafter's --out holds data/, checkpoint/, drafter/
         hint = f" (did you mean {nested}?)" if (nested / "config.json").is_file() else ""
         raise FileNotFoundError(f"no config.json in drafter folder {path}{hint}")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file} is not valid JSON: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} must hold a JSON object, got {type(raw).__name__}")
+    raw = _read_json_object(config_file)
     try:
         config = DFlashConfig.from_hf_dict(raw)
     except (ValueError, KeyError) as e:
@@ -181,8 +176,11 @@ def _read_speculative_json(path: str | Path) -> dict:
         ValueError: the file is not valid JSON or not a JSON object.
     """
     file = Path(path) / SPECULATIVE_FILE
-    if not file.is_file():
-        return {}
+    return _read_json_object(file) if file.is_file() else {}
+
+
+def _read_json_object(file: Path) -> dict:
+    """The JSON object in `file`. Raises ValueError naming the file: not valid JSON, or not an object."""
     try:
         data = json.loads(file.read_text())
     except json.JSONDecodeError as e:
