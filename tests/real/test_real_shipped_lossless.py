@@ -1,0 +1,59 @@
+"""The shipped Qwen drafter at its shipped defaults (K and draft vocabulary from its
+speculative.json) on the real model: speculative == plain token for token, for a batch of 4, greedy
+and seeded sampling, and with stops inside the answers. Unlike a random drafter, the shipped one is
+accepted often (acceptance length ~1.5-1.9), so multi-token acceptance runs on real weights."""
+
+import json
+
+import pytest
+
+from blockdraft.drafters import SHIPPED_DIR
+from blockdraft.llm import LLM, load_target
+from blockdraft.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NAME = "qwen2.5-coder-0.5b-instruct"
+PROMPTS = [[{"role": "user", "content": text}] for text in (
+    "Write a Python function that reverses a string.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain what a Python list comprehension is, in two sentences.",
+    "Write a haiku about the sea.",
+)]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    target = load_target(NAME, "bfloat16")
+    spec = LLM(target=target, draft="auto", dtype="bfloat16")
+    plain = LLM(target=target, dtype="bfloat16")
+    recorded = json.loads((SHIPPED_DIR / NAME / "speculative.json").read_text())
+    assert spec.speculator.num_speculative_tokens == recorded["num_speculative_tokens"]
+    assert spec.speculator.draft_head.size == recorded["draft_vocab_size"]
+    return spec, plain
+
+
+def _same(spec, plain, params):
+    s, p = spec.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+    assert [o.token_ids for o in s] == [o.token_ids for o in p]
+    assert [(o.text, o.finish_reason) for o in s] == [(o.text, o.finish_reason) for o in p]
+    assert sum(o.spec.num_accepted_tokens for o in s) > 0  # drafts were accepted: not a plain path in disguise
+    return p
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=32),
+    SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=7),
+], ids=["greedy", "seeded-T0.8"])
+def test_shipped_defaults_equal_plain_decoding(engines, params):
+    _same(*engines, params)
+
+
+def test_stops_inside_the_answers_equal_plain_decoding(engines):
+    spec, plain = engines
+    full = plain.generate(PROMPTS, SamplingParams(max_tokens=32))
+    stop_id = full[0].token_ids[12]  # a token in the middle of answer 0
+    stop_text = full[1].text[40:46]  # a piece of text in the middle of answer 1
+    out = _same(spec, plain, SamplingParams(max_tokens=32, stop_token_ids=[stop_id], stop=[stop_text]))
+    assert out[0].finish_reason == "stop" and out[1].finish_reason == "stop"  # the stops really fired
+    assert len(out[0].token_ids) <= 13 and stop_text not in out[1].text
