@@ -17,11 +17,16 @@ from blockdraft.training.dataset import TokenDataset, collate
 class FeatureCache:
     """Every sequence's target features, packed: `feats` [total_tokens, F], `offsets` [n + 1].
 
-    Sequence i holds rows offsets[i]:offsets[i+1] (its first min(length, max_len) tokens).
+    Sequence i holds rows offsets[i]:offsets[i+1] (its first min(length, max_len) tokens), the
+    outputs of target layers `layer_ids` (what the Trainer checks against its drafter and config).
     """
 
-    def __init__(self, feats: torch.Tensor, offsets: torch.Tensor, max_len: int) -> None:
-        self.feats, self.offsets, self.max_len = feats, offsets.tolist(), max_len
+    def __init__(self, feats: torch.Tensor, offsets: torch.Tensor, max_len: int, layer_ids: tuple[int, ...]) -> None:
+        self.feats, self.offsets, self.max_len, self.layer_ids = feats, offsets.tolist(), max_len, tuple(layer_ids)
+
+    def __len__(self) -> int:
+        """Number of sequences."""
+        return len(self.offsets) - 1
 
     @classmethod
     @torch.no_grad()
@@ -59,7 +64,7 @@ class FeatureCache:
                 feats[int(offsets[i]) : int(offsets[i + 1])] = f[r, : int(lengths[i])]
             bar.update(len(idx))
         bar.close()
-        return cls(feats, offsets, max_len)
+        return cls(feats, offsets, max_len, layer_ids)
 
     def batch(self, indices: list[int], t: int) -> torch.Tensor:
         """Right-padded features [len(indices), t, F] of sequences `indices` (the rows of

@@ -131,7 +131,8 @@ class Trainer:
     Raises:
         ValueError: draft_vocab not 1-D, with repeated ids or ids outside [0, target vocab); no
             response token left to anchor a block once sequences are cut to cfg.max_len (every
-            prompt that long: training would only log a loss of 0).
+            prompt that long: training would only log a loss of 0); a `features` cache built for
+            other layer ids, another max_len or another dataset size.
     """
 
     drafter: DFlashDraftModel
@@ -164,6 +165,16 @@ class Trainer:
         self._lengths = self.data.lengths()
         self._epoch_cache: tuple[int, list] | None = None
         self._draft = None if self.draft_vocab is None else self._draft_rows(self.draft_vocab)
+        if self.features is not None:
+            self._check_features(self.features)
+
+    def _check_features(self, cache: FeatureCache) -> None:
+        want = (tuple(self.drafter.config.target_layer_ids), self.cfg.max_len, len(self.data))
+        got = (cache.layer_ids, cache.max_len, len(cache))
+        if got != want:
+            raise ValueError(f"the feature cache holds layers {got[0]}, max_len {got[1]}, {got[2]} sequences; this "
+                             f"trainer needs layers {want[0]}, max_len {want[1]}, {want[2]} sequences: build it "
+                             f"for this drafter, config and dataset")
 
     def _draft_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(LM-head rows [N, H], label map [V] int64: target id -> draft column, -1 outside)."""

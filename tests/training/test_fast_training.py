@@ -111,3 +111,12 @@ def test_draft_vocab_training_learns(tiny, tmp_path):
 def test_bad_draft_vocab_is_refused(tiny, tmp_path, ids, match):
     with pytest.raises(ValueError, match=match):
         _trainer(tiny, tmp_path, draft_vocab=ids)
+
+
+def test_a_feature_cache_built_for_other_settings_is_refused(tiny, tmp_path):
+    tr = _trainer(tiny, tmp_path)
+    layers = tr.drafter.config.target_layer_ids
+    for cache_layers, max_len in ((layers, 32), (tuple(reversed(layers)), 40)):
+        cache = FeatureCache.build(tr.target, tr.data, cache_layers, max_len, "cpu")
+        with pytest.raises(ValueError, match="build it for this drafter, config and dataset"):
+            _trainer(tiny, tmp_path, features=cache)
