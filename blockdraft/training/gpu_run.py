@@ -151,12 +151,13 @@ def run(args) -> dict:
     data_dir = work / "data"
     if (data_dir / "data-00000.safetensors").is_file():
         data = TokenDataset.load(data_dir)
-        if args.extend_seconds > 0 and not (data_dir / "data-00001.safetensors").is_file():
-            seen = {tuple(data.sequence(i)[0][: _prompt_len(data, i)].tolist()) for i in range(len(data))}
-            fresh = [p for p in lists["train"][: args.num_prompts] if tuple(p) not in seen]
-            _log(f"extending the data: {len(fresh)} prompts not answered yet, {args.extend_seconds:.0f} s")
-            more = _answer(hf, fresh, args, info, eos, pad, args.seed + 1000, args.extend_seconds)
-            more.save(data_dir, shard=1)
+        seen = {tuple(data.sequence(i)[0][: _prompt_len(data, i)].tolist()) for i in range(len(data))}
+        fresh = [p for p in lists["train"][: args.num_prompts] if tuple(p) not in seen]
+        if args.extend_seconds > 0 and fresh:  # each run adds the next shard
+            shard = len(list(data_dir.glob("data-*.safetensors")))
+            _log(f"extending the data: {len(fresh)} prompts not answered yet, {args.extend_seconds:.0f} s -> shard {shard}")
+            more = _answer(hf, fresh, args, info, eos, pad, args.seed + 1000 * shard, args.extend_seconds)
+            more.save(data_dir, shard=shard)
             data = TokenDataset.concat([data, more])
     else:
         data = _answer(hf, lists["train"][: args.num_prompts], args, info, eos, pad, args.seed, args.gen_seconds)
@@ -349,7 +350,8 @@ def main(argv=None) -> int:
     r.add_argument("--gen-batch", type=int, default=512)
     r.add_argument("--gen-seconds", type=float, default=270)
     r.add_argument("--extend-seconds", type=float, default=0,
-                   help="when --work already holds data: answer prompts not in it for this long and add them (once)")
+                   help="when --work already holds data: answer prompts not in it yet for this long and add them "
+                        "as the next shard")
     r.add_argument("--train-seconds", type=float, default=420)
     r.add_argument("--steps", type=int, default=None, help="optimizer steps (default: as many as fit --train-seconds)")
     r.add_argument("--block-size", type=int, default=16)

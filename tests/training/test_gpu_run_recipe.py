@@ -44,12 +44,24 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
             for t in (0, 1):
                 assert results["eval"][f"A/{variant}/{ds}/T{t}"]["acceptance_length"] >= 1.0
 
-    # A second run on the same --work reuses the answers and, with --extend-seconds, answers the
-    # prompts not in them yet (each prompt once).
-    more = [a if a != "4" else "8" for a in args] + ["--extend-seconds", "60", "--eval-prompts", "0"]
+    # A second and a third run on the same --work reuse the answers and, with --extend-seconds,
+    # answer the prompts not in them yet as the next shard (each prompt once; the third run reaches
+    # the multi-turn prompts after the first turns).
+    def with_prompts(n):
+        i = args.index("--num-prompts") + 1
+        return args[:i] + [str(n)] + args[i + 1 :] + ["--extend-seconds", "60", "--eval-prompts", "0"]
+
+    more = with_prompts(8)
     assert gpu_run.main(more) == 0
     results = json.loads(capsys.readouterr().out)
     assert (tmp_path / "w" / "data" / "data-00001.safetensors").is_file()
     data = TokenDataset.load(tmp_path / "w" / "data")
     prompts = [tuple(data.sequence(i)[0][: gpu_run._prompt_len(data, i)].tolist()) for i in range(len(data))]
     assert len(prompts) == results["data"]["num_sequences"] > 4 and len(set(prompts)) == len(prompts)
+    third = with_prompts(1000)
+    assert gpu_run.main(third) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert (tmp_path / "w" / "data" / "data-00002.safetensors").is_file()
+    data = TokenDataset.load(tmp_path / "w" / "data")
+    prompts = [tuple(data.sequence(i)[0][: gpu_run._prompt_len(data, i)].tolist()) for i in range(len(data))]
+    assert len(prompts) == results["data"]["num_sequences"] == 8 + later["encoded"] and len(set(prompts)) == len(prompts)
