@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_device_flags(g)
+    _add_async_scheduling_flag(g)
     g.set_defaults(func=_generate)
 
     f = sub.add_parser("fetch", help="download, verify and convert a catalog model into the cache")
@@ -112,6 +113,7 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pages in the pool (default: 1024 on CPU; on CUDA as many as --gpu-memory-utilization allows)")
     _add_device_flags(s)
+    _add_async_scheduling_flag(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
     s.add_argument("--cache-dir", default=None)
@@ -126,6 +128,12 @@ def _add_device_flags(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of GPU memory for weights, activations and the KV pool, in (0, 1] (default 0.9)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (every step runs eagerly)")
+
+
+def _add_async_scheduling_flag(p) -> None:
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch the next decode step before this one's tokens are read back: the GPU does not wait for "
+                        "the host between steps, same output (default: on when CUDA graphs are captured; needs them)")
 
 
 def _add_train_drafter_parser(sub, default_model: str) -> None:
@@ -236,6 +244,7 @@ def _generate(args) -> int:
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     t0 = time.perf_counter()

@@ -104,6 +104,10 @@ class LLM:
         attention_backend: "torch" | "dense" | "triton" | None (the device's default; tests).
         graph_mode: None (CUDA graphs on CUDA unless enforce_eager) | "off" | "eager" (the
             padded CUDA-graph code run without capture; tests and debugging) | "capture".
+        async_scheduling: launch the next decode step before this one's tokens are read back
+            (blockdraft.engine.llm_engine.LLMEngine; vLLM's --async-scheduling): same output, the
+            GPU no longer waits for the host between steps. None = on when CUDA graphs are
+            captured; True needs the uniform-step graphs (graph mode "capture" or "eager").
     Raises:
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
@@ -130,6 +134,7 @@ class LLM:
         attention_backend: str | None = None,
         graph_mode: str | None = None,
         draft_vocab_size: int | None = None,
+        async_scheduling: bool | None = None,
     ) -> None:
         if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
             model = _catalog_name(target.path)
@@ -141,13 +146,14 @@ class LLM:
             draft_vocab_size=draft_vocab_size if speculator is None else None,
         )
         device, cache = pre.device, pre.cache
+        async_scheduling = _resolve_async_scheduling(async_scheduling, device, enforce_eager, attention_backend, graph_mode)
         self.target = target or load_target(str(pre.target_path), dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
         if speculator is None and pre.draft is not None:
             speculator = _build_speculator(pre, self.target)
         self.speculator = speculator
         options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode)
-        self.engine = _build_engine(self.target, cache, pre.scheduler, speculator, device, **options)
+        self.engine = _build_engine(self.target, cache, pre.scheduler, speculator, device, async_scheduling, **options)
         self._ids = itertools.count()
 
     def generate(
@@ -301,8 +307,29 @@ def _build_speculator(pre: Preflight, target: LoadedTarget):
     return DFlashSpeculator(drafter, target.model, k, pre.cache.num_kv_blocks, pre.cache.kv_block_size, head)
 
 
+def _resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool, attention_backend, graph_mode) -> bool:
+    """None -> True iff CUDA graphs are captured; True is checked (before any weights load).
+
+    Raises:
+        ValueError: async_scheduling=True where the graph mode resolves to "off".
+    """
+    from blockdraft.runner.setup import resolve_graph_mode
+
+    mode = resolve_graph_mode(device, enforce_eager, attention_backend, graph_mode)
+    if requested is None:
+        return mode == "capture"
+    if requested and mode == "off":
+        raise ValueError(
+            f"async_scheduling=True needs the uniform-step graphs, but on device {device} with enforce_eager="
+            f"{enforce_eager} and graph_mode={graph_mode!r} they are off (use CUDA without enforce_eager, or "
+            f"graph_mode='eager'; or async_scheduling=False)"
+        )
+    return bool(requested)
+
+
 def _build_engine(
-    target: LoadedTarget, cache: CacheConfig, sched: SchedulerConfig, speculator, device, **runner_options
+    target: LoadedTarget, cache: CacheConfig, sched: SchedulerConfig, speculator, device,
+    async_scheduling: bool = False, **runner_options
 ) -> LLMEngine:
     """Runner (backend, KV pool, graphs; see blockdraft.runner.setup.build_runner) + scheduler + engine."""
     from blockdraft.runner.setup import build_runner
@@ -310,7 +337,7 @@ def _build_engine(
     setup = build_runner(target.model, target.config, speculator, cache, sched, device, **runner_options)
     scheduler = Scheduler(sched, KVCacheManager(setup.num_kv_blocks, cache.kv_block_size))
     return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len,
-                     target.config.vocab_size)
+                     target.config.vocab_size, async_scheduling=async_scheduling)
 
 
 def eos_token_ids(target: LoadedTarget) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ is one target forward (plain) or verify + draft + bookkeeping (DFlash), as in th
 
 Per mode it prints totals per engine step, then tables (per step, grouped by shortened name):
   wall_ms         device-synchronised wall time of an unprofiled step (ms).
+  sync_wall_ms    the same with async scheduling off (host read-back between steps), when it is on.
   profiled_wall_ms  the same under the profiler (ms; the profiler slows the host side).
   busy_ms         union of the GPU activity intervals (kernels, memcpy, memset) of a profiled step (ms).
   idle_ms         wall_ms - busy_ms: host work the GPU waits on, launch gaps (ms).
@@ -133,12 +134,12 @@ def _timed_steps(llm_engine, steps: int, device: torch.device) -> float:
 def profile_mode(engine, prompts: list[list[int]], max_tokens: int, steps: int, warmup: int,
                  device: torch.device, trace: str | None = None) -> dict:
     """Warm up `engine` (a bench OurEngine), then time and profile `steps` steps of one batch of
-    `prompts` (see the module doc). `max_tokens` must outlast prefill + warmup + 2 x steps at K + 1
+    `prompts` (see the module doc). `max_tokens` must outlast prefill + warmup + 3 x steps + 1 at K + 1
     tokens per step, so that no request finishes. Returns `summarize`'s dict plus steps, batch_size,
     wall_ms, profiled_wall_ms, idle_ms, tokens; writes the chrome trace to `trace` if given."""
     from blockdraft.sampling_params import SamplingParams
 
-    engine.generate(prompts, warmup + 2 * steps + 2)  # compiles kernels, fills caches over the same contexts
+    engine.generate(prompts, warmup + 3 * steps + 3)  # compiles kernels, fills caches over the same contexts
     llm = engine.llm.engine
     ids = [f"profile-{engine.mode}-{i}" for i in range(len(prompts))]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -146,6 +147,12 @@ def profile_mode(engine, prompts: list[list[int]], max_tokens: int, steps: int, 
         llm.add_request(rid, prompt, params)
     _timed_steps(llm, 1 + warmup, device)  # prefill + warm-up steps
     wall = _timed_steps(llm, steps, device)
+    sync_wall = None
+    if llm.async_scheduling:  # the same steps with the host read-back between them, for the ratio
+        llm.async_scheduling = False
+        sync_wall = _timed_steps(llm, steps, device)
+        llm.async_scheduling = True
+        _timed_steps(llm, 1, device)  # back in the chain of launched-ahead steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     tokens = llm.stats.num_generated_tokens
     with profile(activities=activities) as prof:
@@ -159,7 +166,8 @@ def profile_mode(engine, prompts: list[list[int]], max_tokens: int, steps: int, 
     out = summarize(prof.events(), steps, device.type == "cuda")
     wall_ms = wall / steps * 1e3
     return {"steps": steps, "batch_size": len(prompts), "wall_ms": wall_ms, "profiled_wall_ms": profiled / steps * 1e3,
-            "idle_ms": wall_ms - out["busy_ms"], "tokens": tokens / steps, **out}
+            "idle_ms": wall_ms - out["busy_ms"], "tokens": tokens / steps, "async_scheduling": llm.async_scheduling,
+            "sync_wall_ms": None if sync_wall is None else sync_wall / steps * 1e3, **out}
 
 
 def trace_path(path: str, mode: str) -> str:
@@ -189,7 +197,7 @@ def run(shape: str, device: str, batch_size: int, steps: int, warmup: int, modes
                                block_size=BLOCK_SIZE, with_drafter=DFLASH in modes)
     workload.hf_model = None  # the bench's HF baseline; not profiled here (frees its copy of the weights)
     k = BLOCK_SIZE - 1 if workload.drafter is not None else 0
-    max_tokens = (1 + warmup + 2 * steps + 1) * (k + 1)  # no request finishes: at most K + 1 tokens a step
+    max_tokens = (1 + warmup + 3 * steps + 2) * (k + 1)  # no request finishes: at most K + 1 tokens a step
     engines, _, _ = build_engines(workload, Settings((batch_size,), max_tokens, engines=("ours",)))
     by_mode = {e.mode: e for e in engines}
     floor = floor_of(workload, hbm_bandwidth)
@@ -228,6 +236,7 @@ def format_mode(mode: str, s: dict, top: int) -> str:
     lines = [
         f"== {mode}: {s['steps']} steps, batch {s['batch_size']}, {s['tokens']:.2f} tokens/step ({s['timeline']})",
         f"wall {s['wall_ms']:.3f} ms/step (profiled {s['profiled_wall_ms']:.3f})"
+        + (f" | async scheduling off: {s['sync_wall_ms']:.3f}" if s.get("sync_wall_ms") is not None else "")
         + (f" | HBM floor {s['floor_ms']:.3f} ms, wall/floor {s['wall_over_floor']:.2f}" if cuda else ""),
         f"{'GPU' if cuda else 'CPU op'} busy {s['busy_ms']:.3f} ms/step | idle (wall - busy) "
         f"{s['idle_ms']:.3f} ms/step",

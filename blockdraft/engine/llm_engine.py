@@ -28,12 +28,21 @@ class EngineStats:
 class LLMEngine:
     """Owns the scheduler and the runner; users add requests and call `step()`.
 
-    `runner.execute(SchedulerOutput) -> ModelRunnerOutput` is the only call into tensor land.
+    The runner's `launch(SchedulerOutput)` / `finish(launched) -> ModelRunnerOutput` are the only
+    calls into tensor land (plus `can_continue` / `launch_continuation` with async scheduling).
+
+    async_scheduling (vLLM's --async-scheduling): while a uniform decode step runs on the device,
+    the next step of the same requests is launched from its device output before its tokens are
+    read back, so the GPU does not wait for the host's bookkeeping (commit, stop checks, scheduling,
+    input preparation) between steps. Stop conditions are then applied one step late: a request that
+    stops at step N has also been computed in step N+1, whose tokens for it are dropped. The output
+    is the same token for token. The chain of such steps breaks (one synchronous step) whenever the
+    batch changes: a request waits, finishes or is aborted, or needs pages the pool lacks.
     """
 
     def __init__(
         self, scheduler: Scheduler, runner, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int,
-        vocab_size: int | None = None,
+        vocab_size: int | None = None, async_scheduling: bool = False,
     ):
         self.scheduler = scheduler
         self.vocab_size = vocab_size  # prompt / stop ids must lie in [0, vocab_size) (None: unchecked)
@@ -47,6 +56,8 @@ class LLMEngine:
         self._num_new: dict[str, int] = {}
         self._stop_ids: dict[str, frozenset[int]] = {}  # EOS (unless ignore_eos) + stop_token_ids
         self._finished_unreported: list[Request] = []
+        self.async_scheduling = async_scheduling
+        self._inflight = None  # (SchedulerOutput, launched step) launched but not read back yet
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (after `check_request`; nothing is queued when it raises).
@@ -104,19 +115,43 @@ class LLMEngine:
         others build no RequestOutput (a copy of all their tokens) this step; stats are the same.
         """
         t0 = time.perf_counter()
-        sched_out = self.scheduler.schedule()
-        if not sched_out.requests:
-            return self._pop_finished_outputs()
-        run_out = self.runner.execute(sched_out)
+        if self._inflight is not None:
+            sched_out, launched = self._inflight
+            self._inflight = None
+        else:
+            sched_out = self.scheduler.schedule()
+            if not sched_out.requests:
+                return self._pop_finished_outputs()
+            launched = self.runner.launch(sched_out)
+        if self.async_scheduling:
+            self._inflight = self._launch_next(sched_out, launched)
+        run_out = self.runner.finish(launched)
         self._commit(sched_out, run_out)
+        if self._inflight is not None and not any(r in self.scheduler.running for r in self._inflight_requests()):
+            self._inflight = None  # every request of the next step has stopped: nothing to read
         self._account(run_out, time.perf_counter() - t0)
         if not stream:
             return self._pop_finished_outputs() + self._count_new_tokens(sched_out)
         return self._pop_finished_outputs() + self._outputs_of(sched_out)
 
+    def _launch_next(self, sched_out: SchedulerOutput, launched):
+        """Launch the step after `launched` from its device output -> (SchedulerOutput, launched) or None."""
+        if not self.runner.can_continue(launched):
+            return None
+        nxt = self.scheduler.schedule_continuation(sched_out, self.max_model_len)
+        if nxt is None:
+            return None
+        launched_next = self.runner.launch_continuation(launched, nxt)
+        return None if launched_next is None else (nxt, launched_next)
+
+    def _inflight_requests(self) -> list[Request]:
+        return [self._requests[sr.request_id] for sr in self._inflight[0].requests if sr.request_id in self._requests]
+
     def _commit(self, sched_out: SchedulerOutput, run_out: ModelRunnerOutput) -> None:
         for sr in sched_out.requests:
-            req = self._requests[sr.request_id]
+            req = self._requests.get(sr.request_id)
+            if req is None or req.is_finished:  # stopped or aborted while this step ran (async scheduling)
+                continue
             if not sr.sample:
                 req.num_computed_tokens += len(sr.token_ids)
                 continue

@@ -16,6 +16,8 @@ from blockdraft.engine.kv_cache_manager import KVCacheManager
 from blockdraft.engine.outputs import ScheduledRequest, SchedulerOutput
 from blockdraft.engine.request import Request, RequestStatus
 
+PLACEHOLDER_TOKEN = -1  # a continuation step's token id that only the device knows (schedule_continuation)
+
 
 class Scheduler:
     """Decides which tokens of which requests the next forward computes."""
@@ -60,6 +62,43 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         return SchedulerOutput(requests=scheduled, preempted_request_ids=preempted)
+
+    def schedule_continuation(self, so: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
+        """The step after `so` for the same requests, scheduled before `so`'s tokens are known.
+
+        Async scheduling: `so` is in flight and every committed step before it is applied, so each
+        request's `num_computed_tokens` is the start of its rows in `so`. `so` must be uniform (every
+        request samples after Q = 1 + K rows). The next step gives each request Q rows again: the
+        bonus token and K drafts that the runner takes from `so`'s output on the device, written
+        here as PLACEHOLDER_TOKEN. Pages are allocated for the longest outcome (all K drafts of `so`
+        accepted: 2Q tokens past the start).
+
+        Returns None (nothing scheduled; pages may have grown, which later steps use) when the batch
+        would change: a request is waiting, a running request is not in `so` or has finished, `so`
+        is not uniform, the longest outcome would not leave room for K drafts within
+        `max_model_len`, or the pool is out of pages (no preemption here).
+        """
+        if self.waiting or not so.requests or len(so.requests) != len(self.running):
+            return None
+        q = len(so.requests[0].token_ids)
+        scheduled = []
+        for sr, req in zip(so.requests, self.running):
+            if req.request_id != sr.request_id or not sr.sample or len(sr.token_ids) != q or sr.num_spec_tokens != q - 1:
+                return None
+            need = req.num_computed_tokens + 2 * q
+            # +1: the engine trims drafts that would end past max_model_len; none may be trimmed here
+            if need + 1 > max_model_len or not self.kv.allocate_slots(req, need):
+                return None
+            scheduled.append(ScheduledRequest(
+                request_id=req.request_id,
+                token_ids=[PLACEHOLDER_TOKEN] * q,
+                start_position=-1,
+                num_spec_tokens=q - 1,
+                sample=True,
+                block_ids=list(req.block_ids),
+                sampling_params=req.sampling_params,
+            ))
+        return SchedulerOutput(requests=scheduled)
 
     def _fit_running(self, req: Request, budget: int) -> int:
         """Tokens to compute for a running request; trims drafts that do not fit the budget."""

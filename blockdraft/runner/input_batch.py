@@ -182,6 +182,18 @@ def _layout(qsl: tuple[int, ...], num_rows: int, sample_req: tuple[int, ...], nu
     )
 
 
+def stage_block_table(so: SchedulerOutput, padding: BatchPadding, device: torch.device | str) -> torch.Tensor:
+    """[padding.num_reqs, padding.block_table_width] int32 page ids of `so` on `device` (async copy).
+
+    Raises:
+        ValueError: the step does not fit `padding`.
+    """
+    width = max((len(sr.block_ids) for sr in so.requests), default=1)
+    _check_fits(padding, len(so.requests), so.total_num_tokens, width)
+    host = _block_table(so, padding.block_table_width, padding.num_reqs)
+    return stage_to_device({"block_table": host}, torch.device(device))["block_table"]
+
+
 def _check_fits(padding: BatchPadding, num_reqs: int, num_rows: int, width: int) -> None:
     if num_reqs > padding.num_reqs or num_rows > padding.num_rows or width > padding.block_table_width:
         raise ValueError(

@@ -1,5 +1,7 @@
 """Owns the tensors: KV caches, the target model, the speculator. One step = prepare -> target
 forward -> sample + verify -> propose -> one read-back (DFLASH.md, "One decode step").
+`launch` enqueues a step and `finish` reads it back; between the two, `launch_continuation` can
+enqueue the next uniform step from the first one's device output (async scheduling).
 
 GPU path (a backend without host metadata): nothing in a step reads device values back to the
 host except the final `fetch_step_output` (and log-probabilities, when asked for). Uniform decode /
@@ -8,15 +10,38 @@ verify steps replay CUDA graphs (runner.step_graphs); everything else runs eager
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from blockdraft.runner.input_batch import InputBatch, build_input_batch
+from blockdraft.runner.continuation import advance_uniform_batch
+from blockdraft.runner.input_batch import InputBatch, build_input_batch, stage_block_table
+from blockdraft.runner.staging import PendingFetch, start_fetch
 from blockdraft.runner.step_graphs import StepGraphs
 from blockdraft.runner.step_output import add_logprobs, fetch_step_output, pack_step
 from blockdraft.runner.step_timer import StepTimer
 from blockdraft.spec.verify import verify_drafts
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is enqueued; `ModelRunner.finish` reads it back.
+
+    packed: [S, kmax + 2 + K] int64 on the device (runner.step_output.pack_step); fetch: its copy to
+    the host, started at launch (runner.staging.start_fetch). logits: its [L, V]
+    logits rows (graphed steps: the graph's output buffer, valid until the next replay). graphed:
+    the step replayed the uniform-step graphs (a continuation can follow it).
+    """
+
+    so: SchedulerOutput
+    batch: InputBatch
+    packed: torch.Tensor
+    fetch: PendingFetch
+    logits: torch.Tensor
+    timer: StepTimer
+    graphed: bool
 
 
 class ModelRunner:
@@ -54,26 +79,72 @@ class ModelRunner:
         self.graphs = graphs
         self._prepare_draft_inputs = _draft_input_preparer(self.attention_backend)
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Compute the scheduled rows, sample, verify drafts and propose the next drafts."""
+        return self.finish(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """Enqueue a step's device work (on CUDA nothing waits for the GPU); `finish` reads it back."""
         timer = StepTimer(self.device)
         padding = self.graphs.target.padding_for(so) if self.graphs is not None else None
         host_metadata = self.attention_backend.host_metadata
         batch = build_input_batch(so, self.kv_block_size, self.device, host_metadata, padding)
-        logits, aux = self._forward(batch, graphed=padding is not None)
+        return self._enqueue(so, batch, timer, graphed=padding is not None)
+
+    def can_continue(self, step: LaunchedStep) -> bool:
+        """Whether `launch_continuation` can follow `step`: a graphed uniform step without
+        log-probabilities (their logits live in the graph's output buffer, which the next replay
+        overwrites before `finish` reads them)."""
+        return step.graphed and all(sr.sampling_params.logprobs is None for sr in step.so.requests)
+
+    @torch.inference_mode()
+    def launch_continuation(self, prev: LaunchedStep, so: SchedulerOutput) -> LaunchedStep | None:
+        """Enqueue the step after `prev` before `prev` has been read back (async scheduling).
+
+        Args:
+            prev: a launched step with `can_continue(prev)`, not finished yet or finished.
+            so: the same requests in the same order, each with Q placeholder tokens and K drafts
+                (Scheduler.schedule_continuation); its block_ids cover 2Q tokens past prev's start.
+        Returns:
+            The launched step, or None when `so` does not continue `prev` (other requests, or a
+            step that no graph bucket fits); nothing is enqueued then.
+        """
+        if not self.can_continue(prev) or [sr.request_id for sr in so.requests] != [
+            sr.request_id for sr in prev.so.requests
+        ]:
+            return None
+        padding = self.graphs.target.padding_for(so)
+        if padding is None or padding.num_reqs != prev.batch.meta.num_reqs:
+            return None
+        timer = StepTimer(self.device)
+        if all(a.block_ids == b.block_ids for a, b in zip(so.requests, prev.so.requests)):
+            block_table = prev.batch.meta.block_table
+        else:
+            block_table = stage_block_table(so, padding, self.device)
+        batch = advance_uniform_batch(prev.batch, prev.packed, block_table, self.kv_block_size)
+        return self._enqueue(so, batch, timer, graphed=True)
+
+    @torch.inference_mode()
+    def finish(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step (its one host synchronisation) and split its output per request."""
+        out = fetch_step_output(step.so, step.batch, step.fetch)
+        add_logprobs(step.so, step.batch, step.logits, out)
+        out.forward_time_s, out.draft_time_s = step.timer.seconds()
+        return out
+
+    def _enqueue(self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer, graphed: bool) -> LaunchedStep:
+        logits, aux = self._forward(batch, graphed)
         tokens = _sample(batch, logits)
-        target, drafts = _per_request(batch, tokens, uniform=padding is not None)
+        target, drafts = _per_request(batch, tokens, uniform=graphed)
         num_accepted = verify_drafts(target, drafts, batch.sample_num_drafts)
         timer.mark()
         next_drafts = None
         if self.speculator is not None:
-            next_drafts = self._propose(batch, aux, target, num_accepted, graphed=padding is not None)
+            next_drafts = self._propose(batch, aux, target, num_accepted, graphed)
         timer.mark()
-        out = fetch_step_output(so, batch, pack_step(target, num_accepted, next_drafts))
-        add_logprobs(so, batch, logits, out)
-        out.forward_time_s, out.draft_time_s = timer.seconds()
-        return out
+        packed = pack_step(target, num_accepted, next_drafts)
+        return LaunchedStep(so, batch, packed, start_fetch(packed), logits, timer, graphed)
 
     def _forward(self, batch: InputBatch, graphed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Target forward + LM head -> (logits [L, V] in logits_indices order, aux features).

@@ -62,10 +62,7 @@ def build_runner(
     weights_device = next(model.parameters()).device
     if weights_device.type != device.type:
         raise ValueError(f"the target's weights are on {weights_device} but the engine runs on {device}")
-    if isinstance(attention_backend, AttentionBackendSpec):
-        backend = attention_backend
-    else:
-        backend = select_attention_backend(device, attention_backend)
+    backend = _backend(device, attention_backend)
     mode = _graph_mode(graph_mode, device, enforce_eager, backend)
     if cache.num_kv_blocks is None and device.type != "cuda":
         raise ValueError(f"num_kv_blocks must be given on {device}: sizing the KV pool from memory needs CUDA")
@@ -91,6 +88,25 @@ def build_runner(
             )
     runner = ModelRunner(model, kv_caches, cache.kv_block_size, device, speculator, backend, graphs)
     return RunnerSetup(runner, num_kv_blocks, max_model_len)
+
+
+def resolve_graph_mode(
+    device: str | torch.device, enforce_eager: bool = False,
+    attention_backend: str | AttentionBackendSpec | None = None, graph_mode: str | None = None,
+) -> str:
+    """The graph mode `build_runner` will use ("capture" | "eager" | "off"), without weights.
+
+    Raises:
+        ValueError: as build_runner for an unknown or impossible graph mode or backend.
+    """
+    device = torch.device(device)
+    return _graph_mode(graph_mode, device, enforce_eager, _backend(device, attention_backend))
+
+
+def _backend(device: torch.device, attention_backend: str | AttentionBackendSpec | None) -> AttentionBackendSpec:
+    if isinstance(attention_backend, AttentionBackendSpec):
+        return attention_backend
+    return select_attention_backend(device, attention_backend)
 
 
 def _graph_mode(mode: str | None, device: torch.device, enforce_eager: bool, backend: AttentionBackendSpec) -> str:

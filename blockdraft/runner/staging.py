@@ -3,7 +3,8 @@
 A plain `tensor.to("cuda")` from pageable memory (and `torch.tensor(list, device="cuda")`) is a
 synchronous copy; a step on the GPU path must not have any. Host arrays are therefore packed into
 one pinned buffer per dtype and copied with non_blocking=True (the caching host allocator keeps
-the pinned buffer alive until the copy has run). The only wait of a step is `fetch_to_host`.
+the pinned buffer alive until the copy has run). The only wait of a step is its output's fetch
+(`start_fetch` when the step is launched, `PendingFetch.wait` when it is read).
 """
 
 from __future__ import annotations
@@ -36,18 +37,31 @@ def stage_to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> d
     return out
 
 
-def fetch_to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """Copy a device tensor to the host and wait for it: THE host synchronisation of a step.
+class PendingFetch:
+    """A device -> host copy in flight (`start_fetch`); `wait()` returns the host tensor."""
 
-    On CUDA: non_blocking copy into pinned memory, then wait on an event recorded after it (the
-    stream's earlier work, i.e. the whole step, has finished when the event has). On CPU: the
-    tensor itself.
+    def __init__(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cuda":
+            self._host, self._done = tensor, None
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def wait(self) -> torch.Tensor:
+        """THE host synchronisation of a step: wait for the copy (hence for all stream work enqueued
+        before `start_fetch`, and nothing enqueued after it), return the host tensor."""
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host
+
+
+def start_fetch(tensor: torch.Tensor) -> PendingFetch:
+    """Start copying a device tensor to the host without waiting (CPU: the tensor itself).
+
+    On CUDA: a non_blocking copy into pinned memory and an event recorded right after it, so a
+    later `wait()` does not also wait for work enqueued in between (async scheduling's next step).
     """
-    if tensor.device.type != "cuda":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host
+    return PendingFetch(tensor)
+

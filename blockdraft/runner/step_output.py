@@ -1,8 +1,8 @@
 """Output assembly: everything a step hands back to the engine crosses to the host in ONE copy.
 
 The target tokens, the accepted-draft counts and the next drafts are packed into one int64
-tensor [S, (kmax + 1) + 1 + K] on the device, fetched with a single wait (runner.staging), and
-split into the per-request lists of ModelRunnerOutput on the host. Log-probabilities are the one
+tensor [S, (kmax + 1) + 1 + K] on the device, copied to the host as the step is launched and read
+with a single wait (runner.staging), and split into the per-request lists of ModelRunnerOutput on the host. Log-probabilities are the one
 exception: when a request asks for them they are computed after the fetch and read back with a
 second synchronisation (they are optional, and off by default).
 """
@@ -13,7 +13,7 @@ import torch
 
 from blockdraft.engine.outputs import ModelRunnerOutput, SchedulerOutput
 from blockdraft.runner.input_batch import InputBatch
-from blockdraft.runner.staging import fetch_to_host
+from blockdraft.runner.staging import PendingFetch
 from blockdraft.sample.sampler import compute_logprobs
 
 
@@ -23,13 +23,13 @@ def pack_step(target: torch.Tensor, num_accepted: torch.Tensor, drafts: torch.Te
     return torch.cat([p.to(torch.int64) for p in parts], dim=1)
 
 
-def fetch_step_output(so: SchedulerOutput, batch: InputBatch, packed: torch.Tensor) -> ModelRunnerOutput:
-    """Read `pack_step`'s tensor back (the step's one wait) and split it per request.
+def fetch_step_output(so: SchedulerOutput, batch: InputBatch, packed: PendingFetch) -> ModelRunnerOutput:
+    """Wait for `pack_step`'s tensor (`start_fetch`ed at launch; the step's one wait), split it per request.
 
     sampled_token_ids[rid] = target[s, : accepted + 1]; num_accepted[rid] = accepted;
     draft_token_ids[rid] = the K next drafts (only when drafts were packed).
     """
-    rows = fetch_to_host(packed).tolist()
+    rows = packed.wait().tolist()
     width = batch.kmax + 1
     out = ModelRunnerOutput()
     for s, i in enumerate(batch.sample_req):

@@ -32,7 +32,7 @@ class StepTimer:
     def seconds(self) -> list[float]:
         """Durations in seconds between consecutive marks (len = number of marks - 1).
 
-        On CUDA every recorded event must have completed (after the step's fetch_to_host).
+        On CUDA every recorded event must have completed (after the step's output fetch has waited).
         """
         pairs = zip(self._marks, self._marks[1:])
         if self._cuda:

@@ -56,6 +56,7 @@ def serve(args) -> int:
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
     app = build_app(llm, config)
     spec = llm.speculator

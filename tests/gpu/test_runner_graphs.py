@@ -77,3 +77,24 @@ def test_chunked_prefill_and_mixed_steps_run_eagerly_between_replays():
     with graph_runs() as (target_runs, _):
         assert _tokens(llm, prompts, params) == want
     assert target_runs and len(target_runs) < llm.engine.stats.num_steps
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
+def test_async_scheduling_equals_sync_scheduling(k, monkeypatch):
+    """On by default with CUDA graphs: steps launched from the previous step's device output emit
+    the same tokens and stops as synchronous steps (stops applied one step late)."""
+    from blockdraft.runner.model_runner import ModelRunner
+
+    target = cuda_tiny_target(torch.bfloat16, seed=2)
+    prompts = random_prompts(7, seed=4)
+    params = [SamplingParams(max_tokens=[12, 40, 25][i % 3], temperature=0.8 * (i % 2), seed=i,
+                             stop_token_ids=[17] if i % 3 == 0 else []) for i in range(7)]  # fmt: skip
+    sync = cuda_llm(target, k, async_scheduling=False)
+    want = [(o.token_ids, o.finish_reason) for o in sync.generate(prompts, params)]
+    continued, original = [], ModelRunner.launch_continuation
+    monkeypatch.setattr(ModelRunner, "launch_continuation",
+                        lambda self, prev, so: continued.append(1) or original(self, prev, so))
+    llm = cuda_llm(target, k)
+    assert llm.engine.async_scheduling
+    assert [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)] == want
+    assert len(continued) > 10

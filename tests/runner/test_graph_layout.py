@@ -7,6 +7,7 @@ from blockdraft.attention.metadata import PADDING_SLOT
 from blockdraft.engine.outputs import ScheduledRequest, SchedulerOutput
 from blockdraft.runner.cuda_graphs import capture_sizes
 from blockdraft.runner.input_batch import BatchPadding, build_input_batch
+from blockdraft.runner.staging import start_fetch
 from blockdraft.runner.step_output import fetch_step_output, pack_step
 from blockdraft.sampling_params import SamplingParams
 
@@ -44,9 +45,9 @@ def test_one_packed_tensor_carries_tokens_accepted_counts_and_drafts():
     batch = build_input_batch(so, 4, "cpu")
     target = torch.tensor([[11, 12, 13], [21, -1, -1]])
     packed = pack_step(target, torch.tensor([1, 0]), torch.tensor([[5, 6], [7, 8]]))
-    out = fetch_step_output(so, batch, packed)
+    out = fetch_step_output(so, batch, start_fetch(packed))
     assert out.sampled_token_ids == {"a": [11, 12], "c": [21]}
     assert out.num_accepted == {"a": 1, "c": 0}
     assert out.draft_token_ids == {"a": [5, 6], "c": [7, 8]}
-    plain = fetch_step_output(so, batch, pack_step(target, torch.tensor([2, 0]), None))
+    plain = fetch_step_output(so, batch, start_fetch(pack_step(target, torch.tensor([2, 0]), None)))
     assert plain.sampled_token_ids == {"a": [11, 12, 13], "c": [21]} and plain.draft_token_ids == {}

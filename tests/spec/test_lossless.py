@@ -113,13 +113,13 @@ def test_drafts_are_kept_near_max_tokens_and_output_stops_exactly(llama_target, 
     answers = {tuple(p): p + out for p, out in zip(prompts, plain)}
     llm = _spec_llm(llama_target, k, answers, p_right=1.0)
     seen = []
-    execute = llm.engine.runner.execute
+    launch = llm.engine.runner.launch
 
     def spy(so):
         seen.extend(sr.num_spec_tokens for sr in so.requests if sr.sample and sr.start_position > 0)
-        return execute(so)
+        return launch(so)
 
-    llm.engine.runner.execute = spy
+    llm.engine.runner.launch = spy
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == plain
     assert all(len(o.token_ids) == 2 * k + 1 for o in outs)

@@ -1,0 +1,187 @@
+"""Async scheduling (the next uniform step launched from this step's device output before it is read
+back) emits exactly the tokens of synchronous scheduling: plain and speculative, greedy and seeded,
+with stops one step late, requests arriving and aborted mid-chain, and the context limit.
+
+Runs the padded graph code eagerly on CPU (graph_mode="eager", dense sync-free backend). An oracle
+drafter (the tokens plain decoding will emit, with one corrupted draft now and then) makes many
+drafts accepted, so the device-side position arithmetic sees every accepted count."""
+
+import random
+
+import pytest
+import torch
+
+from blockdraft.engine.outputs import ScheduledRequest, SchedulerOutput
+from blockdraft.runner.continuation import advance_uniform_batch
+from blockdraft.runner.input_batch import BatchPadding, build_input_batch
+from blockdraft.runner.model_runner import ModelRunner
+from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec.dflash.checkpoint import random_drafter
+from blockdraft.spec.dflash.speculator import DFlashSpeculator
+from tests.conftest import EOS_ID, make_llm, random_prompts, tiny_target, word
+
+GRAPHS = dict(attention_backend="dense", graph_mode="eager", max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=5, logit_scale=8.0)
+
+
+def _oracle_speculator(target, k: int, sequences: list[list[int]], seed: int = 0):
+    """A DFlash speculator whose drafts are the continuation of whichever expected sequence has the
+    bonus token at the bonus position (a wrong or corrupted draft only lowers acceptance)."""
+    drafter = random_drafter(target.config, num_layers=1, block_size=k + 1, target_layer_ids=(0, 2), seed=1)
+    spec = DFlashSpeculator(drafter, target.model, k, None, 4)
+    propose = spec.propose
+
+    def oracle(features, positions, slots, bonus_tokens, bonus_positions, block_table, block_layout=None):
+        drafts = propose(features, positions, slots, bonus_tokens, bonus_positions, block_table, block_layout)
+        for r, (tok, pos) in enumerate(zip(bonus_tokens.tolist(), bonus_positions.tolist())):
+            seq = next((s for s in sequences if pos < len(s) and s[pos] == tok), None)
+            if seq is None:
+                continue
+            guess = (seq[pos + 1 : pos + 1 + k] + [1] * k)[:k]
+            rng = random.Random(seed + 1000 * pos + tok)  # keyed: async's extra proposals change nothing
+            if rng.random() < 0.5:
+                guess[rng.randrange(k)] = (guess[0] + 7) % 90 + 1
+            drafts[r] = torch.tensor(guess)
+        return drafts
+
+    spec.propose = oracle
+    return spec
+
+
+def _count_continuations(monkeypatch):
+    counts = {"continued": 0}
+    original = ModelRunner.launch_continuation
+
+    def counted(self, prev, so):
+        out = original(self, prev, so)
+        counts["continued"] += out is not None
+        return out
+
+    monkeypatch.setattr(ModelRunner, "launch_continuation", counted)
+    return counts
+
+
+def _params(n):
+    stops = [dict(), dict(stop_token_ids=[17]), dict(stop=[word(23)]), dict(ignore_eos=True)]
+    return [SamplingParams(max_tokens=[9, 20, 31, 40, 26][i % 5], temperature=0.8 * (i % 2), seed=i, **stops[i % 4])
+            for i in range(n)]  # fmt: skip
+
+
+def _run(llm, prompts, params):
+    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in llm.generate(prompts, params)]
+
+
+def test_async_plain_decoding_equals_sync(target, monkeypatch):
+    prompts, params = random_prompts(5, seed=1), _params(5)
+    want = _run(make_llm(target, **GRAPHS, async_scheduling=False), prompts, params)
+    counts = _count_continuations(monkeypatch)
+    llm = make_llm(target, **GRAPHS, async_scheduling=True)
+    assert _run(llm, prompts, params) == want
+    assert counts["continued"] > 20
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_async_speculative_equals_sync_with_many_accepted_drafts(target, monkeypatch, k):
+    prompts, params = random_prompts(5, seed=10 + k), _params(5)
+    plain = make_llm(target).generate(prompts, [SamplingParams(max_tokens=60, ignore_eos=True, temperature=p.temperature,
+                                                               seed=p.seed) for p in params])
+    sequences = [p + o.token_ids for p, o in zip(prompts, plain)]
+    sync = make_llm(target, speculator=_oracle_speculator(target, k, sequences), **GRAPHS, async_scheduling=False)
+    want = _run(sync, prompts, params)
+    counts = _count_continuations(monkeypatch)
+    llm = make_llm(target, speculator=_oracle_speculator(target, k, sequences), **GRAPHS, async_scheduling=True)
+    assert _run(llm, prompts, params) == want
+    assert counts["continued"] > 5
+    got, ref = llm.engine.stats.spec, sync.engine.stats.spec
+    assert (got.num_steps, got.num_drafted_tokens, got.num_accepted_tokens) == (
+        ref.num_steps, ref.num_drafted_tokens, ref.num_accepted_tokens)
+    assert got.num_accepted_tokens > 0.3 * got.num_drafted_tokens  # the oracle's drafts are mostly accepted
+
+
+def _drive(engine, prompts, params, add_at: int, abort_at: int) -> dict:
+    """Add 3 requests, step; add 2 more at step `add_at`, abort req-1 at step `abort_at`."""
+    done = {}
+    for i in range(3):
+        engine.add_request(f"req-{i}", prompts[i], params[i])
+    step = 0
+    while engine.has_unfinished_requests() or step < add_at:
+        step += 1
+        if step == add_at:
+            for i in (3, 4):
+                engine.add_request(f"req-{i}", prompts[i], params[i])
+        if step == abort_at:
+            engine.abort_request("req-1")
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.token_ids, out.finish_reason)
+    return done
+
+
+def test_async_requests_arriving_and_aborted_mid_chain(target, monkeypatch):
+    k = 2
+    prompts = random_prompts(5, seed=40)
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.7 * (i % 2), seed=i) for i in range(5)]
+    plain = make_llm(target).generate(prompts, [SamplingParams(max_tokens=40, ignore_eos=True, temperature=p.temperature,
+                                                               seed=p.seed) for p in params])
+    sequences = [p + o.token_ids for p, o in zip(prompts, plain)]
+    want = {f"req-{i}": (o.token_ids[:30], "length") for i, o in enumerate(plain)}
+    counts = _count_continuations(monkeypatch)
+    llm = make_llm(target, speculator=_oracle_speculator(target, k, sequences), **GRAPHS, async_scheduling=True)
+    done = _drive(llm.engine, prompts, params, add_at=4, abort_at=7)
+    assert done.pop("req-1")[1] == "abort"
+    want.pop("req-1")
+    assert done == want
+    assert counts["continued"] > 3
+
+
+def test_async_stops_at_the_context_limit_like_sync():
+    # max_model_len = 48 tokens: the chain must break before the longest outcome passes it
+    target = tiny_target("llama", seed=2, logit_scale=8.0, max_position_embeddings=48)
+    prompts = random_prompts(3, seed=3, low=10, high=20)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    plain = make_llm(target).generate(prompts, params)
+    sequences = [p + o.token_ids for p, o in zip(prompts, plain)]
+    assert all(o.finish_reason == "length" and len(p) + len(o.token_ids) == 48 for p, o in zip(prompts, plain))
+    llm = make_llm(target, speculator=_oracle_speculator(target, 3, sequences), **GRAPHS, async_scheduling=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+
+
+def test_async_scheduling_needs_the_step_graphs(target):
+    with pytest.raises(ValueError, match=r"async_scheduling=True needs the uniform-step graphs.*graph_mode='eager'"):
+        make_llm(target, async_scheduling=True)
+    assert make_llm(target).engine.async_scheduling is False  # CPU default: off (no graphs captured)
+
+
+def test_advance_uniform_batch_equals_the_host_built_batch():
+    """For every accepted count, the device-built next batch equals build_input_batch of the
+    SchedulerOutput the synchronous scheduler would have made (padding rows included)."""
+    rng = random.Random(0)
+    q, page, width = 4, 4, 8
+    params = SamplingParams()
+    for trial in range(20):
+        n = rng.randint(1, 3)
+        starts = [rng.randint(1, 12) for _ in range(n)]
+        pages = [rng.sample(range(40), width) for _ in range(n)]
+        tokens = [[rng.randrange(1, 90) for _ in range(q)] for _ in range(n)]
+        so = SchedulerOutput([ScheduledRequest(f"r{i}", tokens[i], starts[i], q - 1, True, pages[i], params)
+                              for i in range(n)])
+        padding = BatchPadding(4, 4 * q, width)
+        batch = build_input_batch(so, page, "cpu", host_metadata=False, padding=padding)
+        target = torch.tensor([[rng.randrange(1, 90) for _ in range(q)] for _ in range(n)])
+        accepted = torch.tensor([rng.randrange(q) for _ in range(n)])
+        drafts = torch.tensor([[rng.randrange(1, 90) for _ in range(q - 1)] for _ in range(n)])
+        packed = torch.cat([target, accepted[:, None], drafts], dim=1)
+        nxt = SchedulerOutput([ScheduledRequest(
+            f"r{i}", [int(target[i, accepted[i]])] + drafts[i].tolist(), starts[i] + int(accepted[i]) + 1, q - 1, True,
+            pages[i], params) for i in range(n)])  # fmt: skip
+        want = build_input_batch(nxt, page, "cpu", host_metadata=False, padding=padding)
+        got = advance_uniform_batch(batch, packed, want.meta.block_table, page)
+        for name in ("input_ids", "positions", "slot_mapping"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (trial, name)
+        for name in ("seq_lens", "block_table", "query_start_loc", "row_req"):
+            assert torch.equal(getattr(got.meta, name), getattr(want.meta, name)), (trial, name)
+        assert torch.equal(got.logits_indices, want.logits_indices)
