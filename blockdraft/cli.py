@@ -180,7 +180,11 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
     e.add_argument("--draft", default=None, help="drafter folder (default: the one shipped for --target)")
     e.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"],
                    help="held-out prompts: HumanEval or MT-bench first turns (default humaneval)")
-    e.add_argument("--num-prompts", type=int, default=10, help="first N prompts of the dataset (default 10)")
+    from blockdraft.training.corpora import EVAL_DATASET_SIZES
+
+    sizes = ", ".join(f"{n} for {d}" for d, n in EVAL_DATASET_SIZES.items())
+    e.add_argument("--num-prompts", type=int, default=10,
+                   help=f"first N prompts of the dataset (default 10); at most the dataset's size: {sizes}")
     e.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     e.add_argument("--max-tokens", type=int, default=256, help="new tokens per prompt (default 256)")
     e.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is seed + i (default 0)")
