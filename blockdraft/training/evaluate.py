@@ -71,23 +71,27 @@ def evaluate_drafter(
     With `compare_plain`, the same prompts are decoded without the drafter (same seeds) to check
     token-for-token equality and to time the speedup.
     Raises:
-        ValueError / FileNotFoundError: a bad setting (num_prompts < 1, sampling values, device,
-            drafter folder, K, draft vocabulary size), before any weights load.
+        ValueError / FileNotFoundError: a bad setting (num_prompts outside [1, prompts in `dataset`],
+            sampling values, device, drafter folder, K, draft vocabulary size), before any weights load.
     """
     from blockdraft.llm import LLM, load_target
     from blockdraft.preflight import preflight
     from blockdraft.sampling_params import SamplingParams
-    from blockdraft.training.corpora import eval_prompts
+    from blockdraft.training.corpora import EVAL_DATASET_SIZES, eval_prompts
 
     if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
         raise ValueError(f"num_prompts (--num-prompts) must be an integer >= 1, got {num_prompts!r}")
+    if dataset in EVAL_DATASET_SIZES:  # before any download or load; an unknown name: eval_prompts says
+        _check_num_prompts(num_prompts, dataset, EVAL_DATASET_SIZES[dataset])
     SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)  # checks the values
     # Drafter folder and config against the target's config, dtype, scheduler: before any weights.
     pre = preflight(target, draft, num_speculative_tokens, dtype=dtype, device=device,
                     gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
                     cache_dir=cache_dir, draft_vocab_size=draft_vocab_size)
     k = num_speculative_tokens if num_speculative_tokens is not None else pre.drafter_config.block_size - 1
-    convs = [[{"role": "user", "content": t}] for t in eval_prompts(dataset, cache_dir)[:num_prompts]]
+    texts = eval_prompts(dataset, cache_dir)
+    _check_num_prompts(num_prompts, dataset, len(texts))
+    convs = [[{"role": "user", "content": t}] for t in texts[:num_prompts]]
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i) for i in range(len(convs))]
     loaded = load_target(str(pre.target_path), dtype, pre.device, cache_dir=cache_dir)
     engine_options = dict(dtype=dtype, device=pre.device, gpu_memory_utilization=gpu_memory_utilization,
@@ -111,6 +115,13 @@ def evaluate_drafter(
         result.plain_seconds = time.perf_counter() - t0
         result.identical_to_plain = all(a.token_ids == b.token_ids for a, b in zip(outs, ref))
     return result
+
+
+def _check_num_prompts(num_prompts: int, dataset: str, available: int) -> None:
+    """Raise ValueError naming the range [1, available] when num_prompts > available (never capped)."""
+    if num_prompts > available:
+        raise ValueError(f"num_prompts (--num-prompts) must be in [1, {available}] for dataset {dataset!r} "
+                         f"({available} prompts), got {num_prompts}")
 
 
 def _release_device_memory(device: str) -> None:

@@ -7,7 +7,7 @@ Layout of `--out`:
     drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors) and its
                    draft vocabulary (draft_vocab.json: the training answers' tokens ranked
                    by frequency, the target's EOS ids first; see blockdraft.spec.draft_vocab)
-    summary.json   settings, data counts, final loss / per-slot accuracy
+    summary.json   device, settings, data counts, final loss / per-slot accuracy
 
 This is the engine path (CPU or GPU, any catalog target). The large GPU run behind the shipped
 drafters used the transformers fast path instead (training/gpu_run.py).
@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-# `--tiny`: a CPU smoke run in seconds (CI); any option given explicitly still wins.
+# `--tiny`: a smoke run in seconds on the CPU (CI); any option given explicitly still wins.
 TINY = dict(num_prompts=8, max_prompt_tokens=128, max_new_tokens=16, steps=4, batch_size=4, num_anchors=4,
             num_layers=1, intermediate_size=256, num_feature_layers=2, log_every=1)
 DEFAULTS = dict(num_prompts=2000, max_prompt_tokens=512, max_new_tokens=256, steps=2000, batch_size=8,
@@ -135,7 +135,7 @@ def train_drafter(args) -> dict:
     if args.train_vocab_size:  # decode over the vocabulary it was trained on unless told otherwise
         (out / "drafter" / SPECULATIVE_FILE).write_text(json.dumps(
             {"draft_vocab_size": args.train_vocab_size, "source": "train-drafter --train-vocab-size"}, indent=1))
-    summary = {"target": args.target, "drafter": str(out / "drafter"), "resumed": resumed,
+    summary = {"target": args.target, "drafter": str(out / "drafter"), "device": device, "resumed": resumed,
                "params": num_parameters(drafter), "settings": settings, "train_vocab_size": args.train_vocab_size,
                "cache_features": args.cache_features, "data": data.info, "final": final}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -10,6 +10,7 @@ import pytest
 
 from blockdraft.cli import main
 from blockdraft.llm import LLM, load_target
+from blockdraft.preflight import resolve_device
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec.dflash.checkpoint import load_drafter
 from blockdraft.training import corpora
@@ -34,6 +35,7 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["data"]["num_sequences"] == 4 and summary["final"]["step"] == 3
+    assert summary["device"] == resolve_device("auto")  # the default, resolved (cpu without CUDA)
     assert (out / "checkpoint" / "state.json").is_file() and (out / "data" / "data-00000.safetensors").is_file()
 
     target = load_target(NAME, "float32")
