@@ -311,20 +311,24 @@ def _resolve_async_scheduling(requested: bool | None, device, enforce_eager: boo
     """None -> True iff CUDA graphs are captured; True is checked (before any weights load).
 
     Raises:
-        ValueError: async_scheduling=True where the graph mode resolves to "off".
+        ValueError: a value other than None / True / False, or True where the graph mode resolves
+            to "off" (names device, enforce_eager, the attention backend and graph_mode).
     """
     from blockdraft.runner.setup import resolve_graph_mode
 
+    if requested is not None and not isinstance(requested, bool):
+        raise ValueError(f"async_scheduling must be None, True or False, got {requested!r}")
     mode = resolve_graph_mode(device, enforce_eager, attention_backend, graph_mode)
     if requested is None:
         return mode == "capture"
     if requested and mode == "off":
         raise ValueError(
-            f"async_scheduling=True needs the uniform-step graphs, but on device {device} with enforce_eager="
-            f"{enforce_eager} and graph_mode={graph_mode!r} they are off (use CUDA without enforce_eager, or "
-            f"graph_mode='eager'; or async_scheduling=False)"
+            f"async_scheduling=True needs the uniform-step CUDA graphs, which are off here (device {device}, "
+            f"enforce_eager={enforce_eager}, attention_backend={attention_backend!r}, graph_mode={graph_mode!r}): "
+            f"run on CUDA without --enforce-eager and with the default attention backend (or graph_mode='eager' "
+            f"from Python), or turn async scheduling off"
         )
-    return bool(requested)
+    return requested
 
 
 def _build_engine(
@@ -335,6 +339,12 @@ def _build_engine(
     from blockdraft.runner.setup import build_runner
 
     setup = build_runner(target.model, target.config, speculator, cache, sched, device, **runner_options)
+    if async_scheduling and setup.runner.graphs is None:
+        raise ValueError(
+            "async_scheduling=True needs uniform-step graphs, but none were built: the speculator is not a DFlash "
+            f"drafter or max_num_batched_tokens ({sched.max_num_batched_tokens}) is below the rows of one step "
+            "(1 + K); turn async scheduling off"
+        )
     scheduler = Scheduler(sched, KVCacheManager(setup.num_kv_blocks, cache.kv_block_size))
     return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len,
                      target.config.vocab_size, async_scheduling=async_scheduling)

@@ -150,6 +150,7 @@ def profile_mode(engine, prompts: list[list[int]], max_tokens: int, steps: int, 
     sync_wall = None
     if llm.async_scheduling:  # the same steps with the host read-back between them, for the ratio
         llm.async_scheduling = False
+        _timed_steps(llm, 1, device)  # reads back the step launched ahead, untimed
         sync_wall = _timed_steps(llm, steps, device)
         llm.async_scheduling = True
         _timed_steps(llm, 1, device)  # back in the chain of launched-ahead steps

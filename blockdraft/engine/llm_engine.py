@@ -37,7 +37,10 @@ class LLMEngine:
     input preparation) between steps. Stop conditions are then applied one step late: a request that
     stops at step N has also been computed in step N+1, whose tokens for it are dropped. The output
     is the same token for token. The chain of such steps breaks (one synchronous step) whenever the
-    batch changes: a request waits, finishes or is aborted, or needs pages the pool lacks.
+    batch changes: a request could be admitted, finishes or is aborted, or needs pages the pool
+    lacks. So a request that arrives mid-chain is admitted one step later than without async
+    scheduling, and one step may carry a stopped request's rows: the batch of a step can differ,
+    which in bf16 can flip a token at a near-tie, as any change of batch composition can.
     """
 
     def __init__(
@@ -57,7 +60,7 @@ class LLMEngine:
         self._stop_ids: dict[str, frozenset[int]] = {}  # EOS (unless ignore_eos) + stop_token_ids
         self._finished_unreported: list[Request] = []
         self.async_scheduling = async_scheduling
-        self._inflight = None  # (SchedulerOutput, launched step) launched but not read back yet
+        self._inflight = None  # (SchedulerOutput, its Requests, launched step) not read back yet
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (after `check_request`; nothing is queued when it raises).
@@ -113,44 +116,54 @@ class LLMEngine:
 
         stream=False returns the finished requests' outputs only (all `LLM.generate` reads): the
         others build no RequestOutput (a copy of all their tokens) this step; stats are the same.
+
+        With async scheduling a step reads back the step launched by the previous call and may
+        launch the next one first; a step whose requests have all stopped meanwhile is dropped
+        unread (so `has_unfinished_requests()` can be False while it still runs on the device).
         """
         t0 = time.perf_counter()
         if self._inflight is not None:
-            sched_out, launched = self._inflight
+            sched_out, reqs, launched = self._inflight
             self._inflight = None
         else:
             sched_out = self.scheduler.schedule()
             if not sched_out.requests:
                 return self._pop_finished_outputs()
+            reqs = [self._requests[sr.request_id] for sr in sched_out.requests]
             launched = self.runner.launch(sched_out)
-        if self.async_scheduling:
-            self._inflight = self._launch_next(sched_out, launched)
-        run_out = self.runner.finish(launched)
-        self._commit(sched_out, run_out)
-        if self._inflight is not None and not any(r in self.scheduler.running for r in self._inflight_requests()):
+        try:
+            if self.async_scheduling:
+                self._inflight = self._launch_next(sched_out, reqs, launched)
+            run_out = self.runner.finish(launched)
+            self._commit(sched_out, reqs, run_out)
+        except BaseException:
+            # the next step assumed this one committed; the host state says it did not, so the
+            # next schedule() recomputes from the host state instead
+            self._inflight = None
+            raise
+        if self._inflight is not None and all(r.is_finished for r in self._inflight[1]):
             self._inflight = None  # every request of the next step has stopped: nothing to read
         self._account(run_out, time.perf_counter() - t0)
         if not stream:
-            return self._pop_finished_outputs() + self._count_new_tokens(sched_out)
-        return self._pop_finished_outputs() + self._outputs_of(sched_out)
+            return self._pop_finished_outputs() + self._count_new_tokens(reqs)
+        return self._pop_finished_outputs() + self._outputs_of(reqs)
 
-    def _launch_next(self, sched_out: SchedulerOutput, launched):
-        """Launch the step after `launched` from its device output -> (SchedulerOutput, launched) or None."""
+    def _launch_next(self, sched_out: SchedulerOutput, reqs: list[Request], launched):
+        """Launch the step after `launched` from its device output -> (SchedulerOutput, its
+        requests, launched step) or None."""
         if not self.runner.can_continue(launched):
             return None
         nxt = self.scheduler.schedule_continuation(sched_out, self.max_model_len)
         if nxt is None:
             return None
         launched_next = self.runner.launch_continuation(launched, nxt)
-        return None if launched_next is None else (nxt, launched_next)
+        return None if launched_next is None else (nxt, reqs, launched_next)
 
-    def _inflight_requests(self) -> list[Request]:
-        return [self._requests[sr.request_id] for sr in self._inflight[0].requests if sr.request_id in self._requests]
-
-    def _commit(self, sched_out: SchedulerOutput, run_out: ModelRunnerOutput) -> None:
-        for sr in sched_out.requests:
-            req = self._requests.get(sr.request_id)
-            if req is None or req.is_finished:  # stopped or aborted while this step ran (async scheduling)
+    def _commit(self, sched_out: SchedulerOutput, reqs: list[Request], run_out: ModelRunnerOutput) -> None:
+        """Apply a step's output to its requests (`reqs`, the Request objects of sched_out's rows:
+        an id may be reused by a new request while an async step of the old one is in flight)."""
+        for sr, req in zip(sched_out.requests, reqs):
+            if req.is_finished:  # stopped or aborted while this step ran (async scheduling)
                 continue
             if not sr.sample:
                 req.num_computed_tokens += len(sr.token_ids)
@@ -223,19 +236,13 @@ class LLMEngine:
         self.stats.draft_time_s += run_out.draft_time_s
         self.stats.total_time_s += seconds
 
-    def _outputs_of(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
-        outs = []
-        for sr in sched_out.requests:
-            req = self._requests.get(sr.request_id)
-            if req is not None and not req.is_finished and self._num_new.get(req.request_id):
-                outs.append(self._output(req))
-        return outs
+    def _outputs_of(self, reqs: list[Request]) -> list[RequestOutput]:
+        return [self._output(r) for r in reqs if not r.is_finished and self._num_new.get(r.request_id)]
 
-    def _count_new_tokens(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+    def _count_new_tokens(self, reqs: list[Request]) -> list[RequestOutput]:
         """The bookkeeping of `_outputs_of` without the outputs (stream=False) -> []."""
-        for sr in sched_out.requests:
-            req = self._requests.get(sr.request_id)
-            if req is not None and not req.is_finished:
+        for req in reqs:
+            if not req.is_finished:
                 self.stats.num_generated_tokens += self._num_new.pop(req.request_id, 0)
         return []
 

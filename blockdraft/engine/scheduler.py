@@ -74,11 +74,13 @@ class Scheduler:
         accepted: 2Q tokens past the start).
 
         Returns None (nothing scheduled; pages may have grown, which later steps use) when the batch
-        would change: a request is waiting, a running request is not in `so` or has finished, `so`
+        would change: a waiting request could be admitted (a sequence slot is free), a running
+        request is not in `so` or has finished, `so`
         is not uniform, the longest outcome would not leave room for K drafts within
         `max_model_len`, or the pool is out of pages (no preemption here).
         """
-        if self.waiting or not so.requests or len(so.requests) != len(self.running):
+        admissible = self.waiting and len(self.running) < self.config.max_num_seqs
+        if admissible or not so.requests or len(so.requests) != len(self.running):
             return None
         q = len(so.requests[0].token_ids)
         scheduled = []

@@ -118,7 +118,8 @@ class ModelRunner:
         if padding is None or padding.num_reqs != prev.batch.meta.num_reqs:
             return None
         timer = StepTimer(self.device)
-        if all(a.block_ids == b.block_ids for a, b in zip(so.requests, prev.so.requests)):
+        # pages are only ever appended to a running request: equal counts mean equal tables
+        if all(len(a.block_ids) == len(b.block_ids) for a, b in zip(so.requests, prev.so.requests)):
             block_table = prev.batch.meta.block_table
         else:
             block_table = stage_block_table(so, padding, self.device)

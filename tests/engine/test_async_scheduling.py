@@ -146,13 +146,74 @@ def test_async_stops_at_the_context_limit_like_sync():
     plain = make_llm(target).generate(prompts, params)
     sequences = [p + o.token_ids for p, o in zip(prompts, plain)]
     assert all(o.finish_reason == "length" and len(p) + len(o.token_ids) == 48 for p, o in zip(prompts, plain))
+    sync = make_llm(target, speculator=_oracle_speculator(target, 3, sequences), **GRAPHS, async_scheduling=False)
+    want = [o.token_ids for o in sync.generate(prompts, params)]
+    assert want == [o.token_ids for o in plain]
     llm = make_llm(target, speculator=_oracle_speculator(target, 3, sequences), **GRAPHS, async_scheduling=True)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    got, ref = llm.engine.stats.spec, sync.engine.stats.spec  # the same drafts verified and accepted
+    assert (got.num_steps, got.num_drafted_tokens, got.num_accepted_tokens) == (
+        ref.num_steps, ref.num_drafted_tokens, ref.num_accepted_tokens)
+
+
+def test_async_a_reused_request_id_does_not_get_the_old_requests_tokens(target):
+    """A request id freed at step N and reused at once must not receive the in-flight step N+1's
+    tokens of the old request (the engine keeps the Request objects of in-flight steps)."""
+    prompts = random_prompts(3, seed=9)
+    long = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def run(async_scheduling):
+        engine = make_llm(target, **GRAPHS, async_scheduling=async_scheduling).engine
+        engine.add_request("A", prompts[0], long)
+        engine.add_request("X", prompts[1], SamplingParams(max_tokens=3, ignore_eos=True))
+        done, readded = {}, False
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[(out.request_id, readded)] = out.token_ids
+                    if out.request_id == "X" and not readded:
+                        engine.add_request("X", prompts[2], SamplingParams(max_tokens=5, ignore_eos=True))
+                        readded = True
+        return done
+
+    assert run(True) == run(False)
+
+
+def test_async_step_that_raises_leaves_nothing_launched_ahead(target, monkeypatch):
+    """An exception while reading a step back drops the step launched ahead of it: the next steps
+    recompute from the host state, and the output equals synchronous scheduling."""
+    prompts, params = random_prompts(2, seed=8), SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in make_llm(target, **GRAPHS, async_scheduling=False).generate(prompts, params)]
+    llm = make_llm(target, **GRAPHS, async_scheduling=True)
+    runner, calls = llm.engine.runner, {"n": 0}
+    finish = runner.finish
+
+    def flaky(step):
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return finish(step)
+
+    runner.finish = flaky
+    for rid, prompt in zip(("a", "b"), prompts):
+        llm.engine.add_request(rid, prompt, params)
+    done = {}
+    while llm.engine.has_unfinished_requests():
+        try:
+            outs = llm.engine.step()
+        except KeyboardInterrupt:
+            assert llm.engine._inflight is None
+            continue
+        done.update({o.request_id: o.token_ids for o in outs if o.finished})
+    assert calls["n"] > 6 and [done["a"], done["b"]] == want
 
 
 def test_async_scheduling_needs_the_step_graphs(target):
-    with pytest.raises(ValueError, match=r"async_scheduling=True needs the uniform-step graphs.*graph_mode='eager'"):
+    with pytest.raises(ValueError, match=r"async_scheduling=True needs the uniform-step CUDA graphs.*"
+                                         r"attention_backend=None.*graph_mode='eager'"):
         make_llm(target, async_scheduling=True)
+    with pytest.raises(ValueError, match=r"async_scheduling must be None, True or False, got 'false'"):
+        make_llm(target, async_scheduling="false", **GRAPHS)
     assert make_llm(target).engine.async_scheduling is False  # CPU default: off (no graphs captured)
 
 
