@@ -18,6 +18,7 @@ offline (training/acceptance.py), which replays the engine's greedy walk exactly
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -151,12 +152,19 @@ def run(args) -> dict:
     data_dir = work / "data"
     if (data_dir / "data-00000.safetensors").is_file():
         data = TokenDataset.load(data_dir)
-        seen = {tuple(data.sequence(i)[0][: _prompt_len(data, i)].tolist()) for i in range(len(data))}
-        fresh = [p for p in lists["train"][: args.num_prompts] if tuple(p) not in seen]
+        answers = collections.Counter(tuple(data.sequence(i)[0][: _prompt_len(data, i)].tolist()) for i in range(len(data)))
+        prompts = lists["train"][: args.num_prompts]
+        fresh = [p for p in prompts if tuple(p) not in answers]
+        sampled_fraction = None
+        if not fresh and args.resample:  # every prompt answered: sampled answers, fewest answers first
+            fresh = sorted(prompts, key=lambda p: answers[tuple(p)])
+            sampled_fraction = 1.0
         if args.extend_seconds > 0 and fresh:  # each run adds the next shard
             shard = len(list(data_dir.glob("data-*.safetensors")))
-            _log(f"extending the data: {len(fresh)} prompts not answered yet, {args.extend_seconds:.0f} s -> shard {shard}")
-            more = _answer(hf, fresh, args, info, eos, pad, args.seed + 1000 * shard, args.extend_seconds)
+            what = "prompts not answered yet" if sampled_fraction is None else "prompts answered again, sampled"
+            _log(f"extending the data: {len(fresh)} {what}, {args.extend_seconds:.0f} s -> shard {shard}")
+            more = _answer(hf, fresh, args, info, eos, pad, args.seed + 1000 * shard, args.extend_seconds,
+                           sampled_fraction)
             more.save(data_dir, shard=shard)
             data = TokenDataset.concat([data, more])
     else:
@@ -171,17 +179,20 @@ def run(args) -> dict:
     return results
 
 
-def _answer(hf, prompts: list[list[int]], args, info: dict, eos, pad, seed: int, seconds: float):
-    """The target's answers to `prompts` (a `sampled_fraction` share at T = 0.7) as a TokenDataset,
-    from transformers `generate` for at most `seconds` (prompts left unanswered are dropped)."""
+def _answer(hf, prompts: list[list[int]], args, info: dict, eos, pad, seed: int, seconds: float,
+            sampled_fraction: float | None = None):
+    """The target's answers to `prompts` (a `sampled_fraction` share at T = 0.7, default
+    --sampled-fraction) as a TokenDataset, from transformers `generate` for at most `seconds`
+    (prompts left unanswered are dropped)."""
     from blockdraft.training.generate import generate_with_hf, sampling_plan, to_dataset
 
-    sampled = sampling_plan(len(prompts), args.sampled_fraction, seed)
+    fraction = args.sampled_fraction if sampled_fraction is None else sampled_fraction
+    sampled = sampling_plan(len(prompts), fraction, seed)
     t0 = time.time()
     responses = generate_with_hf(hf, prompts, args.max_new_tokens, sampled, eos, pad, temperature=0.7, seed=seed,
                                  batch_size=args.gen_batch, progress=True, deadline=t0 + seconds)
     gen_info = {"target": info["target"], "generator": "transformers.generate bf16", "max_new_tokens": args.max_new_tokens,
-                "sampled_temperature": 0.7, "sampled_fraction": args.sampled_fraction, "seed": seed,
+                "sampled_temperature": 0.7, "sampled_fraction": fraction, "seed": seed,
                 "prompt_stats": info["stats"], "gen_seconds": round(time.time() - t0, 1)}
     return to_dataset(prompts, responses, sampled, gen_info)
 
@@ -352,6 +363,9 @@ def main(argv=None) -> int:
     r.add_argument("--extend-seconds", type=float, default=0,
                    help="when --work already holds data: answer prompts not in it yet for this long and add them "
                         "as the next shard")
+    r.add_argument("--resample", action="store_true",
+                   help="with --extend-seconds, once every prompt is answered: answer prompts again, all sampled at "
+                        "T = 0.7 with a new seed, those with the fewest answers first (more data from the same prompts)")
     r.add_argument("--train-seconds", type=float, default=420)
     r.add_argument("--steps", type=int, default=None, help="optimizer steps (default: as many as fit --train-seconds)")
     r.add_argument("--block-size", type=int, default=16)

@@ -103,6 +103,7 @@ TRAIN=${TRAIN:-660}
 BATCH=${BATCH:-16}  # session 5: 64 (bench.train_throughput on the H200: 61K blocks/s at 64, 7-46K at 16)
 LR=${LR:-8e-4}
 SEED=${SEED:-3}  # a continued run takes a new seed: other anchors and batches than the run it continues
+RESAMPLE=${RESAMPLE:-}  # non-empty: once every prompt is answered, --extend-seconds adds sampled answers again
 prepare4() {
   local P=$1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
@@ -131,7 +132,7 @@ train_fast() {
   setsid nohup bash -c "
     python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
       --drafters '$drafters' --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
-      --batch-size $BATCH \
+      --batch-size $BATCH ${RESAMPLE:+--resample} \
       --train-seconds $TRAIN --lr $LR --seed $SEED --eval-sequences $W/eval_sequences.safetensors &&
     python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
       --draft-vocab-size 32768 --batch-sizes 1,8,32 --max-tokens 128 --out $W/bench-real ;

@@ -65,3 +65,13 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
     data = TokenDataset.load(tmp_path / "w" / "data")
     prompts = [tuple(data.sequence(i)[0][: gpu_run._prompt_len(data, i)].tolist()) for i in range(len(data))]
     assert len(prompts) == results["data"]["num_sequences"] == 8 + later["encoded"] and len(set(prompts)) == len(prompts)
+
+    # Every prompt is answered now: --resample answers them again, all sampled, fewest answers first.
+    assert gpu_run.main(third + ["--resample"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    shard = TokenDataset.load(tmp_path / "w" / "data")
+    assert (tmp_path / "w" / "data" / "data-00003.safetensors").is_file()
+    assert results["data"]["num_sequences"] == 2 * len(prompts)
+    again = [tuple(shard.sequence(i)[0][: gpu_run._prompt_len(shard, i)].tolist()) for i in range(len(prompts), len(shard))]
+    assert sorted(again) == sorted(prompts)  # each prompt once more
+    assert results["data"]["shards"][-1]["sampled_fraction"] == 1.0
