@@ -79,13 +79,10 @@ class ModelRunner:
         self.graphs = graphs
         self._prepare_draft_inputs = _draft_input_preparer(self.attention_backend)
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Compute the scheduled rows, sample, verify drafts and propose the next drafts."""
-        return self.finish(self.launch(so))
-
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
-        """Enqueue a step's device work (on CUDA nothing waits for the GPU); `finish` reads it back."""
+        """Compute the scheduled rows, sample, verify drafts and propose the next drafts: enqueue
+        the device work (on CUDA nothing waits for the GPU); `finish` reads it back."""
         timer = StepTimer(self.device)
         padding = self.graphs.target.padding_for(so) if self.graphs is not None else None
         host_metadata = self.attention_backend.host_metadata
