@@ -204,6 +204,7 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
     e.add_argument("--plot", default=None, help="write the per-position acceptance plot to this PNG (needs matplotlib)")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     _add_device_flags(e)
+    _add_async_scheduling_flag(e)
     e.add_argument("--cache-dir", default=None)
     e.set_defaults(func=_eval_drafter)
 

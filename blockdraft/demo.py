@@ -75,6 +75,7 @@ class DemoReport:
     temperature: float
     seed: int | None
     num_threads: int
+    draft_vocab_size: int = 0  # 0: the drafter scores the full vocabulary
     prompts: list[PromptResult] = field(default_factory=list)
 
     @property
@@ -154,6 +155,7 @@ def run_demo(
         model=model_name or target.path, draft=str(draft), dtype=str(target.dtype).replace("torch.", ""),
         num_speculative_tokens=spec.speculator.num_speculative_tokens, max_tokens=params.max_tokens,
         repeats=repeats, temperature=params.temperature, seed=params.seed, num_threads=torch.get_num_threads(),
+        draft_vocab_size=head.size if (head := getattr(spec.speculator, "draft_head", None)) is not None else 0,
     )
     if on_start is not None:
         on_start(report)
@@ -223,7 +225,8 @@ def format_header(r: DemoReport) -> str:
     """First lines: what runs against what."""
     return (
         f"blockdraft demo: {r.model} ({r.dtype}, CPU, {r.num_threads} threads) + DFlash drafter "
-        f"{r.draft} (K = {r.num_speculative_tokens}: drafts per step)\n"
+        f"{r.draft} (K = {r.num_speculative_tokens}: drafts per step"
+        f"{f', draft vocabulary {r.draft_vocab_size} ids' if r.draft_vocab_size else ''})\n"
         f"each prompt: plain decoding and speculative decoding on the same loaded weights, "
         f"{_sampling_words(r.temperature, r.seed)}, at most {r.max_tokens} tokens, "
         f"{r.repeats} timed run(s) each, interleaved"

@@ -146,7 +146,7 @@ class LLM:
             draft_vocab_size=draft_vocab_size if speculator is None else None,
         )
         device, cache = pre.device, pre.cache
-        async_scheduling = _resolve_async_scheduling(async_scheduling, device, enforce_eager, attention_backend, graph_mode)
+        async_scheduling = resolve_async_scheduling(async_scheduling, device, enforce_eager, attention_backend, graph_mode)
         self.target = target or load_target(str(pre.target_path), dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
         if speculator is None and pre.draft is not None:
@@ -307,7 +307,7 @@ def _build_speculator(pre: Preflight, target: LoadedTarget):
     return DFlashSpeculator(drafter, target.model, k, pre.cache.num_kv_blocks, pre.cache.kv_block_size, head)
 
 
-def _resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool, attention_backend, graph_mode) -> bool:
+def resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool, attention_backend, graph_mode) -> bool:
     """None -> True iff CUDA graphs are captured; True is checked (before any weights load).
 
     Raises:
@@ -323,10 +323,11 @@ def _resolve_async_scheduling(requested: bool | None, device, enforce_eager: boo
         return mode == "capture"
     if requested and mode == "off":
         raise ValueError(
-            f"async_scheduling=True needs the uniform-step CUDA graphs, which are off here (device {device}, "
-            f"enforce_eager={enforce_eager}, attention_backend={attention_backend!r}, graph_mode={graph_mode!r}): "
-            f"run on CUDA without --enforce-eager and with the default attention backend (or graph_mode='eager' "
-            f"from Python), or turn async scheduling off"
+            f"async scheduling needs the CUDA graphs of decode steps, which are off here (device {device}"
+            f"{', --enforce-eager' if enforce_eager else ''}): run on CUDA without --enforce-eager, or turn it off "
+            f"(drop --async-scheduling or pass --no-async-scheduling; LLM(async_scheduling=False)). In Python "
+            f"(tests) graph_mode='eager' with attention_backend='dense' runs the same graph code without CUDA "
+            f"(got attention_backend={attention_backend!r}, graph_mode={graph_mode!r})"
         )
     return requested
 

@@ -58,6 +58,7 @@ def evaluate_drafter(
     max_tokens: int = 256, seed: int = 0, compare_plain: bool = False, dtype: str = "float32", cache_dir=None,
     max_num_seqs: int = 16, draft_vocab_size: int | None = None, num_speculative_tokens: int | None = None,
     device: str = "cpu", gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
+    async_scheduling: bool | None = None,
 ) -> EvalResult:
     """Generate with the drafter on the first `num_prompts` prompts of `dataset`; pool the counters.
 
@@ -66,7 +67,8 @@ def evaluate_drafter(
         reports acceptance, not the speed-tuned K of the folder's speculative.json.
 
     device: "cpu" | "cuda" | "auto" (CUDA when torch sees one), as `LLM` / `generate --device`;
-        gpu_memory_utilization / enforce_eager: the CUDA pool budget and no CUDA graphs, as `LLM`.
+        gpu_memory_utilization / enforce_eager / async_scheduling: the CUDA pool budget, no CUDA
+        graphs and async scheduling (None: on with CUDA graphs), as `LLM`.
 
     With `compare_plain`, the same prompts are decoded without the drafter (same seeds) to check
     token-for-token equality and to time the speedup.
@@ -74,7 +76,7 @@ def evaluate_drafter(
         ValueError / FileNotFoundError: a bad setting (num_prompts outside [1, prompts in `dataset`],
             sampling values, device, drafter folder, K, draft vocabulary size), before any weights load.
     """
-    from blockdraft.llm import LLM, load_target
+    from blockdraft.llm import LLM, load_target, resolve_async_scheduling
     from blockdraft.preflight import preflight
     from blockdraft.sampling_params import SamplingParams
     from blockdraft.training.corpora import EVAL_DATASET_SIZES, eval_prompts
@@ -93,9 +95,10 @@ def evaluate_drafter(
     _check_num_prompts(num_prompts, dataset, len(texts))
     convs = [[{"role": "user", "content": t}] for t in texts[:num_prompts]]
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i) for i in range(len(convs))]
+    resolve_async_scheduling(async_scheduling, pre.device, enforce_eager, None, None)  # before the weights load
     loaded = load_target(str(pre.target_path), dtype, pre.device, cache_dir=cache_dir)
     engine_options = dict(dtype=dtype, device=pre.device, gpu_memory_utilization=gpu_memory_utilization,
-                          enforce_eager=enforce_eager, max_num_seqs=max_num_seqs)
+                          enforce_eager=enforce_eager, async_scheduling=async_scheduling, max_num_seqs=max_num_seqs)
     spec = LLM(target=loaded, draft=pre.draft, num_speculative_tokens=k, draft_vocab_size=pre.draft_vocab_size,
                **engine_options)
     t0 = time.perf_counter()
@@ -202,7 +205,7 @@ def main(args) -> int:
                               args.max_tokens, args.seed, args.compare_plain, args.dtype, args.cache_dir,
                               draft_vocab_size=args.draft_vocab_size, num_speculative_tokens=args.num_speculative_tokens,
                               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
-                              enforce_eager=args.enforce_eager)
+                              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     out = result.to_dict() | {"target": args.target, "draft": str(draft)}
     print(json.dumps(out, indent=1, allow_nan=False))
     print(summary_line(result), file=sys.stderr)

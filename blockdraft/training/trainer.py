@@ -401,9 +401,10 @@ def fit_together(
 
 
 def _postfix(s: dict) -> dict:
-    """tqdm postfix: loss, the tau proxy and top-1 accuracy of slots 1, 2, 4, 8, 15."""
+    """tqdm postfix: loss, the tau proxy and top-1 accuracy of slots 1, 2, 4, 8, 15 ("n/a" for a
+    slot no label reached in the logged steps: tiny runs with short answers)."""
     acc = s["acc"]
-    picks = {f"a{k}": f"{acc[k - 1]:.2f}" for k in (1, 2, 4, 8, 15) if k <= len(acc)}
+    picks = {f"a{k}": "n/a" if math.isnan(acc[k - 1]) else f"{acc[k - 1]:.2f}" for k in (1, 2, 4, 8, 15) if k <= len(acc)}
     return {"loss": f"{s['loss']:.3f}", "tau": f"{s['tau_proxy']:.2f}", **picks}
 
 

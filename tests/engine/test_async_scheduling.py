@@ -209,8 +209,8 @@ def test_async_step_that_raises_leaves_nothing_launched_ahead(target, monkeypatc
 
 
 def test_async_scheduling_needs_the_step_graphs(target):
-    with pytest.raises(ValueError, match=r"async_scheduling=True needs the uniform-step CUDA graphs.*"
-                                         r"attention_backend=None.*graph_mode='eager'"):
+    with pytest.raises(ValueError, match=r"async scheduling needs the CUDA graphs.*device cpu.*--no-async-scheduling"
+                                         r".*graph_mode='eager' with attention_backend='dense'"):
         make_llm(target, async_scheduling=True)
     with pytest.raises(ValueError, match=r"async_scheduling must be None, True or False, got 'false'"):
         make_llm(target, async_scheduling="false", **GRAPHS)

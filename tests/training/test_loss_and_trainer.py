@@ -114,3 +114,10 @@ def test_resuming_with_other_settings_is_refused_naming_them(tiny, tmp_path):
     same = _trainer(tiny, tmp_path, steps=6)
     same.cfg.log_every = 3  # the logging cadence may change
     assert same.load_checkpoint() and same.step == 2
+
+
+def test_progress_postfix_shows_slots_without_labels_as_na():
+    from blockdraft.training.trainer import _postfix
+
+    post = _postfix({"acc": [0.5] * 14 + [float("nan")], "loss": 2.0, "tau_proxy": 1.5})
+    assert post == {"loss": "2.000", "tau": "1.50", "a1": "0.50", "a2": "0.50", "a4": "0.50", "a8": "0.50", "a15": "n/a"}
