@@ -155,12 +155,12 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
         key = name.replace("-", "_")
         t.add_argument(f"--{name}", type=int, default=None,
                        help=f"{text} (default {DEFAULTS[key]}; --tiny: {TINY[key]})".replace("default None; ", ""))
-    t.add_argument("--block-size", type=int, default=16, help="B = 1 anchor + B-1 drafts")
+    t.add_argument("--block-size", type=int, default=16, help="B = 1 anchor + B-1 drafts (default 16)")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="id fed in the draft slots (default: an unused id of the target's vocabulary)")
-    t.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence")
-    t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (warmup, then cosine)")
-    t.add_argument("--sampled-fraction", type=float, default=0.25, help="share of prompts answered at T=0.7")
+    t.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence (default 1024)")
+    t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate, warmup then cosine (default 6e-4)")
+    t.add_argument("--sampled-fraction", type=float, default=0.25, help="share of prompts answered at T=0.7 (default 0.25)")
     t.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     t.add_argument("--cache-features", action="store_true",
                    help="compute the target's features of every training sequence once and keep them in memory "
@@ -172,11 +172,11 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "cost; 0 (the default) = the full vocabulary, else 256 <= N <= V (1/16 of V under 4096 ids), "
                         "the range --draft-vocab-size allows")
     t.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a checkpoint")
-    t.add_argument("--seed", type=int, default=0, help="seeds prompt choice, sampling, init, batches, anchors")
+    t.add_argument("--seed", type=int, default=0, help="seeds prompt choice, sampling, init, batches, anchors (default 0)")
     t.add_argument("--device", default="auto",
                    help="where the target answers and the drafter trains: auto, cpu or cuda (default auto: cuda "
                         "when torch sees a GPU, else cpu)")
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights (default float32)")
     t.add_argument("--cache-dir", default=None, help="model and data cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
     t.set_defaults(func=_train_drafter)
 

@@ -261,6 +261,23 @@ def format_summary(report: DemoReport) -> str:
         f"{s['num_output_tokens']} tokens | acceptance length {tau} | "
         f"plain {s['plain_tokens_per_s']:.1f} tok/s | DFlash {s['dflash_tokens_per_s']:.1f} tok/s | "
         f"speedup {s['speedup']:.2f}x"
+    ) + _busy_note(report)
+
+
+# Plain decoding speeds of one demo's runs further apart than this mean the machine was busy.
+BUSY_SPREAD = 2.0
+
+
+def _busy_note(report: DemoReport) -> str:
+    """A warning line when plain decoding's speed swung more than BUSY_SPREAD x across the runs
+    (other jobs took the cores: the timings, hence the speedup, are not to be trusted), else ''."""
+    rates = [p.num_output_tokens / t for p in report.prompts for t in p.plain_seconds if t > 0 and p.num_output_tokens]
+    if len(rates) < 2 or max(rates) <= BUSY_SPREAD * min(rates):
+        return ""
+    return (
+        f"\nnote: plain decoding ran at {min(rates):.1f} to {max(rates):.1f} tok/s across runs "
+        f"({max(rates) / min(rates):.1f}x apart): the machine was busy, so these timings are unreliable; "
+        f"rerun when it is idle, with --repeats 3 (or --threads 1 on a shared machine)"
     )
 
 

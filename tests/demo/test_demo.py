@@ -160,3 +160,18 @@ def test_demo_header_names_the_draft_vocabulary():
 
     report = DemoReport("m", "d", "bfloat16", 4, 96, 1, 0.0, None, 2, draft_vocab_size=32768)
     assert "(K = 4: drafts per step, draft vocabulary 32768 ids)" in format_header(report)
+
+
+def test_demo_summary_warns_when_plain_speed_swings():
+    from blockdraft.demo import DemoReport, PromptResult, format_summary
+
+    def row(plain_seconds):
+        return PromptResult("p", "t", [1] * 10, "length", True, None, True, 10, 1.5, [0.5], 4, 8, 2,
+                            plain_seconds, [0.4] * len(plain_seconds), plain_seconds, [0.4] * len(plain_seconds),
+                            10.0, 20.0, 2.0)
+
+    calm = DemoReport("m", "d", "bfloat16", 4, 96, 2, 0.0, None, 2, prompts=[row([0.5, 0.55]), row([0.6, 0.5])])
+    assert "note:" not in format_summary(calm)
+    busy = DemoReport("m", "d", "bfloat16", 4, 96, 2, 0.0, None, 2, prompts=[row([0.5, 0.5]), row([5.0, 0.5])])
+    note = format_summary(busy).splitlines()[-1]
+    assert note.startswith("note: plain decoding ran at 2.0 to 20.0 tok/s across runs (10.0x apart)")
