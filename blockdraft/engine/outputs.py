@@ -22,6 +22,9 @@ class ScheduledRequest:
     sample: True when these rows reach the end of the request's tokens, so the step samples
         (the last 1 + num_spec_tokens rows give logits). block_ids: the request's KV pages in order.
     sampling_params: the request's parameters (plain Python; the runner turns them into tensors).
+    A continuation step (async scheduling, Scheduler.schedule_continuation) is scheduled before the
+    previous step's tokens reach the host: its token_ids are PLACEHOLDER_TOKEN (-1) and its
+    start_position -1; the runner builds both on the device from the previous step's output.
     """
 
     request_id: str
