@@ -60,7 +60,7 @@ class LLMEngine:
         self._stop_ids: dict[str, frozenset[int]] = {}  # EOS (unless ignore_eos) + stop_token_ids
         self._finished_unreported: list[Request] = []
         self.async_scheduling = async_scheduling
-        self._inflight = None  # (SchedulerOutput, its Requests, launched step) not read back yet
+        self._inflight = None  # (its Requests, launched step) launched but not read back yet
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (after `check_request`; nothing is queued when it raises).
@@ -123,7 +123,8 @@ class LLMEngine:
         """
         t0 = time.perf_counter()
         if self._inflight is not None:
-            sched_out, reqs, launched = self._inflight
+            reqs, launched = self._inflight
+            sched_out = launched.so
             self._inflight = None
         else:
             sched_out = self.scheduler.schedule()
@@ -141,7 +142,7 @@ class LLMEngine:
             # next schedule() recomputes from the host state instead
             self._inflight = None
             raise
-        if self._inflight is not None and all(r.is_finished for r in self._inflight[1]):
+        if self._inflight is not None and all(r.is_finished for r in self._inflight[0]):
             self._inflight = None  # every request of the next step has stopped: nothing to read
         self._account(run_out, time.perf_counter() - t0)
         if not stream:
@@ -149,15 +150,15 @@ class LLMEngine:
         return self._pop_finished_outputs() + self._outputs_of(reqs)
 
     def _launch_next(self, sched_out: SchedulerOutput, reqs: list[Request], launched):
-        """Launch the step after `launched` from its device output -> (SchedulerOutput, its
-        requests, launched step) or None."""
+        """Launch the step after `launched` from its device output -> (its requests, the launched
+        step) or None."""
         if not self.runner.can_continue(launched):
             return None
         nxt = self.scheduler.schedule_continuation(sched_out, self.max_model_len)
         if nxt is None:
             return None
         launched_next = self.runner.launch_continuation(launched, nxt)
-        return None if launched_next is None else (nxt, reqs, launched_next)
+        return None if launched_next is None else (reqs, launched_next)
 
     def _commit(self, sched_out: SchedulerOutput, reqs: list[Request], run_out: ModelRunnerOutput) -> None:
         """Apply a step's output to its requests (`reqs`, the Request objects of sched_out's rows:

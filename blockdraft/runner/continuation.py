@@ -55,11 +55,11 @@ def advance_uniform_batch(
     pages = block_table[:num_sample].gather(1, torch.div(pos, kv_block_size, rounding_mode="floor"))
     slots = pages.to(torch.long) * kv_block_size + pos % kv_block_size
 
-    input_ids, positions, slot_mapping = batch.input_ids.clone(), batch.positions.clone(), batch.slot_mapping.clone()
-    input_ids[:rows] = ids.view(-1)
-    positions[:rows] = pos.view(-1)
-    slot_mapping[:rows] = slots.view(-1)
-    seq_lens = batch.meta.seq_lens.clone()
-    seq_lens[:num_sample] = (start[:, 0] + q).to(seq_lens.dtype)
+    # real rows / requests first, then the padded batch's inert tail (one copy each)
+    input_ids = torch.cat([ids.view(-1), batch.input_ids[rows:]])
+    positions = torch.cat([pos.view(-1), batch.positions[rows:]])
+    slot_mapping = torch.cat([slots.view(-1), batch.slot_mapping[rows:]])
+    seq_lens = batch.meta.seq_lens
+    seq_lens = torch.cat([(start[:, 0] + q).to(seq_lens.dtype), seq_lens[num_sample:]])
     meta = dataclasses.replace(batch.meta, seq_lens=seq_lens, block_table=block_table, slot_mapping=slot_mapping)
     return dataclasses.replace(batch, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, meta=meta)
