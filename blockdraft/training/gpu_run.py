@@ -152,7 +152,7 @@ def run(args) -> dict:
     data_dir = work / "data"
     if (data_dir / "data-00000.safetensors").is_file():
         data = TokenDataset.load(data_dir)
-        answers = collections.Counter(tuple(data.sequence(i)[0][: _prompt_len(data, i)].tolist()) for i in range(len(data)))
+        answers = collections.Counter(answered_prompts(data))
         prompts = lists["train"][: args.num_prompts]
         fresh = [p for p in prompts if tuple(p) not in answers]
         sampled_fraction = None
@@ -195,6 +195,11 @@ def _answer(hf, prompts: list[list[int]], args, info: dict, eos, pad, seed: int,
                 "sampled_temperature": 0.7, "sampled_fraction": fraction, "seed": seed,
                 "prompt_stats": info["stats"], "gen_seconds": round(time.time() - t0, 1)}
     return to_dataset(prompts, responses, sampled, gen_info)
+
+
+def answered_prompts(data) -> list[tuple[int, ...]]:
+    """The prompt token ids of each sequence of a TokenDataset, in order (one per answer)."""
+    return [tuple(data.sequence(i)[0][: _prompt_len(data, i)].tolist()) for i in range(len(data))]
 
 
 def _prompt_len(data, i: int) -> int:

@@ -51,27 +51,22 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
         i = args.index("--num-prompts") + 1
         return args[:i] + [str(n)] + args[i + 1 :] + ["--extend-seconds", "60", "--eval-prompts", "0"]
 
-    more = with_prompts(8)
-    assert gpu_run.main(more) == 0
-    results = json.loads(capsys.readouterr().out)
-    assert (tmp_path / "w" / "data" / "data-00001.safetensors").is_file()
-    data = TokenDataset.load(tmp_path / "w" / "data")
-    prompts = [tuple(data.sequence(i)[0][: gpu_run._prompt_len(data, i)].tolist()) for i in range(len(data))]
-    assert len(prompts) == results["data"]["num_sequences"] > 4 and len(set(prompts)) == len(prompts)
+    def run_and_load(run_args, new_shard):
+        assert gpu_run.main(run_args) == 0
+        results = json.loads(capsys.readouterr().out)
+        assert (tmp_path / "w" / "data" / f"data-{new_shard:05d}.safetensors").is_file()
+        answered = gpu_run.answered_prompts(TokenDataset.load(tmp_path / "w" / "data"))
+        assert len(answered) == results["data"]["num_sequences"]
+        return results, answered
+
+    _, prompts = run_and_load(with_prompts(8), 1)
+    assert len(prompts) > 4 and len(set(prompts)) == len(prompts)
     third = with_prompts(1000)
-    assert gpu_run.main(third) == 0
-    results = json.loads(capsys.readouterr().out)
-    assert (tmp_path / "w" / "data" / "data-00002.safetensors").is_file()
-    data = TokenDataset.load(tmp_path / "w" / "data")
-    prompts = [tuple(data.sequence(i)[0][: gpu_run._prompt_len(data, i)].tolist()) for i in range(len(data))]
-    assert len(prompts) == results["data"]["num_sequences"] == 8 + later["encoded"] and len(set(prompts)) == len(prompts)
+    _, prompts = run_and_load(third, 2)
+    assert len(prompts) == 8 + later["encoded"] and len(set(prompts)) == len(prompts)
 
     # Every prompt is answered now: --resample answers them again, all sampled, fewest answers first.
-    assert gpu_run.main(third + ["--resample"]) == 0
-    results = json.loads(capsys.readouterr().out)
-    shard = TokenDataset.load(tmp_path / "w" / "data")
-    assert (tmp_path / "w" / "data" / "data-00003.safetensors").is_file()
-    assert results["data"]["num_sequences"] == 2 * len(prompts)
-    again = [tuple(shard.sequence(i)[0][: gpu_run._prompt_len(shard, i)].tolist()) for i in range(len(prompts), len(shard))]
-    assert sorted(again) == sorted(prompts)  # each prompt once more
+    results, answered = run_and_load(third + ["--resample"], 3)
+    assert len(answered) == 2 * len(prompts)
+    assert answered[: len(prompts)] == prompts and sorted(answered[len(prompts) :]) == sorted(prompts)
     assert results["data"]["shards"][-1]["sampled_fraction"] == 1.0
