@@ -92,6 +92,7 @@ def test_async_speculative_equals_sync_with_many_accepted_drafts(target, monkeyp
     sequences = [p + o.token_ids for p, o in zip(prompts, plain)]
     sync = make_llm(target, speculator=_oracle_speculator(target, k, sequences), **GRAPHS, async_scheduling=False)
     want = _run(sync, prompts, params)
+    assert want == _run(make_llm(target), prompts, params)  # speculative == plain, same params and seeds
     counts = _count_continuations(monkeypatch)
     llm = make_llm(target, speculator=_oracle_speculator(target, k, sequences), **GRAPHS, async_scheduling=True)
     assert _run(llm, prompts, params) == want
