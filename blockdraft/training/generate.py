@@ -5,13 +5,14 @@ the target stopped):
 - `generate_with_engine`: our engine (`blockdraft.llm.LLM.generate`), continuous batching; the
   default and the CPU path.
 - `generate_with_hf`: transformers `generate` on the same converted weights, batched with left
-  padding. The documented fast path for the GPU run (our GPU path is eager and slow today).
+  padding (the GPU runs of sessions 1-5; `gpu_run --gen-engine` now uses our engine there too).
 A `sampled_fraction` of the prompts is answered at temperature T with a per-prompt (engine) or
 per-batch (HF) seed; the rest greedily.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
@@ -34,6 +35,9 @@ def encode_prompts(tokenizer, texts: list, max_prompt_tokens: int) -> tuple[list
     return out, kept
 
 
+_CALLS = itertools.count()
+
+
 def sampling_plan(n: int, sampled_fraction: float, seed: int) -> list[bool]:
     """Which of n prompts are answered by sampling (a seeded `sampled_fraction` share)."""
     rng = random.Random(seed)
@@ -44,17 +48,61 @@ def sampling_plan(n: int, sampled_fraction: float, seed: int) -> list[bool]:
 
 def generate_with_engine(
     llm, prompt_ids: list[list[int]], max_new_tokens: int, sampled: list[bool], temperature: float = 0.7,
-    seed: int = 0, progress: bool = False,
-) -> list[list[int]]:
-    """Responses from our engine: greedy, or sampled at `temperature` with seed `seed + i` for prompt i."""
+    seed: int = 0, progress: bool = False, deadline: float | None = None,
+) -> list[list[int] | None]:
+    """Responses from our engine: greedy, or sampled at `temperature` with seed `seed + i` for prompt i.
+
+    Each response is the generated token ids, EOS included when the target stopped. With a
+    wall-clock `deadline` (time.time() seconds) prompts are fed to the engine in order, a few
+    more than it runs at once, and when the deadline passes the unfinished ones are aborted:
+    their entries are None (as `generate_with_hf`). Without one, every prompt is answered
+    (`LLM.generate`).
+    """
     from blockdraft.sampling_params import SamplingParams
 
     params = [
         SamplingParams(max_tokens=max_new_tokens, temperature=temperature if s else 0.0, seed=seed + i)
         for i, s in enumerate(sampled)
     ]
-    outs = llm.generate(prompt_ids, params, use_tqdm=progress)
-    return [list(o.token_ids) for o in outs]
+    if deadline is None:
+        outs = llm.generate(prompt_ids, params, use_tqdm=progress)
+        return [list(o.token_ids) for o in outs]
+    return _generate_until(llm.engine, prompt_ids, params, deadline, progress)
+
+
+def _generate_until(engine, prompt_ids: list[list[int]], params: list, deadline: float,
+                    progress: bool) -> list[list[int] | None]:
+    """Drive `engine` over the prompts until all are answered or `deadline` passes (see
+    generate_with_engine). The waiting queue is kept short (2x max_num_seqs) so that aborting
+    at the deadline touches few requests."""
+    import time
+
+    from tqdm.auto import tqdm
+
+    out: list[list[int] | None] = [None] * len(prompt_ids)
+    index: dict[str, int] = {}
+    call = next(_CALLS)  # request ids unique across calls on one engine
+    window = 2 * engine.scheduler.config.max_num_seqs
+    fed = 0
+    bar = tqdm(total=len(prompt_ids), desc="generate", unit="req", disable=not progress)
+    while fed < len(prompt_ids) or engine.has_unfinished_requests():
+        if time.time() > deadline:
+            break
+        while fed < len(prompt_ids) and len(index) < window:
+            rid = f"answer-{call}-{fed}"
+            engine.add_request(rid, prompt_ids[fed], params[fed])
+            index[rid] = fed
+            fed += 1
+        for o in engine.step(stream=False):
+            if o.finished and o.request_id in index:
+                out[index.pop(o.request_id)] = list(o.token_ids)
+                bar.update(1)
+    for rid in list(index):  # past the deadline: unfinished requests give no answer
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step(stream=False)
+    bar.close()
+    return out
 
 
 @torch.no_grad()

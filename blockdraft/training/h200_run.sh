@@ -103,7 +103,12 @@ TRAIN=${TRAIN:-660}
 BATCH=${BATCH:-16}  # session 5: 64 (bench.train_throughput on the H200: 61K blocks/s at 64, 7-46K at 16)
 LR=${LR:-8e-4}
 SEED=${SEED:-3}  # a continued run takes a new seed: other anchors and batches than the run it continues
-RESAMPLE=${RESAMPLE:-}  # non-empty: once every prompt is answered, --extend-seconds adds sampled answers again
+RESAMPLE=${RESAMPLE:-}  # non-empty: after the unanswered (and synthesized) prompts, sampled answers again
+ENGINE=${ENGINE:-}  # session 6, non-empty: answers from our engine (gpu_run --gen-engine), SYNTH synthesized prompts
+SYNTH=${SYNTH:-0}
+GPU_TESTS=${GPU_TESTS:-tests/gpu}  # session 6: the runner tests only (the async continuation changed)
+TEST_WORKERS=${TEST_WORKERS:-8}
+PROFILE=${PROFILE:-1}  # empty: no 8B profile after the bench
 prepare4() {
   local P=$1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
@@ -124,20 +129,23 @@ train_fast() {
   cp "$INIT" "$W/init.safetensors" && cp "$EVAL" "$W/eval_sequences.safetensors" && tar xf "$DATA" -C "$W/qwen" || exit 1
   mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
   export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
-  (cd /tmp/tcode && PYTHONPATH=/tmp/site:/tmp/tcode setsid nohup bash -c "
-    python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/qwen.gguf\"))' &&
-    python3 -m pytest -q -n 8 -p xdist tests/gpu; echo GPU-TESTS-DONE" > /tmp/gputests.log 2>&1 < /dev/null &)
   cd "$W/code" || exit 1
   local drafters='[{"name":"A","num_layers":2,"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"}]'
-  setsid nohup bash -c "
-    python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
+  local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
       --drafters '$drafters' --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
       --batch-size $BATCH ${RESAMPLE:+--resample} \
-      --train-seconds $TRAIN --lr $LR --seed $SEED --eval-sequences $W/eval_sequences.safetensors &&
+      --train-seconds $TRAIN --lr $LR --seed $SEED --eval-sequences $W/eval_sequences.safetensors"
+  # The GGUF is converted once, before the GPU tests and the engine (gpu_run --gen-engine) read it.
+  # If the engine-answered run fails, the same run with transformers generate follows.
+  setsid nohup bash -c "
+    python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/qwen.gguf\"))' || exit 1
+    (cd /tmp/tcode && PYTHONPATH=/tmp/site:/tmp/tcode setsid nohup bash -c \"python3 -m pytest -q -n $TEST_WORKERS \
+      -p xdist $GPU_TESTS; echo GPU-TESTS-DONE\" > /tmp/gputests.log 2>&1 < /dev/null &)
+    { ${ENGINE:+$run --gen-engine --synth-samples $SYNTH || } $run ; } &&
     python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
       --draft-vocab-size 32768 --batch-sizes 1,8,32 --max-tokens 128 --out $W/bench-real ;
-    python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
-      --out $W/profile-qwen3-8b-b1.json --trace $W/trace-qwen3-8b-b1.json.gz > $W/profile-qwen3-8b-b1.txt 2>&1 ;
+    ${PROFILE:+python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
+      --out $W/profile-qwen3-8b-b1.json --trace $W/trace-qwen3-8b-b1.json.gz > $W/profile-qwen3-8b-b1.txt 2>&1 ;}
     echo TRAIN-CHAIN-DONE" > "$W/resume.log" 2>&1 < /dev/null &
 }
 

@@ -70,3 +70,19 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
     assert len(answered) == 2 * len(prompts)
     assert answered[: len(prompts)] == prompts and sorted(answered[len(prompts) :]) == sorted(prompts)
     assert results["data"]["shards"][-1]["sampled_fraction"] == 1.0
+
+    # --gen-engine answers with our engine; --synth-samples queues requests the target wrote itself
+    # after the unanswered prompts (none left) and before the resampled ones.
+    n_before = len(answered)
+    engine_args = third + ["--resample", "--gen-engine", "--gen-max-seqs", "4", "--synth-samples", "16",
+                           "--synth-max-tokens", "48"]
+    results, answered = run_and_load(engine_args, 4)
+    shard = results["data"]["shards"][-1]
+    stats = shard["synthesized_prompts"]
+    assert shard["generator"].startswith("blockdraft engine")
+    assert stats["sampled"] == 16 and stats["unfinished"] + stats["input"] == 16 and stats["encoded"] >= 1
+    assert shard["queued"] == {"fresh": 0, "synthesized": stats["encoded"], "resampled": len(prompts)}
+    new = answered[n_before:]
+    synthesized = [p for p in new if p not in set(prompts)]
+    assert len(synthesized) == stats["encoded"] and new[: len(synthesized)] == synthesized
+    assert sorted(new[len(synthesized) :]) == sorted(prompts)

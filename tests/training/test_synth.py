@@ -1,0 +1,40 @@
+"""Synthesized training prompts (training/synth.py) on the real SmolLM2 target, CPU."""
+
+import pytest
+
+from blockdraft.training.prompts import normalize
+from blockdraft.training.synth import pre_query_ids, synthesize_prompts
+from tests.training.test_gpu_run_recipe import NAME, _cached
+
+pytestmark = [] if _cached() else [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from blockdraft.llm import LLM
+
+    return LLM(NAME, dtype="float32", num_kv_blocks=256, max_num_seqs=8)
+
+
+def test_pre_query_template_ends_where_the_user_content_begins(llm):
+    text = llm.tokenizer.decode(pre_query_ids(llm.tokenizer))
+    assert text.endswith("<|im_start|>user\n")
+    assert text.startswith("<|im_start|>system\n")  # the template's default system turn is kept
+
+
+def test_synthesized_prompts_are_finished_filtered_and_keep_eval_prompts_out(llm):
+    texts, stats = synthesize_prompts(llm, 12, [], seed=5, max_tokens=48)
+    assert stats["sampled"] == 12 and stats["unfinished"] + stats["input"] == 12
+    assert stats["kept"] == len(texts) >= 1
+    assert len({normalize(t) for t in texts}) == len(texts)
+    assert all(16 <= len(t.strip()) <= 2000 for t in texts)
+    # Same seed, with one of the kept requests now an evaluation prompt: it is dropped.
+    again, stats2 = synthesize_prompts(llm, 12, [texts[0]], seed=5, max_tokens=48)
+    assert stats2["eval_overlap"] >= 1 and texts[0] not in again
+    assert sorted(again) == sorted(t for t in texts if t != texts[0])
+
+
+def test_a_deadline_in_the_past_answers_nothing(llm):
+    texts, stats = synthesize_prompts(llm, 4, [], seed=1, max_tokens=8, deadline=0.0)
+    assert texts == [] and stats["unfinished"] == 4
+    assert not llm.engine.has_unfinished_requests()
