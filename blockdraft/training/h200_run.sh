@@ -161,6 +161,25 @@ pack4() {
   ls -la "$OUT"
 }
 
+# Session 6: the run's results (pack6) and its new data shard (packdata WORK OUT SHARD), each in
+# <= 16 MB files (the device returns 8 files per call).
+pack6() {
+  local W=$1 OUT=$2
+  mkdir -p "$OUT"
+  cp /tmp/gputests.log "$W/" 2>/dev/null
+  tar czf "$OUT/small.tgz" -C "$W" resume.log $(cd "$W" && ls -d gputests.log qwen/results.json qwen/A/train_log.jsonl \
+    qwen/A/export/config.json qwen/A/export/draft_vocab.json bench-real.* profile-qwen3-8b-b1.* 2>/dev/null)
+  split -b 16000000 -d -a 1 "$W/qwen/A/checkpoint/drafter.safetensors" "$OUT/A-fp32."
+  ls -la "$OUT"
+}
+
+packdata() {
+  local W=$1 OUT=$2 SHARD=$3
+  mkdir -p "$OUT"
+  tar czf - -C "$W/qwen" "data/data-0000$SHARD.safetensors" | split -b 16000000 -d -a 1 - "$OUT/data.tgz."
+  ls -la "$OUT"
+}
+
 pack() {
   local W=$1 OUT=$2
   mkdir -p "$OUT"
