@@ -6,10 +6,11 @@
 #   h200_run.sh resume PARTS WORK INIT  Qwen only: fresh answers, continue training the drafter whose
 #                                       weights are INIT, evaluate, then `blockdraft bench` the result
 #   h200_run.sh pack WORK OUT           resume's results + generated data into OUT (<= 15 MB pieces)
-#   h200_run.sh prepare4 PARTS; stash PARTS (per GGUF piece); train_fast WORK INIT DATA_TAR EVAL;
-#   pack4 WORK OUT                      session 4: GPU tests + continue INIT (fp32 drafter weights)
-#                                       on kept answers (a tar of a data/ folder) plus new ones,
-#                                       cached features, 32K-id loss; bench; 8B profile (see below)
+#   h200_run.sh prepare4 PARTS; stash PARTS (per GGUF piece); train_fast WORK INIT DATA_TARS EVAL;
+#   pack4 | pack6 WORK OUT; packdata WORK OUT SHARD
+#                                       sessions 4-6: GPU tests + continue INIT (fp32 drafter weights)
+#                                       on kept answers (tars of data/ shards, comma-separated) plus
+#                                       new ones, cached features, 32K-id loss; bench; 8B profile
 #
 # PARTS holds blob.NN (the Qwen2.5-Coder-0.5B GGUF followed by the SmolLM2-135M GGUF, cut into
 # pieces that fit the device's per-call transfer limit), qwen/ and smol/ (written by
@@ -93,11 +94,12 @@ resume() {
 # Session 4: the GPU tests and the training share the lent GPU, the tests first (their Triton
 # compiles are CPU work). Calls: `prepare4 PARTS` with the whole tree (shipped drafters included,
 # for the real-model GPU tests); `stash PARTS` once per GGUF piece (parts/gN/blob.*, the drafter
-# weights left out of the index so a piece fits the 64 MiB per call); then `train_fast PARTS WORK
-# INIT DATA_TAR EVAL` starts two background chains: convert the GGUF -> tests/gpu (pytest-xdist,
-# log in /tmp/gputests.log); and gpu_run with --extend-seconds (new answers), --cache-features,
-# --train-vocab-size 32768 for TRAIN seconds -> bench on the real model -> profile_step at the 8B
-# shape. `pack4 WORK OUT` brings everything back (<= 16 MB files).
+# weights left out of the index so a piece fits the 64 MiB per call); then `train_fast WORK INIT
+# DATA_TARS EVAL` converts the GGUF, then starts GPU_TESTS (pytest-xdist, log in
+# /tmp/gputests.log) beside gpu_run with --extend-seconds (new answers; with ENGINE=1 from our
+# engine, plus SYNTH synthesized prompts), --cache-features, --train-vocab-size 32768 for TRAIN
+# seconds -> bench on the real model -> (PROFILE) profile_step at the 8B shape. `pack6 WORK OUT`
+# brings the results back (<= 16 MB files), `packdata WORK OUT N` the new data shard N.
 EXTEND=${EXTEND:-150}
 TRAIN=${TRAIN:-660}
 BATCH=${BATCH:-16}  # session 5: 64 (bench.train_throughput on the H200: 61K blocks/s at 64, 7-46K at 16)
@@ -126,7 +128,9 @@ train_fast() {
   mkdir -p "$W/qwen" || exit 1
   cat /tmp/blobs/blob.* > /tmp/bdc/gguf/qwen.gguf || exit 1
   echo "$QWEN_SHA  /tmp/bdc/gguf/qwen.gguf" | sha256sum -c || exit 1
-  cp "$INIT" "$W/init.safetensors" && cp "$EVAL" "$W/eval_sequences.safetensors" && tar xf "$DATA" -C "$W/qwen" || exit 1
+  cp "$INIT" "$W/init.safetensors" && cp "$EVAL" "$W/eval_sequences.safetensors" || exit 1
+  local tarball
+  for tarball in ${DATA//,/ }; do tar xf "$tarball" -C "$W/qwen" || exit 1; done  # DATA: tars, comma-separated
   mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
   export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
   cd "$W/code" || exit 1
