@@ -161,6 +161,11 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence (default 1024)")
     t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate, warmup then cosine (default 6e-4)")
     t.add_argument("--sampled-fraction", type=float, default=0.25, help="share of prompts answered at T=0.7 (default 0.25)")
+    t.add_argument("--synth-prompts", type=int, default=0,
+                   help="also sample this many user requests from the target itself (its chat template up to a "
+                        "user turn's content, T = 1; Magpie), filtered like the ShareGPT prompts (length, ASCII, "
+                        "duplicates, no overlap with HumanEval / MT-bench) and answered after them: prompts in the "
+                        "target's own domain (default 0)")
     t.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     t.add_argument("--cache-features", action="store_true",
                    help="compute the target's features of every training sequence once and keep them in memory "

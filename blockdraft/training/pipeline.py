@@ -45,6 +45,8 @@ def check_settings(settings: dict, args) -> None:
     width = settings["intermediate_size"]
     if width is not None and width < 1:
         raise ValueError(f"--intermediate-size must be >= 1 (or left out: the target's), got {width}")
+    if isinstance(args.synth_prompts, bool) or not isinstance(args.synth_prompts, int) or args.synth_prompts < 0:
+        raise ValueError(f"--synth-prompts must be an integer >= 0, got {args.synth_prompts!r}")
     if not 0.0 <= args.sampled_fraction <= 1.0:
         raise ValueError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
     if isinstance(args.train_vocab_size, bool) or not isinstance(args.train_vocab_size, int) or args.train_vocab_size < 0:
@@ -70,10 +72,18 @@ def build_dataset(target, settings: dict, args, out: Path):
     assert_no_eval_overlap(texts, eval_texts)
     prompts, _ = encode_prompts(target.tokenizer, texts, settings["max_prompt_tokens"])
     prompts = prompts[: settings["num_prompts"]]
-    sampled = sampling_plan(len(prompts), args.sampled_fraction, args.seed)
     llm = LLM(target=target, dtype=args.dtype, device=args.device, max_num_seqs=32,
               num_kv_blocks=max(1024, len(prompts) * 4))
     t0 = time.perf_counter()
+    if args.synth_prompts:  # requests the target writes itself, after the ShareGPT ones (training/synth.py)
+        from blockdraft.training.synth import synthesize_prompts
+
+        synth, stats["synthesized"] = synthesize_prompts(llm, args.synth_prompts, eval_texts, seed=args.seed,
+                                                         max_tokens=settings["max_prompt_tokens"], progress=True)
+        synth_ids, _ = encode_prompts(target.tokenizer, synth, settings["max_prompt_tokens"])
+        stats["synthesized"]["encoded"] = len(synth_ids)
+        prompts += synth_ids
+    sampled = sampling_plan(len(prompts), args.sampled_fraction, args.seed)
     responses = generate_with_engine(llm, prompts, settings["max_new_tokens"], sampled, 0.7, args.seed, progress=True)
     info = {"target": args.target, "generator": "blockdraft engine", "max_new_tokens": settings["max_new_tokens"],
             "sampled_temperature": 0.7, "sampled_fraction": args.sampled_fraction, "seed": args.seed,

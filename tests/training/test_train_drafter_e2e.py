@@ -86,3 +86,23 @@ def test_train_vocab_size_is_checked_before_anything_loads(tmp_path, capsys, mon
                            ("100", "--train-vocab-size must be 0 (full vocabulary) or in [256, 49152]")):
         assert main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--train-vocab-size", value]) != 0
         assert message in capsys.readouterr().err
+
+
+def test_synth_prompts_adds_requests_the_target_wrote(tmp_path, capsys):
+    out = tmp_path / "synth"
+    args = ["train-drafter", "--target", NAME, "--tiny", "--out", str(out), "--num-prompts", "3",
+            "--max-new-tokens", "6", "--steps", "1", "--synth-prompts", "8", "--max-prompt-tokens", "64"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    synth = summary["data"]["prompt_stats"]["synthesized"]
+    assert synth["sampled"] == 8 and synth["unfinished"] + synth["input"] == 8
+    assert synth["encoded"] >= 1  # SmolLM2 ends most of its short requests within 64 tokens
+    assert summary["data"]["num_sequences"] == 3 + synth["encoded"]
+
+
+def test_synth_prompts_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
+    import blockdraft.llm
+
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    assert main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--synth-prompts", "-2"]) != 0
+    assert "--synth-prompts must be an integer >= 0, got -2" in capsys.readouterr().err
