@@ -10,9 +10,11 @@ package (plus the pure-Python `gguf` wheel).
     # GPU: answer, train, export, evaluate (time budgets in seconds)
     python -m blockdraft.training.gpu_run run --gguf Q.gguf --prep parts/qwen --work /tmp/w --drafters '[...]'
 
-The target is transformers' model on the weights our converter dequantizes (the documented GPU fast
-path: HF `generate` for the data, HF hidden states for the features); acceptance is measured
-offline (training/acceptance.py), which replays the engine's greedy walk exactly.
+The training target is transformers' model on the weights our converter dequantizes (HF hidden
+states for the features); the answers come from HF `generate` or, with --gen-engine, from our
+engine (continuous batching; also the prompts the target writes itself, --synth-samples);
+acceptance is measured offline (training/acceptance.py), which replays the engine's greedy walk
+exactly.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ Layout of `--out`:
                    by frequency, the target's EOS ids first; see blockdraft.spec.draft_vocab)
     summary.json   device, settings, data counts, final loss / per-slot accuracy
 
-This is the engine path (CPU or GPU, any catalog target). The large GPU run behind the shipped
-drafters used the transformers fast path instead (training/gpu_run.py).
+This is the engine path (CPU or GPU, any catalog target). The GPU runs behind the shipped drafters
+use training/gpu_run.py (made for a lent accelerator: pre-tokenized prompts, time budgets, data
+kept across runs).
 """
 
 from __future__ import annotations
