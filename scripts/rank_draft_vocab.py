@@ -67,9 +67,13 @@ def main() -> int:
         cov[name] = {"num_answers": n, "num_tokens": int(tokens.numel()),
                      **{str(k): round(v, 4) for k, v in coverage(full, tokens, SIZES).items()}}
     ids, counts, _ = rank_dataset(data, VOCAB_SIZE, EOS_IDS, args.size)
+    shards = data.info.get("shards", [data.info])
+    generators = sorted({s.get("generator", "?") for s in shards})
+    synthesized = sum(s.get("queued", {}).get("synthesized", 0) for s in shards)
+    prompts = "ShareGPT prompts" + (f" and {synthesized} prompts the target wrote (Magpie)" if synthesized else "")
     meta = {
-        "source": f"response tokens of {len(data)} answers by {data.info.get('target')} to ShareGPT prompts "
-                  f"({data.info.get('generator')}, max_new_tokens {data.info.get('max_new_tokens')})",
+        "source": f"response tokens of {len(data)} answers by {data.info.get('target')} to {prompts} "
+                  f"({' / '.join(generators)}, max_new_tokens {data.info.get('max_new_tokens')})",
         "num_tokens": total, "num_sequences": len(data), "vocab_size": VOCAB_SIZE,
         "always_included": list(EOS_IDS),
         "coverage": cov,
