@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop-string matching for one request."""
+"""Incremental detokenization and stop-string matching for one request (or none, for a request
+that asks for no text)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,16 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class NoDetokenizer:
+    """IncrementalDetokenizer's stand-in for a request without text (SamplingParams.detokenize=False):
+    decodes nothing, never stops, `text` stays empty."""
+
+    text = ""
+
+    def extend(self, token_ids: list[int]) -> None:
+        return None
+
+    def flush(self) -> None:
+        pass

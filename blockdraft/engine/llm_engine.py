@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from blockdraft.engine.detokenizer import IncrementalDetokenizer
+from blockdraft.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from blockdraft.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from blockdraft.engine.request import Request, SpecStats
 from blockdraft.engine.scheduler import Scheduler
@@ -55,7 +55,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._detok: dict[str, IncrementalDetokenizer | NoDetokenizer] = {}
         self._num_new: dict[str, int] = {}
         self._stop_ids: dict[str, frozenset[int]] = {}  # EOS (unless ignore_eos) + stop_token_ids
         self._finished_unreported: list[Request] = []
@@ -74,7 +74,8 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(req)
         self._requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if params.detokenize else NoDetokenizer()
+        self._detok[request_id] = detok
         eos = () if params.ignore_eos else self.eos_token_ids
         self._stop_ids[request_id] = frozenset(params.stop_token_ids).union(eos)
         self.stats.num_prompt_tokens += len(prompt_token_ids)
