@@ -16,7 +16,9 @@ class SamplingParams:
     max_tokens: output tokens at most (>= 1). stop: strings that end the output (not included in
     text). stop_token_ids: extra token ids that end the output (included in token ids, like EOS).
     ignore_eos: keep going past EOS. logprobs: number of top log-probabilities to return per output
-    token (None: none; 0: only the sampled token's).
+    token (None: none; 0: only the sampled token's). detokenize: build the output text (default);
+    False leaves `text` empty and skips decoding each new token (token ids only, e.g. training
+    data; vLLM's `detokenize`), so it cannot be combined with stop strings.
 
     Raises:
         ValueError: naming the offending field and the allowed range.
@@ -31,6 +33,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    detokenize: bool = True
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +59,10 @@ class SamplingParams:
             _check_int("stop_token_ids entry", t, low=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
+        if not isinstance(self.detokenize, bool):
+            raise ValueError(f"detokenize must be True or False, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings {self.stop!r} need the output text: drop them or keep detokenize=True")
         self._resolved_seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**31)
 
     @property

@@ -1,6 +1,10 @@
-"""Incremental detokenization and stop-string matching for one request."""
+"""Incremental detokenization and stop-string matching for one request (or none, for a request
+that asks for no text)."""
 
 from __future__ import annotations
+
+import sys
+from typing import Callable
 
 
 class IncrementalDetokenizer:
@@ -16,12 +20,14 @@ class IncrementalDetokenizer:
     """
 
     # Tokens in the window before it restarts. A decode's cost grows with its length (Qwen2.5's
-    # tokenizer: ~2.4 us for 1 token, ~5.3 us for 16) and a restart costs one decode: 8 measured
-    # fastest (~4.5 us per token, vs ~5.7 for two short decodes per token).
+    # tokenizer through transformers' decode: ~2.4 us for 1 token, ~5.3 us for 16) and a restart
+    # costs one decode: 8 measured fastest (~4.5 us per token, vs ~5.7 for two short decodes per
+    # token).
     WINDOW = 8
 
     def __init__(self, tokenizer, stop: list[str]) -> None:
         self.tokenizer = tokenizer
+        self._decode = token_decoder(tokenizer)
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.text = ""
@@ -82,5 +88,34 @@ class IncrementalDetokenizer:
         self._stopped = True
         return best[1]
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+class NoDetokenizer:
+    """IncrementalDetokenizer's stand-in for a request without text (SamplingParams.detokenize=False):
+    decodes nothing, never stops, `text` stays empty."""
+
+    text = ""
+
+    def extend(self, token_ids: list[int]) -> None:
+        return None
+
+    def flush(self) -> None:
+        pass
+
+
+def token_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """`ids -> tokenizer.decode(ids, skip_special_tokens=True)`, as fast as it can be had.
+
+    A transformers fast tokenizer whose decode is the stock one and that cleans up no spaces
+    decodes with its Rust backend and nothing else, so that backend is called directly: the same
+    text without ~3 us of Python per call (Qwen2.5's tokenizer: 1.4 instead of 4.3 us for one
+    token). Any other tokenizer goes through its own `decode`.
+    """
+    transformers = sys.modules.get("transformers")  # a transformers tokenizer has imported it
+    if transformers is not None:
+        fast, base = transformers.PreTrainedTokenizerFast, transformers.PreTrainedTokenizerBase
+        cls = type(tokenizer)
+        if (isinstance(tokenizer, fast) and cls.decode is base.decode and cls._decode is fast._decode
+                and not tokenizer.clean_up_tokenization_spaces):
+            backend = tokenizer.backend_tokenizer
+            return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from blockdraft.engine.detokenizer import IncrementalDetokenizer
+from blockdraft.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from blockdraft.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from blockdraft.engine.request import Request, SpecStats
 from blockdraft.engine.scheduler import Scheduler
@@ -55,7 +55,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._detok: dict[str, IncrementalDetokenizer | NoDetokenizer] = {}
         self._num_new: dict[str, int] = {}
         self._stop_ids: dict[str, frozenset[int]] = {}  # EOS (unless ignore_eos) + stop_token_ids
         self._finished_unreported: list[Request] = []
@@ -74,7 +74,8 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(req)
         self._requests[request_id] = req
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if params.detokenize else NoDetokenizer()
+        self._detok[request_id] = detok
         eos = () if params.ignore_eos else self.eos_token_ids
         self._stop_ids[request_id] = frozenset(params.stop_token_ids).union(eos)
         self.stats.num_prompt_tokens += len(prompt_token_ids)
@@ -169,21 +170,31 @@ class LLMEngine:
             if not sr.sample:
                 req.num_computed_tokens += len(sr.token_ids)
                 continue
-            accepted = run_out.num_accepted.get(sr.request_id, 0)
-            # Metrics count only drafts that could be emitted before max_tokens (drafts past it
-            # are verified, to keep steps uniform, but are not the drafter's merit).
-            countable = max(0, req.sampling_params.max_tokens - len(req.output_token_ids) - 1)
-            drafted, counted = min(sr.num_spec_tokens, countable), min(accepted, countable)
-            req.spec_stats.record(drafted, counted)
-            self.stats.spec.record(drafted, counted)
+            rid = sr.request_id
+            accepted = run_out.num_accepted.get(rid, 0)
+            if sr.num_spec_tokens:
+                self._record_drafts(req, sr.num_spec_tokens, accepted)
             # the committed rows: everything before the drafts, plus the accepted drafts
             req.num_computed_tokens += len(sr.token_ids) - sr.num_spec_tokens + accepted
             req.spec_token_ids = []
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
-            self._append_tokens(req, run_out.sampled_token_ids[sr.request_id], run_out.logprobs.get(sr.request_id))
-            if not req.is_finished:
-                req.spec_token_ids = self._trim_drafts(req, run_out.draft_token_ids.get(sr.request_id, []))
+            self._append_tokens(req, run_out.sampled_token_ids[rid], run_out.logprobs.get(rid))
+            drafts = run_out.draft_token_ids.get(rid)
+            if drafts and not req.is_finished:
+                req.spec_token_ids = self._trim_drafts(req, drafts)
+
+    def _record_drafts(self, req: Request, num_drafts: int, accepted: int) -> None:
+        """Count a verify step (before its tokens are appended) in the request's and the engine's
+        speculative metrics.
+
+        Only drafts that could be emitted before max_tokens count (drafts past it are verified, to
+        keep steps uniform, but are not the drafter's merit).
+        """
+        countable = max(0, req.sampling_params.max_tokens - len(req.output_token_ids) - 1)
+        drafted, counted = min(num_drafts, countable), min(accepted, countable)
+        req.spec_stats.record(drafted, counted)
+        self.stats.spec.record(drafted, counted)
 
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[dict] | None) -> None:
         """Commit tokens, stopping exactly at the first stop condition.

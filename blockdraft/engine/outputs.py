@@ -69,7 +69,8 @@ class ModelRunnerOutput:
 class RequestOutput:
     """A request's result so far (final when `finished`).
 
-    text: detokenized output (stop string excluded). token_ids: output token ids.
+    text: detokenized output (stop string excluded; empty with SamplingParams.detokenize=False).
+    token_ids: output token ids.
     finish_reason: "stop" | "length" | "abort" | None. spec: speculative counters.
     ttft_s / latency_s: time to first token and total time, seconds from arrival.
     """

@@ -20,7 +20,11 @@ PLACEHOLDER_TOKEN = -1  # a continuation step's token id that only the device kn
 
 
 class Scheduler:
-    """Decides which tokens of which requests the next forward computes."""
+    """Decides which tokens of which requests the next forward computes.
+
+    Invariant: a request is in `running` iff its status is RUNNING and in `waiting` iff it is
+    WAITING (so membership is read from the status, not by scanning the queues).
+    """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
@@ -47,7 +51,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         for req in list(self.running):
-            if req not in self.running or budget == 0:
+            # status, not `req in self.running`: a scan of the batch per request (quadratic)
+            if req.status is not RequestStatus.RUNNING or budget == 0:  # preempted above, or no budget
                 continue
             num_new = self._fit_running(req, budget)
             while not self.kv.allocate_slots(req, req.num_computed_tokens + num_new):
@@ -56,7 +61,7 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
-            if req in self.running:
+            if req.status is RequestStatus.RUNNING:
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
         if not preempted:
@@ -147,9 +152,9 @@ class Scheduler:
 
     def finish(self, req: Request) -> None:
         """Remove a finished (or aborted) request and free its pages."""
-        if req in self.running:
+        if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
+        elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED

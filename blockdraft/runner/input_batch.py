@@ -80,14 +80,13 @@ def build_input_batch(
         ValueError: the step does not fit `padding`.
     """
     device = torch.device(device)
-    ids, pos, slots, qsl, seq_lens, sample_req, num_drafts = [], [], [], [0], [], [], []
+    ids, pos, qsl, seq_lens, sample_req, num_drafts = [], [], [0], [], [], []
     params: list[SamplingParams] = []  # one per sampling request (its 1 + k logits rows share it)
     end = 0
     for i, sr in enumerate(so.requests):
         n, start = len(sr.token_ids), sr.start_position
         ids += sr.token_ids
         pos += range(start, start + n)
-        slots += _request_slots(sr.block_ids, start, start + n, kv_block_size)
         end += n
         qsl.append(end)
         seq_lens.append(start + n)
@@ -101,19 +100,19 @@ def build_input_batch(
         _check_fits(padding, num_reqs, num_rows, width)
         ids += [0] * (padding.num_rows - num_rows)
         pos += [0] * (padding.num_rows - num_rows)
-        slots += [PADDING_SLOT] * (padding.num_rows - num_rows)
         qsl += [num_rows] * (padding.num_reqs - num_reqs)
         seq_lens += [0] * (padding.num_reqs - num_reqs)
         width = padding.block_table_width
-    ids_pos_slots = host_tensor(ids + pos + slots, torch.long).view(3, -1)  # one conversion, three rows
+    ids_pos = host_tensor(ids + pos, torch.long).view(2, -1)  # one conversion, two rows
     block_table = _block_table(so, max(width, 1), len(seq_lens))
     layout = _layout(tuple(qsl), len(pos), tuple(sample_req), tuple(num_drafts))
+    slot_mapping = _slot_mapping(block_table, layout.row_req, ids_pos[1], kv_block_size)
     kmax = max(num_drafts, default=0)
     sampling = SamplingTensors.from_params(params, "cpu", repeats=[k + 1 for k in num_drafts])
     host = {
-        "input_ids": ids_pos_slots[0],
-        "positions": ids_pos_slots[1],
-        "slot_mapping": ids_pos_slots[2],
+        "input_ids": ids_pos[0],
+        "positions": ids_pos[1],
+        "slot_mapping": slot_mapping,
         "query_start_loc": layout.query_start_loc,
         "seq_lens": host_tensor(seq_lens, torch.int32),
         "block_table": block_table,
@@ -173,12 +172,12 @@ def _layout(qsl: tuple[int, ...], num_rows: int, sample_req: tuple[int, ...], nu
     for i, k in zip(sample_req, num_drafts):
         logits_idx += range(qsl[i + 1] - 1 - k, qsl[i + 1])
     return _Layout(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        query_start_loc=host_tensor(qsl, torch.int32),
         row_req=_row_requests(list(qsl), num_rows),
-        logits_indices=torch.tensor(logits_idx, dtype=torch.long),
+        logits_indices=host_tensor(logits_idx, torch.long),
         logits_rows=_logits_rows(list(num_drafts), max(num_drafts, default=0)),
-        sample_req_index=torch.tensor(sample_req, dtype=torch.long),
-        sample_num_drafts=torch.tensor(num_drafts, dtype=torch.long),
+        sample_req_index=host_tensor(sample_req, torch.long),
+        sample_num_drafts=host_tensor(num_drafts, torch.long),
     )
 
 
@@ -208,34 +207,32 @@ def _block_table(so: SchedulerOutput, width: int, num_reqs: int) -> torch.Tensor
     lens = [len(sr.block_ids) for sr in so.requests]
     if not lens:
         return table
-    pages = torch.tensor(list(itertools.chain.from_iterable(sr.block_ids for sr in so.requests)), dtype=torch.int32)
+    pages = host_tensor(list(itertools.chain.from_iterable(sr.block_ids for sr in so.requests)), torch.int32)
     if len(lens) == 1:
         table[0, : lens[0]] = pages
         return table
     # one masked fill for all requests instead of one small tensor per request
     lens += [0] * (num_reqs - len(lens))
-    table[torch.arange(width)[None, :] < torch.tensor(lens)[:, None]] = pages
+    table[torch.arange(width)[None, :] < host_tensor(lens, torch.long)[:, None]] = pages
     return table
 
 
 def _row_requests(qsl: list[int], num_rows: int) -> torch.Tensor:
     """[num_rows] int32 request of each row; rows past qsl[-1] (padding) get -1."""
-    counts = torch.tensor([b - a for a, b in zip(qsl, qsl[1:])], dtype=torch.long)
+    counts = host_tensor([b - a for a, b in zip(qsl, qsl[1:])], torch.long)
     real = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts)
     return torch.cat([real, torch.full((num_rows - real.shape[0],), -1, dtype=torch.int32)])
 
 
-def _request_slots(pages: list[int], start: int, stop: int, kv_block_size: int) -> list[int]:
-    """Cache slots of positions start..stop-1 of one request: a range per page touched."""
-    out: list[int] = []
-    p = start
-    while p < stop:
-        page, offset = divmod(p, kv_block_size)
-        n = min(stop - p, kv_block_size - offset)
-        base = pages[page] * kv_block_size + offset
-        out += range(base, base + n)
-        p += n
-    return out
+def _slot_mapping(
+    block_table: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor, kv_block_size: int
+) -> torch.Tensor:
+    """[T] int64 cache slot of each row: page block_table[r, p // kv_block_size] of its request r,
+    offset p % kv_block_size (p: the row's position). Rows of no request (row_req -1: padding) get
+    PADDING_SLOT. One vectorised gather per step instead of a Python loop per request."""
+    req = row_req.clamp(min=0).long()
+    pages = block_table[req, torch.div(positions, kv_block_size, rounding_mode="floor")].long()
+    return torch.where(row_req >= 0, pages * kv_block_size + positions % kv_block_size, PADDING_SLOT)
 
 
 def _logits_rows(num_drafts: list[int], kmax: int) -> torch.Tensor:

@@ -327,7 +327,7 @@ def _repeat(values: list, repeats: Sequence[int]) -> list:
     """values[i] repeated repeats[i] times, in order."""
     if len(values) != len(repeats):
         raise ValueError(f"got {len(repeats)} repeats for {len(values)} params")
-    if all(n == 1 for n in repeats):
+    if repeats.count(1) == len(repeats):  # each value once
         return values
     out = []
     for v, n in zip(values, repeats):

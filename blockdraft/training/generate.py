@@ -60,8 +60,10 @@ def generate_with_engine(
     """
     from blockdraft.sampling_params import SamplingParams
 
-    params = [
-        SamplingParams(max_tokens=max_new_tokens, temperature=temperature if s else 0.0, seed=seed + i)
+    params = [  # token ids only: no text is decoded
+        SamplingParams(
+            max_tokens=max_new_tokens, temperature=temperature if s else 0.0, seed=seed + i, detokenize=False
+        )
         for i, s in enumerate(sampled)
     ]
     if deadline is None:

@@ -15,3 +15,13 @@ def test_runs_and_writes_rows(tmp_path):
     for row in rows:
         assert row["steps"] > 0 and 0 < row["host_us"] <= row["step_us"]
     assert HOST_SHAPE.hf_fields["num_hidden_layers"] == 2 and HOST_SHAPE.hf_fields["hidden_size"] == 64
+
+
+def test_more_requests_than_the_batch_stream_through_it(tmp_path):
+    out = tmp_path / "host.json"
+    assert main(["--batch", "2", "--mode", "plain", "--requests", "5", "--max-tokens", "6", "--prompt-len", "4",
+                 "--repeats", "1", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["requests"] == 5 and row["case"] == "plain/2"
+    assert 1 < row["tokens_per_step"] <= 2  # at most 2 requests run at once (max_num_seqs = batch)
+    assert 0 < row["host_us"] <= row["step_us"] and row["model_us"] > 0

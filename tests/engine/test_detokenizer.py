@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from blockdraft.engine.detokenizer import IncrementalDetokenizer
+from blockdraft.engine.detokenizer import IncrementalDetokenizer, token_decoder
 from blockdraft.weights.catalog import DEFAULT_MODEL
 from blockdraft.weights.fetch import cache_root, is_complete
 
@@ -89,3 +89,34 @@ def test_stop_string_split_across_multibyte_tokens(tokenizer):
     hit = detok.extend(ids)
     assert hit is not None and hit[1] == "中文"
     assert detok.text == TEXT[: TEXT.index("中文")]
+
+
+def test_the_backend_decoder_gives_the_tokenizers_text_without_calling_its_decode(tokenizer, monkeypatch):
+    import random
+
+    rng = random.Random(0)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False) + [tokenizer.eos_token_id]
+    cuts = [(i, n) for i in range(len(ids)) for n in (1, 2, 5, IncrementalDetokenizer.WINDOW + 1)]
+    want = [tokenizer.decode(ids[i : i + n], skip_special_tokens=True) for i, n in cuts]
+    windows = [rng.sample(range(tokenizer.vocab_size), 6) + [tokenizer.eos_token_id] for _ in range(200)]
+    want_random = [tokenizer.decode(w, skip_special_tokens=True) for w in windows]
+
+    def no_decode(*args, **kwargs):
+        raise AssertionError("the stock fast tokenizer should decode through its backend")
+
+    monkeypatch.setattr(tokenizer, "decode", no_decode)  # the instance only: the class check still passes
+    decode = token_decoder(tokenizer)
+    assert [decode(ids[i : i + n]) for i, n in cuts] == want
+    assert [decode(w) for w in windows] == want_random
+
+
+def test_token_decoder_on_the_test_tokenizer_and_its_fallback(monkeypatch):
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    ids = list(range(96)) + [0, 5, 0]  # 0 is <eos>, a special token
+    assert token_decoder(tok)(ids) == tok.decode(ids, skip_special_tokens=True)
+    # with space clean-up transformers' decode does more than the backend: it is called instead
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True)
+    monkeypatch.setattr(tok, "decode", lambda ids, skip_special_tokens: f"decoded {ids}")
+    assert token_decoder(tok)([1, 2]) == "decoded [1, 2]"

@@ -1,5 +1,7 @@
 """End-to-end engine behaviour on a tiny random target (fp32, CPU)."""
 
+import dataclasses
+
 import pytest
 
 from blockdraft.sampling_params import SamplingParams
@@ -93,6 +95,18 @@ def test_stop_conditions(llama_target):
     assert full.text.startswith(by_str.text)
 
 
+def test_without_detokenize_the_tokens_are_the_same_and_the_text_is_empty(llama_target):
+    llm = make_llm(llama_target)
+    prompts = random_prompts(6, seed=8)
+    params = [SamplingParams(max_tokens=20, temperature=0.7 * (i % 2), seed=i, stop_token_ids=[5]) for i in range(6)]
+    with_text = llm.generate(prompts, params)
+    no_text = llm.generate(prompts, [dataclasses.replace(p, detokenize=False) for p in params])
+    assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in no_text] == [
+        (o.token_ids, o.finish_reason, o.stop_reason) for o in with_text
+    ]
+    assert all(o.text for o in with_text) and all(o.text == "" for o in no_text)
+
+
 def test_eos_stops_unless_ignored(llama_target):
     llm = make_llm(llama_target)
     llm.engine.eos_token_ids = (EOS_ID,)
@@ -114,6 +128,8 @@ def test_eos_stops_unless_ignored(llama_target):
         (dict(top_p=1.5), r"top_p \(--top-p\) must be in \(0, 1\], got 1.5"),
         (dict(top_k=-2), r"top_k \(--top-k\) must be an integer: 0 or -1 \(off\) or >= 1, got -2"),
         (dict(seed=-1), r"seed \(--seed\) must be an integer >= 0, got -1"),
+        (dict(detokenize=0), r"detokenize must be True or False, got 0"),
+        (dict(stop=["w01x"], detokenize=False), r"stop strings \['w01x'\] need the output text"),
     ],
 )
 def test_bad_sampling_params_name_the_value_and_the_flag(kw, match):

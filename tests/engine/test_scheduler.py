@@ -75,6 +75,24 @@ def test_pool_exhaustion_preempts_newest_and_requeues_it_first():
     assert b.output_token_ids == [9]  # produced tokens are kept, then recomputed
 
 
+def test_a_request_preempted_by_an_earlier_one_is_skipped_this_step():
+    s = _sched(budget=64, blocks=4, bs=4)
+    a, b, c = _req("a", 4), _req("b", 4), _req("c", 4)
+    for r in (a, b, c):
+        s.add_request(r)
+    s.schedule()
+    for r in (a, b, c):
+        r.num_computed_tokens = 4
+        r.output_token_ids = [9]
+    # a takes the last free page; b needs one too and preempts c, the newest; c is then skipped
+    out = s.schedule()
+    assert out.preempted_request_ids == ["c"]
+    assert [r.request_id for r in out.requests] == ["a", "b"]
+    assert s.running == [a, b] and list(s.waiting) == [c]
+    s.finish(c)  # a waiting request leaves the waiting queue
+    assert not s.waiting and c.is_finished and s.kv.num_free_blocks == 0
+
+
 def test_request_larger_than_pool_is_refused_with_a_clear_error():
     s = _sched(blocks=2, bs=4)
     with pytest.raises(ValueError, match="needs 3 KV pages"):

@@ -40,6 +40,17 @@ def test_padded_batch_layout_is_inert_padding():
         build_input_batch(so, 4, "cpu", padding=BatchPadding(1, 12, 5))
 
 
+def test_slot_mapping_follows_each_requests_pages_across_page_boundaries():
+    # a prefill chunk starting mid-page over three pages, a decode row, a prefill from 0 onto page 0
+    so = SchedulerOutput([_req("a", 7, 2, 0, [9, 3, 5], sample=False), _req("b", 1, 4, 0, [6, 1]),
+                          _req("c", 5, 0, 0, [8, 0])])
+    want = [sr.block_ids[p // 4] * 4 + p % 4
+            for sr in so.requests for p in range(sr.start_position, sr.start_position + len(sr.token_ids))]
+    assert build_input_batch(so, 4, "cpu").slot_mapping.tolist() == want
+    padded = build_input_batch(so, 4, "cpu", host_metadata=False, padding=BatchPadding(4, 16, 3))
+    assert padded.slot_mapping.tolist() == want + [PADDING_SLOT] * 3
+
+
 def test_one_packed_tensor_carries_tokens_accepted_counts_and_drafts():
     so = SchedulerOutput([_req("a", 3, 5, 2, [7, 2]), _req("b", 1, 0, 0, [1], sample=False), _req("c", 1, 9, 0, [3, 4, 8])])
     batch = build_input_batch(so, 4, "cpu")
