@@ -57,6 +57,9 @@ class ModelRunner:
         attention_backend: the backend the models run with (decides whether the metadata carries
             host lists); default: the device's (blockdraft.attention.backends).
         graphs: uniform-step graphs (runner.step_graphs.build_step_graphs), or None (all eager).
+        compiled_sampling: sample non-greedy rows with the torch.compile'd fused noise + argmax
+            (blockdraft.sample.sample, compiled=True: same tokens, ~12x faster at 1024 rows x 152K
+            vocabulary on an H200); compiled on the first step that samples.
     """
 
     def __init__(
@@ -68,8 +71,10 @@ class ModelRunner:
         speculator=None,
         attention_backend: AttentionBackendSpec | None = None,
         graphs: StepGraphs | None = None,
+        compiled_sampling: bool = False,
     ) -> None:
         self.model = model
+        self.compiled_sampling = compiled_sampling
         self.kv_caches = kv_caches
         self.kv_block_size = kv_block_size
         self.device = torch.device(device)
@@ -133,7 +138,7 @@ class ModelRunner:
 
     def _enqueue(self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer, graphed: bool) -> LaunchedStep:
         logits, aux = self._forward(batch, graphed)
-        tokens = _sample(batch, logits)
+        tokens = _sample(batch, logits, self.compiled_sampling)
         target, drafts = _per_request(batch, tokens, uniform=graphed)
         num_accepted = verify_drafts(target, drafts, batch.sample_num_drafts)
         timer.mark()
@@ -169,12 +174,12 @@ class ModelRunner:
         return spec.propose(aux, batch.positions, slots, bonus, bonus_positions, block_table)
 
 
-def _sample(batch: InputBatch, logits: torch.Tensor) -> torch.Tensor:
+def _sample(batch: InputBatch, logits: torch.Tensor, compiled: bool = False) -> torch.Tensor:
     """[L] int64 token per logits row."""
     if batch.sampling.all_greedy:  # what sample() returns for all-greedy rows, without the key positions
         return logits.argmax(dim=-1)
     # the token sampled from row r sits at position r + 1: that position keys its noise
-    return batch.sampling.sample(logits, batch.positions[batch.logits_indices] + 1)
+    return batch.sampling.sample(logits, batch.positions[batch.logits_indices] + 1, compiled=compiled)
 
 
 def _per_request(batch: InputBatch, tokens: torch.Tensor, uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

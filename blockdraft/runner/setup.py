@@ -86,7 +86,9 @@ def build_runner(
                 model, kv_caches, speculator, sched.max_num_seqs, sched.max_num_batched_tokens,
                 math.ceil(max_model_len / cache.kv_block_size), cache.kv_block_size, capture=mode == "capture",
             )
-    runner = ModelRunner(model, kv_caches, cache.kv_block_size, device, speculator, backend, graphs)
+    # torch.compile'd sampling where CUDA graphs are captured (so never with enforce_eager, as vLLM)
+    runner = ModelRunner(model, kv_caches, cache.kv_block_size, device, speculator, backend, graphs,
+                         compiled_sampling=mode == "capture")
     return RunnerSetup(runner, num_kv_blocks, max_model_len)
 
 

@@ -102,3 +102,14 @@ def test_async_scheduling_equals_sync_scheduling(k, monkeypatch):
     assert llm.engine.async_scheduling
     assert [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)] == want
     assert sum(continued) > 10  # steps really launched from the previous step's device output
+
+
+def test_captured_runner_samples_with_the_compiled_sampler_and_the_same_tokens():
+    target = cuda_tiny_target(torch.bfloat16)
+    prompts, params = random_prompts(9, seed=4), _params(9)
+    llm = cuda_llm(target, None)
+    assert llm.engine.runner.compiled_sampling  # on where CUDA graphs are captured
+    compiled = _tokens(llm, prompts, params)
+    llm.engine.runner.compiled_sampling = False
+    assert _tokens(llm, prompts, params) == compiled
+    assert not cuda_llm(target, None, graph_mode="eager").engine.runner.compiled_sampling
