@@ -35,9 +35,6 @@ def encode_prompts(tokenizer, texts: list, max_prompt_tokens: int) -> tuple[list
     return out, kept
 
 
-_CALLS = itertools.count()
-
-
 def sampling_plan(n: int, sampled_fraction: float, seed: int) -> list[bool]:
     """Which of n prompts are answered by sampling (a seeded `sampled_fraction` share)."""
     rng = random.Random(seed)
@@ -70,6 +67,9 @@ def generate_with_engine(
         outs = llm.generate(prompt_ids, params, use_tqdm=progress)
         return [list(o.token_ids) for o in outs]
     return _generate_until(llm.engine, prompt_ids, params, deadline, progress)
+
+
+_CALLS = itertools.count()  # numbers _generate_until's calls: request ids unique on a shared engine
 
 
 def _generate_until(engine, prompt_ids: list[list[int]], params: list, deadline: float,

@@ -46,8 +46,8 @@ def synthesize_prompts(
         deadline: wall-clock time (time.time() seconds) after which sampling stops (generate_with_engine).
     Returns:
         (texts, stats): the kept requests (deduplicated, eval-free, shuffled with `seed`) and counts:
-        sampled, unfinished (no end-of-turn: cut by max_tokens or the deadline), then the
-        select_prompts filters.
+        sampled; unfinished (no end of turn) = out_of_time (not done by the deadline) + too_long
+        (reached max_tokens); then the select_prompts filters.
     """
     tok = llm.tokenizer
     eos = set(llm.engine.eos_token_ids)
@@ -55,5 +55,7 @@ def synthesize_prompts(
     outs = generate_with_engine(llm, [pre] * num_samples, max_tokens, [True] * num_samples, temperature, seed,
                                 progress=progress, deadline=deadline)
     texts = [tok.decode(o[:-1]) for o in outs if o and o[-1] in eos]
+    out_of_time = sum(o is None for o in outs)
     kept, stats = select_prompts(texts, eval_texts, num_samples, seed=seed)
-    return kept, {"sampled": num_samples, "unfinished": num_samples - len(texts), **stats}
+    return kept, {"sampled": num_samples, "unfinished": num_samples - len(texts), "out_of_time": out_of_time,
+                  "too_long": num_samples - len(texts) - out_of_time, **stats}

@@ -25,6 +25,7 @@ def test_pre_query_template_ends_where_the_user_content_begins(llm):
 def test_synthesized_prompts_are_finished_filtered_and_keep_eval_prompts_out(llm):
     texts, stats = synthesize_prompts(llm, 12, [], seed=5, max_tokens=48)
     assert stats["sampled"] == 12 and stats["unfinished"] + stats["input"] == 12
+    assert stats["out_of_time"] == 0 and stats["too_long"] == stats["unfinished"]  # no deadline: cut by max_tokens
     assert stats["kept"] == len(texts) >= 1
     assert len({normalize(t) for t in texts}) == len(texts)
     assert all(16 <= len(t.strip()) <= 2000 for t in texts)
@@ -36,5 +37,5 @@ def test_synthesized_prompts_are_finished_filtered_and_keep_eval_prompts_out(llm
 
 def test_a_deadline_in_the_past_answers_nothing(llm):
     texts, stats = synthesize_prompts(llm, 4, [], seed=1, max_tokens=8, deadline=0.0)
-    assert texts == [] and stats["unfinished"] == 4
+    assert texts == [] and stats["unfinished"] == stats["out_of_time"] == 4 and stats["too_long"] == 0
     assert not llm.engine.has_unfinished_requests()
