@@ -20,7 +20,6 @@ exactly.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.training import answering
 from blockdraft.training.generate import sampling_plan
 
 # ---------------------------------------------------------------- prep (workstation)
@@ -154,21 +154,21 @@ def run(args) -> dict:
     _log(f"target loaded ({time.time() - t_start:.0f} s)")
 
     data_dir = work / "data"
-    llm = _engine(args, lists["train"][: args.num_prompts]) if args.gen_engine else None
+    llm = answering.answer_engine(args, lists["train"][: args.num_prompts]) if args.gen_engine else None
     if (data_dir / "data-00000.safetensors").is_file():
         data = TokenDataset.load(data_dir)
         if args.extend_seconds > 0:  # each run adds the next shard
-            more = _extend(hf, llm, data, lists["train"][: args.num_prompts], args, info, eos, pad, data_dir)
+            more = answering.extend(hf, llm, data, lists["train"][: args.num_prompts], args, info, eos, pad, data_dir)
             if more is not None:
                 data = TokenDataset.concat([data, more])
     else:
         prompts = lists["train"][: args.num_prompts]
         sampled = sampling_plan(len(prompts), args.sampled_fraction, args.seed)
-        data = _answer(hf, llm, prompts, sampled, args, info, eos, pad, args.seed, args.gen_seconds)
+        data = answering.answer(hf, llm, prompts, sampled, args, info, eos, pad, args.seed, args.gen_seconds)
         data.save(data_dir)
     if llm is not None:  # give the engine's KV pool and graphs back before the features are cached
         del llm
-        _free_gpu()
+        answering.release_gpu()
     _log(f"data: {json.dumps(data.info)}")
     results = {"data": data.info, "drafters": {}}
     trainers = _train(args, hf, target_cfg, data, work, results, eos)
@@ -176,114 +176,6 @@ def run(args) -> dict:
     results["wall_seconds"] = round(time.time() - t_start, 1)
     (work / "results.json").write_text(json.dumps(results, indent=1))
     return results
-
-
-def _extend(hf, llm, data, prompts: list[list[int]], args, info: dict, eos, pad, data_dir: Path):
-    """Answer, for at most --extend-seconds, in this order: the prompts `data` holds no answer to
-    yet; with --synth-samples, prompts the target writes itself (synth.py); with --resample, every
-    prompt again, sampled, those with the fewest answers first. Saves the answers as the next
-    shard of `data_dir` and returns them (None when there was nothing to answer)."""
-    shard = len(list(data_dir.glob("data-*.safetensors")))
-    seed = args.seed + 1000 * shard
-    deadline = time.time() + args.extend_seconds
-    answers = collections.Counter(answered_prompts(data))
-    fresh = [p for p in prompts if tuple(p) not in answers]
-    synth, synth_stats = [], None
-    if args.synth_samples:
-        synth, synth_stats = _synthesize(llm, args, seed, min(deadline, time.time() + args.synth_seconds))
-    again = sorted((p for p in prompts if tuple(p) in answers), key=lambda p: answers[tuple(p)]) if args.resample else []
-    queue = fresh + synth + again
-    if not queue:
-        return None
-    sampled = sampling_plan(len(fresh) + len(synth), args.sampled_fraction, seed) + [True] * len(again)
-    _log(f"extending the data -> shard {shard}: {len(fresh)} prompts not answered yet, {len(synth)} synthesized, "
-         f"{len(again)} answered again (sampled), until {args.extend_seconds:.0f} s have passed")
-    more = _answer(hf, llm, queue, sampled, args, info, eos, pad, seed, deadline - time.time())
-    more.info.update(queued={"fresh": len(fresh), "synthesized": len(synth), "resampled": len(again)})
-    if synth_stats is not None:
-        more.info["synthesized_prompts"] = synth_stats
-    more.save(data_dir, shard=shard)
-    return more
-
-
-def _synthesize(llm, args, seed: int, deadline: float) -> tuple[list[list[int]], dict]:
-    """--synth-samples user requests written by the target (synth.py), chat-encoded; and their stats."""
-    from blockdraft.training import corpora
-    from blockdraft.training.generate import encode_prompts
-    from blockdraft.training.synth import synthesize_prompts
-
-    t0 = time.time()
-    texts, stats = synthesize_prompts(llm, args.synth_samples, corpora.all_eval_texts(), seed=seed,
-                                      max_tokens=args.synth_max_tokens, deadline=deadline, progress=True)
-    ids, _ = encode_prompts(llm.tokenizer, texts, args.max_prompt_tokens)
-    stats.update(encoded=len(ids), seconds=round(time.time() - t0, 1))
-    _log(f"synthesized prompts: {json.dumps(stats)}")
-    return ids, stats
-
-
-def _engine(args, prompts: list[list[int]]):
-    """Our engine on the target (--gguf) for answering: --gen-max-seqs requests at once, a KV pool
-    sized for that many of the longest prompt + --max-new-tokens (a fixed size, so the GPU's
-    memory stays free for the rest of the run)."""
-    import math
-
-    from blockdraft.llm import LLM
-
-    page = 16
-    longest = max([len(p) for p in prompts] + [args.max_prompt_tokens])
-    pages = args.gen_max_seqs * math.ceil((longest + args.max_new_tokens + 1) / page)
-    t0 = time.time()
-    llm = LLM(args.gguf, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
-              kv_block_size=page, num_kv_blocks=pages, max_num_seqs=args.gen_max_seqs,
-              max_num_batched_tokens=max(4096, longest + 1))
-    _log(f"engine for answering: {args.gen_max_seqs} requests at once, {pages} KV pages ({time.time() - t0:.0f} s)")
-    return llm
-
-
-def _free_gpu() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        _log(f"engine released: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
-
-
-def _answer(hf, llm, prompts: list[list[int]], sampled: list[bool], args, info: dict, eos, pad, seed: int,
-            seconds: float):
-    """The target's answers to `prompts` (those flagged in `sampled` at T = 0.7) as a TokenDataset,
-    from our engine (`llm`, when --gen-engine) or transformers `generate`, for at most `seconds`
-    (prompts left unanswered are dropped)."""
-    from blockdraft.training.generate import generate_with_engine, generate_with_hf, to_dataset
-
-    t0 = time.time()
-    if llm is not None:
-        responses = generate_with_engine(llm, prompts, args.max_new_tokens, sampled, temperature=0.7, seed=seed,
-                                         progress=True, deadline=t0 + seconds)
-        generator = "blockdraft engine " + ("bf16" if args.device == "cuda" else "fp32")
-    else:
-        responses = generate_with_hf(hf, prompts, args.max_new_tokens, sampled, eos, pad, temperature=0.7, seed=seed,
-                                     batch_size=args.gen_batch, progress=True, deadline=t0 + seconds)
-        generator = "transformers.generate bf16"
-    seconds_used = time.time() - t0
-    gen_info = {"target": info["target"], "generator": generator, "max_new_tokens": args.max_new_tokens,
-                "sampled_temperature": 0.7, "sampled_fraction": round(sum(sampled) / max(1, len(sampled)), 4),
-                "seed": seed, "prompt_stats": info["stats"], "gen_seconds": round(seconds_used, 1)}
-    data = to_dataset(prompts, responses, sampled, gen_info)
-    _log(f"answered {len(data)} of {len(prompts)} prompts, {data.info['num_response_tokens']} response tokens "
-         f"in {seconds_used:.0f} s ({data.info['num_response_tokens'] / max(seconds_used, 1e-9):.0f} tokens/s)")
-    return data
-
-
-def answered_prompts(data) -> list[tuple[int, ...]]:
-    """The prompt token ids of each sequence of a TokenDataset, in order (one per answer)."""
-    return [tuple(data.sequence(i)[0][: _prompt_len(data, i)].tolist()) for i in range(len(data))]
-
-
-def _prompt_len(data, i: int) -> int:
-    """Tokens before sequence i's first response token (its prompt)."""
-    mask = data.sequence(i)[1]
-    return int(mask.int().argmax()) if bool(mask.any()) else mask.numel()
 
 
 def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple[int, ...] = ()) -> dict:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from blockdraft.training import corpora, gpu_run
+from blockdraft.training import answering, corpora, gpu_run
 from blockdraft.training.dataset import TokenDataset
 from blockdraft.weights.fetch import cache_root, find_wheel, is_complete
 
@@ -55,7 +55,7 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
         assert gpu_run.main(run_args) == 0
         results = json.loads(capsys.readouterr().out)
         assert (tmp_path / "w" / "data" / f"data-{new_shard:05d}.safetensors").is_file()
-        answered = gpu_run.answered_prompts(TokenDataset.load(tmp_path / "w" / "data"))
+        answered = answering.answered_prompts(TokenDataset.load(tmp_path / "w" / "data"))
         assert len(answered) == results["data"]["num_sequences"]
         return results, answered
 
