@@ -46,11 +46,15 @@ class LoadedTarget:
         return next(self.model.parameters()).dtype
 
 
-def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir: str | None = None) -> LoadedTarget:
+def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir: str | None = None,
+                pack_weights: bool | None = None) -> LoadedTarget:
     """Resolve a catalog name / folder / .gguf, then build our model and load its weights.
 
     dtype: "auto" takes the checkpoint's dtype (bf16 for the catalog models; like vLLM's "auto"),
     except that float32 checkpoints run in bfloat16 on CUDA; or one of float32 / bfloat16 / float16.
+    pack_weights: as `blockdraft.models.build_model` (None: packed for CPU inference where
+    supported); False when gradients must flow through the target (drafter training: the frozen
+    LM head).
     Raises:
         ValueError: unknown model name or dtype, unsupported architecture, corrupt weights.
     """
@@ -59,7 +63,8 @@ def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir:
 
     check_dtype(dtype)
     path, hf_config, config = read_target_config(model, cache_dir)
-    module = build_model(config, dtype=_resolve_dtype(dtype, hf_config, device), device=device)
+    module = build_model(config, dtype=_resolve_dtype(dtype, hf_config, device), device=device,
+                         pack_weights=pack_weights)
     # Tensors are read one at a time and packing starts after the last copy: peak memory is the
     # weights plus one tensor, then plus the packed copies as the dense ones are dropped.
     module.load_weights(LazyStateDict(path), pack=False)

@@ -127,7 +127,9 @@ def train_drafter(args) -> dict:
                           seed=args.seed, device=device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = load_target(str(path), args.dtype, device, args.cache_dir)
+    # Unpacked: the loss back-propagates through the frozen LM head into the drafter (packed CPU
+    # weights are inference-only; an untied LM head, as Qwen's, is one).
+    target = load_target(str(path), args.dtype, device, args.cache_dir, pack_weights=False)
     data = build_dataset(target, settings, args, out)
     train_target = EngineTarget(target.model)
     features = None

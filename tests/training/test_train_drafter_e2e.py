@@ -106,3 +106,15 @@ def test_synth_prompts_is_checked_before_anything_loads(tmp_path, capsys, monkey
     monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
     assert main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--synth-prompts", "-2"]) != 0
     assert "--synth-prompts must be an integer >= 0, got -2" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not is_complete(cache_root() / "models" / "qwen2.5-coder-0.5b-instruct"),
+                    reason="needs the cached Qwen model (downloaded by the README's main command)")
+def test_train_drafter_trains_through_an_untied_lm_head_on_the_cpu(tmp_path, capsys):
+    # Qwen's LM head is its own weight: on the CPU it must not be packed inference-only.
+    args = ["train-drafter", "--target", "qwen2.5-coder-0.5b-instruct", "--tiny", "--out", str(tmp_path / "q"),
+            "--num-prompts", "2", "--max-new-tokens", "4", "--steps", "2", "--device", "cpu", "--dtype", "bfloat16"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["final"]["step"] == 2 and summary["data"]["num_sequences"] == 2
+    assert (tmp_path / "q" / "drafter" / "model.safetensors").is_file()
