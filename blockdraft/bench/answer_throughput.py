@@ -106,20 +106,23 @@ def print_table(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m blockdraft.bench.answer_throughput", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m blockdraft.bench.answer_throughput",
+                                description="Throughput of our engine answering many requests at once, sampler compiled vs eager.")
     p.add_argument("--shape", default="qwen2.5-0.5b", help="model shape (blockdraft.bench.shapes; default qwen2.5-0.5b)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--requests", type=int, default=2048)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda (default: the regime this measures) or cpu (a smoke run with --shape tiny)")
+    p.add_argument("--requests", type=int, default=2048, help="requests per run (default 2048)")
     p.add_argument("--max-num-seqs", type=int, default=512, help="requests answered at once (default 512)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default 128)")
-    p.add_argument("--min-prompt", type=int, default=32)
-    p.add_argument("--max-prompt", type=int, default=400)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--min-prompt", type=int, default=32, help="shortest prompt, tokens (default 32)")
+    p.add_argument("--max-prompt", type=int, default=400, help="longest prompt, tokens (default 400)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per sampler (default 2)")
     p.add_argument("--samplers", type=lambda s: s.split(","), default=list(SAMPLERS),
                    help="comma-separated: compiled, eager (default both)")
     p.add_argument("--out", default=None, help="write the result as JSON here")
     args = p.parse_args(argv)
     bad = [s for s in args.samplers if s not in SAMPLERS]
+    args.samplers = list(dict.fromkeys(args.samplers))  # each once
     if bad:
         p.error(f"--samplers: unknown {bad}; allowed: {', '.join(SAMPLERS)}")
     for name in ("requests", "max_num_seqs", "max_tokens", "min_prompt", "repeats"):

@@ -27,6 +27,9 @@ DEFAULTS = dict(num_prompts=2000, max_prompt_tokens=512, max_new_tokens=256, ste
                 num_anchors=64, num_layers=2, intermediate_size=None, num_feature_layers=3, log_every=10)
 
 
+MAX_SYNTH_PROMPTS = 1_000_000  # far above any useful run; beyond it the request list alone exhausts memory
+
+
 def resolve_settings(args) -> dict:
     """Merge preset (TINY or DEFAULTS) with the options the user gave (None = not given)."""
     preset = TINY if args.tiny else DEFAULTS
@@ -46,8 +49,9 @@ def check_settings(settings: dict, args) -> None:
     width = settings["intermediate_size"]
     if width is not None and width < 1:
         raise ValueError(f"--intermediate-size must be >= 1 (or left out: the target's), got {width}")
-    if isinstance(args.synth_prompts, bool) or not isinstance(args.synth_prompts, int) or args.synth_prompts < 0:
-        raise ValueError(f"--synth-prompts must be an integer >= 0, got {args.synth_prompts!r}")
+    if (isinstance(args.synth_prompts, bool) or not isinstance(args.synth_prompts, int)
+            or not 0 <= args.synth_prompts <= MAX_SYNTH_PROMPTS):
+        raise ValueError(f"--synth-prompts must be an integer in [0, {MAX_SYNTH_PROMPTS}], got {args.synth_prompts!r}")
     if not 0.0 <= args.sampled_fraction <= 1.0:
         raise ValueError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
     if isinstance(args.train_vocab_size, bool) or not isinstance(args.train_vocab_size, int) or args.train_vocab_size < 0:

@@ -104,8 +104,9 @@ def test_synth_prompts_is_checked_before_anything_loads(tmp_path, capsys, monkey
     import blockdraft.llm
 
     monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
-    assert main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--synth-prompts", "-2"]) != 0
-    assert "--synth-prompts must be an integer >= 0, got -2" in capsys.readouterr().err
+    for value in ("-2", "99999999999"):
+        assert main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--synth-prompts", value]) != 0
+        assert f"--synth-prompts must be an integer in [0, 1000000], got {value}" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not is_complete(cache_root() / "models" / "qwen2.5-coder-0.5b-instruct"),
