@@ -21,7 +21,8 @@ import torch
 from blockdraft.training.generate import sampling_plan
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
+    """One time-stamped progress line on stderr (the GPU run's log)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
@@ -47,7 +48,7 @@ def extend(hf, llm, data, prompts: list[list[int]], args, info: dict, eos, pad, 
     if not queue:
         return None
     sampled = sampling_plan(len(fresh) + len(synth), args.sampled_fraction, seed) + [True] * len(again)
-    _log(f"extending the data -> shard {shard}: {len(fresh)} prompts not answered yet, {len(synth)} synthesized, "
+    log(f"extending the data -> shard {shard}: {len(fresh)} prompts not answered yet, {len(synth)} synthesized, "
          f"{len(again)} answered again (sampled), until {args.extend_seconds:.0f} s have passed")
     more = answer(hf, llm, queue, sampled, args, info, eos, pad, seed, deadline - time.time())
     more.info.update(queued={"fresh": len(fresh), "synthesized": len(synth), "resampled": len(again)})
@@ -68,7 +69,7 @@ def synthesize(llm, args, seed: int, deadline: float) -> tuple[list[list[int]], 
                                       max_tokens=args.synth_max_tokens, deadline=deadline, progress=True)
     ids, _ = encode_prompts(llm.tokenizer, texts, args.max_prompt_tokens)
     stats.update(encoded=len(ids), seconds=round(time.time() - t0, 1))
-    _log(f"synthesized prompts: {json.dumps(stats)}")
+    log(f"synthesized prompts: {json.dumps(stats)}")
     return ids, stats
 
 
@@ -87,7 +88,7 @@ def answer_engine(args, prompts: list[list[int]]):
     llm = LLM(args.gguf, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32",
               kv_block_size=page, num_kv_blocks=pages, max_num_seqs=args.gen_max_seqs,
               max_num_batched_tokens=max(4096, longest + 1))
-    _log(f"engine for answering: {args.gen_max_seqs} requests at once, {pages} KV pages ({time.time() - t0:.0f} s)")
+    log(f"engine for answering: {args.gen_max_seqs} requests at once, {pages} KV pages ({time.time() - t0:.0f} s)")
     return llm
 
 
@@ -97,7 +98,7 @@ def release_gpu() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        _log(f"engine released: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
+        log(f"engine released: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
 
 
 def answer(hf, llm, prompts: list[list[int]], sampled: list[bool], args, info: dict, eos, pad, seed: int,
@@ -121,7 +122,7 @@ def answer(hf, llm, prompts: list[list[int]], sampled: list[bool], args, info: d
                 "sampled_temperature": 0.7, "sampled_fraction": round(sum(sampled) / max(1, len(sampled)), 4),
                 "seed": seed, "prompt_stats": info["stats"], "gen_seconds": round(seconds_used, 1)}
     data = to_dataset(prompts, responses, sampled, gen_info)
-    _log(f"answered {len(data)} of {len(prompts)} prompts, {data.info['num_response_tokens']} response tokens "
+    log(f"answered {len(data)} of {len(prompts)} prompts, {data.info['num_response_tokens']} response tokens "
          f"in {seconds_used:.0f} s ({data.info['num_response_tokens'] / max(seconds_used, 1e-9):.0f} tokens/s)")
     return data
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from blockdraft.training import answering
+from blockdraft.training.answering import log as _log
 from blockdraft.training.generate import sampling_plan
 
 # ---------------------------------------------------------------- prep (workstation)
@@ -128,10 +129,6 @@ def load_hf_target(gguf_path: Path, config_dir: Path, device: str):
     if unexpected or [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]:
         raise ValueError(f"GGUF tensors do not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model.eval().requires_grad_(False)
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def run(args) -> dict:
