@@ -79,3 +79,33 @@ def new_drafter(
 
 def num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def init_from(drafter: DFlashDraftModel, state: dict[str, torch.Tensor]) -> list[int]:
+    """Start `drafter` from an earlier drafter's weights `state` (z-lab names), possibly shallower.
+
+    Every tensor of `state` is copied into the same-named parameter. Draft layers that `state`
+    lacks (growing an N-layer drafter into a deeper one) keep their random weights except their
+    output projections (`self_attn.o_proj`, `mlp.down_proj`), which are zeroed: such a layer adds
+    nothing to the residual stream, so the grown drafter computes exactly what `state`'s drafter
+    did and training starts from there (zero-initialised residual branches, as in ReZero /
+    Fixup). Returns the indices of the new layers.
+
+    Raises:
+        ValueError: a tensor of `state` the drafter does not have, or one of another shape.
+    """
+    own = drafter.state_dict()
+    for name, t in state.items():
+        if name not in own:
+            raise ValueError(f"init weights: {name!r} is not a parameter of this drafter "
+                             f"({drafter.config.num_hidden_layers} layers)")
+        if tuple(t.shape) != tuple(own[name].shape):
+            raise ValueError(f"init weights: {name!r} has shape {tuple(t.shape)}, the drafter's is "
+                             f"{tuple(own[name].shape)} (same hidden size, MLP width and feature layers needed)")
+        own[name].copy_(t)
+    new = [i for i in range(drafter.config.num_hidden_layers) if not any(k.startswith(f"layers.{i}.") for k in state)]
+    for i in new:
+        own[f"layers.{i}.self_attn.o_proj.weight"].zero_()
+        own[f"layers.{i}.mlp.down_proj.weight"].zero_()
+    return new

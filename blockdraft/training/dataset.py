@@ -126,6 +126,26 @@ class TokenDataset:
                             num_response_tokens=out.num_response_tokens(), num_sampled=int(out.sampled.sum()))
         return out
 
+    def select(self, indices: list[int]) -> "TokenDataset":
+        """A dataset of sequences `indices` of this one, in that order (info copied, counts updated).
+
+        Raises:
+            IndexError: an index outside 0..len-1.
+        """
+        bad = [i for i in indices if not 0 <= i < len(self)]
+        if bad:
+            raise IndexError(f"sequence index {bad[0]} outside 0..{len(self) - 1}")
+        parts = [self.sequence(i) for i in indices]
+        lengths = torch.tensor([len(ids) for ids, _ in parts], dtype=torch.int64)
+        offsets = torch.zeros(len(parts) + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(lengths, 0)
+        cat = (lambda ts, dt: torch.cat(ts).to(dt)) if parts else (lambda ts, dt: torch.zeros(0, dtype=dt))
+        out = TokenDataset(cat([ids for ids, _ in parts], torch.int32), cat([m for _, m in parts], torch.uint8),
+                           offsets, self.sampled[list(indices)].clone(), dict(self.info))
+        out.info.update(num_sequences=len(out), num_tokens=int(out.offsets[-1]),
+                        num_response_tokens=out.num_response_tokens(), num_sampled=int(out.sampled.sum()))
+        return out
+
 
 @dataclass
 class Batch:

@@ -76,6 +76,26 @@ class FeatureCache:
         return out
 
 
+def sequences_that_fit(data: TokenDataset, max_len: int, bytes_per_token: int, budget_bytes: int,
+                       seed: int = 0) -> list[int] | None:
+    """Which sequences a feature cache of `budget_bytes` can hold.
+
+    Args:
+        max_len: tokens kept per sequence (as FeatureCache.build keeps them).
+        bytes_per_token: one token's features (num feature layers x hidden size x dtype bytes).
+    Returns:
+        None when every sequence fits; else a seeded random subset's indices (sorted) whose tokens
+        fit, so training on more data than fits in memory uses as much of it as does (unbiased by
+        shard or length).
+    """
+    lengths = data.lengths().clamp(max=max_len)
+    if int(lengths.sum()) * bytes_per_token <= budget_bytes:
+        return None
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
+    keep = torch.cumsum(lengths[order], 0) * bytes_per_token <= budget_bytes
+    return sorted(order[keep].tolist())
+
+
 def _check_fits(nbytes: int, device: torch.device) -> None:
     if device.type != "cuda":
         return

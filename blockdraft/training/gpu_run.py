@@ -180,7 +180,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
     ranked from `data`'s response tokens with `eos_ids` first) to `work/<name>/export`."""
     from blockdraft.spec.dflash.checkpoint import export_drafter
     from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
-    from blockdraft.training.build import new_drafter, num_parameters
+    from blockdraft.training.build import init_from, new_drafter, num_parameters
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import HFTarget
     from blockdraft.training.trainer import TrainConfig, Trainer, fit_together
@@ -189,7 +189,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
     draft_vocab = None
     if args.train_vocab_size:  # the same ranking the export writes to draft_vocab.json
         draft_vocab = rank_dataset(data, target_cfg.vocab_size, eos_ids, args.train_vocab_size)[0]
-    features = None
+    features, train_data = None, data
     specs = json.loads(args.drafters)
     cfg = TrainConfig(steps=10**9, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors,
                       lr=args.lr, warmup_frac=args.warmup_frac, seed=args.seed, log_every=25, ckpt_every=0)
@@ -200,18 +200,19 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         if spec.get("norm_from_target"):  # start in the LM head's input space: the target's final norm
             with torch.no_grad():
                 d.norm.weight.copy_(hf.model.norm.weight.float())
-        if spec.get("init_from"):  # continue from an earlier run's fp32 weights (z-lab names)
+        if spec.get("init_from"):  # continue from an earlier run's fp32 weights (z-lab names), maybe shallower
             from safetensors.torch import load_file
 
-            with torch.no_grad():
-                for k, v in load_file(spec["init_from"]).items():
-                    d.state_dict()[k].copy_(v)
+            grown = init_from(d, load_file(spec["init_from"]))
+            if grown:
+                _log(f"{spec['name']}: layers {grown} new (zero output projections) on {spec['init_from']}")
         if args.cache_features and features is None:  # one cache: drafters trained together share layer ids
             t0 = time.time()
-            features = FeatureCache.build(target, data, d.config.target_layer_ids, cfg.max_len, args.device,
+            train_data = _cacheable(args, data, hf, d.config.target_layer_ids, cfg.max_len)
+            features = FeatureCache.build(target, train_data, d.config.target_layer_ids, cfg.max_len, args.device,
                                           batch_size=args.batch_size)
             _log(f"target features cached: {tuple(features.feats.shape)} ({time.time() - t0:.0f} s)")
-        trainers[spec["name"]] = Trainer(d, target, data, cfg, work / spec["name"], features=features,
+        trainers[spec["name"]] = Trainer(d, target, train_data, cfg, work / spec["name"], features=features,
                                          draft_vocab=draft_vocab)
         results["drafters"][spec["name"]] = {"spec": spec, "params": num_parameters(d)}
     steps = args.steps or _plan_steps(list(trainers.values()), args.train_seconds)
@@ -227,6 +228,24 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         results["drafters"][name].update(final=summary, steps=tr.step, train_seconds=round(time.time() - t0, 1))
         _log(f"{name}: {json.dumps(summary)}")
     return trainers
+
+
+def _cacheable(args, data, hf, layer_ids: tuple[int, ...], max_len: int):
+    """`data`, or the seeded random part of it whose feature cache fits in the GPU memory left
+    after --cache-reserve-gib for training (logged; the rest of the data is not trained on)."""
+    from blockdraft.training.features import sequences_that_fit
+
+    if torch.device(args.device).type != "cuda":
+        return data
+    free, _ = torch.cuda.mem_get_info(torch.device(args.device))
+    budget = int(free - args.cache_reserve_gib * 2**30)
+    per_token = len(layer_ids) * hf.config.hidden_size * torch.empty((), dtype=hf.dtype).element_size()
+    keep = sequences_that_fit(data, max_len, per_token, max(budget, 0), args.seed)
+    if keep is None:
+        return data
+    _log(f"feature cache: {len(keep)} of {len(data)} sequences fit in {budget / 2**30:.1f} GiB "
+         f"(free {free / 2**30:.1f} GiB - reserve {args.cache_reserve_gib} GiB); training on those")
+    return data.select(keep)
 
 
 def _plan_steps(trainers: list, seconds: float) -> int:
@@ -363,6 +382,9 @@ def main(argv=None) -> int:
     r.add_argument("--eval-sequences", default=None, help="reuse eval_sequences.safetensors of an earlier run")
     r.add_argument("--warmup-frac", type=float, default=0.04)
     r.add_argument("--cache-features", action="store_true", help="compute the target features once (FeatureCache)")
+    r.add_argument("--cache-reserve-gib", type=float, default=64.0,
+                   help="GPU memory (GiB) kept free for training beside the feature cache; data beyond what "
+                        "fits is left out (a seeded random part is kept)")
     r.add_argument("--train-vocab-size", type=int, default=0, help="loss over the N most frequent answer tokens (0: all)")
     args = p.parse_args(argv)
     if args.cmd == "run" and args.synth_samples and not args.gen_engine:

@@ -80,7 +80,8 @@ resume() {
   mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
   export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
   cd "$W/code" || exit 1
-  local drafters='[{"name":"A","num_layers":2,"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"}]'
+  # LAYERS > the init's depth grows it (new layers start as identity); INT8 also evaluates the 8-bit pack
+  local drafters='[{"name":"A","num_layers":'$LAYERS',"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"'${INT8:+',"int8":true'}'}]'
   # shellcheck disable=SC2086
   setsid nohup bash -c "
     python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/qwen.gguf\"))' &&
@@ -108,7 +109,11 @@ SEED=${SEED:-3}  # a continued run takes a new seed: other anchors and batches t
 RESAMPLE=${RESAMPLE:-}  # non-empty: after the unanswered (and synthesized) prompts, sampled answers again
 ENGINE=${ENGINE:-}  # session 6, non-empty: answers from our engine (gpu_run --gen-engine), SYNTH synthesized prompts
 SYNTH=${SYNTH:-0}
-GPU_TESTS=${GPU_TESTS:-tests/gpu}  # session 6: the runner tests only (the async continuation changed)
+SYNTH_SECONDS=${SYNTH_SECONDS:-60}  # session 7: 150 (60 s finished 1,510 of 16,384 samples)
+LAYERS=${LAYERS:-2}  # session 7: 4, grown from the 2-layer drafter, shipped as an int8 pack (INT8=1)
+INT8=${INT8:-}
+CACHE_RESERVE=${CACHE_RESERVE:-64}  # GiB kept free beside the feature cache (gpu_run --cache-reserve-gib)
+GPU_TESTS=${GPU_TESTS-tests/gpu}  # session 6: the runner tests only (the async continuation changed); empty: none
 TEST_WORKERS=${TEST_WORKERS:-8}
 PROFILE=${PROFILE:-1}  # empty: no 8B profile after the bench
 prepare4() {
@@ -134,18 +139,19 @@ train_fast() {
   mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
   export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
   cd "$W/code" || exit 1
-  local drafters='[{"name":"A","num_layers":2,"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"}]'
+  # LAYERS > the init's depth grows it (new layers start as identity); INT8 also evaluates the 8-bit pack
+  local drafters='[{"name":"A","num_layers":'$LAYERS',"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"'${INT8:+',"int8":true'}'}]'
   local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
       --drafters '$drafters' --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
-      --batch-size $BATCH ${RESAMPLE:+--resample} \
+      --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE \
       --train-seconds $TRAIN --lr $LR --seed $SEED --eval-sequences $W/eval_sequences.safetensors"
   # The GGUF is converted once, before the GPU tests and the engine (gpu_run --gen-engine) read it.
   # If the engine-answered run fails, the same run with transformers generate follows.
   setsid nohup bash -c "
     python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/qwen.gguf\"))' || exit 1
-    (cd /tmp/tcode && PYTHONPATH=/tmp/site:/tmp/tcode setsid nohup bash -c \"python3 -m pytest -q -n $TEST_WORKERS \
+    [ -z \"$GPU_TESTS\" ] || (cd /tmp/tcode && PYTHONPATH=/tmp/site:/tmp/tcode setsid nohup bash -c \"python3 -m pytest -q -n $TEST_WORKERS \
       -p xdist $GPU_TESTS; echo GPU-TESTS-DONE\" > /tmp/gputests.log 2>&1 < /dev/null &)
-    { ${ENGINE:+$run --gen-engine --synth-samples $SYNTH || } $run ; } &&
+    { ${ENGINE:+$run --gen-engine --synth-samples $SYNTH --synth-seconds $SYNTH_SECONDS || } $run ; } &&
     python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
       --draft-vocab-size 32768 --batch-sizes 1,8,32 --max-tokens 128 --out $W/bench-real ;
     ${PROFILE:+python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
