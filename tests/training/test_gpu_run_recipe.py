@@ -49,7 +49,8 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
     # the multi-turn prompts after the first turns).
     def with_prompts(n):
         i = args.index("--num-prompts") + 1
-        return args[:i] + [str(n)] + args[i + 1 :] + ["--extend-seconds", "600", "--eval-prompts", "0"]  # a deadline, not a budget: a busy CPU must not cut the queues
+        # --extend-seconds is a deadline, not a budget: a busy CPU must not cut the queues short
+        return args[:i] + [str(n)] + args[i + 1 :] + ["--extend-seconds", "600", "--eval-prompts", "0"]
 
     def run_and_load(run_args, new_shard):
         assert gpu_run.main(run_args) == 0
