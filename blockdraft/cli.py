@@ -142,9 +142,11 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--target", default=default_model, help=f"catalog name or HF folder (default {default_model})")
     t.add_argument("--tiny", action="store_true",
                    help="smoke run in seconds, sized for the CPU: few prompts, tokens and steps")
-    t.add_argument("--out", default="drafter-out", help="output folder (data/, checkpoint/, drafter/); resumes if present")
+    t.add_argument("--out", default="drafter-out", help="output folder (data/, checkpoint/, drafter/); resumes if present, its data/ "
+                   "only for the same target and data settings")
     t.add_argument("--data", default=None, help="dataset folder to use instead of OUT/data: reused when it holds data-*.safetensors, "
-                        "else generated into it (default: OUT/data)")
+                        "else generated into it (default: OUT/data); when reused, it must be for --target and the "
+                        "data flags given (--num-prompts, --max-new-tokens, ...) must match the ones it was made with")
     from blockdraft.training.pipeline import DEFAULTS, TINY
 
     what = {"num-prompts": "ShareGPT prompts the target answers", "max-prompt-tokens": "longest prompt kept, tokens",

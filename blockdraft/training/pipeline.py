@@ -1,7 +1,8 @@
 """`blockdraft train-drafter`: prompts -> target answers (our engine) -> training -> z-lab export.
 
 Layout of `--out`:
-    data/          the token dataset (reused when present; see training/dataset.py)
+    data/          the token dataset (see training/dataset.py), reused when present if it was made
+                   for the same target and data settings (`reuse_dataset`)
     checkpoint/    resumable trainer state (training/trainer.py)
     train_log.jsonl
     drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors) and its
@@ -29,6 +30,9 @@ DEFAULTS = dict(num_prompts=2000, max_prompt_tokens=512, max_new_tokens=256, syn
                 steps=2000, batch_size=8, num_anchors=64, num_layers=2, intermediate_size=None, num_feature_layers=3,
                 log_every=10)
 
+
+# The settings that shape the dataset (recorded in its info["settings"]); the training ones may change on reuse.
+DATA_SETTINGS = ("num_prompts", "max_prompt_tokens", "max_new_tokens", "synth_prompts", "sampled_fraction")
 
 MAX_SYNTH_PROMPTS = 1_000_000  # far above any useful run; beyond it the request list alone exhausts memory
 
@@ -92,17 +96,57 @@ def _check_int(flag: str, value, low: int) -> None:
         raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
 
 
-def build_dataset(target, settings: dict, args, out: Path):
-    """The dataset in `out/data` (or `args.data`), generating it with our engine when missing."""
+def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_size: int):
+    """The dataset already in `folder` (a TokenDataset), or None when it holds none.
+
+    It is reused only when made for this target (its recorded name or folder), with token ids
+    inside the target's vocabulary, and with the data settings asked for: all of DATA_SETTINGS
+    for the run's own OUT/data, those given explicitly for a --data folder (whose recorded ones
+    otherwise stand). Reuse is reported on stderr with the recorded settings.
+    Raises:
+        ValueError: naming the folder, each recorded value against the requested one, and what to do.
+    """
+    import sys
+
+    from blockdraft.llm import _catalog_name
+    from blockdraft.training.dataset import SHARD_PATTERN, TokenDataset
+
+    if not any(folder.glob(SHARD_PATTERN)):
+        return None
+    data = TokenDataset.load(folder)
+    info, made = data.info, data.info.get("settings", {})
+    differ = []  # (what, recorded, requested)
+    if "target" in info and info["target"] not in (args.target, target_path, _catalog_name(target_path)) \
+            and info.get("target_path") != target_path:
+        differ.append(("target", repr(info["target"]), repr(args.target)))
+    if info.get("vocab_size", vocab_size) != vocab_size:
+        differ.append(("vocab size", info["vocab_size"], vocab_size))
+    ids = data.token_id_range()
+    if ids is not None and not (0 <= ids[0] and ids[1] < vocab_size):
+        differ.append(("token ids", f"{ids[0]}..{ids[1]}", f"in [0, {vocab_size})"))
+    for name in DATA_SETTINGS:
+        given = args.data is None or getattr(args, name, None) is not None
+        if given and name in made and made[name] != settings[name]:
+            differ.append((f"--{name.replace('_', '-')}", made[name], settings[name]))
+    if differ:
+        other = " (or another --data folder)" if args.data else ""
+        raise ValueError(
+            f"the dataset in {folder} was made with {', '.join(f'{w} {r}' for w, r, _ in differ)}; this run asks for "
+            f"{', '.join(f'{w} {a}' for w, _, a in differ)}. A dataset is reused only for the same target and data "
+            f"settings: use a new --out{other}, or remove {folder} to generate it again")
+    shown = ", ".join(f"{k}={v}" for k, v in made.items()) or "settings not recorded"
+    print(f"train-drafter: reusing the {len(data)} sequences in {folder} (target {info.get('target', 'not recorded')!r}, "
+          f"{shown}); the data flags apply to a new dataset only (a new --out or --data folder)", file=sys.stderr)
+    return data
+
+
+def build_dataset(target, settings: dict, args, folder: Path, target_path: str):
+    """Generate the dataset into `folder` with our engine (prompts answered by the target)."""
     from blockdraft.llm import LLM
     from blockdraft.training import corpora
-    from blockdraft.training.dataset import TokenDataset
     from blockdraft.training.generate import encode_prompts, generate_with_engine, sampling_plan, to_dataset
     from blockdraft.training.prompts import assert_no_eval_overlap, select_prompts
 
-    folder = Path(args.data) if args.data else out / "data"
-    if folder.exists() and any(folder.glob("data-*.safetensors")):
-        return TokenDataset.load(folder)
     eval_texts = corpora.all_eval_texts(args.cache_dir)
     texts, stats = select_prompts(corpora.sharegpt_first_turns(args.cache_dir), eval_texts,
                                   settings["num_prompts"] * 2, seed=args.seed)
@@ -122,9 +166,10 @@ def build_dataset(target, settings: dict, args, out: Path):
         prompts += synth_ids
     sampled = sampling_plan(len(prompts), settings["sampled_fraction"], args.seed)
     responses = generate_with_engine(llm, prompts, settings["max_new_tokens"], sampled, 0.7, args.seed, progress=True)
-    info = {"target": args.target, "generator": "blockdraft engine", "max_new_tokens": settings["max_new_tokens"],
-            "sampled_temperature": 0.7, "sampled_fraction": settings["sampled_fraction"], "seed": args.seed,
-            "prompt_stats": stats, "gen_seconds": round(time.perf_counter() - t0, 1)}
+    info = {"target": args.target, "target_path": target_path, "vocab_size": target.config.vocab_size,
+            "settings": {k: settings[k] for k in DATA_SETTINGS}, "generator": "blockdraft engine",
+            "sampled_temperature": 0.7, "seed": args.seed, "prompt_stats": stats,
+            "gen_seconds": round(time.perf_counter() - t0, 1)}
     data = to_dataset(prompts, responses, sampled, info)
     data.save(folder)
     return data
@@ -159,11 +204,14 @@ def train_drafter(args) -> dict:
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
                           seed=args.seed, device=device)
     out = Path(args.out)
+    folder = Path(args.data) if args.data else out / "data"
+    data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     # Unpacked: the loss back-propagates through the frozen LM head into the drafter (packed CPU
     # weights are inference-only; an untied LM head, as Qwen's, is one).
     target = load_target(str(path), args.dtype, device, args.cache_dir, pack_weights=False)
-    data = build_dataset(target, settings, args, out)
+    if data is None:
+        data = build_dataset(target, settings, args, folder, str(path))
     train_target = EngineTarget(target.model)
     features = None
     if args.cache_features:

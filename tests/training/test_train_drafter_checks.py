@@ -40,3 +40,70 @@ def test_bad_values_name_the_flag(flags, message, tmp_path, capsys, no_weights):
     err = _error(capsys, "--out", str(tmp_path), *flags)
     assert message in err
     assert "dflash_config" not in err and "batch_size" not in err
+
+
+class _Loading(Exception):
+    """Raised where the target's weights would load: every check before it passed."""
+
+
+def _dataset(folder, info, ids=(1, 2, 3, 4, 5)):
+    from blockdraft.training.dataset import TokenDataset
+
+    TokenDataset.from_pairs([(list(ids[:2]), list(ids[2:]))] * 2, [False, True], info).save(folder)
+
+
+def _settings(**changes):
+    from blockdraft.training.pipeline import DATA_SETTINGS, TINY
+
+    return {**{k: TINY[k] for k in DATA_SETTINGS}, **changes}
+
+
+def _made_here(folder, **changes):
+    """A dataset as `train-drafter --tiny` with `changes` records it for SmolLM2."""
+    _dataset(folder, {"target": NAME, "vocab_size": 49152, "settings": _settings(**changes)})
+
+
+def test_data_made_for_another_target_is_refused_before_an_index_error(tmp_path, capsys, no_weights):
+    data = tmp_path / "qwen-data"
+    _dataset(data, {"target": "qwen2.5-coder-0.5b-instruct", "vocab_size": 151936}, ids=(151644, 872, 151643, 9, 151645))
+    err = _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data))
+    assert (f"the dataset in {data} was made with target 'qwen2.5-coder-0.5b-instruct', vocab size 151936, token ids "
+            f"9..151645; this run asks for target '{NAME}', vocab size 49152, token ids in [0, 49152)") in err
+    assert f"use a new --out (or another --data folder), or remove {data} to generate it again" in err
+    assert not (tmp_path / "run").exists()
+    _dataset(tmp_path / "bare", {}, ids=(1, 2, 60000, 3, 4))  # nothing recorded: the ids alone are checked
+    assert "was made with token ids 1..60000; this run asks for token ids in [0, 49152)" in _error(
+        capsys, "--out", str(tmp_path / "run"), "--data", str(tmp_path / "bare"))
+
+
+def test_data_settings_that_differ_from_the_runs_own_data_are_refused(tmp_path, capsys, no_weights):
+    _made_here(tmp_path / "data")
+    err = _error(capsys, "--out", str(tmp_path), "--synth-prompts", "8")  # was silently ignored
+    assert (f"the dataset in {tmp_path / 'data'} was made with --synth-prompts 0; this run asks for --synth-prompts 8. "
+            f"A dataset is reused only for the same target and data settings: use a new --out, or remove "
+            f"{tmp_path / 'data'} to generate it again") in err
+    assert main(["train-drafter", "--target", NAME, "--out", str(tmp_path)]) == 2  # the defaults, not --tiny's
+    assert "--num-prompts 8, --max-prompt-tokens 128, --max-new-tokens 16; this run asks for --num-prompts 2000, " \
+           "--max-prompt-tokens 512, --max-new-tokens 256" in capsys.readouterr().err
+
+
+def test_the_same_runs_data_is_reused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    _made_here(tmp_path / "data", num_prompts=4)
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--num-prompts", "4",
+              "--steps", "9", "--lr", "1e-3"])  # training settings may change
+    assert (f"train-drafter: reusing the 2 sequences in {tmp_path / 'data'} (target '{NAME}', num_prompts=4, "
+            f"max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, sampled_fraction=0.25)") in capsys.readouterr().err
+
+
+def test_a_data_folder_keeps_its_settings_unless_a_flag_asks_for_others(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    data = tmp_path / "shared"
+    _made_here(data, num_prompts=4, max_new_tokens=8)
+    with pytest.raises(_Loading):  # --tiny's presets (8 prompts, 16 new tokens) are not asked for explicitly
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "run"), "--data", str(data)])
+    assert f"reusing the 2 sequences in {data}" in capsys.readouterr().err
+    assert (f"was made with --max-new-tokens 8; this run asks for --max-new-tokens 32. A dataset is reused only for "
+            f"the same target and data settings: use a new --out (or another --data folder), or remove {data}") in \
+        _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data), "--max-new-tokens", "32")
