@@ -140,19 +140,43 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
     return data
 
 
-def build_dataset(target, settings: dict, args, folder: Path, target_path: str):
-    """Generate the dataset into `folder` with our engine (prompts answered by the target)."""
-    from blockdraft.llm import LLM
+def select_training_prompts(tokenizer, settings: dict, args) -> tuple[list[list[int]], dict, list[str]]:
+    """(chat-encoded ShareGPT prompts, their filter stats, the evaluation texts kept out of them).
+
+    The stats count the prompts dropped as longer than --max-prompt-tokens (`over_max_prompt_tokens`)
+    among those read until --num-prompts were kept, and the prompts `used`.
+    Raises:
+        ValueError: --max-prompt-tokens keeps none of them (names its value, the prompts it dropped
+            and the shortest one's length).
+    """
     from blockdraft.training import corpora
-    from blockdraft.training.generate import encode_prompts, generate_with_engine, sampling_plan, to_dataset
+    from blockdraft.training.generate import encode_prompts
     from blockdraft.training.prompts import assert_no_eval_overlap, select_prompts
 
     eval_texts = corpora.all_eval_texts(args.cache_dir)
     texts, stats = select_prompts(corpora.sharegpt_first_turns(args.cache_dir), eval_texts,
                                   settings["num_prompts"] * 2, seed=args.seed)
     assert_no_eval_overlap(texts, eval_texts)
-    prompts, _ = encode_prompts(target.tokenizer, texts, settings["max_prompt_tokens"])
-    prompts = prompts[: settings["num_prompts"]]
+    limit, wanted = settings["max_prompt_tokens"], settings["num_prompts"]
+    prompts, kept = encode_prompts(tokenizer, texts, limit)
+    if texts and not prompts:
+        shortest = min(len(ids) for ids in encode_prompts(tokenizer, texts, 10**9)[0])
+        raise ValueError(f"--max-prompt-tokens {limit} drops all {len(texts)} prompts: each is longer once "
+                         f"chat-encoded (the shortest has {shortest} tokens); raise --max-prompt-tokens")
+    read = kept[wanted - 1] + 1 if len(kept) >= wanted else len(texts)
+    prompts = prompts[:wanted]
+    stats.update(over_max_prompt_tokens=read - len(prompts), used=len(prompts))
+    return prompts, stats, eval_texts
+
+
+def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
+                  chosen: tuple[list[list[int]], dict, list[str]]):
+    """Generate the dataset into `folder` with our engine: the target answers the `chosen` prompts
+    (select_training_prompts) and, with --synth-prompts, requests it writes itself."""
+    from blockdraft.llm import LLM
+    from blockdraft.training.generate import encode_prompts, generate_with_engine, sampling_plan, to_dataset
+
+    prompts, stats, eval_texts = chosen
     llm = LLM(target=target, dtype=args.dtype, device=args.device, max_num_seqs=32,
               num_kv_blocks=max(1024, len(prompts) * 4))
     t0 = time.perf_counter()
@@ -162,7 +186,7 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str):
         synth, stats["synthesized"] = synthesize_prompts(llm, settings["synth_prompts"], eval_texts, seed=args.seed,
                                                          max_tokens=settings["max_prompt_tokens"], progress=True)
         synth_ids, _ = encode_prompts(target.tokenizer, synth, settings["max_prompt_tokens"])
-        stats["synthesized"]["encoded"] = len(synth_ids)
+        stats["synthesized"].update(encoded=len(synth_ids), over_max_prompt_tokens=len(synth) - len(synth_ids))
         prompts += synth_ids
     sampled = sampling_plan(len(prompts), settings["sampled_fraction"], args.seed)
     responses = generate_with_engine(llm, prompts, settings["max_new_tokens"], sampled, 0.7, args.seed, progress=True)
@@ -187,6 +211,7 @@ def train_drafter(args) -> dict:
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import EngineTarget
     from blockdraft.training.trainer import TrainConfig, Trainer
+    from blockdraft.weights.loader import load_tokenizer
 
     settings = resolve_settings(args)
     # Every setting is checked before the target's weights load and the dataset is generated
@@ -206,12 +231,13 @@ def train_drafter(args) -> dict:
     out = Path(args.out)
     folder = Path(args.data) if args.data else out / "data"
     data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size)
+    chosen = None if data is not None else select_training_prompts(load_tokenizer(path), settings, args)
     out.mkdir(parents=True, exist_ok=True)
     # Unpacked: the loss back-propagates through the frozen LM head into the drafter (packed CPU
     # weights are inference-only; an untied LM head, as Qwen's, is one).
     target = load_target(str(path), args.dtype, device, args.cache_dir, pack_weights=False)
     if data is None:
-        data = build_dataset(target, settings, args, folder, str(path))
+        data = build_dataset(target, settings, args, folder, str(path), chosen)
     train_target = EngineTarget(target.model)
     features = None
     if args.cache_features:

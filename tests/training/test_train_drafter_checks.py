@@ -107,3 +107,34 @@ def test_a_data_folder_keeps_its_settings_unless_a_flag_asks_for_others(tmp_path
     assert (f"was made with --max-new-tokens 8; this run asks for --max-new-tokens 32. A dataset is reused only for "
             f"the same target and data settings: use a new --out (or another --data folder), or remove {data}") in \
         _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data), "--max-new-tokens", "32")
+
+
+def test_a_max_prompt_tokens_that_keeps_no_prompt_is_named(tmp_path, capsys, no_weights):
+    import re
+
+    err = _error(capsys, "--out", str(tmp_path), "--max-prompt-tokens", "8")  # was "no prompts given"
+    assert re.search(r"--max-prompt-tokens 8 drops all 16 prompts: each is longer once chat-encoded \(the shortest "
+                     r"has \d\d+ tokens\); raise --max-prompt-tokens", err), err
+
+
+def test_prompts_dropped_for_length_are_counted():
+    from argparse import Namespace
+
+    from blockdraft.preflight import read_target_config
+    from blockdraft.training import corpora
+    from blockdraft.training.generate import encode_prompts
+    from blockdraft.training.pipeline import select_training_prompts
+    from blockdraft.training.prompts import select_prompts
+    from blockdraft.weights.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(read_target_config(NAME, None)[0])
+    n, limit = 8, 128
+    args, settings = Namespace(cache_dir=None, seed=0), {"num_prompts": n, "max_prompt_tokens": limit}
+    prompts, stats, _ = select_training_prompts(tokenizer, settings, args)
+    texts = select_prompts(corpora.sharegpt_first_turns(None), corpora.all_eval_texts(None), 2 * n, seed=0)[0]
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, texts, 10**9)[0]]
+    short = [i for i, length in enumerate(lengths) if length <= limit]
+    read = short[n - 1] + 1  # texts read until n were kept
+    assert read > n  # some of them are too long
+    assert stats["over_max_prompt_tokens"] == read - n and stats["used"] == len(prompts) == n
+    assert prompts == [encode_prompts(tokenizer, [texts[i]], limit)[0][0] for i in short[:n]]
