@@ -1,5 +1,5 @@
 """SamplingParams fields changed after construction are checked again when the engine takes the
-request."""
+request, and sampling_params of another type (a dict) is refused with a TypeError that says how."""
 
 from __future__ import annotations
 
@@ -51,3 +51,17 @@ def test_a_seed_set_after_construction_is_the_one_used(llm):
     llm.generate(PROMPT, late)
     assert late.stop == ["w01x"]
 
+
+@pytest.mark.parametrize("given, match", [
+    ({"max_tokens": 3}, r"got dict \{'max_tokens': 3\}: build one with SamplingParams\(\*\*params\)"),
+    ({}, r"got dict \{\}: build one with SamplingParams\(\*\*params\)"),
+    ([SamplingParams(), {"max_tokens": 3}], r"got dict \{'max_tokens': 3\} \(item 1 of the list\)"),
+    (3, r"got int 3$"),
+])
+def test_sampling_params_of_another_type_is_a_type_error(llm, given, match):
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams or a list of them \(one per "
+                                        r"prompt\), " + match):
+        llm.generate(PROMPT * 2, given)
+    with pytest.raises(TypeError, match=r"sampling params must be a SamplingParams, got dict"):
+        llm.engine.add_request("dict", PROMPT[0], {"max_tokens": 3})
+    assert not llm.engine.has_unfinished_requests()
