@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fetch", help="download, verify and convert a catalog model into the cache")
     f.add_argument("name", nargs="?", default=None, help="catalog name (omit with --list)")
     f.add_argument("--list", action="store_true", help="list the catalog")
-    f.add_argument("--cache-dir", default=None)
+    f.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
     f.set_defaults(func=_fetch)
     from blockdraft.demo import add_parser as add_demo_parser
 
@@ -100,7 +100,7 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--model", default=default_model, help=f"catalog name, HF folder or .gguf (default {default_model})")
     _add_draft_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or set $BLOCKDRAFT_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: the --model value)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
@@ -116,8 +116,9 @@ def _add_serve_parser(sub, default_model: str) -> None:
     _add_async_scheduling_flag(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
-    s.add_argument("--cache-dir", default=None)
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server and uvicorn log level (default info)")
     s.add_argument("--no-request-log", action="store_true", help="no per-request log lines (they never hold prompt text)")
     s.set_defaults(func=_serve)
 
@@ -141,9 +142,11 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--target", default=default_model, help=f"catalog name or HF folder (default {default_model})")
     t.add_argument("--tiny", action="store_true",
                    help="smoke run in seconds, sized for the CPU: few prompts, tokens and steps")
-    t.add_argument("--out", default="drafter-out", help="output folder (data/, checkpoint/, drafter/); resumes if present")
+    t.add_argument("--out", default="drafter-out", help="output folder (data/, checkpoint/, drafter/); resumes if present, its data/ "
+                   "only for the same target and data settings")
     t.add_argument("--data", default=None, help="dataset folder to use instead of OUT/data: reused when it holds data-*.safetensors, "
-                        "else generated into it (default: OUT/data)")
+                        "else generated into it (default: OUT/data); when reused, it must be for --target and the "
+                        "data flags given (--num-prompts, --max-new-tokens, ...) must match the ones it was made with")
     from blockdraft.training.pipeline import DEFAULTS, TINY
 
     what = {"num-prompts": "ShareGPT prompts the target answers", "max-prompt-tokens": "longest prompt kept, tokens",
@@ -160,8 +163,8 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                    help="id fed in the draft slots (default: an unused id of the target's vocabulary)")
     t.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence (default 1024)")
     t.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate, warmup then cosine (default 6e-4)")
-    t.add_argument("--sampled-fraction", type=float, default=0.25, help="share of prompts answered at T=0.7 (default 0.25)")
-    t.add_argument("--synth-prompts", type=int, default=0,
+    t.add_argument("--sampled-fraction", type=float, default=None, help="share of prompts answered at T=0.7 (default 0.25)")
+    t.add_argument("--synth-prompts", type=int, default=None,
                    help="also sample this many user requests from the target itself (its chat template up to a "
                         "user turn's content, T = 1; Magpie), filtered like the ShareGPT prompts (length, ASCII, "
                         "duplicates, no overlap with HumanEval / MT-bench) and answered after them: prompts in the "
@@ -207,10 +210,11 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
     add_draft_vocab_size_flag(e)
     e.add_argument("--compare-plain", action="store_true", help="also decode without the drafter: equality + speedup")
     e.add_argument("--plot", default=None, help="write the per-position acceptance plot to this PNG (needs matplotlib)")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="target and drafter weights and KV cache (default float32)")
     _add_device_flags(e)
     _add_async_scheduling_flag(e)
-    e.add_argument("--cache-dir", default=None)
+    e.add_argument("--cache-dir", default=None, help="model and data cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
     e.set_defaults(func=_eval_drafter)
 
 

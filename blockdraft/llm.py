@@ -171,15 +171,25 @@ class LLM:
 
         prompts: a str, a list of token ids, a chat conversation (list of {"role", "content"}
             dicts; chat template applied) or a list of any of these (str: raw text).
+        sampling_params: one SamplingParams for every prompt or a list of them (one per prompt), as
+            vLLM; None: SamplingParams().
         Raises:
+            TypeError: sampling_params of another type (e.g. a dict: build SamplingParams(**d)).
             ValueError: empty prompt, a prompt of another type or a token id that is not an integer
                 (naming the prompt's index and the value), a bad chat message (its index, value and
                 the allowed roles), a token id outside the vocabulary, prompt longer than the
-                context, mismatched params list; nothing of the batch is queued then.
+                context, mismatched params list, a SamplingParams field out of range (also one set
+                after construction); nothing of the batch is queued then.
         """
         token_lists = self._tokenize_all(prompts)
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(token_lists)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                where = f" (item {i} of the list)" if isinstance(sampling_params, (list, tuple)) else ""
+                hint = ": build one with SamplingParams(**params)" if isinstance(p, dict) else ""
+                raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                                f"{_shown(p)}{where}{hint}")
         if len(params) != len(token_lists):
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
         for toks, p in zip(token_lists, params):  # the whole batch first: a bad prompt queues nothing

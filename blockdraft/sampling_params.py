@@ -21,7 +21,8 @@ class SamplingParams:
     data; vLLM's `detokenize`), so it cannot be combined with stop strings.
 
     Raises:
-        ValueError: naming the offending field and the allowed range.
+        ValueError: naming the offending field and the allowed range (at construction, and again
+            when the engine takes the request: fields changed since are checked too, `verify`).
     """
 
     max_tokens: int = 256
@@ -37,8 +38,16 @@ class SamplingParams:
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.verify()
+        self._resolved_seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**31)
+
+    def verify(self) -> None:
+        """Normalise `stop` / `stop_token_ids` to lists and check every field (raises ValueError)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), (list, tuple, type(None))):
+                raise ValueError(f"{name} must be a list (or None), got {getattr(self, name)!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check_int("max_tokens (--max-tokens)", self.max_tokens, low=1)
@@ -63,7 +72,6 @@ class SamplingParams:
             raise ValueError(f"detokenize must be True or False, got {self.detokenize!r}")
         if self.stop and not self.detokenize:
             raise ValueError(f"stop strings {self.stop!r} need the output text: drop them or keep detokenize=True")
-        self._resolved_seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**31)
 
     @property
     def greedy(self) -> bool:
@@ -72,8 +80,8 @@ class SamplingParams:
 
     @property
     def resolved_seed(self) -> int:
-        """The seed actually used: `seed`, or a random one drawn once at construction."""
-        return self._resolved_seed
+        """The seed actually used: `seed`, or (None) a random one drawn once at construction."""
+        return self.seed if self.seed is not None else self._resolved_seed
 
 
 def _check_int(name: str, value, low: int) -> None:

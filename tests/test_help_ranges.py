@@ -37,3 +37,12 @@ def test_train_drafter_help_gives_every_preset_value():
     assert f"(default {DEFAULTS['num_prompts']}; --tiny: {TINY['num_prompts']})" in text
     assert f"(default {DEFAULTS['steps']}; --tiny: {TINY['steps']})" in text
     assert f"(default: the target's) (--tiny: {TINY['intermediate_size']})" in text
+
+
+def test_every_option_of_every_command_has_help():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    bare = {name: [a.option_strings[0] for a in command._actions if a.option_strings and not a.help]
+            for name, command in sub.choices.items()}
+    assert bare == {name: [] for name in sub.choices}
+    assert "--dtype" in _help("eval-drafter") and "model and data cache" in _help("eval-drafter")

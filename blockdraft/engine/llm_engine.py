@@ -84,10 +84,15 @@ class LLMEngine:
         """Whether a request can be queued, without queuing it (callers check a whole batch first).
 
         Raises:
-            ValueError: empty prompt, a prompt or stop token id outside [0, vocab_size) (names the
-                first one), or a prompt that leaves no room for one output token within
-                `max_model_len` (names the lengths).
+            TypeError: `params` is not a SamplingParams.
+            ValueError: a field of `params` out of range (SamplingParams.verify: a field changed
+                after construction is checked here), empty prompt, a prompt or stop token id outside
+                [0, vocab_size) (names the first one), or a prompt that leaves no room for one
+                output token within `max_model_len` (names the lengths).
         """
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
+        params.verify()
         if self.vocab_size is not None:
             for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
                 bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

@@ -58,6 +58,12 @@ class TokenDataset:
     def num_response_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def token_id_range(self) -> tuple[int, int] | None:
+        """(smallest, largest) token id, None when the dataset holds no token."""
+        if self.input_ids.numel() == 0:
+            return None
+        return int(self.input_ids.min()), int(self.input_ids.max())
+
     def num_anchor_positions(self, max_len: int) -> int:
         """Response tokens that can anchor a training block once each sequence is cut to `max_len`
         tokens (as `collate` cuts them): a response token followed by at least one kept token."""

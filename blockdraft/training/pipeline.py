@@ -1,7 +1,8 @@
 """`blockdraft train-drafter`: prompts -> target answers (our engine) -> training -> z-lab export.
 
 Layout of `--out`:
-    data/          the token dataset (reused when present; see training/dataset.py)
+    data/          the token dataset (see training/dataset.py), reused when present if it was made
+                   for the same target and data settings (`reuse_dataset`)
     checkpoint/    resumable trainer state (training/trainer.py)
     train_log.jsonl
     drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors) and its
@@ -17,15 +18,21 @@ kept across runs).
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
 # `--tiny`: a smoke run in seconds on the CPU (CI); any option given explicitly still wins.
-TINY = dict(num_prompts=8, max_prompt_tokens=128, max_new_tokens=16, steps=4, batch_size=4, num_anchors=4,
-            num_layers=1, intermediate_size=256, num_feature_layers=2, log_every=1)
-DEFAULTS = dict(num_prompts=2000, max_prompt_tokens=512, max_new_tokens=256, steps=2000, batch_size=8,
-                num_anchors=64, num_layers=2, intermediate_size=None, num_feature_layers=3, log_every=10)
+TINY = dict(num_prompts=8, max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, sampled_fraction=0.25,
+            steps=4, batch_size=4, num_anchors=4, num_layers=1, intermediate_size=256, num_feature_layers=2,
+            log_every=1)
+DEFAULTS = dict(num_prompts=2000, max_prompt_tokens=512, max_new_tokens=256, synth_prompts=0, sampled_fraction=0.25,
+                steps=2000, batch_size=8, num_anchors=64, num_layers=2, intermediate_size=None, num_feature_layers=3,
+                log_every=10)
 
+
+# The settings that shape the dataset (recorded in its info["settings"]); the training ones may change on reuse.
+DATA_SETTINGS = ("num_prompts", "max_prompt_tokens", "max_new_tokens", "synth_prompts", "sampled_fraction")
 
 MAX_SYNTH_PROMPTS = 1_000_000  # far above any useful run; beyond it the request list alone exhausts memory
 
@@ -37,62 +44,156 @@ def resolve_settings(args) -> dict:
 
 
 def check_settings(settings: dict, args) -> None:
-    """The values only this command reads (the drafter shape and TrainConfig check their own).
+    """The values that need no target config (the flags as the user spells them).
 
     Raises:
         ValueError: naming the flag, the value and what is allowed.
     """
-    for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "num_layers", "num_feature_layers"):
-        value = settings[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+    for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "num_layers", "num_feature_layers", "steps",
+                 "batch_size", "num_anchors", "log_every"):
+        _check_int(f"--{name.replace('_', '-')}", settings[name], 1)
+    for flag, value, low in (("--block-size", args.block_size, 2), ("--max-len", args.max_len, 2),
+                             ("--ckpt-every", args.ckpt_every, 0), ("--seed", args.seed, 0)):
+        _check_int(flag, value, low)
+    if isinstance(args.lr, bool) or not isinstance(args.lr, (int, float)) or not 0 < args.lr < math.inf:
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr!r}")
     width = settings["intermediate_size"]
     if width is not None and width < 1:
         raise ValueError(f"--intermediate-size must be >= 1 (or left out: the target's), got {width}")
-    if (isinstance(args.synth_prompts, bool) or not isinstance(args.synth_prompts, int)
-            or not 0 <= args.synth_prompts <= MAX_SYNTH_PROMPTS):
-        raise ValueError(f"--synth-prompts must be an integer in [0, {MAX_SYNTH_PROMPTS}], got {args.synth_prompts!r}")
-    if not 0.0 <= args.sampled_fraction <= 1.0:
-        raise ValueError(f"--sampled-fraction must be in [0, 1], got {args.sampled_fraction}")
+    synth = settings["synth_prompts"]
+    if isinstance(synth, bool) or not isinstance(synth, int) or not 0 <= synth <= MAX_SYNTH_PROMPTS:
+        raise ValueError(f"--synth-prompts must be an integer in [0, {MAX_SYNTH_PROMPTS}], got {synth!r}")
+    if not 0.0 <= settings["sampled_fraction"] <= 1.0:
+        raise ValueError(f"--sampled-fraction must be in [0, 1], got {settings['sampled_fraction']}")
     if isinstance(args.train_vocab_size, bool) or not isinstance(args.train_vocab_size, int) or args.train_vocab_size < 0:
         raise ValueError(f"--train-vocab-size must be an integer >= 0 (0: full vocabulary), got {args.train_vocab_size!r}")
     if args.data and Path(args.data).is_file():
         raise ValueError(f"--data {args.data!r} is a file; expected a dataset folder (data-*.safetensors)")
 
 
-def build_dataset(target, settings: dict, args, out: Path):
-    """The dataset in `out/data` (or `args.data`), generating it with our engine when missing."""
-    from blockdraft.llm import LLM
+def check_against_target(settings: dict, args, target) -> None:
+    """The values whose range depends on the target's config (a ModelConfig).
+
+    Raises:
+        ValueError: naming the flag, the value and the range this target allows.
+    """
+    from blockdraft.spec.draft_vocab import min_draft_vocab_size
+
+    low, high = min_draft_vocab_size(target.vocab_size), target.vocab_size
+    if args.train_vocab_size and not low <= args.train_vocab_size <= high:
+        raise ValueError(f"--train-vocab-size must be 0 (full vocabulary) or in [{low}, {high}] for this target's "
+                         f"{high}-id vocabulary (the range --draft-vocab-size allows), got {args.train_vocab_size}")
+    if args.mask_token_id is not None and not 0 <= args.mask_token_id < high:
+        raise ValueError(f"--mask-token-id must be in [0, {high}) (this target's vocabulary), got {args.mask_token_id}")
+    most = max(1, target.num_hidden_layers - 1)
+    if settings["num_feature_layers"] > most:
+        raise ValueError(f"--num-feature-layers must be at most {most} (distinct layers below the last of this "
+                         f"target's {target.num_hidden_layers}), got {settings['num_feature_layers']}")
+
+
+def _check_int(flag: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+
+
+def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_size: int):
+    """The dataset already in `folder` (a TokenDataset), or None when it holds none.
+
+    It is reused only when made for this target (its recorded name or folder), with token ids
+    inside the target's vocabulary, and with the data settings asked for: all of DATA_SETTINGS
+    for the run's own OUT/data, those given explicitly for a --data folder (whose recorded ones
+    otherwise stand). Reuse is reported on stderr with the recorded settings.
+    Raises:
+        ValueError: naming the folder, each recorded value against the requested one, and what to do.
+    """
+    import sys
+
+    from blockdraft.llm import _catalog_name
+    from blockdraft.training.dataset import SHARD_PATTERN, TokenDataset
+
+    if not any(folder.glob(SHARD_PATTERN)):
+        return None
+    data = TokenDataset.load(folder)
+    info, made = data.info, data.info.get("settings", {})
+    differ = []  # (what, recorded, requested)
+    if "target" in info and info["target"] not in (args.target, target_path, _catalog_name(target_path)) \
+            and info.get("target_path") != target_path:
+        differ.append(("target", repr(info["target"]), repr(args.target)))
+    if info.get("vocab_size", vocab_size) != vocab_size:
+        differ.append(("vocab size", info["vocab_size"], vocab_size))
+    ids = data.token_id_range()
+    if ids is not None and not (0 <= ids[0] and ids[1] < vocab_size):
+        differ.append(("token ids", f"{ids[0]}..{ids[1]}", f"in [0, {vocab_size})"))
+    for name in DATA_SETTINGS:
+        given = args.data is None or getattr(args, name, None) is not None
+        if given and name in made and made[name] != settings[name]:
+            differ.append((f"--{name.replace('_', '-')}", made[name], settings[name]))
+    if differ:
+        other = " (or another --data folder)" if args.data else ""
+        raise ValueError(
+            f"the dataset in {folder} was made with {', '.join(f'{w} {r}' for w, r, _ in differ)}; this run asks for "
+            f"{', '.join(f'{w} {a}' for w, _, a in differ)}. A dataset is reused only for the same target and data "
+            f"settings: use a new --out{other}, or remove {folder} to generate it again")
+    shown = ", ".join(f"{k}={v}" for k, v in made.items()) or "settings not recorded"
+    print(f"train-drafter: reusing the {len(data)} sequences in {folder} (target {info.get('target', 'not recorded')!r}, "
+          f"{shown}); the data flags apply to a new dataset only (a new --out or --data folder)", file=sys.stderr)
+    return data
+
+
+def select_training_prompts(tokenizer, settings: dict, args) -> tuple[list[list[int]], dict, list[str]]:
+    """(chat-encoded ShareGPT prompts, their filter stats, the evaluation texts kept out of them).
+
+    The stats count the prompts dropped as longer than --max-prompt-tokens (`over_max_prompt_tokens`)
+    among those read until --num-prompts were kept, and the prompts `used`.
+    Raises:
+        ValueError: --max-prompt-tokens keeps none of them (names its value, the prompts it dropped
+            and the shortest one's length).
+    """
     from blockdraft.training import corpora
-    from blockdraft.training.dataset import TokenDataset
-    from blockdraft.training.generate import encode_prompts, generate_with_engine, sampling_plan, to_dataset
+    from blockdraft.training.generate import encode_prompts
     from blockdraft.training.prompts import assert_no_eval_overlap, select_prompts
 
-    folder = Path(args.data) if args.data else out / "data"
-    if folder.exists() and any(folder.glob("data-*.safetensors")):
-        return TokenDataset.load(folder)
     eval_texts = corpora.all_eval_texts(args.cache_dir)
     texts, stats = select_prompts(corpora.sharegpt_first_turns(args.cache_dir), eval_texts,
                                   settings["num_prompts"] * 2, seed=args.seed)
     assert_no_eval_overlap(texts, eval_texts)
-    prompts, _ = encode_prompts(target.tokenizer, texts, settings["max_prompt_tokens"])
-    prompts = prompts[: settings["num_prompts"]]
+    limit, wanted = settings["max_prompt_tokens"], settings["num_prompts"]
+    prompts, kept = encode_prompts(tokenizer, texts, limit)
+    if texts and not prompts:
+        shortest = min(len(ids) for ids in encode_prompts(tokenizer, texts, 10**9)[0])
+        raise ValueError(f"--max-prompt-tokens {limit} drops all {len(texts)} prompts: each is longer once "
+                         f"chat-encoded (the shortest has {shortest} tokens); raise --max-prompt-tokens")
+    read = kept[wanted - 1] + 1 if len(kept) >= wanted else len(texts)
+    prompts = prompts[:wanted]
+    stats.update(over_max_prompt_tokens=read - len(prompts), used=len(prompts))
+    return prompts, stats, eval_texts
+
+
+def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
+                  chosen: tuple[list[list[int]], dict, list[str]]):
+    """Generate the dataset into `folder` with our engine: the target answers the `chosen` prompts
+    (select_training_prompts) and, with --synth-prompts, requests it writes itself."""
+    from blockdraft.llm import LLM
+    from blockdraft.training.generate import encode_prompts, generate_with_engine, sampling_plan, to_dataset
+
+    prompts, stats, eval_texts = chosen
     llm = LLM(target=target, dtype=args.dtype, device=args.device, max_num_seqs=32,
               num_kv_blocks=max(1024, len(prompts) * 4))
     t0 = time.perf_counter()
-    if args.synth_prompts:  # requests the target writes itself, after the ShareGPT ones (training/synth.py)
+    if settings["synth_prompts"]:  # requests the target writes itself, after the ShareGPT ones (training/synth.py)
         from blockdraft.training.synth import synthesize_prompts
 
-        synth, stats["synthesized"] = synthesize_prompts(llm, args.synth_prompts, eval_texts, seed=args.seed,
+        synth, stats["synthesized"] = synthesize_prompts(llm, settings["synth_prompts"], eval_texts, seed=args.seed,
                                                          max_tokens=settings["max_prompt_tokens"], progress=True)
         synth_ids, _ = encode_prompts(target.tokenizer, synth, settings["max_prompt_tokens"])
-        stats["synthesized"]["encoded"] = len(synth_ids)
+        stats["synthesized"].update(encoded=len(synth_ids), over_max_prompt_tokens=len(synth) - len(synth_ids))
         prompts += synth_ids
-    sampled = sampling_plan(len(prompts), args.sampled_fraction, args.seed)
+    sampled = sampling_plan(len(prompts), settings["sampled_fraction"], args.seed)
     responses = generate_with_engine(llm, prompts, settings["max_new_tokens"], sampled, 0.7, args.seed, progress=True)
-    info = {"target": args.target, "generator": "blockdraft engine", "max_new_tokens": settings["max_new_tokens"],
-            "sampled_temperature": 0.7, "sampled_fraction": args.sampled_fraction, "seed": args.seed,
-            "prompt_stats": stats, "gen_seconds": round(time.perf_counter() - t0, 1)}
+    info = {"target": args.target, "target_path": target_path, "vocab_size": target.config.vocab_size,
+            "settings": {k: settings[k] for k in DATA_SETTINGS}, "generator": "blockdraft engine",
+            "sampled_temperature": 0.7, "seed": args.seed, "prompt_stats": stats,
+            "gen_seconds": round(time.perf_counter() - t0, 1)}
     data = to_dataset(prompts, responses, sampled, info)
     data.save(folder)
     return data
@@ -105,36 +206,38 @@ def train_drafter(args) -> dict:
     from blockdraft.llm import eos_token_ids, load_target
     from blockdraft.preflight import check_dtype, read_target_config, resolve_device
     from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter
-    from blockdraft.spec.draft_vocab import min_draft_vocab_size, rank_dataset, write_dataset_draft_vocab
+    from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
     from blockdraft.training.build import new_drafter, num_parameters
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import EngineTarget
     from blockdraft.training.trainer import TrainConfig, Trainer
+    from blockdraft.weights.loader import load_tokenizer
 
-    torch.manual_seed(args.seed)
     settings = resolve_settings(args)
     # Every setting is checked before the target's weights load and the dataset is generated
     # (minutes to hours): the values, then the drafter's shape against the target's config.json.
     check_settings(settings, args)
+    torch.manual_seed(args.seed)
     check_dtype(args.dtype)
     device = resolve_device(args.device)
     cfg = TrainConfig(steps=settings["steps"], batch_size=settings["batch_size"], max_len=args.max_len,
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
                       ckpt_every=args.ckpt_every, log_every=settings["log_every"])
     path, _, target_config = read_target_config(args.target, args.cache_dir)
-    low, high = min_draft_vocab_size(target_config.vocab_size), target_config.vocab_size
-    if args.train_vocab_size and not low <= args.train_vocab_size <= high:
-        raise ValueError(f"--train-vocab-size must be 0 (full vocabulary) or in [{low}, {high}] for this target's "
-                         f"{high}-id vocabulary (the range --draft-vocab-size allows), got {args.train_vocab_size}")
+    check_against_target(settings, args, target_config)
     drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
                           seed=args.seed, device=device)
     out = Path(args.out)
+    folder = Path(args.data) if args.data else out / "data"
+    data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size)
+    chosen = None if data is not None else select_training_prompts(load_tokenizer(path), settings, args)
     out.mkdir(parents=True, exist_ok=True)
     # Unpacked: the loss back-propagates through the frozen LM head into the drafter (packed CPU
     # weights are inference-only; an untied LM head, as Qwen's, is one).
     target = load_target(str(path), args.dtype, device, args.cache_dir, pack_weights=False)
-    data = build_dataset(target, settings, args, out)
+    if data is None:
+        data = build_dataset(target, settings, args, folder, str(path), chosen)
     train_target = EngineTarget(target.model)
     features = None
     if args.cache_features:
@@ -152,8 +255,9 @@ def train_drafter(args) -> dict:
     if args.train_vocab_size:  # decode over the vocabulary it was trained on unless told otherwise
         (out / "drafter" / SPECULATIVE_FILE).write_text(json.dumps(
             {"draft_vocab_size": args.train_vocab_size, "source": "train-drafter --train-vocab-size"}, indent=1))
-    summary = {"target": args.target, "drafter": str(out / "drafter"), "device": device, "resumed": resumed,
-               "params": num_parameters(drafter), "settings": settings, "train_vocab_size": args.train_vocab_size,
+    run = {**settings, "block_size": args.block_size, "max_len": args.max_len, "lr": args.lr, "seed": args.seed}
+    summary = {"target": args.target, "settings": run, "drafter": str(out / "drafter"), "device": device, "resumed": resumed,
+               "params": num_parameters(drafter), "train_vocab_size": args.train_vocab_size,
                "cache_features": args.cache_features, "data": data.info, "final": final}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -129,7 +129,8 @@ class Trainer:
             2502.14856), at N/V of the LM-head cost; labels outside it are left out of the loss
             and counted as misses in the per-slot accuracy.
     Raises:
-        ValueError: draft_vocab not 1-D, with repeated ids or ids outside [0, target vocab); no
+        ValueError: token ids of `data` outside [0, target vocab) (data made for another target);
+            draft_vocab not 1-D, with repeated ids or ids outside [0, target vocab); no
             response token left to anchor a block once sequences are cut to cfg.max_len (every
             prompt that long: training would only log a loss of 0); a `features` cache built for
             other layer ids, another max_len or another dataset size.
@@ -156,6 +157,11 @@ class Trainer:
         dcfg = self.drafter.config
         self.block_size = dcfg.block_size
         self.weights = slot_weights(self.block_size, self.cfg.gamma or default_gamma(self.block_size), self.device)
+        ids, vocab = self.data.token_id_range(), self.target.vocab_size
+        if ids is not None and not (0 <= ids[0] and ids[1] < vocab):
+            raise ValueError(f"the training data holds token ids {ids[0]}..{ids[1]}, outside the target's vocabulary "
+                             f"[0, {vocab}): it was made for another target (recorded: "
+                             f"{self.data.info.get('target', 'none')!r}); generate the data with this target")
         if self.data.num_anchor_positions(self.cfg.max_len) == 0:
             raise ValueError(
                 f"max_len (--max-len) {self.cfg.max_len} keeps no response token to train on in any of the "

@@ -162,11 +162,12 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
     _refused(capsys, ["eval-drafter", "--target", "nope"], "unknown model 'nope'")
     out = tmp_path / "train"
     for flags, expected in [
-        (["--block-size", "1"], "block_size must be >= 2"),
-        (["--mask-token-id", "96"], "mask_token_id 96 is outside [0, vocab_size=96)"),
-        (["--num-feature-layers", "9"], "cannot pick 9 distinct feature layers below the last of 4"),
-        (["--lr", "0"], "lr must be > 0"),
-        (["--steps", "0"], "steps must be an integer >= 1, got 0"),
+        (["--block-size", "1"], "--block-size must be an integer >= 2, got 1"),
+        (["--mask-token-id", "96"], "--mask-token-id must be in [0, 96) (this target's vocabulary), got 96"),
+        (["--num-feature-layers", "9"], "--num-feature-layers must be at most 3 (distinct layers below the last of "
+                                        "this target's 4), got 9"),
+        (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+        (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
         (["--sampled-fraction", "1.5"], "--sampled-fraction must be in [0, 1], got 1.5"),
         (["--device", "tpu"], "device (--device) must be one of"),
     ]:

@@ -97,6 +97,16 @@ def test_max_len_that_keeps_no_response_token_is_refused(tiny, tmp_path):
     _trainer(tiny, tmp_path, 2, max_len=shortest + 2)  # one anchor and its label fit: accepted
 
 
+def test_data_with_ids_outside_the_targets_vocabulary_is_refused(tiny, tmp_path):
+    from blockdraft.training.dataset import TokenDataset
+
+    vocab = tiny[0].config.vocab_size
+    data = TokenDataset.from_pairs([([1, 2, 3], [4, vocab, 5, 6])], [False], {"target": "bigger"})
+    with pytest.raises(ValueError, match=rf"token ids 1..{vocab}, outside the target's vocabulary \[0, {vocab}\): it "
+                                         rf"was made for another target \(recorded: 'bigger'\)"):
+        _trainer((tiny[0], data), tmp_path, 2)
+
+
 def test_resuming_with_other_settings_is_refused_naming_them(tiny, tmp_path):
     first = _trainer(tiny, tmp_path, steps=6)
     first.fit(progress=False, until=2)

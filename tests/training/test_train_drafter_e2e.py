@@ -98,6 +98,9 @@ def test_synth_prompts_adds_requests_the_target_wrote(tmp_path, capsys):
     assert synth["sampled"] == 8 and synth["unfinished"] + synth["input"] == 8
     assert synth["encoded"] >= 1  # SmolLM2 ends most of its short requests within 64 tokens
     assert summary["data"]["num_sequences"] == 3 + synth["encoded"]
+    assert summary["settings"]["synth_prompts"] == 8 and summary["settings"]["sampled_fraction"] == 0.25
+    assert synth["encoded"] + synth["over_max_prompt_tokens"] == synth["kept"]  # dropped for length: counted
+    assert summary["data"]["prompt_stats"]["used"] == 3
 
 
 def test_synth_prompts_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch):

@@ -1,0 +1,67 @@
+"""SamplingParams fields changed after construction are checked again when the engine takes the
+request, and sampling_params of another type (a dict) is refused with a TypeError that says how."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockdraft.sampling_params import SamplingParams
+from tests.conftest import make_llm
+
+PROMPT = [[1, 2, 3]]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_target):
+    return make_llm(llama_target)
+
+
+def _set(**fields):
+    def change(p):
+        for name, value in fields.items():
+            setattr(p, name, value)
+    return change
+
+
+@pytest.mark.parametrize("change, match", [
+    (_set(detokenize=False, stop=["x"]), r"stop strings \['x'\] need the output text"),
+    (_set(max_tokens=0), r"max_tokens \(--max-tokens\) must be an integer >= 1, got 0"),
+    (_set(temperature=-1), r"temperature \(--temperature\) must be a finite number >= 0, got -1"),
+    (_set(top_p=2.0), r"top_p \(--top-p\) must be in \(0, 1\], got 2.0"),
+    (_set(stop_token_ids=[-3]), r"stop_token_ids entry must be an integer >= 0, got -3"),
+    (_set(stop=5), r"stop must be a list \(or None\), got 5"),
+])
+def test_fields_changed_after_construction_are_checked_when_the_request_is_added(llm, change, match):
+    p = SamplingParams(max_tokens=4)
+    change(p)
+    with pytest.raises(ValueError, match=match):
+        llm.generate(PROMPT * 2, [SamplingParams(max_tokens=4), p])  # the good first one is not queued either
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match=match):
+        llm.engine.add_request("mutated", PROMPT[0], p)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_seed_set_after_construction_is_the_one_used(llm):
+    late = SamplingParams(max_tokens=8, temperature=1.0)
+    late.seed = 7
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    assert llm.generate(PROMPT, late)[0].token_ids == llm.generate(PROMPT, seeded)[0].token_ids
+    late.stop = "w01x"  # a string set later is one stop string, as at construction
+    llm.generate(PROMPT, late)
+    assert late.stop == ["w01x"]
+
+
+@pytest.mark.parametrize("given, match", [
+    ({"max_tokens": 3}, r"got dict \{'max_tokens': 3\}: build one with SamplingParams\(\*\*params\)"),
+    ({}, r"got dict \{\}: build one with SamplingParams\(\*\*params\)"),
+    ([SamplingParams(), {"max_tokens": 3}], r"got dict \{'max_tokens': 3\} \(item 1 of the list\)"),
+    (3, r"got int 3$"),
+])
+def test_sampling_params_of_another_type_is_a_type_error(llm, given, match):
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams or a list of them \(one per "
+                                        r"prompt\), " + match):
+        llm.generate(PROMPT * 2, given)
+    with pytest.raises(TypeError, match=r"sampling params must be a SamplingParams, got dict"):
+        llm.engine.add_request("dict", PROMPT[0], {"max_tokens": 3})
+    assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,140 @@
+"""`blockdraft train-drafter` refuses bad flags, mismatched data and too-short prompt limits with
+messages that name the flag (as the user spells it), the value and what to do."""
+
+import pytest
+
+import blockdraft.llm
+from blockdraft.cli import main
+from tests.training.test_train_drafter_e2e import NAME, _cached
+
+pytestmark = [] if _cached() else [pytest.mark.slow]
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fails the test if the target's weights load (every check here comes before them)."""
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+
+
+def _error(capsys, *flags) -> str:
+    assert main(["train-drafter", "--target", NAME, "--tiny", *flags]) == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1, got 0"),
+    (["--num-anchors", "0"], "--num-anchors must be an integer >= 1, got 0"),
+    (["--log-every", "0"], "--log-every must be an integer >= 1, got 0"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--block-size", "1"], "--block-size must be an integer >= 2, got 1"),
+    (["--max-len", "1"], "--max-len must be an integer >= 2, got 1"),
+    (["--ckpt-every", "-1"], "--ckpt-every must be an integer >= 0, got -1"),
+    (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--mask-token-id", "49152"], "--mask-token-id must be in [0, 49152) (this target's vocabulary), got 49152"),
+    (["--num-feature-layers", "30"], "--num-feature-layers must be at most 29 (distinct layers below the last of "
+                                     "this target's 30), got 30"),
+])
+def test_bad_values_name_the_flag(flags, message, tmp_path, capsys, no_weights):
+    err = _error(capsys, "--out", str(tmp_path), *flags)
+    assert message in err
+    assert "dflash_config" not in err and "batch_size" not in err
+
+
+class _Loading(Exception):
+    """Raised where the target's weights would load: every check before it passed."""
+
+
+def _dataset(folder, info, ids=(1, 2, 3, 4, 5)):
+    from blockdraft.training.dataset import TokenDataset
+
+    TokenDataset.from_pairs([(list(ids[:2]), list(ids[2:]))] * 2, [False, True], info).save(folder)
+
+
+def _settings(**changes):
+    from blockdraft.training.pipeline import DATA_SETTINGS, TINY
+
+    return {**{k: TINY[k] for k in DATA_SETTINGS}, **changes}
+
+
+def _made_here(folder, **changes):
+    """A dataset as `train-drafter --tiny` with `changes` records it for SmolLM2."""
+    _dataset(folder, {"target": NAME, "vocab_size": 49152, "settings": _settings(**changes)})
+
+
+def test_data_made_for_another_target_is_refused_before_an_index_error(tmp_path, capsys, no_weights):
+    data = tmp_path / "qwen-data"
+    _dataset(data, {"target": "qwen2.5-coder-0.5b-instruct", "vocab_size": 151936}, ids=(151644, 872, 151643, 9, 151645))
+    err = _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data))
+    assert (f"the dataset in {data} was made with target 'qwen2.5-coder-0.5b-instruct', vocab size 151936, token ids "
+            f"9..151645; this run asks for target '{NAME}', vocab size 49152, token ids in [0, 49152)") in err
+    assert f"use a new --out (or another --data folder), or remove {data} to generate it again" in err
+    assert not (tmp_path / "run").exists()
+    _dataset(tmp_path / "bare", {}, ids=(1, 2, 60000, 3, 4))  # nothing recorded: the ids alone are checked
+    assert "was made with token ids 1..60000; this run asks for token ids in [0, 49152)" in _error(
+        capsys, "--out", str(tmp_path / "run"), "--data", str(tmp_path / "bare"))
+
+
+def test_data_settings_that_differ_from_the_runs_own_data_are_refused(tmp_path, capsys, no_weights):
+    _made_here(tmp_path / "data")
+    err = _error(capsys, "--out", str(tmp_path), "--synth-prompts", "8")  # was silently ignored
+    assert (f"the dataset in {tmp_path / 'data'} was made with --synth-prompts 0; this run asks for --synth-prompts 8. "
+            f"A dataset is reused only for the same target and data settings: use a new --out, or remove "
+            f"{tmp_path / 'data'} to generate it again") in err
+    assert main(["train-drafter", "--target", NAME, "--out", str(tmp_path)]) == 2  # the defaults, not --tiny's
+    assert "--num-prompts 8, --max-prompt-tokens 128, --max-new-tokens 16; this run asks for --num-prompts 2000, " \
+           "--max-prompt-tokens 512, --max-new-tokens 256" in capsys.readouterr().err
+
+
+def test_the_same_runs_data_is_reused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    _made_here(tmp_path / "data", num_prompts=4)
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--num-prompts", "4",
+              "--steps", "9", "--lr", "1e-3"])  # training settings may change
+    assert (f"train-drafter: reusing the 2 sequences in {tmp_path / 'data'} (target '{NAME}', num_prompts=4, "
+            f"max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, sampled_fraction=0.25)") in capsys.readouterr().err
+
+
+def test_a_data_folder_keeps_its_settings_unless_a_flag_asks_for_others(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    data = tmp_path / "shared"
+    _made_here(data, num_prompts=4, max_new_tokens=8)
+    with pytest.raises(_Loading):  # --tiny's presets (8 prompts, 16 new tokens) are not asked for explicitly
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "run"), "--data", str(data)])
+    assert f"reusing the 2 sequences in {data}" in capsys.readouterr().err
+    assert (f"was made with --max-new-tokens 8; this run asks for --max-new-tokens 32. A dataset is reused only for "
+            f"the same target and data settings: use a new --out (or another --data folder), or remove {data}") in \
+        _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data), "--max-new-tokens", "32")
+
+
+def test_a_max_prompt_tokens_that_keeps_no_prompt_is_named(tmp_path, capsys, no_weights):
+    import re
+
+    err = _error(capsys, "--out", str(tmp_path), "--max-prompt-tokens", "8")  # was "no prompts given"
+    assert re.search(r"--max-prompt-tokens 8 drops all 16 prompts: each is longer once chat-encoded \(the shortest "
+                     r"has \d\d+ tokens\); raise --max-prompt-tokens", err), err
+
+
+def test_prompts_dropped_for_length_are_counted():
+    from argparse import Namespace
+
+    from blockdraft.preflight import read_target_config
+    from blockdraft.training import corpora
+    from blockdraft.training.generate import encode_prompts
+    from blockdraft.training.pipeline import select_training_prompts
+    from blockdraft.training.prompts import select_prompts
+    from blockdraft.weights.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(read_target_config(NAME, None)[0])
+    n, limit = 8, 128
+    args, settings = Namespace(cache_dir=None, seed=0), {"num_prompts": n, "max_prompt_tokens": limit}
+    prompts, stats, _ = select_training_prompts(tokenizer, settings, args)
+    texts = select_prompts(corpora.sharegpt_first_turns(None), corpora.all_eval_texts(None), 2 * n, seed=0)[0]
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, texts, 10**9)[0]]
+    short = [i for i, length in enumerate(lengths) if length <= limit]
+    read = short[n - 1] + 1  # texts read until n were kept
+    assert read > n  # some of them are too long
+    assert stats["over_max_prompt_tokens"] == read - n and stats["used"] == len(prompts) == n
+    assert prompts == [encode_prompts(tokenizer, [texts[i]], limit)[0][0] for i in short[:n]]
