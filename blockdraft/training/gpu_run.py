@@ -192,7 +192,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
     features, train_data = None, data
     specs = json.loads(args.drafters)
     cfg = TrainConfig(steps=10**9, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors,
-                      lr=args.lr, warmup_frac=args.warmup_frac, seed=args.seed, log_every=25, ckpt_every=0)
+                      lr=args.lr, warmup_frac=args.warmup_frac, seed=args.seed, log_every=25, ckpt_every=args.ckpt_every)
     trainers = {}
     for spec in specs:
         d = new_drafter(target_cfg, spec["num_layers"], args.block_size, spec.get("intermediate_size"),
@@ -382,6 +382,8 @@ def main(argv=None) -> int:
     r.add_argument("--eval-sequences", default=None, help="reuse eval_sequences.safetensors of an earlier run")
     r.add_argument("--warmup-frac", type=float, default=0.04)
     r.add_argument("--cache-features", action="store_true", help="compute the target features once (FeatureCache)")
+    r.add_argument("--ckpt-every", type=int, default=0,
+                   help="steps between checkpoints (0: at the end only); a lent GPU can be taken back mid-run")
     r.add_argument("--cache-reserve-gib", type=float, default=64.0,
                    help="GPU memory (GiB) kept free for training beside the feature cache; data beyond what "
                         "fits is left out (a seeded random part is kept)")

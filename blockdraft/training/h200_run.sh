@@ -144,7 +144,7 @@ train_fast() {
   local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
       --drafters '$drafters' --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
       --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE \
-      --train-seconds $TRAIN --lr $LR --seed $SEED --eval-sequences $W/eval_sequences.safetensors"
+      --ckpt-every 500 --train-seconds $TRAIN --lr $LR --seed $SEED --eval-sequences $W/eval_sequences.safetensors"
   # The GGUF is converted once, before the GPU tests and the engine (gpu_run --gen-engine) read it.
   # If the engine-answered run fails, the same run with transformers generate follows.
   setsid nohup bash -c "
@@ -187,6 +187,39 @@ packdata() {
   local W=$1 OUT=$2 SHARD=$3
   mkdir -p "$OUT"
   tar czf - -C "$W/qwen" "data/data-0000$SHARD.safetensors" | split -b 16000000 -d -a 1 - "$OUT/data.tgz."
+  ls -la "$OUT"
+}
+
+# Session 7: the device was given back twice mid-run (a keep-alive call came > 30 s late) and
+# everything on it was lost. Each keep-alive call now also runs `snapshot WORK OUT`, which returns
+# whatever is new since its last call: the log, then the new data shard once answered, then the
+# latest checkpoint's weights (bf16, z-lab names; fp32 master weights only at the end, by pack6),
+# at most 7 files of <= 16 MB a call. Reassemble locally with `cat X.* > X`.
+snapshot() {
+  local W=$1 OUT=$2 SENT=/tmp/snapshot-sent
+  mkdir -p "$OUT" "$SENT"
+  tail -c 20000 "$W/resume.log" > "$OUT/resume-tail.log" 2>/dev/null
+  local shard
+  shard=$(ls "$W"/qwen/data/data-*.safetensors 2>/dev/null | tail -1)
+  if [ -n "$shard" ] && [ ! -e "$SENT/$(basename "$shard")" ] && grep -q "^\[.*\] data:" "$W/resume.log"; then
+    tar czf - -C "$W/qwen" "data/$(basename "$shard")" | split -b 16000000 -d -a 1 - "$OUT/data.tgz."
+    touch "$SENT/$(basename "$shard")"
+    ls -la "$OUT"; return
+  fi
+  local ck
+  for ck in "$W"/qwen/*/checkpoint/drafter.safetensors; do
+    [ -f "$ck" ] || continue
+    local stamp="$SENT/ckpt-$(stat -c %Y "$ck")"
+    [ -e "$stamp" ] && continue
+    python3 -c "
+import sys, torch
+from safetensors.torch import load_file, save_file
+save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(sys.argv[1]).items()}, sys.argv[2], metadata={'format': 'pt'})
+" "$ck" /tmp/snapshot-bf16.safetensors && split -b 16000000 -d -a 1 /tmp/snapshot-bf16.safetensors "$OUT/ckpt-bf16." &&
+      cp "$(dirname "$ck")/state.json" "$OUT/ckpt-state.json" 2>/dev/null
+    touch "$stamp"
+    break
+  done
   ls -la "$OUT"
 }
 
