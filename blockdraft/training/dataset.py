@@ -64,6 +64,15 @@ class TokenDataset:
             return None
         return int(self.input_ids.min()), int(self.input_ids.max())
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raises ValueError when a token id lies outside [0, vocab_size): data made for another
+        target (the message names the ids found and the recorded target)."""
+        ids = self.token_id_range()
+        if ids is not None and not (0 <= ids[0] and ids[1] < vocab_size):
+            raise ValueError(f"the training data holds token ids {ids[0]}..{ids[1]}, outside the target's vocabulary "
+                             f"[0, {vocab_size}): it was made for another target (recorded: "
+                             f"{self.info.get('target', 'none')!r}); generate the data with this target")
+
     def num_anchor_positions(self, max_len: int) -> int:
         """Response tokens that can anchor a training block once each sequence is cut to `max_len`
         tokens (as `collate` cuts them): a response token followed by at least one kept token."""

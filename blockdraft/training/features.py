@@ -41,10 +41,12 @@ class FeatureCache:
                 target's feature dtype, bf16 for a bf16 target).
         Raises:
             ValueError: the cache does not fit in the free memory of a CUDA `device` (the message
-                gives the bytes needed and free; train without the cache then).
+                gives the bytes needed and free; train without the cache then); token ids outside
+                the target's vocabulary (TokenDataset.check_token_ids).
         """
         from tqdm.auto import tqdm
 
+        data.check_token_ids(target.vocab_size)
         device = torch.device(device)
         lengths = data.lengths().clamp(max=max_len)
         offsets = torch.zeros(len(data) + 1, dtype=torch.int64)

@@ -55,6 +55,9 @@ def check_settings(settings: dict, args) -> None:
     for flag, value, low in (("--block-size", args.block_size, 2), ("--max-len", args.max_len, 2),
                              ("--ckpt-every", args.ckpt_every, 0), ("--seed", args.seed, 0)):
         _check_int(flag, value, low)
+    if args.block_size > MAX_BLOCK_SIZE:
+        raise ValueError(f"--block-size must be <= {MAX_BLOCK_SIZE} (released DFlash drafters use 8-16; each "
+                         f"block costs B query tokens per anchor), got {args.block_size}")
     if isinstance(args.lr, bool) or not isinstance(args.lr, (int, float)) or not 0 < args.lr < math.inf:
         raise ValueError(f"--lr must be a finite number > 0, got {args.lr!r}")
     width = settings["intermediate_size"]
@@ -89,6 +92,9 @@ def check_against_target(settings: dict, args, target) -> None:
     if settings["num_feature_layers"] > most:
         raise ValueError(f"--num-feature-layers must be at most {most} (distinct layers below the last of this "
                          f"target's {target.num_hidden_layers}), got {settings['num_feature_layers']}")
+
+
+MAX_BLOCK_SIZE = 64
 
 
 def _check_int(flag: str, value, low: int) -> None:

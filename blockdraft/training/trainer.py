@@ -157,11 +157,7 @@ class Trainer:
         dcfg = self.drafter.config
         self.block_size = dcfg.block_size
         self.weights = slot_weights(self.block_size, self.cfg.gamma or default_gamma(self.block_size), self.device)
-        ids, vocab = self.data.token_id_range(), self.target.vocab_size
-        if ids is not None and not (0 <= ids[0] and ids[1] < vocab):
-            raise ValueError(f"the training data holds token ids {ids[0]}..{ids[1]}, outside the target's vocabulary "
-                             f"[0, {vocab}): it was made for another target (recorded: "
-                             f"{self.data.info.get('target', 'none')!r}); generate the data with this target")
+        self.data.check_token_ids(self.target.vocab_size)
         if self.data.num_anchor_positions(self.cfg.max_len) == 0:
             raise ValueError(
                 f"max_len (--max-len) {self.cfg.max_len} keeps no response token to train on in any of the "

@@ -87,3 +87,12 @@ def test_the_gpu_run_trains_on_what_fits_beside_the_reserve(monkeypatch):
     assert len(part) == 20 and part.info["num_tokens"] == 200  # 6400 bytes / 32 per token
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**31, 2**34))
     assert gpu_run._cacheable(args, data, hf, (1, 2), 1024) is data
+
+
+def test_the_feature_cache_refuses_data_made_for_another_target(tiny):
+    from blockdraft.training.features import FeatureCache
+
+    target = EngineTarget(tiny[0].model, kv_block_size=4)
+    data = TokenDataset.from_pairs([([1, 2], [3, target.vocab_size])], [False], {"target": "other"})
+    with pytest.raises(ValueError, match=rf"token ids 1..{target.vocab_size}, outside .* \(recorded: 'other'\)"):
+        FeatureCache.build(target, data, (0,), 16, "cpu")

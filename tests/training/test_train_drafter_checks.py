@@ -29,6 +29,7 @@ def _error(capsys, *flags) -> str:
     (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["--block-size", "1"], "--block-size must be an integer >= 2, got 1"),
+    (["--block-size", "100000"], "--block-size must be <= 64 (released DFlash drafters use 8-16"),
     (["--max-len", "1"], "--max-len must be an integer >= 2, got 1"),
     (["--ckpt-every", "-1"], "--ckpt-every must be an integer >= 0, got -1"),
     (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
