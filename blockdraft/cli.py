@@ -158,7 +158,13 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
         key = name.replace("-", "_")
         t.add_argument(f"--{name}", type=int, default=None,
                        help=f"{text} (default {DEFAULTS[key]}; --tiny: {TINY[key]})".replace("default None; ", ""))
-    t.add_argument("--block-size", type=int, default=16, help="B = 1 anchor + B-1 drafts (default 16)")
+    t.add_argument("--block-size", type=int, default=None,
+                   help="B = 1 anchor + B-1 drafts (default 16, or the --init-from drafter's)")
+    t.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="start from this drafter instead of random weights: a DFlash folder (config.json + "
+                        "*.safetensors) or 'shipped' (the one shipped for --target); its shape (MLP width, "
+                        "feature layers, block size, mask token) is kept, --num-layers may add layers, which "
+                        "start as identity (zero output projections) so training starts from its acceptance")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="id fed in the draft slots (default: an unused id of the target's vocabulary)")
     t.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence (default 1024)")

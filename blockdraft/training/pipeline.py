@@ -17,6 +17,7 @@ kept across runs).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
@@ -95,6 +96,42 @@ def check_against_target(settings: dict, args, target) -> None:
 
 
 MAX_BLOCK_SIZE = 64
+
+
+def apply_init_shape(args, settings: dict):
+    """--init-from: the drafter to start from, as (folder, DFlashConfig), or None without it.
+
+    Its shape fills the shape flags left out (`settings` num_layers / intermediate_size /
+    num_feature_layers, `args.block_size` / `args.mask_token_id`, both updated in place); a deeper
+    --num-layers grows it (training.build.init_from). Reads its config.json only, no weights.
+    Raises:
+        ValueError: a shape flag given with another value than the drafter's, or --num-layers
+            below its depth (names the flag, both values and the folder); 'shipped' for a target
+            with none; FileNotFoundError: no drafter folder there.
+    """
+    if not getattr(args, "init_from", None):
+        return None
+    from blockdraft.drafters import SHIPPED, resolve_draft
+    from blockdraft.spec.dflash.checkpoint import read_drafter_config
+
+    folder = Path(resolve_draft(SHIPPED, args.target, cache_dir=args.cache_dir) if args.init_from == SHIPPED
+                  else args.init_from)
+    config = read_drafter_config(folder)
+    kept = {"--intermediate-size": (args.intermediate_size, config.intermediate_size),
+            "--num-feature-layers": (args.num_feature_layers, len(config.target_layer_ids)),
+            "--block-size": (args.block_size, config.block_size),
+            "--mask-token-id": (args.mask_token_id, config.mask_token_id)}
+    for flag, (given, own) in kept.items():
+        if given is not None and given != own:
+            raise ValueError(f"{flag} {given} differs from the --init-from drafter's {own} ({folder}): "
+                             f"leave {flag} out (its value is kept) or start from random weights")
+    if args.num_layers is not None and args.num_layers < config.num_hidden_layers:
+        raise ValueError(f"--num-layers {args.num_layers} is below the --init-from drafter's {config.num_hidden_layers} "
+                         f"layers ({folder}): a drafter can be grown, not cut")
+    settings.update(num_layers=args.num_layers or config.num_hidden_layers, intermediate_size=config.intermediate_size,
+                    num_feature_layers=len(config.target_layer_ids))
+    args.block_size, args.mask_token_id = config.block_size, config.mask_token_id
+    return folder, config
 
 
 def _check_int(flag: str, value, low: int) -> None:
@@ -211,15 +248,20 @@ def train_drafter(args) -> dict:
 
     from blockdraft.llm import eos_token_ids, load_target
     from blockdraft.preflight import check_dtype, read_target_config, resolve_device
-    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter
+    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter, load_drafter
+    from blockdraft.spec.dflash.config import DEFAULT_BLOCK_SIZE
     from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
-    from blockdraft.training.build import new_drafter, num_parameters
+    from blockdraft.training.build import init_from, new_drafter, num_parameters
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import EngineTarget
     from blockdraft.training.trainer import TrainConfig, Trainer
     from blockdraft.weights.loader import load_tokenizer
 
     settings = resolve_settings(args)
+    args = argparse.Namespace(**vars(args))  # the shape flags --init-from fills in stay the caller's
+    init = apply_init_shape(args, settings)
+    if args.block_size is None:
+        args.block_size = DEFAULT_BLOCK_SIZE
     # Every setting is checked before the target's weights load and the dataset is generated
     # (minutes to hours): the values, then the drafter's shape against the target's config.json.
     check_settings(settings, args)
@@ -233,7 +275,11 @@ def train_drafter(args) -> dict:
     check_against_target(settings, args, target_config)
     drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
-                          seed=args.seed, device=device)
+                          target_layer_ids=init[1].target_layer_ids if init else None, seed=args.seed, device=device)
+    grown = None
+    if init:  # weights after every check: the init drafter must fit this target too
+        grown = init_from(drafter, {k: v.float() for k, v in load_drafter(init[0], target_config, torch.float32)
+                                    .state_dict().items()})
     out = Path(args.out)
     folder = Path(args.data) if args.data else out / "data"
     data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size)
@@ -264,7 +310,8 @@ def train_drafter(args) -> dict:
     run = {**settings, "block_size": args.block_size, "max_len": args.max_len, "lr": args.lr, "seed": args.seed}
     summary = {"target": args.target, "settings": run, "drafter": str(out / "drafter"), "device": device, "resumed": resumed,
                "params": num_parameters(drafter), "train_vocab_size": args.train_vocab_size,
-               "cache_features": args.cache_features, "data": data.info, "final": final}
+               "cache_features": args.cache_features, "data": data.info, "final": final,
+               "init_from": str(init[0]) if init else None, "new_layers": grown}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

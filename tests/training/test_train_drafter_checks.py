@@ -34,6 +34,11 @@ def _error(capsys, *flags) -> str:
     (["--ckpt-every", "-1"], "--ckpt-every must be an integer >= 0, got -1"),
     (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
     (["--mask-token-id", "49152"], "--mask-token-id must be in [0, 49152) (this target's vocabulary), got 49152"),
+    (["--init-from", "shipped", "--intermediate-size", "256"],
+     "--intermediate-size 256 differs from the --init-from drafter's 1536"),
+    (["--init-from", "shipped", "--block-size", "8"], "--block-size 8 differs from the --init-from drafter's 16"),
+    (["--init-from", "shipped", "--num-layers", "2"], "--num-layers 2 is below the --init-from drafter's 3 layers"),
+    (["--init-from", "/nonexistent/drafter"], "drafter folder '/nonexistent/drafter' does not exist"),
     (["--num-feature-layers", "30"], "--num-feature-layers must be at most 29 (distinct layers below the last of "
                                      "this target's 30), got 30"),
 ])

@@ -122,3 +122,20 @@ def test_train_drafter_trains_through_an_untied_lm_head_on_the_cpu(tmp_path, cap
     summary = json.loads(capsys.readouterr().out)
     assert summary["final"]["step"] == 2 and summary["data"]["num_sequences"] == 2
     assert (tmp_path / "q" / "drafter" / "model.safetensors").is_file()
+
+
+def test_init_from_a_trained_drafter_grows_it_and_keeps_its_shape(tmp_path, capsys):
+    first = tmp_path / "first"
+    common = ["train-drafter", "--target", NAME, "--tiny", "--num-prompts", "4", "--max-new-tokens", "8"]
+    assert main([*common, "--out", str(first), "--steps", "2", "--intermediate-size", "64"]) == 0
+    capsys.readouterr()
+    grown = tmp_path / "grown"
+    assert main([*common, "--out", str(grown), "--data", str(first / "data"), "--steps", "2",
+                 "--init-from", str(first / "drafter"), "--num-layers", "3", "--no-resume"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["init_from"] == str(first / "drafter") and summary["new_layers"] == [1, 2]
+    assert summary["settings"]["intermediate_size"] == 64 and summary["settings"]["num_layers"] == 3
+    target = load_target(NAME, "float32")
+    small, big = load_drafter(first / "drafter", target.config), load_drafter(grown / "drafter", target.config)
+    assert big.config.target_layer_ids == small.config.target_layer_ids and big.config.mask_token_id == small.config.mask_token_id
+    assert big.config.num_hidden_layers == 3
