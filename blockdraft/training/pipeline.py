@@ -35,6 +35,7 @@ DEFAULTS = dict(num_prompts=2000, max_prompt_tokens=512, max_new_tokens=256, syn
 # The settings that shape the dataset (recorded in its info["settings"]); the training ones may change on reuse.
 DATA_SETTINGS = ("num_prompts", "max_prompt_tokens", "max_new_tokens", "synth_prompts", "sampled_fraction")
 
+MAX_BLOCK_SIZE = 64  # released DFlash drafters use 8-16; a block costs B query tokens per anchor
 MAX_SYNTH_PROMPTS = 1_000_000  # far above any useful run; beyond it the request list alone exhausts memory
 
 
@@ -93,9 +94,6 @@ def check_against_target(settings: dict, args, target) -> None:
     if settings["num_feature_layers"] > most:
         raise ValueError(f"--num-feature-layers must be at most {most} (distinct layers below the last of this "
                          f"target's {target.num_hidden_layers}), got {settings['num_feature_layers']}")
-
-
-MAX_BLOCK_SIZE = 64
 
 
 def apply_init_shape(args, settings: dict):
