@@ -16,8 +16,17 @@ def main(argv: list[str] | None = None) -> int:
         _set_threads(getattr(args, "threads", None))
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        from blockdraft.errors import flag_message
+
+        # The checks word their messages for the Python API; here the value came from a flag: name it.
+        print(f"error: {flag_message(e, _command(parser, args.command)._option_string_actions)}", file=sys.stderr)
         return 2
+
+
+def _command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The subcommand parser `name` of `parser`."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from blockdraft.errors import param_error
+
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -126,11 +128,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.kv_block_size < 1:
-            raise ValueError(f"kv_block_size (--kv-block-size) must be >= 1, got {self.kv_block_size}")
+            raise param_error("kv_block_size", f"kv_block_size must be >= 1, got {self.kv_block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks (--num-kv-blocks) must be >= 1, got {self.num_kv_blocks}")
+            raise param_error("num_kv_blocks", f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization (--gpu-memory-utilization) must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise param_error("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
@@ -142,9 +144,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens (--max-num-batched-tokens) must be >= 1, got {self.max_num_batched_tokens}")
+            raise param_error("max_num_batched_tokens", f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs (--max-num-seqs) must be >= 1, got {self.max_num_seqs}")
+            raise param_error("max_num_seqs", f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative method {self.method!r} is not supported; supported: 'dflash'")
         k = self.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"num_speculative_tokens (--num-speculative-tokens) must be an integer >= 1, got {k!r}")
+            raise param_error("num_speculative_tokens", f"num_speculative_tokens must be an integer >= 1, got {k!r}")
 
 
 @dataclass(frozen=True)
@@ -181,4 +183,4 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype (--dtype) must be one of float32, bfloat16, float16; got {self.dtype!r}")
+            raise param_error("dtype", f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")

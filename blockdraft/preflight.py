@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from blockdraft.errors import param_error
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
@@ -36,18 +37,18 @@ def resolve_device(device: str) -> str:
     import torch
 
     if device not in DEVICE_CHOICES:
-        raise ValueError(f"device (--device) must be one of {list(DEVICE_CHOICES)}, got {device!r}")
+        raise param_error("device", f"device must be one of {list(DEVICE_CHOICES)}, got {device!r}")
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for but torch sees no CUDA device (use --device cpu or auto)")
+        raise param_error("device", "device 'cuda' asked for but torch sees no CUDA device (use 'cpu' or 'auto')")
     return device
 
 
 def check_dtype(dtype: str) -> str:
     """Raise ValueError naming `dtype` unless it is one of DTYPE_CHOICES; returns it."""
     if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"dtype (--dtype) must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+        raise param_error("dtype", f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     return dtype
 
 
@@ -67,7 +68,7 @@ def read_target_config(model: str, cache_dir: str | None = None) -> tuple[Path, 
     hf_config = load_hf_config(path)
     if "dflash_config" in hf_config or "DFlashDraftModel" in (hf_config.get("architectures") or []):
         raise ValueError(f"{path} is a DFlash drafter (its config.json has dflash_config), not a target model: "
-                         f"give it as --draft {path}, with --model the target it was trained for")
+                         f"give it as the draft, with the target it was trained for as the model")
     try:
         config = ModelConfig.from_hf_dict(hf_config)
     except KeyError as e:
@@ -155,8 +156,8 @@ def preflight(
         # the drafter's vocabulary is the target's (check_drafter_fits): the range named starts at its minimum
         vocab_n = resolve_draft_vocab_size(draft_vocab_size, draft, drafter_config.vocab_size)
     elif draft_vocab_size not in (None, 0):
-        raise ValueError(f"draft_vocab_size (--draft-vocab-size) {draft_vocab_size!r} needs a drafter; "
-                         "give --draft (or leave it out / 0 for plain decoding)")
+        raise param_error("draft_vocab_size", f"draft_vocab_size {draft_vocab_size!r} needs a drafter; give draft "
+                          "(a drafter folder, 'shipped' or 'auto'), or leave draft_vocab_size out / 0 for plain decoding")
     # 3. The target's config.json, and the drafter against it.
     path = None
     if target_config is None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from blockdraft.errors import param_error
+
 
 @dataclass
 class SamplingParams:
@@ -45,33 +47,36 @@ class SamplingParams:
         """Normalise `stop` / `stop_token_ids` to lists and check every field (raises ValueError)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):
-            if not isinstance(getattr(self, name), (list, tuple, type(None))):
-                raise ValueError(f"{name} must be a list (or None), got {getattr(self, name)!r}")
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise param_error("stop", f"stop must be a string, a list of strings or None, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise param_error("stop_token_ids", f"stop_token_ids must be a list of token ids (integers >= 0) or None, "
+                                                f"got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check_int("max_tokens (--max-tokens)", self.max_tokens, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
-            raise ValueError(f"temperature (--temperature) must be a number >= 0, got {self.temperature!r}")
+            raise param_error("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
         if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature (--temperature) must be a finite number >= 0, got {self.temperature!r}")
+            raise param_error("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p (--top-p) must be in (0, 1], got {self.top_p!r}")
+            raise param_error("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k (--top-k) must be an integer: 0 or -1 (off) or >= 1, got {self.top_k!r}")
+            raise param_error("top_k", f"top_k must be an integer: 0 or -1 (off) or >= 1, got {self.top_k!r}")
         if self.seed is not None:
-            _check_int("seed (--seed)", self.seed, low=0)
+            _check_int("seed", self.seed, low=0)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise param_error("stop", f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            _check_int("stop_token_ids entry", t, low=0)
+            _check_int("stop_token_ids", t, low=0, what="stop_token_ids entry")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
         if not isinstance(self.detokenize, bool):
-            raise ValueError(f"detokenize must be True or False, got {self.detokenize!r}")
+            raise param_error("detokenize", f"detokenize must be True or False, got {self.detokenize!r}")
         if self.stop and not self.detokenize:
-            raise ValueError(f"stop strings {self.stop!r} need the output text: drop them or keep detokenize=True")
+            raise param_error("stop", f"stop strings {self.stop!r} need the output text: drop them or keep "
+                                      f"detokenize=True")
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +89,7 @@ class SamplingParams:
         return self.seed if self.seed is not None else self._resolved_seed
 
 
-def _check_int(name: str, value, low: int) -> None:
+def _check_int(name: str, value, low: int, what: str | None = None) -> None:
+    """Raise a param_error about `name` (worded as `what`, default `name`) unless `value` is an int >= low."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        raise param_error(name, f"{what or name} must be an integer >= {low}, got {value!r}")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockdraft.bench.engines import BenchEngine, Generation
+from blockdraft.errors import param_error
 
 
 def synchronize(device: torch.device) -> None:
@@ -131,7 +132,7 @@ def measure(
         ValueError: max_tokens < 2 (no decode step to time) or repeats < 1.
     """
     if max_tokens < 2:
-        raise ValueError(f"max_tokens (--max-tokens) must be >= 2 so that decode steps exist to time, got {max_tokens}")
+        raise param_error("max_tokens", f"max_tokens must be >= 2 so that decode steps exist to time, got {max_tokens}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     cell = Cell(engine.engine, engine.mode, len(prompts))

@@ -15,6 +15,7 @@ from typing import Callable
 from blockdraft.bench.engines import DFLASH, FORCED, PLAIN
 from blockdraft.bench.measure import Cell, compare_outputs, measure
 from blockdraft.bench.workload import Workload
+from blockdraft.errors import param_error
 
 ENGINE_CHOICES = ("ours", "hf", "zlab")
 
@@ -36,7 +37,7 @@ class Settings:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be integers >= 1, got {list(self.batch_sizes)}")
         if self.max_tokens < 2:
-            raise ValueError(f"max_tokens (--max-tokens) must be >= 2 (prefill + at least one decode step), got {self.max_tokens}")
+            raise param_error("max_tokens", f"max_tokens must be >= 2 (prefill + at least one decode step), got {self.max_tokens}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0, got {self.repeats} and {self.warmup}")
         bad = sorted(set(self.engines) - set(ENGINE_CHOICES))

@@ -117,7 +117,7 @@ def _sampling_params(
             logprobs=logprobs,
         )
     except ValueError as e:
-        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+        raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
 
 def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, index: int) -> int:

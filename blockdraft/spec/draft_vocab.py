@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.errors import param_error
+
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 _FORMAT = "blockdraft-draft-vocab/1"
 
@@ -198,32 +200,31 @@ def check_draft_vocab_size(size, folder: str | Path, vocab_size: int | None = No
         FileNotFoundError: N >= 1 and the folder has no draft_vocab.json (names the folder).
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"draft_vocab_size (--draft-vocab-size) must be an integer >= 0 (0: full vocabulary), "
-                         f"got {size!r}")
+        raise param_error("draft_vocab_size", f"draft_vocab_size must be an integer >= 0 (0: full vocabulary), "
+                                              f"got {size!r}")
     if size == 0:
         return 0
     capacity = draft_vocab_capacity(folder)
-    if capacity is None:
-        raise FileNotFoundError(
-            f"draft_vocab_size {size} needs a ranked draft vocabulary, but drafter folder {folder} has no "
-            f"{DRAFT_VOCAB_FILE}; use 0 (full vocabulary) or rank one (blockdraft.spec.draft_vocab)"
-        )
-    file = Path(folder) / DRAFT_VOCAB_FILE
     low = 1 if vocab_size is None else min_draft_vocab_size(vocab_size)
+    if capacity is None:
+        raise param_error("draft_vocab_size", (
+            f"draft_vocab_size {size} needs a ranked draft vocabulary, but drafter folder {folder} has no "
+            f"{DRAFT_VOCAB_FILE}; use 0 (full vocabulary) or rank one (blockdraft.spec.draft_vocab)"), FileNotFoundError)
+    file = Path(folder) / DRAFT_VOCAB_FILE
     if capacity < low:
-        raise ValueError(f"draft_vocab_size (--draft-vocab-size) {size} cannot be used with {file}: it ranks only "
-                         f"{capacity} ids, fewer than the {low} a target vocabulary of {vocab_size} ids needs at "
-                         f"least; use 0 (full vocabulary) or rank at least {low} ids")
+        raise param_error("draft_vocab_size", f"draft_vocab_size {size} cannot be used with {file}: it ranks only "
+                          f"{capacity} ids, fewer than the {low} a target vocabulary of {vocab_size} ids needs at "
+                          f"least; use 0 (full vocabulary) or rank at least {low} ids")
     if size > capacity:
         target = "" if vocab_size is None else f"a target vocabulary of {vocab_size} ids and "
-        raise ValueError(f"draft_vocab_size (--draft-vocab-size) must be 0 (full vocabulary) or in [{low}, {capacity}] "
-                         f"for {target}{file} ({capacity} ranked ids), got {size}")
+        raise param_error("draft_vocab_size", f"draft_vocab_size must be 0 (full vocabulary) or in [{low}, {capacity}] "
+                          f"for {target}{file} ({capacity} ranked ids), got {size}")
     if size < low:
-        raise ValueError(
-            f"draft_vocab_size (--draft-vocab-size) must be 0 (full vocabulary) or in [{low}, {capacity}] for a "
+        raise param_error("draft_vocab_size", (
+            f"draft_vocab_size must be 0 (full vocabulary) or in [{low}, {capacity}] for a "
             f"target vocabulary of {vocab_size} ids and {Path(folder) / DRAFT_VOCAB_FILE}, got {size}: a draft "
             f"vocabulary under {low} ids saves almost no time over {low} (the head is already a small part of a draft "
-            f"step) and loses the drafts outside it")
+            f"step) and loses the drafts outside it"))
     return size
 
 

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from blockdraft.errors import param_error
+
 
 @dataclass
 class EvalResult:
@@ -82,7 +84,7 @@ def evaluate_drafter(
     from blockdraft.training.corpora import EVAL_DATASET_SIZES, eval_prompts
 
     if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
-        raise ValueError(f"num_prompts (--num-prompts) must be an integer >= 1, got {num_prompts!r}")
+        raise param_error("num_prompts", f"num_prompts must be an integer >= 1, got {num_prompts!r}")
     if dataset in EVAL_DATASET_SIZES:  # before any download or load; an unknown name: eval_prompts says
         _check_num_prompts(num_prompts, dataset, EVAL_DATASET_SIZES[dataset])
     SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)  # checks the values
@@ -123,8 +125,8 @@ def evaluate_drafter(
 def _check_num_prompts(num_prompts: int, dataset: str, available: int) -> None:
     """Raise ValueError naming the range [1, available] when num_prompts > available (never capped)."""
     if num_prompts > available:
-        raise ValueError(f"num_prompts (--num-prompts) must be in [1, {available}] for dataset {dataset!r} "
-                         f"({available} prompts), got {num_prompts}")
+        raise param_error("num_prompts", f"num_prompts must be in [1, {available}] for dataset {dataset!r} "
+                                         f"({available} prompts), got {num_prompts}")
 
 
 def _release_device_memory(device: str) -> None:

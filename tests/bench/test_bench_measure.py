@@ -43,7 +43,7 @@ def test_measure_records_unsupported_and_failing_engines():
     assert (cell.status, cell.reason, cell.runs) == ("n/a", "too many", [])
     cell = measure(_Fake(fail=True), [[1]], 4, 1, 0, CPU)
     assert cell.status == "error" and "RuntimeError: boom" in cell.reason
-    with pytest.raises(ValueError, match=r"max_tokens \(--max-tokens\) must be >= 2"):
+    with pytest.raises(ValueError, match=r"^max_tokens must be >= 2"):
         measure(_Fake(), [[1]], 1, 1, 0, CPU)
 
 
@@ -68,7 +68,7 @@ def test_settings_and_batch_sizes_refuse_bad_values():
     for bad in ("1,x", "0", "1,,2", "-4"):
         with pytest.raises(ValueError, match="--batch-sizes takes positive integers"):
             parse_batch_sizes(bad)
-    with pytest.raises(ValueError, match=r"max_tokens \(--max-tokens\) must be >= 2"):
+    with pytest.raises(ValueError, match=r"^max_tokens must be >= 2"):
         Settings((1,), 1)
     with pytest.raises(ValueError, match="engines must include 'ours'"):
         Settings((1,), 8, engines=("hf",))

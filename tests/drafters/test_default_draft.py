@@ -98,7 +98,7 @@ def test_recorded_k_is_the_default_and_an_explicit_k_wins(tiny, tmp_path):
     assert LLM(model=str(model), draft=str(folder)).speculator.num_speculative_tokens == 3
     assert LLM(model=str(model), draft=str(folder), num_speculative_tokens=5).speculator.num_speculative_tokens == 5
     write_recommended_num_speculative_tokens(folder, 9)  # more than block_size - 1 = 7
-    with pytest.raises(ValueError, match=r"num_speculative_tokens \(--num-speculative-tokens\) must be in \[1, block_size - 1 = 7\]"):
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, block_size - 1 = 7\]"):
         LLM(model=str(model), draft=str(folder))
     (folder / SPECULATIVE_FILE).write_text('{"num_speculative_tokens": 0}')
     with pytest.raises(ValueError, match="speculative.json: num_speculative_tokens must be an integer >= 1, got 0"):

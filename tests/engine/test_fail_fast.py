@@ -75,7 +75,7 @@ def test_generate_and_serve_refuse_a_bad_drafter_before_loading_the_target(tiny,
     no_config.mkdir()
     wide = _drafter_variant(tmp_path, drafter, hidden_size=128)
     cases = [
-        (["--draft", "/nonexistent/drafter"], ["'/nonexistent/drafter' does not exist", "--draft takes"]),
+        (["--draft", "/nonexistent/drafter"], ["'/nonexistent/drafter' does not exist", "draft (--draft) takes a DFlash checkpoint folder"]),
         (["--draft", str(no_config)], [f"no config.json in drafter folder {no_config}"]),
         (["--draft", str(wide)], ["drafter hidden_size 128 != target hidden_size 64"]),
         (["--draft", str(drafter), "--num-speculative-tokens", "8"], ["block_size - 1 = 7", "got 8"]),
@@ -122,19 +122,50 @@ def test_python_api_checks_before_loading(tiny, tmp_path):
         LLM(model=str(model), draft="/nonexistent")
     with pytest.raises(ValueError, match=r"block_size - 1 = 7\] for this drafter, got 99"):
         LLM(model=str(model), draft=str(drafter), num_speculative_tokens=99)
-    with pytest.raises(ValueError, match=r"dtype \(--dtype\) must be one of"):
+    with pytest.raises(ValueError, match=r"^dtype must be one of"):
         LLM(model=str(model), dtype="int4")
-    with pytest.raises(ValueError, match=r"device \(--device\) must be one of"):
+    with pytest.raises(ValueError, match=r"^device must be one of"):
         LLM(model=str(model), device="tpu")
     with pytest.raises(ValueError, match="vocab_size 50 != target vocab_size 96"):
         LLM(model=str(model), draft=str(_drafter_variant(tmp_path, drafter, vocab_size=50, mask_token_id=40)))
     # A recorded K (speculative.json) out of range names the file.
     (Path(drafter) / "speculative.json").write_text('{"num_speculative_tokens": 9}')
     try:
-        with pytest.raises(ValueError, match=r"speculative.json: num_speculative_tokens \(--num-speculative-tokens\) must be in \[1, block_size - 1 = 7\].*--num-speculative-tokens overrides it"):
+        with pytest.raises(ValueError, match=r"speculative.json: num_speculative_tokens must be in \[1, block_size - 1 = 7\].*num_speculative_tokens overrides it"):
             LLM(model=str(model), draft=str(drafter))
     finally:
         (Path(drafter) / "speculative.json").unlink()
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(kv_block_size=0), "kv_block_size must be >= 1, got 0"),
+    (dict(num_kv_blocks=0), "num_kv_blocks must be >= 1, got 0"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1, got 0"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1, got 0"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in (0, 1], got 1.5"),
+    (dict(num_speculative_tokens=0, draft="auto"), "num_speculative_tokens must be an integer >= 1, got 0"),
+    (dict(draft_vocab_size=-1, draft="auto"), "draft_vocab_size must be an integer >= 0"),
+    (dict(draft_vocab_size=8), "draft_vocab_size 8 needs a drafter; give draft"),
+    (dict(dtype="int4"), "dtype must be one of"),
+])
+def test_python_api_errors_name_the_parameter_not_the_flag(tiny, tmp_path, kw, message):
+    model, drafter = tiny
+    kw = {**kw, "draft": str(drafter)} if kw.get("draft") == "auto" else kw  # the tiny model ships none
+    with pytest.raises(ValueError) as info:
+        LLM(model=str(model), **kw)
+    assert str(info.value).startswith(message) and "--" not in str(info.value), str(info.value)
+
+
+def test_flag_is_named_only_where_the_command_has_it():
+    from blockdraft.errors import flag_message, param_error
+
+    error = param_error("max_num_seqs", "max_num_seqs must be >= 1, got 0")
+    assert flag_message(error, {"--max-num-seqs"}) == "max_num_seqs (--max-num-seqs) must be >= 1, got 0"
+    assert flag_message(error, {"--max-tokens"}) == "max_num_seqs must be >= 1, got 0"  # not a flag of this command
+    assert flag_message(ValueError("max_num_seqs must be >= 1"), {"--max-num-seqs"}) == "max_num_seqs must be >= 1"
+    # the first whole-word mention only: not inside another name, not the hint after it
+    error = param_error("seed", "seed_offset and seed must be >= 0; seed 0 is fine")
+    assert flag_message(error, {"--seed"}) == "seed_offset and seed (--seed) must be >= 0; seed 0 is fine"
 
 
 def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
@@ -150,7 +181,7 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
              "--plot '/nonexistent/p.png': folder '/nonexistent' does not exist")
     if not torch.cuda.is_available():
         _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--device", "cuda"],
-                 "device 'cuda' asked for but torch sees no CUDA device")
+                 "device (--device) 'cuda' asked for but torch sees no CUDA device (use 'cpu' or 'auto')")
     _refused(capsys, ["bench", "--model", m, "--draft", "/nonexistent", "--device", "cpu"],
              "'/nonexistent' does not exist")
     _refused(capsys, ["bench", "--model", m, "--draft", str(drafter), "--num-speculative-tokens", "8",
@@ -158,7 +189,8 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
     _refused(capsys, ["bench", "--shape", "tiny", "--num-speculative-tokens", "16", "--device", "cpu"],
              "block_size - 1 = 15", "got 16")
     _refused(capsys, ["bench", "--shape", "tiny", "--block-size", "1", "--device", "cpu"], "block size must be >= 2")
-    _refused(capsys, ["generate", "hi", "--model", str(drafter)], "is a DFlash drafter", f"--draft {drafter}")
+    _refused(capsys, ["generate", "hi", "--model", str(drafter)], "is a DFlash drafter",
+             "give it as the draft, with the target it was trained for as the model")
     _refused(capsys, ["eval-drafter", "--target", "nope"], "unknown model 'nope'")
     out = tmp_path / "train"
     for flags, expected in [
@@ -217,5 +249,5 @@ def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):
     _refused(capsys, ["bench", "--shape", "tiny", "--draft-vocab-size", "999999", "--device", "cpu"],
              "--draft-vocab-size with --shape must be in [0,", "got 999999")
     (ranked / "speculative.json").write_text('{"draft_vocab_size": 12}')
-    with pytest.raises(ValueError, match=r"size 12 recorded in .*speculative.json cannot be used: draft_vocab_size \(--draft-vocab-size\) must be 0 .*\[6, 10\] for a target vocabulary of 96 ids.*got 12"):
+    with pytest.raises(ValueError, match=r"size 12 recorded in .*speculative.json cannot be used: draft_vocab_size must be 0 .*\[6, 10\] for a target vocabulary of 96 ids.*got 12"):
         LLM(model=m, draft=str(ranked))

@@ -25,11 +25,11 @@ def _set(**fields):
 
 @pytest.mark.parametrize("change, match", [
     (_set(detokenize=False, stop=["x"]), r"stop strings \['x'\] need the output text"),
-    (_set(max_tokens=0), r"max_tokens \(--max-tokens\) must be an integer >= 1, got 0"),
-    (_set(temperature=-1), r"temperature \(--temperature\) must be a finite number >= 0, got -1"),
-    (_set(top_p=2.0), r"top_p \(--top-p\) must be in \(0, 1\], got 2.0"),
+    (_set(max_tokens=0), r"^max_tokens must be an integer >= 1, got 0"),
+    (_set(temperature=-1), r"^temperature must be a finite number >= 0, got -1"),
+    (_set(top_p=2.0), r"^top_p must be in \(0, 1\], got 2.0"),
     (_set(stop_token_ids=[-3]), r"stop_token_ids entry must be an integer >= 0, got -3"),
-    (_set(stop=5), r"stop must be a list \(or None\), got 5"),
+    (_set(stop=5), r"^stop must be a string, a list of strings or None, got 5"),
 ])
 def test_fields_changed_after_construction_are_checked_when_the_request_is_added(llm, change, match):
     p = SamplingParams(max_tokens=4)

@@ -151,6 +151,8 @@ def test_every_hostile_request_gets_a_4xx_json_error_and_the_server_keeps_servin
 def test_errors_name_the_field(http):
     r = http.post(C, json=_c(temperature=-1))
     assert r.json()["error"]["param"] == "temperature"
+    r = http.post(C, json=_c(stop=[""]))  # refused by SamplingParams: its parameter, no CLI flag
+    assert r.json()["error"]["param"] == "stop" and "--" not in r.json()["error"]["message"]
     r = http.post(CHAT, json=_chat(messages=[{"role": "user", "content": "w05x"}, {"role": "bot", "content": "w05x"}]))
     assert r.json()["error"]["param"] == "messages[1].role"
 

@@ -165,7 +165,7 @@ def test_resolve_uses_the_recorded_size_and_names_speculative_json(tmp_path):
     assert resolve_draft_vocab_size(None, tmp_path) == 4
     assert resolve_draft_vocab_size(0, tmp_path) == 0 and resolve_draft_vocab_size(6, tmp_path) == 6
     (tmp_path / "speculative.json").write_text(json.dumps({"draft_vocab_size": 60}))
-    with pytest.raises(ValueError, match=r"size 60 recorded in .*speculative.json cannot be used: draft_vocab_size \(--draft-vocab-size\) must be 0 .* \[1, 6\].*got 60.*--draft-vocab-size 0"):
+    with pytest.raises(ValueError, match=r"size 60 recorded in .*speculative.json cannot be used: draft_vocab_size must be 0 .* \[1, 6\].*got 60.*draft_vocab_size 0 scores drafts"):
         resolve_draft_vocab_size(None, tmp_path)
 
 

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from blockdraft.config import ModelConfig
+from blockdraft.errors import param_error
 from blockdraft.spec.dflash.config import DFlashConfig, build_target_layer_ids
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
 
@@ -55,10 +56,8 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
     path = Path(path)
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
-        raise FileNotFoundError(
-            f"drafter folder {str(path)!r} {what}; --draft takes a DFlash checkpoint folder "
-            "(config.json + *.safetensors), 'shipped' or 'auto'"
-        )
+        raise param_error("draft", f"drafter folder {str(path)!r} {what}; draft takes a DFlash checkpoint folder "
+                                   "(config.json + *.safetensors), 'shipped' or 'auto'", FileNotFoundError)
     config_file = path / "config.json"
     if not config_file.is_file():
         nested = path / "drafter"  # train-drafter's --out holds data/, checkpoint/, drafter/
@@ -102,7 +101,8 @@ def resolve_num_speculative_tokens(k: int | None, path: str | Path, config: DFla
     try:
         return config.check_num_speculative_tokens(recorded)
     except ValueError as e:
-        raise ValueError(f"{Path(path) / SPECULATIVE_FILE}: {e} (recorded K; --num-speculative-tokens overrides it)") from e
+        raise param_error("num_speculative_tokens", f"{Path(path) / SPECULATIVE_FILE}: {e} (recorded K; "
+                                                    f"num_speculative_tokens overrides it)") from e
 
 
 def empty_drafter(config: DFlashConfig, dtype: torch.dtype, device) -> DFlashDraftModel:
@@ -165,8 +165,9 @@ def resolve_draft_vocab_size(size: int | None, path: str | Path, vocab_size: int
     try:
         return check_draft_vocab_size(recorded, path, vocab_size)
     except (ValueError, FileNotFoundError) as e:
-        raise type(e)(f"draft vocabulary size {recorded!r} recorded in {Path(path) / SPECULATIVE_FILE} cannot be "
-                      f"used: {e} (--draft-vocab-size 0 scores drafts over the full vocabulary)") from e
+        raise param_error("draft_vocab_size", f"draft vocabulary size {recorded!r} recorded in "
+                          f"{Path(path) / SPECULATIVE_FILE} cannot be used: {e} (draft_vocab_size 0 scores drafts "
+                          f"over the full vocabulary)", type(e)) from e
 
 
 def _read_speculative_json(path: str | Path) -> dict:
@@ -197,7 +198,7 @@ def write_recommended_num_speculative_tokens(path: str | Path, k: int, evidence:
         ValueError: k is not an integer >= 1.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"num_speculative_tokens (--num-speculative-tokens) must be an integer >= 1, got {k!r}")
+        raise param_error("num_speculative_tokens", f"num_speculative_tokens must be an integer >= 1, got {k!r}")
     file = Path(path) / SPECULATIVE_FILE
     file.write_text(json.dumps({"num_speculative_tokens": k, **(evidence or {})}, indent=1) + "\n")
     return file

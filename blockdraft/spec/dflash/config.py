@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from blockdraft.config import ModelConfig
+from blockdraft.errors import param_error
 from blockdraft.layers.rotary import rope_inv_freq
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -298,8 +299,9 @@ class DFlashConfig:
             ValueError: K out of range or not an integer (names K and the range).
         """
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.block_size - 1:
-            raise ValueError(
-                f"num_speculative_tokens (--num-speculative-tokens) must be in [1, block_size - 1 = {self.block_size - 1}] for this drafter, "
+            raise param_error(
+                "num_speculative_tokens",
+                f"num_speculative_tokens must be in [1, block_size - 1 = {self.block_size - 1}] for this drafter, "
                 f"got {k!r}"
             )
         return k
