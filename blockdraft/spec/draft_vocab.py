@@ -197,7 +197,8 @@ def check_draft_vocab_size(size, folder: str | Path, vocab_size: int | None = No
         ValueError: not an integer >= 0, N larger than the ids in the file or below
             min_draft_vocab_size(V) (both name the file and the allowed range [minimum, ids in the
             file]; the second also why), or a file ranking fewer ids than that minimum.
-        FileNotFoundError: N >= 1 and the folder has no draft_vocab.json (names the folder).
+        FileNotFoundError: N >= 1 and the folder has no draft_vocab.json (names the folder, what
+            writes one (train-drafter) and the sizes allowed once it exists).
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise param_error("draft_vocab_size", f"draft_vocab_size must be an integer >= 0 (0: full vocabulary), "
@@ -207,9 +208,14 @@ def check_draft_vocab_size(size, folder: str | Path, vocab_size: int | None = No
     capacity = draft_vocab_capacity(folder)
     low = 1 if vocab_size is None else min_draft_vocab_size(vocab_size)
     if capacity is None:
+        # Said as a user does it: which command writes the file, and the sizes it then allows.
+        least = f"{low}" if vocab_size is not None else f"{MIN_DRAFT_VOCAB_SIZE} (for a vocabulary under 4096 ids: 1/16 of it)"
         raise param_error("draft_vocab_size", (
-            f"draft_vocab_size {size} needs a ranked draft vocabulary, but drafter folder {folder} has no "
-            f"{DRAFT_VOCAB_FILE}; use 0 (full vocabulary) or rank one (blockdraft.spec.draft_vocab)"), FileNotFoundError)
+            f"draft_vocab_size {size} needs the drafter's ranked vocabulary, but drafter folder {folder} has no "
+            f"{DRAFT_VOCAB_FILE}; use 0 (the full vocabulary, no file needed), or a drafter that has one: "
+            f"`blockdraft train-drafter` writes it into OUT/drafter, ranked from the training answers (for a drafter "
+            f"trained elsewhere, scripts/rank_draft_vocab.py shows how to rank one from its training data). With the "
+            f"file, draft_vocab_size must be 0 or at least {least} and at most the ids it ranks"), FileNotFoundError)
     file = Path(folder) / DRAFT_VOCAB_FILE
     if capacity < low:
         raise param_error("draft_vocab_size", f"draft_vocab_size {size} cannot be used with {file}: it ranks only "

@@ -231,7 +231,9 @@ def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):
     # ranked for a larger vocabulary
     save_draft_vocab(foreign, torch.tensor([*range(7), 500]), torch.zeros(8, dtype=torch.long), {"source": "test"})
     cases = [
-        (["--draft", str(drafter), "--draft-vocab-size", "5"], [f"drafter folder {drafter} has no draft_vocab"]),
+        (["--draft", str(drafter), "--draft-vocab-size", "5"], [
+            f"draft_vocab_size (--draft-vocab-size) 5 needs the drafter's ranked vocabulary, but drafter folder "
+            f"{drafter} has no draft_vocab", "`blockdraft train-drafter` writes it", "at least 6 and at most"]),
         (["--draft", str(ranked), "--draft-vocab-size", "11"], ["in [6, 10] for a target vocabulary of 96 ids", "got 11"]),
         (["--draft", str(ranked), "--draft-vocab-size", "-1"], ["integer >= 0 (0: full vocabulary), got -1"]),
         (["--draft", str(foreign), "--draft-vocab-size", "8"], ["holds token id 500", "vocabulary [0, 96)"]),

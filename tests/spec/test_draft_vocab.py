@@ -97,6 +97,22 @@ def test_size_checks_name_the_file_the_folder_and_the_range(tmp_path):
         load_draft_vocab(tmp_path, 4, vocab_size=8)
 
 
+def test_a_missing_draft_vocab_says_how_to_get_one_and_the_sizes_allowed(tmp_path):
+    # A user's next step (which command writes the file), not an internal module; and the rule.
+    with pytest.raises(FileNotFoundError) as info:
+        check_draft_vocab_size(512, tmp_path, vocab_size=151936)
+    message = str(info.value)
+    assert f"draft_vocab_size 512 needs the drafter's ranked vocabulary, but drafter folder {tmp_path} has no " \
+           f"{DRAFT_VOCAB_FILE}; use 0 (the full vocabulary, no file needed)" in message
+    assert "`blockdraft train-drafter` writes it into OUT/drafter" in message
+    assert "scripts/rank_draft_vocab.py" in message and "blockdraft.spec.draft_vocab" not in message
+    assert message.endswith("draft_vocab_size must be 0 or at least 256 and at most the ids it ranks")
+    with pytest.raises(FileNotFoundError, match=r"at least 6 and at most"):  # a tiny vocabulary: 1/16 of it
+        check_draft_vocab_size(5, tmp_path, vocab_size=96)
+    with pytest.raises(FileNotFoundError, match=r"at least 256 \(for a vocabulary under 4096 ids: 1/16 of it\)"):
+        check_draft_vocab_size(5, tmp_path)
+
+
 def test_sizes_below_the_useful_minimum_are_refused_when_the_vocabulary_is_known(tmp_path):
     """256 ids for real vocabularies (1/16 of a tiny one): smaller slices only lose drafts."""
     from blockdraft.spec.draft_vocab import min_draft_vocab_size
