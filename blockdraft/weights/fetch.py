@@ -315,7 +315,10 @@ def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.Path
     """An HF-format model folder for a catalog name, a local HF folder or a local .gguf file.
 
     Raises:
-        ValueError: none of these; names the value and lists the catalog models.
+        FileNotFoundError: a path (it has a folder separator, starts with ~ or ., or ends in
+            .gguf) that does not exist; names the path.
+        ValueError: a folder without config.json or a file that is not a .gguf (names the path),
+            or a name not in the catalog (names it and lists the catalog models).
     """
     value = str(name_or_path)
     if value in CATALOG:
@@ -325,8 +328,22 @@ def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.Path
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":
         return convert_gguf(path, cache_dir, progress)
-    hint = f" ({value!r} is a folder without config.json)" if path.is_dir() else ""
-    raise ValueError(
-        f"unknown model {value!r}{hint}; expected one of {', '.join(CATALOG)} "
-        f"or a local folder with config.json or a .gguf file"
-    )
+    expected = "a local folder with config.json (HF format) or a .gguf file"
+    if path.is_dir():
+        raise ValueError(f"model folder {value!r} has no config.json; expected {expected}")
+    if path.is_file():
+        raise ValueError(f"model file {value!r} is not a .gguf file; expected {expected}")
+    # A missing path is a missing file, not an unknown name: say so; the catalog is listed for names.
+    if isinstance(name_or_path, os.PathLike) or _looks_like_path(value):
+        what = "file" if value.lower().endswith(".gguf") else "path"
+        hub = value.count("/") == 1 and not value.startswith(("/", ".", "~")) and what == "path"
+        raise FileNotFoundError(
+            f"model {what} {value!r} does not exist; expected {expected}"
+            + ("; Hugging Face Hub ids are not downloaded (`blockdraft fetch --list`: the catalog)" if hub else ""))
+    raise ValueError(f"unknown model {value!r}; catalog models: {', '.join(CATALOG)} (or a path: {expected})")
+
+
+def _looks_like_path(value: str) -> bool:
+    """A model value meant as a path, not a catalog name: it names a folder, ~ or . or ends in .gguf."""
+    return ("/" in value or os.sep in value or value.startswith(("~", "."))
+            or value.lower().endswith(".gguf"))

@@ -191,7 +191,9 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
     _refused(capsys, ["bench", "--shape", "tiny", "--block-size", "1", "--device", "cpu"], "block size must be >= 2")
     _refused(capsys, ["generate", "hi", "--model", str(drafter)], "is a DFlash drafter",
              "give it as the draft, with the target it was trained for as the model")
-    _refused(capsys, ["eval-drafter", "--target", "nope"], "unknown model 'nope'")
+    _refused(capsys, ["eval-drafter", "--target", "nope"], "unknown model 'nope'", f"catalog models: {DEFAULT_MODEL}")
+    _refused(capsys, ["generate", "hi", "--model", "/some/missing/path.gguf"],
+             "error: model file '/some/missing/path.gguf' does not exist")
     out = tmp_path / "train"
     for flags, expected in [
         (["--block-size", "1"], "--block-size must be an integer >= 2, got 1"),

@@ -224,8 +224,28 @@ def test_resolve_local_folder(tmp_path):
 
 
 def test_resolve_folder_without_config_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="without config.json"):
+    with pytest.raises(ValueError, match=f"model folder '{tmp_path}' has no config.json"):
         fetch.resolve_model_path(tmp_path)
+    (tmp_path / "model.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="model file .*model.bin' is not a .gguf file"):
+        fetch.resolve_model_path(tmp_path / "model.bin")
+
+
+@pytest.mark.parametrize("value, what", [("/some/missing/path.gguf", "file"), ("missing.gguf", "file"),
+                                         ("./missing-model", "path"), ("~/no-such-folder-w05x", "path")])
+def test_a_missing_path_is_named_as_missing_not_as_an_unknown_model(value, what):
+    # Was "unknown model '/some/missing/path.gguf'; expected one of <catalog>".
+    with pytest.raises(FileNotFoundError) as info:
+        fetch.resolve_model_path(value)
+    msg = str(info.value)
+    assert msg.startswith(f"model {what} {value!r} does not exist; expected a local folder with config.json")
+    assert "unknown model" not in msg and catalog.DEFAULT_MODEL not in msg  # the catalog is for names
+
+
+def test_a_hub_id_is_named_as_a_missing_path_with_a_hint():
+    with pytest.raises(FileNotFoundError, match=r"model path 'Qwen/Qwen3-8B' does not exist.*Hugging Face Hub ids "
+                                                r"are not downloaded \(`blockdraft fetch --list`: the catalog\)"):
+        fetch.resolve_model_path("Qwen/Qwen3-8B")
 
 
 def test_resolve_local_gguf_converts_once(fake, tmp_path):
