@@ -184,11 +184,13 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
 def select_training_prompts(tokenizer, settings: dict, args) -> tuple[list[list[int]], dict, list[str]]:
     """(chat-encoded ShareGPT prompts, their filter stats, the evaluation texts kept out of them).
 
-    The stats count the prompts dropped as longer than --max-prompt-tokens (`over_max_prompt_tokens`)
-    among those read until --num-prompts were kept, and the prompts `used`.
+    Twice --num-prompts ShareGPT prompts are read as candidates, so that those longer than
+    --max-prompt-tokens can be dropped and --num-prompts still kept. The stats count the prompts
+    dropped as longer (`over_max_prompt_tokens`) among those read until --num-prompts were kept,
+    and the prompts `used`; fewer than --num-prompts kept is said on stderr.
     Raises:
-        ValueError: --max-prompt-tokens keeps none of them (names its value, the prompts it dropped
-            and the shortest one's length).
+        ValueError: --max-prompt-tokens keeps none of them (names its value, the candidates read and
+            why there are that many, and the shortest one's length).
     """
     from blockdraft.training import corpora
     from blockdraft.training.generate import encode_prompts
@@ -200,10 +202,19 @@ def select_training_prompts(tokenizer, settings: dict, args) -> tuple[list[list[
     assert_no_eval_overlap(texts, eval_texts)
     limit, wanted = settings["max_prompt_tokens"], settings["num_prompts"]
     prompts, kept = encode_prompts(tokenizer, texts, limit)
+    # The counts name the candidates read (2 x --num-prompts), not only --num-prompts: "drops all 16"
+    # for --num-prompts 8 read as a miscount.
+    read_as = (f"the {len(texts)} ShareGPT prompts read as candidates for --num-prompts {wanted} (up to twice as "
+               f"many, to allow for drops)")
     if texts and not prompts:
         shortest = min(len(ids) for ids in encode_prompts(tokenizer, texts, 10**9)[0])
-        raise ValueError(f"--max-prompt-tokens {limit} drops all {len(texts)} prompts: each is longer once "
-                         f"chat-encoded (the shortest has {shortest} tokens); raise --max-prompt-tokens")
+        raise ValueError(f"--max-prompt-tokens {limit} keeps none of {read_as}: each is longer once chat-encoded "
+                         f"(the shortest has {shortest} tokens); raise --max-prompt-tokens to at least {shortest}")
+    if len(prompts) < wanted:
+        import sys
+
+        print(f"train-drafter: --max-prompt-tokens {limit} keeps {len(prompts)} of {read_as}: the data comes from "
+              f"{len(prompts)} prompts, not {wanted}; raise --max-prompt-tokens for more", file=sys.stderr)
     read = kept[wanted - 1] + 1 if len(kept) >= wanted else len(texts)
     prompts = prompts[:wanted]
     stats.update(over_max_prompt_tokens=read - len(prompts), used=len(prompts))

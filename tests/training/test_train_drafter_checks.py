@@ -119,8 +119,32 @@ def test_a_max_prompt_tokens_that_keeps_no_prompt_is_named(tmp_path, capsys, no_
     import re
 
     err = _error(capsys, "--out", str(tmp_path), "--max-prompt-tokens", "8")  # was "no prompts given"
-    assert re.search(r"--max-prompt-tokens 8 drops all 16 prompts: each is longer once chat-encoded \(the shortest "
-                     r"has \d\d+ tokens\); raise --max-prompt-tokens", err), err
+    # --tiny's 8 prompts, read as 16 candidates: the message says which count is which
+    assert re.search(r"--max-prompt-tokens 8 keeps none of the 16 ShareGPT prompts read as candidates for "
+                     r"--num-prompts 8 \(up to twice as many, to allow for drops\): each is longer once chat-encoded "
+                     r"\(the shortest has (\d\d+) tokens\); raise --max-prompt-tokens to at least \1", err), err
+    assert "drops all 16 prompts" not in err
+
+
+def test_fewer_prompts_than_asked_for_are_said(capsys):
+    from argparse import Namespace
+
+    from blockdraft.preflight import read_target_config
+    from blockdraft.training import corpora
+    from blockdraft.training.generate import encode_prompts
+    from blockdraft.training.pipeline import select_training_prompts
+    from blockdraft.training.prompts import select_prompts
+    from blockdraft.weights.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(read_target_config(NAME, None)[0])
+    texts = select_prompts(corpora.sharegpt_first_turns(None), corpora.all_eval_texts(None), 16, seed=0)[0]
+    limit = min(len(ids) for ids in encode_prompts(tokenizer, texts, 10**9)[0])  # keeps the shortest only (or ties)
+    settings = {"num_prompts": 8, "max_prompt_tokens": limit}
+    prompts, stats, _ = select_training_prompts(tokenizer, settings, Namespace(cache_dir=None, seed=0))
+    assert 1 <= len(prompts) < 8 and stats["used"] == len(prompts)
+    assert (f"train-drafter: --max-prompt-tokens {limit} keeps {len(prompts)} of the 16 ShareGPT prompts read as "
+            f"candidates for --num-prompts 8 (up to twice as many, to allow for drops): the data comes from "
+            f"{len(prompts)} prompts, not 8; raise --max-prompt-tokens for more") in capsys.readouterr().err
 
 
 def test_prompts_dropped_for_length_are_counted():
