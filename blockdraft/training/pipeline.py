@@ -251,8 +251,37 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
     return data
 
 
+def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: int) -> dict | None:
+    """The summary of a run already finished in `out` (its dataset in `data`) with these training
+    settings, None otherwise.
+
+    Finished: its checkpoint reached cfg.steps with the same drafter shape and training settings
+    (resuming it would train nothing) and summary.json was written after the export. Said on stderr
+    with how to train more, as a resumed finished HF Trainer run would: a rerun is not an error, but
+    it must not look as if it trained. Any other checkpoint is left to Trainer.load_checkpoint
+    (resume, or refuse naming the settings that differ).
+    """
+    import sys
+
+    from blockdraft.training.trainer import checkpoint_differences, read_checkpoint_state
+
+    state = read_checkpoint_state(out)
+    summary = out / "summary.json"
+    if (state is None or state["step"] < cfg.steps or not summary.is_file()
+            or state["drafter_config"] != drafter_config.to_hf_dict()
+            or checkpoint_differences(state, cfg, train_vocab_size)):
+        return None
+    print(f"train-drafter: {out} already holds a finished run ({state['step']} of {cfg.steps} steps done; its "
+          f"drafter: {out / 'drafter'}), so there is nothing to train. To train more, start a new run from it: "
+          f"--init-from {out / 'drafter'} --out NEW_FOLDER (with --data {data} to reuse its answers); a larger "
+          f"--steps in this --out is refused (the learning-rate schedule was set for {cfg.steps}), --no-resume "
+          f"trains this --out again from scratch", file=sys.stderr)
+    return json.loads(summary.read_text())
+
+
 def train_drafter(args) -> dict:
-    """The whole command; returns the summary (also written to `out/summary.json`)."""
+    """The whole command; returns the summary (also written to `out/summary.json`), or the recorded
+    one of a run already finished in `out` (finished_run: said on stderr, nothing trained)."""
     import torch
 
     from blockdraft.llm import eos_token_ids, load_target
@@ -285,12 +314,15 @@ def train_drafter(args) -> dict:
     drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
                           target_layer_ids=init[1].target_layer_ids if init else None, seed=args.seed, device=device)
+    out = Path(args.out)
+    folder = Path(args.data) if args.data else out / "data"
+    finished = None if args.no_resume else finished_run(out, folder, cfg, drafter.config, args.train_vocab_size)
+    if finished is not None:
+        return finished
     grown = None
     if init:  # weights after every check: the init drafter must fit this target too
         grown = init_from(drafter, {k: v.float() for k, v in load_drafter(init[0], target_config, torch.float32)
                                     .state_dict().items()})
-    out = Path(args.out)
-    folder = Path(args.data) if args.data else out / "data"
     data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size)
     chosen = None if data is not None else select_training_prompts(load_tokenizer(path), settings, args)
     out.mkdir(parents=True, exist_ok=True)

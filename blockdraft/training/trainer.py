@@ -329,15 +329,12 @@ class Trainer:
         from safetensors.torch import load_file
 
         d = self.ckpt_dir
-        if not (d / "state.json").is_file():
+        state = read_checkpoint_state(self.out_dir)
+        if state is None:
             return False
-        state = json.loads((d / "state.json").read_text())
         if state["drafter_config"] != self.drafter.config.to_hf_dict():
             raise ValueError(f"checkpoint in {d} is for a different drafter config; use another --out")
-        saved = {**state.get("train_config", {}), "train_vocab_size": state.get("train_vocab_size", 0)}
-        asked = {**asdict(self.cfg), "train_vocab_size": self._train_vocab_size()}
-        differ = [f"{k}={saved[k]!r} (now {asked[k]!r})" for k in asked
-                  if k not in ("ckpt_every", "log_every") and k in saved and _as_json(saved[k]) != _as_json(asked[k])]
+        differ = checkpoint_differences(state, self.cfg, self._train_vocab_size())
         if differ:
             raise ValueError(f"checkpoint in {d} was trained with {', '.join(differ)}: resume with the same settings, "
                              f"or start over (train-drafter --no-resume) or in another --out")
@@ -355,6 +352,22 @@ class Trainer:
                 }
         self.step, self.history = int(state["step"]), list(state.get("history", []))
         return True
+
+
+def read_checkpoint_state(out_dir: str | Path) -> dict | None:
+    """`<out_dir>/checkpoint/state.json` (step, train_config, drafter_config, ...), None without one."""
+    file = Path(out_dir) / "checkpoint" / "state.json"
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def checkpoint_differences(state: dict, cfg: TrainConfig, train_vocab_size: int) -> list[str]:
+    """The settings a checkpoint's `state` was trained with that differ from `cfg` / `train_vocab_size`,
+    as "name=saved (now asked)"; every TrainConfig field counts but ckpt_every and log_every (they
+    change neither the batches, anchors, schedule nor loss)."""
+    saved = {**state.get("train_config", {}), "train_vocab_size": state.get("train_vocab_size", 0)}
+    asked = {**asdict(cfg), "train_vocab_size": train_vocab_size}
+    return [f"{k}={saved[k]!r} (now {asked[k]!r})" for k in asked
+            if k not in ("ckpt_every", "log_every") and k in saved and _as_json(saved[k]) != _as_json(asked[k])]
 
 
 def fit_together(

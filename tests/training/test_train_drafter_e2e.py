@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import blockdraft.llm
 from blockdraft.cli import main
 from blockdraft.llm import LLM, load_target
 from blockdraft.preflight import resolve_device
@@ -37,6 +38,27 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     assert summary["data"]["num_sequences"] == 4 and summary["final"]["step"] == 3
     assert summary["device"] == resolve_device("auto")  # the default, resolved (cpu without CUDA)
     assert (out / "checkpoint" / "state.json").is_file() and (out / "data" / "data-00000.safetensors").is_file()
+
+    # The same command again: the run is finished; said so (was silent), nothing loads or trains, exit 0.
+    class Loading(Exception):
+        pass
+
+    def loading(*a, **k):
+        raise Loading
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blockdraft.llm, "load_target", loading)
+        assert main(args) == 0
+        again = capsys.readouterr()
+        assert json.loads(again.out) == summary
+        assert (f"train-drafter: {out} already holds a finished run (3 of 3 steps done; its drafter: {out / 'drafter'}), "
+                f"so there is nothing to train. To train more, start a new run from it: --init-from {out / 'drafter'} "
+                f"--out NEW_FOLDER (with --data {out / 'data'} to reuse its answers)") in again.err
+        with pytest.raises(Loading):  # more steps: not finished, resumed (and refused: the schedule differs)
+            main([*args, "--steps", "4"])
+        with pytest.raises(Loading):  # --no-resume starts over
+            main([*args, "--no-resume"])
+    assert "already holds a finished run" not in capsys.readouterr().err
 
     target = load_target(NAME, "float32")
     drafter = load_drafter(out / "drafter", target.config)
