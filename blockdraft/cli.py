@@ -30,9 +30,11 @@ def _command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentPar
 
 
 def _parser() -> argparse.ArgumentParser:
-    from blockdraft.weights.catalog import DEFAULT_MODEL
+    from blockdraft import __version__
+    from blockdraft.weights.catalog import DEFAULT_MODEL, add_cache_dir_flag
 
     p = argparse.ArgumentParser(prog="blockdraft", description="LLM inference with DFlash speculative decoding.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate an answer to one prompt")
@@ -46,8 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off; -1 also means off, as in vLLM)")
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights/KV dtype; auto = the checkpoint's (bf16 for catalog models)")
-    g.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
+                   help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models)")
+    add_cache_dir_flag(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_device_flags(g)
     _add_async_scheduling_flag(g)
@@ -56,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fetch", help="download, verify and convert a catalog model into the cache")
     f.add_argument("name", nargs="?", default=None, help="catalog name (omit with --list)")
     f.add_argument("--list", action="store_true", help="list the catalog")
-    f.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
+    add_cache_dir_flag(f)
     f.set_defaults(func=_fetch)
     from blockdraft.demo import add_parser as add_demo_parser
 
@@ -105,6 +107,8 @@ def _add_draft_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_parser(sub, default_model: str) -> None:
+    from blockdraft.weights.catalog import add_cache_dir_flag
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
     s.add_argument("--model", default=default_model, help=f"catalog name, HF folder or .gguf (default {default_model})")
     _add_draft_flags(s)
@@ -113,19 +117,22 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or set $BLOCKDRAFT_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: the --model value)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
-    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
-    s.add_argument("--max-n", type=int, default=16, help="largest n (choices per prompt)")
-    s.add_argument("--max-pending", type=int, default=1024, help="requests in flight before new ones get 429")
+    s.add_argument("--max-tokens-limit", type=int, default=4096,
+                   help="largest max_tokens a request may ask for (default %(default)s)")
+    s.add_argument("--max-n", type=int, default=16, help="largest n, choices per prompt (default %(default)s)")
+    s.add_argument("--max-pending", type=int, default=1024,
+                   help="requests in flight before new ones get 429 (default %(default)s)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights/KV dtype; auto = the checkpoint's (bf16 for catalog models)")
-    s.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV page")
+                   help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models)")
+    s.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV page (default %(default)s)")
     s.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pages in the pool (default: 1024 on CPU; on CUDA as many as --gpu-memory-utilization allows)")
     _add_device_flags(s)
     _add_async_scheduling_flag(s)
-    s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together")
-    s.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens per engine step: prefill chunks + decode rows (default %(default)s)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together (default %(default)s)")
+    add_cache_dir_flag(s)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server and uvicorn log level (default info)")
     s.add_argument("--no-request-log", action="store_true", help="no per-request log lines (they never hold prompt text)")
@@ -147,12 +154,14 @@ def _add_async_scheduling_flag(p) -> None:
 
 
 def _add_train_drafter_parser(sub, default_model: str) -> None:
+    from blockdraft.weights.catalog import add_cache_dir_flag
+
     t = sub.add_parser("train-drafter", help="train a DFlash drafter on answers generated by the target")
     t.add_argument("--target", default=default_model, help=f"catalog name or HF folder (default {default_model})")
     t.add_argument("--tiny", action="store_true",
                    help="smoke run in seconds, sized for the CPU: few prompts, tokens and steps")
-    t.add_argument("--out", default="drafter-out", help="output folder (data/, checkpoint/, drafter/); resumes if present, its data/ "
-                   "only for the same target and data settings")
+    t.add_argument("--out", default="drafter-out", help="output folder (data/, checkpoint/, drafter/; default drafter-out); "
+                   "resumes if present, its data/ only for the same target and data settings")
     t.add_argument("--data", default=None, help="dataset folder to use instead of OUT/data: reused when it holds data-*.safetensors, "
                         "else generated into it (default: OUT/data); when reused, it must be for --target and the "
                         "data flags given (--num-prompts, --max-new-tokens, ...) must match the ones it was made with")
@@ -184,7 +193,7 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "user turn's content, T = 1; Magpie), filtered like the ShareGPT prompts (length, ASCII, "
                         "duplicates, no overlap with HumanEval / MT-bench) and answered after them: prompts in the "
                         "target's own domain (default 0)")
-    t.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    t.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (default 0: only at the end)")
     t.add_argument("--cache-features", action="store_true",
                    help="compute the target's features of every training sequence once and keep them in memory "
                         "(tokens x feature layers x hidden x 2 or 4 bytes) instead of running the target every "
@@ -200,12 +209,13 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                    help="where the target answers and the drafter trains: auto, cpu or cuda (default auto: cuda "
                         "when torch sees a GPU, else cpu)")
     t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights (default float32)")
-    t.add_argument("--cache-dir", default=None, help="model and data cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
+    add_cache_dir_flag(t, "model and data cache")
     t.set_defaults(func=_train_drafter)
 
 
 def _add_eval_drafter_parser(sub, default_model: str) -> None:
     from blockdraft.drafters import add_draft_vocab_size_flag
+    from blockdraft.weights.catalog import add_cache_dir_flag
 
     e = sub.add_parser("eval-drafter", help="acceptance length of a drafter on HumanEval / MT-bench prompts")
     e.add_argument("--target", default=default_model, help=f"catalog name or HF folder (default {default_model})")
@@ -229,7 +239,7 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
                    help="target and drafter weights and KV cache (default float32)")
     _add_device_flags(e)
     _add_async_scheduling_flag(e)
-    e.add_argument("--cache-dir", default=None, help="model and data cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
+    add_cache_dir_flag(e, "model and data cache")
     e.set_defaults(func=_eval_drafter)
 
 

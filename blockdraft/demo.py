@@ -295,6 +295,7 @@ def _yes(flag: bool) -> str:
 def add_parser(sub, default_model: str) -> None:
     """Register `blockdraft demo` on the CLI's subparsers."""
     from blockdraft.drafters import add_draft_vocab_size_flag
+    from blockdraft.weights.catalog import add_cache_dir_flag
 
     d = sub.add_parser(
         "demo",
@@ -316,9 +317,9 @@ def add_parser(sub, default_model: str) -> None:
     d.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0 (default 0)")
     d.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
     d.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights/KV dtype; auto = the checkpoint's (bf16 for catalog models)")
+                   help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models)")
     d.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON to PATH")
-    d.add_argument("--cache-dir", default=None, help="model cache (default $BLOCKDRAFT_CACHE or ~/.cache/blockdraft)")
+    add_cache_dir_flag(d)
     d.set_defaults(func=main)
 
 

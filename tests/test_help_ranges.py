@@ -46,3 +46,47 @@ def test_every_option_of_every_command_has_help():
             for name, command in sub.choices.items()}
     assert bare == {name: [] for name in sub.choices}
     assert "--dtype" in _help("eval-drafter") and "model and data cache" in _help("eval-drafter")
+
+
+def test_every_option_with_a_default_names_it():
+    # e.g. serve --max-num-seqs (64) and train-drafter --ckpt-every (0) said nothing of theirs
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    silent = {name: [a.option_strings[0] for a in command._actions
+                     if a.option_strings and a.default is not None and a.default is not False
+                     and a.default != argparse.SUPPRESS and "default" not in (a.help or "")]
+              for name, command in sub.choices.items()}
+    assert silent == {name: [] for name in sub.choices}
+    serve = {a.option_strings[0]: a for a in sub.choices["serve"]._actions if a.option_strings}
+    for flag, default in [("--max-tokens-limit", 4096), ("--max-n", 16), ("--max-pending", 1024),
+                          ("--kv-block-size", 16), ("--max-num-batched-tokens", 512), ("--max-num-seqs", 64)]:
+        action = serve[flag]
+        assert (action.help % vars(action)).endswith(f"(default {default})"), flag
+    assert "steps between checkpoints (default 0: only at the end)" in _help("train-drafter")
+
+
+def test_cache_dir_help_is_the_same_in_every_command():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {name: next(a.help for a in command._actions if "--cache-dir" in a.option_strings)
+             for name, command in sub.choices.items()}
+    default = "(default $BLOCKDRAFT_CACHE, else ~/.cache/blockdraft)"
+    assert helps == {name: ("model and data cache " if name in ("train-drafter", "eval-drafter", "bench")
+                            else "model cache ") + default for name in sub.choices}
+
+
+def test_version(capsys):
+    import re
+    from pathlib import Path
+
+    import pytest
+
+    import blockdraft
+    from blockdraft.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"blockdraft {blockdraft.__version__}\n"
+    # the package metadata's version (pyproject.toml) and blockdraft.__version__ are one
+    version = re.search(r'^version = "([^"]+)"', (Path(__file__).parents[1] / "pyproject.toml").read_text(), re.M)[1]
+    assert blockdraft.__version__ == version

@@ -43,6 +43,7 @@ def add_bench_parser(sub) -> None:
     from blockdraft.bench.shapes import H200_HBM_BYTES_PER_S, SHAPES
     from blockdraft.bench.suite import ENGINE_CHOICES
     from blockdraft.drafters import add_draft_vocab_size_flag
+    from blockdraft.weights.catalog import add_cache_dir_flag
 
     b = sub.add_parser("bench", help="throughput / step-time benchmark vs transformers and z-lab dflash",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,7 +86,7 @@ def add_bench_parser(sub) -> None:
                    help="output prefix: writes PREFIX.json and PREFIX.png (default: bench-<shape or model name> "
                    "in the current folder)")
     b.add_argument("--no-plot", action="store_true", help="write no PNG")
-    b.add_argument("--cache-dir", default=None, help="model / dataset cache (default $BLOCKDRAFT_CACHE)")
+    add_cache_dir_flag(b, "model and data cache")
     b.set_defaults(func=run_bench)
 
 

@@ -97,3 +97,11 @@ def get_entry(name: str) -> CatalogEntry:
         return CATALOG[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; catalog models: {', '.join(CATALOG)}") from None
+
+
+def add_cache_dir_flag(parser, holds: str = "model cache") -> None:
+    """`--cache-dir` on an argparse parser, worded alike in every command (the default is
+    weights.fetch.cache_root's; kept here, beside DEFAULT_MODEL, so that building the CLI's help
+    imports no torch). `holds`: what the command keeps there."""
+    parser.add_argument("--cache-dir", default=None,
+                        help=f"{holds} (default $BLOCKDRAFT_CACHE, else ~/.cache/blockdraft)")
