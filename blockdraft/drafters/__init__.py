@@ -91,12 +91,18 @@ def resolve_draft(
     and plain decoding otherwise; `shipped` insists on it.
     Raises:
         ValueError: `shipped` for a model with no shipped drafter (names the models that have one);
-            `num_speculative_tokens` given while `auto` finds no drafter.
+            `num_speculative_tokens` given while `auto` finds no drafter, or outside the shipped
+            drafter's [1, block_size - 1].
     """
     if no_draft:
         return None
     if draft not in (None, AUTO, SHIPPED):
         return draft
+    if num_speculative_tokens is not None and model in shipped_names():
+        from blockdraft.spec.dflash.checkpoint import read_drafter_config
+
+        # before shipped_drafter, which may expand an int8 pack: a bad K fails without reading weights
+        read_drafter_config(SHIPPED_DIR / model).check_num_speculative_tokens(num_speculative_tokens)
     path = shipped_drafter(model, cache_dir=cache_dir)
     if path is not None:
         return str(path)

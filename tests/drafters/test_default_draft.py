@@ -29,15 +29,17 @@ def tiny(tmp_path_factory):
 
 
 def test_auto_picks_the_shipped_drafter_for_catalog_models_and_nothing_otherwise(tmp_path):
-    assert resolve_draft(None, QWEN) == resolve_draft("auto", QWEN) == str(SHIPPED_DIR / QWEN)
-    smol = resolve_draft("auto", SMOL, cache_dir=tmp_path)  # int8 pack, expanded into the cache
-    assert smol is not None and (tmp_path / "drafters") in Path(smol).parents
+    qwen = str(shipped_drafter(QWEN, cache_dir=tmp_path))
+    assert resolve_draft(None, QWEN, cache_dir=tmp_path) == resolve_draft("auto", QWEN, cache_dir=tmp_path) == qwen
+    for name in (QWEN, SMOL):  # both ship as int8 packs, expanded into the cache on first use
+        path = resolve_draft("auto", name, cache_dir=tmp_path)
+        assert path is not None and (tmp_path / "drafters") in Path(path).parents
     assert resolve_draft("auto", "qwen2.5-coder-1.5b-instruct") is None  # catalog model, no drafter
     assert resolve_draft("auto", str(tmp_path)) is None  # a model folder
     # A path is never taken for a catalog name, not even the shipped folder's own path.
     assert shipped_drafter(str(SHIPPED_DIR / QWEN)) is None
     assert resolve_draft("auto", QWEN, no_draft=True) is None
-    assert resolve_draft("shipped", QWEN) == str(SHIPPED_DIR / QWEN)
+    assert resolve_draft("shipped", QWEN, cache_dir=tmp_path) == qwen
     assert resolve_draft("/some/drafter", QWEN) == "/some/drafter"
 
 

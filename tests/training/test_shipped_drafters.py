@@ -47,3 +47,21 @@ def test_shipped_drafter_fits_its_budget_and_loads(name, tmp_path):
     assert all(torch.isfinite(p).all() for p in drafter.parameters())
     if (folder / PACK_FILE).is_file():  # expanded once into the cache, then reused
         assert shipped_drafter(name, cache_dir=tmp_path) == path and path.is_relative_to(tmp_path)
+
+
+def test_a_folder_holding_only_the_int8_pack_loads_like_its_expansion(tmp_path):
+    """`--draft blockdraft/drafters/<name>` (the pack itself) loads the same weights as the bf16
+    folder that `shipped_drafter` expands it into."""
+    name = "smollm2-135m-instruct"
+    expanded = shipped_drafter(name, cache_dir=tmp_path / "cache")
+    cfg = json.loads((expanded / "config.json").read_text())
+    target = tiny_config(**TARGETS[name], num_attention_heads=cfg["num_attention_heads"],
+                         num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"])
+    direct = load_drafter(SHIPPED_DIR / name, target, dtype=torch.bfloat16).state_dict()
+    via_cache = load_drafter(expanded, target, dtype=torch.bfloat16).state_dict()
+    assert direct.keys() == via_cache.keys() and all(torch.equal(direct[k], via_cache[k]) for k in direct)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((expanded / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="model.int8"):
+        load_drafter(empty, target)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from blockdraft.config import ModelConfig
 from blockdraft.errors import param_error
@@ -205,10 +205,16 @@ def write_recommended_num_speculative_tokens(path: str | Path, k: int, evidence:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every weight tensor of the folder's *.safetensors (as vLLM / SGLang read a folder)."""
+    """Every weight tensor of the folder's *.safetensors (as vLLM / SGLang read a folder); a folder
+    holding only an 8-bit pack (`model.int8`, as the shipped drafters do) is expanded to bf16."""
+    from blockdraft.drafters.pack import PACK_FILE, unpack
+
     files = sorted(path.glob("*.safetensors"))
+    if not files and (path / PACK_FILE).is_file():  # safetensors inside: no pickle
+        return unpack(load_file(str(path / PACK_FILE)))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in drafter folder {path} (pickled .bin/.pt weights are not read)")
+        raise FileNotFoundError(f"no *.safetensors (or {PACK_FILE}) in drafter folder {path} "
+                                "(pickled .bin/.pt weights are not read)")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
