@@ -110,6 +110,7 @@ RESAMPLE=${RESAMPLE:-}  # non-empty: after the unanswered (and synthesized) prom
 ENGINE=${ENGINE:-}  # session 6, non-empty: answers from our engine (gpu_run --gen-engine), SYNTH synthesized prompts
 SYNTH=${SYNTH:-0}
 SYNTH_SECONDS=${SYNTH_SECONDS:-60}  # session 7: 150 (60 s finished 1,510 of 16,384 samples)
+SYNTH_MAX_TOKENS=${SYNTH_MAX_TOKENS:-256}  # session 8: 8,037 of 16,384 synthesized requests ran past 256 tokens
 LAYERS=${LAYERS:-2}  # session 7: 4, grown from the 2-layer drafter, shipped as an int8 pack (INT8=1)
 INT8=${INT8:-}
 CACHE_RESERVE=${CACHE_RESERVE:-64}  # GiB kept free beside the feature cache (gpu_run --cache-reserve-gib)
@@ -151,7 +152,7 @@ train_fast() {
     python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/qwen.gguf\"))' || exit 1
     [ -z \"$GPU_TESTS\" ] || (cd /tmp/tcode && PYTHONPATH=/tmp/site:/tmp/tcode setsid nohup bash -c \"python3 -m pytest -q -n $TEST_WORKERS \
       -p xdist $GPU_TESTS; echo GPU-TESTS-DONE\" > /tmp/gputests.log 2>&1 < /dev/null &)
-    { ${ENGINE:+$run --gen-engine --synth-samples $SYNTH --synth-seconds $SYNTH_SECONDS || } $run ; } &&
+    { ${ENGINE:+$run --gen-engine --synth-samples $SYNTH --synth-seconds $SYNTH_SECONDS --synth-max-tokens $SYNTH_MAX_TOKENS || } $run ; } &&
     python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
       --draft-vocab-size 32768 --batch-sizes 1,8,32 --max-tokens 128 --out $W/bench-real ;
     ${PROFILE:+python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
