@@ -29,8 +29,9 @@ def log(msg: str) -> None:
 def extend(hf, llm, data, prompts: list[list[int]], args, info: dict, eos, pad, data_dir: Path):
     """Answer, for at most --extend-seconds, in this order: the prompts `data` holds no answer to
     yet; with --synth-samples, prompts the target writes itself (synth.py); with --resample, every
-    prompt again, sampled, those with the fewest answers first. Saves the answers as the next
-    shard of `data_dir` and returns them (None when there was nothing to answer).
+    prompt answered so far again, sampled, those with the fewest answers first (resample_queue).
+    Saves the answers as the next shard of `data_dir` and returns them (None when there was
+    nothing to answer).
 
     hf: the transformers target (answers when `llm` is None); llm: our engine (`answer_engine`) or
     None; data: the TokenDataset so far; prompts: the prep's training prompts (token ids); args:
@@ -43,7 +44,7 @@ def extend(hf, llm, data, prompts: list[list[int]], args, info: dict, eos, pad, 
     synth, synth_stats = [], None
     if args.synth_samples:
         synth, synth_stats = synthesize(llm, args, seed, min(deadline, time.time() + args.synth_seconds))
-    again = sorted((p for p in prompts if tuple(p) in answers), key=lambda p: answers[tuple(p)]) if args.resample else []
+    again = resample_queue(answers) if args.resample else []
     queue = fresh + synth + again
     if not queue:
         return None
@@ -125,6 +126,15 @@ def answer(hf, llm, prompts: list[list[int]], sampled: list[bool], args, info: d
     log(f"answered {len(data)} of {len(prompts)} prompts, {data.info['num_response_tokens']} response tokens "
          f"in {seconds_used:.0f} s ({data.info['num_response_tokens'] / max(seconds_used, 1e-9):.0f} tokens/s)")
     return data
+
+
+def resample_queue(answers: collections.Counter) -> list[list[int]]:
+    """Every prompt answered so far (prep, later-turn and synthesized alike) for --resample: fewest
+    answers first, ties in the order first answered (Counter keeps insertion order; sorted is stable).
+
+    Session 8 found new in-domain prompts (synthesized) worth more than more steps, so their
+    sampled re-answers are queued too, not only the prep's prompts'."""
+    return [list(p) for p in sorted(answers, key=answers.__getitem__)]
 
 
 def answered_prompts(data) -> list[tuple[int, ...]]:

@@ -356,8 +356,8 @@ def main(argv=None) -> int:
                         "as the next shard")
     r.add_argument("--resample", action="store_true",
                    help="with --extend-seconds, after the prompts not answered yet (and the synthesized ones): answer "
-                        "every prompt again, all sampled at T = 0.7 with a new seed, those with the fewest answers "
-                        "first (more data from the same prompts)")
+                        "every prompt answered so far (synthesized ones included) again, all sampled at T = 0.7 with a "
+                        "new seed, those with the fewest answers first (more data from the same prompts)")
     r.add_argument("--gen-engine", action="store_true",
                    help="answer with our engine (continuous batching, CUDA graphs) instead of transformers generate")
     r.add_argument("--gen-max-seqs", type=int, default=512, help="--gen-engine: requests answered at once")

@@ -137,6 +137,8 @@ train_fast() {
   cp "$INIT" "$W/init.safetensors" && cp "$EVAL" "$W/eval_sequences.safetensors" || exit 1
   local tarball
   for tarball in ${DATA//,/ }; do tar xf "$tarball" -C "$W/qwen" || exit 1; done  # DATA: tars, comma-separated
+  mkdir -p /tmp/snapshot-sent && for tarball in "$W"/qwen/data/data-*.safetensors; do  # snapshot: only new shards
+    [ -e "$tarball" ] && touch "/tmp/snapshot-sent/$(basename "$tarball")"; done
   mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
   export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
   cd "$W/code" || exit 1
@@ -193,9 +195,9 @@ packdata() {
 
 # Session 7: the device was given back twice mid-run (a keep-alive call came > 30 s late) and
 # everything on it was lost. Each keep-alive call now also runs `snapshot WORK OUT`, which returns
-# whatever is new since its last call: the log, then the new data shard once answered, then the
-# latest checkpoint's weights (bf16, z-lab names; fp32 master weights only at the end, by pack6),
-# at most 7 files of <= 16 MB a call. Reassemble locally with `cat X.* > X`.
+# whatever is new since its last call: the log, then the new data shard once answered (3 parts of
+# 16 MB per call until all are sent), then the latest checkpoint's weights (bf16, z-lab names; fp32
+# master weights only at the end, by pack6). Reassemble locally with `cat X.* > X`.
 snapshot() {
   local W=$1 OUT=$2 SENT=/tmp/snapshot-sent
   mkdir -p "$OUT" "$SENT"
@@ -203,8 +205,18 @@ snapshot() {
   local shard
   shard=$(ls "$W"/qwen/data/data-*.safetensors 2>/dev/null | tail -1)
   if [ -n "$shard" ] && [ ! -e "$SENT/$(basename "$shard")" ] && grep -q "^\[.*\] data:" "$W/resume.log"; then
-    tar czf - -C "$W/qwen" "data/$(basename "$shard")" | split -b 16000000 -d -a 1 - "$OUT/data.tgz."
-    touch "$SENT/$(basename "$shard")"
+    # A large shard comes back over several calls, 3 parts (48 MB) per call: the device returns
+    # only so much per call and leaves the rest out. Reassemble: cat data.tgz.?? (all calls) | tar xz
+    local parts=/tmp/snapshot-parts/$(basename "$shard")
+    if [ ! -d "$parts" ]; then
+      mkdir -p "$parts" && tar czf - -C "$W/qwen" "data/$(basename "$shard")" | split -b 16000000 -d -a 2 - "$parts/data.tgz."
+    fi
+    local part n=0
+    for part in $(ls "$parts" | sort); do
+      [ $n -lt 3 ] || break
+      mv "$parts/$part" "$OUT/" && n=$((n + 1))
+    done
+    [ -n "$(ls "$parts")" ] || touch "$SENT/$(basename "$shard")"
     ls -la "$OUT"; return
   fi
   local ck

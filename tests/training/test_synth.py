@@ -39,3 +39,15 @@ def test_a_deadline_in_the_past_answers_nothing(llm):
     texts, stats = synthesize_prompts(llm, 4, [], seed=1, max_tokens=8, deadline=0.0)
     assert texts == [] and stats["unfinished"] == stats["out_of_time"] == 4 and stats["too_long"] == 0
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_resample_queue_takes_every_answered_prompt_fewest_answers_first():
+    """--resample re-answers synthesized prompts too (not only the prep's), fewest answers first,
+    ties in the order first answered."""
+    import collections
+
+    from blockdraft.training.answering import resample_queue
+
+    answers = collections.Counter([(1, 2), (3,), (1, 2), (9, 9, 9), (3,), (1, 2), (4,)])
+    assert resample_queue(answers) == [[9, 9, 9], [4], [3], [1, 2]]
+    assert resample_queue(collections.Counter()) == []
