@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_device_flags(g)
     _add_async_scheduling_flag(g)
+    _add_prefix_caching_flag(g)
     g.set_defaults(func=_generate)
 
     f = sub.add_parser("fetch", help="download, verify and convert a catalog model into the cache")
@@ -129,6 +130,7 @@ def _add_serve_parser(sub, default_model: str) -> None:
                    help="KV pages in the pool (default: 1024 on CPU; on CUDA as many as --gpu-memory-utilization allows)")
     _add_device_flags(s)
     _add_async_scheduling_flag(s)
+    _add_prefix_caching_flag(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens per engine step: prefill chunks + decode rows (default %(default)s)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together (default %(default)s)")
@@ -145,6 +147,13 @@ def _add_device_flags(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of GPU memory for weights, activations and the KV pool, in (0, 1] (default 0.9)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (every step runs eagerly)")
+
+
+def _add_prefix_caching_flag(p) -> None:
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV pages of prompt prefixes already computed (shared system prompts, "
+                        "multi-turn chats); same output (default off: vLLM turns it on by default, here it is "
+                        "opt-in until it is validated on the GPU path)")
 
 
 def _add_async_scheduling_flag(p) -> None:
@@ -285,6 +294,7 @@ def _generate(args) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     t0 = time.perf_counter()

@@ -120,11 +120,15 @@ class CacheConfig:
 
     num_kv_blocks None: size the pool from GPU memory, using at most `gpu_memory_utilization`
     (in (0, 1]) of the device (blockdraft.runner.kv_budget); CUDA only.
+    enable_prefix_caching: reuse the KV pages of full pages of a cached prompt prefix
+    (blockdraft.engine.kv_cache_manager). Off by default: vLLM turns it on by default, but here
+    it is not yet validated on the GPU path (CUDA graphs, async scheduling).
     """
 
     kv_block_size: int = 16
     num_kv_blocks: int | None = 1024
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_block_size < 1:
@@ -133,6 +137,8 @@ class CacheConfig:
             raise param_error("num_kv_blocks", f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise param_error("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise param_error("enable_prefix_caching", f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
 
 
 @dataclass(frozen=True)

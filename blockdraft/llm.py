@@ -113,6 +113,11 @@ class LLM:
             (blockdraft.engine.llm_engine.LLMEngine; vLLM's --async-scheduling): same output, the
             GPU no longer waits for the host between steps. None = on when CUDA graphs are
             captured; True needs the uniform-step graphs (graph mode "capture" or "eager").
+        enable_prefix_caching: reuse the KV pages (target and drafter) of full pages of prompt
+            prefixes already computed (blockdraft.engine.kv_cache_manager; vLLM's
+            enable_prefix_caching). Same output; hits are counted in tokens in
+            `engine.scheduler.kv.stats`. Off by default (vLLM defaults it on): not yet validated
+            on the GPU path.
     Raises:
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
@@ -140,6 +145,7 @@ class LLM:
         graph_mode: str | None = None,
         draft_vocab_size: int | None = None,
         async_scheduling: bool | None = None,
+        enable_prefix_caching: bool = False,
     ) -> None:
         if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
             model = _catalog_name(target.path)
@@ -149,6 +155,7 @@ class LLM:
             num_kv_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, cache_dir,
             target_config=target.config if target is not None else None,
             draft_vocab_size=draft_vocab_size if speculator is None else None,
+            enable_prefix_caching=enable_prefix_caching,
         )
         device, cache = pre.device, pre.cache
         async_scheduling = resolve_async_scheduling(async_scheduling, device, enforce_eager, attention_backend, graph_mode)
@@ -361,7 +368,8 @@ def _build_engine(
             f"drafter or max_num_batched_tokens ({sched.max_num_batched_tokens}) is below the rows of one step "
             "(1 + K); turn async scheduling off"
         )
-    scheduler = Scheduler(sched, KVCacheManager(setup.num_kv_blocks, cache.kv_block_size))
+    kv = KVCacheManager(setup.num_kv_blocks, cache.kv_block_size, cache.enable_prefix_caching)
+    scheduler = Scheduler(sched, kv)
     return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len,
                      target.config.vocab_size, async_scheduling=async_scheduling)
 

@@ -111,6 +111,7 @@ def preflight(
     cache_dir: str | None = None,
     target_config: ModelConfig | None = None,
     draft_vocab_size: int | None = None,
+    enable_prefix_caching: bool = False,
 ) -> Preflight:
     """Check the settings of an `LLM` (same argument meanings) without loading any weights.
 
@@ -130,7 +131,7 @@ def preflight(
     check_dtype(dtype)
     if num_kv_blocks is None and device != "cuda":
         num_kv_blocks = CPU_NUM_KV_BLOCKS
-    cache = CacheConfig(kv_block_size, num_kv_blocks, gpu_memory_utilization)
+    cache = CacheConfig(kv_block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching)
     sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)  # K's type
     # 2. The drafter's config.json, and K against its block size.

@@ -174,6 +174,7 @@ class LLMEngine:
                 continue
             if not sr.sample:
                 req.num_computed_tokens += len(sr.token_ids)
+                self.scheduler.cache_computed(req)
                 continue
             rid = sr.request_id
             accepted = run_out.num_accepted.get(rid, 0)
@@ -185,6 +186,8 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = time.perf_counter()
             self._append_tokens(req, run_out.sampled_token_ids[rid], run_out.logprobs.get(rid))
+            if not req.is_finished:  # a finished request's pages were offered when freed
+                self.scheduler.cache_computed(req)
             drafts = run_out.draft_token_ids.get(rid)
             if drafts and not req.is_finished:
                 req.spec_token_ids = self._trim_drafts(req, drafts)

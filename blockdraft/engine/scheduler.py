@@ -5,6 +5,12 @@ drafts; then waiting requests while budget, sequence slots and pages last. When 
 newest running request is preempted: its pages are freed and it goes back to the front of the
 waiting queue with `num_computed_tokens = 0`, so its prompt and output so far are recomputed as a
 prefill (the tokens it already produced are kept, so nothing is lost and no token changes).
+
+Prefix caching (KVCacheManager(enable_prefix_caching=True)): a waiting request with nothing
+computed starts from its longest cached prefix of full pages (never its last token), so its first
+step is a prefill chunk at start_position > 0, as chunked prefill already runs. Pages are offered
+to the cache by `cache_computed` after each committed step, and before they are freed
+(finish, preemption), so a preempted request's pages stay cached for its readmission.
 """
 
 from __future__ import annotations
@@ -117,8 +123,12 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            hit = self._take_prefix_hit(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req, req.num_computed_tokens + num_new):
+                if hit:  # give the hit back (its pages stay cached); retried next step
+                    self.kv.free(req)
+                    req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -127,8 +137,23 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _take_prefix_hit(self, req: Request) -> bool:
+        """Start a request with nothing computed from its cached prefix -> whether pages were hit."""
+        if not self.kv.enable_prefix_caching or req.num_computed_tokens or req.block_ids:
+            return False
+        pages = self.kv.find_cached_prefix(req)
+        self.kv.take_cached(req, pages)
+        req.num_computed_tokens = len(pages) * self.kv.kv_block_size
+        return bool(pages)
+
+    def cache_computed(self, req: Request) -> None:
+        """Offer the request's full, committed pages to the prefix cache (no-op when it is off).
+        Call after a step's tokens are committed (num_computed_tokens and output tokens updated)."""
+        self.kv.cache_full_pages(req, req.num_computed_tokens)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self.cache_computed(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -156,5 +181,6 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        self.cache_computed(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED

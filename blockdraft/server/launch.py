@@ -57,6 +57,7 @@ def serve(args) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     app = build_app(llm, config)
     spec = llm.speculator

@@ -13,6 +13,8 @@ Names (all prefixed `blockdraft_`):
     spec_decode_num_draft_tokens_total / spec_decode_num_accepted_tokens_total
     spec_decode_num_accepted_tokens_per_pos_total{position}   steps whose draft `position` (1-based) was accepted
     kv_cache_usage_ratio, kv_cache_free_blocks, kv_cache_total_blocks
+    prefix_cache_queries_total / prefix_cache_hits_total   tokens looked up in / served from the
+                                           prefix cache at admission (0 unless --enable-prefix-caching)
     num_requests_running, num_requests_waiting
     http_errors_total{status}              requests answered with an error status
 """
@@ -54,11 +56,16 @@ class Metrics:
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV pages in use.", registry=r)
         self.kv_free = Gauge(p + "kv_cache_free_blocks", "Free KV pages.", registry=r)
         self.kv_total = Gauge(p + "kv_cache_total_blocks", "KV pages in the pool.", registry=r)
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries", "Tokens looked up in the prefix cache at admission.", registry=r
+        )
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Tokens whose KV came from the prefix cache.", registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests being decoded.", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued (no KV pages or batch slot yet).", registry=r)
         self.http_errors = Counter(p + "http_errors", "Requests answered with an error.", ["status"], registry=r)
         self._arrival: dict[str, float] = {}  # request id -> arrival (perf_counter seconds)
         self._last_token: dict[str, float] = {}  # request id -> when its latest tokens came out
+        self._prefix_seen = (0, 0)  # kv.stats at the last step: queries, hits (tokens)
         self._spec_seen = (0, 0, 0, [])  # engine.stats.spec at the last step: steps, drafted, accepted, per position
 
     def render(self) -> tuple[bytes, str]:
@@ -84,6 +91,7 @@ class Metrics:
         self.kv_usage.set(kv.usage())
         self.kv_free.set(kv.num_free_blocks)
         self.kv_total.set(kv.num_blocks)
+        self._observe_prefix_cache(kv.stats)
         self.running.set(len(engine.scheduler.running))
         self.waiting.set(len(engine.scheduler.waiting))
 
@@ -108,6 +116,12 @@ class Metrics:
         self._last_token.pop(out.request_id, None)
         if arrival is not None:
             self.e2e.observe(now - arrival)
+
+    def _observe_prefix_cache(self, stats) -> None:
+        queries, hits = self._prefix_seen
+        self.prefix_queries.inc(stats.queries - queries)
+        self.prefix_hits.inc(stats.hits - hits)
+        self._prefix_seen = (stats.queries, stats.hits)
 
     def _observe_spec(self, spec) -> None:
         steps, drafted, accepted, per_pos = self._spec_seen
