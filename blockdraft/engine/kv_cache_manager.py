@@ -139,8 +139,7 @@ class KVCacheManager:
 
     def take_cached(self, request: Request, pages: list[int]) -> None:
         """Make cached `pages` (from `find_cached_prefix`) the first pages of `request`, which must
-        hold none: bump their ref counts, taking free ones out of the free list. Counts the
-        request's tokens as prefix-cache queries and the pages' tokens as hits (`stats`).
+        hold none: bump their ref counts, taking free ones out of the free list.
 
         Raises:
             ValueError: the request already holds pages.
@@ -153,9 +152,12 @@ class KVCacheManager:
             self._ref_counts[page] += 1
         request.block_ids = list(pages)
         request.num_registered_pages = len(pages)
-        if self.enable_prefix_caching:
-            self.stats.queries += request.num_tokens
-            self.stats.hits += len(pages) * self.kv_block_size
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup in `stats` (tokens). The scheduler calls it once the
+        request is admitted, so a lookup retried after a failed allocation counts once."""
+        self.stats.queries += num_query_tokens
+        self.stats.hits += num_hit_tokens
 
     def cache_full_pages(self, request: Request, num_computed_tokens: int) -> None:
         """Register the request's full pages among its first `num_computed_tokens` tokens.

@@ -130,6 +130,8 @@ class Scheduler:
                     self.kv.free(req)
                     req.num_computed_tokens = 0
                 break
+            if hit is not None:
+                self.kv.record_lookup(req.num_tokens, req.num_computed_tokens)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -137,14 +139,15 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _take_prefix_hit(self, req: Request) -> bool:
-        """Start a request with nothing computed from its cached prefix -> whether pages were hit."""
+    def _take_prefix_hit(self, req: Request) -> int | None:
+        """Start a request with nothing computed from its cached prefix -> the hit in tokens (0: a
+        miss), or None when no lookup was made (caching off, or the request has computed tokens)."""
         if not self.kv.enable_prefix_caching or req.num_computed_tokens or req.block_ids:
-            return False
+            return None
         pages = self.kv.find_cached_prefix(req)
         self.kv.take_cached(req, pages)
         req.num_computed_tokens = len(pages) * self.kv.kv_block_size
-        return bool(pages)
+        return req.num_computed_tokens
 
     def cache_computed(self, req: Request) -> None:
         """Offer the request's full, committed pages to the prefix cache (no-op when it is off).

@@ -46,7 +46,6 @@ def test_hit_returns_the_cached_pages_and_bumps_their_ref_counts():
     assert pages == a.block_ids[:2]
     kv.take_cached(b, pages)
     assert b.block_ids == a.block_ids[:2] and kv._ref_counts[pages[0]] == 2
-    assert (kv.stats.queries, kv.stats.hits) == (11, 8)
     kv.free(a)
     assert kv._ref_counts[pages[0]] == 1 and pages[0] not in kv._free  # still used by b
     kv.free(b)
@@ -163,6 +162,7 @@ def test_a_hit_whose_rest_does_not_fit_is_given_back():
     assert "b" not in [sr.request_id for sr in s.schedule().requests]
     assert b.block_ids == [] and b.num_computed_tokens == 0
     assert s.kv.find_cached_prefix(b) == [0, 1] and s.kv.num_free_blocks == 2  # given back, still cached
+    assert (s.kv.stats.queries, s.kv.stats.hits) == (9 + 7, 0)  # a and hog admitted; b's lookup not counted
 
 
 def test_a_preempted_request_hits_its_own_pages_on_readmission():
@@ -178,3 +178,14 @@ def test_a_preempted_request_hits_its_own_pages_on_readmission():
     assert a.block_ids == [] and a.num_computed_tokens == 0
     sr = s.schedule().requests[0]
     assert sr.start_position == 8 and sr.token_ids == [9, 20] and sr.block_ids[:2] == pages
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]])
+def test_cli_flag_is_opt_in(command):
+    from blockdraft.cli import _parser
+
+    p = _parser()
+    assert p.parse_args(command).enable_prefix_caching is False
+    assert p.parse_args(command + ["--enable-prefix-caching"]).enable_prefix_caching is True
+    sub = p._subparsers._group_actions[0].choices[command[0]]
+    assert "vLLM turns it on by default" in " ".join(sub.format_help().split())
