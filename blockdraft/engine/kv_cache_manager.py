@@ -10,9 +10,13 @@ computed by a committed step gets a chained hash, hash(parent page's hash, the p
 so equal hashes mean equal whole prefixes. A later request whose leading pages hash alike reuses
 them instead of recomputing them. Freed pages keep their hash while they sit in the free list
 (ref count 0) and are evicted least recently freed first: allocating a page pops the front of the
-free list and drops its hash. Hash collisions: the map stores each page's full token prefix key
-(parent hash, token tuple), and a hit compares the tuple too, so a collision is a miss, never
-wrong KV.
+free list and drops its hash.
+
+Hash collisions: the hash is only the lookup index. Each registration of a page gets a serial
+number never reused, and the page stores its key (serial of its parent page's registration, its
+token tuple). A hit walks the chain comparing keys, so page i matches only if its tokens are equal
+and its parent is exactly the registration matched at page i - 1: by induction the whole prefix is
+equal token for token. A collision is a miss, never wrong KV.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from blockdraft.engine.request import Request
 
 _ROOT_HASH = 0  # parent hash of a request's first page
+_ROOT_SERIAL = 0  # parent serial of a request's first page
 
 
 @dataclass
@@ -53,7 +58,9 @@ class KVCacheManager:
         self._ref_counts = [0] * num_blocks
         self._cached: dict[int, int] = {}  # page hash -> page id
         self._page_hash: dict[int, int] = {}  # page id -> its hash
-        self._page_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # page id -> (parent hash, tokens)
+        self._page_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # page id -> (parent serial, tokens)
+        self._page_serial: dict[int, int] = {}  # page id -> its registration's serial
+        self._next_serial = _ROOT_SERIAL + 1
         self.stats = PrefixCacheStats()
 
     @property
@@ -97,7 +104,7 @@ class KVCacheManager:
             if self._ref_counts[page] == 0:
                 self._free[page] = None
         request.block_ids = []
-        request.num_registered_pages = 0
+        request.num_registered_pages, request.prefix_serial = 0, _ROOT_SERIAL
 
     # -- prefix caching -------------------------------------------------------------------------
 
@@ -127,14 +134,14 @@ class KVCacheManager:
             return []
         max_pages = (request.num_tokens - 1) // self.kv_block_size
         pages: list[int] = []
-        parent = _ROOT_HASH
+        parent = _ROOT_SERIAL
         for i, h in enumerate(self.page_hashes(request, max_pages)):
             page = self._cached.get(h)
-            # the stored key is compared too, so a hash collision is a miss, never wrong KV
+            # the key is compared too (module docstring): a hash collision is a miss, never wrong KV
             if page is None or self._page_key[page] != (parent, self._page_tokens(request, i)):
                 break
             pages.append(page)
-            parent = h
+            parent = self._page_serial[page]
         return pages
 
     def take_cached(self, request: Request, pages: list[int]) -> None:
@@ -152,6 +159,7 @@ class KVCacheManager:
             self._ref_counts[page] += 1
         request.block_ids = list(pages)
         request.num_registered_pages = len(pages)
+        request.prefix_serial = self._page_serial[pages[-1]] if pages else _ROOT_SERIAL
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup in `stats` (tokens). The scheduler calls it once the
@@ -165,8 +173,9 @@ class KVCacheManager:
         `num_computed_tokens` must count only committed positions whose target AND drafter KV are
         written (the DFlash runner writes the drafter's context KV of a position in the same step
         as the target's, for committed rows only); it is capped at the request's known tokens, so
-        rejected drafts never enter a cached page. A page whose hash is already cached under
-        another page stays uncached (the first copy serves hits). No-op when caching is off.
+        rejected drafts never enter a cached page. A page whose prefix is already cached in
+        another page stays uncached (the first copy serves hits), and so does one whose hash
+        collides with another prefix's. No-op when caching is off.
         """
         if not self.enable_prefix_caching:
             return
@@ -177,25 +186,34 @@ class KVCacheManager:
             return
         hashes = self.page_hashes(request, num_pages)
         for i in range(first, num_pages):
-            page, h = request.block_ids[i], hashes[i]
-            if page not in self._page_hash and h not in self._cached:
-                self._cached[h] = page
-                self._page_hash[page] = h
-                self._page_key[page] = (hashes[i - 1] if i else _ROOT_HASH, self._page_tokens(request, i))
+            request.prefix_serial = self._register(request.block_ids[i], hashes[i], (request.prefix_serial, self._page_tokens(request, i)))
         request.num_registered_pages = num_pages
+
+    def _register(self, page: int, h: int, key: tuple[int, tuple[int, ...]]) -> int:
+        """Register `page` (whose prefix has hash `h` and key `key`) unless it or an equal prefix
+        already is -> the serial of the registration that now names this prefix."""
+        if page in self._page_serial:  # a page this request got from a hit
+            return self._page_serial[page]
+        other = self._cached.get(h)
+        if other is not None:
+            if self._page_key[other] == key:  # the same prefix, computed twice: the first copy serves hits
+                return self._page_serial[other]
+            serial = self._next_serial  # a collision: stays uncached; its successors get an orphan parent
+            self._next_serial += 1
+            return serial
+        serial = self._next_serial
+        self._next_serial += 1
+        self._cached[h], self._page_hash[page] = page, h
+        self._page_key[page], self._page_serial[page] = key, serial
+        return serial
 
     def _page_tokens(self, request: Request, index: int) -> tuple[int, ...]:
         size = self.kv_block_size
         return tuple(request.token_slice(index * size, (index + 1) * size))
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (pages in use keep their KV, but no longer serve hits)."""
-        self._cached.clear()
-        self._page_hash.clear()
-        self._page_key.clear()
 
     def _evict(self, page: int) -> None:
         h = self._page_hash.pop(page, None)
         if h is not None:
             del self._cached[h]
             del self._page_key[page]
+            del self._page_serial[page]

@@ -91,10 +91,12 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     block_ids: list[int] = field(default_factory=list)
     # prefix caching (engine.kv_cache_manager): chained hashes of the full pages of
-    # all_token_ids computed so far (kept across preemption: the tokens do not change), and how
-    # many leading pages of block_ids have been offered to the prefix cache
+    # all_token_ids computed so far (kept across preemption: the tokens do not change), how many
+    # leading pages of block_ids have been offered to the prefix cache, and the registration
+    # serial naming the prefix those pages hold (0: none)
     page_hashes: list[int] = field(default_factory=list)
     num_registered_pages: int = 0
+    prefix_serial: int = 0
     spec_stats: SpecStats = field(default_factory=SpecStats)
     num_preemptions: int = 0
     first_token_time: float | None = None

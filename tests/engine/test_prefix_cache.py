@@ -106,6 +106,23 @@ def test_a_hash_collision_is_a_miss():
     assert kv.find_cached_prefix(_req("b", range(1, 10))) == []
 
 
+def test_a_parent_hash_collision_is_a_miss():
+    """Page 2's parent must be the very registration matched at page 1, not any page of equal hash."""
+    kv = _kv()
+    a = _computed(kv, "a", range(1, 10))  # pages p0 (1-4), p1 (5-8) cached
+    hashes = list(a.page_hashes[:2])
+    kv.free(a)
+    kv._evict(0)  # p0 evicted, p1 still cached
+    kv._free.move_to_end(0, last=False)
+    q = _req("q", [11, 12, 13, 14, 5, 6, 7, 8, 9])
+    q.page_hashes = list(hashes)  # forge: q's first page hashes like a's (a collision)
+    kv.allocate_slots(q, 9)
+    kv.cache_full_pages(q, 4)  # q's page 0 is now cached under a's old hash
+    r = _req("r", [11, 12, 13, 14, 5, 6, 7, 8, 9, 10])
+    r.page_hashes = list(hashes)
+    assert kv.find_cached_prefix(r) == q.block_ids[:1]  # not a's p1: its prefix was 1-4, not 11-14
+
+
 def test_disabled_caching_never_hits():
     kv = KVCacheManager(16, BS)
     _computed(kv, "a", range(1, 10))
