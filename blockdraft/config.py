@@ -138,7 +138,9 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise param_error("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not isinstance(self.enable_prefix_caching, bool):
-            raise param_error("enable_prefix_caching", f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+            raise param_error(
+                "enable_prefix_caching", f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,8 @@ class KVCacheManager:
             return
         hashes = self.page_hashes(request, num_pages)
         for i in range(first, num_pages):
-            request.prefix_serial = self._register(request.block_ids[i], hashes[i], (request.prefix_serial, self._page_tokens(request, i)))
+            key = (request.prefix_serial, self._page_tokens(request, i))
+            request.prefix_serial = self._register(request.block_ids[i], hashes[i], key)
         request.num_registered_pages = num_pages
 
     def _register(self, page: int, h: int, key: tuple[int, tuple[int, ...]]) -> int:

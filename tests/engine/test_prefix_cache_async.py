@@ -3,9 +3,16 @@
 chunk at start_position > 0 (eager), then the uniform chain continues as usual. An oracle drafter
 makes many drafts accepted, so pages filled by accepted drafts get cached and reused."""
 
+import pytest
+
 from blockdraft.sampling_params import SamplingParams
-from tests.conftest import make_llm, random_prompts
-from tests.engine.test_async_scheduling import GRAPHS, _count_continuations, _oracle_speculator, target  # noqa: F401
+from tests.conftest import make_llm, random_prompts, tiny_target
+from tests.engine.test_async_scheduling import GRAPHS, _count_continuations, _oracle_speculator
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=5, logit_scale=8.0)  # as test_async_scheduling's
 
 
 def _two_rounds(llm, first, params):

@@ -26,7 +26,8 @@ def test_prefix_cached_server_equals_plain_and_counts_hits(plain_server, cached_
     plain, cached = openai_client(plain_server), openai_client(cached_server)
     before = cached_server.metrics()
     for tail in (word(50), word(51), word(52) + " " + word(53)):
-        kw = dict(model=MODEL_NAME, prompt=f"{SYSTEM} {tail}", max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True})
+        kw = dict(model=MODEL_NAME, prompt=f"{SYSTEM} {tail}", max_tokens=24, temperature=0.0,
+                  extra_body={"ignore_eos": True})
         ref, out = plain.completions.create(**kw), cached.completions.create(**kw)
         assert [c.text for c in out.choices] == [c.text for c in ref.choices]
     after = cached_server.metrics()
