@@ -228,7 +228,7 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
 
     e = sub.add_parser("eval-drafter", help="acceptance length of a drafter on HumanEval / MT-bench prompts")
     e.add_argument("--target", default=default_model, help=f"catalog name or HF folder (default {default_model})")
-    e.add_argument("--draft", default=None, help="drafter folder (default: the one shipped for --target)")
+    e.add_argument("--draft", default=None, help="drafter folder, or 'shipped' (default: the one shipped for --target)")
     e.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"],
                    help="held-out prompts: HumanEval or MT-bench first turns (default humaneval)")
     from blockdraft.training.corpora import EVAL_DATASET_SIZES

@@ -16,6 +16,7 @@ DFlashConfig, ...); this module only makes sure they all run first.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +134,11 @@ def preflight(
         num_kv_blocks = CPU_NUM_KV_BLOCKS
     cache = CacheConfig(kv_block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching)
     sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    if draft is not None and not isinstance(draft, (str, os.PathLike)):
+        raise param_error("draft", f"draft must be a drafter folder, 'auto', 'shipped' or None, got {draft!r}",
+                          TypeError)
+    if draft is not None and not str(draft).strip():
+        raise param_error("draft", "draft is empty: give a drafter folder, 'auto', 'shipped' or None (plain decoding)")
     SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)  # K's type
     # 2. The drafter's config.json, and K against its block size.
     drafter_config = k = None

@@ -117,10 +117,16 @@ def resolve_draft(
 
 
 def _expand(folder: Path, cache_dir) -> Path:
-    from safetensors.torch import load_file, save_file
+    """The bf16 z-lab copy of shipped folder `folder`'s int8 pack under `<cache>/drafters/` (made
+    on first use; an incomplete copy is rebuilt).
+
+    Raises:
+        ValueError: the pack is damaged (checkpoint.read_weights_file).
+    """
+    from safetensors.torch import save_file
 
     from blockdraft.drafters.pack import PACK_FILE, unpack
-    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE
+    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, read_weights_file
     from blockdraft.spec.draft_vocab import DRAFT_VOCAB_FILE
     from blockdraft.weights.fetch import cache_root
 
@@ -134,11 +140,17 @@ def _expand(folder: Path, cache_dir) -> Path:
     dest = cache_root(cache_dir) / "drafters" / f"{folder.name}-{digest}"
     if (dest / "model.safetensors").is_file():
         return dest
+    if dest.exists():  # left incomplete (e.g. by hand): rebuilt, or the rename below could never succeed
+        shutil.rmtree(dest, ignore_errors=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=dest.parent))
-    save_file(unpack(load_file(str(pack_path))), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(unpack(read_weights_file(pack_path)), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for name in sidecars:
         shutil.copy(folder / name, tmp / name)
+    # mkdtemp makes the folder private; the copy is as readable as any other cache file
+    tmp.chmod(0o755)
+    for file in tmp.iterdir():
+        file.chmod(0o644)
     try:
         tmp.rename(dest)
     except OSError:  # another process finished first

@@ -156,6 +156,15 @@ def test_python_api_errors_name_the_parameter_not_the_flag(tiny, tmp_path, kw, m
     assert str(info.value).startswith(message) and "--" not in str(info.value), str(info.value)
 
 
+def test_draft_of_the_wrong_type_or_empty_is_refused_before_loading(tiny, capsys):
+    model, _ = tiny
+    with pytest.raises(TypeError, match=r"draft must be a drafter folder, 'auto', 'shipped' or None, got 123"):
+        LLM(model=str(model), draft=123)
+    with pytest.raises(ValueError, match="draft is empty"):
+        LLM(model=str(model), draft=" ")
+    _refused(capsys, ["generate", "hi", "--model", str(model), "--draft", ""], "draft (--draft) is empty")
+
+
 def test_flag_is_named_only_where_the_command_has_it():
     from blockdraft.errors import flag_message, param_error
 
@@ -217,7 +226,8 @@ def test_real_model_refuses_bad_drafter_flags_without_loading_weights(capsys):
     _refused(capsys, ["serve", "--num-speculative-tokens", "99"], "got 99")
     small = str(SHIPPED_DIR / "qwen2.5-coder-0.5b-instruct")  # a drafter for another target
     _refused(capsys, ["generate", "hi", "--model", "smollm2-135m-instruct", "--draft", small],
-             "drafter hidden_size 896 != target hidden_size 576")
+             "draft (--draft) ", "does not fit this target model: drafter hidden_size 896 != target hidden_size 576",
+             "only with the target it was trained for")
 
 
 def test_draft_vocab_size_is_checked_before_loading(tiny, tmp_path, capsys):

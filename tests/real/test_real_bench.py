@@ -7,6 +7,7 @@ import pytest
 
 from blockdraft.bench.report import validate_report
 from blockdraft.cli import main
+from blockdraft.drafters import SHIPPED_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -23,4 +24,5 @@ def test_bench_real_model_with_shipped_drafter(tmp_path):
     assert parity[("hf/plain", 2)] == 0
     rows = {(r["engine"], r["mode"], r["batch_size"]): r for r in doc["results"]}
     assert rows[("ours", "dflash", 2)]["acceptance_length"] >= 1.0
-    assert doc["workload"]["dataset"] == "humaneval" and doc["settings"]["draft_layers"] == 2
+    shipped = json.loads((SHIPPED_DIR / "qwen2.5-coder-0.5b-instruct" / "config.json").read_text())
+    assert doc["workload"]["dataset"] == "humaneval" and doc["settings"]["draft_layers"] == shipped["num_hidden_layers"]

@@ -1,6 +1,7 @@
 """The drafters shipped in blockdraft/drafters/: size limits, the int8 pack, and loading."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -65,3 +66,22 @@ def test_a_folder_holding_only_the_int8_pack_loads_like_its_expansion(tmp_path):
     (empty / "config.json").write_text((expanded / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="model.int8"):
         load_drafter(empty, target)
+
+
+def test_damaged_drafter_weights_are_a_clear_error_and_an_incomplete_copy_is_rebuilt(tmp_path):
+    name = "smollm2-135m-instruct"
+    broken = tmp_path / "broken"
+    shutil.copytree(SHIPPED_DIR / name, broken)
+    with open(broken / PACK_FILE, "r+b") as f:  # truncated, as by an interrupted copy
+        f.truncate(1000)
+    cfg = json.loads((broken / "config.json").read_text())
+    target = tiny_config(**TARGETS[name], num_attention_heads=cfg["num_attention_heads"],
+                         num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"])
+    with pytest.raises(ValueError, match=r"model\.int8.* is damaged"):
+        load_drafter(broken, target)
+    # A cached copy left without its weights (e.g. deleted by hand) is rebuilt, not served broken.
+    cache = tmp_path / "cache"
+    path = shipped_drafter(name, cache_dir=cache)
+    (path / "model.safetensors").unlink()
+    assert shipped_drafter(name, cache_dir=cache) == path and (path / "model.safetensors").is_file()
+    assert oct(path.stat().st_mode & 0o777) == "0o755"

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from blockdraft.config import ModelConfig
@@ -57,7 +57,8 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
         raise param_error("draft", f"drafter folder {str(path)!r} {what}; draft takes a DFlash checkpoint folder "
-                                   "(config.json + *.safetensors), 'shipped' or 'auto'", FileNotFoundError)
+                                   "(config.json + *.safetensors or model.int8), 'shipped' or 'auto'",
+                          FileNotFoundError)
     config_file = path / "config.json"
     if not config_file.is_file():
         nested = path / "drafter"  # train-drafter's --out holds data/, checkpoint/, drafter/
@@ -83,7 +84,9 @@ def check_drafter_fits(config: DFlashConfig, path: str | Path, target_config: Mo
     try:
         config.validate_against_target(target_config)
     except ValueError as e:
-        raise ValueError(f"drafter {path}: {e}") from e
+        raise param_error("draft", f"draft {str(path)!r} does not fit this target model: {e}; a DFlash drafter "
+                                   "works only with the target it was trained for: give that target, this "
+                                   "target's own drafter, or none") from e
 
 
 def resolve_num_speculative_tokens(k: int | None, path: str | Path, config: DFlashConfig) -> int:
@@ -211,18 +214,33 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(path.glob("*.safetensors"))
     if not files and (path / PACK_FILE).is_file():  # safetensors inside: no pickle
-        return unpack(load_file(str(path / PACK_FILE)))
+        return unpack(read_weights_file(path / PACK_FILE))
     if not files:
         raise FileNotFoundError(f"no *.safetensors (or {PACK_FILE}) in drafter folder {path} "
                                 "(pickled .bin/.pt weights are not read)")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name in tensors:
-                    raise ValueError(f"tensor {name!r} appears in more than one file of {path}")
-                tensors[name] = f.get_tensor(name)
+        for name, tensor in read_weights_file(file).items():
+            if name in tensors:
+                raise ValueError(f"tensor {name!r} appears in more than one file of {path}")
+            tensors[name] = tensor
     return tensors
+
+
+def read_weights_file(file: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file (CPU).
+
+    Raises:
+        ValueError: the file is truncated or not a safetensors file (names the file and what to do).
+    """
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(
+            f"drafter weights file {str(file)!r} is damaged or not a safetensors file ({e}); copy the "
+            "drafter folder again (a shipped drafter's copy under <cache>/drafters/ is rebuilt when its "
+            "folder is deleted)"
+        ) from e
 
 
 def export_drafter(model: DFlashDraftModel, path: str | Path) -> None:
