@@ -72,8 +72,9 @@ class SamplingParams:
             _check_int("stop_token_ids", t, low=0, what="stop_token_ids entry")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
-        if not isinstance(self.detokenize, bool):
-            raise param_error("detokenize", f"detokenize must be True or False, got {self.detokenize!r}")
+        for flag in ("ignore_eos", "detokenize"):
+            if not isinstance(getattr(self, flag), bool):
+                raise param_error(flag, f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.stop and not self.detokenize:
             raise param_error("stop", f"stop strings {self.stop!r} need the output text: drop them or keep "
                                       f"detokenize=True")
