@@ -200,9 +200,11 @@ def main(args) -> int:
     from blockdraft.preflight import read_target_config
 
     read_target_config(args.target, args.cache_dir)  # an unknown model is named as such, not as "no drafter"
-    draft = args.draft or shipped_drafter(args.target, args.cache_dir)
-    if draft is None:
-        raise ValueError(f"no --draft given and no drafter ships for {args.target!r}")
+    draft = args.draft or "shipped"
+    if draft in ("shipped", "auto"):  # the folder itself, so the JSON names what was evaluated
+        draft = shipped_drafter(args.target, args.cache_dir)
+        if draft is None:
+            raise ValueError(f"no drafter ships for {args.target!r}; give --draft DRAFTER_FOLDER")
     result = evaluate_drafter(args.target, str(draft), args.dataset, args.num_prompts, args.temperature,
                               args.max_tokens, args.seed, args.compare_plain, args.dtype, args.cache_dir,
                               draft_vocab_size=args.draft_vocab_size, num_speculative_tokens=args.num_speculative_tokens,

@@ -78,3 +78,15 @@ def test_no_verify_step_gives_null_not_nan(tiny, capsys):
     out = json.loads(captured.out, parse_constant=refuse)
     assert out["num_steps"] == 0 and out["acceptance_length"] is None and out["per_position"] == []
     assert "acceptance length n/a (K=7" in captured.err
+
+
+def test_json_names_the_drafter_folder_evaluated_for_shipped_too(tiny, capsys, monkeypatch):
+    """--draft shipped (and the default) report the folder evaluated, as a path does."""
+    from blockdraft.cli import main
+
+    model, drafter = tiny
+    monkeypatch.setattr("blockdraft.drafters.shipped_drafter", lambda name, cache_dir=None: drafter)
+    base = ["eval-drafter", "--target", str(model), "--num-prompts", "1", "--max-tokens", "2", "--device", "cpu"]
+    for extra in (["--draft", "shipped"], []):
+        assert main([*base, *extra]) == 0
+        assert json.loads(capsys.readouterr().out)["draft"] == str(drafter)
