@@ -174,3 +174,26 @@ def test_dflash_batch_with_shared_system_prompts_and_preemption_equals_plain(lla
     assert _ids(outs) == want
     assert preempted and small.engine.scheduler.kv.stats.hits > 0
     assert sum(o.spec.num_drafted_tokens for o in outs) > 0
+
+
+def test_dflash_sampled_with_stops_and_hits_equals_plain_for_several_k(llama_target):
+    """T > 0 (seeded) with a stop token inside a drafted block, over two rounds of the same
+    system prompts (the second round served from the cache): DFlash with prefix caching gives
+    plain decoding's tokens, at K = 1 and K = 5."""
+    prompts = _batch()
+    sampled = [SamplingParams(max_tokens=20, temperature=0.8, seed=100 + i) for i in range(len(prompts))]
+    free_run = _ids(make_llm(llama_target).generate(prompts, sampled))
+    # each request stops at the token it would sample 7th: a stop that can land mid-block
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=100 + i, stop_token_ids=[ids[6]])
+              for i, ids in enumerate(free_run)]
+    plain = make_llm(llama_target)
+    want = [plain.generate(prompts, params), plain.generate(prompts, params)]
+    assert all(o.finish_reason == "stop" for o in want[0]) and _ids(want[0]) == _ids(want[1])
+    for k in (1, 5):
+        llm = _dflash_llm(llama_target, k=k, enable_prefix_caching=True)
+        for round_, ref in enumerate(want):
+            outs = llm.generate(prompts, params)
+            assert _ids(outs) == _ids(ref), (k, round_)
+            assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
+        assert llm.engine.scheduler.kv.stats.hits > 0
+        assert sum(o.spec.num_drafted_tokens for o in outs) > 0
