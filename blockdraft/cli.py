@@ -108,6 +108,7 @@ def _add_draft_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_serve_parser(sub, default_model: str) -> None:
+    from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
     from blockdraft.weights.catalog import add_cache_dir_flag
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
@@ -121,6 +122,9 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--max-tokens-limit", type=int, default=4096,
                    help="largest max_tokens a request may ask for (default %(default)s)")
     s.add_argument("--max-n", type=int, default=16, help="largest n, choices per prompt (default %(default)s)")
+    s.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+                   help="largest logprobs / top_logprobs a request may ask for, the engine's limit too "
+                        "(default %(default)s, as vLLM)")
     s.add_argument("--max-pending", type=int, default=1024,
                    help="requests in flight before new ones get 429 (default %(default)s)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

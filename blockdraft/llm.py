@@ -26,7 +26,7 @@ from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names
     read_target_config,
     resolve_device,
 )
-from blockdraft.sampling_params import SamplingParams
+from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_max_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -118,6 +118,8 @@ class LLM:
             enable_prefix_caching). Same output; hits are counted in tokens in
             `engine.scheduler.kv.stats`. Off by default (vLLM defaults it on): not yet validated
             on the GPU path.
+        max_logprobs: the largest `SamplingParams.logprobs` a request may ask for (default 20, as
+            vLLM's max_logprobs); `generate` refuses more with a ValueError naming `logprobs`.
     Raises:
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
@@ -146,7 +148,9 @@ class LLM:
         draft_vocab_size: int | None = None,
         async_scheduling: bool | None = None,
         enable_prefix_caching: bool = False,
+        max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ) -> None:
+        check_max_logprobs(max_logprobs)  # before any weights load, as preflight's checks
         if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
             model = _catalog_name(target.path)
         pre = preflight(
@@ -165,7 +169,8 @@ class LLM:
             speculator = _build_speculator(pre, self.target)
         self.speculator = speculator
         options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode)
-        self.engine = _build_engine(self.target, cache, pre.scheduler, speculator, device, async_scheduling, **options)
+        self.engine = _build_engine(self.target, cache, pre.scheduler, speculator, device, async_scheduling,
+                                    max_logprobs, **options)
         self._ids = itertools.count()
 
     def generate(
@@ -186,7 +191,7 @@ class LLM:
                 (naming the prompt's index and the value), a bad chat message (its index, value and
                 the allowed roles), a token id outside the vocabulary, prompt longer than the
                 context, mismatched params list, a SamplingParams field out of range (also one set
-                after construction); nothing of the batch is queued then.
+                after construction), `logprobs` above `max_logprobs`; nothing of the batch is queued then.
         """
         token_lists = self._tokenize_all(prompts)
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -356,7 +361,7 @@ def resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool
 
 def _build_engine(
     target: LoadedTarget, cache: CacheConfig, sched: SchedulerConfig, speculator, device,
-    async_scheduling: bool = False, **runner_options
+    async_scheduling: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS, **runner_options
 ) -> LLMEngine:
     """Runner (backend, KV pool, graphs; see blockdraft.runner.setup.build_runner) + scheduler + engine."""
     from blockdraft.runner.setup import build_runner
@@ -371,7 +376,7 @@ def _build_engine(
     kv = KVCacheManager(setup.num_kv_blocks, cache.kv_block_size, cache.enable_prefix_caching)
     scheduler = Scheduler(sched, kv)
     return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len,
-                     target.config.vocab_size, async_scheduling=async_scheduling)
+                     target.config.vocab_size, async_scheduling=async_scheduling, max_logprobs=max_logprobs)
 
 
 def eos_token_ids(target: LoadedTarget) -> tuple[int, ...]:

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from blockdraft.errors import param_error
 
+# Largest `logprobs` an engine accepts unless built with another max_logprobs (vLLM's default and
+# the server's ServerConfig.max_logprobs): each alternative costs a top-k over the vocabulary.
+DEFAULT_MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -18,7 +22,8 @@ class SamplingParams:
     max_tokens: output tokens at most (>= 1). stop: strings that end the output (not included in
     text). stop_token_ids: extra token ids that end the output (included in token ids, like EOS).
     ignore_eos: keep going past EOS. logprobs: number of top log-probabilities to return per output
-    token (None: none; 0: only the sampled token's). detokenize: build the output text (default);
+    token (None: none; 0: only the sampled token's), at most the engine's `max_logprobs` (default
+    20, `LLM(max_logprobs=...)`; checked when the engine takes the request). detokenize: build the output text (default);
     False leaves `text` empty and skips decoding each new token (token ids only, e.g. training
     data; vLLM's `detokenize`), so it cannot be combined with stop strings.
 
@@ -88,6 +93,21 @@ class SamplingParams:
     def resolved_seed(self) -> int:
         """The seed actually used: `seed`, or (None) a random one drawn once at construction."""
         return self.seed if self.seed is not None else self._resolved_seed
+
+
+def check_max_logprobs(max_logprobs) -> None:
+    """Raise a param_error about `max_logprobs` (an engine setting) unless it is an int >= 0."""
+    _check_int("max_logprobs", max_logprobs, low=0)
+
+
+def check_logprobs_limit(params: SamplingParams, max_logprobs: int) -> None:
+    """Raise a param_error about `logprobs` when `params` asks for more than `max_logprobs`.
+
+    An engine-level limit, not a SamplingParams one: the same params may suit another engine.
+    """
+    if params.logprobs is not None and params.logprobs > max_logprobs:
+        raise param_error("logprobs", f"logprobs must be <= {max_logprobs} (the engine's max_logprobs; build it "
+                                      f"with a larger LLM(max_logprobs=...) to allow more), got {params.logprobs}")
 
 
 def _check_int(name: str, value, low: int, what: str | None = None) -> None:

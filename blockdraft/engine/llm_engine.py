@@ -9,7 +9,7 @@ from blockdraft.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from blockdraft.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from blockdraft.engine.request import Request, SpecStats
 from blockdraft.engine.scheduler import Scheduler
-from blockdraft.sampling_params import SamplingParams
+from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_logprobs_limit, check_max_logprobs
 
 
 @dataclass
@@ -41,12 +41,17 @@ class LLMEngine:
     lacks. So a request that arrives mid-chain is admitted one step later than without async
     scheduling, and one step may carry a stopped request's rows: the batch of a step can differ,
     which in bf16 can flip a token at a near-tie, as any change of batch composition can.
+
+    max_logprobs: the largest `SamplingParams.logprobs` a request may ask for (vLLM's
+    max_logprobs); more is refused when the request is added.
     """
 
     def __init__(
         self, scheduler: Scheduler, runner, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int,
-        vocab_size: int | None = None, async_scheduling: bool = False,
+        vocab_size: int | None = None, async_scheduling: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     ):
+        check_max_logprobs(max_logprobs)
+        self.max_logprobs = max_logprobs
         self.scheduler = scheduler
         self.vocab_size = vocab_size  # prompt / stop ids must lie in [0, vocab_size) (None: unchecked)
         self.runner = runner
@@ -86,13 +91,15 @@ class LLMEngine:
         Raises:
             TypeError: `params` is not a SamplingParams.
             ValueError: a field of `params` out of range (SamplingParams.verify: a field changed
-                after construction is checked here), empty prompt, a prompt or stop token id outside
-                [0, vocab_size) (names the first one), or a prompt that leaves no room for one
-                output token within `max_model_len` (names the lengths).
+                after construction is checked here), `logprobs` above `max_logprobs`, empty
+                prompt, a prompt or stop token id outside [0, vocab_size) (names the first one), or
+                a prompt that leaves no room for one output token within `max_model_len` (names
+                the lengths).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
         params.verify()
+        check_logprobs_limit(params, self.max_logprobs)
         if self.vocab_size is not None:
             for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
                 bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)

@@ -34,6 +34,7 @@ def model_info(llm, config: ServerConfig) -> ModelInfo:
         kv_capacity_tokens=kv.num_blocks * kv.kv_block_size,
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         created=int(time.time()),
+        max_logprobs=llm.engine.max_logprobs,
     )
 
 

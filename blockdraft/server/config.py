@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -14,7 +16,8 @@ class ServerConfig:
     max_body_bytes: request bodies above this are refused with 413.
     max_tokens_limit: largest `max_tokens` a request may ask for (400 above it).
     max_n: largest `n`; max_choices: prompts x n per request; max_stop: stop strings per request;
-    max_stop_chars: characters per stop string; max_logprobs: largest logprobs / top_logprobs.
+    max_stop_chars: characters per stop string; max_logprobs: largest logprobs / top_logprobs (the
+    server accepts at most the smaller of this and the engine's max_logprobs, ModelInfo).
     max_pending: engine requests (choices) admitted and unfinished; beyond it new requests get 429.
     log_requests: log one line per request (ids, token counts, timings; never prompt text).
 
@@ -32,7 +35,7 @@ class ServerConfig:
     max_choices: int = 64
     max_stop: int = 4
     max_stop_chars: int = 256
-    max_logprobs: int = 20
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
     max_pending: int = 1024
     log_requests: bool = True
 
@@ -57,6 +60,7 @@ class ModelInfo:
     vocab_size: valid token ids are [0, vocab_size). max_model_len: prompt + output tokens at most.
     kv_capacity_tokens: tokens the whole KV pool holds (a request larger than that could never run).
     num_speculative_tokens: drafts per step K (0 without a drafter); a request's KV also holds them.
+    max_logprobs: the engine's largest logprobs (LLMEngine.max_logprobs).
     created: Unix time the server started (reported by /v1/models).
     """
 
@@ -66,3 +70,4 @@ class ModelInfo:
     kv_capacity_tokens: int
     num_speculative_tokens: int
     created: int
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS

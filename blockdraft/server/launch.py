@@ -21,6 +21,7 @@ def config_from_args(args) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         max_tokens_limit=args.max_tokens_limit,
         max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
         max_pending=args.max_pending,
         log_requests=not args.no_request_log,
     )
@@ -58,6 +59,7 @@ def serve(args) -> int:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
+        max_logprobs=args.max_logprobs,  # the same limit as the server's: they agree
     )
     app = build_app(llm, config)
     spec = llm.speculator

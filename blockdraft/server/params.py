@@ -86,7 +86,7 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
     if len(prompts) * n > config.max_choices:
         raise APIError(400, f"{len(prompts)} prompts x n={n} exceeds {config.max_choices} choices per request", param="n")
     stop = _stop_strings(req.stop, config)
-    logprobs = _logprobs(req, config)
+    logprobs = _logprobs(req, config, model)
     plan = Plan([], [], sum(len(p) for p in prompts))
     for i, ids in enumerate(prompts):
         max_tokens = _max_tokens(req, len(ids), config, model, i)
@@ -165,16 +165,19 @@ def _stop_strings(stop, config: ServerConfig) -> list[str]:
     return stops
 
 
-def _logprobs(req, config: ServerConfig) -> int | None:
-    """Top alternatives per token for the engine (None: no logprobs)."""
+def _logprobs(req, config: ServerConfig, model: ModelInfo) -> int | None:
+    """Top alternatives per token for the engine (None: no logprobs), at most the smaller of the
+    server's and the engine's max_logprobs."""
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         value, name = (req.top_logprobs or 0) if req.logprobs else None, "top_logprobs"
     else:
         value, name = req.logprobs, "logprobs"
-    if value is not None and value > config.max_logprobs:
-        raise APIError(400, f"{name} must be <= {config.max_logprobs}, got {value}", param=name)
+    # the engine would refuse more than its own limit anyway: say so here, with the request's name
+    limit = min(config.max_logprobs, model.max_logprobs)
+    if value is not None and value > limit:
+        raise APIError(400, f"{name} must be <= {limit}, got {value}", param=name)
     return value
 
 

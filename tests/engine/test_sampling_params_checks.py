@@ -65,3 +65,28 @@ def test_sampling_params_of_another_type_is_a_type_error(llm, given, match):
     with pytest.raises(TypeError, match=r"sampling params must be a SamplingParams, got dict"):
         llm.engine.add_request("dict", PROMPT[0], {"max_tokens": 3})
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_logprobs_above_the_engine_limit_is_refused_at_submission(llama_target):
+    # SamplingParams itself takes any logprobs >= 0: the limit belongs to the engine (vLLM's max_logprobs)
+    assert SamplingParams(logprobs=21).logprobs == 21
+    llm = make_llm(llama_target)  # default max_logprobs=20
+    assert llm.engine.max_logprobs == 20
+    with pytest.raises(ValueError, match=r"^logprobs must be <= 20 \(the engine's max_logprobs; .*got 21$") as e:
+        llm.generate(PROMPT * 2, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, logprobs=21)])
+    assert e.value.param == "logprobs"  # the CLI names its flag through param_error
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(PROMPT, SamplingParams(max_tokens=2, logprobs=20))[0].logprobs[0]["top"]) == 20
+    small = make_llm(llama_target, max_logprobs=2)
+    with pytest.raises(ValueError, match=r"^logprobs must be <= 2 .*got 3$"):
+        small.engine.add_request("too-many", PROMPT[0], SamplingParams(max_tokens=2, logprobs=3))
+    assert not small.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, None])
+def test_max_logprobs_is_checked_before_any_weights_load(bad, monkeypatch):
+    import blockdraft.llm
+
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(ValueError, match=rf"^max_logprobs must be an integer >= 0, got {bad!r}$"):
+        blockdraft.llm.LLM("smollm2-135m-instruct", max_logprobs=bad)
