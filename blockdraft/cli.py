@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        _set_threads(getattr(args, "threads", None))
+        set_threads(getattr(args, "threads", None))
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         from blockdraft.errors import flag_message
@@ -72,15 +72,21 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     for name, command in sub.choices.items():
         if name != "fetch":
-            command.add_argument(
-                "--threads", type=int, default=None,
-                help="CPU threads for the model's math (default: torch's, one per core); on a machine "
-                     "shared with other jobs 1 can be much faster than oversubscribed cores")
+            add_threads_flag(command)
     return p
 
 
-def _set_threads(threads: int | None) -> None:
-    """Apply --threads (torch.set_num_threads) before any model work.
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    """`--threads N` on a parser that runs a model (every `blockdraft` command but fetch, and the
+    `python -m blockdraft.bench.*` scripts); apply it with `set_threads`."""
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="CPU threads for the model's math (default: torch's, one per core); on a machine "
+             "shared with other jobs 1 can be much faster than oversubscribed cores")
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply --threads (torch.set_num_threads) before any model work; None leaves torch's default.
 
     Raises:
         ValueError: threads < 1.

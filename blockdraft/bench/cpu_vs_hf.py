@@ -3,7 +3,7 @@
 Each engine runs in its own child process (so peak RSS is per engine, read with os.wait4), one after
 the other, `--repeats` times, alternating; the table reports medians and the ratio.
 
-    python -m blockdraft.bench.cpu_vs_hf --model qwen2.5-coder-0.5b-instruct --max-tokens 64
+    python -m blockdraft.bench.cpu_vs_hf --model qwen2.5-coder-0.5b-instruct --max-tokens 64 [--threads 1]
 """
 
 from __future__ import annotations
@@ -54,10 +54,15 @@ def _child_hf(model: str, max_tokens: int, dtype: str) -> dict:
     return {"tokens": len(new), "seconds": dt, "token_ids": new}
 
 
-def _run_child(engine: str, args) -> dict:
+def _child_command(engine: str, args) -> list[str]:
+    """The command line of one measured child; --threads is passed on (both engines alike)."""
     cmd = [sys.executable, "-m", "blockdraft.bench.cpu_vs_hf", "--child", engine, "--model", args.model,
            "--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    return cmd + ([] if args.threads is None else ["--threads", str(args.threads)])
+
+
+def _run_child(engine: str, args) -> dict:
+    proc = subprocess.Popen(_child_command(engine, args), stdout=subprocess.PIPE, text=True)
     stdout = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
@@ -68,6 +73,8 @@ def _run_child(engine: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from blockdraft.cli import add_threads_flag, set_threads
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -75,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json-out", default="cpu_vs_hf.json")
     p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    add_threads_flag(p)
     args = p.parse_args(argv)
+    try:
+        set_threads(args.threads)  # the children are the ones measured: they get --threads too
+    except ValueError as e:
+        p.error(str(e))
     if args.child:
         fn = _child_ours if args.child == "ours" else _child_hf
         print(json.dumps(fn(args.model, args.max_tokens, args.dtype)))
@@ -102,7 +114,8 @@ def _report(runs: dict, args) -> dict:
     same = runs["ours"][0]["token_ids"] == runs["hf"][0]["token_ids"]
     return {
         "model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
-        "prompt": PROMPT, "cpu_count": os.cpu_count(), "identical_tokens": same, "engines": rows,
+        "prompt": PROMPT, "cpu_count": os.cpu_count(), "threads": args.threads, "identical_tokens": same,
+        "engines": rows,
         "speedup_ours_over_hf": rows["ours"]["tokens_per_s_median"] / rows["hf"]["tokens_per_s_median"],
     }
 

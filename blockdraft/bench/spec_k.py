@@ -83,6 +83,7 @@ def best_k(rows: list[dict], metric: str = "speedup") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from blockdraft.cli import add_threads_flag, set_threads
     from blockdraft.demo import DEMO_PROMPTS
     from blockdraft.drafters import SHIPPED, SHIPPED_DIR, resolve_draft
     from blockdraft.llm import LLM, load_target
@@ -106,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-default", action="store_true",
                    help="store the fastest K in the drafter folder's speculative.json (the shipped folder for 'shipped')")
     p.add_argument("--cache-dir", default=None)
+    add_threads_flag(p)
     args = p.parse_args(argv)
+    try:
+        set_threads(args.threads)  # before the target loads: the table's "machine" records it
+    except ValueError as e:
+        p.error(str(e))
 
     ks = [(int(k), int(v)) for k in args.ks.split(",") for v in args.draft_vocab_sizes.split(",")]
     draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
