@@ -199,7 +199,7 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                    help="B = 1 anchor + B-1 drafts (default 16, or the --init-from drafter's)")
     t.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from this drafter instead of random weights: a DFlash folder (config.json + "
-                        "*.safetensors) or 'shipped' (the one shipped for --target); its shape (MLP width, "
+                        "*.safetensors or model.int8) or 'shipped' (the one shipped for --target); its shape (MLP width, "
                         "feature layers, block size, mask token) is kept, --num-layers may add layers, which "
                         "start as identity (zero output projections) so training starts from its acceptance")
     t.add_argument("--mask-token-id", type=int, default=None,

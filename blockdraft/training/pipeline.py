@@ -105,7 +105,8 @@ def apply_init_shape(args, settings: dict):
     Raises:
         ValueError: a shape flag given with another value than the drafter's, or --num-layers
             below its depth (names the flag, both values and the folder); 'shipped' for a target
-            with none; FileNotFoundError: no drafter folder there.
+            with none; FileNotFoundError: no drafter folder there (the message lists what
+            --init-from takes: a folder or 'shipped'; 'auto' is not one).
     """
     if not getattr(args, "init_from", None):
         return None
@@ -114,6 +115,8 @@ def apply_init_shape(args, settings: dict):
 
     folder = Path(resolve_draft(SHIPPED, args.target, cache_dir=args.cache_dir) if args.init_from == SHIPPED
                   else args.init_from)
+    if not folder.is_dir():  # read_drafter_config's message is --draft's, which also takes 'auto'
+        raise FileNotFoundError(_init_from_not_a_folder(folder))
     config = read_drafter_config(folder)
     kept = {"--intermediate-size": (args.intermediate_size, config.intermediate_size),
             "--num-feature-layers": (args.num_feature_layers, len(config.target_layer_ids)),
@@ -130,6 +133,15 @@ def apply_init_shape(args, settings: dict):
                     num_feature_layers=len(config.target_layer_ids))
     args.block_size, args.mask_token_id = config.block_size, config.mask_token_id
     return folder, config
+
+
+def _init_from_not_a_folder(folder: Path) -> str:
+    """Why --init-from `folder` cannot be used, and the values --init-from takes (no 'auto')."""
+    what = "is a file, not a folder" if folder.exists() else "does not exist"
+    hint = (" (--init-from has no 'auto': leave the flag out to start from random weights)"
+            if str(folder) == "auto" else "")
+    return (f"drafter folder {str(folder)!r} {what}; --init-from takes a DFlash checkpoint folder (config.json + "
+            f"*.safetensors or model.int8) or 'shipped' (the drafter shipped for --target){hint}")
 
 
 def _check_int(flag: str, value, low: int) -> None:
