@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,7 +39,8 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
     Only exact catalog names match (a model given as a folder or file path has no shipped drafter).
     bf16 folders are returned in place; an int8 pack is expanded on first use into
     `<cache>/drafters/<model>-<sha256[:16] of the shipped files>/` (written to a temp folder, then
-    renamed), next to copies of config.json, speculative.json and draft_vocab.json.
+    renamed), next to copies of config.json, speculative.json and draft_vocab.json. Expanding a
+    new copy (the shipped files changed) removes the copies of older ones (`_remove_stale_copies`).
     """
     from blockdraft.drafters.pack import PACK_FILE
 
@@ -118,7 +120,7 @@ def resolve_draft(
 
 def _expand(folder: Path, cache_dir) -> Path:
     """The bf16 z-lab copy of shipped folder `folder`'s int8 pack under `<cache>/drafters/` (made
-    on first use; an incomplete copy is rebuilt).
+    on first use; an incomplete copy is rebuilt; once made, copies of older packs are removed).
 
     Raises:
         ValueError: the pack is damaged (checkpoint.read_weights_file).
@@ -132,7 +134,8 @@ def _expand(folder: Path, cache_dir) -> Path:
 
     pack_path = folder / PACK_FILE
     # Every shipped file keys the expanded copy, so a new config or K is never served stale.
-    sidecars = [f for f in ("config.json", SPECULATIVE_FILE, DRAFT_VOCAB_FILE) if (folder / f).is_file()]
+    copied = ("config.json", SPECULATIVE_FILE, DRAFT_VOCAB_FILE)
+    sidecars = [f for f in copied if (folder / f).is_file()]
     digest = hashlib.sha256()
     for name in [PACK_FILE, *sidecars]:
         digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
@@ -155,4 +158,31 @@ def _expand(folder: Path, cache_dir) -> Path:
         tmp.rename(dest)
     except OSError:  # another process finished first
         shutil.rmtree(tmp, ignore_errors=True)
+    # a new hash means the shipped files changed: the older copies (~25-40 MB each) would pile up
+    _remove_stale_copies(dest, folder.name, {"model.safetensors", *copied})
     return dest
+
+
+def _remove_stale_copies(dest: Path, drafter: str, files: set[str]) -> None:
+    """Delete the other expanded copies of `drafter` next to `dest`: folders named as `_expand`
+    names them (`<drafter>-<16 hex digits>`) that hold nothing but files it may write (`files`).
+
+    Anything else is left alone: other drafters, temp folders of an expansion in progress
+    (`.<drafter>-*`), symlinks, folders with other contents. Another process may still be using
+    an old copy (an older blockdraft sharing the cache): a removal that fails is silently skipped.
+    """
+    own_name = re.compile(re.escape(drafter) + r"-[0-9a-f]{16}")
+    try:
+        siblings = list(dest.parent.iterdir())
+    except OSError:
+        return
+    for old in siblings:
+        if old.name == dest.name or not own_name.fullmatch(old.name):
+            continue
+        try:
+            if old.is_symlink() or not old.is_dir():
+                continue
+            if all(f.name in files and f.is_file() and not f.is_symlink() for f in old.iterdir()):
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:  # gone or unreadable meanwhile (another process): not ours to insist on
+            continue
