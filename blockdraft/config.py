@@ -121,8 +121,9 @@ class CacheConfig:
     num_kv_blocks None: size the pool from GPU memory, using at most `gpu_memory_utilization`
     (in (0, 1]) of the device (blockdraft.runner.kv_budget); CUDA only.
     enable_prefix_caching: reuse the KV pages of full pages of a cached prompt prefix
-    (blockdraft.engine.kv_cache_manager). Off by default: vLLM turns it on by default, but here
-    it is not yet validated on the GPU path (CUDA graphs, async scheduling).
+    (blockdraft.engine.kv_cache_manager). Off by default (vLLM turns it on by default); on the GPU
+    (CUDA graphs, async scheduling) fp32 answers were identical, bf16 ones may flip at exact ties
+    (docs/benchmarks/gpu.md "Session 9").
     """
 
     kv_block_size: int = 16

@@ -116,8 +116,8 @@ class LLM:
         enable_prefix_caching: reuse the KV pages (target and drafter) of full pages of prompt
             prefixes already computed (blockdraft.engine.kv_cache_manager; vLLM's
             enable_prefix_caching). Same output; hits are counted in tokens in
-            `engine.scheduler.kv.stats`. Off by default (vLLM defaults it on): not yet validated
-            on the GPU path.
+            `engine.scheduler.kv.stats`. Off by default (vLLM defaults it on): on the GPU, fp32
+            answers were identical, bf16 ones may flip at exact ties.
         max_logprobs: the largest `SamplingParams.logprobs` a request may ask for (default 20, as
             vLLM's max_logprobs); `generate` refuses more with a ValueError naming `logprobs`.
     Raises:
@@ -210,6 +210,12 @@ class LLM:
         for rid, toks, p in zip(ids, token_lists, params):
             self.engine.add_request(rid, toks, p)
         return self._run(ids, use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's `LLM.reset_prefix_cache` (e.g. to time a cold
+        cache). Returns True when the cache is empty afterwards (also without prefix caching), False
+        (nothing changed) while requests are unfinished. The hit counters keep counting."""
+        return self.engine.reset_prefix_cache()
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """`generate` for one conversation or a list of conversations (chat template applied).

@@ -190,6 +190,17 @@ class KVCacheManager:
             request.prefix_serial = self._register(request.block_ids[i], hashes[i], key)
         request.num_registered_pages = num_pages
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`: after a weight update, or to
+        time a cold cache). Only while no request holds a page: returns False, changing nothing,
+        when one does; True when the cache is empty afterwards. `stats` keep counting (they are
+        totals since the engine started, as /metrics exports them)."""
+        if any(self._ref_counts):
+            return False
+        for page in list(self._page_hash):
+            self._evict(page)
+        return True
+
     def _register(self, page: int, h: int, key: tuple[int, tuple[int, ...]]) -> int:
         """Register `page` (whose prefix has hash `h` and key `key`) unless it or an equal prefix
         already is -> the serial of the registration that now names this prefix."""

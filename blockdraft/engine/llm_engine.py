@@ -121,6 +121,13 @@ class LLMEngine:
             return
         self._finish(req, "abort")
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (KVCacheManager.reset_prefix_cache); False (nothing changed)
+        while a request is unfinished or a step is in flight."""
+        if self._inflight is not None or self.scheduler.has_unfinished():
+            return False
+        return self.scheduler.kv.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

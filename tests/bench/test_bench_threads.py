@@ -1,4 +1,4 @@
-"""`--threads` on the `python -m blockdraft.bench.spec_k` / `cpu_vs_hf` scripts (the `blockdraft`
+"""`--threads` on the `python -m blockdraft.bench.spec_k` / `cpu_vs_hf` / `prefix_cache` scripts (the `blockdraft`
 commands' flag, from blockdraft.cli): parsed, applied to torch before any model work, refused
 below 1, and passed on to cpu_vs_hf's measured children. No model runs here."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import blockdraft.drafters
-from blockdraft.bench import cpu_vs_hf, spec_k
+from blockdraft.bench import cpu_vs_hf, prefix_cache, spec_k
 
 
 class _Stop(Exception):
@@ -28,15 +28,16 @@ def _stop(*args, **kwargs):
     raise _Stop
 
 
-def test_spec_k_sets_threads_before_any_model_work(monkeypatch, restore_threads):
+@pytest.mark.parametrize("main", [spec_k.main, prefix_cache.main])
+def test_bench_sets_threads_before_any_model_work(main, monkeypatch, restore_threads):
     monkeypatch.setattr(blockdraft.drafters, "resolve_draft", _stop)  # the first step after the flags
     torch.set_num_threads(2)
     with pytest.raises(_Stop):
-        spec_k.main(["--threads", "1"])
+        main(["--threads", "1"])
     assert torch.get_num_threads() == 1
 
 
-@pytest.mark.parametrize("main", [spec_k.main, cpu_vs_hf.main])
+@pytest.mark.parametrize("main", [spec_k.main, cpu_vs_hf.main, prefix_cache.main])
 def test_threads_below_one_is_a_usage_error(main, capsys, restore_threads):
     with pytest.raises(SystemExit) as e:
         main(["--threads", "0"])

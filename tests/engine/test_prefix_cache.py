@@ -206,3 +206,17 @@ def test_cli_flag_is_opt_in(command):
     assert p.parse_args(command + ["--enable-prefix-caching"]).enable_prefix_caching is True
     sub = p._subparsers._group_actions[0].choices[command[0]]
     assert "vLLM turns it on by default" in " ".join(sub.format_help().split())
+
+
+def test_reset_forgets_every_cached_prefix_only_when_no_page_is_held():
+    kv = _kv()
+    a = _computed(kv, "a", range(1, 11))
+    b = _req("b", list(range(1, 9)) + [7])
+    pages = a.block_ids[:2]
+    assert not kv.reset_prefix_cache()  # a holds pages: nothing changes
+    assert kv.find_cached_prefix(b) == pages
+    kv.free(a)
+    assert kv.find_cached_prefix(b) == pages  # freed pages stay cached ...
+    assert kv.reset_prefix_cache()
+    assert kv.find_cached_prefix(b) == []  # ... until the reset
+    assert kv.num_free_blocks == 16 and not kv._cached and not kv._page_key

@@ -197,3 +197,20 @@ def test_dflash_sampled_with_stops_and_hits_equals_plain_for_several_k(llama_tar
             assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
         assert llm.engine.scheduler.kv.stats.hits > 0
         assert sum(o.spec.num_drafted_tokens for o in outs) > 0
+
+
+def test_reset_prefix_cache_makes_the_next_request_miss_with_the_same_tokens(llama_target):
+    """LLM.reset_prefix_cache (vLLM's): the next request computes its prefix again, same tokens."""
+    first, second = _shared(2)
+    llm = make_llm(llama_target, enable_prefix_caching=True)
+    llm.generate([first], GREEDY)
+    want = llm.generate([second], GREEDY)[0].token_ids
+    hits = llm.engine.scheduler.kv.stats.hits
+    assert hits > 0
+    assert llm.reset_prefix_cache()
+    assert llm.generate([second], GREEDY)[0].token_ids == want
+    assert llm.engine.scheduler.kv.stats.hits == hits  # a miss: nothing served from the cache
+    llm.engine.add_request("open", second, GREEDY)
+    assert not llm.reset_prefix_cache()  # an unfinished request: refused
+    llm.engine.abort_request("open")
+    assert llm.reset_prefix_cache()
