@@ -220,7 +220,14 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         tr.cfg = TrainConfig(**{**cfg.__dict__, "steps": steps})
     _log(f"training {list(trainers)} for {steps} steps")
     t0 = time.time()
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(torch.device(args.device))
     last = fit_together(list(trainers.values()), progress=True, deadline=t0 + args.train_seconds * 1.1)
+    if torch.device(args.device).type == "cuda":  # what --cache-reserve-gib must leave for training
+        peak = torch.cuda.max_memory_allocated(torch.device(args.device))
+        cached = 0 if features is None else features.feats.numel() * features.feats.element_size()
+        results["train_peak_gib"] = {"allocated": round(peak / 2**30, 2), "feature_cache": round(cached / 2**30, 2)}
+        _log(f"training peak GPU memory {peak / 2**30:.1f} GiB, of which the feature cache {cached / 2**30:.1f} GiB")
     for (name, tr), summary in zip(trainers.items(), last):
         export_drafter(tr.drafter, work / name / "export")
         write_dataset_draft_vocab(work / name / "export", data, target_cfg.vocab_size, eos_ids,
@@ -352,8 +359,9 @@ def main(argv=None) -> int:
     r.add_argument("--gen-batch", type=int, default=512)
     r.add_argument("--gen-seconds", type=float, default=270)
     r.add_argument("--extend-seconds", type=float, default=0,
-                   help="when --work already holds data: answer prompts not in it yet for this long and add them "
-                        "as the next shard")
+                   help="when --work already holds data: answer prompts not in it yet and add them as the next "
+                        "shard, until this many seconds after the extension began (--synth-seconds of "
+                        "request sampling count in it: session 9 sampled 248 of 360 s, leaving 109 s to answer)")
     r.add_argument("--resample", action="store_true",
                    help="with --extend-seconds, after the prompts not answered yet (and the synthesized ones): answer "
                         "every prompt answered so far (synthesized ones included) again, all sampled at T = 0.7 with a "

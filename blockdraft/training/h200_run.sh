@@ -109,7 +109,7 @@ SEED=${SEED:-3}  # a continued run takes a new seed: other anchors and batches t
 RESAMPLE=${RESAMPLE:-}  # non-empty: after the unanswered (and synthesized) prompts, sampled answers again
 ENGINE=${ENGINE:-}  # session 6, non-empty: answers from our engine (gpu_run --gen-engine), SYNTH synthesized prompts
 SYNTH=${SYNTH:-0}
-SYNTH_SECONDS=${SYNTH_SECONDS:-60}  # session 7: 150 (60 s finished 1,510 of 16,384 samples)
+SYNTH_SECONDS=${SYNTH_SECONDS:-60}  # session 7: 150 (60 s finished 1,510 of 16,384 samples); counts in EXTEND
 SYNTH_MAX_TOKENS=${SYNTH_MAX_TOKENS:-256}  # session 8: 8,037 of 16,384 synthesized requests ran past 256 tokens
 LAYERS=${LAYERS:-2}  # session 7: 4, grown from the 2-layer drafter, shipped as an int8 pack (INT8=1)
 INT8=${INT8:-}
