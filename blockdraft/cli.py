@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from blockdraft.cpu_threads import add_threads_flag, set_threads
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `blockdraft` console script; returns the exit code."""
@@ -74,30 +76,6 @@ def _parser() -> argparse.ArgumentParser:
         if name != "fetch":
             add_threads_flag(command)
     return p
-
-
-def add_threads_flag(parser: argparse.ArgumentParser) -> None:
-    """`--threads N` on a parser that runs a model (every `blockdraft` command but fetch, and the
-    `python -m blockdraft.bench.*` scripts); apply it with `set_threads`."""
-    parser.add_argument(
-        "--threads", type=int, default=None,
-        help="CPU threads for the model's math (default: torch's, one per core); on a machine "
-             "shared with other jobs 1 can be much faster than oversubscribed cores")
-
-
-def set_threads(threads: int | None) -> None:
-    """Apply --threads (torch.set_num_threads) before any model work; None leaves torch's default.
-
-    Raises:
-        ValueError: threads < 1.
-    """
-    if threads is None:
-        return
-    if threads < 1:
-        raise ValueError(f"--threads must be an integer >= 1, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)
 
 
 def _add_draft_flags(p: argparse.ArgumentParser) -> None:

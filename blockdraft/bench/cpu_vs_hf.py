@@ -73,7 +73,7 @@ def _run_child(engine: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from blockdraft.cli import add_threads_flag, set_threads
+    from blockdraft.cpu_threads import add_threads_flag, set_threads
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")

@@ -79,7 +79,7 @@ def summarize(outputs: dict[str, list]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison; exit status 1 if an answer differed with the cache on at a token that
     was not a near-tie (bf16 may flip those, see `divergences`)."""
-    from blockdraft.cli import add_threads_flag, set_threads
+    from blockdraft.cpu_threads import add_threads_flag, set_threads
     from blockdraft.drafters import resolve_draft
     from blockdraft.llm import LLM, load_target
     from blockdraft.sampling_params import SamplingParams

@@ -83,7 +83,7 @@ def best_k(rows: list[dict], metric: str = "speedup") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from blockdraft.cli import add_threads_flag, set_threads
+    from blockdraft.cpu_threads import add_threads_flag, set_threads
     from blockdraft.demo import DEMO_PROMPTS
     from blockdraft.drafters import SHIPPED, SHIPPED_DIR, resolve_draft
     from blockdraft.llm import LLM, load_target
