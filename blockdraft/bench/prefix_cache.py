@@ -4,12 +4,11 @@ Requests to a chat service often share a long system prompt. With `enable_prefix
 engine computes its KV pages (target and drafter) once and later requests start from them. One
 process loads the target once; two engines share it (`LLM(target=...)`), prefix caching off and
 on, each with its own KV pool. Warm-up rounds (`--warmup-rounds`) first run the timed round's
-requests untimed, then the cache is emptied (`LLM.reset_prefix_cache`): every shape has run once, so
-JIT compiles (Triton on the GPU: ~0.9 s for a first cache-hit prefill shape) stay out of the
-timings. In the timed round
-each engine first answers a warm-up question (with caching on this fills the cache), then every
-question is answered by both engines, one request at a time, the engine going first alternating
-so machine drift lands on both. Each question is asked once per
+requests untimed, then the cache is emptied (`LLM.reset_prefix_cache`): every shape has run once,
+so JIT compiles (Triton on the GPU: ~0.9 s for a first cache-hit prefill shape) stay out of the
+timings. In the timed round each engine first answers a warm-up question (with caching on this
+fills the cache), then every question is answered by both engines, one request at a time, the
+engine going first alternating so machine drift lands on both. Each question is asked once per
 engine: asked again, the caching engine would also reuse the question's own pages. Prints a
 table (median time to first token and latency over the questions, cached tokens) and checks every
 answer is the same token for token with and without the cache; where one differs, it reports the
