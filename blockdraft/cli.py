@@ -23,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
         # The checks word their messages for the Python API; here the value came from a flag: name it.
         print(f"error: {flag_message(e, _command(parser, args.command)._option_string_actions)}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. --cache-dir / $BLOCKDRAFT_CACHE naming a file, a folder not writable
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: {e.strerror or e}{where} (check the paths given: --cache-dir / $BLOCKDRAFT_CACHE, "
+              f"--model, --draft, --out)", file=sys.stderr)
+        return 1
 
 
 def _command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

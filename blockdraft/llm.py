@@ -74,12 +74,12 @@ def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir:
 
 
 def _catalog_name(path: str) -> str:
-    """The catalog name of a target loaded from `<cache>/models/<name>/`, else `path` itself (which
-    names no shipped drafter, so draft="auto" decodes plainly and "shipped" explains why)."""
-    from blockdraft.weights.catalog import CATALOG
+    """The catalog name of a target loaded from the folder `fetch` made for it
+    (weights.fetch.catalog_name_of), else `path` itself (which names no shipped drafter, so
+    draft="auto" decodes plainly and "shipped" explains why)."""
+    from blockdraft.weights.fetch import catalog_name_of
 
-    name = Path(path).name
-    return name if name in CATALOG else str(path)
+    return catalog_name_of(str(path))
 
 
 class LLM:

@@ -89,8 +89,9 @@ def resolve_draft(
 ) -> str | None:
     """The CLI's `--draft auto | shipped | PATH` and `--no-draft` -> a drafter folder, or None (plain).
 
-    `auto` (also `draft=None`) picks the drafter shipped for catalog model `model` when one exists
-    and plain decoding otherwise; `shipped` insists on it.
+    `auto` (also `draft=None`) picks the drafter shipped for catalog model `model` (a catalog name,
+    or the folder `blockdraft fetch` made for one) when one exists and plain decoding otherwise;
+    `shipped` insists on it.
     Raises:
         ValueError: `shipped` for a model with no shipped drafter (names the models that have one);
             `num_speculative_tokens` given while `auto` finds no drafter, or outside the shipped
@@ -100,6 +101,9 @@ def resolve_draft(
         return None
     if draft not in (None, AUTO, SHIPPED):
         return draft
+    from blockdraft.weights.fetch import catalog_name_of
+
+    model = catalog_name_of(model)
     if num_speculative_tokens is not None and model in shipped_names():
         from blockdraft.spec.dflash.checkpoint import read_drafter_config
 

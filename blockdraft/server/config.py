@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockdraft.errors import param_error
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
 
 
@@ -40,17 +41,18 @@ class ServerConfig:
     log_requests: bool = True
 
     def __post_init__(self) -> None:
+        # param_error: `blockdraft serve` then names the flag ("max_n (--max-n) must be >= 1, got 0")
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+            raise param_error("port", f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must be a non-empty string (or unset)")
+            raise param_error("api_key", "api_key must be a non-empty string (or unset)")
         if not self.served_model_name:
-            raise ValueError("served_model_name must be non-empty")
+            raise param_error("served_model_name", "served_model_name must be non-empty")
         for name in ("max_body_bytes", "max_tokens_limit", "max_n", "max_choices", "max_stop", "max_stop_chars", "max_pending"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise param_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+            raise param_error("max_logprobs", f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,7 @@ def _logprobs(req, config: ServerConfig, model: ModelInfo) -> int | None:
     # the engine would refuse more than its own limit anyway: say so here, with the request's name
     limit = min(config.max_logprobs, model.max_logprobs)
     if value is not None and value > limit:
-        raise APIError(400, f"{name} must be <= {limit}, got {value}", param=name)
+        raise APIError(400, f"{name} must be <= {limit} (the server's --max-logprobs), got {value}", param=name)
     return value
 
 

@@ -56,6 +56,21 @@ def is_complete(folder: Path) -> bool:
     return (Path(folder) / MARKER).is_file()
 
 
+def catalog_name_of(model: str) -> str:
+    """`model` as the catalog names it: a catalog name stays; a model folder that `fetch` made for
+    a catalog model (`<cache>/models/<name>/`, the path `blockdraft fetch` prints; its marker names
+    the catalog entry and the GGUF's sha256) becomes that name; anything else is returned as is
+    (a user's own folder, even one named like a catalog model, gets no shipped drafter)."""
+    if model in CATALOG:
+        return model
+    try:
+        marker = json.loads((Path(model) / MARKER).read_text())
+    except (OSError, ValueError):
+        return model
+    entry = CATALOG.get(marker.get("name")) if isinstance(marker, dict) else None
+    return entry.name if entry is not None and marker.get("sha256") == entry.sha256 else model
+
+
 def sha256_file(path: Path, progress: bool = False) -> str:
     """Hex sha256 of the file at `path`."""
     h = hashlib.sha256()

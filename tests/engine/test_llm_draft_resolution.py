@@ -23,6 +23,40 @@ def test_auto_and_shipped_follow_the_loaded_target(tmp_path):
         LLM(target=plain.target, draft="shipped")
 
 
-def test_catalog_name_of_a_cached_folder():
-    assert _catalog_name("/x/models/qwen2.5-coder-0.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
+def _fetched_folder(root, name, sha):
+    """A folder as `blockdraft fetch` leaves it: the marker naming the catalog entry and GGUF sha."""
+    import json
+
+    from blockdraft.weights.fetch import MARKER
+
+    folder = root / "models" / name
+    folder.mkdir(parents=True)
+    (folder / MARKER).write_text(json.dumps({"name": name, "sha256": sha}))
+    return str(folder)
+
+
+def test_catalog_name_of_a_fetched_folder_only(tmp_path):
+    from blockdraft.weights.catalog import CATALOG
+
+    name = "qwen2.5-coder-0.5b-instruct"
+    assert _catalog_name(_fetched_folder(tmp_path / "a", name, CATALOG[name].sha256)) == name
+    # named like a catalog model but not fetch's conversion of it (no marker, other GGUF): no mapping
+    assert _catalog_name(str(tmp_path / "models" / name)) == str(tmp_path / "models" / name)
+    other = _fetched_folder(tmp_path / "b", name, "0" * 64)
+    assert _catalog_name(other) == other
     assert _catalog_name("/x/models/mine") == "/x/models/mine"
+
+
+def test_cli_draft_resolution_maps_the_path_fetch_prints(tmp_path):
+    """`blockdraft generate --model <the path fetch printed>` keeps the shipped drafter (auto and
+    shipped), as `--model <name>` does."""
+    from blockdraft.drafters import resolve_draft, shipped_names
+    from blockdraft.weights.catalog import CATALOG
+
+    name = "qwen2.5-coder-0.5b-instruct"
+    assert name in shipped_names()
+    folder = _fetched_folder(tmp_path, name, CATALOG[name].sha256)
+    want = resolve_draft("auto", name, cache_dir=tmp_path / "cache")
+    assert want is not None
+    assert resolve_draft("auto", folder, cache_dir=tmp_path / "cache") == want
+    assert resolve_draft("shipped", folder, cache_dir=tmp_path / "cache") == want

@@ -21,11 +21,11 @@ def test_the_smaller_limit_applies(server_limit, engine_limit):
     config, model = ServerConfig(max_logprobs=server_limit), _model(engine_limit)
     ok = build_plan(CompletionRequest(prompt=[1, 2], logprobs=5, max_tokens=2), [[1, 2]], config, model)
     assert ok.params[0].logprobs == 5
-    with pytest.raises(APIError, match=r"^logprobs must be <= 5, got 6$") as e:
+    with pytest.raises(APIError, match=r"^logprobs must be <= 5 \(the server's --max-logprobs\), got 6$") as e:
         build_plan(CompletionRequest(prompt=[1, 2], logprobs=6, max_tokens=2), [[1, 2]], config, model)
     assert e.value.status == 400 and e.value.param == "logprobs"
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=6)
-    with pytest.raises(APIError, match=r"^top_logprobs must be <= 5, got 6$"):
+    with pytest.raises(APIError, match=r"^top_logprobs must be <= 5 \(the server's --max-logprobs\), got 6$"):
         build_plan(chat, [[1, 2]], config, model)
 
 
@@ -49,3 +49,12 @@ def test_serve_max_logprobs_sets_the_server_and_the_engine_limit(monkeypatch):
     assert built.value.args[0]["max_logprobs"] == 5
     default = _parser().parse_args(["serve", "--no-draft"])
     assert config_from_args(default).max_logprobs == 20
+
+
+def test_serve_limit_errors_name_the_flag_before_any_model_loads(capsys):
+    from blockdraft.cli import main
+
+    for flag, value in (("--max-logprobs", "-1"), ("--max-n", "0"), ("--port", "70000")):
+        assert main(["serve", "--model", "/nonexistent-model", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert f"({flag}) must be" in err and err.count("\n") == 1, err
