@@ -6,10 +6,14 @@
 
 The same checks serve both callers (SamplingParams, LLM, the engine configs), so a message can
 only name the Python parameter; the flag is added where the value came from a flag.
+
+Also the check of an output file flag (check_writable_file, refuse_unwritable), shared by the CLI
+commands and the `python -m blockdraft.bench.*` scripts, which must not import blockdraft.cli.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 
@@ -35,3 +39,33 @@ def flag_message(error: BaseException, flags) -> str:
     if param is None or flag_of(param) not in flags:
         return message
     return re.sub(rf"(?<![\w.-]){re.escape(param)}(?![\w-])", f"{param} ({flag_of(param)})", message, count=1)
+
+
+def check_writable_file(path: str, flag: str = "--json") -> None:
+    """Refuse an output file path before any work, so that minutes of decoding are not lost
+    writing it: a missing (or non-folder) parent, a path that is a folder, an unwritable location.
+
+    Raises:
+        ValueError: naming `flag` and `path`.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    # "out/" or an existing folder: open() would raise IsADirectoryError only after the run
+    if str(path).endswith((os.sep, "/")) or os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a folder: give a file path, e.g. {os.path.join(path, 'report.json')!r}")
+    if not os.path.exists(folder):
+        raise ValueError(f"{flag} {path!r}: folder {folder!r} does not exist")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path!r}: not writable")
+
+
+def refuse_unwritable(parser, flag: str, path: str | None) -> None:
+    """`parser.error` (one usage line, exit 2) when `path` (given with `flag`) is no writable file
+    path (check_writable_file); nothing when `path` is None or empty (flag not given)."""
+    if not path:
+        return
+    try:
+        check_writable_file(path, flag)
+    except ValueError as e:
+        parser.error(str(e))

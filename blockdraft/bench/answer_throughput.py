@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.errors import refuse_unwritable
+
 SAMPLERS = ("compiled", "eager")
 
 
@@ -130,6 +132,7 @@ def main(argv=None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_prompt < args.min_prompt:
         p.error(f"--max-prompt ({args.max_prompt}) must be >= --min-prompt ({args.min_prompt})")
+    refuse_unwritable(p, "--out", args.out)  # before the run, not when writing its result
     try:
         result = run(args)
     except ValueError as e:

@@ -33,6 +33,7 @@ import torch
 from blockdraft.attention.dense_ref import paged_attention_dense
 from blockdraft.attention.metadata import AttentionMetadata, build_metadata
 from blockdraft.attention.torch_ref import paged_attention
+from blockdraft.errors import refuse_unwritable
 
 # name -> (num_heads, num_kv_heads, head_dim)
 SHAPES = {"qwen2.5-0.5b": (14, 2, 64), "qwen3-8b": (32, 8, 128)}
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available (use --device cpu --tiny for a smoke test)")
+    refuse_unwritable(p, "--out", args.out)  # before the run, not when writing its result
     args.ctx = args.ctx or ([24, 40] if args.tiny else [1024, 4096])
     args.batch = args.batch or ([1, 2] if args.tiny else [1, 8, 32])
     print(f"device {args.device}  dtype {args.dtype}  kv_block_size {KV_BLOCK_SIZE}  (median ms)")

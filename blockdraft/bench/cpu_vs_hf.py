@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from blockdraft.errors import refuse_unwritable
+
 PROMPT = "Write a Python function that checks whether a number is prime."
 
 
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         fn = _child_ours if args.child == "ours" else _child_hf
         print(json.dumps(fn(args.model, args.max_tokens, args.dtype)))
         return 0
+    refuse_unwritable(p, "--json-out", args.json_out)  # before the runs, not when writing their result
     runs = {"ours": [], "hf": []}
     for _ in range(args.repeats):
         for engine in ("ours", "hf"):

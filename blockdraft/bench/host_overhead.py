@@ -46,6 +46,7 @@ import torch
 
 from blockdraft.bench.engines import DFLASH, FORCED, PLAIN, Generation
 from blockdraft.bench.shapes import SHAPES, model_config
+from blockdraft.errors import refuse_unwritable
 
 # The CPU smoke shape cut down further (2 layers, vocab 1024): the forward costs next to nothing.
 HOST_SHAPE = replace(
@@ -282,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests per case, at most BATCH at once (mixed prefill + decode steps); 0: one batch")
     p.add_argument("--profile", metavar="MODE/BATCH", help="print a cProfile of one case instead")
     args = p.parse_args(argv)
+    refuse_unwritable(p, "--out", args.out)  # before the run, not when writing its result
     torch.set_num_threads(args.threads)
     if args.profile:
         print(profile_case(args.profile, args.max_tokens, args.prompt_len, args.num_speculative_tokens, args.path,

@@ -77,11 +77,12 @@ def summarize(outputs: dict[str, list]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison; exit status 1 if an answer differed with the cache on at a token that
-    was not a near-tie (bf16 may flip those, see `divergences`)."""
+    was not a near-tie (bf16 may flip those, see `divergences`). Bad flags, and a --json path that
+    cannot be written, are usage errors (exit 2) before any model loads; a bad model or drafter
+    (the library's ValueError / FileNotFoundError) is one `error:` line on stderr, exit 2."""
     from blockdraft.cpu_threads import add_threads_flag, set_threads
-    from blockdraft.drafters import resolve_draft
-    from blockdraft.llm import LLM, load_target
-    from blockdraft.sampling_params import SamplingParams
+    from blockdraft.errors import flag_message, refuse_unwritable
+    from blockdraft.preflight import DTYPE_CHOICES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name or model folder")
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-questions", type=int, default=len(QUESTIONS) - 1,
                    help=f"questions timed after the warm-up, 1..{len(QUESTIONS) - 1} (default all)")
     p.add_argument("--max-tokens", type=int, default=16, help="new tokens per answer (default 16)")
-    p.add_argument("--dtype", default="auto", help="weights/KV dtype (default auto: the checkpoint's)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights/KV dtype (default auto: the checkpoint's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="default cpu")
     p.add_argument("--warmup-rounds", type=int, default=1,
                    help="untimed rounds of the same requests first (the cache emptied after them), so that "
@@ -113,6 +115,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--warmup-rounds must be in [0, 8], got {args.warmup_rounds}")
     if args.system_tokens < 1 or args.max_tokens < 1:
         p.error(f"--system-tokens and --max-tokens must be >= 1, got {args.system_tokens} and {args.max_tokens}")
+    refuse_unwritable(p, "--json", args.json)  # now, not after the whole measurement
+    try:
+        return _measure(args, argv)
+    except (ValueError, FileNotFoundError) as e:  # a bad --model / --draft: one line, no traceback
+        print(f"error: {flag_message(e, p._option_string_actions)}", file=sys.stderr)
+        return 2
+
+
+def _measure(args, argv: list[str] | None) -> int:
+    """main's body after the flags are checked: load, run the rounds, print, write --json."""
+    from blockdraft.drafters import resolve_draft
+    from blockdraft.llm import LLM, load_target
+    from blockdraft.sampling_params import SamplingParams
 
     draft = None if args.no_draft else resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
     target = load_target(args.model, args.dtype, device=args.device, cache_dir=args.cache_dir)

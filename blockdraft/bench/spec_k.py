@@ -82,25 +82,54 @@ def best_k(rows: list[dict], metric: str = "speedup") -> int:
     return best_row(rows, metric)["k"]
 
 
+def parse_int_list(text: str, flag: str, minimum: int) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]: comma-separated integers >= `minimum`.
+
+    Raises:
+        ValueError: an empty entry or one that is not an integer >= `minimum`, naming `flag`.
+    """
+    values = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise ValueError(f"{flag}: {part.strip()!r} in {text!r} is not an integer; "
+                             f"give comma-separated integers, e.g. 1,2,3") from None
+        if value < minimum:
+            raise ValueError(f"{flag}: {value} in {text!r} must be >= {minimum}")
+        values.append(value)
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the table; exit 1 when a K's answers differ from plain decoding.
+
+    Bad flags (--ks, --draft-vocab-sizes, --repeats, --max-tokens, --dtype, an unwritable --json)
+    are usage errors (exit 2) before anything loads; so is a K or draft vocabulary size the drafter
+    folder refuses (preflight, no weights read). Any other error from the library (a bad --model or
+    --draft: ValueError / FileNotFoundError) is one `error:` line on stderr, exit 2, no traceback.
+    """
     from blockdraft.cpu_threads import add_threads_flag, set_threads
-    from blockdraft.demo import DEMO_PROMPTS
-    from blockdraft.drafters import SHIPPED, SHIPPED_DIR, resolve_draft
-    from blockdraft.llm import LLM, load_target
-    from blockdraft.sampling_params import SamplingParams
-    from blockdraft.spec.dflash.checkpoint import write_recommended_num_speculative_tokens
+    from blockdraft.drafters import SHIPPED
+    from blockdraft.errors import flag_message, refuse_unwritable
+    from blockdraft.preflight import DTYPE_CHOICES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct",
+                   help="catalog name or model folder (default %(default)s)")
     p.add_argument("--draft", default=SHIPPED, help="drafter folder or 'shipped' (default)")
-    p.add_argument("--ks", default="1,2,3,4,7,15", help="comma-separated K values")
+    p.add_argument("--ks", default="1,2,3,4,7,15",
+                   help="comma-separated K values (drafts per step), each in [1, block_size - 1] of the drafter "
+                        "(default %(default)s)")
     p.add_argument("--draft-vocab-sizes", default="0",
                    help="comma-separated draft vocabulary sizes to try with every K (0 = full vocabulary; "
                         "N needs the drafter's draft_vocab.json); default 0")
-    p.add_argument("--prompts", nargs="*", default=None, help="default: the demo's prompts")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--prompts", nargs="+", default=None, help="prompts (default: the demo's prompts)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer, >= 1 (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timed runs per prompt and engine, >= 1; medians (default %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights/KV dtype (default %(default)s: the checkpoint's)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the table and all timings here")
     p.add_argument("--choose-by", default="speedup", choices=["speedup", "cpu_speedup"],
                    help="wall-time speedup (default) or CPU-time speedup (use on a shared machine)")
@@ -111,11 +140,45 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         set_threads(args.threads)  # before the target loads: the table's "machine" records it
+        ks = [(k, v) for k in parse_int_list(args.ks, "--ks", 1)
+              for v in parse_int_list(args.draft_vocab_sizes, "--draft-vocab-sizes", 0)]
     except ValueError as e:
         p.error(str(e))
+    for flag, value in (("--repeats", args.repeats), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    if any(not t.strip() for t in args.prompts or []):
+        p.error("--prompts: a prompt is empty")
+    refuse_unwritable(p, "--json", args.json)  # now, not after minutes of timing
+    try:
+        return _measure(args, argv, ks, p)
+    except (ValueError, FileNotFoundError) as e:  # e.g. a bad --model / --draft: one line, no traceback
+        print(f"error: {flag_message(e, p._option_string_actions)}", file=sys.stderr)
+        return 2
 
-    ks = [(int(k), int(v)) for k in args.ks.split(",") for v in args.draft_vocab_sizes.split(",")]
+
+def _measure(args, argv: list[str] | None, ks: list[tuple[int, int]], p) -> int:
+    """main's body after the flags are checked: check every (K, vocabulary) against the drafter,
+    load, time, print the table, write --json and --write-default."""
+    from blockdraft.demo import DEMO_PROMPTS
+    from blockdraft.drafters import SHIPPED, SHIPPED_DIR, resolve_draft
+    from blockdraft.llm import LLM, load_target
+    from blockdraft.preflight import preflight
+    from blockdraft.sampling_params import SamplingParams
+    from blockdraft.spec.dflash.checkpoint import write_recommended_num_speculative_tokens
+
     draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
+    for k, v in ks:  # the drafter's K range and vocabulary, before seconds of loading the target
+        try:
+            preflight(args.model, draft, k, args.dtype, kv_block_size=16, num_kv_blocks=128,
+                      cache_dir=args.cache_dir, draft_vocab_size=v)
+        except ValueError as e:
+            # a K or vocabulary size this drafter refuses is a bad --ks / --draft-vocab-sizes entry
+            flag = {"num_speculative_tokens": "--ks", "draft_vocab_size": "--draft-vocab-sizes"}.get(
+                getattr(e, "param", None))
+            if flag is None:
+                raise
+            p.error(f"{flag}: {e}")
     target = load_target(args.model, args.dtype, cache_dir=args.cache_dir)
     small_pool = dict(num_kv_blocks=128, kv_block_size=16)  # 2048 tokens: plenty for short prompts
     engines = {PLAIN: LLM(target=target, **small_pool)}

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.errors import refuse_unwritable
+
 
 def _positive_ints(text: str) -> list[int]:
     try:
@@ -157,6 +159,7 @@ def main(argv=None) -> int:
             p.error(f"--{part}-len-min {lo} is larger than --{part}-len-max {hi}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available here; use --device cpu")
+    refuse_unwritable(p, "--out", args.out)  # before the run, not when writing its result
     try:
         result = measure(args)
     except ValueError as e:

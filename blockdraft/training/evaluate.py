@@ -191,12 +191,12 @@ def _pyplot():
 
 def main(args) -> int:
     """CLI body of `blockdraft eval-drafter` (arguments from cli.py)."""
-    from blockdraft.demo import _check_writable
+    from blockdraft.errors import check_writable_file
     from blockdraft.drafters import shipped_drafter
 
     if args.plot:  # fail before minutes of decoding, not after
         _pyplot()
-        _check_writable(args.plot, "--plot")
+        check_writable_file(args.plot, "--plot")
     from blockdraft.preflight import read_target_config
 
     read_target_config(args.target, args.cache_dir)  # an unknown model is named as such, not as "no drafter"
