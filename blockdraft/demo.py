@@ -6,7 +6,8 @@ for token (speculation must be lossless), the mean acceptance length (accepted d
 verify step, from the engine's SpecStats) and the speed of both, measured interleaved in the same
 process (blockdraft.side_by_side). Each answer is printed as soon as both engines have produced
 it once; with one timed run, its speed line follows once that prompt's run is done, with more, the
-speed lines of all prompts follow once every timed run is done.
+speed lines of all prompts follow once every timed run is done. A speedup above the acceptance
+length cannot be real (the timing was disturbed by other load): a warning line follows it.
 """
 
 from __future__ import annotations
@@ -244,16 +245,34 @@ def format_answer(index: int, total: int, p: PromptResult) -> str:
 
 
 def format_speed(index: int, total: int, p: PromptResult) -> str:
-    """One prompt's speed line (after all its timed runs): tokens/s at the median time, speedup."""
+    """One prompt's speed line (after all its timed runs): tokens/s at the median time, speedup;
+    followed by a warning line when the speedup exceeds the acceptance length (_disturbed_note)."""
     flaky = "" if p.deterministic else " | repeats gave the same tokens: NO"
     return (
         f"  -> [{index}/{total}] plain {p.plain_tokens_per_s:.1f} tok/s | DFlash {p.dflash_tokens_per_s:.1f} tok/s | "
         f"speedup {p.speedup:.2f}x{flaky}"
+    ) + _disturbed_note(p.speedup, p.acceptance_length, "  ")
+
+
+def _disturbed_note(speedup: float | None, acceptance_length: float | None, indent: str = "") -> str:
+    """A warning line when `speedup` exceeds `acceptance_length`, else ''.
+
+    Such a speedup is not real: a verify step commits at most acceptance-length tokens on average
+    and costs about a plain step or more, so the plain runs must have been slowed (other jobs on
+    the machine) and the timing is disturbed.
+    """
+    if speedup is None or acceptance_length is None or speedup <= acceptance_length:
+        return ""
+    return (
+        f"\n{indent}warning: speedup {speedup:.2f}x exceeds the acceptance length {acceptance_length:.2f}, which is "
+        f"impossible: the timing looks disturbed by other load on the machine; re-run with --repeats 3 "
+        f"(or on a quiet machine)"
     )
 
 
 def format_summary(report: DemoReport) -> str:
-    """The last line: pooled over all prompts."""
+    """The last line: pooled over all prompts; then warning lines when the pooled speedup exceeds
+    the pooled acceptance length (_disturbed_note) or plain speed swung across runs (_busy_note)."""
     s = report.summary()
     tau = "n/a" if s["acceptance_length"] is None else f"{s['acceptance_length']:.2f}"
     return (
@@ -261,7 +280,7 @@ def format_summary(report: DemoReport) -> str:
         f"{s['num_output_tokens']} tokens | acceptance length {tau} | "
         f"plain {s['plain_tokens_per_s']:.1f} tok/s | DFlash {s['dflash_tokens_per_s']:.1f} tok/s | "
         f"speedup {s['speedup']:.2f}x"
-    ) + _busy_note(report)
+    ) + _disturbed_note(s["speedup"], s["acceptance_length"]) + _busy_note(report)
 
 
 # Plain decoding speeds of one demo's runs further apart than this mean the machine was busy.
@@ -330,6 +349,7 @@ def main(args) -> int:
         ValueError: bad flags (naming the value), no drafter for the model, bad prompts.
     """
     from blockdraft.drafters import SHIPPED
+    from blockdraft.errors import check_writable_file
     from blockdraft.llm import load_target
     from blockdraft.preflight import preflight
 
@@ -337,8 +357,8 @@ def main(args) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.json:  # fail before minutes of decoding, not after
-        _check_writable(args.json)
+    if args.json:  # fail before minutes of decoding, not after (missing folder, a folder, unwritable)
+        check_writable_file(args.json, "--json")
     prompts = list(args.prompts) or list(DEMO_PROMPTS)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     check_demo_inputs(prompts, params)
@@ -381,14 +401,3 @@ def main(args) -> int:
         print("error: speculative decoding changed an answer; please report this as a bug", file=sys.stderr)
         return 1
     return 0
-
-
-def _check_writable(path: str, flag: str = "--json") -> None:
-    """Raise ValueError naming `flag` and `path` when its folder does not exist or the file cannot be written."""
-    import os
-
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path!r}: folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{flag} {path!r}: not writable")

@@ -155,6 +155,62 @@ def test_demo_refuses_an_unwritable_json_path_before_decoding(tiny, tmp_path, ca
     assert "identical to plain" not in err.out  # nothing was decoded
 
 
+def test_demo_refuses_a_json_path_that_is_a_folder_before_decoding(tiny, tmp_path, capsys):
+    """--json naming a folder failed with IsADirectoryError after every prompt was decoded."""
+    model, drafter = tiny
+    assert main(["demo", "w05x", "--model", str(model), "--draft", str(drafter), "--json", str(tmp_path)]) == 2
+    err = capsys.readouterr()
+    assert f"--json {str(tmp_path)!r} is a folder" in err.err and len(err.err.strip().splitlines()) == 1
+    assert "identical to plain" not in err.out  # nothing was decoded
+
+
+def _result(speedup: float, acceptance_length: float | None):
+    from blockdraft.demo import PromptResult
+
+    return PromptResult("p", "t", [1] * 10, "length", True, None, True, 10, acceptance_length, [0.5], 4, 8, 2,
+                        [1.0], [1.0 / speedup], [1.0], [1.0 / speedup], 10.0, 10.0 * speedup, speedup)
+
+
+def test_speed_line_warns_when_the_speedup_exceeds_the_acceptance_length():
+    """More speedup than acceptance length is impossible: the timing was disturbed by other load."""
+    from blockdraft.demo import DemoReport, format_speed, format_summary
+
+    assert "warning" not in format_speed(1, 1, _result(1.4, 1.5))
+    assert "warning" not in format_speed(1, 1, _result(1.4, None))  # no drafts: nothing to compare
+    line, warning = format_speed(1, 1, _result(3.0, 1.5)).splitlines()
+    assert line.endswith("speedup 3.00x")
+    assert warning == ("  warning: speedup 3.00x exceeds the acceptance length 1.50, which is impossible: the timing "
+                       "looks disturbed by other load on the machine; re-run with --repeats 3 (or on a quiet machine)")
+    report = DemoReport("m", "d", "bfloat16", 4, 96, 1, 0.0, None, 2, prompts=[_result(3.0, 1.5)])
+    assert format_summary(report).splitlines()[1].startswith("warning: speedup 3.00x exceeds the acceptance length")
+    calm = DemoReport("m", "d", "bfloat16", 4, 96, 1, 0.0, None, 2, prompts=[_result(1.2, 1.5)])
+    assert "warning" not in format_summary(calm)
+
+
+def test_demo_warns_after_each_prompt_whose_timing_was_disturbed(tiny, tmp_path, capsys, monkeypatch):
+    """End to end with faked timing: plain runs made 1000x slower (as if other jobs took the cores)."""
+    import blockdraft.demo
+    from blockdraft.side_by_side import TimedRun
+
+    real = blockdraft.demo.compare_engines
+
+    def slow_plain(engines, *args, **kwargs):
+        runs = real(engines, *args, **kwargs)
+        runs["plain"] = [TimedRun(r.output, [t * 1000 for t in r.seconds], r.cpu_seconds, r.deterministic)
+                         for r in runs["plain"]]
+        return runs
+
+    monkeypatch.setattr(blockdraft.demo, "compare_engines", slow_plain)
+    _demo(tiny, tmp_path, "--repeats", "2")
+    lines = capsys.readouterr().out.splitlines()
+    speed = [i for i, line in enumerate(lines) if line.startswith("  -> [") and " plain " in line]
+    assert len(speed) == 2
+    for i in speed:
+        assert lines[i + 1].startswith("  warning: speedup") and "--repeats 3" in lines[i + 1]
+    summary = next(i for i, line in enumerate(lines) if line.startswith("summary:"))
+    assert lines[summary + 1].startswith("warning: speedup")
+
+
 def test_demo_header_names_the_draft_vocabulary():
     from blockdraft.demo import DemoReport, format_header
 
