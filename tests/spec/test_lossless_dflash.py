@@ -57,8 +57,9 @@ def test_mask_token_equal_to_an_emitted_token_and_a_stop_id_changes_nothing(llam
 
 def _exact_third_token_distribution(target, prompt, temperature):
     """P(output[2] = v), marginalised over output[0] and output[1], from the target's logits (float64)."""
-    llm = make_llm(target, max_num_seqs=256, max_num_batched_tokens=4096)
     vocab = target.config.vocab_size
+    # logprobs over the whole (tiny) vocabulary: above the default limit of 20 (vLLM's max_logprobs)
+    llm = make_llm(target, max_num_seqs=256, max_num_batched_tokens=4096, max_logprobs=vocab)
     with torch.inference_mode():
         p0 = _next_probs(llm, [prompt], temperature)[0]  # [V]
         p1 = _next_probs(llm, [prompt + [a] for a in range(vocab)], temperature)  # [V, V]
