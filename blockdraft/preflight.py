@@ -128,6 +128,8 @@ def preflight(
 
     model = model or DEFAULT_MODEL
     # 1. The values alone.
+    if not isinstance(model, (str, os.PathLike)):
+        raise param_error("model", f"model must be a catalog name or a path (str), got {type(model).__name__} {model!r:.40}")
     device = resolve_device(device)
     check_dtype(dtype)
     if num_kv_blocks is None and device != "cuda":

@@ -27,6 +27,28 @@ def config_from_args(args) -> ServerConfig:
     )
 
 
+def check_address(host: str, port: int) -> None:
+    """Refuse a `--host` that does not resolve or a `--port` already taken, by binding a socket
+    there and closing it (another process could still take the port before uvicorn binds).
+
+    Raises:
+        ValueError: naming --host / --port and the reason.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve to an address this machine has: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on --host {host!r} --port {port}: {e.strerror}") from None
+
+
 def serve(args) -> int:
     """Run the server in the foreground; returns the exit code.
 
@@ -41,6 +63,7 @@ def serve(args) -> int:
 
     check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size)
     config = config_from_args(args)
+    check_address(config.host, config.port)  # before a minute of loading, not after
     draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = LLM(

@@ -156,6 +156,11 @@ def test_python_api_errors_name_the_parameter_not_the_flag(tiny, tmp_path, kw, m
     assert str(info.value).startswith(message) and "--" not in str(info.value), str(info.value)
 
 
+def test_model_of_the_wrong_type_is_a_type_message_not_an_unknown_name():
+    with pytest.raises(ValueError, match=r"^model must be a catalog name or a path \(str\), got int 123$"):
+        LLM(model=123)
+
+
 def test_draft_of_the_wrong_type_or_empty_is_refused_before_loading(tiny, capsys):
     model, _ = tiny
     with pytest.raises(TypeError, match=r"draft must be a drafter folder, 'auto', 'shipped' or None, got 123"):

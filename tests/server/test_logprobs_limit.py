@@ -50,11 +50,3 @@ def test_serve_max_logprobs_sets_the_server_and_the_engine_limit(monkeypatch):
     default = _parser().parse_args(["serve", "--no-draft"])
     assert config_from_args(default).max_logprobs == 20
 
-
-def test_serve_limit_errors_name_the_flag_before_any_model_loads(capsys):
-    from blockdraft.cli import main
-
-    for flag, value in (("--max-logprobs", "-1"), ("--max-n", "0"), ("--port", "70000")):
-        assert main(["serve", "--model", "/nonexistent-model", flag, value]) == 2
-        err = capsys.readouterr().err
-        assert f"({flag}) must be" in err and err.count("\n") == 1, err

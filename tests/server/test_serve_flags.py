@@ -1,0 +1,30 @@
+"""`blockdraft serve` refuses bad limits, a taken port and a host that does not resolve with one
+line naming the flag, before the model loads (a minute on the CPU)."""
+
+from __future__ import annotations
+
+
+def test_serve_limit_errors_name_the_flag_before_any_model_loads(capsys):
+    from blockdraft.cli import main
+
+    for flag, value in (("--max-logprobs", "-1"), ("--max-n", "0"), ("--port", "70000")):
+        assert main(["serve", "--model", "/nonexistent-model", flag, value]) == 2
+        err = capsys.readouterr().err
+        assert f"({flag}) must be" in err and err.count("\n") == 1, err
+
+
+def test_serve_refuses_a_taken_port_and_a_bad_host_before_loading_the_model(capsys):
+    import socket
+
+    from blockdraft.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", "/nonexistent-model", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on --host '127.0.0.1' --port {port}" in err and "nonexistent" not in err, err
+    assert main(["serve", "--model", "/nonexistent-model", "--host", "999.1.1.1"]) == 2
+    err = capsys.readouterr().err
+    assert "--host '999.1.1.1' does not resolve" in err, err
