@@ -28,3 +28,12 @@ def set_threads(threads: int | None) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+def apply_threads_flag(parser: argparse.ArgumentParser, threads: int | None) -> None:
+    """`set_threads` for a script's own parser: a bad value is `parser.error` (one usage line,
+    exit 2), as the `blockdraft` commands report it."""
+    try:
+        set_threads(threads)
+    except ValueError as e:
+        parser.error(str(e))

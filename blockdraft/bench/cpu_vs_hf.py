@@ -75,7 +75,7 @@ def _run_child(engine: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from blockdraft.cpu_threads import add_threads_flag, set_threads
+    from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
@@ -86,10 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
     add_threads_flag(p)
     args = p.parse_args(argv)
-    try:
-        set_threads(args.threads)  # the children are the ones measured: they get --threads too
-    except ValueError as e:
-        p.error(str(e))
+    apply_threads_flag(p, args.threads)  # the children are the ones measured: they get --threads too
     if args.child:
         fn = _child_ours if args.child == "ours" else _child_hf
         print(json.dumps(fn(args.model, args.max_tokens, args.dtype)))

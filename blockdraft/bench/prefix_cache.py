@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     was not a near-tie (bf16 may flip those, see `divergences`). Bad flags, and a --json path that
     cannot be written, are usage errors (exit 2) before any model loads; a bad model or drafter
     (the library's ValueError / FileNotFoundError) is one `error:` line on stderr, exit 2."""
-    from blockdraft.cpu_threads import add_threads_flag, set_threads
+    from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
     from blockdraft.errors import flag_message, refuse_unwritable
     from blockdraft.preflight import DTYPE_CHOICES
 
@@ -105,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="model cache (default $BLOCKDRAFT_CACHE, else ~/.cache/blockdraft)")
     add_threads_flag(p)
     args = p.parse_args(argv)
-    try:
-        set_threads(args.threads)  # before the target loads
-    except ValueError as e:
-        p.error(str(e))
+    apply_threads_flag(p, args.threads)  # before the target loads
     if not 1 <= args.num_questions <= len(QUESTIONS) - 1:
         p.error(f"--num-questions must be in [1, {len(QUESTIONS) - 1}], got {args.num_questions}")
     if not 0 <= args.warmup_rounds <= 8:

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     folder refuses (preflight, no weights read). Any other error from the library (a bad --model or
     --draft: ValueError / FileNotFoundError) is one `error:` line on stderr, exit 2, no traceback.
     """
-    from blockdraft.cpu_threads import add_threads_flag, set_threads
+    from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
     from blockdraft.drafters import SHIPPED
     from blockdraft.errors import flag_message, refuse_unwritable
     from blockdraft.preflight import DTYPE_CHOICES
@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=None)
     add_threads_flag(p)
     args = p.parse_args(argv)
+    apply_threads_flag(p, args.threads)  # before the target loads: the table's "machine" records it
     try:
-        set_threads(args.threads)  # before the target loads: the table's "machine" records it
         ks = [(k, v) for k in parse_int_list(args.ks, "--ks", 1)
               for v in parse_int_list(args.draft_vocab_sizes, "--draft-vocab-sizes", 0)]
     except ValueError as e:
