@@ -106,10 +106,13 @@ def _load_block_kv(
 ):
     """This forward's K and V [B, D] of rows src [B] (int64), rounded through the cache dtype as
     torch_ref does (a no-op when the dtypes agree); rows where mask is False read as 0."""
+    # != 0: Triton 3.9's interpreter gives `program_id == 0` an int32 type, which then spreads to
+    # the mask and fails its load ("mask has unsupported dtype"); compiled, the mask is int1 already
+    ok = mask != 0
     keys = tl.load(k_ptr + src[:, None] * stride_k_row + kv_head * stride_k_head + d[None, :],
-                   mask=mask[:, None], other=0.0)  # fmt: skip
+                   mask=ok[:, None], other=0.0)  # fmt: skip
     vals = tl.load(v_ptr + src[:, None] * stride_v_row + kv_head * stride_v_head + d[None, :],
-                   mask=mask[:, None], other=0.0)  # fmt: skip
+                   mask=ok[:, None], other=0.0)  # fmt: skip
     return keys.to(k_cache_ptr.dtype.element_ty), vals.to(v_cache_ptr.dtype.element_ty)
 
 
