@@ -6,7 +6,8 @@ to the smallest bucket R_b >= R (buckets 1, 2, 4, ... up to the largest that max
 max_num_batched_tokens allow; ARCHITECTURE.md "cuda_graph") with inert padding (see
 runner.input_batch) and replayed. Prefill, mixed and non-uniform steps, and R beyond the largest
 bucket, run eagerly. Inputs live in persistent max-size buffers; each bucket's graph reads
-leading slices of them, and every bucket writes its logits into one shared float32 buffer.
+leading slices of them, and every bucket writes its logits into one shared buffer in the model's
+dtype (the LM head writes there directly; see CausalLM.compute_logits).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ class TargetGraphs:
         device = kv_caches[0][0].device
         self.inputs = StaticInputs.allocate(self.buckets[-1], rows_per_req, block_table_width, device)
         vocab = model.config.vocab_size
-        self.logits = torch.zeros(self.buckets[-1] * rows_per_req, vocab, dtype=torch.float32, device=device)
+        dtype = next(model.parameters()).dtype
+        self.logits = torch.zeros(self.buckets[-1] * rows_per_req, vocab, dtype=dtype, device=device)
         self.capture, self.pool = capture, pool
         self.graphs: dict[int, StaticGraph] = {}
 
@@ -140,7 +142,7 @@ class TargetGraphs:
         return BatchPadding(bucket, bucket * q, self.block_table_width)
 
     def run(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Load a padded batch and replay its bucket -> (logits [R_b*Q, V] float32, aux [R_b*Q, n*H] | None).
+        """Load a padded batch and replay its bucket -> (logits [R_b*Q, V] model dtype, aux [R_b*Q, n*H] | None).
 
         Rows past batch.num_rows are padding. The tensors are the graph's static outputs: read
         them before the next replay of any target graph.

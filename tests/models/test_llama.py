@@ -268,6 +268,28 @@ def test_embed_and_compute_logits_shapes():
     assert model.compute_logits(emb[:2]).shape == (2, 97)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_compute_logits_into_a_model_dtype_buffer_writes_in_place(tied, packed):
+    """CUDA graphs keep logits in the model dtype: the LM head writes into `out` with no float32
+    copy, and the values (so the argmax) are exactly those of the float32 path."""
+    if packed and not cpu_packing_supported(torch.bfloat16, "cpu"):
+        pytest.skip("no oneDNN bf16 packing on this CPU")
+    hf, config = hf_model("llama", tie_word_embeddings=tied)
+    model = build_model(config, dtype=torch.bfloat16, pack_weights=packed)
+    model.load_weights(hf.state_dict())
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = model.compute_logits(hidden)
+        out = torch.full((5, 97), float("nan"), dtype=torch.bfloat16)
+        got = model.compute_logits(hidden, out=out)
+        into_f32 = model.compute_logits(hidden, out=torch.empty(5, 97))
+    assert want.dtype == into_f32.dtype == torch.float32
+    assert got.data_ptr() == out.data_ptr() and got.dtype == torch.bfloat16
+    assert torch.equal(got.float(), want) and torch.equal(into_f32, want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_init_random_weights_is_deterministic():
     _, config = hf_model("qwen2")
     a, b = build_model(config, pack_weights=False), build_model(config, pack_weights=False)

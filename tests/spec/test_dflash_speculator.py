@@ -96,3 +96,20 @@ def test_propose_shapes_and_padding_rows_write_nothing():
     assert all(not k.any() and not v.any() for k, v in spec.kv_caches)
     # An empty context (P = 0) is allowed: the block attends only to itself.
     assert torch.equal(drafts[0], spec.draft_logits(torch.tensor([3]), torch.tensor([0]), table[:1])[0].argmax(-1))
+
+
+@pytest.mark.parametrize("transform", [{}, {"output_multiplier": 0.5}, {"final_logit_softcapping": 3.0}])
+def test_argmax_only_logits_skip_the_float32_copy_only_when_nothing_transforms_them(transform):
+    """propose() asks for logits with upcast=False: in the LM head's dtype when neither
+    output_multiplier nor softcapping applies (same argmax, no [N, V] float32 copy), else float32."""
+    drafter = random_drafter(tiny_target_config(), num_layers=1, block_size=4, seed=1, **transform)
+    weight = torch.randn(97, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    head = lambda h: torch.nn.functional.linear(h, weight)  # noqa: E731
+    full = drafter.compute_logits(hidden, head)
+    fast = drafter.compute_logits(hidden, head, upcast=False)
+    assert full.dtype == torch.float32
+    assert fast.dtype == (torch.bfloat16 if not transform else torch.float32)
+    assert torch.equal(fast.argmax(-1), full.argmax(-1))
+    if not transform:
+        assert torch.equal(fast.float(), full)

@@ -236,13 +236,19 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
             x = layer(x, cos, sin, kv, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor], upcast: bool = True
+    ) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 via the TARGET's LM head (z-lab `compute_logits`).
 
         logits = lm_head(hidden) * output_multiplier, then tanh(x / c) * c when softcapping c is set.
+        upcast=False (callers that only take the argmax): when neither transform applies, the head's
+        output is returned in its own dtype, skipping a float32 copy of [N, V]; its argmax is the same.
         """
-        logits = lm_head(hidden).float()
         cfg = self.config
+        if not upcast and cfg.output_multiplier == 1.0 and cfg.final_logit_softcapping is None:
+            return lm_head(hidden)
+        logits = lm_head(hidden).float()
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier
         if cfg.final_logit_softcapping is not None:

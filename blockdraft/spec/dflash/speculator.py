@@ -122,7 +122,8 @@ class DFlashSpeculator:
         self.drafter.write_context(features, positions, self.kv_caches, slot_mapping)
         if bonus_tokens.shape[0] == 0:  # a step of prefill chunks only: context, no drafts
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.long, device=bonus_tokens.device)
-        drafts = self.draft_logits(bonus_tokens, bonus_positions, block_table, block_layout).argmax(dim=-1)
+        logits = self.draft_logits(bonus_tokens, bonus_positions, block_table, block_layout, upcast=False)
+        drafts = logits.argmax(dim=-1)
         if self.draft_head is not None:  # draft-vocab columns -> target ids: one gather, no sync
             drafts = self.draft_head.to_target_ids(drafts)
         return drafts
@@ -134,8 +135,10 @@ class DFlashSpeculator:
         bonus_positions: torch.Tensor,
         block_table: torch.Tensor,
         block_layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+        upcast: bool = True,
     ) -> torch.Tensor:
-        """One batched block forward over the cached context -> logits [R, K, V] float32.
+        """One batched block forward over the cached context -> logits [R, K, V] float32
+        (upcast=False: possibly the LM head's dtype, see DFlashDraftModel.compute_logits).
 
         With a draft head the last dimension is its N draft-vocabulary columns instead, in
         draft-vocab order (column j scores target token `draft_head.token_ids[j]`): [R, K, N].
@@ -155,7 +158,7 @@ class DFlashSpeculator:
         # Slot 0 (the anchor) predicts nothing (sample_from_anchor=false); slot k predicts P + k.
         drafts_hidden = hidden.view(num_reqs, q, -1)[:, 1:].reshape(num_reqs * (q - 1), -1)
         head = self.target.compute_logits if self.draft_head is None else self.draft_head.logits
-        logits = self.drafter.compute_logits(drafts_hidden, head)  # output_multiplier / softcapping
+        logits = self.drafter.compute_logits(drafts_hidden, head, upcast)  # output_multiplier / softcapping
         return logits.view(num_reqs, q - 1, -1)
 
 
