@@ -17,6 +17,7 @@ from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig
 from blockdraft.models import allocate_kv_caches
 from blockdraft.runner.model_runner import ModelRunner
 from blockdraft.runner.step_graphs import build_step_graphs
+from blockdraft.sample.sampler import warm_up_compiled_sampler
 
 GRAPH_MODES = ("capture", "eager", "off")
 
@@ -79,6 +80,10 @@ def build_runner(
     kv_caches = allocate_kv_caches(config, num_kv_blocks, cache.kv_block_size, dtype, device)
     # A request must always fit the pool on its own, or preempting it could never make room.
     max_model_len = min(config.max_position_embeddings, num_kv_blocks * cache.kv_block_size)
+    # torch.compile'd sampling where CUDA graphs are captured (so never with enforce_eager, as vLLM),
+    # compiled here, before the capture, rather than inside the first sampled step
+    if mode == "capture":
+        warm_up_compiled_sampler(config.vocab_size, device)
     graphs = None
     if mode != "off":
         with torch.inference_mode():
@@ -86,7 +91,6 @@ def build_runner(
                 model, kv_caches, speculator, sched.max_num_seqs, sched.max_num_batched_tokens,
                 math.ceil(max_model_len / cache.kv_block_size), cache.kv_block_size, capture=mode == "capture",
             )
-    # torch.compile'd sampling where CUDA graphs are captured (so never with enforce_eager, as vLLM)
     runner = ModelRunner(model, kv_caches, cache.kv_block_size, device, speculator, backend, graphs,
                          compiled_sampling=mode == "capture")
     return RunnerSetup(runner, num_kv_blocks, max_model_len)

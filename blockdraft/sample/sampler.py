@@ -191,6 +191,30 @@ def _get_compiled():
     return _compiled_perturbed_argmax
 
 
+_warmed_up: set[tuple[str, int]] = set()  # (device, vocab_size) whose compiled sampler is built
+
+
+def warm_up_compiled_sampler(vocab_size: int, device: torch.device | str) -> None:
+    """Build the torch.compile'd sampler now (once per process, device and vocabulary size).
+
+    Compiling takes seconds and runs host syncs; left to the first sampled step it would stall
+    that step (and break the one-sync-per-step rule of the GPU path), so engines with compiled
+    sampling call this at start-up, as vLLM warms up its sampler. It samples four dummy batches:
+    1 and 2 rows (dynamic shapes specialise size 1) x with and without a top-k / top-p threshold
+    (two graphs: the threshold is a tensor or None).
+    """
+    key = (str(torch.device(device)), int(vocab_size))
+    if key in _warmed_up:
+        return
+    for top_p in (1.0, 0.9):
+        for rows in (1, 2):
+            params = [SamplingParams(temperature=1.0, top_p=top_p, seed=0)] * rows
+            logits = torch.zeros(rows, vocab_size, device=device)
+            positions = torch.zeros(rows, dtype=torch.long, device=device)
+            SamplingTensors.from_params(params, device).sample(logits, positions, compiled=True)
+    _warmed_up.add(key)
+
+
 def _keep_threshold(
     x: torch.Tensor,
     top_k: torch.Tensor,

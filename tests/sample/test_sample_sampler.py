@@ -189,3 +189,27 @@ def test_eager_row_chunking_gives_the_same_tokens(monkeypatch):
     monkeypatch.setattr(sampler_mod, "_CHUNK_ELEMS", 7 * V)  # 7 rows per chunk, ragged last chunk
     assert torch.equal(_sample_rows(logits, params, positions, hints=True), ref)
     assert torch.equal(_sample_rows(logits, params, positions, hints=False), ref)
+
+
+def test_warm_up_compiled_sampler_builds_each_graph_once(monkeypatch):
+    """The start-up warm-up runs the compiled sampler on 1 and 2 rows, with and without a top-p
+    threshold, once per (device, vocabulary size); later calls do nothing."""
+    import blockdraft.sample.sampler as sampler_mod
+
+    calls = []
+
+    def fake_compiled():
+        def run(x, thr, seeds, positions):
+            calls.append((x.shape[0], thr is None))
+            return sampler_mod._perturbed_argmax(x, thr, seeds, positions)
+
+        return run
+
+    monkeypatch.setattr(sampler_mod, "_get_compiled", fake_compiled)
+    monkeypatch.setattr(sampler_mod, "_warmed_up", set())
+    sampler_mod.warm_up_compiled_sampler(97, "cpu")
+    assert sorted(calls) == [(1, False), (1, True), (2, False), (2, True)]
+    sampler_mod.warm_up_compiled_sampler(97, "cpu")
+    assert len(calls) == 4
+    sampler_mod.warm_up_compiled_sampler(128, "cpu")  # another vocabulary: its own warm-up
+    assert len(calls) == 8
