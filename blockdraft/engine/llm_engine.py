@@ -17,6 +17,7 @@ class EngineStats:
     """Totals since the engine started: steps, tokens, seconds in each phase, speculative counters."""
 
     num_steps: int = 0
+    num_async_steps: int = 0  # steps launched before the previous step's tokens were read back
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     forward_time_s: float = 0.0
@@ -146,6 +147,7 @@ class LLMEngine:
             reqs, launched = self._inflight
             sched_out = launched.so
             self._inflight = None
+            self.stats.num_async_steps += 1
         else:
             sched_out = self.scheduler.schedule()
             if not sched_out.requests:

@@ -82,6 +82,9 @@ def test_async_plain_decoding_equals_sync(target, monkeypatch):
     llm = make_llm(target, **GRAPHS, async_scheduling=True)
     assert _run(llm, prompts, params) == want
     assert counts["continued"] > 20
+    # every continuation launched and not dropped is counted once, when its step reads it back
+    assert 20 < llm.engine.stats.num_async_steps <= counts["continued"]
+    assert llm.engine.stats.num_async_steps < llm.engine.stats.num_steps
 
 
 @pytest.mark.parametrize("k", [1, 3])
