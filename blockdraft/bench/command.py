@@ -23,9 +23,11 @@ Sources (give one):
   --model NAME   a real model (catalog name, HF folder or .gguf) with --draft PATH|shipped, on
                  HumanEval / MT-bench prompts through the chat template.
 
-Every cell: --warmup full runs, then --repeats x (prefill-only run, full run) with device-synchronised
-clocks; medians. ms/step = (t_full - t_prefill) / (steps_full - steps_prefill): one target forward
-(plain) or one verify + draft + bookkeeping (DFlash). Greedy (T=0), EOS ignored, --max-tokens tokens.
+Engines are built one at a time (each measured at every batch size, then dropped), as one engine
+per server process. Every cell: --warmup full runs, then --repeats x (prefill-only run, full run)
+with device-synchronised clocks; medians. ms/step = (t_full - t_prefill) / (steps_full -
+steps_prefill): one target forward (plain) or one verify + draft + bookkeeping (DFlash). Greedy
+(T=0), EOS ignored, --max-tokens tokens.
 Outputs of DFlash vs plain (and HF / z-lab vs ours) are compared token for token; mismatches (bf16
 near-ties) are counted, not hidden.
 
@@ -248,7 +250,7 @@ def run_bench(args) -> int:
     def save(doc: dict) -> None:
         json_path.write_text(json.dumps(doc, indent=1) + "\n")
 
-    cells, parity, skipped = run_matrix(workload, settings, on_batch=lambda c, p, s: save(assemble(c, p, s)))
+    cells, parity, skipped = run_matrix(workload, settings, on_engine=lambda c, p, s: save(assemble(c, p, s)))
     doc = assemble(cells, parity, skipped)
     save(doc)
     print(rep.format_table(doc))

@@ -7,10 +7,13 @@ z-lab `dflash_generate` plain (block_size 1) and DFlash (block_size K + 1) at ba
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from blockdraft.bench.engines import DFLASH, FORCED, PLAIN
 from blockdraft.bench.measure import Cell, compare_outputs, measure
@@ -58,13 +61,17 @@ def num_speculative_tokens(workload: Workload, settings: Settings) -> int | None
     return settings.num_speculative_tokens or workload.drafter.config.block_size - 1
 
 
-def build_engines(workload: Workload, settings: Settings) -> tuple[list, dict, list[int] | None]:
-    """(engines to run, ours plain first; {"engine/mode": reason} for those left out; the forced
-    prompt's plain continuation, which the forced engine's drafts replay, or None)."""
+def engine_builders(
+    workload: Workload, settings: Settings
+) -> tuple[list[Callable[[list[int] | None], object]], dict]:
+    """(builders of the engines to run, ours plain first; {"engine/mode": reason} for those left out).
+
+    A builder takes the forced prompt's plain continuation (`forced_reference`, needed by the
+    forced engine only, else ignored) and returns a BenchEngine.
+    """
     from blockdraft.bench.engines.ours import OurEngine, PoolPlan, dflash_speculator, forced_speculator
 
     skipped: dict[str, str] = {}
-    forced_reference = None
     k = num_speculative_tokens(workload, settings)
     plan = PoolPlan(max(settings.batch_sizes), max(len(p) for p in workload.prompts), settings.max_tokens,
                     lookahead=(k or 0) + 1)
@@ -73,25 +80,44 @@ def build_engines(workload: Workload, settings: Settings) -> tuple[list, dict, l
         raise ValueError(f"longest prompt ({plan.max_prompt_len}) + max_tokens ({plan.max_tokens}) + K + 1 exceeds "
                          f"the model's context of {workload.config.max_position_embeddings} positions")
     dev, opts = str(workload.device), settings.llm_options or {}
-    engines = [OurEngine(workload.target, dev, plan, options=opts)]
+    builders = [lambda ref: OurEngine(workload.target, dev, plan, options=opts)]
     if workload.drafter is None:
         skipped[f"ours/{DFLASH}"] = "no drafter"
     else:
-        spec = dflash_speculator(workload.drafter, workload.target, plan, k, workload.draft_head)
-        engines.append(OurEngine(workload.target, dev, plan, spec, DFLASH, opts))
+        builders.append(lambda ref: OurEngine(
+            workload.target, dev, plan,
+            dflash_speculator(workload.drafter, workload.target, plan, k, workload.draft_head), DFLASH, opts))
         if settings.forced:
-            prompt = workload.prompts[0]
-            forced_reference = engines[0].generate([prompt], settings.max_tokens).token_ids[0]
-            spec = forced_speculator(workload.drafter, workload.target, plan, k, prompt + forced_reference, dev,
-                                     workload.draft_head)
-            engines.append(OurEngine(workload.target, dev, plan, spec, FORCED, opts))
+            builders.append(lambda ref: OurEngine(
+                workload.target, dev, plan,
+                forced_speculator(workload.drafter, workload.target, plan, k, workload.prompts[0] + ref, dev,
+                                  workload.draft_head),
+                FORCED, opts))
     if "hf" in settings.engines:
         from blockdraft.bench.engines.hf import HFEngine
 
-        engines.append(HFEngine(workload.hf_model, workload.pad_token_id))
+        builders.append(lambda ref: HFEngine(workload.hf_model, workload.pad_token_id))
     if "zlab" in settings.engines:
-        engines += _zlab_engines(workload, k, skipped)
-    return engines, skipped, forced_reference
+        builders += [(lambda ref, e=e: e) for e in _zlab_engines(workload, k, skipped)]
+    return builders, skipped
+
+
+def forced_reference_of(plain, workload: Workload, settings: Settings) -> list[int] | None:
+    """The plain continuation of prompt 0 (batch 1) that the forced engine's drafts replay, or None
+    when the run has no forced engine."""
+    if not settings.forced or workload.drafter is None:
+        return None
+    return plain.generate([workload.prompts[0]], settings.max_tokens).token_ids[0]
+
+
+def build_engines(workload: Workload, settings: Settings) -> tuple[list, dict, list[int] | None]:
+    """All engines of `engine_builders` at once -> (engines, skipped, forced reference); for tools
+    that switch between engines (profile_step). `run_matrix` builds them one at a time instead."""
+    builders, skipped = engine_builders(workload, settings)
+    engines = [builders[0](None)]
+    reference = forced_reference_of(engines[0], workload, settings)
+    engines += [build(reference) for build in builders[1:]]
+    return engines, skipped, reference
 
 
 def _zlab_engines(workload: Workload, k: int | None, skipped: dict) -> list:
@@ -110,35 +136,54 @@ def _zlab_engines(workload: Workload, k: int | None, skipped: dict) -> list:
 
 
 def run_matrix(
-    workload: Workload, settings: Settings, on_batch: Callable[[list[Cell], list[dict], dict], None] | None = None
+    workload: Workload, settings: Settings, on_engine: Callable[[list[Cell], list[dict], dict], None] | None = None
 ):
-    """Measure every engine at every batch size; returns (cells, parity, skipped).
+    """Measure every engine at every batch size; returns (cells, parity, skipped), cells and
+    parity rows in batch-size order.
 
+    Engines are built one at a time: each is measured at every batch size, then dropped before the
+    next is built, so no engine shares the process (or the GPU's memory) with another, as in a
+    server (docs/benchmarks/gpu.md "Session 10" on how much a host-bound step varies with what
+    else ran in the process).
     parity rows compare, per batch size: ours DFlash vs ours plain, HF vs ours plain, z-lab plain
     vs ours plain, z-lab DFlash vs z-lab plain; the forced rows compare against ours plain's
-    output for the shared forced prompt. `on_batch(cells, parity, skipped)` is called after each batch size
-    (the CLI rewrites its JSON there, so a run cut short keeps what it measured).
+    output for the shared forced prompt. `on_engine(cells, parity, skipped)` is called after each
+    engine (the CLI rewrites its JSON there, so a run cut short keeps what it measured).
     """
-    engines, skipped, forced_reference = build_engines(workload, settings)
-    cells: list[Cell] = []
-    parity: list[dict] = []
-    for batch in settings.batch_sizes:
-        prompts = [workload.prompts[i] for i in range(batch)]
-        by_key: dict[tuple[str, str], Cell] = {}
-        for engine in engines:
-            batch_prompts = [workload.prompts[0]] * batch if engine.mode == FORCED else prompts
+    builders, skipped = engine_builders(workload, settings)
+    by_batch: dict[int, dict[tuple[str, str], Cell]] = {b: {} for b in settings.batch_sizes}
+    reference = None
+    for i, build in enumerate(builders):
+        engine = build(reference)
+        if i == 0:
+            reference = forced_reference_of(engine, workload, settings)
+        for batch in settings.batch_sizes:
+            forced = engine.mode == FORCED
+            prompts = [workload.prompts[0 if forced else i] for i in range(batch)]
             log(f"batch {batch}: {engine.engine} {engine.mode}")
-            cell = measure(engine, batch_prompts, settings.max_tokens, settings.repeats, settings.warmup,
-                           workload.device)
+            cell = measure(engine, prompts, settings.max_tokens, settings.repeats, settings.warmup, workload.device)
             log(f"batch {batch}: {engine.engine} {engine.mode} -> {cell.status} "
                 f"{_fmt(cell.median('tokens_per_s'))} tok/s, {_fmt(cell.median('ms_per_step'))} ms/step"
                 + (f" ({cell.reason})" if cell.reason else ""))
-            cells.append(cell)
-            by_key[(cell.engine, cell.mode)] = cell
-        parity += _parity(batch, by_key, forced_reference)
-        if on_batch is not None:
-            on_batch(cells, parity, skipped)
-    return cells, parity, skipped
+            by_batch[batch][(cell.engine, cell.mode)] = cell
+        del engine
+        _release(workload.device)
+        if on_engine is not None:
+            on_engine(*_collect(by_batch, reference), skipped)
+    return (*_collect(by_batch, reference), skipped)
+
+
+def _collect(by_batch: dict, reference: list[int] | None) -> tuple[list[Cell], list[dict]]:
+    cells = [c for cells in by_batch.values() for c in cells.values()]
+    parity = [row for batch, cells in by_batch.items() for row in _parity(batch, cells, reference)]
+    return cells, parity
+
+
+def _release(device) -> None:
+    """Free what a dropped engine held (its graphs, pools and cycles) before the next is built."""
+    gc.collect()
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.empty_cache()
 
 
 _PAIRS = ((("ours", DFLASH), ("ours", PLAIN)), (("hf", PLAIN), ("ours", PLAIN)),

@@ -138,3 +138,34 @@ def test_validate_report_names_what_is_wrong():
         breakage(broken)
         with pytest.raises(ValueError, match=message):
             rep.validate_report(broken)
+
+
+def test_run_matrix_builds_one_engine_at_a_time(monkeypatch):
+    """Each of our engines is measured at every batch size alone in the process (built, measured,
+    dropped), and cells and parity rows still come out in batch-size order."""
+    import weakref
+
+    from blockdraft.bench import suite
+    from blockdraft.bench.engines import ours
+    from blockdraft.bench.workload import random_workload
+
+    live, alive_at_build = weakref.WeakSet(), []
+    original = ours.OurEngine.__init__
+
+    def counting_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        live.add(self)
+        alive_at_build.append(len(live))
+
+    monkeypatch.setattr(ours.OurEngine, "__init__", counting_init)
+    workload = random_workload("tiny", torch.device("cpu"), torch.float32, num_prompts=2, prompt_len=8,
+                               draft_layers=None, block_size=4)
+    settings = Settings((1, 2), 6, repeats=1, warmup=0, engines=("ours",), forced=True)
+    cells, parity, skipped = suite.run_matrix(workload, settings)
+    assert alive_at_build == [1, 1, 1]  # plain, DFlash, forced: never two at once
+    assert [(c.batch_size, c.mode) for c in cells] == [
+        (b, m) for b in (1, 2) for m in ("plain", "dflash", "dflash-forced")]
+    assert all(c.status == "ok" for c in cells)
+    assert [(r["batch_size"], r["candidate"]) for r in parity] == [
+        (b, c) for b in (1, 2) for c in ("ours/dflash", "ours/dflash-forced")]
+    assert all(r["mismatched_requests"] == 0 for r in parity), parity  # fp32: speculative == plain, forced == ref
