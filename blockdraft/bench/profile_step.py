@@ -42,6 +42,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from blockdraft.bench.engines import DFLASH, PLAIN
 from blockdraft.bench.measure import synchronize
 from blockdraft.bench.shapes import H200_HBM_BYTES_PER_S, SHAPES
+from blockdraft.errors import refuse_unwritable
 
 SCHEMA = "blockdraft-profile-step/1"
 STEP_LABEL = "blockdraft::engine_step"  # record_function around each step (marks steps in the trace)
@@ -286,9 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", help="chrome trace per mode: PATH with -plain / -dflash before .json (.json.gz: gzipped)")
     args = p.parse_args(argv)
     modes = [PLAIN, DFLASH] if args.mode == "both" else [args.mode]
-    for path in (args.out, args.trace):  # before minutes of building: a bad folder fails now
+    for flag, path in (("--out", args.out), ("--trace", args.trace)):  # before minutes of building
         if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                p.error(f"{flag} {path!r}: cannot create its folder ({e.strerror or e})")
+            refuse_unwritable(p, flag, path)  # e.g. a folder given for the file
 
     def on_mode(doc: dict, mode: str) -> None:
         if args.out:  # first: a closed stdout loses no data

@@ -165,9 +165,13 @@ def _measure(args, argv: list[str] | None, ks: list[tuple[int, int]], p) -> int:
     from blockdraft.llm import LLM, load_target
     from blockdraft.preflight import preflight
     from blockdraft.sampling_params import SamplingParams
-    from blockdraft.spec.dflash.checkpoint import write_recommended_num_speculative_tokens
+    from blockdraft.errors import refuse_unwritable
+    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, write_recommended_num_speculative_tokens
 
     draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
+    default_folder = SHIPPED_DIR / args.model if args.draft == SHIPPED else Path(draft)
+    if args.write_default:  # now, not after minutes of timing
+        refuse_unwritable(p, "--write-default", str(default_folder / SPECULATIVE_FILE))
     for k, v in ks:  # the drafter's K range and vocabulary, before seconds of loading the target
         try:
             preflight(args.model, draft, k, args.dtype, kv_block_size=16, num_kv_blocks=128,
@@ -223,8 +227,7 @@ def _measure(args, argv: list[str] | None, ks: list[tuple[int, int]], p) -> int:
         evidence["chosen_by"] = args.choose_by
         if best["draft_vocab_size"]:  # read back by LLM as the default --draft-vocab-size
             evidence = {"draft_vocab_size": best["draft_vocab_size"], **evidence}
-        folder = SHIPPED_DIR / args.model if args.draft == SHIPPED else Path(draft)
-        file = write_recommended_num_speculative_tokens(folder, best["k"], evidence)
+        file = write_recommended_num_speculative_tokens(default_folder, best["k"], evidence)
         print(f"fastest: K = {best['k']}, draft vocabulary {best['draft_vocab_size'] or 'full'}; wrote {file}")
     return 0 if all(r["identical"] for r in rows) else 1
 

@@ -86,6 +86,21 @@ def test_spec_k_bad_flags_are_usage_errors_before_the_model_loads(flags, message
     assert message in err and "Traceback" not in err
 
 
+def test_spec_k_write_default_into_an_unwritable_drafter_folder_fails_before_the_model_loads(
+        tiny, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    monkeypatch.setattr(blockdraft.llm, "load_target", _model_work)
+    draft = tmp_path / "drafter"
+    shutil.copytree(tiny[1], draft)
+    (draft / "speculative.json").mkdir()  # a folder where the file would go
+    with pytest.raises(SystemExit) as e:
+        spec_k.main(["--model", tiny[0], "--draft", str(draft), "--write-default"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: --write-default {str(draft / 'speculative.json')!r} is a folder" in err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--draft", "/nonexistent"], "error: drafter folder '/nonexistent' does not exist"),
     (["--draft-vocab-size", "10"], "error: draft_vocab_size 10 needs the drafter's ranked vocabulary"),

@@ -96,3 +96,11 @@ def test_cuda_without_cuda_is_a_clear_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--shape", "tiny", "--device", "cuda"])
     assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--out", "--trace"])
+def test_output_path_that_is_a_folder_is_refused_before_the_run(flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--shape", "tiny", "--device", "cpu", flag, str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag} {str(tmp_path)!r} is a folder" in err
