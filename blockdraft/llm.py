@@ -12,6 +12,7 @@ import torch
 
 from blockdraft.chat_messages import check_chat_messages
 from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig
+from blockdraft.engine.gc_heap import frozen_gc_heap
 from blockdraft.engine.kv_cache_manager import KVCacheManager
 from blockdraft.engine.llm_engine import LLMEngine
 from blockdraft.engine.outputs import RequestOutput
@@ -284,11 +285,12 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(ids), use_tqdm)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step(stream=False):
-                if out.finished and out.request_id in ids:
-                    done[out.request_id] = out
-                    bar.update(1) if bar else None
+        with frozen_gc_heap():  # no full collection over the model's heap mid-run (engine/gc_heap.py)
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step(stream=False):
+                    if out.finished and out.request_id in ids:
+                        done[out.request_id] = out
+                        bar.update(1) if bar else None
         if bar:
             bar.close()
         return [done[i] for i in ids]

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from blockdraft.engine.gc_heap import frozen_gc_heap
 from blockdraft.engine.outputs import RequestOutput
 from blockdraft.sampling_params import SamplingParams
 
@@ -211,20 +212,25 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while self._serve_commands():
-                if self.engine.has_unfinished_requests() or self._needs_step:
-                    self._needs_step = False
-                    outputs = self.engine.step()
-                    if self.metrics is not None:
-                        self.metrics.on_step(self.engine, outputs)
-                    if outputs:
-                        self._post(self._dispatch, outputs)
+            with frozen_gc_heap():  # the start-up heap stays out of collections while serving
+                self._serve()
         except BaseException as e:  # a failed step: fail every waiting client instead of hanging them
             logger.exception("engine step failed; the engine is stopped")
             self._error = e
             self._post(self._fail_all, EngineDeadError(f"the engine failed: {e!r}"))
         finally:
             self._refuse_queued_adds()
+
+    def _serve(self) -> None:
+        """Step the engine while commands keep it running (engine thread)."""
+        while self._serve_commands():
+            if self.engine.has_unfinished_requests() or self._needs_step:
+                self._needs_step = False
+                outputs = self.engine.step()
+                if self.metrics is not None:
+                    self.metrics.on_step(self.engine, outputs)
+                if outputs:
+                    self._post(self._dispatch, outputs)
 
     def _refuse_queued_adds(self) -> None:
         """The thread is ending: adds still queued get EngineDeadError instead of waiting forever."""
