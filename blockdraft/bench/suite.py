@@ -159,7 +159,7 @@ def run_matrix(
             reference = forced_reference_of(engine, workload, settings)
         for batch in settings.batch_sizes:
             forced = engine.mode == FORCED
-            prompts = [workload.prompts[0 if forced else i] for i in range(batch)]
+            prompts = [workload.prompts[0 if forced else j] for j in range(batch)]
             log(f"batch {batch}: {engine.engine} {engine.mode}")
             cell = measure(engine, prompts, settings.max_tokens, settings.repeats, settings.warmup, workload.device)
             log(f"batch {batch}: {engine.engine} {engine.mode} -> {cell.status} "
@@ -174,8 +174,8 @@ def run_matrix(
 
 
 def _collect(by_batch: dict, reference: list[int] | None) -> tuple[list[Cell], list[dict]]:
-    cells = [c for cells in by_batch.values() for c in cells.values()]
-    parity = [row for batch, cells in by_batch.items() for row in _parity(batch, cells, reference)]
+    cells = [c for row in by_batch.values() for c in row.values()]
+    parity = [p for batch, row in by_batch.items() for p in _parity(batch, row, reference)]
     return cells, parity
 
 
