@@ -68,3 +68,34 @@ def test_generate_decodes_with_the_heap_frozen(llama_target):
     llm.generate(random_prompts(3, seed=4), SamplingParams(max_tokens=5))
     assert counts and all(c > 0 for c in counts)
     assert gc.get_freeze_count() == 0
+
+
+def test_the_server_engine_thread_serves_with_the_heap_frozen(llama_target):
+    import asyncio
+    import time
+
+    from blockdraft.server.async_engine import AsyncEngine
+
+    llm = make_llm(llama_target)
+    counts = []
+    step = llm.engine.step
+
+    def counting_step(*args, **kwargs):
+        counts.append(gc.get_freeze_count())
+        return step(*args, **kwargs)
+
+    llm.engine.step = counting_step
+
+    async def serve_one():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        try:
+            group = await engine.submit(random_prompts(1, seed=2), [SamplingParams(max_tokens=4)], time.time())
+            async for _ in group.updates():
+                pass
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(serve_one())
+    assert counts and all(c > 0 for c in counts)
+    assert gc.get_freeze_count() == 0  # given back when the engine thread ends
