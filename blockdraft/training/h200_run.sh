@@ -130,11 +130,14 @@ stash() {
 }
 
 train_fast() {
+  # DATA and EVAL may be empty strings: no kept answers (all answered in this run) / eval answers
+  # made by this run (session 10: parts/ did not survive a new checkout)
   local W=$1 INIT=$2 DATA=$3 EVAL=$4
   mkdir -p "$W/qwen" || exit 1
   cat /tmp/blobs/blob.* > /tmp/bdc/gguf/qwen.gguf || exit 1
   echo "$QWEN_SHA  /tmp/bdc/gguf/qwen.gguf" | sha256sum -c || exit 1
-  cp "$INIT" "$W/init.safetensors" && cp "$EVAL" "$W/eval_sequences.safetensors" || exit 1
+  cp "$INIT" "$W/init.safetensors" || exit 1
+  [ -z "$EVAL" ] || cp "$EVAL" "$W/eval_sequences.safetensors" || exit 1
   local tarball
   for tarball in ${DATA//,/ }; do tar xf "$tarball" -C "$W/qwen" || exit 1; done  # DATA: tars, comma-separated
   mkdir -p /tmp/snapshot-sent && for tarball in "$W"/qwen/data/data-*.safetensors; do  # snapshot: only new shards
@@ -147,7 +150,7 @@ train_fast() {
   local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
       --drafters '$drafters' --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
       --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE \
-      --ckpt-every 500 --train-seconds $TRAIN --lr $LR --seed $SEED --eval-sequences $W/eval_sequences.safetensors"
+      --ckpt-every 500 --train-seconds $TRAIN --lr $LR --seed $SEED ${EVAL:+--eval-sequences $W/eval_sequences.safetensors}"
   # The GGUF is converted once, before the GPU tests and the engine (gpu_run --gen-engine) read it.
   # If the engine-answered run fails, the same run with transformers generate follows.
   setsid nohup bash -c "

