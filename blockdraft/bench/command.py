@@ -199,6 +199,26 @@ def device_info(device) -> dict:
             "dflash": version("dflash"), "python": platform.python_version(), "cpu_count": os.cpu_count()}
 
 
+def check_out_prefix(out: str) -> None:
+    """Refuse an --out prefix before minutes of benchmarking: a folder (PREFIX.json would land
+    beside it, e.g. '/tmp' -> '/tmp.json'), or a place where PREFIX.json cannot be written.
+    Creates the prefix's parent folder, as the run would.
+
+    Raises:
+        ValueError: naming --out and the value.
+    """
+    from blockdraft.errors import check_writable_file
+
+    if out.endswith(("/", os.sep)) or os.path.isdir(out):
+        raise ValueError(f"--out {out!r} is a folder; --out is a file prefix (writes PREFIX.json and "
+                         f"PREFIX.png), e.g. {os.path.join(out, 'bench')!r}")
+    try:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out!r}: cannot create its folder ({e.strerror or e})") from None
+    check_writable_file(out + ".json", "--out")
+
+
 def run_bench(args) -> int:
     """CLI entry: build the workload, run the matrix, print the table, write JSON (+ PNG).
 
@@ -209,6 +229,8 @@ def run_bench(args) -> int:
     from blockdraft.bench.suite import Settings, log, num_speculative_tokens, run_matrix
 
     _check_source_flags(args)
+    if args.out:
+        check_out_prefix(args.out)
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
     # Our KV pools are sized explicitly (PoolPlan) so that several engines and the HF model share
     # one GPU; gpu_memory_utilization (which sizes a pool to most of the GPU) is therefore not used.

@@ -74,6 +74,9 @@ def check_settings(settings: dict, args) -> None:
         raise ValueError(f"--train-vocab-size must be an integer >= 0 (0: full vocabulary), got {args.train_vocab_size!r}")
     if args.data and Path(args.data).is_file():
         raise ValueError(f"--data {args.data!r} is a file; expected a dataset folder (data-*.safetensors)")
+    taken = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists()), None)
+    if taken is not None and not taken.is_dir():  # the folder (or one above it) could never be made
+        raise ValueError(f"--out {args.out!r}: {str(taken)!r} is a file; --out is the run's output folder")
 
 
 def check_against_target(settings: dict, args, target) -> None:

@@ -87,6 +87,13 @@ def test_bad_flags_exit_2_with_a_named_error(tmp_path, capsys, args, message):
     assert not (tmp_path / "r.json").exists()
 
 
+def test_out_that_is_a_folder_is_refused_before_the_run(tmp_path, capsys):
+    assert main(["bench", "--device", "cpu", "--shape", "tiny", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {str(tmp_path)!r} is a folder" in err and "[bench" not in err  # nothing built
+    assert not (tmp_path.parent / (tmp_path.name + ".json")).exists()
+
+
 def _tiny_model_folder(path):
     """A tiny Qwen3 checkpoint folder with a word-level tokenizer and a chat template."""
     from transformers import AutoConfig, AutoModelForCausalLM

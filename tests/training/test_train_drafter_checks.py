@@ -48,6 +48,15 @@ def test_bad_values_name_the_flag(flags, message, tmp_path, capsys, no_weights):
     assert "dflash_config" not in err and "batch_size" not in err
 
 
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_out_that_is_or_sits_under_a_file_is_refused(below, tmp_path, capsys, no_weights):
+    file = tmp_path / "notes.txt"
+    file.write_text("x")
+    out = file / below if below else file
+    err = _error(capsys, "--out", str(out))
+    assert f"--out {str(out)!r}: {str(file)!r} is a file" in err
+
+
 class _Loading(Exception):
     """Raised where the target's weights would load: every check before it passed."""
 
