@@ -18,16 +18,23 @@ def main(argv: list[str] | None = None) -> int:
         set_threads(getattr(args, "threads", None))
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
+        if isinstance(e, OSError) and e.errno is not None:  # from the OS, not one of our checks
+            return _os_error(e)
         from blockdraft.errors import flag_message
 
         # The checks word their messages for the Python API; here the value came from a flag: name it.
         print(f"error: {flag_message(e, _command(parser, args.command)._option_string_actions)}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. --cache-dir / $BLOCKDRAFT_CACHE naming a file, a folder not writable
-        where = f": {e.filename}" if e.filename else ""
-        print(f"error: {e.strerror or e}{where} (check the paths given: --cache-dir / $BLOCKDRAFT_CACHE, "
-              f"--model, --draft, --out)", file=sys.stderr)
-        return 1
+        return _os_error(e)
+
+
+def _os_error(e: OSError) -> int:
+    """One line for an OS error on a path the user gave (exit 1), naming the flags it may come from."""
+    where = f": {e.filename}" if e.filename else ""
+    print(f"error: {e.strerror or e}{where} (check the paths given: --cache-dir / $BLOCKDRAFT_CACHE, "
+          f"--model, --draft, --out)", file=sys.stderr)
+    return 1
 
 
 def _command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
