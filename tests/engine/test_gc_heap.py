@@ -55,8 +55,9 @@ def test_leaves_a_caller_freeze_and_a_disabled_collector_alone():
         gc.enable()
 
 
-def test_generate_decodes_with_the_heap_frozen(llama_target):
-    llm = make_llm(llama_target)
+def _llm_recording_freeze_counts(target):
+    """An LLM whose engine records gc.get_freeze_count() at every step -> (llm, the list)."""
+    llm = make_llm(target)
     counts = []
     step = llm.engine.step
 
@@ -65,6 +66,11 @@ def test_generate_decodes_with_the_heap_frozen(llama_target):
         return step(*args, **kwargs)
 
     llm.engine.step = counting_step
+    return llm, counts
+
+
+def test_generate_decodes_with_the_heap_frozen(llama_target):
+    llm, counts = _llm_recording_freeze_counts(llama_target)
     llm.generate(random_prompts(3, seed=4), SamplingParams(max_tokens=5))
     assert counts and all(c > 0 for c in counts)
     assert gc.get_freeze_count() == 0
@@ -76,15 +82,7 @@ def test_the_server_engine_thread_serves_with_the_heap_frozen(llama_target):
 
     from blockdraft.server.async_engine import AsyncEngine
 
-    llm = make_llm(llama_target)
-    counts = []
-    step = llm.engine.step
-
-    def counting_step(*args, **kwargs):
-        counts.append(gc.get_freeze_count())
-        return step(*args, **kwargs)
-
-    llm.engine.step = counting_step
+    llm, counts = _llm_recording_freeze_counts(llama_target)
 
     async def serve_one():
         engine = AsyncEngine(llm.engine)
