@@ -458,7 +458,7 @@ def paged_attention_triton(
             mode only (False = bidirectional inside the block).
         num_kv_splits: split each program's keys over this many programs and merge them in a
             second launch (flash-decoding), for batches too small to fill the GPU; None picks it
-            from the shapes (`kv_splits_for`), 1 = a single attention launch.
+            from the shapes (`kv_splits_for` / `multi_row_kv_splits`), 1 = a single attention launch.
         multi_row: True = the multi-row kernel, False = the single-row one, None = pick from the
             shapes (`use_multi_row`). Benchmarks and tests force a path; callers leave it None.
         block_m: M of a multi-row program (query rows x GQA group), a power of two >= 16 and >=
@@ -495,8 +495,12 @@ def paged_attention_triton(
     if multi_row:
         block_m = block_m or multi_row_block_m(num_rows, num_reqs, group, head_dim, block_tokens, q.element_size())
         rows_per_tile = block_m // group
-    programs = -(-num_rows // rows_per_tile)
-    splits = kv_splits_for(programs, num_kv_heads, q.device) if num_kv_splits is None else num_kv_splits
+    if num_kv_splits is not None:
+        splits = num_kv_splits
+    elif multi_row:
+        splits = multi_row_kv_splits(-(-num_rows // rows_per_tile), num_kv_heads, q.device)
+    else:
+        splits = kv_splits_for(num_rows, num_kv_heads, q.device)
     if not 1 <= splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {splits}")
 
@@ -554,19 +558,22 @@ def paged_attention_triton(
 
 
 MULTI_ROW_MAX_GROUP = 4  # see use_multi_row
+MULTI_ROW_DECODE_MAX_M = 64  # see multi_row_block_m
 
 
 def use_multi_row(num_rows: int, num_reqs: int, num_block_tokens: int, group: int = 1) -> bool:
     """Multi-row programs when requests carry several rows on average (verify, draft blocks,
-    prefill chunks) and the GQA group is at most MULTI_ROW_MAX_GROUP; shapes only, so a CUDA-graph
-    bucket always takes the same path. Decode batches (one row per request) keep the single-row
-    kernel, whose programs are smaller.
+    prefill chunks); shapes only, so a CUDA-graph bucket always takes the same path. Decode
+    batches (one row per request) keep the single-row kernel, whose programs are smaller, and so
+    does a single request when the GQA group exceeds MULTI_ROW_MAX_GROUP.
 
-    The group bound is measured (H200, bf16, 32 requests x 16 rows over 1K tokens,
-    docs/benchmarks/gpu.md): Qwen3-8B (group 4, 8 KV heads) verify 0.09 ms multi-row vs 0.34 ms
-    single-row, draft block 0.07 vs 0.38; Qwen2.5-0.5B (group 7, 2 KV heads) verify 0.21 vs
-    0.15, draft block 0.16 vs 0.11, so groups above 4 stay on the single-row kernel."""
-    return group <= MULTI_ROW_MAX_GROUP and (num_block_tokens > 1 or num_rows >= 2 * max(num_reqs, 1))
+    Measured (H200, bf16, CUDA-graph replays, `python -m blockdraft.bench.attention_kernels
+    --variants`, docs/benchmarks/gpu-2026-12-01-s11/): Qwen2.5-0.5B (group 7, 2 KV heads), 32
+    requests x 16 verify rows over 256 / 1,024 tokens: multi-row (M 64) 13 / 31 us vs single-row
+    23 / 64 us; draft block 10 / 28 vs 19 / 57; one request: 7-8 us either way. Qwen3-8B (group
+    4): multi-row 25 / 58 us vs 115 / 331 at 32 requests."""
+    several_rows = num_block_tokens > 1 or num_rows >= 2 * max(num_reqs, 1)
+    return several_rows and (group <= MULTI_ROW_MAX_GROUP or num_reqs >= 2)
 
 
 def multi_row_block_m(
@@ -579,16 +586,39 @@ def multi_row_block_m(
     (bf16 / fp16 up to head_dim 128), else 64: the float32 [M, head_dim] accumulator plus the
     [M, BLOCK_N] scores stay in registers (M 128 x head_dim 128 runs with 8 warps, 64
     regs/thread for acc) and float32 inputs (tests) keep their shared-memory tiles small; longer
-    prefill chunks are tiled over several programs."""
+    prefill chunks are tiled over several programs. Requests of at most 16 rows (verify, draft
+    blocks) cap M at MULTI_ROW_DECODE_MAX_M = 64; 32 requests x 16 verify rows over 256 / 1,024
+    tokens: group 7 (16 x 7 = 112 -> 128) M 64 13 / 31 us vs M 128 21 / 32; Qwen3-8B M 64 (its
+    natural size) 24 / 59 vs 38 / 99 (docs/benchmarks/gpu-2026-12-01-s11/)."""
     rows = num_block_tokens or -(-num_rows // max(num_reqs, 1))
     cap = 128 if head_dim * elem_bytes <= 256 else 64
+    if rows <= 16:
+        cap = min(cap, MULTI_ROW_DECODE_MAX_M)
     return max(_MIN_DOT, triton.next_power_of_2(group), min(cap, triton.next_power_of_2(rows * group)))
 
 
+def multi_row_kv_splits(num_tiles: int, num_kv_heads: int, device: torch.device) -> int:
+    """KV splits of the multi-row kernel from shapes alone (graph-safe): 1 unless the programs
+    (query tiles x kv heads) fill less than half the streaming multiprocessors, else at most one
+    program per SM. Its programs hold up to 64-128 (row, head) pairs, so splitting them as finely
+    as single rows (`kv_splits_for`, two programs per SM) cost more in merges and short key loops
+    than it gained (H200, docs/benchmarks/gpu-2026-12-01-s11/): Qwen2.5-0.5B, 32 requests x 16
+    verify rows over 256 tokens, 1 split 13.2 us vs 2 17.3 vs 4 20.5; Qwen3-8B, 8 requests (64
+    programs), 2 splits 16.8 / 32.9 us over 256 / 1,024 tokens vs 4 24.4 / 35.4. Off CUDA
+    (the interpreter) 1."""
+    if device.type != "cuda":
+        return 1
+    programs = max(num_tiles * num_kv_heads, 1)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if 2 * programs >= sms:
+        return 1
+    return min(MAX_KV_SPLITS, sms // programs)
+
+
 def kv_splits_for(num_rows: int, num_kv_heads: int, device: torch.device) -> int:
-    """KV splits per (row or query tile, kv head) from shapes alone (graph-safe): enough programs
-    for about two per streaming multiprocessor when `num_rows` (rows, or query tiles of the
-    multi-row kernel) x kv_heads alone leave the GPU idle, else 1. Off CUDA (the interpreter) 1."""
+    """KV splits per (row, kv head) of the single-row kernel from shapes alone (graph-safe):
+    enough programs for about two per streaming multiprocessor when `num_rows` x kv_heads alone
+    leave the GPU idle, else 1 (multi-row: `multi_row_kv_splits`). Off CUDA (the interpreter) 1."""
     if device.type != "cuda":
         return 1
     programs = max(num_rows * num_kv_heads, 1)

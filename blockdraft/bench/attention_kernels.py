@@ -4,7 +4,10 @@ Scenarios per model shape and batch size (every request has `ctx` cached tokens)
   decode  1 row per request (the row's K/V written, then attention over ctx keys),
   verify  16 rows per request (anchor + 15 drafts, causal),
   draft   a DFlash draft block of 16 uncached rows over ctx cached tokens (bidirectional).
-Times are medians of `triton.testing.do_bench` on CUDA (of repeated wall-clock calls on CPU);
+Times: torch_ref and the dense twin are medians of `triton.testing.do_bench` on CUDA (of repeated
+wall-clock calls on CPU); the Triton columns are CUDA-graph replays of 20 calls (median of 10
+replays / 20), the kernels' own time as inside the engine's graphs (do_bench of one eager call
+measures the host's ~40 us of launch work for these 5-30 us kernels);
 `max_err` is the largest |Triton - torch_ref| of the output over both Triton kernels, a sanity
 check. The dense twin gathers every row's pages, so it is skipped where that would exceed
 --dense-max-gib. Triton columns (CUDA only):
@@ -13,6 +16,7 @@ check. The dense twin gathers every row's pages, so it is skipped where that wou
   multi     the multi-row kernel forced (one program per query tile of a request x KV head),
   1row      the single-row kernel forced (one program per query row x KV head, the old path),
 e.g. the verify row at ctx 1024, batch 32 (512 rows, Qwen3-8B) compares multi vs 1row.
+--variants adds forced configurations (M of the multi-row tile, KV splits) per record.
 
     python -m blockdraft.bench.attention_kernels --out attention_kernels.json
     python -m blockdraft.bench.attention_kernels --device cpu --tiny --out /tmp/smoke.json
@@ -92,6 +96,31 @@ def median_ms(fn: Callable[[], object], device: str, reps: int) -> float:
     return statistics.median(times)
 
 
+def graph_replay_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
+    """Median milliseconds per call of fn() captured `calls` times in one CUDA graph (CUDA only;
+    fn must be capture-safe: no host syncs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles, allocator) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     """Benchmark every (shape, scenario, ctx, batch); returns one record per combination."""
     device, dtype = args.device, getattr(torch, args.dtype)
@@ -115,23 +144,44 @@ def run(args: argparse.Namespace) -> list[dict]:
                     rec.update({f"{col}_ms": None for col in TRITON_PATHS}, max_err=None)
                     if use_triton:
                         rec.update(time_triton(call, device, args.reps))
+                        if args.variants:
+                            rec["variants_ms"] = time_variants(call, shape[0] // shape[1])
                     records.append(rec)
                     print(format_row(rec), flush=True)
     return records
 
 
 def time_triton(call: Callable, device: str, reps: int) -> dict:
-    """Median ms of each TRITON_PATHS kernel choice (`call(backend)` -> a no-argument closure)
-    and the largest |Triton - torch_ref| over all of them (CUDA only)."""
+    """Graph-replay ms (`graph_replay_ms`) of each TRITON_PATHS kernel choice (`call(backend)` ->
+    a no-argument closure) and the largest |Triton - torch_ref| over all of them (CUDA only)."""
     from blockdraft.attention.triton_attention import paged_attention_triton
 
     ref = call(paged_attention)().float()
     rec, errs = {}, []
     for col, multi_row in TRITON_PATHS.items():
         backend = functools.partial(paged_attention_triton, multi_row=multi_row)
-        rec[f"{col}_ms"] = median_ms(call(backend), device, reps)
+        rec[f"{col}_ms"] = graph_replay_ms(call(backend))
         errs.append(float((call(backend)().float() - ref).abs().max()))
     return rec | {"max_err": max(errs)}
+
+
+VARIANT_SPLITS = (1, 2, 4)
+
+
+def time_variants(call: Callable, group: int) -> dict[str, float]:
+    """Graph-replay ms of forced kernel configurations, for tuning `use_multi_row`,
+    `multi_row_block_m` and the split rules: '1row-sS' (single-row kernel, S KV splits),
+    'mM-auto' / 'mM-sS' (multi-row kernel with M = query rows x GQA group stacked, splits from
+    the shapes or S). M runs over the powers of two from max(16, group) to 128."""
+    from blockdraft.attention.triton_attention import paged_attention_triton
+
+    configs = {f"1row-s{s}": dict(multi_row=False, num_kv_splits=s) for s in VARIANT_SPLITS}
+    block_m = max(16, 1 << (group - 1).bit_length())
+    while block_m <= 128:
+        configs[f"m{block_m}-auto"] = dict(multi_row=True, block_m=block_m)
+        configs |= {f"m{block_m}-s{s}": dict(multi_row=True, block_m=block_m, num_kv_splits=s) for s in VARIANT_SPLITS}
+        block_m *= 2
+    return {name: graph_replay_ms(call(functools.partial(paged_attention_triton, **kw))) for name, kw in configs.items()}
 
 
 def format_row(rec: dict) -> str:
@@ -140,8 +190,12 @@ def format_row(rec: dict) -> str:
 
     err = f"{rec['max_err']:.1e}" if rec["max_err"] is not None else "-"
     triton_cols = "".join(ms(rec[f"{col}_ms"]) for col in TRITON_PATHS)
-    return (f"{rec['model']:<14}{rec['scenario']:<8}{rec['ctx']:>6}{rec['batch']:>6}{rec['rows']:>6}"
-            f"{ms(rec['torch_ref_ms'])}{ms(rec['dense_ms'])}{triton_cols}  {err}")  # fmt: skip
+    row = (f"{rec['model']:<14}{rec['scenario']:<8}{rec['ctx']:>6}{rec['batch']:>6}{rec['rows']:>6}"
+           f"{ms(rec['torch_ref_ms'])}{ms(rec['dense_ms'])}{triton_cols}  {err}")  # fmt: skip
+    if rec.get("variants_ms"):
+        best = min(rec["variants_ms"], key=rec["variants_ms"].get)
+        row += f"  best variant {best} {rec['variants_ms'][best]:.4f}"
+    return row
 
 
 HEADER = (f"{'model':<14}{'scenario':<8}{'ctx':>6}{'batch':>6}{'rows':>6}"
@@ -158,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=None, help="requests per batch (default 1 8 32)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per CPU measurement (CUDA: do_bench decides)")
     p.add_argument("--dense-max-gib", type=float, default=24.0, help="skip the dense twin above this estimate")
+    p.add_argument("--variants", action="store_true",
+                   help="CUDA: also time forced kernel configurations (single-row x KV splits, multi-row "
+                        "M x splits; `variants_ms` in the JSON, best one printed), for tuning the path choice")
     p.add_argument("--out", default=None, help="write the records as JSON here")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

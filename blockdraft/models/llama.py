@@ -138,7 +138,9 @@ class CausalLM(UsesFusedOps, nn.Module):
         """input_ids [T] int64 -> [T, hidden] in the model dtype."""
         return self.model.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None, upcast: bool = True
+    ) -> torch.Tensor:
         """hidden [N, hidden] (after the final norm) -> logits [N, vocab] float32, or `out`.
 
         Pass only the rows you need (e.g. the last row of each prompt): the LM head is the
@@ -147,13 +149,17 @@ class CausalLM(UsesFusedOps, nn.Module):
         dtype the matmul writes into it directly: no float32 copy, which at 512 verify rows x
         152K ids is ~0.3 GB of traffic per step; consumers upcast what they read (sampling,
         logprobs), and argmax of bf16 logits equals argmax of their exact float32 cast.
+        upcast=False (no `out`; callers that only take the argmax, e.g. the DFlash drafter's
+        full-vocabulary proposals): the head's output in its own dtype, no float32 copy.
         """
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         weight = head.weight
         if out is not None and weight is not None and out.dtype == weight.dtype and hidden.dtype == weight.dtype:
             return torch.mm(hidden, weight.t(), out=out)  # the LM heads have no bias
         logits = head.logits(hidden) if self.lm_head is None else head(hidden)
-        return logits.float() if out is None else out.copy_(logits)
+        if out is not None:
+            return out.copy_(logits)
+        return logits.float() if upcast else logits
 
     @torch.no_grad()
     def lm_head_rows(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -144,15 +144,18 @@ def test_multi_row_padding_row_req_is_inert():
 
 
 def test_path_choice_from_shapes():
-    """Decode batches keep the single-row kernel; verify / draft / prefill batches go multi-row;
-    the tile holds a whole 16-row request where it fits."""
+    """Decode batches keep the single-row kernel; verify / draft / prefill batches go multi-row
+    (one request of a large GQA group stays single-row); the tile holds a whole 16-row request
+    where it fits in M 64."""
     assert not use_multi_row(num_rows=32, num_reqs=32, num_block_tokens=0)
     assert use_multi_row(num_rows=512, num_reqs=32, num_block_tokens=0)
     assert use_multi_row(num_rows=16, num_reqs=1, num_block_tokens=16)
     assert use_multi_row(num_rows=512, num_reqs=32, num_block_tokens=0, group=4)
-    assert not use_multi_row(num_rows=512, num_reqs=32, num_block_tokens=16, group=7)  # measured slower
+    assert use_multi_row(num_rows=512, num_reqs=32, num_block_tokens=16, group=7)  # measured 2x faster
+    assert not use_multi_row(num_rows=16, num_reqs=1, num_block_tokens=16, group=7)  # one request: a tie
     assert multi_row_block_m(512, 32, group=4, head_dim=128) == 64  # Qwen3-8B verify: 16 rows x 4
-    assert multi_row_block_m(512, 32, group=7, head_dim=64) == 128  # 18 rows of group 7
+    assert multi_row_block_m(512, 32, group=7, head_dim=64) == 64  # 9 rows of group 7 (M 128 slower)
+    assert multi_row_block_m(4096, 2, group=7, head_dim=64) == 128  # prefill keeps the large tile
     assert multi_row_block_m(4096, 2, group=4, head_dim=128) == 128  # prefill: 32-row tiles
     assert multi_row_block_m(4096, 2, group=4, head_dim=256) == 64
     assert multi_row_block_m(4096, 2, group=4, head_dim=128, elem_bytes=4) == 64  # float32 tiles

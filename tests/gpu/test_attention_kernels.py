@@ -20,6 +20,7 @@ from blockdraft.attention.dense_ref import paged_attention_dense  # noqa: E402
 from blockdraft.attention.torch_ref import paged_attention  # noqa: E402
 from blockdraft.attention.triton_attention import (  # noqa: E402
     kv_splits_for,
+    multi_row_kv_splits,
     paged_attention_triton,
     use_multi_row,
     write_kv_triton,
@@ -165,8 +166,7 @@ def test_multi_row_heuristic_on_bench_shapes():
     for scenario, expected in (("decode", False), ("verify", True), ("draft", True)):
         (q, *_), meta = make_batch(scenario, 32, 64, SHAPES["qwen3-8b"], torch.bfloat16, "cuda")
         assert use_multi_row(q.shape[0], meta.num_reqs, meta.num_block_tokens, group=4) is expected
-        # Qwen2.5-0.5B's group of 7 measured faster on the single-row kernel
-        assert not use_multi_row(q.shape[0], meta.num_reqs, meta.num_block_tokens, group=7)
+        assert use_multi_row(q.shape[0], meta.num_reqs, meta.num_block_tokens, group=7) is expected
 
 
 def test_split_heuristic_fills_small_batches_only():
@@ -174,6 +174,8 @@ def test_split_heuristic_fills_small_batches_only():
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     assert kv_splits_for(1, 2, device) > 1
     assert kv_splits_for(sms, 1, device) == 1
+    assert multi_row_kv_splits(1, 2, device) > 1
+    assert multi_row_kv_splits(-(-sms // 2), 1, device) == 1  # half the SMs busy: no merge launch
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

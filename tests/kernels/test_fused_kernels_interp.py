@@ -90,7 +90,7 @@ def test_fused_add_rms_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 24)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (3, 1, 24), (14, 2, 64)])
 @pytest.mark.parametrize("with_norm", [False, True], ids=["rope", "norm_rope"])
 def test_qk_norm_rope_on_qkv_views(dtype, heads, kv_heads, head_dim, with_norm):
     rows, q_size, kv_size = 5, heads * head_dim, kv_heads * head_dim

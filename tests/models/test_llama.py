@@ -272,7 +272,8 @@ def test_embed_and_compute_logits_shapes():
 @pytest.mark.parametrize("packed", [False, True])
 def test_compute_logits_into_a_model_dtype_buffer_writes_in_place(tied, packed):
     """CUDA graphs keep logits in the model dtype: the LM head writes into `out` with no float32
-    copy, and the values (so the argmax) are exactly those of the float32 path."""
+    copy (upcast=False: a new tensor in the model dtype), and the values (so the argmax) are
+    exactly those of the float32 path."""
     if packed and not cpu_packing_supported(torch.bfloat16, "cpu"):
         pytest.skip("no oneDNN bf16 packing on this CPU")
     hf, config = hf_model("llama", tie_word_embeddings=tied)
@@ -284,7 +285,9 @@ def test_compute_logits_into_a_model_dtype_buffer_writes_in_place(tied, packed):
         out = torch.full((5, 97), float("nan"), dtype=torch.bfloat16)
         got = model.compute_logits(hidden, out=out)
         into_f32 = model.compute_logits(hidden, out=torch.empty(5, 97))
+        no_upcast = model.compute_logits(hidden, upcast=False)
     assert want.dtype == into_f32.dtype == torch.float32
+    assert no_upcast.dtype == torch.bfloat16 and torch.equal(no_upcast.float(), want)
     assert got.data_ptr() == out.data_ptr() and got.dtype == torch.bfloat16
     assert torch.equal(got.float(), want) and torch.equal(into_f32, want)
     assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -44,8 +44,9 @@ class TinyTarget(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     # z-lab's dflash_generate / compute_logits reach the target through these HF names.
     def get_input_embeddings(self) -> nn.Embedding:

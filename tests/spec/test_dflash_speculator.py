@@ -113,3 +113,23 @@ def test_argmax_only_logits_skip_the_float32_copy_only_when_nothing_transforms_t
     assert torch.equal(fast.argmax(-1), full.argmax(-1))
     if not transform:
         assert torch.equal(fast.float(), full)
+
+
+def test_full_vocabulary_proposals_skip_the_float32_copy_of_the_target_head():
+    """Without a draft vocabulary propose() scores with the target's head in the model dtype
+    (no [R*K, V] float32 copy, ~0.3 GB per step at 32 requests x 15 drafts x 152K ids); the
+    argmax, and so the drafts, equal those of the float32 logits."""
+    cfg = tiny_target_config()
+    drafter = random_drafter(cfg, num_layers=2, block_size=4, seed=5, init_std=0.25).to(torch.bfloat16)
+    target = TinyTarget(cfg).to(torch.bfloat16)
+    spec = DFlashSpeculator(drafter, target, 3, num_kv_blocks=2 * PAGES_PER_REQ, kv_block_size=KV_BLOCK_SIZE)
+    table = shuffled_block_table(2, PAGES_PER_REQ, seed=9)
+    assert spec.kv_caches[0][0].dtype == torch.bfloat16
+    bonus, bonus_pos = torch.tensor([5, 9]), torch.tensor([0, 0])
+    fast = spec.draft_logits(bonus, bonus_pos, table, upcast=False)
+    full = spec.draft_logits(bonus, bonus_pos, table)
+    assert fast.dtype == torch.bfloat16 and full.dtype == torch.float32
+    assert torch.equal(fast.float(), full)
+    slots = torch.full((2,), PADDING_SLOT, dtype=torch.long)
+    drafts = spec.propose(_features(2, 1).to(torch.bfloat16), torch.arange(2), slots, bonus, bonus_pos, table)
+    assert torch.equal(drafts, full.argmax(-1))

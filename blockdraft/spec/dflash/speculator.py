@@ -11,6 +11,7 @@ Reference loop: z-lab `dflash/model.py` `dflash_generate` (its `block_size` argu
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -27,8 +28,9 @@ class DraftTarget(Protocol):
         """[T] int64 -> [T, H] token embeddings (embed_tokens, no extra scaling)."""
         ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V] float32 through the target's LM head."""
+    def compute_logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
+        """[N, H] -> [N, V] float32 through the target's LM head (upcast=False: may keep the
+        head's dtype; the drafter passes it when it only takes the argmax)."""
         ...
 
 
@@ -157,7 +159,10 @@ class DFlashSpeculator:
         hidden = self.drafter(embeds, block_positions, self.kv_caches, meta)  # [R*Q, H]
         # Slot 0 (the anchor) predicts nothing (sample_from_anchor=false); slot k predicts P + k.
         drafts_hidden = hidden.view(num_reqs, q, -1)[:, 1:].reshape(num_reqs * (q - 1), -1)
-        head = self.target.compute_logits if self.draft_head is None else self.draft_head.logits
+        if self.draft_head is not None:
+            head = self.draft_head.logits  # model dtype
+        else:  # the target's head: a float32 copy of [R*K, V] only when the caller needs it
+            head = functools.partial(self.target.compute_logits, upcast=upcast)
         logits = self.drafter.compute_logits(drafts_hidden, head, upcast)  # output_multiplier / softcapping
         return logits.view(num_reqs, q - 1, -1)
 
