@@ -76,7 +76,7 @@ def test_generate_and_serve_refuse_a_bad_drafter_before_loading_the_target(tiny,
     wide = _drafter_variant(tmp_path, drafter, hidden_size=128)
     cases = [
         (["--draft", "/nonexistent/drafter"], ["'/nonexistent/drafter' does not exist", "draft (--draft) takes a DFlash checkpoint folder"]),
-        (["--draft", str(no_config)], [f"no config.json in drafter folder {no_config}"]),
+        (["--draft", str(no_config)], [f"no config.json in drafter folder '{no_config}'", "draft (--draft) takes"]),
         (["--draft", str(wide)], ["drafter hidden_size 128 != target hidden_size 64"]),
         (["--draft", str(drafter), "--num-speculative-tokens", "8"], ["block_size - 1 = 7", "got 8"]),
         (["--draft", str(drafter), "--num-speculative-tokens", "0"], ["integer >= 1, got 0"]),

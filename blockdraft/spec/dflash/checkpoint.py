@@ -63,7 +63,9 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
     if not config_file.is_file():
         nested = path / "drafter"  # train-drafter's --out holds data/, checkpoint/, drafter/
         hint = f" (did you mean {nested}?)" if (nested / "config.json").is_file() else ""
-        raise FileNotFoundError(f"no config.json in drafter folder {path}{hint}")
+        raise param_error("draft", f"no config.json in drafter folder {str(path)!r}{hint}; draft takes a DFlash "
+                                   "checkpoint folder (config.json + *.safetensors or model.int8), 'shipped' or "
+                                   "'auto'", FileNotFoundError)
     raw = _read_json_object(config_file)
     try:
         config = DFlashConfig.from_hf_dict(raw)
