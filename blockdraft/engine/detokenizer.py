@@ -8,7 +8,7 @@ from typing import Callable
 
 
 class IncrementalDetokenizer:
-    """Keeps a request's output text current as tokens arrive one at a time.
+    """Keeps a request's output text current as tokens arrive (one at a time, or a step's worth).
 
     Decodes only a short window of recent tokens, ids[prefix_offset:], and emits what it adds to
     the text of ids[prefix_offset:read_offset] (prefix / read offsets as in vLLM's detokenizer; the
@@ -40,6 +40,10 @@ class IncrementalDetokenizer:
     def append(self, token_id: int) -> str | None:
         """Add one token; return the stop string it completed (text is then cut before it), else None."""
         self._ids.append(token_id)
+        return self._emit()
+
+    def _emit(self) -> str | None:
+        """Decode the window once and emit the text the newest ids added (see the class docstring)."""
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(self._prefix_text) or full.endswith("\ufffd"):
             return None
@@ -60,7 +64,15 @@ class IncrementalDetokenizer:
 
         Returns (index in token_ids of the token that completed it, the stop string), or None
         (all tokens appended).
+        Without stop strings the tokens are decoded together, one decode for the lot (a DFlash
+        step commits up to K + 1 tokens per request); the final text is the same, but text ending
+        in an incomplete UTF-8 character holds back the whole step's text until a later token
+        completes it, where per-token appends would emit the earlier tokens' text at once.
         """
+        if not self.stop and len(token_ids) > 1:
+            self._ids.extend(token_ids)
+            self._emit()
+            return None
         for i, tok in enumerate(token_ids):
             stop_str = self.append(tok)
             if stop_str is not None:

@@ -83,6 +83,25 @@ def test_one_decode_call_per_token(tokenizer):
     assert counting.calls <= n + n // (IncrementalDetokenizer.WINDOW // 2) + 1, (counting.calls, n)
 
 
+def test_a_step_of_several_tokens_is_one_decode_and_gives_the_same_text(tokenizer):
+    """DFlash commits up to K + 1 tokens per request per step: `extend` decodes them together
+    (no stop strings), the text only grows, and ends as the per-token stream's."""
+    import random
+
+    ids = tokenizer.encode(TEXT * 2, add_special_tokens=False)
+    rng = random.Random(0)
+    counting = CountingTokenizer(tokenizer)
+    detok, steps, i = IncrementalDetokenizer(counting, []), 0, 0
+    while i < len(ids):
+        n = rng.randint(1, 16)
+        assert detok.extend(ids[i : i + n]) is None
+        assert (TEXT * 2).startswith(detok.text)
+        i, steps = i + n, steps + 1
+    detok.flush()
+    assert detok.text == TEXT * 2 == _stream(tokenizer, ids)[1].text
+    assert counting.calls <= 2 * steps + 1, (counting.calls, steps, len(ids))
+
+
 def test_stop_string_split_across_multibyte_tokens(tokenizer):
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, ["中文"])
