@@ -5,7 +5,7 @@ Scenarios per model shape and batch size (every request has `ctx` cached tokens)
   verify  16 rows per request (anchor + 15 drafts, causal),
   draft   a DFlash draft block of 16 uncached rows over ctx cached tokens (bidirectional).
 Times: torch_ref and the dense twin are medians of `triton.testing.do_bench` on CUDA (of repeated
-wall-clock calls on CPU); the Triton columns are CUDA-graph replays of 20 calls (median of 10
+wall-clock calls on CPU); the Triton columns are CUDA-graph replays of 20 calls (mean of 10
 replays / 20), the kernels' own time as inside the engine's graphs (do_bench of one eager call
 measures the host's ~40 us of launch work for these 5-30 us kernels);
 `max_err` is the largest |Triton - torch_ref| of the output over both Triton kernels, a sanity
@@ -97,28 +97,12 @@ def median_ms(fn: Callable[[], object], device: str, reps: int) -> float:
 
 
 def graph_replay_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
-    """Median milliseconds per call of fn() captured `calls` times in one CUDA graph (CUDA only;
-    fn must be capture-safe: no host syncs)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compiles, allocator) outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    """Mean milliseconds per call of fn() captured `calls` times in one CUDA graph, over
+    `replays` replays (CUDA only; fn must be capture-safe: no host syncs)."""
+    from blockdraft.bench.layer_ops import capture, time_ms
+
+    graph = capture(lambda: [fn() for _ in range(calls)])
+    return time_ms(graph.replay, iters=replays, warmup=1) / calls
 
 
 def run(args: argparse.Namespace) -> list[dict]:
