@@ -99,7 +99,8 @@ def _add_draft_flags(p: argparse.ArgumentParser) -> None:
                    "'auto' (default): the shipped drafter if one exists for --model, else plain decoding")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="drafts per step K (default: the K measured for the drafter, else block_size - 1)")
+                   help="drafts per step K (default: the K measured for the drafter on this device type, its "
+                        "speculative.json, else block_size - 1)")
     add_draft_vocab_size_flag(p)
 
 

@@ -161,9 +161,10 @@ def preflight(
     if draft is not None:
         draft = str(draft)
         drafter_config = read_drafter_config(draft)
-        k = resolve_num_speculative_tokens(num_speculative_tokens, draft, drafter_config)
+        # device is "cpu" or "cuda" here; speculative.json may record K per device type
+        k = resolve_num_speculative_tokens(num_speculative_tokens, draft, drafter_config, device)
         # the drafter's vocabulary is the target's (check_drafter_fits): the range named starts at its minimum
-        vocab_n = resolve_draft_vocab_size(draft_vocab_size, draft, drafter_config.vocab_size)
+        vocab_n = resolve_draft_vocab_size(draft_vocab_size, draft, drafter_config.vocab_size, device)
     elif draft_vocab_size not in (None, 0):
         raise param_error("draft_vocab_size", f"draft_vocab_size {draft_vocab_size!r} needs a drafter; give draft "
                           "(a drafter folder, 'shipped' or 'auto'), or leave draft_vocab_size out / 0 for plain decoding")

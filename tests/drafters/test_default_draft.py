@@ -13,7 +13,10 @@ from blockdraft.drafters import SHIPPED_DIR, check_draft_flags, resolve_draft, s
 from blockdraft.llm import LLM
 from blockdraft.spec.dflash.checkpoint import (
     SPECULATIVE_FILE,
+    read_drafter_config,
+    recommended_draft_vocab_size,
     recommended_num_speculative_tokens,
+    resolve_num_speculative_tokens,
     write_recommended_num_speculative_tokens,
 )
 from tests.server.tiny_model import write_tiny_drafter, write_tiny_model
@@ -110,11 +113,39 @@ def test_recorded_k_is_the_default_and_an_explicit_k_wins(tiny, tmp_path):
         recommended_num_speculative_tokens(folder)
 
 
+def test_a_k_recorded_per_device_type_wins_on_that_device_and_survives_a_rewrite(tiny, tmp_path):
+    """speculative.json's `per_device` entry (e.g. K measured on a GPU) applies on that device
+    type; the top-level K (measured on a CPU) everywhere else; rewriting the CPU K keeps it."""
+    _, drafter = tiny
+    folder = tmp_path / "drafter"
+    shutil.copytree(drafter, folder)
+    config = read_drafter_config(folder)
+    (folder / SPECULATIVE_FILE).write_text(json.dumps(
+        {"num_speculative_tokens": 2, "draft_vocab_size": 0, "per_device": {"cuda": {"num_speculative_tokens": 7}}}))
+    assert recommended_num_speculative_tokens(folder) == 2 == recommended_num_speculative_tokens(folder, "cpu")
+    assert recommended_num_speculative_tokens(folder, "cuda") == 7
+    assert resolve_num_speculative_tokens(None, folder, config, "cuda") == 7
+    assert resolve_num_speculative_tokens(3, folder, config, "cuda") == 3  # explicit K wins
+    assert recommended_draft_vocab_size(folder, "cuda") == 0  # not in the entry: the top-level value
+    write_recommended_num_speculative_tokens(folder, 1, {"note": "re-measured on a CPU"})
+    assert recommended_num_speculative_tokens(folder) == 1 and recommended_num_speculative_tokens(folder, "cuda") == 7
+    (folder / SPECULATIVE_FILE).write_text(json.dumps({"num_speculative_tokens": 2, "per_device": {"cuda": 15}}))
+    with pytest.raises(ValueError, match=r"speculative.json: per_device must map device types to JSON objects"):
+        recommended_num_speculative_tokens(folder, "cuda")
+    (folder / SPECULATIVE_FILE).write_text(json.dumps({"per_device": {"cuda": {"num_speculative_tokens": 9}}}))
+    with pytest.raises(ValueError, match=r"block_size - 1 = 7.*recorded K for cuda"):
+        resolve_num_speculative_tokens(None, folder, config, "cuda")
+    assert resolve_num_speculative_tokens(None, folder, config, "cpu") == 7  # no CPU K: block_size - 1
+
+
 def test_shipped_k_files_are_valid_and_travel_with_the_int8_expansion(tmp_path, monkeypatch):
     for name in (QWEN, SMOL):
-        k = recommended_num_speculative_tokens(SHIPPED_DIR / name)
         block_size = json.loads((SHIPPED_DIR / name / "config.json").read_text())["dflash_config"]["block_size"]
-        assert k is None or 1 <= k <= block_size - 1
+        for device_type in ("cpu", "cuda"):
+            k = recommended_num_speculative_tokens(SHIPPED_DIR / name, device_type)
+            assert k is None or 1 <= k <= block_size - 1
+    # the Qwen drafter's GPU K is its own measurement (H200 batch 1: K = 15 fastest), not the CPU's
+    assert recommended_num_speculative_tokens(SHIPPED_DIR / QWEN, "cuda") == 15
     # The expanded int8 folder carries the K file, and a new K gives a new expansion (never stale).
     shipped = tmp_path / "shipped"
     shutil.copytree(SHIPPED_DIR / SMOL, shipped / SMOL)

@@ -91,23 +91,24 @@ def check_drafter_fits(config: DFlashConfig, path: str | Path, target_config: Mo
                                    "target's own drafter, or none") from e
 
 
-def resolve_num_speculative_tokens(k: int | None, path: str | Path, config: DFlashConfig) -> int:
-    """K for the drafter in `path`: `k` when given, else the folder's recorded K
-    (recommended_num_speculative_tokens), else block_size - 1; checked against the block size.
+def resolve_num_speculative_tokens(k: int | None, path: str | Path, config: DFlashConfig, device_type: str = "cpu") -> int:
+    """K for the drafter in `path` on `device_type` ("cpu", "cuda"): `k` when given, else the
+    folder's recorded K for that device (recommended_num_speculative_tokens), else block_size - 1;
+    checked against the block size.
 
     Raises:
         ValueError: K outside [1, block_size - 1] (naming where it came from), bad speculative.json.
     """
     if k is not None:
         return config.check_num_speculative_tokens(k)
-    recorded = recommended_num_speculative_tokens(path)
+    recorded = recommended_num_speculative_tokens(path, device_type)
     if recorded is None:
         return config.block_size - 1
     try:
         return config.check_num_speculative_tokens(recorded)
     except ValueError as e:
-        raise param_error("num_speculative_tokens", f"{Path(path) / SPECULATIVE_FILE}: {e} (recorded K; "
-                                                    f"num_speculative_tokens overrides it)") from e
+        raise param_error("num_speculative_tokens", f"{Path(path) / SPECULATIVE_FILE}: {e} (recorded K for "
+                                                    f"{device_type}; num_speculative_tokens overrides it)") from e
 
 
 def empty_drafter(config: DFlashConfig, dtype: torch.dtype, device) -> DFlashDraftModel:
@@ -122,17 +123,21 @@ def empty_drafter(config: DFlashConfig, dtype: torch.dtype, device) -> DFlashDra
     return model.requires_grad_(False).eval()
 
 
-def recommended_num_speculative_tokens(path: str | Path) -> int | None:
-    """K recorded in `<path>/speculative.json` (`{"num_speculative_tokens": K, ...}`), or None.
+def recommended_num_speculative_tokens(path: str | Path, device_type: str = "cpu") -> int | None:
+    """K recorded in `<path>/speculative.json` for `device_type`, or None.
 
-    The file records the drafts-per-step that measured fastest for this drafter (see
-    `python -m blockdraft.bench.spec_k`); an explicit `num_speculative_tokens` always wins over it.
-    Whether K fits the drafter's block size: resolve_num_speculative_tokens.
+    The file records the drafts-per-step that measured fastest for this drafter: the top-level
+    `num_speculative_tokens` (measured on a CPU by `python -m blockdraft.bench.spec_k`), and
+    optionally `per_device: {"cuda": {"num_speculative_tokens": K, ...}}` for another device type,
+    which wins there (a GPU verifies K + 1 rows for about the cost of one, a 2-core CPU does not).
+    An explicit `num_speculative_tokens` always wins over both. Whether K fits the drafter's
+    block size: resolve_num_speculative_tokens.
     Raises:
-        ValueError: the file is not a JSON object or its value is not an integer >= 1.
+        ValueError: the file is not a JSON object, `per_device` or its entry is not an object, or
+            the value is not an integer >= 1.
     """
     file = Path(path) / SPECULATIVE_FILE
-    k = _read_speculative_json(path).get("num_speculative_tokens")
+    k = _recorded(path, "num_speculative_tokens", device_type)
     if k is None:
         return None
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -140,19 +145,33 @@ def recommended_num_speculative_tokens(path: str | Path) -> int | None:
     return k
 
 
-def recommended_draft_vocab_size(path: str | Path) -> int | None:
-    """The draft vocabulary size recorded in `<path>/speculative.json` ("draft_vocab_size"), or None.
+def recommended_draft_vocab_size(path: str | Path, device_type: str = "cpu") -> int | None:
+    """The draft vocabulary size recorded in `<path>/speculative.json` ("draft_vocab_size", its
+    `per_device` entry for `device_type` first, as recommended_num_speculative_tokens), or None.
 
     Whether it fits the folder's draft_vocab.json: resolve_draft_vocab_size.
     Raises:
-        ValueError: the file is not a JSON object.
+        ValueError: the file is not a JSON object, or `per_device` or its entry is not an object.
     """
-    return _read_speculative_json(path).get("draft_vocab_size")
+    return _recorded(path, "draft_vocab_size", device_type)
 
 
-def resolve_draft_vocab_size(size: int | None, path: str | Path, vocab_size: int | None = None) -> int:
+def _recorded(path: str | Path, key: str, device_type: str):
+    """`key` from the speculative.json `per_device` entry of `device_type`, else the top level, else None."""
+    data = _read_speculative_json(path)
+    per_device = data.get("per_device", {})
+    if not isinstance(per_device, dict) or not all(isinstance(v, dict) for v in per_device.values()):
+        raise ValueError(f"{Path(path) / SPECULATIVE_FILE}: per_device must map device types to JSON objects, "
+                         f"e.g. {{\"cuda\": {{\"num_speculative_tokens\": 15}}}}, got {per_device!r:.80}")
+    entry = per_device.get(device_type, {})
+    return entry[key] if key in entry else data.get(key)
+
+
+def resolve_draft_vocab_size(
+    size: int | None, path: str | Path, vocab_size: int | None = None, device_type: str = "cpu"
+) -> int:
     """The draft vocabulary size for the drafter in `path`: `size` when given, else the folder's
-    recorded one (recommended_draft_vocab_size), else 0 (the full vocabulary); checked against the
+    recorded one for `device_type` (recommended_draft_vocab_size), else 0 (the full vocabulary); checked against the
     folder's draft_vocab.json (blockdraft.spec.draft_vocab.check_draft_vocab_size) and, when
     `vocab_size` (the drafter's = the target's vocabulary) is given, its minimum size.
 
@@ -164,7 +183,7 @@ def resolve_draft_vocab_size(size: int | None, path: str | Path, vocab_size: int
 
     if size is not None:
         return check_draft_vocab_size(size, path, vocab_size)
-    recorded = recommended_draft_vocab_size(path)
+    recorded = recommended_draft_vocab_size(path, device_type)
     if recorded is None:
         return 0
     try:
@@ -197,7 +216,8 @@ def _read_json_object(file: Path) -> dict:
 
 
 def write_recommended_num_speculative_tokens(path: str | Path, k: int, evidence: dict | None = None) -> Path:
-    """Write `<path>/speculative.json` with K and the measurements that chose it; returns the file.
+    """Write `<path>/speculative.json` with the (CPU) K and the measurements that chose it, keeping
+    the file's `per_device` entries; returns the file.
 
     Raises:
         ValueError: k is not an integer >= 1.
@@ -205,7 +225,11 @@ def write_recommended_num_speculative_tokens(path: str | Path, k: int, evidence:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise param_error("num_speculative_tokens", f"num_speculative_tokens must be an integer >= 1, got {k!r}")
     file = Path(path) / SPECULATIVE_FILE
-    file.write_text(json.dumps({"num_speculative_tokens": k, **(evidence or {})}, indent=1) + "\n")
+    record = {"num_speculative_tokens": k, **(evidence or {})}
+    per_device = _read_speculative_json(path).get("per_device") if file.is_file() else None
+    if per_device is not None and "per_device" not in record:  # other devices' measurements stay
+        record["per_device"] = per_device
+    file.write_text(json.dumps(record, indent=1) + "\n")
     return file
 
 
