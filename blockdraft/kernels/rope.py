@@ -1,9 +1,10 @@
 """Per-head RMSNorm (optional, Qwen3 q_norm / k_norm) + rotate-half RoPE for q and k in one launch.
 
 One program per (row, q or k): all of a row's q heads (or k heads) as one 2-D tile, so a verify
-batch of 512 rows is 1,024 programs, not 8,192 one-head ones (5.4 us per launch for those on the
-H200, Qwen2.5-0.5B shape). q and k may be strided views of a fused qkv projection (any row and head stride, unit stride inside a head). Results go to new
-contiguous tensors, so attention backends see the same layout as with the torch path.
+batch of 512 rows is 1,024 programs, not 8,192 one-head ones (H200, Qwen2.5-0.5B shape: 5.4 ->
+1.9 us per launch). q and k may be strided views of a fused qkv projection (any row and head
+stride, unit stride inside a head). Results go to new contiguous tensors, so attention backends
+see the same layout as with the torch path.
 
 Rounding follows the torch twin (`blockdraft.layers.fused_ops.qk_norm_rope_ref`, i.e.
 `RMSNorm` then `apply_rotary` in the input dtype): every product and the final sum are rounded
@@ -130,7 +131,7 @@ def _launch(
     k_out = torch.empty((rows, num_k_heads, head_dim), dtype=dtype, device=k.device)
     q_out = None if q is None else torch.empty((rows, num_q_heads, head_dim), dtype=dtype, device=k.device)
     if rows and num_q_heads + num_k_heads:
-        q_arg = k if q is None else q  # placeholders are never read (no program has such a head)
+        q_arg = k if q is None else q  # a placeholder, never read: program (row, 0) skips when there are no q heads
         block_hq, block_hk = triton.next_power_of_2(max(num_q_heads, 1)), triton.next_power_of_2(max(num_k_heads, 1))
         _qk_norm_rope_kernel[(rows, 2)](
             q_arg, q_arg.stride(0), q_arg.stride(1), k, k.stride(0), k.stride(1),
