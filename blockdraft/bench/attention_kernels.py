@@ -163,7 +163,8 @@ def time_variants(call: Callable, group: int) -> dict[str, float]:
     block_m = max(16, 1 << (group - 1).bit_length())
     while block_m <= 128:
         configs[f"m{block_m}-auto"] = dict(multi_row=True, block_m=block_m)
-        configs |= {f"m{block_m}-s{s}": dict(multi_row=True, block_m=block_m, num_kv_splits=s) for s in VARIANT_SPLITS}
+        for s in VARIANT_SPLITS:
+            configs[f"m{block_m}-s{s}"] = dict(multi_row=True, block_m=block_m, num_kv_splits=s)
         block_m *= 2
     return {name: graph_replay_ms(call(functools.partial(paged_attention_triton, **kw))) for name, kw in configs.items()}
 

@@ -91,7 +91,9 @@ def check_drafter_fits(config: DFlashConfig, path: str | Path, target_config: Mo
                                    "target's own drafter, or none") from e
 
 
-def resolve_num_speculative_tokens(k: int | None, path: str | Path, config: DFlashConfig, device_type: str = "cpu") -> int:
+def resolve_num_speculative_tokens(
+    k: int | None, path: str | Path, config: DFlashConfig, device_type: str = "cpu"
+) -> int:
     """K for the drafter in `path` on `device_type` ("cpu", "cuda"): `k` when given, else the
     folder's recorded K for that device (recommended_num_speculative_tokens), else block_size - 1;
     checked against the block size.
