@@ -29,3 +29,20 @@ def test_bench_tiny_shape_on_cuda(tmp_path, eager):
     assert rows[("ours", "dflash-forced", 1)]["acceptance_length"] > 1.5
     assert doc["device"]["type"] == "cuda" and doc["dtype"] == "bfloat16"
     assert doc["settings"]["llm_options"] == ({"enforce_eager": True} if eager else {})
+
+
+def test_attention_kernels_bench_times_graph_replays_and_variants(tmp_path):
+    """`python -m blockdraft.bench.attention_kernels --variants` on tiny shapes: every Triton
+    column and forced configuration is timed (graph replays) and matches the torch oracle."""
+    from blockdraft.bench import attention_kernels
+
+    out = tmp_path / "ak.json"
+    assert attention_kernels.main(["--tiny", "--batch", "1", "2", "--ctx", "24", "--scenarios", "verify", "draft",
+                                   "--variants", "--out", str(out)]) == 0  # fmt: skip
+    records = json.loads(out.read_text())["records"]
+    assert len(records) == 4
+    for r in records:
+        assert all(r[f"{col}_ms"] > 0 for col in attention_kernels.TRITON_PATHS)
+        assert r["max_err"] < 2e-2
+        variants = r["variants_ms"]
+        assert {"1row-s1", "m16-auto", "m128-s4"} <= set(variants) and all(v > 0 for v in variants.values())
