@@ -38,7 +38,8 @@ def flag_message(error: BaseException, flags) -> str:
     param = getattr(error, "param", None)
     if param is None or flag_of(param) not in flags:
         return message
-    return re.sub(rf"(?<![\w.-]){re.escape(param)}(?![\w-])", f"{param} ({flag_of(param)})", message, count=1)
+    # a whole word, not part of a path or a quoted value ('/tmp/draft' stays as it is)
+    return re.sub(rf"(?<![\w./'\"-]){re.escape(param)}(?![\w/'\"-])", f"{param} ({flag_of(param)})", message, count=1)
 
 
 def check_writable_file(path: str, flag: str = "--json") -> None:

@@ -202,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
                         "M x splits; `variants_ms` in the JSON, best one printed), for tuning the path choice")
     p.add_argument("--out", default=None, help="write the records as JSON here")
     args = p.parse_args(argv)
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        p.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    for flag, values in (("--batch", args.batch), ("--ctx", args.ctx), ("--reps", [args.reps])):
+        if values is not None and min(values) < 1:
+            p.error(f"{flag} must be >= 1, got {min(values)}")
+    if args.dense_max_gib < 0:
+        p.error(f"--dense-max-gib must be >= 0, got {args.dense_max_gib}")
+    if args.variants and not args.device.startswith("cuda"):
+        p.error("--variants times Triton kernel configurations: it needs --device cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available (use --device cpu --tiny for a smoke test)")
     refuse_unwritable(p, "--out", args.out)  # before the run, not when writing its result

@@ -12,7 +12,15 @@ logger = logging.getLogger("blockdraft.server")
 
 def config_from_args(args) -> ServerConfig:
     """ServerConfig from the `serve` subcommand's arguments (the API key may come from
-    $BLOCKDRAFT_API_KEY so that it does not show in the process list)."""
+    $BLOCKDRAFT_API_KEY so that it does not show in the process list).
+
+    Raises:
+        ValueError: an empty --api-key (e.g. `--api-key "$KEY"` with KEY unset), which would
+            otherwise serve without authentication; an empty $BLOCKDRAFT_API_KEY counts as unset.
+    """
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty (an unset shell variable?): give the key, or leave --api-key out "
+                         "to serve without authentication")
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -89,6 +97,7 @@ def serve(args) -> int:
     drafter = f"DFlash drafter {draft}, K={spec.num_speculative_tokens}" if spec is not None else "no drafter"
     if spec is not None and getattr(spec, "draft_head", None) is not None:
         drafter += f", draft vocab {spec.draft_head.size}"
-    logger.info("serving %r (%s) on http://%s:%d", config.served_model_name, drafter, config.host, config.port)
+    logger.info("serving %r (%s) on http://%s:%d, %s", config.served_model_name, drafter, config.host, config.port,
+                "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)")
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from blockdraft.errors import param_error
 from blockdraft.weights.catalog import CATALOG, CatalogEntry, get_entry
 from blockdraft.weights.convert import convert_gguf_to_folder
 
@@ -316,13 +318,23 @@ def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = 
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":  # before hashing and a "converting" line
+            raise param_error("model", f"model file {str(path)!r} is not a GGUF file (it does not start with the "
+                                       "GGUF magic bytes); model takes a catalog name, an HF folder or a .gguf file")
     sha = sha256_file(path, progress)
     entry = next((e for e in CATALOG.values() if e.sha256 == sha), None)
     key = entry.name if entry else f"gguf-{sha[:16]}"
     folder = cache_root(cache_dir) / "models" / key
     if is_complete(folder):
         return folder
-    return convert_into(path, folder, {"name": key, "sha256": sha}, progress)
+    try:
+        return convert_into(path, folder, {"name": key, "sha256": sha}, progress)
+    except (ValueError, KeyError, IndexError, struct.error) as e:  # the gguf reader's and numpy's words
+        if getattr(e, "param", None) is not None:
+            raise
+        raise param_error("model", f"model file {str(path)!r} cannot be converted, truncated or not a complete "
+                                   f"GGUF model ({type(e).__name__}: {e})") from e
 
 
 def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,

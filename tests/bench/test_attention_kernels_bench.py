@@ -27,3 +27,15 @@ def test_draft_batch_layout():
     (q, k, v, k_cache, v_cache), meta = attention_kernels.make_batch("draft", 3, 40, (4, 2, 16), torch.float32, "cpu")
     assert meta.num_block_tokens == 16 and meta.seq_lens.tolist() == [40] * 3
     assert q.shape == (48, 4, 16) and k_cache.shape[0] * k_cache.shape[1] >= 3 * 56
+
+
+def test_bad_flags_are_refused_with_one_line(capsys):
+    import pytest
+
+    for flags, expected in ((["--reps", "0"], "--reps must be >= 1, got 0"), (["--batch", "0"], "--batch must be >= 1"),
+                            (["--ctx", "0"], "--ctx must be >= 1"), (["--device", "foo"], "--device must be cpu"),
+                            (["--dense-max-gib", "-1"], "--dense-max-gib must be >= 0"),
+                            (["--variants"], "--variants times Triton kernel configurations: it needs --device cuda")):
+        with pytest.raises(SystemExit) as e:
+            attention_kernels.main(["--device", "cpu", "--tiny", *flags] if "--device" not in flags else ["--tiny", *flags])
+        assert e.value.code == 2 and expected in capsys.readouterr().err, flags

@@ -180,6 +180,11 @@ def test_flag_is_named_only_where_the_command_has_it():
     # the first whole-word mention only: not inside another name, not the hint after it
     error = param_error("seed", "seed_offset and seed must be >= 0; seed 0 is fine")
     assert flag_message(error, {"--seed"}) == "seed_offset and seed (--seed) must be >= 0; seed 0 is fine"
+    # nor a path segment or a quoted value that happens to spell the parameter
+    error = param_error("draft", "drafter folder '/tmp/draft' does not exist; draft takes a folder")
+    assert flag_message(error, {"--draft"}) == "drafter folder '/tmp/draft' does not exist; draft (--draft) takes a folder"
+    error = param_error("draft", "no config.json in /data/draft/x; draft takes a folder")
+    assert flag_message(error, {"--draft"}) == "no config.json in /data/draft/x; draft (--draft) takes a folder"
 
 
 def test_other_commands_check_before_loading(tiny, tmp_path, capsys):

@@ -28,3 +28,19 @@ def test_serve_refuses_a_taken_port_and_a_bad_host_before_loading_the_model(caps
     assert main(["serve", "--model", "/nonexistent-model", "--host", "999.1.1.1"]) == 2
     err = capsys.readouterr().err
     assert "--host '999.1.1.1' does not resolve" in err, err
+
+
+def test_serve_refuses_an_empty_api_key_instead_of_serving_without_one(capsys, monkeypatch):
+    """`--api-key "$KEY"` with KEY unset passes an empty string: refused, not an open server.
+    An empty $BLOCKDRAFT_API_KEY counts as unset."""
+    from blockdraft.cli import main, _parser
+    from blockdraft.server.launch import config_from_args
+
+    for key in ("", "  "):
+        assert main(["serve", "--model", "/nonexistent-model", "--api-key", key]) == 2
+        err = capsys.readouterr().err
+        assert "--api-key is empty" in err and "nonexistent" not in err and err.count("\n") == 1, err
+    monkeypatch.setenv("BLOCKDRAFT_API_KEY", "")
+    assert config_from_args(_parser().parse_args(["serve"])).api_key is None
+    monkeypatch.setenv("BLOCKDRAFT_API_KEY", "s3cret")
+    assert config_from_args(_parser().parse_args(["serve"])).api_key == "s3cret"

