@@ -42,23 +42,33 @@ def flag_message(error: BaseException, flags) -> str:
     return re.sub(rf"(?<![\w./'\"-]){re.escape(param)}(?![\w/'\"-])", f"{param} ({flag_of(param)})", message, count=1)
 
 
-def check_writable_file(path: str, flag: str = "--json") -> None:
+def check_writable_file(path: str, flag: str = "--json", example: str = "report.json") -> None:
     """Refuse an output file path before any work, so that minutes of decoding are not lost
     writing it: a missing (or non-folder) parent, a path that is a folder, an unwritable location.
 
+    `example`: the file name suggested inside a folder given instead of a file.
     Raises:
         ValueError: naming `flag` and `path`.
     """
     folder = os.path.dirname(os.path.abspath(path))
     # "out/" or an existing folder: open() would raise IsADirectoryError only after the run
     if str(path).endswith((os.sep, "/")) or os.path.isdir(path):
-        raise ValueError(f"{flag} {path!r} is a folder: give a file path, e.g. {os.path.join(path, 'report.json')!r}")
+        raise ValueError(f"{flag} {path!r} is a folder: give a file path, e.g. {os.path.join(path, example)!r}")
     if not os.path.exists(folder):
         raise ValueError(f"{flag} {path!r}: folder {folder!r} does not exist")
     if not os.path.isdir(folder):
         raise ValueError(f"{flag} {path!r}: {folder!r} is a file, not a folder")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ValueError(f"{flag} {path!r}: not writable")
+    # os.access says yes to root on a read-only or pseudo file system (/sys): open it for real
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r}: not writable ({e.strerror or e})") from None
+    if not existed:
+        os.remove(path)
 
 
 def refuse_unwritable(parser, flag: str, path: str | None) -> None:

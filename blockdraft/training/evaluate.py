@@ -10,6 +10,7 @@ of all prompts. Optionally also decodes without the drafter to check the outputs
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -196,7 +197,13 @@ def main(args) -> int:
 
     if args.plot:  # fail before minutes of decoding, not after
         _pyplot()
-        check_writable_file(args.plot, "--plot")
+        check_writable_file(args.plot, "--plot", example="acceptance.png")
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if os.path.splitext(args.plot)[1].lstrip(".").lower() not in formats:
+            raise ValueError(f"--plot {args.plot!r}: the file name must end in an image format matplotlib "
+                             f"writes ({', '.join('.' + f for f in sorted(formats))}), e.g. 'acceptance.png'")
     from blockdraft.preflight import read_target_config
 
     read_target_config(args.target, args.cache_dir)  # an unknown model is named as such, not as "no drafter"
