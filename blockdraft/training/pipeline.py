@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -162,8 +163,6 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
     Raises:
         ValueError: naming the folder, each recorded value against the requested one, and what to do.
     """
-    import sys
-
     from blockdraft.llm import _catalog_name
     from blockdraft.training.dataset import SHARD_PATTERN, TokenDataset
 
@@ -226,8 +225,6 @@ def select_training_prompts(tokenizer, settings: dict, args) -> tuple[list[list[
         raise ValueError(f"--max-prompt-tokens {limit} keeps none of {read_as}: each is longer once chat-encoded "
                          f"(the shortest has {shortest} tokens); raise --max-prompt-tokens to at least {shortest}")
     if len(prompts) < wanted:
-        import sys
-
         print(f"train-drafter: --max-prompt-tokens {limit} keeps {len(prompts)} of {read_as}: the data comes from "
               f"{len(prompts)} prompts, not {wanted}; raise --max-prompt-tokens for more", file=sys.stderr)
     read = kept[wanted - 1] + 1 if len(kept) >= wanted else len(texts)
@@ -276,8 +273,6 @@ def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: i
     it must not look as if it trained. Any other checkpoint is left to Trainer.load_checkpoint
     (resume, or refuse naming the settings that differ).
     """
-    import sys
-
     from blockdraft.training.trainer import checkpoint_differences, read_checkpoint_state
 
     state = read_checkpoint_state(out)
@@ -325,6 +320,13 @@ def train_drafter(args) -> dict:
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
                       ckpt_every=args.ckpt_every, log_every=settings["log_every"])
     path, _, target_config = read_target_config(args.target, args.cache_dir)
+    if init:  # before building on its target_layer_ids: a drafter of another target is named as such
+        from blockdraft.spec.dflash.checkpoint import check_drafter_fits
+
+        try:
+            check_drafter_fits(init[1], init[0], target_config)
+        except ValueError as e:
+            raise ValueError(f"--init-from {str(init[0])!r}: {e}") from e
     check_against_target(settings, args, target_config)
     drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
@@ -356,6 +358,11 @@ def train_drafter(args) -> dict:
         draft_vocab = rank_dataset(data, target_config.vocab_size, eos_token_ids(target), args.train_vocab_size)[0]
     trainer = Trainer(drafter, train_target, data, cfg, out, features=features, draft_vocab=draft_vocab)
     resumed = trainer.load_checkpoint() if not args.no_resume else False
+    if resumed:
+        print(f"train-drafter: resuming the run in {out} at step {trainer.step} of {cfg.steps} (its checkpoint; "
+              f"--no-resume starts over)", file=sys.stderr, flush=True)
+    elif args.no_resume:  # the log of the run being replaced would mix with this one's
+        (out / "train_log.jsonl").unlink(missing_ok=True)
     final = trainer.fit(progress=True)
     export_drafter(drafter, out / "drafter")
     write_dataset_draft_vocab(out / "drafter", data, target_config.vocab_size, eos_token_ids(target),
@@ -374,5 +381,8 @@ def train_drafter(args) -> dict:
 
 def main(args) -> int:
     """CLI body of `blockdraft train-drafter` (arguments from cli.py)."""
-    print(json.dumps(train_drafter(args), indent=1))
+    summary = train_drafter(args)
+    print(json.dumps(summary, indent=1))
+    print(f"train-drafter: the drafter is {summary['drafter']}; decode with it: blockdraft generate "
+          f"--model {args.target} --draft {summary['drafter']} PROMPT", file=sys.stderr)
     return 0

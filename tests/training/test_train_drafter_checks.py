@@ -5,6 +5,7 @@ import pytest
 
 import blockdraft.llm
 from blockdraft.cli import main
+from blockdraft.drafters import SHIPPED_DIR
 from tests.training.test_train_drafter_e2e import NAME, _cached
 
 pytestmark = [] if _cached() else [pytest.mark.slow]
@@ -39,6 +40,8 @@ def _error(capsys, *flags) -> str:
     (["--init-from", "shipped", "--block-size", "8"], "--block-size 8 differs from the --init-from drafter's 16"),
     (["--init-from", "shipped", "--num-layers", "2"], "--num-layers 2 is below the --init-from drafter's 3 layers"),
     (["--init-from", "/nonexistent/drafter"], "drafter folder '/nonexistent/drafter' does not exist"),
+    (["--init-from", str(SHIPPED_DIR / "qwen2.5-coder-0.5b-instruct")],  # another target's drafter
+     "drafter hidden_size 896 != target hidden_size 576; a DFlash drafter works only with the target"),
     (["--num-feature-layers", "30"], "--num-feature-layers must be at most 29 (distinct layers below the last of "
                                      "this target's 30), got 30"),
 ])

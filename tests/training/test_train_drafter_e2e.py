@@ -34,7 +34,9 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     args = ["train-drafter", "--target", NAME, "--tiny", "--out", str(out), "--num-prompts", "4",
             "--max-new-tokens", "8", "--steps", "3"]
     assert main(args) == 0
-    summary = json.loads(capsys.readouterr().out)
+    first = capsys.readouterr()
+    summary = json.loads(first.out)
+    assert f"train-drafter: the drafter is {out / 'drafter'}; decode with it: blockdraft generate" in first.err
     assert summary["data"]["num_sequences"] == 4 and summary["final"]["step"] == 3
     assert summary["device"] == resolve_device("auto")  # the default, resolved (cpu without CUDA)
     assert (out / "checkpoint" / "state.json").is_file() and (out / "data" / "data-00000.safetensors").is_file()
@@ -156,6 +158,11 @@ def test_init_from_a_trained_drafter_grows_it_and_keeps_its_shape(tmp_path, caps
                  "--init-from", str(first / "drafter"), "--num-layers", "3", "--no-resume"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["init_from"] == str(first / "drafter") and summary["new_layers"] == [1, 2]
+    # --no-resume into a used --out starts the log over too (it appended to the old run's lines)
+    assert main([*common, "--out", str(grown), "--data", str(first / "data"), "--steps", "2",
+                 "--init-from", str(first / "drafter"), "--num-layers", "3", "--no-resume"]) == 0
+    capsys.readouterr()
+    assert [json.loads(line)["step"] for line in (grown / "train_log.jsonl").read_text().splitlines()] == [1, 2]
     assert summary["settings"]["intermediate_size"] == 64 and summary["settings"]["num_layers"] == 3
     target = load_target(NAME, "float32")
     small, big = load_drafter(first / "drafter", target.config), load_drafter(grown / "drafter", target.config)
