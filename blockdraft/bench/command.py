@@ -265,7 +265,7 @@ def run_bench(args) -> int:
     def assemble(cells, parity, skipped) -> dict:
         rows = rep.add_speedups([c.summary() for c in cells])
         doc = {**base, "results": rows, "parity": parity, "skipped": skipped,
-               "criteria": rep.criteria(rows, base["floor"])}
+               "criteria": rep.criteria(rows, base["floor"], gpu=base["device"]["type"] == "cuda")}
         rep.validate_report(doc)
         return doc
 

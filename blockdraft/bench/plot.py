@@ -48,7 +48,7 @@ def plot_report(report: dict, path: str) -> None:
         ax_tps.plot(xs, [r["tokens_per_s"] for r in rows], label=label, **style)
         ax_ms.plot(xs, [r["ms_per_step"] for r in rows], label=label, **style)
     floor = report["floor"].get("plain_step_floor_ms")
-    if floor:
+    if floor and report["device"].get("type") != "cpu":  # an HBM floor means nothing for a CPU run
         ax_ms.axhline(floor, color="black", linewidth=0.8, linestyle="-.", label="HBM floor (plain step)")
     batches = sorted({r["batch_size"] for r in report["results"]})
     for ax, ylabel in ((ax_tps, "output tokens/s (end to end)"), (ax_ms, "ms per target step")):

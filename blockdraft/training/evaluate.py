@@ -145,7 +145,7 @@ def summary_line(r: EvalResult) -> str:
     """One human-readable line of an evaluation (the JSON on stdout has every figure)."""
     tau = "n/a" if r.acceptance_length is None else f"{r.acceptance_length:.2f}"
     line = (f"{r.dataset} T={r.temperature:g}: acceptance length {tau} (K={r.num_speculative_tokens}, "
-            f"draft vocabulary {r.draft_vocab_size or 'full'}, {r.num_steps} verify steps, {r.num_prompts} prompts)")
+            f"draft vocabulary {r.draft_vocab_size or 'full'}, {r.num_steps} verify steps, {r.num_prompts} prompt{'s' if r.num_prompts != 1 else ''})")
     if r.identical_to_plain is not None:
         line += f" | identical to plain: {'yes' if r.identical_to_plain else 'NO'}"
         line += f" | speedup {r.plain_seconds / r.seconds:.2f}x (K={r.num_speculative_tokens}, this machine)"

@@ -121,6 +121,11 @@ def test_criteria_fail_and_missing_rows():
     assert "FAIL" in rep.format_table(doc)
     empty = _report([_row("ours", "plain", 8, 100, 3.0)])["criteria"]
     assert empty["plain_step_over_floor"] is None and empty["plain_step_pass"] is None
+    # a CPU run: the ratios for information, no pass / fail against an HBM floor
+    cpu = rep.criteria([_row("ours", "plain", 1, 100, 3.0), _row("ours", "dflash", 1, 100, 4.0)],
+                       {"plain_step_floor_ms": 2.5}, gpu=False)
+    assert cpu["plain_step_over_floor"] == pytest.approx(1.2) and cpu["plain_step_pass"] is None
+    assert cpu["dflash_step_pass"] is None
 
 
 def test_validate_report_names_what_is_wrong():
