@@ -263,7 +263,8 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
     return data
 
 
-def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: int) -> dict | None:
+def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: int,
+                 data_settings: dict | None = None) -> dict | None:
     """The summary of a run already finished in `out` (its dataset in `data`) with these training
     settings, None otherwise.
 
@@ -271,7 +272,9 @@ def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: i
     (resuming it would train nothing) and summary.json was written after the export. Said on stderr
     with how to train more, as a resumed finished HF Trainer run would: a rerun is not an error, but
     it must not look as if it trained. Any other checkpoint is left to Trainer.load_checkpoint
-    (resume, or refuse naming the settings that differ).
+    (resume, or refuse naming the settings that differ). `data_settings`: the data flags asked for;
+    one that differs from the finished run's dataset makes this None too, so that the dataset
+    check (reuse_dataset) refuses it by name instead of the rerun ignoring it.
     """
     from blockdraft.training.trainer import checkpoint_differences, read_checkpoint_state
 
@@ -280,6 +283,9 @@ def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: i
     if (state is None or state["step"] < cfg.steps or not summary.is_file()
             or state["drafter_config"] != drafter_config.to_hf_dict()
             or checkpoint_differences(state, cfg, train_vocab_size)):
+        return None
+    made = json.loads(summary.read_text()).get("data", {}).get("settings", {})
+    if any(name in made and made[name] != value for name, value in (data_settings or {}).items()):
         return None
     print(f"train-drafter: {out} already holds a finished run ({state['step']} of {cfg.steps} steps done; its "
           f"drafter: {out / 'drafter'}), so there is nothing to train. To train more, start a new run from it: "
@@ -333,7 +339,8 @@ def train_drafter(args) -> dict:
                           target_layer_ids=init[1].target_layer_ids if init else None, seed=args.seed, device=device)
     out = Path(args.out)
     folder = Path(args.data) if args.data else out / "data"
-    finished = None if args.no_resume else finished_run(out, folder, cfg, drafter.config, args.train_vocab_size)
+    asked = {name: settings[name] for name in DATA_SETTINGS if args.data is None or getattr(args, name, None) is not None}
+    finished = None if args.no_resume else finished_run(out, folder, cfg, drafter.config, args.train_vocab_size, asked)
     if finished is not None:
         return finished
     grown = None

@@ -56,6 +56,9 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
         assert (f"train-drafter: {out} already holds a finished run (3 of 3 steps done; its drafter: {out / 'drafter'}), "
                 f"so there is nothing to train. To train more, start a new run from it: --init-from {out / 'drafter'} "
                 f"--out NEW_FOLDER (with --data {out / 'data'} to reuse its answers)") in again.err
+        # other data flags are not ignored by the finished run: its dataset refuses them by name
+        assert main([*args, "--num-prompts", "3"]) == 2
+        assert "was made with --num-prompts 4; this run asks for --num-prompts 3" in capsys.readouterr().err
         with pytest.raises(Loading):  # more steps: not finished, resumed (and refused: the schedule differs)
             main([*args, "--steps", "4"])
         with pytest.raises(Loading):  # --no-resume starts over
