@@ -281,6 +281,7 @@ def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: i
     state = read_checkpoint_state(out)
     summary = out / "summary.json"
     if (state is None or state["step"] < cfg.steps or not summary.is_file()
+            or not (out / "drafter" / "config.json").is_file()  # removed since: export it again
             or state["drafter_config"] != drafter_config.to_hf_dict()
             or checkpoint_differences(state, cfg, train_vocab_size)):
         return None

@@ -5,6 +5,7 @@ a `slow` test (it would download them first).
 """
 
 import json
+import shutil
 
 import pytest
 
@@ -64,6 +65,13 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
         with pytest.raises(Loading):  # --no-resume starts over
             main([*args, "--no-resume"])
     assert "already holds a finished run" not in capsys.readouterr().err
+
+    # the drafter folder removed after a finished run: a rerun exports it again from the checkpoint
+    exported = (out / "drafter" / "model.safetensors").read_bytes()
+    shutil.rmtree(out / "drafter")
+    assert main(args) == 0
+    assert "already holds a finished run" not in capsys.readouterr().err
+    assert (out / "drafter" / "model.safetensors").read_bytes() == exported
 
     target = load_target(NAME, "float32")
     drafter = load_drafter(out / "drafter", target.config)
