@@ -3,10 +3,11 @@
 A full (oldest-generation) collection walks every tracked object in the process. Next to a loaded
 model that is hundreds of thousands of objects (torch, transformers, Triton and compile caches):
 on the CPU host-overhead bench (344K tracked objects) one full collection took 134 ms and landed
-inside a 250 ms `generate` call once every few calls, and on the H200 a 128-token batch-32 call
-of our plain engine took 172-298 ms for the same work depending on what ran before in the process
-(docs/benchmarks/gpu.md, "Session 10"). Decoding allocates steadily (requests, outputs, lists of
-token ids), so such collections fire mid-run, where they stall a host-bound step loop.
+inside a 250 ms `generate` call once every few calls (docs/benchmarks/gpu.md, "Session 10").
+Decoding allocates steadily (requests, outputs, lists of token ids), so such collections fire
+mid-run, where they stall a host-bound step loop. (It did not explain the spread of our plain
+batch-32 step on the H200, 1.32-2.16 ms depending on what ran before in the process: that stayed
+with the heap frozen, "Session 11".)
 
 `frozen_gc_heap()` moves everything alive at entry into the permanent generation (`gc.freeze()`,
 O(1)), so collections during the block only walk objects made inside it, and gives it back on exit
