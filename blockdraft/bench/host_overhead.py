@@ -9,11 +9,13 @@ CUDA-graph step code run eagerly, graph_mode="eager"), then reports microseconds
 
   step_us: wall time of `LLM.generate` / engine steps (prefill included).
   model_us: the time inside the model forwards, which a GPU runs on the device: the static-graph
-      functions (the target forward + LM head and the drafter block, replayed as graphs) and the
-      eager target forward and draft proposal of steps that no graph fits (prefill, mixed steps).
+      functions (the target forward + LM head + greedy argmax, and the step's tail: verification,
+      the drafter block and output packing; replayed as graphs) and the eager target forward and
+      draft proposal of steps that no graph fits (prefill, mixed steps).
   host_us: step_us minus model_us: the per-step Python work that stays on the GPU path (plus the
-      eager sampling / verification ops, which the GPU launches too); host_us_per_token divides
-      it by the tokens a step emits (plain decoding: by the requests that sampled).
+      eager sampling / verification ops of eager steps, which the GPU launches too);
+      host_us_per_token divides it by the tokens a step emits (plain decoding: by the requests
+      that sampled).
 
 Cases: batch 1 and 32, plain decoding, DFlash with K drafts (random drafter: ~0 accepted, one
 token per step) and forced-acceptance DFlash (bench/forced.py: ~K+1 tokens per step, so the
@@ -74,12 +76,13 @@ class ModelClock:
 
     @contextlib.contextmanager
     def installed(self):
-        """Time StaticGraph.__call__ and ModelRunner._forward / _propose for the duration of the block."""
+        """Time StaticGraph.__call__ and ModelRunner._forward / _propose (eager steps only) for the
+        duration of the block."""
         from blockdraft.runner.model_runner import ModelRunner
         from blockdraft.runner.static_graph import StaticGraph
 
-        patches = [(StaticGraph, "__call__", self._timed), (ModelRunner, "_forward", self._timed_if_eager),
-                   (ModelRunner, "_propose", self._timed_if_eager)]
+        patches = [(StaticGraph, "__call__", self._timed), (ModelRunner, "_forward", self._timed),
+                   (ModelRunner, "_propose", self._timed)]
         originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patches]
         for cls, name, wrap in patches:
             setattr(cls, name, wrap(getattr(cls, name)))
@@ -98,12 +101,6 @@ class ModelClock:
                 self.seconds += time.perf_counter() - t0
 
         return call
-
-    def _timed_if_eager(self, fn):
-        """fn(runner, ..., graphed), timed when its last argument `graphed` is False (a graphed
-        step's model time is its StaticGraph calls)."""
-        timed = self._timed(fn)
-        return lambda runner, *args: fn(runner, *args) if args[-1] else timed(runner, *args)
 
 
 def build_engines(max_batch: int, prompt_len: int, max_tokens: int, k: int, path: str, seed: int = 0) -> dict:

@@ -10,7 +10,9 @@ Schema "blockdraft-bench/1" (top-level keys; `validate_report` checks them):
     results[ {engine, mode, batch_size, status, reason, tokens_per_s, decode_tokens_per_s,
               ms_per_step, seconds, acceptance_length, deterministic, runs[...],
               speedup_vs_ours_plain, speedup_vs_hf, speedup_vs_zlab} ],
-    parity[ {batch_size, candidate, reference, num_requests, mismatched_requests, first_mismatch} ],
+    parity[ {batch_size, candidate, reference, num_requests, mismatched_requests, first_mismatch,
+             and for ours/dflash vs ours/plain: divergences[ {request, index, top2_gap, near_tie, ...} ],
+             near_ties (bench.near_ties)} ],
     skipped{"engine[/mode]": reason}, criteria{...}
 Speedups are ratios of end-to-end tokens/s at the same batch size; vs z-lab is mode-matched
 (plain vs z-lab plain, DFlash vs z-lab DFlash; None for forced acceptance and when z-lab is n/a).
@@ -106,10 +108,17 @@ def _num(x, fmt: str = ".2f", width: int = 9) -> str:
     return f"{'n/a' if x is None else format(x, fmt):>{width}}"
 
 
+def _mismatch_tag(p: dict) -> str:
+    """"m/n", with "m/n (t tie)" when the mismatches were checked for near-ties (t of them are)."""
+    tag = f"{p['mismatched_requests']}/{p['num_requests']}"
+    if p["mismatched_requests"] and "near_ties" in p:
+        tag += f" ({p['near_ties']} tie)"
+    return tag
+
+
 def format_table(report: dict) -> str:
     """The human-readable table and the criteria lines (what the CLI prints)."""
-    mism = {(p["batch_size"], p["candidate"]): f"{p['mismatched_requests']}/{p['num_requests']}"
-            for p in report["parity"]}
+    mism = {(p["batch_size"], p["candidate"]): _mismatch_tag(p) for p in report["parity"]}
     w = report["workload"]
     s = report["settings"]
     lines = [

@@ -205,5 +205,38 @@ def _parity(batch: int, by_key: dict, forced_reference: list[int] | None) -> lis
     return rows
 
 
+def add_divergence_gaps(workload: Workload, settings: Settings, cells: list[Cell], parity: list[dict]) -> None:
+    """Check whether our DFlash's mismatches with our plain decoding are near-ties (in place).
+
+    Each "ours/dflash" vs "ours/plain" parity row with mismatches gets "divergences" (one dict
+    per mismatched request, bench.near_ties.divergence_gaps) and "near_ties" (how many are near-ties);
+    rows without mismatches get "divergences": [] and "near_ties": 0. One eager plain engine over
+    the target is built for this only when some row has mismatches.
+    """
+    from blockdraft.bench.engines.ours import OurEngine, PoolPlan
+    from blockdraft.bench.near_ties import divergence_gaps
+
+    rows = [p for p in parity if (p["candidate"], p["reference"]) == (f"ours/{DFLASH}", f"ours/{PLAIN}")]
+    for p in rows:
+        p["divergences"], p["near_ties"] = [], 0
+    todo = [p for p in rows if p["mismatched_requests"]]
+    if not todo:
+        return
+    by_key = {(c.batch_size, c.engine, c.mode): c for c in cells}
+    longest = max(len(pr) for pr in workload.prompts) + settings.max_tokens
+    plan = PoolPlan(max(p["batch_size"] for p in todo), longest, 1)
+    opts = {"enforce_eager": True} if workload.device.type == "cuda" else {}
+    engine = OurEngine(workload.target, str(workload.device), plan, options=opts)
+    try:
+        for p in todo:
+            batch = p["batch_size"]
+            cand, ref = by_key[(batch, "ours", DFLASH)].token_ids, by_key[(batch, "ours", PLAIN)].token_ids
+            p["divergences"] = divergence_gaps(engine.llm, workload.prompts[:batch], cand, ref, p["first_mismatch"])
+            p["near_ties"] = sum(d["near_tie"] for d in p["divergences"])
+    finally:
+        del engine
+        _release(workload.device)
+
+
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"

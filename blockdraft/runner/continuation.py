@@ -1,4 +1,4 @@
-"""The input batch of the next uniform step, built on the device from this step's output.
+"""The inputs of the next uniform step, written on the device from this step's output.
 
 Async scheduling (vLLM's `--async-scheduling`) launches step N+1 before step N's tokens reach the
 host. For a uniform decode / verify step (every request verifies Q = K + 1 rows; runner.cuda_graphs)
@@ -10,56 +10,86 @@ whose requests all continue, everything step N+1 needs is on the device already:
   slots      = block_table[s, p // page] * page + p % page
   seq_lens   = start[s] + Q
 
-The host only supplies the block table (it allocated pages for the longest outcome). Padding rows
-and requests keep the inert values of the padded batch (runner.input_batch).
+Step N's inputs are still in the target graphs' static buffers and its packed output in the tail
+graph's (runner.step_tail), so the advance rewrites the static buffers in place: the rows of real
+requests (row_req >= 0) get the values above, padding rows and requests keep their inert values.
+The host only supplies the block table when it allocated pages. It runs as one CUDA graph per
+bucket (it would otherwise be ~15 eager launches per step on the host's critical path).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from blockdraft.runner.input_batch import InputBatch
+from blockdraft.runner.cuda_graphs import StaticInputs
+from blockdraft.runner.static_graph import StaticGraph
 
 
-def advance_uniform_batch(
-    batch: InputBatch, packed: torch.Tensor, block_table: torch.Tensor, kv_block_size: int
-) -> InputBatch:
-    """Step N+1's batch from step N's padded uniform batch and its packed output (no host sync).
+def advance_static_inputs(inputs: StaticInputs, packed: torch.Tensor, num_reqs: int, q: int, kv_block_size: int) -> None:
+    """Step N+1's inputs from step N's, in place in `inputs` (no host sync, fixed shapes).
 
     Args:
-        batch: step N's batch: S sampling requests (all of them) with Q = batch.kmax + 1 rows each,
-            padded to a graph bucket.
-        packed: [S, Q + 1 + K] int64 (runner.step_output.pack_step): target tokens [S, Q], accepted
-            counts [S], next drafts [S, K] with K = Q - 1 (K = 0 for plain decoding).
-        block_table: [R_b, M] int32 page ids for step N+1 (pages for up to 2Q more tokens per request).
-        kv_block_size: tokens per page.
-    Returns:
-        An InputBatch with new input_ids / positions / slot_mapping / seq_lens / block_table and
-        everything else (layout, sampling parameters, logits rows) shared with `batch`.
+        inputs: the static buffers holding step N's padded uniform batch of `num_reqs` requests
+            (bucket R_b) x Q rows, with step N+1's block table already in block_table[:R_b].
+        packed: [R_b, 2Q] int64, step N's output (runner.step_output.pack_step): target tokens
+            [R_b, Q], accepted counts [R_b], next drafts [R_b, K] with K = Q - 1 (K = 0 for plain
+            decoding); rows of padding requests are ignored.
+        num_reqs: the bucket R_b. q: Q. kv_block_size: tokens per page.
+    Writes input_ids / positions / slot_mapping [:R_b*Q] and seq_lens [:R_b]; row_req,
+    query_start_loc and block_table are unchanged (same requests, same layout).
     Raises:
-        ValueError: `batch` is not uniform over all its requests or `packed` has another width.
+        ValueError: `packed` has another shape.
     """
-    num_sample, q = len(batch.sample_req), batch.kmax + 1
-    if num_sample != batch.num_reqs or batch.num_rows != num_sample * q:
-        raise ValueError(f"advance_uniform_batch needs a uniform batch ({batch.num_reqs} requests, "
-                         f"{batch.num_rows} rows, {num_sample} sampling, Q = {q})")
-    if packed.shape != (num_sample, 2 * q):
-        raise ValueError(f"packed output has shape {tuple(packed.shape)}, expected {(num_sample, 2 * q)}")
-    rows = num_sample * q
+    if packed.shape != (num_reqs, 2 * q):
+        raise ValueError(f"packed output has shape {tuple(packed.shape)}, expected {(num_reqs, 2 * q)}")
+    rows = num_reqs * q
+    ids_now = inputs.input_ids[:rows].view(num_reqs, q)
+    pos_now = inputs.positions[:rows].view(num_reqs, q)
+    slots_now = inputs.slot_mapping[:rows].view(num_reqs, q)
+    real = inputs.row_req[:rows].view(num_reqs, q) >= 0
     accepted = packed[:, q : q + 1]
     ids = torch.cat([packed[:, :q].gather(1, accepted), packed[:, q + 1 :]], dim=1)
-    start = batch.positions[:rows].view(num_sample, q)[:, :1] + accepted + 1
+    start = pos_now[:, :1] + accepted + 1
     pos = start + torch.arange(q, device=packed.device)
-    pages = block_table[:num_sample].gather(1, torch.div(pos, kv_block_size, rounding_mode="floor"))
-    slots = pages.to(torch.long) * kv_block_size + pos % kv_block_size
+    table = inputs.block_table[:num_reqs]
+    # padding requests hold junk counts: clamp keeps their (discarded) gather in bounds
+    page_index = torch.div(pos, kv_block_size, rounding_mode="floor").clamp(max=table.shape[1] - 1)
+    slots = table.gather(1, page_index).to(torch.long) * kv_block_size + pos % kv_block_size
+    seq_lens = inputs.seq_lens[:num_reqs]
+    new_seq_lens = torch.where(real[:, 0], (start[:, 0] + q).to(seq_lens.dtype), seq_lens)
+    ids_now.copy_(torch.where(real, ids, ids_now))
+    slots_now.copy_(torch.where(real, slots, slots_now))
+    pos_now.copy_(torch.where(real, pos, pos_now))
+    seq_lens.copy_(new_seq_lens)
 
-    # real rows / requests first, then the padded batch's inert tail (one copy each)
-    input_ids = torch.cat([ids.view(-1), batch.input_ids[rows:]])
-    positions = torch.cat([pos.view(-1), batch.positions[rows:]])
-    slot_mapping = torch.cat([slots.view(-1), batch.slot_mapping[rows:]])
-    seq_lens = batch.meta.seq_lens
-    seq_lens = torch.cat([(start[:, 0] + q).to(seq_lens.dtype), seq_lens[num_sample:]])
-    meta = dataclasses.replace(batch.meta, seq_lens=seq_lens, block_table=block_table, slot_mapping=slot_mapping)
-    return dataclasses.replace(batch, input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, meta=meta)
+
+class ContinuationGraphs:
+    """`advance_static_inputs` per bucket, captured after the bucket's tail graph (whose static
+    output it reads) or run eagerly on the same buffers.
+
+    Args:
+        inputs: the target graphs' static inputs. q: rows per request. kv_block_size: tokens per page.
+        capture / pool: as TargetGraphs.
+    """
+
+    def __init__(self, inputs: StaticInputs, q: int, kv_block_size: int, capture: bool, pool=None) -> None:
+        self.inputs, self.q, self.kv_block_size = inputs, q, kv_block_size
+        self.capture, self.pool = capture, pool
+        self.graphs: dict[int, StaticGraph] = {}
+
+    def capture_bucket(self, num_reqs: int, packed: torch.Tensor | None) -> None:
+        """Build the advance of one bucket; `packed` is the bucket's captured tail output (capture mode)."""
+        inputs = (packed,) if self.capture else ()
+        self.graphs[num_reqs] = StaticGraph(
+            lambda p: advance_static_inputs(self.inputs, p, num_reqs, self.q, self.kv_block_size),
+            inputs=inputs, capture=self.capture, pool=self.pool,
+        )  # fmt: skip
+
+    def run(self, num_reqs: int, packed: torch.Tensor) -> None:
+        """Advance the static inputs of bucket `num_reqs` past the step whose packed output
+        ([R_b, 2Q], the tail's output for this bucket) is `packed`.
+
+        Raises:
+            ValueError: a captured graph given another tensor than the tail output it was captured with.
+        """
+        self.graphs[num_reqs](packed)

@@ -7,7 +7,11 @@ max_num_batched_tokens allow; ARCHITECTURE.md "cuda_graph") with inert padding (
 runner.input_batch) and replayed. Prefill, mixed and non-uniform steps, and R beyond the largest
 bucket, run eagerly. Inputs live in persistent max-size buffers; each bucket's graph reads
 leading slices of them, and every bucket writes its logits into one shared buffer in the model's
-dtype (the LM head writes there directly; see CausalLM.compute_logits).
+dtype (the LM head writes there directly; see CausalLM.compute_logits), and its greedy tokens
+(argmax per row) into one int64 buffer that the step's tail graph reads (runner.step_tail): the
+argmax is captured here rather than in the tail so that one tail graph serves greedy and sampled
+steps (a sampled step overwrites the buffer with the sampler's tokens; the wasted argmax reads the
+logits once, a small cost next to the sampler's own passes over them).
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class TargetGraphs:
         vocab = model.config.vocab_size
         dtype = next(model.parameters()).dtype
         self.logits = torch.zeros(self.buckets[-1] * rows_per_req, vocab, dtype=dtype, device=device)
+        self.tokens = torch.zeros(self.buckets[-1] * rows_per_req, dtype=torch.long, device=device)
         self.capture, self.pool = capture, pool
         self.graphs: dict[int, StaticGraph] = {}
 
@@ -141,13 +146,17 @@ class TargetGraphs:
         bucket = next(b for b in self.buckets if b >= len(reqs))
         return BatchPadding(bucket, bucket * q, self.block_table_width)
 
-    def run(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, batch: InputBatch, load: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Load a padded batch and replay its bucket -> (logits [R_b*Q, V] model dtype, aux [R_b*Q, n*H] | None).
 
-        Rows past batch.num_rows are padding. The tensors are the graph's static outputs: read
-        them before the next replay of any target graph.
+        load=False: the static inputs already hold the batch (a continuation advanced them in place).
+
+        Also writes the greedy token of every row into `self.tokens[:R_b*Q]` (int64). Rows past
+        batch.num_rows are padding. The tensors are the graph's static outputs: read them before
+        the next replay of any target graph.
         """
-        self.inputs.load(batch)
+        if load:
+            self.inputs.load(batch)
         return self.graphs[batch.meta.num_reqs]()
 
     def aux_output(self, num_reqs: int) -> torch.Tensor | None:
@@ -160,4 +169,6 @@ class TargetGraphs:
         meta = self.inputs.metadata(num_reqs, self.rows_per_req, self.kv_block_size)
         ids, positions = self.inputs.input_ids[:rows], self.inputs.positions[:rows]
         hidden, aux = self.model(ids, positions, self.kv_caches, meta, self.aux_layer_ids)
-        return self.model.compute_logits(hidden, out=self.logits[:rows]), aux
+        logits = self.model.compute_logits(hidden, out=self.logits[:rows])
+        torch.argmax(logits, dim=-1, out=self.tokens[:rows])  # = sample() for greedy rows (ties: lowest id)
+        return logits, aux

@@ -5,23 +5,26 @@ enqueue the next uniform step from the first one's device output (async scheduli
 
 GPU path (a backend without host metadata): nothing in a step reads device values back to the
 host except the final `fetch_step_output` (and log-probabilities, when asked for). Uniform decode /
-verify steps replay CUDA graphs (runner.step_graphs); everything else runs eagerly.
+verify steps replay two CUDA graphs (runner.step_graphs: the target, then the tail that verifies,
+drafts and packs), with the sampler between them only when a row samples; everything else runs
+eagerly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from blockdraft.runner.continuation import advance_uniform_batch
 from blockdraft.runner.input_batch import InputBatch, build_input_batch, stage_block_table
 from blockdraft.runner.staging import PendingFetch, start_fetch
 from blockdraft.runner.step_graphs import StepGraphs
 from blockdraft.runner.step_output import add_logprobs, fetch_step_output, pack_step
 from blockdraft.runner.step_timer import StepTimer
+from blockdraft.spec.dflash.prepare_inputs import draft_input_preparer
 from blockdraft.spec.verify import verify_drafts
 
 
@@ -29,8 +32,10 @@ from blockdraft.spec.verify import verify_drafts
 class LaunchedStep:
     """A step whose device work is enqueued; `ModelRunner.finish` reads it back.
 
-    packed: [S, kmax + 2 + K] int64 on the device (runner.step_output.pack_step); fetch: its copy to
-    the host, started at launch (runner.staging.start_fetch). logits: its [L, V]
+    packed: [S, kmax + 2 + K] int64 on the device (runner.step_output.pack_step); graphed steps:
+    the tail graph's static output [R_b, Q + 1 + K] of the whole bucket (rows past S are padding),
+    valid until the next replay of that bucket. fetch: the copy of its first S rows to the host,
+    started at launch (runner.staging.start_fetch). logits: its [L, V]
     logits rows (graphed steps: the graph's output buffer, valid until the next replay). graphed:
     the step replayed the uniform-step graphs (a continuation can follow it).
     """
@@ -82,7 +87,7 @@ class ModelRunner:
         self.aux_layer_ids = tuple(speculator.aux_layer_ids) if speculator is not None else ()
         self.attention_backend = attention_backend or select_attention_backend(self.device)
         self.graphs = graphs
-        self._prepare_draft_inputs = _draft_input_preparer(self.attention_backend)
+        self._prepare_draft_inputs = draft_input_preparer(self.attention_backend.name)
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
@@ -120,13 +125,17 @@ class ModelRunner:
         if padding is None or padding.num_reqs != prev.batch.meta.num_reqs:
             return None
         timer = StepTimer(self.device)
+        inputs, q = self.graphs.target.inputs, self.graphs.target.rows_per_req
         # pages are only ever appended to a running request: equal counts mean equal tables
-        if all(len(a.block_ids) == len(b.block_ids) for a, b in zip(so.requests, prev.so.requests)):
-            block_table = prev.batch.meta.block_table
-        else:
-            block_table = stage_block_table(so, padding, self.device)
-        batch = advance_uniform_batch(prev.batch, prev.packed, block_table, self.kv_block_size)
-        return self._enqueue(so, batch, timer, graphed=True)
+        if any(len(a.block_ids) != len(b.block_ids) for a, b in zip(so.requests, prev.so.requests)):
+            inputs.block_table[: padding.num_reqs].copy_(stage_block_table(so, padding, self.device))
+        self.graphs.continuation.run(padding.num_reqs, prev.packed)
+        rows = padding.num_reqs * q
+        batch = dataclasses.replace(
+            prev.batch, input_ids=inputs.input_ids[:rows], positions=inputs.positions[:rows],
+            slot_mapping=inputs.slot_mapping[:rows], meta=inputs.metadata(padding.num_reqs, q, self.kv_block_size),
+        )  # fmt: skip
+        return self._enqueue(so, batch, timer, graphed=True, loaded=True)
 
     @torch.inference_mode()
     def finish(self, step: LaunchedStep) -> ModelRunnerOutput:
@@ -136,40 +145,54 @@ class ModelRunner:
         out.forward_time_s, out.draft_time_s = step.timer.seconds()
         return out
 
-    def _enqueue(self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer, graphed: bool) -> LaunchedStep:
-        logits, aux = self._forward(batch, graphed)
+    def _enqueue(
+        self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer, graphed: bool, loaded: bool = False
+    ) -> LaunchedStep:
+        if graphed:
+            logits, packed = self._replay(batch, timer, loaded)
+            fetch = start_fetch(packed[: len(batch.sample_req)])
+            return LaunchedStep(so, batch, packed, fetch, logits, timer, graphed)
+        logits, aux = self._forward(batch)
         tokens = _sample(batch, logits, self.compiled_sampling)
-        target, drafts = _per_request(batch, tokens, uniform=graphed)
+        target, drafts = _per_request(batch, tokens)
         num_accepted = verify_drafts(target, drafts, batch.sample_num_drafts)
         timer.mark()
         next_drafts = None
         if self.speculator is not None:
-            next_drafts = self._propose(batch, aux, target, num_accepted, graphed)
+            next_drafts = self._propose(batch, aux, target, num_accepted)
         timer.mark()
         packed = pack_step(target, num_accepted, next_drafts)
         return LaunchedStep(so, batch, packed, start_fetch(packed), logits, timer, graphed)
 
-    def _forward(self, batch: InputBatch, graphed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Target forward + LM head -> (logits [L, V] in logits_indices order, aux features).
+    def _replay(self, batch: InputBatch, timer: StepTimer, loaded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A padded uniform step: the target graph, the sampler only when a row samples, the tail
+        graph (verify + draft + pack) -> (logits [L, V], packed [R_b, Q + 1 + K]), both static outputs.
 
-        Graphed steps return the padded aux [R_b*Q, n*H] (the drafter graph reads it whole).
+        loaded: the static inputs already hold `batch` (a continuation). Phases for the timer:
+        target forward (+ sampling), then the tail.
         """
-        if graphed:
-            logits, aux = self.graphs.target.run(batch)
-            return logits[: batch.num_rows], aux  # uniform: logits_indices = every real row, in order
+        logits, aux = self.graphs.target.run(batch, load=not loaded)
+        logits = logits[: batch.num_rows]  # uniform: logits_indices = every real row, in order
+        sampled = None if batch.sampling.all_greedy else _sample(batch, logits, self.compiled_sampling)
+        timer.mark()
+        packed = self.graphs.tail.run(batch.meta.num_reqs, aux, sampled)
+        timer.mark()
+        return logits, packed
+
+    def _forward(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Eager target forward + LM head -> (logits [L, V] in logits_indices order, aux features [T, n*H] | None)."""
         hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.aux_layer_ids)
         return self.model.compute_logits(hidden[batch.logits_indices]), aux
 
-    def _propose(self, batch: InputBatch, aux, target, num_accepted, graphed: bool) -> torch.Tensor:
-        """Write the drafter's context for committed rows, then draft for every sampling request -> [S, K]."""
+    def _propose(self, batch: InputBatch, aux, target, num_accepted) -> torch.Tensor:
+        """Eager drafter step: write the drafter's context for committed rows, then draft for every
+        sampling request -> [S, K]."""
         spec = self.speculator
         prepared = self._prepare_draft_inputs(
             batch.logits_rows, batch.logits_indices, num_accepted, target, batch.positions, batch.slot_mapping,
             getattr(spec, "mask_token_id", 0), spec.num_speculative_tokens + 1,
         )  # fmt: skip
         slots, bonus, bonus_positions = prepared.context_slot_mapping, prepared.bonus_tokens, prepared.bonus_positions
-        if graphed and self.graphs.draft is not None:
-            return self.graphs.draft.run(aux, slots, bonus, bonus_positions)[: len(batch.sample_req)]
         block_table = batch.meta.block_table.index_select(0, batch.sample_req_index)
         return spec.propose(aux, batch.positions, slots, bonus, bonus_positions, block_table)
 
@@ -182,28 +205,10 @@ def _sample(batch: InputBatch, logits: torch.Tensor, compiled: bool = False) -> 
     return batch.sampling.sample(logits, batch.positions[batch.logits_indices] + 1, compiled=compiled)
 
 
-def _per_request(batch: InputBatch, tokens: torch.Tensor, uniform: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target tokens [S, kmax+1] and drafts [S, kmax] (the input tokens of draft rows).
-
-    uniform: every request has kmax + 1 logits rows, the step's rows in order (padded graph
-    steps), so both are plain views instead of gathers.
-    """
-    if uniform:
-        num_sample, q = len(batch.sample_req), batch.kmax + 1
-        return tokens.view(num_sample, q), batch.input_ids[: num_sample * q].view(num_sample, q)[:, 1:]
+def _per_request(batch: InputBatch, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target tokens [S, kmax+1] and drafts [S, kmax] (the input tokens of draft rows)."""
     rows = batch.logits_rows
     target = torch.where(rows >= 0, tokens[rows.clamp(min=0)], -1)
     row_ids = batch.logits_indices[rows.clamp(min=0)]
     drafts = torch.where(rows >= 0, batch.input_ids[row_ids], -2)[:, 1:]
     return target, drafts
-
-
-def _draft_input_preparer(backend: AttentionBackendSpec):
-    """The one-launch Triton kernel next to the Triton attention backend, else its torch twin."""
-    if backend.name == "triton":
-        from blockdraft.spec.dflash.prepare_inputs_triton import prepare_draft_inputs_triton
-
-        return prepare_draft_inputs_triton
-    from blockdraft.spec.dflash.prepare_inputs import prepare_draft_inputs
-
-    return prepare_draft_inputs

@@ -1,7 +1,8 @@
-"""Builds the graphs of uniform steps: target (forward + LM head) and drafter, per bucket.
+"""Builds the graphs of uniform steps, per bucket: the target (forward + LM head + greedy argmax)
+and the step's tail (verify, the drafter step with a DFlash speculator, pack; runner.step_tail).
 
-Capture order is largest bucket first, target then drafter of each bucket, all in one memory
-pool: the largest graph sizes the pool and the smaller ones reuse it.
+Capture order is largest bucket first, target, tail and continuation of each bucket, all in one
+memory pool: the largest graph sizes the pool and the smaller ones reuse it.
 """
 
 from __future__ import annotations
@@ -12,20 +13,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from blockdraft.runner.continuation import ContinuationGraphs
 from blockdraft.runner.cuda_graphs import TargetGraphs, capture_sizes
+from blockdraft.runner.step_tail import StepTailGraphs
 
 if TYPE_CHECKING:
-    from blockdraft.spec.dflash.cuda_graph import DraftGraphs
+    from blockdraft.spec.dflash.cuda_graph import DraftStep
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class StepGraphs:
-    """The target graphs and, with a DFlash speculator, the drafter graphs of the same buckets."""
+    """The target graphs, the tail graphs of the same buckets, the drafter step the tails run
+    (None for plain decoding) and the continuation graphs (async scheduling's next step)."""
 
     target: TargetGraphs
-    draft: DraftGraphs | None
+    tail: StepTailGraphs
+    draft: DraftStep | None
+    continuation: ContinuationGraphs
 
 
 def build_step_graphs(
@@ -47,7 +53,7 @@ def build_step_graphs(
         None when no bucket fits (max_num_batched_tokens < Q) or the speculator is not a
         DFlashSpeculator (other speculators run eagerly).
     """
-    from blockdraft.spec.dflash.cuda_graph import DraftGraphs
+    from blockdraft.spec.dflash.cuda_graph import DraftStep
     from blockdraft.spec.dflash.speculator import DFlashSpeculator
 
     if speculator is not None and not isinstance(speculator, DFlashSpeculator):
@@ -61,11 +67,13 @@ def build_step_graphs(
     target = TargetGraphs(
         model, kv_caches, aux_layer_ids, buckets, rows_per_req, block_table_width, kv_block_size, capture, pool
     )
-    draft = None if speculator is None else DraftGraphs(speculator, target, capture, pool)
+    draft = None if speculator is None else DraftStep(speculator, target)
+    tail = StepTailGraphs(target, draft, capture, pool)
+    continuation = ContinuationGraphs(target.inputs, rows_per_req, kv_block_size, capture, pool)
     for num_reqs in reversed(buckets):
         target.capture_bucket(num_reqs)
-        if draft is not None:
-            draft.capture_bucket(num_reqs)
+        tail.capture_bucket(num_reqs)
+        continuation.capture_bucket(num_reqs, tail.graphs[num_reqs].outputs)
     if capture:
         logger.info("captured CUDA graphs for %d request buckets %s x %d rows", len(buckets), buckets, rows_per_req)
-    return StepGraphs(target, draft)
+    return StepGraphs(target, tail, draft, continuation)

@@ -174,3 +174,14 @@ def test_run_matrix_builds_one_engine_at_a_time(monkeypatch):
     assert [(r["batch_size"], r["candidate"]) for r in parity] == [
         (b, c) for b in (1, 2) for c in ("ours/dflash", "ours/dflash-forced")]
     assert all(r["mismatched_requests"] == 0 for r in parity), parity  # fp32: speculative == plain, forced == ref
+
+
+def test_table_says_how_many_mismatches_are_near_ties():
+    rows = [_row("ours", "plain", 8, 100, 2.0), _row("ours", "dflash", 8, 200, 3.0), _row("hf", "plain", 8, 50, 9.0)]
+    parity = [{"batch_size": 8, "candidate": "ours/dflash", "reference": "ours/plain", "num_requests": 8,
+               "mismatched_requests": 2, "first_mismatch": [None] * 6 + [5, 9], "divergences": [{}, {}],
+               "near_ties": 1},
+              {"batch_size": 8, "candidate": "hf/plain", "reference": "ours/plain", "num_requests": 8,
+               "mismatched_requests": 3, "first_mismatch": [None] * 5 + [1, 2, 3]}]
+    table = rep.format_table(_report(rows, parity))
+    assert "2/8 (1 tie)" in table and "3/8" in table and "3/8 (" not in table

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from blockdraft.engine.outputs import ScheduledRequest, SchedulerOutput
-from blockdraft.runner.continuation import advance_uniform_batch
+from blockdraft.runner.continuation import advance_static_inputs
+from blockdraft.runner.cuda_graphs import StaticInputs
 from blockdraft.runner.input_batch import BatchPadding, build_input_batch
 from blockdraft.runner.model_runner import ModelRunner
 from blockdraft.sampling_params import SamplingParams
@@ -221,11 +222,12 @@ def test_async_scheduling_needs_the_step_graphs(target):
     assert make_llm(target).engine.async_scheduling is False  # CPU default: off (no graphs captured)
 
 
-def test_advance_uniform_batch_equals_the_host_built_batch():
-    """For every accepted count, the device-built next batch equals build_input_batch of the
-    SchedulerOutput the synchronous scheduler would have made (padding rows included)."""
+def test_advance_static_inputs_equals_the_host_built_batch():
+    """For every accepted count, the static inputs advanced on the device equal the static inputs
+    loaded from build_input_batch of the SchedulerOutput the synchronous scheduler would have made
+    (padding rows and requests included, whatever the padding requests' packed rows hold)."""
     rng = random.Random(0)
-    q, page, width = 4, 4, 8
+    q, page, width, bucket = 4, 4, 8, 4
     params = SamplingParams()
     for trial in range(20):
         n = rng.randint(1, 3)
@@ -234,19 +236,21 @@ def test_advance_uniform_batch_equals_the_host_built_batch():
         tokens = [[rng.randrange(1, 90) for _ in range(q)] for _ in range(n)]
         so = SchedulerOutput([ScheduledRequest(f"r{i}", tokens[i], starts[i], q - 1, True, pages[i], params)
                               for i in range(n)])
-        padding = BatchPadding(4, 4 * q, width)
+        padding = BatchPadding(bucket, bucket * q, width)
         batch = build_input_batch(so, page, "cpu", host_metadata=False, padding=padding)
-        target = torch.tensor([[rng.randrange(1, 90) for _ in range(q)] for _ in range(n)])
-        accepted = torch.tensor([rng.randrange(q) for _ in range(n)])
-        drafts = torch.tensor([[rng.randrange(1, 90) for _ in range(q - 1)] for _ in range(n)])
+        target = torch.tensor([[rng.randrange(1, 90) for _ in range(q)] for _ in range(bucket)])
+        accepted = torch.tensor([rng.randrange(q) for _ in range(bucket)])  # padding requests: junk too
+        drafts = torch.tensor([[rng.randrange(1, 90) for _ in range(q - 1)] for _ in range(bucket)])
         packed = torch.cat([target, accepted[:, None], drafts], dim=1)
         nxt = SchedulerOutput([ScheduledRequest(
             f"r{i}", [int(target[i, accepted[i]])] + drafts[i].tolist(), starts[i] + int(accepted[i]) + 1, q - 1, True,
             pages[i], params) for i in range(n)])  # fmt: skip
-        want = build_input_batch(nxt, page, "cpu", host_metadata=False, padding=padding)
-        got = advance_uniform_batch(batch, packed, want.meta.block_table, page)
-        for name in ("input_ids", "positions", "slot_mapping"):
+        want_batch = build_input_batch(nxt, page, "cpu", host_metadata=False, padding=padding)
+        got, want = (StaticInputs.allocate(bucket + 2, q, width, "cpu") for _ in range(2))
+        got.load(batch)
+        want.load(want_batch)
+        advance_static_inputs(got, packed, bucket, q, page)
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table", "query_start_loc", "row_req"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (trial, name)
-        for name in ("seq_lens", "block_table", "query_start_loc", "row_req"):
-            assert torch.equal(getattr(got.meta, name), getattr(want.meta, name)), (trial, name)
-        assert torch.equal(got.logits_indices, want.logits_indices)
+    with pytest.raises(ValueError, match=r"packed output has shape \(4, 7\), expected \(4, 8\)"):
+        advance_static_inputs(got, packed[:, :7], bucket, q, page)

@@ -13,7 +13,7 @@ from blockdraft.llm import LLM, LoadedTarget, load_target
 from blockdraft.models import build_model
 from blockdraft.runner.cuda_graphs import TargetGraphs
 from blockdraft.spec.dflash.checkpoint import random_drafter
-from blockdraft.spec.dflash.cuda_graph import DraftGraphs
+from blockdraft.runner.step_tail import StepTailGraphs
 from blockdraft.spec.dflash.speculator import DFlashSpeculator
 from tests.conftest import make_tokenizer, tiny_config
 
@@ -58,23 +58,25 @@ def cached_real_target(name: str, dtype: str) -> LoadedTarget:
 
 @contextlib.contextmanager
 def graph_runs():
-    """Record (real, padded) request counts of every target and drafter graph run in the block."""
+    """Record (real, padded) request counts of every target graph run in the block, and the bucket
+    of every tail graph run that drafted."""
     target_runs, draft_runs = [], []
-    run_target, run_draft = TargetGraphs.run, DraftGraphs.run
+    run_target, run_draft = TargetGraphs.run, StepTailGraphs.run
 
-    def target_run(self, batch):
+    def target_run(self, batch, load=True):
         target_runs.append((batch.num_reqs, batch.meta.num_reqs))
-        return run_target(self, batch)
+        return run_target(self, batch, load)
 
-    def draft_run(self, features, slots, bonus_tokens, bonus_positions):
-        draft_runs.append((bonus_tokens.shape[0], features.shape[0] // self.speculator.num_query_tokens))
-        return run_draft(self, features, slots, bonus_tokens, bonus_positions)
+    def draft_run(self, num_reqs, features, sampled=None):
+        if self.draft_step is not None:
+            draft_runs.append(num_reqs)
+        return run_draft(self, num_reqs, features, sampled)
 
-    TargetGraphs.run, DraftGraphs.run = target_run, draft_run
+    TargetGraphs.run, StepTailGraphs.run = target_run, draft_run
     try:
         yield target_runs, draft_runs
     finally:
-        TargetGraphs.run, DraftGraphs.run = run_target, run_draft
+        TargetGraphs.run, StepTailGraphs.run = run_target, run_draft
 
 
 def count_host_syncs(fn) -> int:

@@ -7,7 +7,7 @@ import torch
 from blockdraft.runner.cuda_graphs import TargetGraphs
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec.dflash.checkpoint import random_drafter
-from blockdraft.spec.dflash.cuda_graph import DraftGraphs
+from blockdraft.runner.step_tail import StepTailGraphs
 from blockdraft.spec.dflash.speculator import DFlashSpeculator
 from tests.conftest import make_llm, random_prompts, tiny_target
 
@@ -19,21 +19,23 @@ def target():
 
 
 def _record_buckets(monkeypatch):
-    """Patch the graph runners to record (real, padded) request counts of every padded step."""
+    """Patch the graph runners to record (real, padded) request counts of every padded target step
+    and the bucket of every tail that drafted."""
     target_steps, draft_steps = [], []
-    run_target, run_draft = TargetGraphs.run, DraftGraphs.run
+    run_target, run_draft = TargetGraphs.run, StepTailGraphs.run
 
-    def target_run(self, batch):
+    def target_run(self, batch, load=True):
         target_steps.append((batch.num_reqs, batch.meta.num_reqs))
-        return run_target(self, batch)
+        return run_target(self, batch, load)
 
-    def draft_run(self, features, slots, bonus_tokens, bonus_positions):
-        out = run_draft(self, features, slots, bonus_tokens, bonus_positions)
-        draft_steps.append((bonus_tokens.shape[0], out.shape[0]))
+    def draft_run(self, num_reqs, features, sampled=None):
+        out = run_draft(self, num_reqs, features, sampled)
+        if self.draft_step is not None:
+            draft_steps.append(out.shape[0])
         return out
 
     monkeypatch.setattr(TargetGraphs, "run", target_run)
-    monkeypatch.setattr(DraftGraphs, "run", draft_run)
+    monkeypatch.setattr(StepTailGraphs, "run", draft_run)
     return target_steps, draft_steps
 
 
@@ -70,8 +72,8 @@ def test_speculative_padded_steps_equal_plain_and_eager_speculative(target, monk
     target_steps, draft_steps = _record_buckets(monkeypatch)
     padded_llm = _spec_llm(target, k, attention_backend="dense", graph_mode="eager", max_num_seqs=8)
     assert _generate(padded_llm, prompts, params) == plain == eager
-    assert (5, 8) in target_steps and (5, 8) in draft_steps  # 5 requests verified and drafted in bucket 8
-    assert target_steps == draft_steps
+    assert (5, 8) in target_steps and 8 in draft_steps  # 5 requests verified and drafted in bucket 8
+    assert [padded for _, padded in target_steps] == draft_steps
     # Same drafts as the unpadded speculator: the padded drafter step is inert as well.
     assert padded_llm.engine.stats.spec.num_accepted_tokens == eager_llm.engine.stats.spec.num_accepted_tokens
     assert padded_llm.engine.stats.spec.num_drafted_tokens == eager_llm.engine.stats.spec.num_drafted_tokens
@@ -92,7 +94,7 @@ def test_speculative_padded_steps_with_a_draft_vocabulary(target, monkeypatch):
     padded_llm = _spec_llm(target, 3, DraftHead.from_target(target.model, ids), attention_backend="dense",
                            graph_mode="eager", max_num_seqs=8)
     assert _generate(padded_llm, prompts, params) == plain == eager
-    assert (5, 8) in draft_steps
+    assert 8 in draft_steps
     assert padded_llm.engine.stats.spec.num_drafted_tokens == eager_llm.engine.stats.spec.num_drafted_tokens
     assert padded_llm.engine.stats.spec.num_accepted_tokens == eager_llm.engine.stats.spec.num_accepted_tokens
 

@@ -135,3 +135,13 @@ def prepare_draft_inputs(
         block_token_ids=block_ids,
         block_positions=(bonus_positions[:, None] + offsets[None, :]).reshape(-1),
     )
+
+
+def draft_input_preparer(backend_name: str):
+    """`prepare_draft_inputs_triton` (one launch) next to the Triton attention backend, else the
+    torch twin `prepare_draft_inputs` (same arguments and outputs)."""
+    if backend_name == "triton":
+        from blockdraft.spec.dflash.prepare_inputs_triton import prepare_draft_inputs_triton
+
+        return prepare_draft_inputs_triton
+    return prepare_draft_inputs

@@ -1,0 +1,75 @@
+"""The near-tie check of DFlash-vs-plain divergences: the top-2 gap at the first divergent token."""
+
+import pytest
+import torch
+
+from blockdraft.bench.measure import Cell, compare_outputs
+from blockdraft.bench.near_ties import NEAR_TIE_GAP, divergence_gaps
+from blockdraft.bench.suite import Settings, add_divergence_gaps
+from blockdraft.bench.workload import Workload
+from blockdraft.sampling_params import SamplingParams
+from tests.conftest import make_llm, random_prompts, tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=11)
+
+
+def _greedy(llm, prompts, n):
+    return [list(o.token_ids) for o in llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))]
+
+
+def _top(llm, prompt, n=5):
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True, logprobs=n))[0]
+    return out.logprobs[0]["top"]
+
+
+def test_gap_at_the_first_divergence_of_each_mismatched_request(target):
+    llm = make_llm(target)
+    prompts = random_prompts(3, seed=4)
+    reference = _greedy(llm, prompts, 8)
+    top = _top(llm, prompts[0] + reference[0][:3])
+    assert top[0][0] == reference[0][3]
+    third = _top(llm, prompts[1] + reference[1][:5])[2][0]
+    candidate = [
+        reference[0][:3] + [top[1][0]] + reference[0][4:],  # the runner-up: a top-2 divergence at 3
+        reference[1][:5] + [third] + reference[1][6:],  # a token outside the top two at 5
+        list(reference[2]),  # identical
+    ]
+    first = compare_outputs(candidate, reference)["first_mismatch"]
+    assert first == [3, 5, None]
+    got = divergence_gaps(llm, prompts, candidate, reference, first)
+    assert [(g["request"], g["index"]) for g in got] == [(0, 3), (1, 5)]
+    assert got[0]["both_in_top2"] and got[0]["top2_tokens"] == [top[0][0], top[1][0]]
+    assert got[0]["top2_gap"] == pytest.approx(top[0][1] - top[1][1], abs=1e-6)
+    assert got[0]["near_tie"] == (got[0]["top2_gap"] < NEAR_TIE_GAP)
+    assert got[0]["reference_token"] == reference[0][3] and got[0]["candidate_token"] == top[1][0]
+    assert not got[1]["both_in_top2"] and not got[1]["near_tie"]
+
+
+def test_length_only_differences_and_equal_outputs_are_skipped(target):
+    llm = make_llm(target)
+    prompts = random_prompts(2, seed=5)
+    reference = _greedy(llm, prompts, 6)
+    candidate = [reference[0][:4], list(reference[1])]
+    first = compare_outputs(candidate, reference)["first_mismatch"]
+    assert first == [4, None]
+    assert divergence_gaps(llm, prompts, candidate, reference, first) == []
+
+
+def test_suite_marks_the_dflash_rows_with_their_divergences(target):
+    prompts = random_prompts(2, seed=6)
+    reference = _greedy(make_llm(target), prompts, 6)
+    runner_up = _top(make_llm(target), prompts[1] + reference[1][:2])[1][0]
+    candidate = [list(reference[0]), reference[1][:2] + [runner_up] + reference[1][3:]]
+    workload = Workload("tiny", torch.device("cpu"), torch.float32, None, target, None, prompts)
+    cells = [Cell("ours", mode, 2, token_ids=ids) for mode, ids in (("plain", reference), ("dflash", candidate))]
+    parity = [
+        {"batch_size": 2, "candidate": "ours/dflash", "reference": "ours/plain", **compare_outputs(candidate, reference)},
+        {"batch_size": 2, "candidate": "hf/plain", "reference": "ours/plain", **compare_outputs(candidate, reference)},
+    ]
+    add_divergence_gaps(workload, Settings((2,), 6), cells, parity)
+    assert [d["request"] for d in parity[0]["divergences"]] == [1]
+    assert parity[0]["near_ties"] == int(parity[0]["divergences"][0]["near_tie"])
+    assert "divergences" not in parity[1]  # only our DFlash against our plain decoding is checked
