@@ -6,8 +6,8 @@ enqueue the next uniform step from the first one's device output (async scheduli
 GPU path (a backend without host metadata): nothing in a step reads device values back to the
 host except the final `fetch_step_output` (and log-probabilities, when asked for). Uniform decode /
 verify steps replay two CUDA graphs (runner.step_graphs: the target, then the tail that verifies,
-drafts and packs), with the sampler between them only when a row samples; everything else runs
-eagerly.
+drafts and packs), with the sampler between them only when a row samples; so do prefill steps of
+a single request of up to 512 rows (runner.prefill_graphs); everything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -96,6 +96,11 @@ class ModelRunner:
         timer = StepTimer(self.device)
         padding = self.graphs.target.padding_for(so) if self.graphs is not None else None
         host_metadata = self.attention_backend.host_metadata
+        prefill = self.graphs.prefill if self.graphs is not None and padding is None else None
+        prefill_padding = prefill.padding_for(so) if prefill is not None else None
+        if prefill_padding is not None:
+            batch = build_input_batch(so, self.kv_block_size, self.device, host_metadata, prefill_padding)
+            return self._enqueue_prefill(so, batch, timer)
         batch = build_input_batch(so, self.kv_block_size, self.device, host_metadata, padding)
         return self._enqueue(so, batch, timer, graphed=padding is not None)
 
@@ -178,6 +183,17 @@ class ModelRunner:
         packed = self.graphs.tail.run(batch.meta.num_reqs, aux, sampled)
         timer.mark()
         return logits, packed
+
+    def _enqueue_prefill(self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer) -> LaunchedStep:
+        """A padded single-request prefill step: its target graph, the sampler only when the row
+        samples, its tail graph (runner.prefill_graphs). Not continuable (graphed=False)."""
+        prefill = self.graphs.prefill
+        logits, aux = prefill.run(batch)
+        sampled = None if batch.sampling.all_greedy else _sample(batch, logits, self.compiled_sampling)
+        timer.mark()
+        packed = prefill.run_tail(batch.input_ids.shape[0], aux, sampled)
+        timer.mark()
+        return LaunchedStep(so, batch, packed, start_fetch(packed), logits, timer, graphed=False)
 
     def _forward(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Eager target forward + LM head -> (logits [L, V] in logits_indices order, aux features [T, n*H] | None)."""

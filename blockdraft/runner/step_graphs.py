@@ -7,6 +7,7 @@ memory pool: the largest graph sizes the pool and the smaller ones reuse it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ import torch
 
 from blockdraft.runner.continuation import ContinuationGraphs
 from blockdraft.runner.cuda_graphs import TargetGraphs, capture_sizes
+from blockdraft.runner.prefill_graphs import PrefillGraphs, prefill_sizes
 from blockdraft.runner.step_tail import StepTailGraphs
 
 if TYPE_CHECKING:
@@ -26,12 +28,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepGraphs:
     """The target graphs, the tail graphs of the same buckets, the drafter step the tails run
-    (None for plain decoding) and the continuation graphs (async scheduling's next step)."""
+    (None for plain decoding), the continuation graphs (async scheduling's next step) and the
+    single-request prefill graphs (None when no prefill bucket fits max_num_batched_tokens)."""
 
     target: TargetGraphs
     tail: StepTailGraphs
     draft: DraftStep | None
     continuation: ContinuationGraphs
+    prefill: PrefillGraphs | None = None
 
 
 def build_step_graphs(
@@ -44,7 +48,7 @@ def build_step_graphs(
     kv_block_size: int,
     capture: bool,
 ) -> StepGraphs | None:
-    """Capture (or, capture=False, prepare to run eagerly) the uniform-step graphs.
+    """Capture (or, capture=False, prepare to run eagerly) the uniform-step and prefill graphs.
 
     Args:
         speculator: None (plain decoding: Q = 1) or a DFlashSpeculator (Q = K + 1).
@@ -53,7 +57,8 @@ def build_step_graphs(
         None when no bucket fits (max_num_batched_tokens < Q) or the speculator is not a
         DFlashSpeculator (other speculators run eagerly).
     """
-    from blockdraft.spec.dflash.cuda_graph import DraftStep
+    from blockdraft.spec.dflash.cuda_graph import DraftStep, draft_after_prefill
+    from blockdraft.spec.dflash.prepare_inputs import draft_input_preparer
     from blockdraft.spec.dflash.speculator import DFlashSpeculator
 
     if speculator is not None and not isinstance(speculator, DFlashSpeculator):
@@ -74,6 +79,18 @@ def build_step_graphs(
         target.capture_bucket(num_reqs)
         tail.capture_bucket(num_reqs)
         continuation.capture_bucket(num_reqs, tail.graphs[num_reqs].outputs)
+    prefill = None
+    prefill_buckets = prefill_sizes(max_num_batched_tokens)
+    if prefill_buckets:
+        draft_prefill = None
+        if speculator is not None:
+            prepare = draft_input_preparer(speculator.drafter.attention_backend.name)
+            draft_prefill = functools.partial(draft_after_prefill, speculator, prepare)
+        prefill = PrefillGraphs(model, kv_caches, aux_layer_ids, draft_prefill, prefill_buckets, block_table_width,
+                                kv_block_size, capture, pool)
+        for num_rows in reversed(prefill_buckets):
+            prefill.capture_bucket(num_rows)
     if capture:
-        logger.info("captured CUDA graphs for %d request buckets %s x %d rows", len(buckets), buckets, rows_per_req)
-    return StepGraphs(target, tail, draft, continuation)
+        logger.info("captured CUDA graphs for %d request buckets %s x %d rows and %d single-request prefill "
+                    "buckets %s rows", len(buckets), buckets, rows_per_req, len(prefill_buckets), prefill_buckets)
+    return StepGraphs(target, tail, draft, continuation, prefill)

@@ -114,3 +114,35 @@ def test_captured_runner_samples_with_the_compiled_sampler_and_the_same_tokens()
     llm.engine.runner.compiled_sampling = False
     assert _tokens(llm, prompts, params) == compiled
     assert not cuda_llm(target, None, graph_mode="eager").engine.runner.compiled_sampling
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k", [None, 15], ids=["plain", "k15"])
+def test_single_request_prefill_graphs_equal_the_same_padded_step_run_eagerly(dtype, k):
+    """Requests arriving one at a time prefill through the prefill graphs (runner.prefill_graphs):
+    replay == the identical padded code run eagerly, and, in fp32, == the unpadded eager engine,
+    with the same number of accepted drafts (the drafter's prefill context is the same)."""
+    from blockdraft.runner.prefill_graphs import PrefillGraphs
+
+    target = cuda_tiny_target(dtype, seed=5)
+    prompts, params = random_prompts(6, seed=8, low=5, high=120), _params(6, 20)
+
+    def one_at_a_time(llm):
+        return [list(llm.generate([p], q)[0].token_ids) for p, q in zip(prompts, params)]
+
+    want = one_at_a_time(cuda_llm(target, k, graph_mode="eager"))
+    graphed = cuda_llm(target, k)
+    prefill = graphed.engine.runner.graphs.prefill
+    assert all(g.graph is not None for g in [*prefill.targets.values(), *prefill.tails.values()])
+    runs, run = [], PrefillGraphs.run
+    PrefillGraphs.run = lambda self, batch: runs.append(batch.num_rows) or run(self, batch)
+    try:
+        assert one_at_a_time(graphed) == want
+    finally:
+        PrefillGraphs.run = run
+    assert sorted(runs) == sorted(len(p) for p in prompts)
+    if dtype == torch.float32:
+        eager = cuda_llm(target, k, enforce_eager=True)
+        assert one_at_a_time(eager) == want
+        if k is not None:
+            assert graphed.engine.stats.spec.num_accepted_tokens == eager.engine.stats.spec.num_accepted_tokens

@@ -41,3 +41,16 @@ def test_logprobs_work_and_are_the_documented_sync_exception():
     while llm.engine.has_unfinished_requests():
         outs = llm.engine.step()
     assert len(outs[0].logprobs) == 3 and len(outs[0].logprobs[0]["top"]) == 2
+
+
+@pytest.mark.parametrize("k", [None, 5], ids=["plain", "k5"])
+def test_a_graphed_single_request_prefill_syncs_at_most_once(k):
+    llm = cuda_llm(cuda_tiny_target(torch.bfloat16), k)
+    llm.generate(random_prompts(1, seed=6), SamplingParams(max_tokens=4))  # warm-up outside the count
+    for i, prompt in enumerate(random_prompts(3, seed=9, low=20, high=90)):
+        params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7 * (i % 2), seed=i)
+        llm.engine.add_request(f"r{i}", prompt, params)
+        counts = []
+        while llm.engine.has_unfinished_requests():
+            counts.append(count_host_syncs(llm.engine.step))
+        assert counts and max(counts) <= 1, counts

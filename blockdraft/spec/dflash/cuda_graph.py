@@ -1,4 +1,7 @@
-"""The DFlash drafter step of a uniform decode step, over the target graphs' static buffers.
+"""The DFlash drafter step of a graphed step, over the target graphs' static buffers.
+
+`DraftStep` serves the uniform decode / verify steps; `draft_after_prefill` the single-request
+prefill steps (runner.prefill_graphs).
 
 It runs inside the step's tail graph (runner.step_tail), after verification: prepare the
 drafter's inputs from the verified tokens (context slots with rejected and padding rows set to
@@ -71,3 +74,34 @@ class DraftStep:
             tg.block_table[:num_reqs],
             block_layout=(tg.query_start_loc[: num_reqs + 1], tg.row_req[:rows]),
         )
+
+
+def draft_after_prefill(
+    speculator: DFlashSpeculator,
+    prepare,
+    features: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    logits_index: torch.Tensor,
+    target: torch.Tensor,
+) -> torch.Tensor:
+    """The drafter part of a padded single-request prefill step that samples its last row -> [1, K] int64.
+
+    Writes the draft context of every prompt row (padding rows carry PADDING_SLOT), then drafts
+    the block after the sampled token (nothing to verify: a prefill row carries no drafts).
+
+    Args:
+        prepare: `draft_input_preparer(...)` of the drafter's backend.
+        features: [T_b, n*H] the target's aux features of the padded rows.
+        positions / slot_mapping: [T_b] int64 of the padded rows.
+        block_table: [1, M] int32.
+        logits_index: [1] int64, the row that sampled (the prompt's last row).
+        target: [1, 1] int64, the token sampled there.
+    """
+    accepted = torch.zeros(1, dtype=torch.long, device=target.device)
+    logits_rows = torch.zeros(1, 1, dtype=torch.long, device=target.device)  # the one logits row
+    prepared = prepare(logits_rows, logits_index, accepted, target, positions, slot_mapping,
+                       speculator.mask_token_id, speculator.num_query_tokens)
+    return speculator.propose(features, positions, prepared.context_slot_mapping, prepared.bonus_tokens,
+                              prepared.bonus_positions, block_table)

@@ -1,0 +1,98 @@
+"""Single-request prefill steps padded to a row bucket (the code their CUDA graphs capture), run
+eagerly on CPU with the dense sync-free backend: same tokens and drafts as the unpadded path."""
+
+import pytest
+
+from blockdraft.runner.prefill_graphs import PrefillGraphs, prefill_sizes
+from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec.dflash.checkpoint import random_drafter
+from blockdraft.spec.dflash.speculator import DFlashSpeculator
+from tests.conftest import make_llm, random_prompts, tiny_target
+
+GRAPHS = dict(attention_backend="dense", graph_mode="eager", max_num_seqs=8)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=4)
+
+
+@pytest.fixture
+def prefill_runs(monkeypatch):
+    """(real rows, bucket rows) of every padded prefill step."""
+    runs, run = [], PrefillGraphs.run
+
+    def recorded(self, batch):
+        runs.append((batch.num_rows, batch.input_ids.shape[0]))
+        return run(self, batch)
+
+    monkeypatch.setattr(PrefillGraphs, "run", recorded)
+    return runs
+
+
+def _spec_llm(target, k, **kw):
+    drafter = random_drafter(target.config, num_layers=2, block_size=8, target_layer_ids=(0, 2), seed=k, init_std=0.1)
+    return make_llm(target, speculator=DFlashSpeculator(drafter, target.model, k, None, 4), **kw)
+
+
+def _one_at_a_time(llm, prompts, params):
+    """Each prompt arrives alone (its prefill is a single-request step)."""
+    return [list(llm.generate([p], q)[0].token_ids) for p, q in zip(prompts, params)]
+
+
+def test_buckets_are_powers_of_two_from_16_up_to_the_step_budget():
+    assert prefill_sizes(8192) == [16, 32, 64, 128, 256, 512]
+    assert prefill_sizes(100) == [16, 32, 64]
+    assert prefill_sizes(8) == []
+    assert prefill_sizes(8192, largest=64) == [16, 32, 64]
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
+def test_single_request_prefill_padded_to_a_bucket_equals_the_normal_path(target, prefill_runs, k):
+    prompts = random_prompts(4, seed=40, low=5, high=40)
+    params = [SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.8 * (i % 2), seed=i) for i in range(4)]
+    build = (lambda **kw: make_llm(target, **kw)) if k is None else (lambda **kw: _spec_llm(target, k, **kw))
+    plain = _one_at_a_time(make_llm(target), prompts, params)
+    eager_llm = build()
+    padded_llm = build(**GRAPHS)
+    assert _one_at_a_time(eager_llm, prompts, params) == plain
+    assert _one_at_a_time(padded_llm, prompts, params) == plain
+    assert sorted(rows for rows, _ in prefill_runs) == sorted(len(p) for p in prompts)
+    assert all(bucket in (16, 32, 64) and rows <= bucket for rows, bucket in prefill_runs)
+    if k is not None:  # the drafter's context and first block after a padded prefill are the same too
+        assert padded_llm.engine.stats.spec.num_drafted_tokens == eager_llm.engine.stats.spec.num_drafted_tokens
+        assert padded_llm.engine.stats.spec.num_accepted_tokens == eager_llm.engine.stats.spec.num_accepted_tokens
+
+
+def test_long_prompts_batches_and_cached_prefixes(target, prefill_runs):
+    """A prompt beyond the largest bucket and a step of several requests run the eager path; a
+    prompt whose prefix is cached pads only its uncached rows (seq_len > rows)."""
+    long_prompt = random_prompts(1, seed=41, low=70, high=71)[0]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [list(o.token_ids) for o in make_llm(target).generate([long_prompt], params)]
+    llm = make_llm(target, max_num_batched_tokens=64, **GRAPHS)  # buckets 16, 32, 64; chunked prefill
+    assert [list(o.token_ids) for o in llm.generate([long_prompt], params)] == want
+    assert prefill_runs == [(6, 16)]  # only the last chunk (70 = 64 + 6) sampled
+    prefill_runs.clear()
+    prompts = random_prompts(3, seed=42)
+    assert [list(o.token_ids) for o in llm.generate(prompts, params)] == [
+        list(o.token_ids) for o in make_llm(target).generate(prompts, params)]
+    assert prefill_runs == []  # three requests prefilled in one step
+    cached = make_llm(target, enable_prefix_caching=True, **GRAPHS)
+    base = random_prompts(1, seed=43, low=30, high=31)[0]
+    cached.generate([base + [5, 6]], params)
+    prefill_runs.clear()
+    got = cached.generate([base + [7, 8, 9]], params)
+    assert list(got[0].token_ids) == list(make_llm(target).generate([base + [7, 8, 9]], params)[0].token_ids)
+    assert prefill_runs and prefill_runs[0][0] < 33  # the cached full pages were not recomputed
+
+
+def test_logprobs_of_a_padded_prefill_step(target, prefill_runs):
+    prompt = random_prompts(1, seed=44)[0]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2)
+    want = make_llm(target).generate([prompt], params)[0].logprobs
+    got = make_llm(target, **GRAPHS).generate([prompt], params)[0].logprobs
+    assert prefill_runs
+    assert [d["token_id"] for d in got] == [d["token_id"] for d in want]
+    assert [t for t, _ in got[0]["top"]] == [t for t, _ in want[0]["top"]]
+    assert got[0]["logprob"] == pytest.approx(want[0]["logprob"], abs=1e-4)
