@@ -26,8 +26,9 @@ Sources (give one):
 Engines are built one at a time (each measured at every batch size, then dropped), as one engine
 per server process. Every cell: --warmup full runs, then --repeats x (prefill-only run, full run)
 with device-synchronised clocks; medians. ms/step = (t_full - t_prefill) / (steps_full -
-steps_prefill): one target forward (plain) or one verify + draft + bookkeeping (DFlash). Greedy
-(T=0), EOS ignored, --max-tokens tokens.
+steps_prefill): one target forward (plain) or one verify + draft + bookkeeping (DFlash). TTFT ms =
+t_prefill, the time to the first token of every request of the batch. Greedy (T=0), EOS ignored,
+--max-tokens tokens.
 Outputs of DFlash vs plain (and HF / z-lab vs ours) are compared token for token; mismatches are
 counted, not hidden. Where our DFlash differs from our plain decoding, the target's top-2 gap at
 the first divergent token is measured once more (an eager plain forward on the common prefix) and

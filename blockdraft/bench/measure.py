@@ -57,6 +57,11 @@ class Run:
         return self.seconds - self.prefill_seconds
 
     @property
+    def ttft_ms(self) -> float:
+        """Wall milliseconds of the prefill-only call: time to the first token of every request."""
+        return self.prefill_seconds * 1e3
+
+    @property
     def ms_per_step(self) -> float | None:
         """Decode milliseconds per engine step (target forward, or verify + draft); None if no decode step."""
         steps = self.num_steps - self.prefill_steps
@@ -114,6 +119,7 @@ class Cell:
             "tokens_per_s": self.median("tokens_per_s"),
             "decode_tokens_per_s": self.median("decode_tokens_per_s"),
             "ms_per_step": self.median("ms_per_step"),
+            "ttft_ms": self.median("ttft_ms"),
             "seconds": self.median("seconds"),
             "acceptance_length": self.acceptance_length,
             "deterministic": self.deterministic,

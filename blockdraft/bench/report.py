@@ -8,7 +8,7 @@ Schema "blockdraft-bench/1" (top-level keys; `validate_report` checks them):
     floor{hbm_bytes_per_s, target_weight_bytes, plain_step_floor_ms, dflash_extra_bytes,
           dflash_step_floor_ms},
     results[ {engine, mode, batch_size, status, reason, tokens_per_s, decode_tokens_per_s,
-              ms_per_step, seconds, acceptance_length, deterministic, runs[...],
+              ms_per_step, ttft_ms (since session 12), seconds, acceptance_length, deterministic, runs[...],
               speedup_vs_ours_plain, speedup_vs_hf, speedup_vs_zlab} ],
     parity[ {batch_size, candidate, reference, num_requests, mismatched_requests, first_mismatch,
              and for ours/dflash vs ours/plain: divergences[ {request, index, top2_gap, near_tie, ...} ],
@@ -124,7 +124,7 @@ def format_table(report: dict) -> str:
     lines = [
         f"{w['name']} ({report['dtype']}) on {report['device']['name']}: {s['max_tokens']} new tokens per request, "
         f"median of {s['repeats']} runs after {s['warmup']} warm-up; K={s['num_speculative_tokens']}",
-        f"{'batch':>5} {'engine':<6} {'mode':<13}{'tok/s':>9} {'dec tok/s':>9} {'ms/step':>9} {'acc.len':>7} "
+        f"{'batch':>5} {'engine':<6} {'mode':<13}{'tok/s':>9} {'dec tok/s':>9} {'ms/step':>9} {'TTFT ms':>8} {'acc.len':>7} "
         f"{'x plain':>8} {'x HF':>7} {'x z-lab':>8} {'mismatch':>9}",
     ]
     for r in report["results"]:
@@ -136,6 +136,7 @@ def format_table(report: dict) -> str:
         tag = "ref" if (r["engine"], r["mode"]) == ("ours", "plain") else mism.get(key, "-")
         lines.append(
             f"{head}{_num(r['tokens_per_s'])} {_num(r['decode_tokens_per_s'])} {_num(r['ms_per_step'], '.3f')} "
+            f"{_num(r.get('ttft_ms'), '.2f', 8)} "
             f"{_num(r['acceptance_length'], '.2f', 7)} {_num(r['speedup_vs_ours_plain'], '.2f', 8)} "
             f"{_num(r['speedup_vs_hf'], '.2f', 7)} {_num(r['speedup_vs_zlab'], '.2f', 8)} {tag:>9}"
         )

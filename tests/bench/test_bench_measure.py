@@ -36,6 +36,7 @@ def test_measure_warms_up_then_times_prefill_and_full_runs():
     r = cell.runs[0]
     assert (r.num_steps, r.num_tokens, r.prefill_steps, r.prefill_tokens) == (6, 12, 1, 2)
     assert cell.summary()["tokens_per_s"] > 0 and cell.token_ids == [[5] * 6] * 2
+    assert cell.summary()["ttft_ms"] == pytest.approx(1e3 * sorted(x.prefill_seconds for x in cell.runs)[1])
 
 
 def test_measure_records_unsupported_and_failing_engines():
@@ -52,6 +53,7 @@ def test_step_time_subtracts_the_prefill_run():
     assert r.ms_per_step == pytest.approx(100.0)
     assert r.decode_tokens_per_s == pytest.approx(20.0)
     assert r.tokens_per_s == pytest.approx(20.0)
+    assert r.ttft_ms == pytest.approx(100.0)
     noisy = Run(seconds=0.1, num_steps=11, num_tokens=22, prefill_seconds=0.2, prefill_steps=1, prefill_tokens=2)
     assert noisy.ms_per_step is None and noisy.decode_tokens_per_s is None
 
@@ -178,6 +180,7 @@ def test_run_matrix_builds_one_engine_at_a_time(monkeypatch):
 
 def test_table_says_how_many_mismatches_are_near_ties():
     rows = [_row("ours", "plain", 8, 100, 2.0), _row("ours", "dflash", 8, 200, 3.0), _row("hf", "plain", 8, 50, 9.0)]
+    rows[0]["ttft_ms"] = 12.345
     parity = [{"batch_size": 8, "candidate": "ours/dflash", "reference": "ours/plain", "num_requests": 8,
                "mismatched_requests": 2, "first_mismatch": [None] * 6 + [5, 9], "divergences": [{}, {}],
                "near_ties": 1},
@@ -185,3 +188,4 @@ def test_table_says_how_many_mismatches_are_near_ties():
                "mismatched_requests": 3, "first_mismatch": [None] * 5 + [1, 2, 3]}]
     table = rep.format_table(_report(rows, parity))
     assert "2/8 (1 tie)" in table and "3/8" in table and "3/8 (" not in table
+    assert "TTFT ms" in table and " 12.35 " in table  # rows of older JSON files without ttft_ms print n/a
