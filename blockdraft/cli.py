@@ -304,8 +304,8 @@ def _generate(args) -> int:
     result = _result_dict(out, seconds)
     stats = llm.engine.stats
     result.update(
-        target_forward_s=stats.forward_time_s,  # target forward + sampling + verification
-        draft_s=stats.draft_time_s,
+        target_forward_s=stats.forward_time_s,  # target forward + sampling (+ verification on eager steps)
+        draft_s=stats.draft_time_s,  # the drafter (+ verification in a graphed step's tail)
         other_s=max(0.0, seconds - stats.forward_time_s - stats.draft_time_s),
         acceptance_per_position=out.spec.acceptance_rate_per_position(),
         num_speculative_tokens=llm.speculator.num_speculative_tokens if llm.speculator is not None else None,

@@ -45,7 +45,7 @@ class ForcedAcceptanceSpeculator(DFlashSpeculator):
     def propose(self, features, positions, slot_mapping, bonus_tokens, bonus_positions, block_table, **kwargs):
         """Run DFlashSpeculator.propose (context write + draft block + LM head), discard its
         tokens and return [R, K] int64 oracle drafts. Tensor ops only: no host sync, so it is
-        captured into the drafter's CUDA graph like the real proposal."""
+        captured into the step's tail CUDA graph like the real proposal."""
         drafts = super().propose(features, positions, slot_mapping, bonus_tokens, bonus_positions, block_table,
                                  **kwargs)
         if drafts.shape[0] == 0:

@@ -109,10 +109,10 @@ def _num(x, fmt: str = ".2f", width: int = 9) -> str:
 
 
 def _mismatch_tag(p: dict) -> str:
-    """"m/n", with "m/n (t tie)" when the mismatches were checked for near-ties (t of them are)."""
+    """"m/n", with "m/n (t ties)" when the mismatches were checked for near-ties (t of them are)."""
     tag = f"{p['mismatched_requests']}/{p['num_requests']}"
     if p["mismatched_requests"] and "near_ties" in p:
-        tag += f" ({p['near_ties']} tie)"
+        tag += f" ({p['near_ties']} {'tie' if p['near_ties'] == 1 else 'ties'})"
     return tag
 
 
@@ -125,7 +125,7 @@ def format_table(report: dict) -> str:
         f"{w['name']} ({report['dtype']}) on {report['device']['name']}: {s['max_tokens']} new tokens per request, "
         f"median of {s['repeats']} runs after {s['warmup']} warm-up; K={s['num_speculative_tokens']}",
         f"{'batch':>5} {'engine':<6} {'mode':<13}{'tok/s':>9} {'dec tok/s':>9} {'ms/step':>9} {'TTFT ms':>8} {'acc.len':>7} "
-        f"{'x plain':>8} {'x HF':>7} {'x z-lab':>8} {'mismatch':>9}",
+        f"{'x plain':>8} {'x HF':>7} {'x z-lab':>8} {'mismatch':>15}",
     ]
     for r in report["results"]:
         head = f"{r['batch_size']:>5} {r['engine']:<6} {r['mode']:<13}"
@@ -138,7 +138,7 @@ def format_table(report: dict) -> str:
             f"{head}{_num(r['tokens_per_s'])} {_num(r['decode_tokens_per_s'])} {_num(r['ms_per_step'], '.3f')} "
             f"{_num(r.get('ttft_ms'), '.2f', 8)} "
             f"{_num(r['acceptance_length'], '.2f', 7)} {_num(r['speedup_vs_ours_plain'], '.2f', 8)} "
-            f"{_num(r['speedup_vs_hf'], '.2f', 7)} {_num(r['speedup_vs_zlab'], '.2f', 8)} {tag:>9}"
+            f"{_num(r['speedup_vs_hf'], '.2f', 7)} {_num(r['speedup_vs_zlab'], '.2f', 8)} {tag:>15}"
         )
     for name, reason in report["skipped"].items():
         lines.append(f"skipped {name}: {reason}")

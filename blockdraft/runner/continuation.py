@@ -52,8 +52,9 @@ def advance_static_inputs(inputs: StaticInputs, packed: torch.Tensor, num_reqs: 
     start = pos_now[:, :1] + accepted + 1
     pos = start + torch.arange(q, device=packed.device)
     table = inputs.block_table[:num_reqs]
-    # padding requests hold junk counts: clamp keeps their (discarded) gather in bounds
-    page_index = torch.div(pos, kv_block_size, rounding_mode="floor").clamp(max=table.shape[1] - 1)
+    # padding requests hold junk counts: index page 0 for them (their result is discarded); real
+    # requests index their own pages, which the host allocated for the longest outcome
+    page_index = torch.where(real, torch.div(pos, kv_block_size, rounding_mode="floor"), 0)
     slots = table.gather(1, page_index).to(torch.long) * kv_block_size + pos % kv_block_size
     seq_lens = inputs.seq_lens[:num_reqs]
     new_seq_lens = torch.where(real[:, 0], (start[:, 0] + q).to(seq_lens.dtype), seq_lens)

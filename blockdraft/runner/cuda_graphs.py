@@ -4,7 +4,8 @@ A step is *uniform* when every scheduled request verifies exactly Q = 1 + K rows
 speculator's num_speculative_tokens; Q = 1 for plain decoding) and samples. Such a step is padded
 to the smallest bucket R_b >= R (buckets 1, 2, 4, ... up to the largest that max_num_seqs and
 max_num_batched_tokens allow; ARCHITECTURE.md "cuda_graph") with inert padding (see
-runner.input_batch) and replayed. Prefill, mixed and non-uniform steps, and R beyond the largest
+runner.input_batch) and replayed. Single-request prefill steps have their own graphs
+(runner.prefill_graphs); other prefill, mixed and non-uniform steps, and R beyond the largest
 bucket, run eagerly. Inputs live in persistent max-size buffers; each bucket's graph reads
 leading slices of them, and every bucket writes its logits into one shared buffer in the model's
 dtype (the LM head writes there directly; see CausalLM.compute_logits), and its greedy tokens
@@ -153,14 +154,14 @@ class TargetGraphs:
 
         Also writes the greedy token of every row into `self.tokens[:R_b*Q]` (int64). Rows past
         batch.num_rows are padding. The tensors are the graph's static outputs: read them before
-        the next replay of any target graph.
+        the next replay of any graph (all share one memory pool).
         """
         if load:
             self.inputs.load(batch)
         return self.graphs[batch.meta.num_reqs]()
 
     def aux_output(self, num_reqs: int) -> torch.Tensor | None:
-        """The captured aux output of a bucket (the drafter graph's input), None when eager."""
+        """The captured aux output of a bucket (the tail graph's input), None when eager."""
         outputs = self.graphs[num_reqs].outputs
         return None if outputs is None else outputs[1]
 

@@ -33,11 +33,16 @@ class LaunchedStep:
     """A step whose device work is enqueued; `ModelRunner.finish` reads it back.
 
     packed: [S, kmax + 2 + K] int64 on the device (runner.step_output.pack_step); graphed steps:
-    the tail graph's static output [R_b, Q + 1 + K] of the whole bucket (rows past S are padding),
-    valid until the next replay of that bucket. fetch: the copy of its first S rows to the host,
-    started at launch (runner.staging.start_fetch). logits: its [L, V]
-    logits rows (graphed steps: the graph's output buffer, valid until the next replay). graphed:
-    the step replayed the uniform-step graphs (a continuation can follow it).
+    the tail graph's static output [R_b, Q + 1 + K] of the whole bucket (rows past S are padding).
+    fetch: the copy of its first S rows to the host, started at launch (runner.staging.start_fetch).
+    logits: its [L, V] logits rows. graphed: the step replayed the uniform-step graphs (a
+    continuation can follow it).
+
+    Steps that replayed graphs (uniform steps, and single-request prefills although graphed is
+    False) hold static graph outputs in `packed` and `logits`, and a continuation's `batch` holds
+    views of the static inputs: all shared with every other graph of the engine (one memory pool),
+    so valid until the next replay of any graph. The engine reads them before that (a
+    continuation's advance reads its predecessor's `packed` in stream order).
     """
 
     so: SchedulerOutput
@@ -61,7 +66,7 @@ class ModelRunner:
             slot_mapping, bonus_tokens, bonus_positions, block_table)`; `mask_token_id` if it has one.
         attention_backend: the backend the models run with (decides whether the metadata carries
             host lists); default: the device's (blockdraft.attention.backends).
-        graphs: uniform-step graphs (runner.step_graphs.build_step_graphs), or None (all eager).
+        graphs: uniform-step and prefill graphs (runner.step_graphs.build_step_graphs), or None (all eager).
         compiled_sampling: sample non-greedy rows with the torch.compile'd fused noise + argmax
             (blockdraft.sample.sample, compiled=True: same tokens, ~12x faster at 1024 rows x 152K
             vocabulary on an H200); compiled on the first step that samples.
@@ -173,15 +178,13 @@ class ModelRunner:
         """A padded uniform step: the target graph, the sampler only when a row samples, the tail
         graph (verify + draft + pack) -> (logits [L, V], packed [R_b, Q + 1 + K]), both static outputs.
 
-        loaded: the static inputs already hold `batch` (a continuation). Phases for the timer:
-        target forward (+ sampling), then the tail.
+        loaded: the static inputs already hold `batch` (a continuation). Timer phases: target
+        forward + sampling, then the tail (see `_timed_tail`).
         """
         logits, aux = self.graphs.target.run(batch, load=not loaded)
         logits = logits[: batch.num_rows]  # uniform: logits_indices = every real row, in order
         sampled = None if batch.sampling.all_greedy else _sample(batch, logits, self.compiled_sampling)
-        timer.mark()
-        packed = self.graphs.tail.run(batch.meta.num_reqs, aux, sampled)
-        timer.mark()
+        packed = self._timed_tail(timer, lambda: self.graphs.tail.run(batch.meta.num_reqs, aux, sampled))
         return logits, packed
 
     def _enqueue_prefill(self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer) -> LaunchedStep:
@@ -190,10 +193,20 @@ class ModelRunner:
         prefill = self.graphs.prefill
         logits, aux = prefill.run(batch)
         sampled = None if batch.sampling.all_greedy else _sample(batch, logits, self.compiled_sampling)
-        timer.mark()
-        packed = prefill.run_tail(batch.input_ids.shape[0], aux, sampled)
-        timer.mark()
+        packed = self._timed_tail(timer, lambda: prefill.run_tail(batch.input_ids.shape[0], aux, sampled))
         return LaunchedStep(so, batch, packed, start_fetch(packed), logits, timer, graphed=False)
+
+    def _timed_tail(self, timer: StepTimer, run_tail):
+        """Run a tail graph as the step's second timer phase (drafting; its verification is fused
+        in) with a drafter; without one the tail (argmax + pack) ends the forward phase and the
+        draft phase is empty, as on eager steps."""
+        if self.speculator is not None:
+            timer.mark()
+        packed = run_tail()
+        timer.mark()
+        if self.speculator is None:
+            timer.mark()
+        return packed
 
     def _forward(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Eager target forward + LM head -> (logits [L, V] in logits_indices order, aux features [T, n*H] | None)."""

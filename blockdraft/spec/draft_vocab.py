@@ -329,7 +329,7 @@ class DraftHead:
     def to_target_ids(self, indices: torch.Tensor) -> torch.Tensor:
         """Draft-vocab column indices (any shape, int) -> target token ids (same shape, int64).
 
-        One device-side gather: no host sync, so it is captured in the drafter's CUDA graph.
+        One device-side gather: no host sync, so it is captured in the step's tail CUDA graph.
         """
         return self.token_ids[indices]
 

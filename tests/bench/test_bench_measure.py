@@ -188,4 +188,6 @@ def test_table_says_how_many_mismatches_are_near_ties():
                "mismatched_requests": 3, "first_mismatch": [None] * 5 + [1, 2, 3]}]
     table = rep.format_table(_report(rows, parity))
     assert "2/8 (1 tie)" in table and "3/8" in table and "3/8 (" not in table
+    parity[0]["near_ties"] = 2
+    assert "2/8 (2 ties)" in rep.format_table(_report(rows, parity))
     assert "TTFT ms" in table and " 12.35 " in table  # rows of older JSON files without ttft_ms print n/a

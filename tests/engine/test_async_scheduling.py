@@ -107,6 +107,31 @@ def test_async_speculative_equals_sync_with_many_accepted_drafts(target, monkeyp
     assert got.num_accepted_tokens > 0.3 * got.num_drafted_tokens  # the oracle's drafts are mostly accepted
 
 
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
+def test_async_after_a_graphed_single_request_prefill_equals_sync(target, monkeypatch, k):
+    """Requests arriving one at a time prefill through the prefill graphs (not continuable), then
+    chain continuations from the uniform steps: same answers as synchronous scheduling."""
+    from blockdraft.runner.prefill_graphs import PrefillGraphs
+
+    prompts, params = random_prompts(4, seed=30), _params(4)
+    sequences = [p + o.token_ids for p, o in zip(prompts, make_llm(target).generate(
+        prompts, [SamplingParams(max_tokens=60, ignore_eos=True, temperature=q.temperature, seed=q.seed)
+                  for q in params]))]  # fmt: skip
+
+    def build(async_scheduling):
+        spec = None if k is None else _oracle_speculator(target, k, sequences)
+        return make_llm(target, speculator=spec, **GRAPHS, async_scheduling=async_scheduling)
+
+    sync = build(False)
+    want = [_run(sync, [p], [q])[0] for p, q in zip(prompts, params)]
+    counts = _count_continuations(monkeypatch)
+    prefills, run = [], PrefillGraphs.run
+    monkeypatch.setattr(PrefillGraphs, "run", lambda self, batch: prefills.append(batch.num_rows) or run(self, batch))
+    llm = build(True)
+    assert [_run(llm, [p], [q])[0] for p, q in zip(prompts, params)] == want
+    assert sorted(prefills) == sorted(len(p) for p in prompts) and counts["continued"] > 5
+
 def _drive(engine, prompts, params, add_at: int, abort_at: int) -> dict:
     """Add 3 requests, step; add 2 more at step `add_at`, abort req-1 at step `abort_at`."""
     done = {}

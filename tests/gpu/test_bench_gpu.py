@@ -1,5 +1,5 @@
 """`blockdraft bench` on CUDA (tiny shape, bf16): every engine runs, forced acceptance is captured
-into the drafter graphs and accepts, the JSON is valid. Timings are not asserted."""
+into the tail graphs and accepts, the JSON is valid. Timings are not asserted."""
 
 import json
 

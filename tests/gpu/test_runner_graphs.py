@@ -38,7 +38,8 @@ def test_graph_replay_equals_the_same_padded_step_run_eagerly(dtype, k):
     want = _tokens(cuda_llm(target, k, graph_mode="eager"), prompts, params)
     graphed = cuda_llm(target, k)
     graphs = graphed.engine.runner.graphs
-    assert all(g.graph is not None for g in [*graphs.target.graphs.values(), *graphs.tail.graphs.values()])
+    captured = [*graphs.target.graphs.values(), *graphs.tail.graphs.values(), *graphs.continuation.graphs.values()]
+    assert all(g.graph is not None for g in captured)
     with graph_runs() as (target_runs, draft_runs):
         assert _tokens(graphed, prompts, params) == want
     assert any(real < padded for real, padded in target_runs), "no padded bucket was replayed"

@@ -96,3 +96,35 @@ def test_logprobs_of_a_padded_prefill_step(target, prefill_runs):
     assert [d["token_id"] for d in got] == [d["token_id"] for d in want]
     assert [t for t, _ in got[0]["top"]] == [t for t, _ in want[0]["top"]]
     assert got[0]["logprob"] == pytest.approx(want[0]["logprob"], abs=1e-4)
+
+
+
+def test_dflash_prefill_graphs_with_chunks_and_cached_prefixes(target, prefill_runs):
+    """The drafter's context after a chunked or prefix-cached prompt is the same through the padded
+    prefill step: same tokens and the same drafts as the eager speculator."""
+    long_prompt = random_prompts(1, seed=45, low=70, high=71)[0]
+    base = random_prompts(1, seed=46, low=30, high=31)[0]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [long_prompt, base + [5, 6], base + [7, 8, 9]]
+    want = _one_at_a_time(make_llm(target), prompts, [params] * 3)
+    kw = dict(max_num_batched_tokens=64, enable_prefix_caching=True)
+    eager = _spec_llm(target, 3, **kw)
+    padded = _spec_llm(target, 3, **kw, **GRAPHS)
+    assert _one_at_a_time(eager, prompts, [params] * 3) == want
+    assert _one_at_a_time(padded, prompts, [params] * 3) == want
+    assert [rows for rows, _ in prefill_runs][0] == 6  # the long prompt's last chunk
+    assert prefill_runs[-1][0] < 33  # the third prompt's cached pages were not recomputed
+    assert padded.engine.stats.spec.num_drafted_tokens == eager.engine.stats.spec.num_drafted_tokens
+    assert padded.engine.stats.spec.num_accepted_tokens == eager.engine.stats.spec.num_accepted_tokens
+
+
+def test_logprobs_of_padded_verify_steps(target):
+    """Log-probabilities read from the static logits of padded verify steps (and the padded
+    prefill) equal the eager speculative engine's."""
+    prompts = random_prompts(3, seed=47)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    want = _spec_llm(target, 3).generate(prompts, params)
+    got = _spec_llm(target, 3, **GRAPHS).generate(prompts, params)
+    for a, b in zip(got, want):
+        assert [d["token_id"] for d in a.logprobs] == [d["token_id"] for d in b.logprobs] == list(b.token_ids)
+        assert [d["logprob"] for d in a.logprobs] == pytest.approx([d["logprob"] for d in b.logprobs], abs=1e-4)

@@ -88,8 +88,9 @@ def draft_after_prefill(
 ) -> torch.Tensor:
     """The drafter part of a padded single-request prefill step that samples its last row -> [1, K] int64.
 
-    Writes the draft context of every prompt row (padding rows carry PADDING_SLOT), then drafts
-    the block after the sampled token (nothing to verify: a prefill row carries no drafts).
+    Writes the draft context of this step's rows (the prompt's uncached rows, or its last chunk;
+    padding rows carry PADDING_SLOT), then drafts the block after the sampled token (nothing to
+    verify: a prefill row carries no drafts).
 
     Args:
         prepare: `draft_input_preparer(...)` of the drafter's backend.
