@@ -57,7 +57,8 @@ def add_bench_parser(sub) -> None:
     src.add_argument("--shape", choices=list(SHAPES), help="random weights of this architecture")
     src.add_argument("--model", help="real model: catalog name, HF folder or .gguf")
     b.add_argument("--draft", default=None,
-                   help="with --model: DFlash drafter folder, or 'shipped' (default: none, plain rows only)")
+                   help="with --model: DFlash drafter folder, 'shipped' (the one shipped for --model) or 'auto' "
+                        "(shipped if there is one) (default: none, plain rows only)")
     b.add_argument("--no-draft", action="store_true", help="with --shape: no drafter (plain rows only)")
     b.add_argument("--draft-layers", type=int, default=None,
                    help="with --shape: random drafter depth (default: 5 for qwen3-8b / qwen2.5-0.5b, 2 for tiny)")
@@ -107,6 +108,8 @@ def parse_batch_sizes(text: str) -> tuple[int, ...]:
         part = part.strip()
         if not part.isdigit() or int(part) < 1:
             raise ValueError(f"--batch-sizes takes positive integers separated by commas, got {part!r} in {text!r}")
+        if int(part) in out:
+            raise ValueError(f"--batch-sizes lists {int(part)} twice in {text!r}; give each batch size once")
         out.append(int(part))
     return tuple(out)
 
@@ -120,6 +123,14 @@ def _check_source_flags(args) -> None:
         raise ValueError("--num-speculative-tokens needs a drafter (--draft with --model; no --no-draft with --shape)")
     if args.prompt_len < 1:
         raise ValueError(f"--prompt-len must be >= 1, got {args.prompt_len}")
+    if args.shape and args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2 (1 anchor + at least 1 draft), got {args.block_size}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1 (timed runs per cell), got {args.repeats}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0 (untimed runs per cell), got {args.warmup}")
+    if args.out is not None and not args.out.strip():
+        raise ValueError("--out is empty; give a file prefix (writes PREFIX.json and PREFIX.png), e.g. 'bench-run'")
 
 
 def check_drafter_flags(args) -> tuple[str | None, int]:
@@ -166,8 +177,10 @@ def build_workload(args):
         return random_workload(args.shape, device, dtype, num_prompts=num_prompts, prompt_len=args.prompt_len,
                                draft_layers=args.draft_layers, block_size=args.block_size,
                                with_drafter=not args.no_draft, seed=args.seed, draft_vocab_size=draft_vocab_size)
+    engines = {e.strip().lower() for e in args.engines.split(",")}
     return model_workload(args.model, draft, device, dtype, dataset=args.dataset, num_prompts=num_prompts,
-                          cache_dir=args.cache_dir, draft_vocab_size=draft_vocab_size)
+                          cache_dir=args.cache_dir, draft_vocab_size=draft_vocab_size,
+                          load_hf=bool(engines & {"hf", "zlab"}))
 
 
 def floor_of(workload, hbm_bytes_per_s: float) -> dict:
@@ -216,6 +229,12 @@ def check_out_prefix(out: str) -> None:
     if out.endswith(("/", os.sep)) or os.path.isdir(out):
         raise ValueError(f"--out {out!r} is a folder; --out is a file prefix (writes PREFIX.json and "
                          f"PREFIX.png), e.g. {os.path.join(out, 'bench')!r}")
+    for name in (out + ".json", out + ".png"):
+        if os.path.isdir(name):
+            raise ValueError(f"--out {out!r}: {name!r}, where the report would go, is a folder; choose another prefix")
+    blocking = next((a for a in Path(out).parents if a.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ValueError(f"--out {out!r}: {str(blocking)!r} is a file, not a folder")
     try:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -235,7 +254,7 @@ def run_bench(args) -> int:
     _check_source_flags(args)
     if args.out:
         check_out_prefix(args.out)
-    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    engines = tuple(e.strip().lower() for e in args.engines.split(",") if e.strip())
     # Our KV pools are sized explicitly (PoolPlan) so that several engines and the HF model share
     # one GPU; gpu_memory_utilization (which sizes a pool to most of the GPU) is therefore not used.
     options = check_llm_options({"enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,

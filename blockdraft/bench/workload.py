@@ -57,7 +57,7 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for but torch sees no CUDA device")
+        raise ValueError("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     if dtype not in DTYPES:
@@ -112,11 +112,12 @@ def random_workload(
 
 def model_workload(
     model: str, draft: str | None, device: torch.device, dtype: torch.dtype, *, dataset: str, num_prompts: int,
-    cache_dir: str | None = None, draft_vocab_size: int = 0,
+    cache_dir: str | None = None, draft_vocab_size: int = 0, load_hf: bool = True,
 ) -> Workload:
-    """A real model (ours via load_target, HF via from_pretrained on the same folder), its drafter
-    folder (or None), and the first `num_prompts` prompts of `dataset` ("humaneval" | "mtbench")
-    through the chat template (cycled when the dataset has fewer).
+    """A real model (ours via load_target, HF via from_pretrained on the same folder unless
+    load_hf=False: then hf_model is None and only our engines can run), its drafter folder (or
+    None), and the first `num_prompts` prompts of `dataset` ("humaneval" | "mtbench") through the
+    chat template (cycled when the dataset has fewer).
 
     Raises:
         ValueError / FileNotFoundError: from model / drafter resolution or an unknown dataset.
@@ -133,7 +134,9 @@ def model_workload(
     texts = eval_prompts(dataset, cache_dir)  # before the weights: an unknown dataset fails at once
     path = resolve_model_path(model, cache_dir=cache_dir)
     target = load_target(str(path), name, str(device), cache_dir)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval().requires_grad_(False)
+    hf = None
+    if load_hf:  # the HF baseline's and z-lab's target: skipped when neither runs (an 8B copy is minutes)
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval().requires_grad_(False)
     drafter = load_drafter(draft, target.config, dtype=dtype, device=device) if draft else None
     head = build_draft_head(target.model, draft, draft_vocab_size) if draft else None
     tok = target.tokenizer

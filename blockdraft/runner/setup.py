@@ -15,6 +15,7 @@ import torch
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig
 from blockdraft.models import allocate_kv_caches
+from blockdraft.runner.kv_budget import kv_bytes_per_page
 from blockdraft.runner.model_runner import ModelRunner
 from blockdraft.runner.step_graphs import build_step_graphs
 from blockdraft.sample.sampler import warm_up_compiled_sampler
@@ -56,8 +57,8 @@ def build_runner(
             padded static-shape graph code without capturing (tests; any device).
     Raises:
         ValueError: weights on another device, an unknown graph mode or one the backend / device
-            cannot do, num_kv_blocks None on a CPU device, or a GPU memory budget that cannot hold
-            one request.
+            cannot do, num_kv_blocks None on a CPU device, a GPU memory budget that cannot hold
+            one request, or a KV pool the device's memory cannot allocate (names the pool's size).
     """
     device = torch.device(device)
     weights_device = next(model.parameters()).device
@@ -74,10 +75,24 @@ def build_runner(
     num_kv_blocks = cache.num_kv_blocks
     if num_kv_blocks is None:
         num_kv_blocks = _pool_from_memory(model, config, speculator, cache, sched, device, mode == "capture")
-    if drafter is not None and _num_pages(speculator.kv_caches) != num_kv_blocks:
-        speculator.allocate_kv_caches(num_kv_blocks)
     dtype = next(model.parameters()).dtype
-    kv_caches = allocate_kv_caches(config, num_kv_blocks, cache.kv_block_size, dtype, device)
+    try:
+        if drafter is not None and _num_pages(speculator.kv_caches) != num_kv_blocks:
+            speculator.allocate_kv_caches(num_kv_blocks)
+        kv_caches = allocate_kv_caches(config, num_kv_blocks, cache.kv_block_size, dtype, device)
+    except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, "can't allocate memory" on the CPU
+        if not isinstance(e, torch.OutOfMemoryError) and "alloc" not in str(e):
+            raise
+        layers = [(config.num_key_value_heads, config.head_dim)] * config.num_hidden_layers
+        per_page = kv_bytes_per_page(cache.kv_block_size, layers, dtype.itemsize)
+        if drafter is not None:
+            per_page += speculator.kv_bytes_per_block()
+        raise ValueError(
+            f"the KV pool of {num_kv_blocks} pages x {cache.kv_block_size} tokens ({num_kv_blocks * per_page / 2**30:.1f}"
+            f" GiB{' with the drafter' if drafter is not None else ''}) does not fit in {device} memory: lower "
+            f"num_kv_blocks (--num-kv-blocks) or the concurrent requests it is sized for "
+            f"(--max-num-seqs; bench: --batch-sizes, --max-tokens)"
+        ) from None
     # A request must always fit the pool on its own, or preempting it could never make room.
     max_model_len = min(config.max_position_embeddings, num_kv_blocks * cache.kv_block_size)
     # torch.compile'd sampling where CUDA graphs are captured (so never with enforce_eager, as vLLM),

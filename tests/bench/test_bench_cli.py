@@ -79,6 +79,10 @@ def test_engine_subset_and_no_draft(tmp_path):
         (["--model", "x", "--num-speculative-tokens", "3"], "--num-speculative-tokens needs a drafter"),
         (["--shape", "tiny", "--prompt-len", "0"], "--prompt-len must be >= 1"),
         (["--shape", "tiny", "--prompt-len", "2000", "--engines", "ours"], "exceeds the model's context of 2048"),
+        (["--shape", "tiny", "--batch-sizes", "1,8,1"], "--batch-sizes lists 1 twice"),
+        (["--shape", "tiny", "--repeats", "0"], "--repeats must be >= 1"),
+        (["--shape", "tiny", "--warmup", "-1"], "--warmup must be >= 0"),
+        (["--shape", "tiny", "--block-size", "1"], "--block-size must be >= 2"),
     ],
 )
 def test_bad_flags_exit_2_with_a_named_error(tmp_path, capsys, args, message):
@@ -92,6 +96,17 @@ def test_out_that_is_a_folder_is_refused_before_the_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--out {str(tmp_path)!r} is a folder" in err and "[bench" not in err  # nothing built
     assert not (tmp_path.parent / (tmp_path.name + ".json")).exists()
+
+
+def test_out_prefix_problems_are_named_before_the_run(tmp_path, capsys):
+    (tmp_path / "r.json").mkdir()
+    assert main(["bench", "--device", "cpu", "--shape", "tiny", "--out", str(tmp_path / "r")]) == 2
+    assert f"{str(tmp_path / 'r.json')!r}, where the report would go, is a folder" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["bench", "--device", "cpu", "--shape", "tiny", "--out", str(tmp_path / "file" / "sub" / "r")]) == 2
+    assert f"{str(tmp_path / 'file')!r} is a file, not a folder" in capsys.readouterr().err
+    assert main(["bench", "--device", "cpu", "--shape", "tiny", "--out", " "]) == 2
+    assert "--out is empty" in capsys.readouterr().err
 
 
 def _tiny_model_folder(path):
@@ -145,3 +160,21 @@ def test_help_says_where_files_go_and_gives_a_quick_cpu_command(capsys):
     quick = next(line.split() for line in text.splitlines() if "--shape tiny --device cpu" in line)
     assert quick[:2] == ["blockdraft", "bench"] and quick[quick.index("--out") + 1] == "/tmp/bench-tiny"
     assert quick[quick.index("--repeats") + 1] == "1" and quick[quick.index("--warmup") + 1] == "0"
+
+
+def test_our_engines_alone_do_not_load_a_transformers_copy(tmp_path, monkeypatch):
+    import transformers
+
+    from blockdraft.training import corpora
+
+    model_dir = tmp_path / "model"
+    _tiny_model_folder(model_dir)
+    monkeypatch.setattr(corpora, "eval_prompts", lambda dataset, cache_dir=None: ["w05x w07x", "w10x"])
+
+    def refuse(*a, **k):
+        raise AssertionError("the HF model was loaded although no HF-based engine runs")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    rc, doc, rows, _ = _run(tmp_path, "--model", str(model_dir), "--engines", "OURS", "--batch-sizes", "1",
+                            "--max-tokens", "4", "--dtype", "float32", "--no-plot")
+    assert rc == 0 and rows[("ours", "plain", 1)]["status"] == "ok" and doc["settings"]["engines"] == ["ours"]

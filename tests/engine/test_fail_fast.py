@@ -213,7 +213,7 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
                       "--device", "cpu"], "got 8")
     _refused(capsys, ["bench", "--shape", "tiny", "--num-speculative-tokens", "16", "--device", "cpu"],
              "block_size - 1 = 15", "got 16")
-    _refused(capsys, ["bench", "--shape", "tiny", "--block-size", "1", "--device", "cpu"], "block size must be >= 2")
+    _refused(capsys, ["bench", "--shape", "tiny", "--block-size", "1", "--device", "cpu"], "--block-size must be >= 2")
     _refused(capsys, ["generate", "hi", "--model", str(drafter)], "is a DFlash drafter",
              "give it as the draft, with the target it was trained for as the model")
     _refused(capsys, ["eval-drafter", "--target", "nope"], "unknown model 'nope'", f"catalog models: {DEFAULT_MODEL}")

@@ -39,3 +39,9 @@ def test_refusals_name_the_setting(target, kw, match):
     with pytest.raises(ValueError, match=match):
         _build(target, **kw)
     assert target.model.model.layers[0].self_attn.backend.__name__ == "paged_attention"  # untouched
+
+
+def test_a_kv_pool_the_memory_cannot_hold_is_one_error_naming_its_size(target):
+    with pytest.raises(ValueError, match=r"the KV pool of 10000000000 pages x 4 tokens \(\d+\.\d GiB\) does not fit "
+                                         r"in cpu memory: lower num_kv_blocks \(--num-kv-blocks\)"):
+        _build(target, cache=CacheConfig(4, 10**10))
