@@ -39,7 +39,8 @@ Output: the table on stdout, and PREFIX.json + PREFIX.png where PREFIX is --out,
 bench-<shape or model name> in the current folder (e.g. ./bench-tiny.json and ./bench-tiny.png).
 
 The defaults (batch 1,8,32,64 x 128 tokens x 3 repeats + 1 warm-up) are for GPU numbers and take
-minutes on a CPU. A CPU smoke test in about 10 s (files in /tmp):
+minutes on a CPU. A CPU smoke test in about 10 s (files in /tmp; with --warmup 0 its first
+timings include one-time costs, so TTFT and ms/step are not representative):
   blockdraft bench --shape tiny --device cpu --batch-sizes 1,8 --max-tokens 32 --repeats 1 --warmup 0 --out /tmp/bench-tiny
 """
 

@@ -142,6 +142,9 @@ def format_table(report: dict) -> str:
         )
     for name, reason in report["skipped"].items():
         lines.append(f"skipped {name}: {reason}")
+    if any(p.get("mismatched_requests") and "near_ties" in p for p in report["parity"]):
+        lines.append("mismatch 'm/n (t ties)': m of n requests differ from our plain decoding; t of them first "
+                     "differ at a near-tie (top-2 logit gap < 1e-2; every gap in the JSON's parity divergences)")
     if report["device"].get("type") == "cpu":
         lines.append("HBM floor and step criteria: n/a on the CPU (they are GPU criteria; see the JSON)")
     else:

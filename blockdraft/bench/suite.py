@@ -162,9 +162,11 @@ def run_matrix(
             prompts = [workload.prompts[0 if forced else j] for j in range(batch)]
             log(f"batch {batch}: {engine.engine} {engine.mode}")
             cell = measure(engine, prompts, settings.max_tokens, settings.repeats, settings.warmup, workload.device)
-            log(f"batch {batch}: {engine.engine} {engine.mode} -> {cell.status} "
-                f"{_fmt(cell.median('tokens_per_s'))} tok/s, {_fmt(cell.median('ms_per_step'))} ms/step"
-                + (f" ({cell.reason})" if cell.reason else ""))
+            if cell.status == "ok":
+                log(f"batch {batch}: {engine.engine} {engine.mode} -> ok {_fmt(cell.median('tokens_per_s'))} tok/s, "
+                    f"{_fmt(cell.median('ms_per_step'))} ms/step")
+            else:
+                log(f"batch {batch}: {engine.engine} {engine.mode} -> {cell.status} ({cell.reason})")
             by_batch[batch][(cell.engine, cell.mode)] = cell
         del engine
         _release(workload.device)

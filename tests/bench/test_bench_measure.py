@@ -190,4 +190,4 @@ def test_table_says_how_many_mismatches_are_near_ties():
     assert "2/8 (1 tie)" in table and "3/8" in table and "3/8 (" not in table
     parity[0]["near_ties"] = 2
     assert "2/8 (2 ties)" in rep.format_table(_report(rows, parity))
-    assert "TTFT ms" in table and " 12.35 " in table  # rows of older JSON files without ttft_ms print n/a
+    assert "TTFT ms" in table and " 12.35 " in table and "t of them first differ at a near-tie" in table  # rows of older JSON files without ttft_ms print n/a
