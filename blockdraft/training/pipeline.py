@@ -356,6 +356,9 @@ def train_drafter(args) -> dict:
     target = load_target(str(path), args.dtype, device, args.cache_dir, pack_weights=False)
     if data is None:
         data = build_dataset(target, settings, args, folder, str(path), chosen)
+    if cfg.batch_size > len(data):  # not an error (each step takes all of them), but not what was asked
+        print(f"train-drafter: --batch-size {cfg.batch_size} is more than the {len(data)} training sequences; "
+              f"each step uses all {len(data)}", file=sys.stderr, flush=True)
     train_target = EngineTarget(target.model)
     features = None
     if args.cache_features:

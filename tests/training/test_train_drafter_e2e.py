@@ -38,6 +38,7 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     first = capsys.readouterr()
     summary = json.loads(first.out)
     assert f"train-drafter: the drafter is {out / 'drafter'}; decode with it: blockdraft generate" in first.err
+    assert "more than the" not in first.err  # --tiny's batch of 4 = the 4 sequences
     assert summary["data"]["num_sequences"] == 4 and summary["final"]["step"] == 3
     assert summary["device"] == resolve_device("auto")  # the default, resolved (cpu without CUDA)
     assert (out / "checkpoint" / "state.json").is_file() and (out / "data" / "data-00000.safetensors").is_file()
@@ -65,6 +66,11 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
         with pytest.raises(Loading):  # --no-resume starts over
             main([*args, "--no-resume"])
     assert "already holds a finished run" not in capsys.readouterr().err
+
+    # a batch larger than the data is said, not silently shrunk
+    assert main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "big"), "--data", str(out / "data"),
+                 "--num-prompts", "4", "--max-new-tokens", "8", "--steps", "1", "--batch-size", "9"]) == 0
+    assert "--batch-size 9 is more than the 4 training sequences; each step uses all 4" in capsys.readouterr().err
 
     # the drafter folder removed after a finished run: a rerun exports it again from the checkpoint
     exported = (out / "drafter" / "model.safetensors").read_bytes()
