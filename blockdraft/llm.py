@@ -337,6 +337,8 @@ def _build_speculator(pre: Preflight, target: LoadedTarget):
     from blockdraft.spec.draft_vocab import build_draft_head
 
     drafter = load_drafter(pre.draft, target.config, dtype=target.dtype, device=pre.device)
+    if getattr(target.model, "packed", False):  # the target's weights are packed for oneDNN: the drafter's too
+        drafter.pack_for_cpu_inference()
     head = build_draft_head(target.model, pre.draft, pre.draft_vocab_size)
     k = pre.num_speculative_tokens
     return DFlashSpeculator(drafter, target.model, k, pre.cache.num_kv_blocks, pre.cache.kv_block_size, head)

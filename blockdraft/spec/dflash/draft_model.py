@@ -23,6 +23,7 @@ from torch import nn
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.attention.metadata import AttentionMetadata
 from blockdraft.layers.fused_ops import UsesFusedOps, norm_rope, qk_norm_rope, silu_mul, use_kernels
+from blockdraft.layers.linear import Linear, cpu_packing_supported
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
 from blockdraft.spec.dflash.config import DFlashConfig
@@ -40,10 +41,10 @@ class DFlashAttention(UsesFusedOps, nn.Module):
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.scale = d**-0.5
@@ -83,9 +84,9 @@ class DFlashMLP(UsesFusedOps, nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_proj = Linear(h, i, bias=False)
+        self.up_proj = Linear(h, i, bias=False)
+        self.down_proj = Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), self.fused_ops))
@@ -143,7 +144,7 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.fc = nn.Linear(config.num_aux_layers * h, h, bias=False)
+        self.fc = Linear(config.num_aux_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -165,11 +166,29 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype  # a norm: the linears' dense weights are dropped when packed
 
     @property
     def device(self) -> torch.device:
-        return self.fc.weight.device
+        return self.norm.weight.device
+
+    @property
+    def packed(self) -> bool:
+        """Whether `pack_for_cpu_inference` replaced the linears' dense weights."""
+        return self.fc.packed_weight is not None
+
+    def pack_for_cpu_inference(self) -> bool:
+        """Store every linear's weight in oneDNN's blocked layout (blockdraft.layers.linear), as the
+        target's are on the CPU: the drafter's matmuls were ~8 % of a K = 2 DFlash run's CPU time
+        there, unpacked. Inference only: the dense weights are dropped, so the model can no longer
+        be trained, exported or moved. Returns False (nothing changed) where packing is not
+        supported (not the CPU, a dtype oneDNN does not pack, or packed already)."""
+        if self.packed or not cpu_packing_supported(self.dtype, self.device):
+            return False
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_()
+        return True
 
     def allocate_kv_caches(
         self, num_kv_blocks: int, kv_block_size: int, dtype: torch.dtype | None = None, device=None
