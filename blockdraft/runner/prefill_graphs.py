@@ -47,8 +47,8 @@ class PrefillGraphs:
         kv_caches: the target's paged caches.
         aux_layer_ids: layers whose outputs the drafter needs (empty for plain decoding).
         draft: None (plain decoding) or a function (features [T_b, n*H], positions [T_b],
-            slot_mapping [T_b], block_table [1, M], logits_index [1], target [1, 1]) -> [1, K]
-            drafts (spec.dflash.cuda_graph.draft_after_prefill with its speculator bound).
+            slot_mapping [T_b], block_table [1, M], logits_index [1], target [1, 1], num_accepted
+            [1] zeros) -> [1, K] drafts (spec.dflash.cuda_graph.draft_after_prefill with its speculator bound).
         buckets: ascending row counts (prefill_sizes).
         block_table_width: M pages per request. kv_block_size: tokens per page.
         capture / pool: capture CUDA graphs now (else run the same code eagerly) / the shared pool.
@@ -121,6 +121,6 @@ class PrefillGraphs:
         if self.draft is not None:
             drafts = self.draft(
                 features, self.inputs.positions[:num_rows], self.inputs.slot_mapping[:num_rows],
-                self.inputs.block_table[:1], self.logits_index, target,
+                self.inputs.block_table[:1], self.logits_index, target, accepted,
             )  # fmt: skip
         return pack_step(target, accepted, drafts)

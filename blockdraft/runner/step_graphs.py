@@ -27,15 +27,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepGraphs:
-    """The target graphs, the tail graphs of the same buckets, the drafter step the tails run
-    (None for plain decoding), the continuation graphs (async scheduling's next step) and the
-    single-request prefill graphs (None when no prefill bucket fits max_num_batched_tokens)."""
+    """The target graphs, the tail graphs of the same buckets, the continuation graphs (async
+    scheduling's next step) and the single-request prefill graphs (None when no prefill bucket
+    fits max_num_batched_tokens)."""
 
     target: TargetGraphs
     tail: StepTailGraphs
-    draft: DraftStep | None
     continuation: ContinuationGraphs
     prefill: PrefillGraphs | None = None
+
+    @property
+    def draft(self) -> DraftStep | None:
+        """The drafter step the tails run (None for plain decoding)."""
+        return self.tail.draft_step
 
 
 def build_step_graphs(
@@ -93,4 +97,4 @@ def build_step_graphs(
     if capture:
         logger.info("captured CUDA graphs for %d request buckets %s x %d rows and %d single-request prefill "
                     "buckets %s rows", len(buckets), buckets, rows_per_req, len(prefill_buckets), prefill_buckets)
-    return StepGraphs(target, tail, draft, continuation, prefill)
+    return StepGraphs(target, tail, continuation, prefill)

@@ -85,6 +85,7 @@ def draft_after_prefill(
     block_table: torch.Tensor,
     logits_index: torch.Tensor,
     target: torch.Tensor,
+    num_accepted: torch.Tensor,
 ) -> torch.Tensor:
     """The drafter part of a padded single-request prefill step that samples its last row -> [1, K] int64.
 
@@ -99,10 +100,10 @@ def draft_after_prefill(
         block_table: [1, M] int32.
         logits_index: [1] int64, the row that sampled (the prompt's last row).
         target: [1, 1] int64, the token sampled there.
+        num_accepted: [1] int64 zeros (a prefill row verifies no drafts).
     """
-    accepted = torch.zeros(1, dtype=torch.long, device=target.device)
     logits_rows = torch.zeros(1, 1, dtype=torch.long, device=target.device)  # the one logits row
-    prepared = prepare(logits_rows, logits_index, accepted, target, positions, slot_mapping,
+    prepared = prepare(logits_rows, logits_index, num_accepted, target, positions, slot_mapping,
                        speculator.mask_token_id, speculator.num_query_tokens)
     return speculator.propose(features, positions, prepared.context_slot_mapping, prepared.bonus_tokens,
                               prepared.bonus_positions, block_table)
