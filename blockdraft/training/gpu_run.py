@@ -152,17 +152,17 @@ def run(args) -> dict:
 
     data_dir = work / "data"
     llm = answering.answer_engine(args, lists["train"][: args.num_prompts]) if args.gen_engine else None
+    prompts = lists["train"][: args.num_prompts]
     if (data_dir / "data-00000.safetensors").is_file():
         data = TokenDataset.load(data_dir)
-        if args.extend_seconds > 0:  # each run adds the next shard
-            more = answering.extend(hf, llm, data, lists["train"][: args.num_prompts], args, info, eos, pad, data_dir)
-            if more is not None:
-                data = TokenDataset.concat([data, more])
     else:
-        prompts = lists["train"][: args.num_prompts]
         sampled = sampling_plan(len(prompts), args.sampled_fraction, args.seed)
         data = answering.answer(hf, llm, prompts, sampled, args, info, eos, pad, args.seed, args.gen_seconds)
         data.save(data_dir)
+    if args.extend_seconds > 0:  # the next shard, also right after a fresh run's first one (one GPU call)
+        more = answering.extend(hf, llm, data, prompts, args, info, eos, pad, data_dir)
+        if more is not None:
+            data = TokenDataset.concat([data, more])
     if llm is not None:  # give the engine's KV pool and graphs back before the features are cached
         del llm
         answering.release_gpu()
@@ -359,9 +359,10 @@ def main(argv=None) -> int:
     r.add_argument("--gen-batch", type=int, default=512)
     r.add_argument("--gen-seconds", type=float, default=270)
     r.add_argument("--extend-seconds", type=float, default=0,
-                   help="when --work already holds data: answer prompts not in it yet and add them as the next "
-                        "shard, until this many seconds after the extension began (--synth-seconds of "
-                        "request sampling count in it: session 9 sampled 248 of 360 s, leaving 109 s to answer)")
+                   help="after the answers --work holds (kept from earlier runs, or this run's first --gen-seconds "
+                        "of answers): answer prompts not in them yet and add them as the next shard, until this "
+                        "many seconds after the extension began (--synth-seconds of request sampling count in "
+                        "it: session 9 sampled 248 of 360 s, leaving 109 s to answer)")
     r.add_argument("--resample", action="store_true",
                    help="with --extend-seconds, after the prompts not answered yet (and the synthesized ones): answer "
                         "every prompt answered so far (synthesized ones included) again, all sampled at T = 0.7 with a "

@@ -101,6 +101,7 @@ resume() {
 # engine, plus SYNTH synthesized prompts), --cache-features, --train-vocab-size 32768 for TRAIN
 # seconds -> bench on the real model -> (PROFILE) profile_step at the 8B shape. `pack6 WORK OUT`
 # brings the results back (<= 16 MB files), `packdata WORK OUT N` the new data shard N.
+GEN_SECONDS=${GEN_SECONDS:-270}  # a fresh run (empty DATA): the first answers, before the extension
 EXTEND=${EXTEND:-150}
 TRAIN=${TRAIN:-660}
 BATCH=${BATCH:-16}  # session 5: 64 (bench.train_throughput on the H200: 61K blocks/s at 64, 7-46K at 16)
@@ -117,6 +118,7 @@ CACHE_RESERVE=${CACHE_RESERVE:-64}  # GiB kept free beside the feature cache (gp
 GPU_TESTS=${GPU_TESTS-tests/gpu}  # session 6: the runner tests only (the async continuation changed); empty: none
 TEST_WORKERS=${TEST_WORKERS:-8}
 PROFILE=${PROFILE:-1}  # empty: no 8B profile after the bench
+BENCH_BATCHES=${BENCH_BATCHES:-1,8,32}  # the bench of the trained drafter on the real model
 prepare4() {
   local P=$1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
@@ -148,7 +150,7 @@ train_fast() {
   # LAYERS > the init's depth grows it (new layers start as identity); INT8 also evaluates the 8-bit pack
   local drafters='[{"name":"A","num_layers":'$LAYERS',"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"'${INT8:+',"int8":true'}'}]'
   local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
-      --drafters '$drafters' --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
+      --drafters '$drafters' --gen-seconds $GEN_SECONDS --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
       --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE \
       --ckpt-every 500 --train-seconds $TRAIN --lr $LR --seed $SEED ${EVAL:+--eval-sequences $W/eval_sequences.safetensors}"
   # The GGUF is converted once, before the GPU tests and the engine (gpu_run --gen-engine) read it.
@@ -159,7 +161,7 @@ train_fast() {
       -p xdist $GPU_TESTS; echo GPU-TESTS-DONE\" > /tmp/gputests.log 2>&1 < /dev/null &)
     { ${ENGINE:+$run --gen-engine --synth-samples $SYNTH --synth-seconds $SYNTH_SECONDS --synth-max-tokens $SYNTH_MAX_TOKENS || } $run ; } &&
     python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
-      --draft-vocab-size 32768 --batch-sizes 1,8,32 --max-tokens 128 --out $W/bench-real ;
+      --draft-vocab-size 32768 --batch-sizes $BENCH_BATCHES --max-tokens 128 --out $W/bench-real ;
     ${PROFILE:+python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
       --out $W/profile-qwen3-8b-b1.json --trace $W/trace-qwen3-8b-b1.json.gz > $W/profile-qwen3-8b-b1.txt 2>&1 ;}
     echo TRAIN-CHAIN-DONE" > "$W/resume.log" 2>&1 < /dev/null &
@@ -206,7 +208,8 @@ snapshot() {
   mkdir -p "$OUT" "$SENT"
   tail -c 20000 "$W/resume.log" > "$OUT/resume-tail.log" 2>/dev/null
   local shard
-  shard=$(ls "$W"/qwen/data/data-*.safetensors 2>/dev/null | tail -1)
+  # every shard not sent yet, oldest first (session 13: a fresh run writes two, answers + extension)
+  for shard in $(ls "$W"/qwen/data/data-*.safetensors 2>/dev/null); do [ -e "$SENT/$(basename "$shard")" ] || break; done
   if [ -n "$shard" ] && [ ! -e "$SENT/$(basename "$shard")" ] && grep -q "^\[.*\] data:" "$W/resume.log"; then
     # A large shard comes back over several calls, 3 parts (48 MB) per call: the device returns
     # only so much per call and leaves the rest out. Reassemble: cat data.tgz.?? (all calls) | tar xz

@@ -87,3 +87,20 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
     synthesized = [p for p in new if p not in set(prompts)]
     assert len(synthesized) == stats["encoded"] and new[: len(synthesized)] == synthesized
     assert sorted(new[len(synthesized) :]) == sorted(prompts)
+
+
+def test_fresh_run_extends_in_the_same_run(tmp_path, capsys):
+    """A run on an empty --work with --extend-seconds answers its prompts (shard 0), then extends
+    right away (shard 1: here --resample's sampled re-answers): one GPU call needs no kept data."""
+    assert gpu_run.main(["prep", "--target", NAME, "--out", str(tmp_path / "prep"), "--num-prompts", "3",
+                         "--later-turns", "0"]) == 0
+    drafters = '[{"name": "A", "num_layers": 1, "intermediate_size": 64, "num_feature_layers": 2}]'
+    capsys.readouterr()
+    assert gpu_run.main(["run", "--gguf", str(cache_root() / "gguf" / f"{NAME}.gguf"), "--prep", str(tmp_path / "prep"),
+                         "--work", str(tmp_path / "w"), "--drafters", drafters, "--max-new-tokens", "4",
+                         "--steps", "1", "--batch-size", "2", "--num-anchors", "2", "--eval-prompts", "0",
+                         "--extend-seconds", "600", "--resample", "--device", "cpu"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [s["num_sequences"] for s in results["data"]["shards"]] == [3, 3]
+    answered = answering.answered_prompts(TokenDataset.load(tmp_path / "w" / "data"))
+    assert len(answered) == 6 and sorted(answered[3:]) == sorted(answered[:3])
