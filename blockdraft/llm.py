@@ -376,7 +376,8 @@ def _build_engine(
     """Runner (backend, KV pool, graphs; see blockdraft.runner.setup.build_runner) + scheduler + engine."""
     from blockdraft.runner.setup import build_runner
 
-    setup = build_runner(target.model, target.config, speculator, cache, sched, device, **runner_options)
+    setup = build_runner(target.model, target.config, speculator, cache, sched, device,
+                         continuation_graphs=async_scheduling, **runner_options)
     if async_scheduling and setup.runner.graphs is None:
         raise ValueError(
             "async_scheduling=True needs uniform-step graphs, but none were built: the speculator is not a DFlash "

@@ -112,8 +112,11 @@ class ModelRunner:
     def can_continue(self, step: LaunchedStep) -> bool:
         """Whether `launch_continuation` can follow `step`: a graphed uniform step without
         log-probabilities (their logits live in the graph's output buffer, which the next replay
-        overwrites before `finish` reads them)."""
-        return step.graphed and all(sr.sampling_params.logprobs is None for sr in step.so.requests)
+        overwrites before `finish` reads them). False without continuation graphs (async
+        scheduling off)."""
+        if not step.graphed or self.graphs.continuation is None:
+            return False
+        return all(sr.sampling_params.logprobs is None for sr in step.so.requests)
 
     @torch.inference_mode()
     def launch_continuation(self, prev: LaunchedStep, so: SchedulerOutput) -> LaunchedStep | None:

@@ -42,6 +42,7 @@ def build_runner(
     enforce_eager: bool = False,
     attention_backend: str | AttentionBackendSpec | None = None,
     graph_mode: str | None = None,
+    continuation_graphs: bool = True,
 ) -> RunnerSetup:
     """Set the models' attention backend, size and allocate the KV pool, capture graphs.
 
@@ -55,6 +56,8 @@ def build_runner(
             ready AttentionBackendSpec (tests run the Triton kernels under the interpreter on CPU).
         graph_mode: None = "capture" on CUDA unless enforce_eager, else "off"; "eager" runs the
             padded static-shape graph code without capturing (tests; any device).
+        continuation_graphs: also build async scheduling's continuation graphs (the engine passes
+            its async_scheduling; without them `ModelRunner.can_continue` is always False).
     Raises:
         ValueError: weights on another device, an unknown graph mode or one the backend / device
             cannot do, num_kv_blocks None on a CPU device, a GPU memory budget that cannot hold
@@ -105,6 +108,7 @@ def build_runner(
             graphs = build_step_graphs(
                 model, kv_caches, speculator, sched.max_num_seqs, sched.max_num_batched_tokens,
                 math.ceil(max_model_len / cache.kv_block_size), cache.kv_block_size, capture=mode == "capture",
+                continuation=continuation_graphs,
             )
     runner = ModelRunner(model, kv_caches, cache.kv_block_size, device, speculator, backend, graphs,
                          compiled_sampling=mode == "capture")

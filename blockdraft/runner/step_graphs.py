@@ -28,12 +28,12 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepGraphs:
     """The target graphs, the tail graphs of the same buckets, the continuation graphs (async
-    scheduling's next step) and the single-request prefill graphs (None when no prefill bucket
-    fits max_num_batched_tokens)."""
+    scheduling's next step; None when async scheduling is off) and the single-request prefill
+    graphs (None when no prefill bucket fits max_num_batched_tokens)."""
 
     target: TargetGraphs
     tail: StepTailGraphs
-    continuation: ContinuationGraphs
+    continuation: ContinuationGraphs | None
     prefill: PrefillGraphs | None = None
 
     @property
@@ -51,12 +51,15 @@ def build_step_graphs(
     block_table_width: int,
     kv_block_size: int,
     capture: bool,
+    continuation: bool = True,
 ) -> StepGraphs | None:
     """Capture (or, capture=False, prepare to run eagerly) the uniform-step and prefill graphs.
 
     Args:
         speculator: None (plain decoding: Q = 1) or a DFlashSpeculator (Q = K + 1).
         capture: True on CUDA; False runs the identical padded static-shape code eagerly.
+        continuation: also build async scheduling's continuation graphs (capture time and pool
+            memory are spent only when the engine can use them).
     Returns:
         None when no bucket fits (max_num_batched_tokens < Q) or the speculator is not a
         DFlashSpeculator (other speculators run eagerly).
@@ -78,11 +81,12 @@ def build_step_graphs(
     )
     draft = None if speculator is None else DraftStep(speculator, target)
     tail = StepTailGraphs(target, draft, capture, pool)
-    continuation = ContinuationGraphs(target.inputs, rows_per_req, kv_block_size, capture, pool)
+    cont = ContinuationGraphs(target.inputs, rows_per_req, kv_block_size, capture, pool) if continuation else None
     for num_reqs in reversed(buckets):
         target.capture_bucket(num_reqs)
         tail.capture_bucket(num_reqs)
-        continuation.capture_bucket(num_reqs, tail.graphs[num_reqs].outputs)
+        if cont is not None:
+            cont.capture_bucket(num_reqs, tail.graphs[num_reqs].outputs)
     prefill = None
     prefill_buckets = prefill_sizes(max_num_batched_tokens)
     if prefill_buckets:
@@ -97,4 +101,4 @@ def build_step_graphs(
     if capture:
         logger.info("captured CUDA graphs for %d request buckets %s x %d rows and %d single-request prefill "
                     "buckets %s rows", len(buckets), buckets, rows_per_req, len(prefill_buckets), prefill_buckets)
-    return StepGraphs(target, tail, continuation, prefill)
+    return StepGraphs(target, tail, cont, prefill)

@@ -78,9 +78,12 @@ def _run(llm, prompts, params):
 
 def test_async_plain_decoding_equals_sync(target, monkeypatch):
     prompts, params = random_prompts(5, seed=1), _params(5)
-    want = _run(make_llm(target, **GRAPHS, async_scheduling=False), prompts, params)
+    sync = make_llm(target, **GRAPHS, async_scheduling=False)
+    assert sync.engine.runner.graphs.continuation is None  # built only for async scheduling
+    want = _run(sync, prompts, params)
     counts = _count_continuations(monkeypatch)
     llm = make_llm(target, **GRAPHS, async_scheduling=True)
+    assert llm.engine.runner.graphs.continuation is not None
     assert _run(llm, prompts, params) == want
     assert counts["continued"] > 20
     # every continuation launched and not dropped is counted once, when its step reads it back
