@@ -280,11 +280,15 @@ def _plan_steps(trainers: list, seconds: float) -> int:
 
 def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path) -> dict:
     """Greedy (T=0) and sampled (T=1) target answers to the eval prompts, then offline acceptance of
-    every exported drafter (and of its int8 round trip when the spec asks for it)."""
+    every exported drafter (and of its int8 round trip when the spec asks for it; of the weights
+    it started from, as variant "init", when the spec has init_from)."""
     from safetensors.torch import save_file
+
+    from safetensors.torch import load_file
 
     from blockdraft.drafters.pack import pack, unpack
     from blockdraft.spec.dflash.checkpoint import load_drafter
+    from blockdraft.training.build import init_from
     from blockdraft.training.acceptance import offline_acceptance
     from blockdraft.training.generate import generate_with_hf
     from blockdraft.training.target import HFTarget
@@ -313,6 +317,9 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path)
         export = work / name / "export"
         variants = {"bf16": load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)}
         spec = next(s for s in json.loads(args.drafters) if s["name"] == name)
+        if spec.get("init_from"):  # the starting point on the same sequences: the gain side by side
+            variants["init"] = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
+            init_from(variants["init"], load_file(spec["init_from"]))  # grown layers add nothing: same drafts
         if spec.get("int8"):
             q = variants["bf16"].state_dict()
             packed = pack(q)

@@ -207,7 +207,7 @@ snapshot() {
   local W=$1 OUT=$2 SENT=/tmp/snapshot-sent
   mkdir -p "$OUT" "$SENT"
   tail -c 20000 "$W/resume.log" > "$OUT/resume-tail.log" 2>/dev/null
-  local shard
+  local shard=""
   # every shard not sent yet, oldest first (session 13: a fresh run writes two, answers + extension)
   for shard in $(ls "$W"/qwen/data/data-*.safetensors 2>/dev/null); do [ -e "$SENT/$(basename "$shard")" ] || break; done
   if [ -n "$shard" ] && [ ! -e "$SENT/$(basename "$shard")" ] && grep -q "^\[.*\] data:" "$W/resume.log"; then

@@ -89,18 +89,49 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
     assert sorted(new[len(synthesized) :]) == sorted(prompts)
 
 
-def test_fresh_run_extends_in_the_same_run(tmp_path, capsys):
+def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, capsys, monkeypatch):
     """A run on an empty --work with --extend-seconds answers its prompts (shard 0), then extends
-    right away (shard 1: here --resample's sampled re-answers): one GPU call needs no kept data."""
+    right away (shard 1: here --resample's sampled re-answers): one GPU call needs no kept data.
+    A drafter with init_from is also evaluated as it started ("init"), on the same sequences."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from blockdraft.config import ModelConfig
+    from blockdraft.training import acceptance
+    from blockdraft.training.build import new_drafter
+
     assert gpu_run.main(["prep", "--target", NAME, "--out", str(tmp_path / "prep"), "--num-prompts", "3",
                          "--later-turns", "0"]) == 0
-    drafters = '[{"name": "A", "num_layers": 1, "intermediate_size": 64, "num_feature_layers": 2}]'
+    cfg = ModelConfig.from_hf_dict(json.loads((tmp_path / "prep" / "config.json").read_text()))
+    init = {k: v.contiguous() for k, v in new_drafter(cfg, 1, 16, 64, num_feature_layers=2, seed=5).state_dict().items()}
+    save_file(init, str(tmp_path / "init.safetensors"))
+    evaluated = []  # each evaluated drafter's weights, in call order
+    real = acceptance.offline_acceptance
+
+    def spy(drafter, *a, **kw):
+        evaluated.append({k: v.float().clone() for k, v in drafter.state_dict().items()})
+        return real(drafter, *a, **kw)
+
+    monkeypatch.setattr(acceptance, "offline_acceptance", spy)
+    drafters = json.dumps([{"name": "A", "num_layers": 1, "intermediate_size": 64, "num_feature_layers": 2,
+                            "init_from": str(tmp_path / "init.safetensors")}])
     capsys.readouterr()
     assert gpu_run.main(["run", "--gguf", str(cache_root() / "gguf" / f"{NAME}.gguf"), "--prep", str(tmp_path / "prep"),
                          "--work", str(tmp_path / "w"), "--drafters", drafters, "--max-new-tokens", "4",
-                         "--steps", "1", "--batch-size", "2", "--num-anchors", "2", "--eval-prompts", "0",
-                         "--extend-seconds", "600", "--resample", "--device", "cpu"]) == 0
+                         "--steps", "2", "--batch-size", "2", "--num-anchors", "2", "--lr", "1e-2",
+                         "--eval-prompts", "1", "--eval-max-tokens", "4", "--extend-seconds", "600", "--resample",
+                         "--device", "cpu"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [s["num_sequences"] for s in results["data"]["shards"]] == [3, 3]
     answered = answering.answered_prompts(TokenDataset.load(tmp_path / "w" / "data"))
     assert len(answered) == 6 and sorted(answered[3:]) == sorted(answered[:3])
+    for ds in ("humaneval", "mtbench"):
+        for t in (0, 1):
+            assert results["eval"][f"A/init/{ds}/T{t}"]["acceptance_length"] >= 1.0
+    # 4 evaluations per variant (2 datasets x T 0/1): the trained export's, then the init's
+    trained = load_file(str(tmp_path / "w" / "A" / "export" / "model.safetensors"))
+    assert len(evaluated) == 8
+    bf16 = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+    assert all(torch.equal(evaluated[0][k], bf16(v)) for k, v in trained.items())
+    assert all(torch.equal(evaluated[4][k], bf16(v)) for k, v in init.items())
+    assert not all(torch.equal(evaluated[0][k], evaluated[4][k]) for k in init)  # training moved the weights
