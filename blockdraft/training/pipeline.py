@@ -80,6 +80,26 @@ def check_settings(settings: dict, args) -> None:
         raise ValueError(f"--out {args.out!r}: {str(taken)!r} is a file; --out is the run's output folder")
 
 
+def check_mask_token(mask_token_id: int, tokenizer, target) -> None:
+    """--mask-token-id must be an id the training data never holds: the mask fills the draft slots,
+    so a chat marker or end-of-sequence id there would make a drafted slot and a real token alike.
+
+    Args:
+        tokenizer: the target's (transformers); target: its ModelConfig.
+    Raises:
+        ValueError: the id is one of the tokenizer's special tokens (all_special_ids: BOS / EOS /
+            PAD and the chat markers) or one of the config's EOS ids; names the token and the default.
+    """
+    from blockdraft.training.build import default_mask_token_id
+
+    taken = set(tokenizer.all_special_ids) | set(target.eos_token_ids)
+    if mask_token_id in taken:
+        name = tokenizer.convert_ids_to_tokens(mask_token_id)
+        raise ValueError(f"--mask-token-id {mask_token_id} is {name!r}, a special token the training data holds "
+                         f"(chat markers, end of sequence); pick an id that never occurs in the data, or leave the "
+                         f"flag out (this target's default: {default_mask_token_id(target)})")
+
+
 def check_against_target(settings: dict, args, target) -> None:
     """The values whose range depends on the target's config (a ModelConfig).
 
@@ -335,6 +355,8 @@ def train_drafter(args) -> dict:
         except ValueError as e:
             raise ValueError(f"--init-from {str(init[0])!r}: {e}") from e
     check_against_target(settings, args, target_config)
+    if args.mask_token_id is not None:
+        check_mask_token(args.mask_token_id, load_tokenizer(path), target_config)
     drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
                           target_layer_ids=init[1].target_layer_ids if init else None, seed=args.seed, device=device)

@@ -35,6 +35,9 @@ def _error(capsys, *flags) -> str:
     (["--ckpt-every", "-1"], "--ckpt-every must be an integer >= 0, got -1"),
     (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
     (["--mask-token-id", "49152"], "--mask-token-id must be in [0, 49152) (this target's vocabulary), got 49152"),
+    (["--mask-token-id", "2"], "--mask-token-id 2 is '<|im_end|>', a special token the training data holds "
+                               "(chat markers, end of sequence); pick an id that never occurs in the data, or leave "
+                               "the flag out (this target's default: 16)"),
     (["--init-from", "shipped", "--intermediate-size", "256"],
      "--intermediate-size 256 differs from the --init-from drafter's 1536"),
     (["--init-from", "shipped", "--block-size", "8"], "--block-size 8 differs from the --init-from drafter's 16"),
