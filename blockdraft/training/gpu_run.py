@@ -168,16 +168,19 @@ def run(args) -> dict:
         answering.release_gpu()
     _log(f"data: {json.dumps(data.info)}")
     results = {"data": data.info, "drafters": {}}
-    trainers = _train(args, hf, target_cfg, data, work, results, eos)
-    results["eval"] = _evaluate(args, hf, target_cfg, lists, eos, pad, trainers, work)
+    inits = {}  # each drafter's starting weights, read before training can overwrite the file
+    trainers = _train(args, hf, target_cfg, data, work, results, eos, inits)
+    results["eval"] = _evaluate(args, hf, target_cfg, lists, eos, pad, trainers, work, inits)
     results["wall_seconds"] = round(time.time() - t_start, 1)
     (work / "results.json").write_text(json.dumps(results, indent=1))
     return results
 
 
-def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple[int, ...] = ()) -> dict:
+def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple[int, ...] = (),
+           inits: dict | None = None) -> dict:
     """Train every drafter of --drafters in lockstep; export each (z-lab files + a draft vocabulary
-    ranked from `data`'s response tokens with `eos_ids` first) to `work/<name>/export`."""
+    ranked from `data`'s response tokens with `eos_ids` first) to `work/<name>/export`. `inits`, if
+    given, receives the init_from weights of each drafter that has them (name -> state dict)."""
     from blockdraft.spec.dflash.checkpoint import export_drafter
     from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
     from blockdraft.training.build import init_from, new_drafter, num_parameters
@@ -203,7 +206,10 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         if spec.get("init_from"):  # continue from an earlier run's fp32 weights (z-lab names), maybe shallower
             from safetensors.torch import load_file
 
-            grown = init_from(d, load_file(spec["init_from"]))
+            state = load_file(spec["init_from"])
+            grown = init_from(d, state)
+            if inits is not None:
+                inits[spec["name"]] = state
             if grown:
                 _log(f"{spec['name']}: layers {grown} new (zero output projections) on {spec['init_from']}")
         if args.cache_features and features is None:  # one cache: drafters trained together share layer ids
@@ -278,18 +284,16 @@ def _plan_steps(trainers: list, seconds: float) -> int:
     return max(10, int(seconds / per_step))
 
 
-def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path) -> dict:
+def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path, inits: dict | None = None) -> dict:
     """Greedy (T=0) and sampled (T=1) target answers to the eval prompts, then offline acceptance of
     every exported drafter (and of its int8 round trip when the spec asks for it; of the weights
-    it started from, as variant "init", when the spec has init_from)."""
+    it started from, as variant "init", for each drafter in `inits`: name -> init_from state)."""
     from safetensors.torch import save_file
-
-    from safetensors.torch import load_file
 
     from blockdraft.drafters.pack import pack, unpack
     from blockdraft.spec.dflash.checkpoint import load_drafter
-    from blockdraft.training.build import init_from
     from blockdraft.training.acceptance import offline_acceptance
+    from blockdraft.training.build import init_from
     from blockdraft.training.generate import generate_with_hf
     from blockdraft.training.target import HFTarget
 
@@ -317,9 +321,9 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path)
         export = work / name / "export"
         variants = {"bf16": load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)}
         spec = next(s for s in json.loads(args.drafters) if s["name"] == name)
-        if spec.get("init_from"):  # the starting point on the same sequences: the gain side by side
+        if inits and name in inits:  # the starting point on the same sequences: the gain side by side
             variants["init"] = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
-            init_from(variants["init"], load_file(spec["init_from"]))  # grown layers add nothing: same drafts
+            init_from(variants["init"], inits[name])  # grown layers add nothing: the init's drafts
         if spec.get("int8"):
             q = variants["bf16"].state_dict()
             packed = pack(q)

@@ -80,24 +80,40 @@ def check_settings(settings: dict, args) -> None:
         raise ValueError(f"--out {args.out!r}: {str(taken)!r} is a file; --out is the run's output folder")
 
 
-def check_mask_token(mask_token_id: int, tokenizer, target) -> None:
-    """--mask-token-id must be an id the training data never holds: the mask fills the draft slots,
-    so a chat marker or end-of-sequence id there would make a drafted slot and a real token alike.
+def check_mask_token(mask_token_id: int, tokenizer, target, flag: str = "--mask-token-id") -> None:
+    """The mask token must be an id the training data never holds: it fills the draft slots, so a
+    chat marker or end-of-sequence id there would make a drafted slot and a real token alike.
 
     Args:
-        tokenizer: the target's (transformers); target: its ModelConfig.
+        tokenizer: the target's (transformers); target: its ModelConfig; flag: where the id came
+            from, for the message (the --init-from drafter's config when the user gave none).
     Raises:
-        ValueError: the id is one of the tokenizer's special tokens (all_special_ids: BOS / EOS /
-            PAD and the chat markers) or one of the config's EOS ids; names the token and the default.
+        ValueError: the id is one of the tokenizer's named special tokens (BOS / EOS / PAD ...), a
+            special token its chat template writes (chat markers) or one of the config's EOS ids;
+            names the token and this target's default.
     """
     from blockdraft.training.build import default_mask_token_id
 
-    taken = set(tokenizer.all_special_ids) | set(target.eos_token_ids)
+    taken = set(tokenizer.all_special_ids) | set(target.eos_token_ids) | _chat_marker_ids(tokenizer)
     if mask_token_id in taken:
         name = tokenizer.convert_ids_to_tokens(mask_token_id)
-        raise ValueError(f"--mask-token-id {mask_token_id} is {name!r}, a special token the training data holds "
-                         f"(chat markers, end of sequence); pick an id that never occurs in the data, or leave the "
-                         f"flag out (this target's default: {default_mask_token_id(target)})")
+        fix = "leave the flag out" if flag == "--mask-token-id" else "start from another drafter"
+        raise ValueError(f"{flag} {mask_token_id} is {name!r}, a special token the training data holds "
+                         f"(chat markers, end of sequence); pick an id that never occurs in the data, or {fix} "
+                         f"(this target's default: {default_mask_token_id(target)})")
+
+
+def _chat_marker_ids(tokenizer) -> set[int]:
+    """Special (added) tokens the chat template writes around a short conversation: markers such as
+    Qwen's <|im_start|>, which transformers may leave out of all_special_ids. Empty without a
+    template."""
+    special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    if not special or not getattr(tokenizer, "chat_template", None):
+        return set()
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    ids = tokenizer.apply_chat_template(chat, tokenize=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    return special & set(ids)
 
 
 def check_against_target(settings: dict, args, target) -> None:
@@ -333,6 +349,7 @@ def train_drafter(args) -> dict:
     from blockdraft.weights.loader import load_tokenizer
 
     settings = resolve_settings(args)
+    user_mask_token_id = args.mask_token_id  # None: --init-from's (or the default) is used
     args = argparse.Namespace(**vars(args))  # the shape flags --init-from fills in stay the caller's
     init = apply_init_shape(args, settings)
     if args.block_size is None:
@@ -356,7 +373,8 @@ def train_drafter(args) -> dict:
             raise ValueError(f"--init-from {str(init[0])!r}: {e}") from e
     check_against_target(settings, args, target_config)
     if args.mask_token_id is not None:
-        check_mask_token(args.mask_token_id, load_tokenizer(path), target_config)
+        flag = "--mask-token-id" if user_mask_token_id is not None else "the --init-from drafter's mask_token_id"
+        check_mask_token(args.mask_token_id, load_tokenizer(path), target_config, flag)
     drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
                           target_layer_ids=init[1].target_layer_ids if init else None, seed=args.seed, device=device)

@@ -131,7 +131,6 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
     # 4 evaluations per variant (2 datasets x T 0/1): the trained export's, then the init's
     trained = load_file(str(tmp_path / "w" / "A" / "export" / "model.safetensors"))
     assert len(evaluated) == 8
-    bf16 = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
-    assert all(torch.equal(evaluated[0][k], bf16(v)) for k, v in trained.items())
-    assert all(torch.equal(evaluated[4][k], bf16(v)) for k, v in init.items())
+    assert all(torch.equal(evaluated[0][k], v.to(torch.bfloat16).float()) for k, v in trained.items())
+    assert all(torch.equal(evaluated[4][k], v.to(torch.bfloat16).float()) for k, v in init.items())
     assert not all(torch.equal(evaluated[0][k], evaluated[4][k]) for k in init)  # training moved the weights

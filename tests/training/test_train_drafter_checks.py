@@ -35,9 +35,9 @@ def _error(capsys, *flags) -> str:
     (["--ckpt-every", "-1"], "--ckpt-every must be an integer >= 0, got -1"),
     (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
     (["--mask-token-id", "49152"], "--mask-token-id must be in [0, 49152) (this target's vocabulary), got 49152"),
-    (["--mask-token-id", "2"], "--mask-token-id 2 is '<|im_end|>', a special token the training data holds "
-                               "(chat markers, end of sequence); pick an id that never occurs in the data, or leave "
-                               "the flag out (this target's default: 16)"),
+    (["--mask-token-id", "2"], ("--mask-token-id 2 is '<|im_end|>', a special token the training data holds "
+                                "(chat markers, end of sequence); pick an id that never occurs in the data, or "
+                                "leave the flag out (this target's default: 16)")),
     (["--init-from", "shipped", "--intermediate-size", "256"],
      "--intermediate-size 256 differs from the --init-from drafter's 1536"),
     (["--init-from", "shipped", "--block-size", "8"], "--block-size 8 differs from the --init-from drafter's 16"),
@@ -52,6 +52,41 @@ def test_bad_values_name_the_flag(flags, message, tmp_path, capsys, no_weights):
     err = _error(capsys, "--out", str(tmp_path), *flags)
     assert message in err
     assert "dflash_config" not in err and "batch_size" not in err
+
+
+def test_an_init_drafter_whose_mask_is_a_chat_marker_is_named(tmp_path, capsys, no_weights):
+    import json
+    import shutil
+
+    init = tmp_path / "init"
+    shutil.copytree(SHIPPED_DIR / NAME, init)
+    cfg = json.loads((init / "config.json").read_text())
+    cfg["dflash_config"]["mask_token_id"] = 1
+    (init / "config.json").write_text(json.dumps(cfg))
+    err = _error(capsys, "--out", str(tmp_path / "out"), "--init-from", str(init))
+    assert "the --init-from drafter's mask_token_id 1 is '<|im_start|>', a special token" in err
+    assert "or start from another drafter (this target's default: 16)" in err
+
+
+def test_chat_markers_are_refused_even_where_transformers_does_not_name_them_special():
+    """Qwen2.5's tokenizer leaves <|im_start|> out of all_special_ids; the chat template writes it."""
+    from blockdraft.preflight import read_target_config
+    from blockdraft.training.pipeline import check_mask_token
+    from blockdraft.weights.loader import load_tokenizer
+
+    path, _, config = read_target_config(NAME, None)
+    tok = load_tokenizer(path)
+
+    class Unnamed:  # the same tokenizer, with no named special tokens
+        all_special_ids: list = []
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    for marker in (1, 2):  # <|im_start|>, <|im_end|>
+        with pytest.raises(ValueError, match=f"--mask-token-id {marker} is "):
+            check_mask_token(marker, Unnamed(), config)
+    check_mask_token(16, Unnamed(), config)  # the default (<empty_output>) never occurs in the data
 
 
 @pytest.mark.parametrize("below", ["", "sub"])
