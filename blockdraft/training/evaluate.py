@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,7 +169,7 @@ def plot_per_position(results: dict[str, list[float]], path: str, title: str = "
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 70), fontsize=9)  # long drafter paths would run off the figure
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
