@@ -238,6 +238,16 @@ def write_recommended_num_speculative_tokens(path: str | Path, k: int, evidence:
     return file
 
 
+def read_drafter_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The weights of drafter folder `path` (z-lab names, CPU): its *.safetensors, or its 8-bit pack
+    expanded to bf16.
+
+    Raises:
+        FileNotFoundError / ValueError: as load_drafter (no weights, a damaged file).
+    """
+    return _read_safetensors(Path(path))
+
+
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every weight tensor of the folder's *.safetensors (as vLLM / SGLang read a folder); a folder
     holding only an 8-bit pack (`model.int8`, as the shipped drafters do) is expanded to bf16."""
