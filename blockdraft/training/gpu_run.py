@@ -286,8 +286,9 @@ def _plan_steps(trainers: list, seconds: float) -> int:
 
 def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path, inits: dict | None = None) -> dict:
     """Greedy (T=0) and sampled (T=1) target answers to the eval prompts, then offline acceptance of
-    every exported drafter (and of its int8 round trip when the spec asks for it; of the weights
-    it started from, as variant "init", for each drafter in `inits`: name -> init_from state)."""
+    every exported drafter (and of its int8 round trip when the spec asks for it); for each drafter
+    in `inits` (name -> init_from state) also of the weights it started from (variant "init") and,
+    when they have the same depth, of the 0.5 / 0.5 average of the trained and init weights ("avg")."""
     from safetensors.torch import save_file
 
     from blockdraft.drafters.pack import pack, unpack
@@ -324,6 +325,12 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
         if inits and name in inits:  # the starting point on the same sequences: the gain side by side
             variants["init"] = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
             init_from(variants["init"], inits[name])  # grown layers add nothing: the init's drafts
+            trained = tr.drafter.state_dict()
+            if set(inits[name]) == set(trained):  # same depth: also their 0.5 / 0.5 weight average
+                # (session 13 shipped such an average: drafters/average.py)
+                variants["avg"] = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
+                variants["avg"].load_weights({k: 0.5 * v.float().cpu() + 0.5 * inits[name][k].float()
+                                              for k, v in trained.items()})
         if spec.get("int8"):
             q = variants["bf16"].state_dict()
             packed = pack(q)

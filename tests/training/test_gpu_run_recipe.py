@@ -92,7 +92,8 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
 def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, capsys, monkeypatch):
     """A run on an empty --work with --extend-seconds answers its prompts (shard 0), then extends
     right away (shard 1: here --resample's sampled re-answers): one GPU call needs no kept data.
-    A drafter with init_from is also evaluated as it started ("init"), on the same sequences."""
+    A drafter with init_from is also evaluated as it started ("init") and averaged with it ("avg"),
+    on the same sequences."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -128,9 +129,12 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
     for ds in ("humaneval", "mtbench"):
         for t in (0, 1):
             assert results["eval"][f"A/init/{ds}/T{t}"]["acceptance_length"] >= 1.0
-    # 4 evaluations per variant (2 datasets x T 0/1): the trained export's, then the init's
+    # 4 evaluations per variant (2 datasets x T 0/1): the trained export's, the init's, their average
     trained = load_file(str(tmp_path / "w" / "A" / "export" / "model.safetensors"))
-    assert len(evaluated) == 8
+    assert len(evaluated) == 12 and results["eval"]["A/avg/mtbench/T1"]["acceptance_length"] >= 1.0
+    fp32 = load_file(str(tmp_path / "w" / "A" / "checkpoint" / "drafter.safetensors"))
+    assert all(torch.equal(evaluated[8][k], (0.5 * v + 0.5 * init[k]).to(torch.bfloat16).float())
+               for k, v in fp32.items())
     assert all(torch.equal(evaluated[0][k], v.to(torch.bfloat16).float()) for k, v in trained.items())
     assert all(torch.equal(evaluated[4][k], v.to(torch.bfloat16).float()) for k, v in init.items())
     assert not all(torch.equal(evaluated[0][k], evaluated[4][k]) for k in init)  # training moved the weights
