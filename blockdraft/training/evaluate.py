@@ -142,6 +142,22 @@ def _release_device_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def speed_hint(r: EvalResult, draft: str | Path) -> str | None:
+    """A note when the timed K is not the K decoding uses on this device (the drafter's
+    speculative.json) and the run came out slower than plain: eval-drafter's default K (the whole
+    block) measures acceptance, and on a CPU verifying 16 rows costs more than it saves."""
+    from blockdraft.spec.dflash.checkpoint import recommended_num_speculative_tokens
+
+    if r.identical_to_plain is None or not r.seconds or r.plain_seconds / r.seconds >= 1.0:
+        return None
+    k = recommended_num_speculative_tokens(draft, r.device)
+    if k is None or k == r.num_speculative_tokens:
+        return None
+    return (f"note: K={r.num_speculative_tokens} measures the whole block's acceptance; generate / demo / serve "
+            f"decode with K={k} on {r.device} for this drafter (its speculative.json): add "
+            f"--num-speculative-tokens {k} to time that")
+
+
 def summary_line(r: EvalResult) -> str:
     """One human-readable line of an evaluation (the JSON on stdout has every figure)."""
     tau = "n/a" if r.acceptance_length is None else f"{r.acceptance_length:.2f}"
@@ -221,6 +237,9 @@ def main(args) -> int:
     out = result.to_dict() | {"target": args.target, "draft": str(draft)}
     print(json.dumps(out, indent=1, allow_nan=False))
     print(summary_line(result), file=sys.stderr)
+    hint = speed_hint(result, draft)
+    if hint:
+        print(hint, file=sys.stderr)
     if args.plot:
         tau = "n/a" if result.acceptance_length is None else f"{result.acceptance_length:.2f}"
         label = f"{args.dataset} T={args.temperature:g} (tau {tau})"

@@ -90,3 +90,15 @@ def test_json_names_the_drafter_folder_evaluated_for_shipped_too(tiny, capsys, m
     for extra in (["--draft", "shipped"], []):
         assert main([*base, *extra]) == 0
         assert json.loads(capsys.readouterr().out)["draft"] == str(drafter)
+
+
+def test_a_slower_whole_block_run_points_to_the_k_decoding_uses(tiny):
+    _, drafter = tiny  # speculative.json: K = 1
+    slow = evaluate.EvalResult("humaneval", 0.0, 2, 6, num_steps=4, num_accepted=4, num_output_tokens=12, seconds=2.0,
+                               plain_seconds=1.0, identical_to_plain=True, num_speculative_tokens=7)
+    hint = evaluate.speed_hint(slow, drafter)
+    assert hint.startswith("note: K=7 measures the whole block's acceptance; generate / demo / serve decode with K=1 "
+                           "on cpu for this drafter") and hint.endswith("--num-speculative-tokens 1 to time that")
+    assert evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "seconds": 0.5}), drafter) is None  # faster
+    assert evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "num_speculative_tokens": 1}), drafter) is None
+    assert evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "identical_to_plain": None}), drafter) is None
