@@ -53,18 +53,32 @@ def average_drafters(folders: list[str | Path], weights: list[float]) -> tuple[d
         if diff is not None:
             raise ValueError(f"drafters of different shapes cannot be averaged: {diff} is {configs[0].get(diff)!r} "
                              f"in {str(folders[0])!r} but {cfg.get(diff)!r} in {str(f)!r}")
+    states = [read_drafter_weights(f) for f in folders]
+    return configs[0], weighted_mean(states, weights, [str(f) for f in folders])
+
+
+def weighted_mean(states: list[dict[str, torch.Tensor]], weights: list[float],
+                  names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """sum_i weights[i] * states[i][k] for every tensor name k, accumulated in fp32 in list order
+    (CPU; the weights are not checked here: average_drafters does).
+
+    names: what to call each state in errors (default "state 0", "state 1", ...).
+    Raises:
+        ValueError: a tensor name in only some of the states, or one of another shape.
+    """
+    names = names or [f"state {i}" for i in range(len(states))]
     total: dict[str, torch.Tensor] = {}
-    for i, (f, w) in enumerate(zip(folders, weights)):
-        state = read_drafter_weights(f)
+    for i, (state, w) in enumerate(zip(states, weights)):
         if i and set(state) != set(total):
             odd = sorted(set(state) ^ set(total))[0]
-            raise ValueError(f"tensor {odd!r} is in only one of {str(folders[0])!r} and {str(f)!r}")
+            raise ValueError(f"tensor {odd!r} is in only one of {names[0]!r} and {names[i]!r}")
         for name, t in state.items():
+            t = t.detach().float().cpu()
             if i and t.shape != total[name].shape:
-                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)} in {str(f)!r}, "
-                                 f"{tuple(total[name].shape)} in {str(folders[0])!r}")
-            total[name] = w * t.float() if not i else total[name] + w * t.float()
-    return configs[0], total
+                raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)} in {names[i]!r}, "
+                                 f"{tuple(total[name].shape)} in {names[0]!r}")
+            total[name] = w * t if not i else total[name] + w * t
+    return total
 
 
 def write_average(out: str | Path, folders: list[str | Path], weights: list[float], packed: bool = False) -> Path:

@@ -151,8 +151,8 @@ def run(args) -> dict:
     _log(f"target loaded ({time.time() - t_start:.0f} s)")
 
     data_dir = work / "data"
-    llm = answering.answer_engine(args, lists["train"][: args.num_prompts]) if args.gen_engine else None
     prompts = lists["train"][: args.num_prompts]
+    llm = answering.answer_engine(args, prompts) if args.gen_engine else None
     if (data_dir / "data-00000.safetensors").is_file():
         data = TokenDataset.load(data_dir)
     else:
@@ -291,6 +291,7 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
     when they have the same depth, of the 0.5 / 0.5 average of the trained and init weights ("avg")."""
     from safetensors.torch import save_file
 
+    from blockdraft.drafters.average import weighted_mean
     from blockdraft.drafters.pack import pack, unpack
     from blockdraft.spec.dflash.checkpoint import load_drafter
     from blockdraft.training.acceptance import offline_acceptance
@@ -327,10 +328,8 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
             init_from(variants["init"], inits[name])  # grown layers add nothing: the init's drafts
             trained = tr.drafter.state_dict()
             if set(inits[name]) == set(trained):  # same depth: also their 0.5 / 0.5 weight average
-                # (session 13 shipped such an average: drafters/average.py)
                 variants["avg"] = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
-                variants["avg"].load_weights({k: 0.5 * v.float().cpu() + 0.5 * inits[name][k].float()
-                                              for k, v in trained.items()})
+                variants["avg"].load_weights(weighted_mean([trained, inits[name]], [0.5, 0.5], ["trained", "init"]))
         if spec.get("int8"):
             q = variants["bf16"].state_dict()
             packed = pack(q)

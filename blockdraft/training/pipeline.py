@@ -106,12 +106,17 @@ def check_mask_token(mask_token_id: int, tokenizer, target, flag: str = "--mask-
 def _chat_marker_ids(tokenizer) -> set[int]:
     """Special (added) tokens the chat template writes around a short conversation: markers such as
     Qwen's <|im_start|>, which transformers may leave out of all_special_ids. Empty without a
-    template."""
+    template or when the template refuses the probe conversation."""
+    from jinja2 import TemplateError
+
     special = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
     if not special or not getattr(tokenizer, "chat_template", None):
         return set()
-    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-    ids = tokenizer.apply_chat_template(chat, tokenize=True)
+    chat = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]  # roles every template takes
+    try:
+        ids = tokenizer.apply_chat_template(chat, tokenize=True)
+    except TemplateError:  # a template that refuses this conversation: the named specials still apply
+        return set()
     ids = ids["input_ids"] if not isinstance(ids, list) else ids
     return special & set(ids)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from blockdraft.drafters.average import main
+from blockdraft.drafters.average import main, weighted_mean
 from blockdraft.drafters.pack import PACK_FILE, pack, unpack
 from blockdraft.spec.dflash.checkpoint import export_drafter, random_drafter
 from tests.conftest import tiny_config
@@ -67,3 +67,13 @@ def test_other_shapes_one_drafter_and_a_used_out_folder_are_refused(tmp_path, ca
     assert "averaging needs at least two drafters" in capsys.readouterr().err
     assert main(["--draft", str(tmp_path / "a"), "--draft", str(tmp_path / "a"), "--out", str(tmp_path / "a")]) == 2
     assert "exists and is not an empty folder" in capsys.readouterr().err
+
+
+def test_weighted_mean_names_a_missing_or_misshapen_tensor():
+    a = {"w": torch.ones(2, 3), "b": torch.zeros(3)}
+    assert torch.equal(weighted_mean([a, {"w": torch.full((2, 3), 3.0), "b": torch.ones(3)}], [0.5, 0.5])["w"],
+                       torch.full((2, 3), 2.0))
+    with pytest.raises(ValueError, match="tensor 'b' is in only one of 'trained' and 'init'"):
+        weighted_mean([a, {"w": torch.ones(2, 3)}], [0.5, 0.5], ["trained", "init"])
+    with pytest.raises(ValueError, match=r"tensor 'w' has shape \(3, 2\) in 'state 1', \(2, 3\) in 'state 0'"):
+        weighted_mean([a, {"w": torch.ones(3, 2), "b": torch.zeros(3)}], [0.5, 0.5])

@@ -88,6 +88,14 @@ def test_chat_markers_are_refused_even_where_transformers_does_not_name_them_spe
             check_mask_token(marker, Unnamed(), config)
     check_mask_token(16, Unnamed(), config)  # the default (<empty_output>) never occurs in the data
 
+    class Refusing(Unnamed):  # a template that raises on the probe conversation: no markers found
+        def apply_chat_template(self, *a, **k):
+            from jinja2 import TemplateError
+
+            raise TemplateError("no assistant turns here")
+
+    check_mask_token(1, Refusing(), config)  # nothing to go on but the named specials (none here)
+
 
 @pytest.mark.parametrize("below", ["", "sub"])
 def test_out_that_is_or_sits_under_a_file_is_refused(below, tmp_path, capsys, no_weights):
