@@ -10,4 +10,6 @@ Modules (each self-contained, so a test can load a fresh copy under TRITON_INTER
     rms_norm: `rms_norm`, `fused_add_rms_norm`.
     rope: `qk_norm_rope` (optional per-head RMSNorm, then rotate-half RoPE, q and k in one launch).
     activation: `silu_and_mul`, `silu_mul`.
+    skinny_gemm: `skinny_linear` (x @ W.T for 1-16 rows) and `config_for`, the measured choice
+        between it and cuBLAS (dispatched from `blockdraft.layers.fused_ops.linear`).
 """

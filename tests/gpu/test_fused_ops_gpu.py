@@ -124,3 +124,51 @@ def _recorder(name, fn, calls):
         return fn(*args, **kwargs)
 
     return record
+
+
+SKINNY_SHAPES = [(896, 1152), (896, 896), (896, 9728), (4864, 896), (4096, 6144), (12288, 4096), (4096, 32768)]
+
+
+@pytest.mark.parametrize("k,n", SKINNY_SHAPES)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_skinny_linear_at_real_shapes(k, n, rows):
+    """The kernel `config_for` picks (the row kernel for one row, the dot kernel for 16 rows,
+    forced for 5) == F.linear within bf16 rounding; graph replay == eager bit for bit; a row
+    gives the same bits alone as inside the block."""
+    from blockdraft.kernels.skinny_gemm import SkinnyConfig, config_for, skinny_linear
+
+    config = config_for(rows, k, n, torch.device("cuda")) or SkinnyConfig("dot", 32, 256, 4, 4)
+    x, w = rand(rows, k, dtype=torch.bfloat16), rand(n, k, dtype=torch.bfloat16, scale=0.02, seed=1)
+    bias = rand(n, dtype=torch.bfloat16, seed=2)
+    out = skinny_linear(x, w, bias, config)
+    exact = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=1e-2)
+    # within one bf16 rounding of the exact result, like cuBLAS
+    cublas_err = (torch.nn.functional.linear(x, w, bias).float() - exact).abs().max()
+    assert (out.float() - exact).abs().max() <= 2 * cublas_err + 1e-3
+    graph_out = torch.empty_like(out)
+    graph = torch.cuda.CUDAGraph()
+    skinny_linear(x, w, bias, config)
+    with torch.cuda.graph(graph):
+        graph_out.copy_(skinny_linear(x, w, bias, config))
+    graph.replay()
+    assert torch.equal(graph_out, out)
+    assert torch.equal(skinny_linear(x[-1:], w, bias, config)[0], out[-1])
+
+
+def test_linear_layers_take_the_skinny_kernel_on_sm90(monkeypatch):
+    from blockdraft.kernels import skinny_gemm
+    from blockdraft.layers.linear import Linear
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the skinny-GEMM tables are for sm90")
+    calls = []
+    real = fused_ops._kernels().skinny_linear
+    monkeypatch.setattr(fused_ops._kernels(), "skinny_linear", lambda *a: calls.append(a[3]) or real(*a))
+    layer = Linear(896, 1152, bias=True).to("cuda", torch.bfloat16)
+    with torch.inference_mode():
+        layer(rand(1, 896, dtype=torch.bfloat16))
+        layer(rand(16, 896, dtype=torch.bfloat16))
+        layer(rand(17, 896, dtype=torch.bfloat16))  # cuBLAS
+    assert calls == [skinny_gemm.config_for(1, 896, 1152, torch.device("cuda")),
+                     skinny_gemm.config_for(16, 896, 1152, torch.device("cuda"))]  # fmt: skip

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from blockdraft.layers import fused_ops
 from blockdraft.layers.fused_ops import set_fused_ops, use_kernels
@@ -22,6 +23,8 @@ TWINS = SimpleNamespace(
     rms_norm=fused_ops.rms_norm_ref, fused_add_rms_norm=fused_ops.add_rms_norm_ref,
     qk_norm_rope=fused_ops.qk_norm_rope_ref, norm_rope=fused_ops.norm_rope_ref,
     silu_and_mul=fused_ops.silu_and_mul_ref, silu_mul=fused_ops.silu_mul_ref,
+    # every shape "has" a skinny config, and its twin is F.linear
+    skinny_config_for=lambda rows, k, n, device: "twin", skinny_linear=lambda x, w, b, config: F.linear(x, w, b),
 )  # fmt: skip
 
 
@@ -76,8 +79,10 @@ def test_mixed_dtypes_take_the_twin(monkeypatch):
 def test_set_fused_ops_switches_every_module(monkeypatch):
     model = random_target("qwen3")
     flagged = [m for m in model.modules() if isinstance(m, fused_ops.UsesFusedOps)]
-    # CausalLM, and per layer: 2 norms + q/k norms, attention, MLP; plus the final norm.
-    assert len(flagged) == 1 + model.config.num_hidden_layers * 6 + 1
+    # CausalLM, and per layer: 2 norms + q/k norms, attention, MLP and its 4 linears (qkv, o,
+    # gate_up, down: the skinny-GEMM kernels); plus the final norm and the untied LM head.
+    lm_head = 0 if model.config.tie_word_embeddings else 1
+    assert len(flagged) == 1 + model.config.num_hidden_layers * 10 + 1 + lm_head
     set_fused_ops(model, False)
     assert not any(m.fused_ops for m in flagged)
     monkeypatch.setattr(fused_ops, "TRITON_AVAILABLE", False)

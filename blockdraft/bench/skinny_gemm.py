@@ -1,0 +1,153 @@
+"""Micro-benchmark of x [rows, K] @ W [N, K].T on the GPU: cuBLAS (`F.linear`) vs the skinny-GEMM
+kernels (`blockdraft.kernels.skinny_gemm`), per linear shape of the models we serve.
+
+Every cell is the mean time of one call inside a CUDA graph that multiplies by `copies`
+different weight matrices in turn (together >= 300 MB, so weights stream from HBM as in a model
+step instead of sitting in the 50 MB L2), the median of 5 timings of 20 replays. Columns:
+  cublas    F.linear (what the layer ran before),
+  chosen    the tiles `config_for` picks (the shipped table, or the one-row rule),
+  best      with --sweep: the fastest of a grid of tilings (row kernel for one row, dot kernel
+            for any row count), which is how the shipped table was found (minutes per shape),
+  floor     the weight bytes at 4.25 TB/s (the H200's measured copy bandwidth).
+Prints a table and writes JSON (`--out`).
+
+    python -m blockdraft.bench.skinny_gemm --out skinny_gemm.json            # the default shapes
+    python -m blockdraft.bench.skinny_gemm --sweep --rows 1 16 --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+
+import torch
+from torch.nn import functional as F
+
+from blockdraft.errors import refuse_unwritable
+
+# (name, in_features K, out_features N) of the linear layers of each shape.
+SHAPES = {
+    "qwen2.5-0.5b": [("qkv", 896, 1152), ("o", 896, 896), ("gate_up", 896, 9728), ("down", 4864, 896),
+                     ("draft_kv", 896, 128), ("draft_gate", 896, 1024), ("draft_down", 1024, 896),
+                     ("draft_fc_3", 2688, 896), ("draft_head_32k", 896, 32768)],
+    "qwen3-8b": [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576), ("down", 12288, 4096),
+                 ("draft_kv", 4096, 1024), ("draft_gate", 4096, 12288), ("draft_fc_5", 20480, 4096),
+                 ("draft_head_32k", 4096, 32768)],
+    "qwen2.5-1.5b": [("qkv", 1536, 2048), ("o", 1536, 1536), ("gate_up", 1536, 17920), ("down", 8960, 1536)],
+    "smollm2-135m": [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)],
+}  # fmt: skip
+HBM_BYTES_PER_S = 4.25e12
+SWEEP_ROW = [("row", bn, bk, nw, ns) for bn, bk, nw, ns in
+             itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))]  # fmt: skip
+SWEEP_DOT = [("dot", bn, bk, nw, ns) for bn, bk, nw, ns in
+             itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4, 5))]  # fmt: skip
+
+
+def time_calls(fn, weights: list[torch.Tensor], xs: list[torch.Tensor], replays: int = 20) -> float:
+    """Mean us of fn(x, w) per call, as CUDA-graph replays over the rotating weights."""
+    for x, w in zip(xs, weights):
+        fn(x, w)
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        for x, w in zip(xs, weights):
+            fn(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / (replays * len(weights)))
+    return statistics.median(times)
+
+
+def bench_shape(k: int, n: int, rows: int, dtype: torch.dtype, sweep: bool, min_bytes: int = 300_000_000) -> dict:
+    """One record: cuBLAS, the chosen config and (sweep) the best tiling for x [rows, k] @ W [n, k].T."""
+    from triton.runtime.errors import OutOfResources
+
+    from blockdraft.kernels.skinny_gemm import SkinnyConfig, config_for, skinny_linear
+
+    nbytes = k * n * torch.finfo(dtype).bits // 8
+    copies = max(4, -(-min_bytes // nbytes))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) * 0.02 for _ in range(copies)]
+    xs = [torch.randn(rows, k, device="cuda", dtype=dtype, generator=gen) for _ in range(copies)]
+    reference = F.linear(xs[0].float(), weights[0].float())
+    rec = dict(K=k, N=n, rows=rows, weight_mb=nbytes / 1e6, floor_us=nbytes / HBM_BYTES_PER_S * 1e6)
+    rec["cublas_us"] = time_calls(lambda x, w: F.linear(x, w), weights, xs)
+
+    def timed(config: SkinnyConfig) -> float | None:
+        out = skinny_linear(xs[0], weights[0], None, config)
+        if not torch.allclose(out.float(), reference, atol=2e-2, rtol=2e-2):
+            raise AssertionError(f"{config} disagrees with F.linear at K={k} N={n} rows={rows}")
+        return time_calls(lambda x, w: skinny_linear(x, w, None, config), weights, xs)
+
+    chosen = config_for(rows, k, n, torch.device("cuda"))
+    rec["chosen"] = None if chosen is None else list(chosen)
+    rec["chosen_us"] = None if chosen is None else timed(chosen)
+    if sweep:
+        grid = (SWEEP_ROW if rows == 1 else []) + SWEEP_DOT
+        results = []
+        for c in grid:
+            try:
+                results.append((timed(SkinnyConfig(*c)), c))
+            except OutOfResources:  # tiles too large for shared memory / registers: not a candidate
+                continue
+        results.sort()
+        rec["best"], rec["best_us"] = list(results[0][1]), results[0][0]
+        rec["top5"] = [[round(t, 3), list(c)] for t, c in results[:5]]
+    return rec
+
+
+def format_row(model: str, name: str, rec: dict) -> str:
+    def us(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    ratio = "-" if rec["chosen_us"] is None else f"{rec['cublas_us'] / rec['chosen_us']:.2f}x"
+    best = f" | best {us(rec.get('best_us'))} {rec.get('best')}" if "best" in rec else ""
+    return (f"{model:13} {name:18} {rec['K']:>6} {rec['N']:>6} {rec['rows']:>4} {rec['weight_mb']:>8.1f} "
+            f"{us(rec['floor_us']):>7} {us(rec['cublas_us']):>7} {us(rec['chosen_us']):>7} {ratio:>6}{best}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="rows of x (1-16; default 1 16)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--sweep", action="store_true", help="also time a grid of tilings per shape (minutes)")
+    p.add_argument("--out", default=None, help="write the records as JSON here")
+    args = p.parse_args(argv)
+    if any(not 1 <= r <= 16 for r in args.rows):
+        p.error(f"--rows must be in [1, 16], got {args.rows}")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU (the kernels and cuBLAS are timed as CUDA-graph replays)")
+    if args.out:
+        refuse_unwritable(p, "--out", args.out)
+    dtype = getattr(torch, args.dtype)
+    print(f"{'model':13} {'linear':18} {'K':>6} {'N':>6} {'rows':>4} {'MB':>8} {'floor':>7} {'cublas':>7} "
+          f"{'chosen':>7} {'gain':>6}  (us per call, {torch.cuda.get_device_name()})")  # fmt: skip
+    records = []
+    for model in args.models:
+        for (name, k, n), rows in itertools.product(SHAPES[model], args.rows):
+            rec = dict(model=model, linear=name, **bench_shape(k, n, rows, dtype, args.sweep))
+            records.append(rec)
+            print(format_row(model, name, rec), flush=True)
+            if args.out:  # after every record, so a run cut short keeps what it measured
+                with open(args.out, "w") as f:
+                    json.dump(dict(schema="blockdraft-skinny-gemm/1", device=torch.cuda.get_device_name(),
+                                   dtype=args.dtype, records=records), f, indent=1)  # fmt: skip
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""y = x @ W.T (+ bias) for skinny x (1-16 rows) as Triton kernels: decode and verify steps.
+
+At batch 1 a decode step multiplies one row by every weight matrix, and a DFlash verify step /
+draft block 16 rows: pure weight streaming, where cuBLAS's kernels for these shapes stop short
+of the HBM bandwidth (H200, CUDA-graph replays over rotating weights larger than L2, bf16:
+Qwen2.5-0.5B's q/k/v projection [896 -> 1152] 3.97 us for one row vs 2.33 us here, its o
+projection 4.85 vs 2.49, Qwen3-8B's down projection [12,288 -> 4,096] 28.9 vs 25.3;
+docs/benchmarks/gpu-2026-12-01-s14/skinny_gemm.json). Two kernels:
+
+  row kernel (`_gemv_kernel`, one row): program (column block, row) streams a [BLOCK_N, K] slice
+      of W in [BLOCK_N, BLOCK_K] tiles, multiplies by the row on the CUDA cores and sums in
+      float32; small BLOCK_N gives enough programs to keep every SM's loads in flight.
+  dot kernel (`_skinny_dot_kernel`, 2-16 rows): program (column block) multiplies the rows,
+      zero-padded to 16, by [BLOCK_N, BLOCK_K] tiles of W with tl.dot, so W is read once for
+      all rows.
+
+Which shapes take a kernel, and with which tiles, is measured, not guessed (`config_for`): a
+table of the H200's best tiles per (K, N) for one row and for 16 rows; other one-row shapes up
+to the sizes the rule was checked at use a rule fitted to those measurements; everything else
+(more than 16 rows, 2-16 rows of unlisted shapes, other GPUs, float32, shapes where cuBLAS
+measured as fast, e.g. vocabulary-sized LM heads) stays on cuBLAS via `F.linear`. BLOCKDRAFT_SKINNY_GEMM=0 in
+the environment keeps every shape on cuBLAS (for side-by-side benchmarks).
+
+Numerics: float32 accumulation, bias added in float32, one rounding to the output dtype. The
+summation order differs from cuBLAS's, so results agree within bf16 rounding, not bit for bit;
+each row's result depends only on its own input row (padding rows are masked out).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # the dot kernel's M tile; more rows go to cuBLAS
+
+
+class SkinnyConfig(NamedTuple):
+    """Tiles of one launch: kernel "row" or "dot", BLOCK_N, BLOCK_K, num_warps, num_stages."""
+
+    kernel: str
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# H200 (sm90, 132 SMs), bf16. Tiles: the fastest of 48-144 tilings per shape, found by the first
+# version of `python -m blockdraft.bench.skinny_gemm --sweep` (same kernels and timing;
+# docs/benchmarks/gpu-2026-12-01-s14/skinny_gemm_sweep_prototype.json); us per call cuBLAS ->
+# these tiles from the bench run without the sweep (skinny_gemm.json). Keys
+# (K = in_features, N = out_features); None = cuBLAS measured as fast or faster.
+_SM90_ONE_ROW: dict[tuple[int, int], SkinnyConfig | None] = {
+    (896, 1152): SkinnyConfig("row", 4, 1024, 8, 3),  # Qwen2.5-0.5B qkv: 3.97 -> 2.33 us
+    (896, 896): SkinnyConfig("row", 4, 1024, 8, 3),  # o: 4.85 -> 2.49
+    (896, 9728): SkinnyConfig("row", 16, 256, 4, 3),  # gate_up: 7.19 -> 6.62
+    (4864, 896): SkinnyConfig("row", 4, 1024, 8, 3),  # down: 7.17 -> 5.39
+    (896, 32768): None,  # a 32K draft head: the rule's tiles 18.03 vs cuBLAS 16.42
+    (4096, 6144): SkinnyConfig("row", 8, 512, 4, 3),  # Qwen3-8B qkv: 16.23 -> 14.53
+    (4096, 4096): SkinnyConfig("row", 16, 1024, 8, 3),  # o: 12.65 -> 10.51
+    (4096, 24576): SkinnyConfig("row", 16, 256, 4, 4),  # gate_up: 48.36 -> 47.80
+    (12288, 4096): SkinnyConfig("row", 16, 1024, 8, 3),  # down: 28.86 -> 25.34
+    (4096, 32768): SkinnyConfig("dot", 64, 128, 4, 3),  # a 32K draft head: 63.35 -> 62.64
+}
+_SM90_SIXTEEN_ROWS: dict[tuple[int, int], SkinnyConfig] = {
+    (896, 1152): SkinnyConfig("dot", 32, 128, 4, 5),  # 3.99 -> 3.90 us
+    (896, 896): SkinnyConfig("dot", 32, 128, 4, 5),  # 4.33 -> 3.86
+    (896, 9728): SkinnyConfig("dot", 32, 128, 4, 4),  # 7.27 -> 7.08
+    (4096, 6144): SkinnyConfig("dot", 64, 256, 4, 4),  # 16.06 -> 15.53
+    (4096, 4096): SkinnyConfig("dot", 32, 256, 4, 5),  # 12.59 -> 11.22
+    (4096, 24576): SkinnyConfig("dot", 64, 128, 4, 3),  # 49.27 -> 48.24
+    (12288, 4096): SkinnyConfig("dot", 32, 256, 4, 5),  # 28.00 -> 26.90
+    (4096, 32768): SkinnyConfig("dot", 128, 128, 4, 3),  # 64.87 -> 63.30
+}
+# The one-row rule is used up to the sizes it was checked at (skinny_gemm.json: 1.02-2.76x over
+# cuBLAS on 18 unlisted shapes of Qwen2.5-0.5B / 1.5B, SmolLM2-135M and DFlash drafters).
+RULE_MAX_IN_FEATURES = 20480
+RULE_MAX_OUT_FEATURES = 24576
+
+
+def one_row_rule(in_features: int, out_features: int) -> SkinnyConfig:
+    """Row-kernel tiles for an unmeasured one-row shape, fitted to the H200 table: about 224+
+    column blocks (BLOCK_N = out_features / 256 rounded down to a power of two in [4, 32]), long
+    1,024-wide K tiles with 8 warps for narrow blocks, 256-wide with 4 warps for 32-wide ones."""
+    block_n = 4
+    while block_n < 32 and out_features // (2 * block_n) >= 256:
+        block_n *= 2
+    if block_n == 32:
+        return SkinnyConfig("row", 32, 256, 4, 3)
+    return SkinnyConfig("row", block_n, 1024 if in_features >= 1024 or block_n <= 4 else 512, 8, 3)
+
+
+def config_for(rows: int, in_features: int, out_features: int, device: torch.device) -> SkinnyConfig | None:
+    """The kernel and tiles for x [rows, in_features] @ W [out_features, in_features].T, or None
+    for cuBLAS. Only sm90 GPUs (H100 / H200, where the tables were measured) take the kernels;
+    off CUDA (Triton's interpreter in tests) the same choice is made as on sm90."""
+    if not 1 <= rows <= MAX_ROWS or os.environ.get("BLOCKDRAFT_SKINNY_GEMM", "1") == "0":
+        return None
+    if device.type == "cuda" and not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
+        return None
+    key = (in_features, out_features)
+    if rows > 1:
+        return _SM90_SIXTEEN_ROWS.get(key)
+    if key in _SM90_ONE_ROW:
+        return _SM90_ONE_ROW[key]
+    if in_features <= RULE_MAX_IN_FEATURES and out_features <= RULE_MAX_OUT_FEATURES:
+        return one_row_rule(in_features, out_features)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_x_row, stride_w_row, stride_y_row,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(N, BLOCK_N), rows): y[row, n-block] = x[row] @ W[n-block].T (+ bias); the
+    products accumulate per (n, k) lane in float32 and are summed over K once at the end."""
+    row = tl.program_id(1).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_w_row
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + row * stride_x_row + k, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y_row + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _skinny_dot_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x_row, stride_w_row, stride_y_row,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(N, BLOCK_N),): y[:M, n-block] = x[:M] @ W[n-block].T (+ bias), M <= BLOCK_M."""
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_w_row
+    x_rows = x_ptr + m[:, None].to(tl.int64) * stride_x_row
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + m[:, None].to(tl.int64) * stride_y_row + n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig
+) -> torch.Tensor:
+    """x [rows, in] @ weight [out, in].T + bias [out] with the kernel and tiles of `config`.
+
+    Args:
+        x: [rows, in_features], 1 <= rows <= MAX_ROWS (the row kernel takes any row count),
+            unit column stride (any row stride).
+        weight: [out_features, in_features], contiguous, x's dtype (float16 / bfloat16; float32
+            is exact only for tests: the dot kernel then multiplies in IEEE float32).
+        bias: [out_features] or None.
+        config: from `config_for` (or a test's choice).
+    Returns:
+        [rows, out_features], new contiguous tensor in x's dtype.
+    Raises:
+        ValueError: shapes, dtypes or strides outside the above, or a dot config for more than
+            MAX_ROWS rows.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x must be [rows, in] and weight [out, in], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"x, weight and bias must share one dtype, got {x.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype}")  # fmt: skip
+    if x.stride(1) != 1 or not weight.is_contiguous() or (bias is not None and bias.shape != (weight.shape[0],)):
+        raise ValueError("x needs unit column stride, weight must be contiguous, bias [out_features]")
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    if config.kernel == "dot" and rows > MAX_ROWS:
+        raise ValueError(f"the dot kernel takes at most {MAX_ROWS} rows, got {rows}")
+    y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
+    if rows == 0 or out_features == 0:
+        return y
+    b = bias if bias is not None else weight  # a placeholder, never read without HAS_BIAS
+    grid_n = triton.cdiv(out_features, config.block_n)
+    tiles = dict(HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
+    if config.kernel == "row":
+        _gemv_kernel[(grid_n, rows)](
+            x, weight, b, y, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0), **tiles
+        )
+    elif config.kernel == "dot":
+        _skinny_dot_kernel[(grid_n,)](
+            x, weight, b, y, rows, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0),
+            BLOCK_M=MAX_ROWS, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiles,
+        )  # fmt: skip
+    else:
+        raise ValueError(f"config.kernel must be 'row' or 'dot', got {config.kernel!r}")
+    return y

@@ -1,0 +1,117 @@
+"""Skinny-GEMM kernels (1-16 rows) == F.linear, on CPU through Triton's interpreter, and the
+dispatch that picks them (`config_for`, `fused_ops.linear`). Tiny shapes with small tiles so K
+and N leave partial tiles; the compiled kernels at real shapes are checked under tests/gpu.
+fp32 (IEEE dot) and fp16 only: the 3.6 interpreter multiplies bf16 tl.dot operands as raw bits.
+"""
+
+from __future__ import annotations
+
+from tests.triton_interp import require_interpreter
+
+require_interpreter("blockdraft.kernels.skinny_gemm")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+
+from blockdraft.kernels.skinny_gemm import (  # noqa: E402
+    MAX_ROWS,
+    SkinnyConfig,
+    config_for,
+    one_row_rule,
+    skinny_linear,
+)
+from blockdraft.layers import fused_ops  # noqa: E402
+from blockdraft.layers.linear import Linear  # noqa: E402
+from tests.triton_interp import numpy_index_shim  # noqa: E402,F401  (autouse fixture)
+
+CPU = torch.device("cpu")
+ROW = SkinnyConfig("row", 8, 16, 4, 2)
+DOT = SkinnyConfig("dot", 16, 16, 4, 2)
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("config", [ROW, DOT], ids=["row", "dot"])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_equals_f_linear(dtype, config, rows, with_bias):
+    # K = 40 and N = 37 leave partial K and N tiles; x is a strided view (row stride 50).
+    x = rand(rows, 50, dtype=dtype, seed=1)[:, :40]
+    w = rand(37, 40, dtype=dtype, seed=2) * 0.2
+    b = rand(37, dtype=dtype, seed=3) if with_bias else None
+    out = skinny_linear(x, w, b, config)
+    assert out.shape == (rows, 37) and out.dtype == dtype and out.is_contiguous()
+    expected = F.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("config", [ROW, DOT], ids=["row", "dot"])
+def test_each_row_depends_only_on_itself(config):
+    """A decode row gives the same bits alone as inside a block of 16 (padding rows masked)."""
+    x, w = rand(16, 40, seed=4), rand(37, 40, seed=5)
+    block = skinny_linear(x, w, None, config)
+    for row in (0, 7, 15):
+        assert torch.equal(skinny_linear(x[row : row + 1], w, None, config)[0], block[row])
+
+
+def test_config_choice():
+    table_one, table_sixteen = config_for(1, 896, 1152, CPU), config_for(16, 896, 1152, CPU)
+    assert table_one == SkinnyConfig("row", 4, 1024, 8, 3) and table_sixteen.kernel == "dot"
+    assert config_for(1, 100, 300, CPU) == one_row_rule(100, 300)  # unmeasured: the rule
+    assert config_for(8, 100, 300, CPU) is None  # unmeasured, several rows: cuBLAS
+    assert config_for(4, 4864, 896, CPU) is None  # cuBLAS measured faster at 16 rows
+    assert config_for(1, 896, 32768, CPU) is None  # measured: cuBLAS faster than the rule's tiles
+    assert config_for(1, 896, 151936, CPU) is None  # beyond the sizes the rule was checked at
+    assert config_for(0, 896, 1152, CPU) is None and config_for(MAX_ROWS + 1, 896, 1152, CPU) is None
+
+
+@pytest.mark.parametrize(
+    "shape,block_n", [((896, 1152), 4), ((896, 896), 4), ((4864, 896), 4), ((4096, 4096), 16), ((12288, 4096), 16)]
+)
+def test_one_row_rule_reproduces_the_measured_block_widths(shape, block_n):
+    assert one_row_rule(*shape).block_n == block_n
+
+
+def test_refusals():
+    x, w = rand(2, 8), rand(4, 8)
+    with pytest.raises(ValueError, match="one dtype"):
+        skinny_linear(x.half(), w, None, ROW)
+    with pytest.raises(ValueError, match=r"\[rows, in\]"):
+        skinny_linear(x, rand(4, 9), None, ROW)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        skinny_linear(rand(17, 8), w, None, DOT)
+    with pytest.raises(ValueError, match="'row' or 'dot'"):
+        skinny_linear(x, w, None, SkinnyConfig("tile", 8, 16, 4, 2))
+
+
+def test_linear_dispatch(monkeypatch):
+    """Half precision with a config takes the kernel; fp32, autograd and unmeasured multi-row
+    shapes stay on F.linear (bit for bit)."""
+    monkeypatch.setattr(fused_ops, "_CPU_KERNELS", True)
+    calls = []
+    real = fused_ops._kernels().skinny_linear
+    monkeypatch.setattr(fused_ops._kernels(), "skinny_linear", lambda *a: calls.append(a[3]) or real(*a))
+    layer = Linear(40, 37, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(rand(37, 40, seed=6) * 0.2)
+        layer.bias.copy_(rand(37, seed=7))
+        x = rand(1, 40, seed=8)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)) and not calls  # fp32
+        half = layer.half()
+        out = half(x.half())
+        assert calls == [one_row_rule(40, 37)]
+        torch.testing.assert_close(out, F.linear(x.half().float(), half.weight.float(), half.bias.float()).half(),
+                                   **TOL[torch.float16])  # fmt: skip
+        assert torch.equal(half(x.half().repeat(3, 1)), F.linear(x.half().repeat(3, 1), half.weight, half.bias))
+        half.fused_ops = False
+        assert torch.equal(half(x.half()), F.linear(x.half(), half.weight, half.bias))
+    assert len(calls) == 1
+    half.fused_ops = True
+    with torch.enable_grad():
+        y = half(x.half())  # parameters require grad: F.linear, differentiable
+        assert y.requires_grad and len(calls) == 1
