@@ -92,7 +92,7 @@ def add_bench_parser(sub) -> None:
                    help="our attention backend (default: the device's, triton on CUDA)")
     b.add_argument("--out", default=None,
                    help="output prefix: writes PREFIX.json and PREFIX.png (default: bench-<shape or model name> "
-                   "in the current folder)")
+                   "in the current folder; a trailing .json is dropped: --out run.json writes run.json, run.png)")
     b.add_argument("--no-plot", action="store_true", help="write no PNG")
     add_cache_dir_flag(b, "model and data cache")
     b.set_defaults(func=run_bench)
@@ -217,6 +217,12 @@ def device_info(device) -> dict:
             "dflash": version("dflash"), "python": platform.python_version(), "cpu_count": os.cpu_count()}
 
 
+def out_prefix(out: str) -> str:
+    """--out as a file prefix: a trailing ".json" is dropped, so `--out run.json` writes run.json
+    and run.png rather than run.json.json."""
+    return out[: -len(".json")] if out.lower().endswith(".json") and len(out) > len(".json") else out
+
+
 def check_out_prefix(out: str) -> None:
     """Refuse an --out prefix before minutes of benchmarking: a folder (PREFIX.json would land
     beside it, e.g. '/tmp' -> '/tmp.json'), or a place where PREFIX.json cannot be written.
@@ -254,7 +260,7 @@ def run_bench(args) -> int:
 
     _check_source_flags(args)
     if args.out:
-        check_out_prefix(args.out)
+        check_out_prefix(out_prefix(args.out))
     engines = tuple(e.strip().lower() for e in args.engines.split(",") if e.strip())
     # Our KV pools are sized explicitly (PoolPlan) so that several engines and the HF model share
     # one GPU; gpu_memory_utilization (which sizes a pool to most of the GPU) is therefore not used.
@@ -265,7 +271,7 @@ def run_bench(args) -> int:
                         forced, args.num_speculative_tokens, options)
     log("building models")
     workload = build_workload(args)
-    prefix = Path(args.out or f"bench-{Path(workload.name).name}")
+    prefix = Path(out_prefix(args.out) if args.out else f"bench-{Path(workload.name).name}")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     base = {
         "schema": rep.SCHEMA,

@@ -47,7 +47,8 @@ SWEEP_DOT = [("dot", bn, bk, nw, ns) for bn, bk, nw, ns in
 
 
 def time_calls(fn, weights: list[torch.Tensor], xs: list[torch.Tensor], replays: int = 20) -> float:
-    """Mean us of fn(x, w) per call, as CUDA-graph replays over the rotating weights."""
+    """us per fn(x, w) call: one CUDA graph calls fn on every (x, w) pair in turn; the median of 5
+    timings of `replays` replays, divided by the calls."""
     for x, w in zip(xs, weights):
         fn(x, w)
     torch.cuda.synchronize()
@@ -70,7 +71,13 @@ def time_calls(fn, weights: list[torch.Tensor], xs: list[torch.Tensor], replays:
 
 
 def bench_shape(k: int, n: int, rows: int, dtype: torch.dtype, sweep: bool, min_bytes: int = 300_000_000) -> dict:
-    """One record: cuBLAS, the chosen config and (sweep) the best tiling for x [rows, k] @ W [n, k].T."""
+    """One record for x [rows, k] @ W [n, k].T on CUDA: weight MB, HBM floor, cuBLAS and the chosen
+    config in us per call, and with `sweep` the best tiling and the top 5 (configs that do not fit
+    the GPU's shared memory are skipped). Weight copies fill >= min_bytes (bytes).
+
+    Raises:
+        AssertionError: a kernel's output disagrees with F.linear (allclose 2e-2).
+    """
     from triton.runtime.errors import OutOfResources
 
     from blockdraft.kernels.skinny_gemm import SkinnyConfig, config_for, skinny_linear
@@ -108,6 +115,9 @@ def bench_shape(k: int, n: int, rows: int, dtype: torch.dtype, sweep: bool, min_
 
 
 def format_row(model: str, name: str, rec: dict) -> str:
+    """One table line of a `bench_shape` record: shape, weight MB, floor / cuBLAS / chosen us per
+    call and the gain (cuBLAS / chosen, "-" where cuBLAS is kept), plus the sweep's best."""
+
     def us(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 

@@ -10,7 +10,7 @@ docs/benchmarks/gpu-2026-12-01-s14/skinny_gemm.json). Two kernels:
   row kernel (`_gemv_kernel`, one row): program (column block, row) streams a [BLOCK_N, K] slice
       of W in [BLOCK_N, BLOCK_K] tiles, multiplies by the row on the CUDA cores and sums in
       float32; small BLOCK_N gives enough programs to keep every SM's loads in flight.
-  dot kernel (`_skinny_dot_kernel`, 2-16 rows): program (column block) multiplies the rows,
+  dot kernel (`_skinny_dot_kernel`, 1-16 rows): program (column block) multiplies the rows,
       zero-padded to 16, by [BLOCK_N, BLOCK_K] tiles of W with tl.dot, so W is read once for
       all rows.
 
@@ -18,7 +18,8 @@ Which shapes take a kernel, and with which tiles, is measured, not guessed (`con
 table of the H200's best tiles per (K, N) for one row and for 16 rows; other one-row shapes up
 to the sizes the rule was checked at use a rule fitted to those measurements; everything else
 (more than 16 rows, 2-16 rows of unlisted shapes, other GPUs, float32, shapes where cuBLAS
-measured as fast, e.g. vocabulary-sized LM heads) stays on cuBLAS via `F.linear`. BLOCKDRAFT_SKINNY_GEMM=0 in
+measured as fast, shapes beyond the rule's checked sizes such as vocabulary-sized LM heads)
+stays on cuBLAS via `F.linear`. BLOCKDRAFT_SKINNY_GEMM=0 in
 the environment keeps every shape on cuBLAS (for side-by-side benchmarks).
 
 Numerics: float32 accumulation, bias added in float32, one rounding to the output dtype. The
@@ -28,6 +29,7 @@ each row's result depends only on its own input row (padding rows are masked out
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import NamedTuple
@@ -40,7 +42,9 @@ MAX_ROWS = 16  # the dot kernel's M tile; more rows go to cuBLAS
 
 
 class SkinnyConfig(NamedTuple):
-    """Tiles of one launch: kernel "row" or "dot", BLOCK_N, BLOCK_K, num_warps, num_stages."""
+    """Tiles of one launch: kernel "row" or "dot"; block_n output features and block_k input
+    features per tile (powers of two; the dot kernel needs >= 16); num_warps and num_stages
+    (software-pipelining depth) as in Triton."""
 
     kernel: str
     block_n: int
@@ -77,15 +81,18 @@ _SM90_SIXTEEN_ROWS: dict[tuple[int, int], SkinnyConfig] = {
     (4096, 32768): SkinnyConfig("dot", 128, 128, 4, 3),  # 64.87 -> 63.30
 }
 # The one-row rule is used up to the sizes it was checked at (skinny_gemm.json: 1.02-2.76x over
-# cuBLAS on 18 unlisted shapes of Qwen2.5-0.5B / 1.5B, SmolLM2-135M and DFlash drafters).
+# cuBLAS on 15 unlisted shapes of Qwen2.5-0.5B / 1.5B, SmolLM2-135M and DFlash drafters, K up to
+# 20,480, N up to 17,920).
 RULE_MAX_IN_FEATURES = 20480
-RULE_MAX_OUT_FEATURES = 24576
+RULE_MAX_OUT_FEATURES = 17920
 
 
 def one_row_rule(in_features: int, out_features: int) -> SkinnyConfig:
-    """Row-kernel tiles for an unmeasured one-row shape, fitted to the H200 table: about 224+
-    column blocks (BLOCK_N = out_features / 256 rounded down to a power of two in [4, 32]), long
-    1,024-wide K tiles with 8 warps for narrow blocks, 256-wide with 4 warps for 32-wide ones."""
+    """Row-kernel tiles for an unlisted one-row shape, fitted to the H200 table.
+
+    block_n = out_features / 256 rounded down to a power of two in [4, 32] (about 224+ column
+    blocks, so every SM streams weights); block_k 256 with 4 warps for 32-wide blocks, else 1,024
+    with 8 warps (512 when in_features < 1,024 and block_n >= 8). Pure arithmetic, no errors."""
     block_n = 4
     while block_n < 32 and out_features // (2 * block_n) >= 256:
         block_n *= 2
@@ -95,9 +102,18 @@ def one_row_rule(in_features: int, out_features: int) -> SkinnyConfig:
 
 
 def config_for(rows: int, in_features: int, out_features: int, device: torch.device) -> SkinnyConfig | None:
-    """The kernel and tiles for x [rows, in_features] @ W [out_features, in_features].T, or None
-    for cuBLAS. Only sm90 GPUs (H100 / H200, where the tables were measured) take the kernels;
-    off CUDA (Triton's interpreter in tests) the same choice is made as on sm90."""
+    """The kernel and tiles for x [rows, in_features] @ W [out_features, in_features].T.
+
+    Args:
+        rows: rows of x; in_features, out_features: the weight's shape; device: x's device.
+    Returns:
+        one row: the table entry (None where cuBLAS measured as fast), else `one_row_rule` up to
+        RULE_MAX_IN_FEATURES / RULE_MAX_OUT_FEATURES; 2-16 rows: the 16-row table entry; else
+        None (cuBLAS). Only sm90 GPUs (H100 / H200, where the tables were measured) take the
+        kernels; off CUDA (Triton's interpreter in tests) the choice is made as on sm90; None
+        for every shape when BLOCKDRAFT_SKINNY_GEMM=0 (read per call, so CUDA graphs captured
+        before a change keep their kernels).
+    """
     if not 1 <= rows <= MAX_ROWS or os.environ.get("BLOCKDRAFT_SKINNY_GEMM", "1") == "0":
         return None
     if device.type == "cuda" and not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
@@ -173,29 +189,42 @@ def skinny_linear(
     """x [rows, in] @ weight [out, in].T + bias [out] with the kernel and tiles of `config`.
 
     Args:
-        x: [rows, in_features], 1 <= rows <= MAX_ROWS (the row kernel takes any row count),
-            unit column stride (any row stride).
-        weight: [out_features, in_features], contiguous, x's dtype (float16 / bfloat16; float32
-            is exact only for tests: the dot kernel then multiplies in IEEE float32).
-        bias: [out_features] or None.
+        x: [rows, in_features]: up to MAX_ROWS rows for the dot kernel, up to 65,535 for the row
+            kernel (one grid row each); unit column stride (any row stride).
+        weight: [out_features, in_features], contiguous, on x's device in x's dtype (float16 /
+            bfloat16; float32 for tests, the dot kernel then multiplying in IEEE float32).
+        bias: contiguous [out_features] or None.
         config: from `config_for` (or a test's choice).
     Returns:
-        [rows, out_features], new contiguous tensor in x's dtype.
+        [rows, out_features], new contiguous tensor in x's dtype; float32 accumulation, so it
+        agrees with F.linear within rounding (another summation order), not bit for bit.
     Raises:
-        ValueError: shapes, dtypes or strides outside the above, or a dot config for more than
-            MAX_ROWS rows.
+        ValueError: shapes, dtypes, devices or strides outside the above, or an unknown kernel.
     """
+    if config.kernel not in ("row", "dot"):
+        raise ValueError(f"config.kernel must be 'row' or 'dot', got {config.kernel!r}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [rows, in] and weight [out, in], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"x, weight and bias must share one dtype, got {x.dtype}, {weight.dtype}, "
                          f"{None if bias is None else bias.dtype}")  # fmt: skip
-    if x.stride(1) != 1 or not weight.is_contiguous() or (bias is not None and bias.shape != (weight.shape[0],)):
-        raise ValueError("x needs unit column stride, weight must be contiguous, bias [out_features]")
+    if weight.device != x.device or (bias is not None and bias.device != x.device):
+        raise ValueError(f"x, weight and bias must be on one device, got {x.device}, {weight.device}, "
+                         f"{None if bias is None else bias.device}")  # fmt: skip
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError(f"x needs unit column stride and weight must be contiguous, got strides {x.stride()} "
+                         f"and {weight.stride()}")  # fmt: skip
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{weight.shape[0]}], got {tuple(bias.shape)} "
+                         f"with strides {bias.stride()}")  # fmt: skip
     rows, in_features = x.shape
     out_features = weight.shape[0]
     if config.kernel == "dot" and rows > MAX_ROWS:
         raise ValueError(f"the dot kernel takes at most {MAX_ROWS} rows, got {rows}")
+    if config.kernel == "row" and rows > 65535:
+        raise ValueError(f"the row kernel takes at most 65535 rows (one grid row each), got {rows}")
     y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows == 0 or out_features == 0:
         return y
@@ -203,15 +232,19 @@ def skinny_linear(
     grid_n = triton.cdiv(out_features, config.block_n)
     tiles = dict(HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                  num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _launch(x, weight, b, y, rows, in_features, out_features, grid_n, config, tiles)
+    return y
+
+
+def _launch(x, weight, b, y, rows, in_features, out_features, grid_n, config, tiles) -> None:
+    """Launch the kernel of `config` on the current device (arguments checked by `skinny_linear`)."""
     if config.kernel == "row":
         _gemv_kernel[(grid_n, rows)](
             x, weight, b, y, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0), **tiles
         )
-    elif config.kernel == "dot":
+    else:
         _skinny_dot_kernel[(grid_n,)](
             x, weight, b, y, rows, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0),
             BLOCK_M=MAX_ROWS, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiles,
         )  # fmt: skip
-    else:
-        raise ValueError(f"config.kernel must be 'row' or 'dot', got {config.kernel!r}")
-    return y

@@ -2,8 +2,10 @@
 
 Each op has a torch twin (`*_ref`), which is the code every layer ran before the kernels existed
 and still runs on CPU, and a Triton kernel (`blockdraft.kernels`) that does the same work in one
-launch with the same rounding order (bf16 results agree bit for bit or within an ulp). Decoding
-small batches on a GPU is launch-bound: the kernels cut a decoder layer from ~40 launches to ~10.
+launch with the same rounding order (bf16 results agree bit for bit or within an ulp). The
+exception is `linear`: its twin is `F.linear` (cuBLAS), and the skinny-GEMM kernel sums in
+another order, so they agree within half-precision rounding only. Decoding small batches on a
+GPU is launch-bound: the kernels cut a decoder layer from ~40 launches to ~10.
 
 Dispatch (`use_kernels`): the kernel runs when the calling module allows it (`fused_ops`, see
 `UsesFusedOps`), the input is a CUDA tensor and no autograd graph is being recorded through the
@@ -201,9 +203,14 @@ def norm_rope(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool = True) -> torch.Tensor:
-    """x [rows, in] @ weight [out, in].T + bias: the skinny-GEMM kernel for 1-16 rows of half
-    precision where it measured faster than cuBLAS (`blockdraft.kernels.skinny_gemm.config_for`),
-    else `F.linear`. Agrees with F.linear within half-precision rounding (another summation order)."""
+    """x [rows, in] @ weight [out, in].T + bias [out] -> [rows, out] in x's dtype.
+
+    The skinny-GEMM kernel when `fused`, x is a CUDA tensor of 1-16 float16 / bfloat16 rows (unit
+    column stride; weight and bias contiguous, same dtype), nothing needs autograd, autocast is
+    off and `blockdraft.kernels.skinny_gemm.config_for` has tiles for the shape (it measured faster
+    than cuBLAS there); else `F.linear`, whose errors (shape mismatches) it raises. The kernel
+    agrees with F.linear within half-precision rounding (another summation order).
+    """
     if (
         fused
         and (x.is_cuda or _CPU_KERNELS)
@@ -212,6 +219,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fus
         and _one_dtype(x, weight, bias)
         and x.stride(1) == 1
         and weight.is_contiguous()
+        and (bias is None or bias.is_contiguous())
+        and not torch.is_autocast_enabled(x.device.type)
         and not _needs_autograd(x, weight, bias)
     ):
         config = _kernels().skinny_config_for(x.shape[0], weight.shape[1], weight.shape[0], x.device)

@@ -178,3 +178,10 @@ def test_our_engines_alone_do_not_load_a_transformers_copy(tmp_path, monkeypatch
     rc, doc, rows, _ = _run(tmp_path, "--model", str(model_dir), "--engines", "OURS", "--batch-sizes", "1",
                             "--max-tokens", "4", "--dtype", "float32", "--no-plot")
     assert rc == 0 and rows[("ours", "plain", 1)]["status"] == "ok" and doc["settings"]["engines"] == ["ours"]
+
+
+def test_out_prefix_drops_a_trailing_json():
+    from blockdraft.bench.command import out_prefix
+
+    assert out_prefix("runs/r.json") == "runs/r" and out_prefix("runs/r.JSON") == "runs/r"
+    assert out_prefix("runs/r") == "runs/r" and out_prefix("r.png") == "r.png" and out_prefix(".json") == ".json"

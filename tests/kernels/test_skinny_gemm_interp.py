@@ -59,6 +59,17 @@ def test_each_row_depends_only_on_itself(config):
         assert torch.equal(skinny_linear(x[row : row + 1], w, None, config)[0], block[row])
 
 
+def test_config_choice_off_sm90_and_when_switched_off(monkeypatch):
+    from blockdraft.kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "_is_sm90", lambda index: False)
+    assert config_for(1, 896, 1152, torch.device("cuda", 0)) is None  # other GPUs: cuBLAS
+    monkeypatch.setattr(skinny_gemm, "_is_sm90", lambda index: True)
+    assert config_for(1, 896, 1152, torch.device("cuda", 0)) is not None
+    monkeypatch.setenv("BLOCKDRAFT_SKINNY_GEMM", "0")
+    assert config_for(1, 896, 1152, torch.device("cuda", 0)) is None and config_for(1, 896, 1152, CPU) is None
+
+
 def test_config_choice():
     table_one, table_sixteen = config_for(1, 896, 1152, CPU), config_for(16, 896, 1152, CPU)
     assert table_one == SkinnyConfig("row", 4, 1024, 8, 3) and table_sixteen.kernel == "dot"
@@ -79,6 +90,12 @@ def test_one_row_rule_reproduces_the_measured_block_widths(shape, block_n):
 
 def test_refusals():
     x, w = rand(2, 8), rand(4, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        skinny_linear(x, w, rand(8)[::2], ROW)  # a strided bias would be read as contiguous
+    with pytest.raises(ValueError, match="unit column stride"):
+        skinny_linear(rand(8, 2).t(), w, None, ROW)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        skinny_linear(x.double(), w.double(), None, ROW)
     with pytest.raises(ValueError, match="one dtype"):
         skinny_linear(x.half(), w, None, ROW)
     with pytest.raises(ValueError, match=r"\[rows, in\]"):
@@ -115,3 +132,13 @@ def test_linear_dispatch(monkeypatch):
     with torch.enable_grad():
         y = half(x.half())  # parameters require grad: F.linear, differentiable
         assert y.requires_grad and len(calls) == 1
+    with torch.no_grad():
+        xh = x.half()
+        for args in [(xh.repeat(1, 2)[:, ::2], half.weight, half.bias),  # x columns strided
+                     (xh, half.weight.t().contiguous().t(), half.bias),  # weight not contiguous
+                     (xh, half.weight, torch.cat([half.bias, half.bias])[::2]),  # bias strided
+                     (xh[None], half.weight, half.bias)]:  # 3-D x
+            assert torch.equal(fused_ops.linear(*args), F.linear(*args))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert fused_ops.linear(xh, half.weight, half.bias).dtype == F.linear(xh, half.weight, half.bias).dtype
+    assert len(calls) == 1  # none of these took the kernel
