@@ -7,7 +7,8 @@ step instead of sitting in the 50 MB L2), the median of 5 timings of 20 replays.
   cublas    F.linear (what the layer ran before),
   chosen    the tiles `config_for` picks (the shipped table, or the one-row rule),
   best      with --sweep: the fastest of a grid of tilings (row kernel for one row, dot kernel
-            for any row count), which is how the shipped table was found (minutes per shape),
+            with and without split-K for any row count), which is how the shipped table was
+            found (minutes per shape),
   floor     the weight bytes at 4.25 TB/s (the H200's measured copy bandwidth).
 Prints a table and writes JSON (`--out`).
 
@@ -44,6 +45,9 @@ SWEEP_ROW = [("row", bn, bk, nw, ns) for bn, bk, nw, ns in
              itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))]  # fmt: skip
 SWEEP_DOT = [("dot", bn, bk, nw, ns) for bn, bk, nw, ns in
              itertools.product((16, 32, 64, 128), (128, 256), (4, 8), (3, 4, 5))]  # fmt: skip
+# split-K tiles for narrow outputs (e.g. a down projection to 896 features: 28 column blocks of 32)
+SWEEP_SPLIT = [("dot", bn, bk, 4, ns, split) for bn, bk, ns, split in
+               itertools.product((16, 32, 64), (64, 128, 256), (3, 4), (2, 4, 8))]  # fmt: skip
 
 
 def time_calls(fn, weights: list[torch.Tensor], xs: list[torch.Tensor], replays: int = 20) -> float:
@@ -101,7 +105,7 @@ def bench_shape(k: int, n: int, rows: int, dtype: torch.dtype, sweep: bool, min_
     rec["chosen"] = None if chosen is None else list(chosen)
     rec["chosen_us"] = None if chosen is None else timed(chosen)
     if sweep:
-        grid = (SWEEP_ROW if rows == 1 else []) + SWEEP_DOT
+        grid = (SWEEP_ROW if rows == 1 else []) + SWEEP_DOT + SWEEP_SPLIT
         results = []
         for c in grid:
             try:

@@ -12,7 +12,10 @@ docs/benchmarks/gpu-2026-12-01-s14/skinny_gemm.json). Two kernels:
       float32; small BLOCK_N gives enough programs to keep every SM's loads in flight.
   dot kernel (`_skinny_dot_kernel`, 1-16 rows): program (column block) multiplies the rows,
       zero-padded to 16, by [BLOCK_N, BLOCK_K] tiles of W with tl.dot, so W is read once for
-      all rows.
+      all rows; optionally split over K (split_k programs per column block, for narrow outputs
+      such as a down projection to 896 features, where 28 column blocks leave most SMs idle).
+      The shipped tables use no split yet: `python -m blockdraft.bench.skinny_gemm --sweep`
+      times split-K tiles beside the others.
 
 Which shapes take a kernel, and with which tiles, is measured, not guessed (`config_for`): a
 table of the H200's best tiles per (K, N) for one row and for 16 rows; other one-row shapes up
@@ -44,13 +47,15 @@ MAX_ROWS = 16  # the dot kernel's M tile; more rows go to cuBLAS
 class SkinnyConfig(NamedTuple):
     """Tiles of one launch: kernel "row" or "dot"; block_n output features and block_k input
     features per tile (powers of two; the dot kernel needs >= 16); num_warps and num_stages
-    (software-pipelining depth) as in Triton."""
+    (software-pipelining depth) as in Triton; split_k (dot kernel, a power of two): programs
+    sharing one column block's K, their float32 partials added by the last to finish."""
 
     kernel: str
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
 
 # H200 (sm90, 132 SMs), bf16. Tiles: the fastest of 48-144 tilings per shape, found by the first
@@ -159,28 +164,72 @@ def _gemv_kernel(
 
 @triton.jit
 def _skinny_dot_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x_row, stride_w_row, stride_y_row,
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x_row, stride_w_row, stride_y_row,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Grid (cdiv(N, BLOCK_N),): y[:M, n-block] = x[:M] @ W[n-block].T (+ bias), M <= BLOCK_M."""
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K): y[:M, n-block] = x[:M] @ W[n-block].T (+ bias), M <= BLOCK_M.
+
+    SPLIT_K > 1 (more programs for narrow N): program (n-block, s) sums the s-th share of K's
+    tiles into float32 partials part[s, :, n-block]; the last of the n-block's programs to finish
+    (counter in count_ptr, reset by it) adds the partials in split order, so the result does not
+    depend on which program finishes last. The barrier orders every thread's partial stores
+    before the release (acq_rel) increment; the partials are read past L1 (".cg")."""
     m = tl.arange(0, BLOCK_M)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < M
     n_ok = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_w_row
     x_rows = x_ptr + m[:, None].to(tl.int64) * stride_x_row
+    per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = tl.program_id(1) * per_split
+    k_hi = tl.minimum(k_lo + per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
+        k_ok = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    if SPLIT_K > 1:
+        part_rows = (tl.program_id(1) * BLOCK_M + m[:, None]).to(tl.int64) * N
+        tl.store(part_ptr + part_rows + n[None, :], acc, mask=n_ok[None, :])
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+            return
+        tl.store(count_ptr + pid_n, 0)
+        s = tl.arange(0, SPLIT_K)
+        offsets = (s[:, None, None] * BLOCK_M + m[None, :, None]).to(tl.int64) * N + n[None, None, :]
+        acc = tl.sum(tl.load(part_ptr + offsets, mask=n_ok[None, None, :], other=0.0, cache_modifier=".cg"), axis=0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + m[:, None].to(tl.int64) * stride_y_row + n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+SPLIT_COUNTER_SLOTS = 8192  # n-blocks of one split-K launch; counters are shared by all launches
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The persistent int32 zero counters (SPLIT_COUNTER_SLOTS per device) of split-K launches:
+    every launch leaves them at zero, so launches and CUDA-graph replays on one stream share them.
+
+    Raises:
+        ValueError: more than SPLIT_COUNTER_SLOTS column blocks.
+        RuntimeError: first needed inside a CUDA-graph capture (run the layer once eagerly first,
+            as the engine's warm-up does).
+    """
+    if needed > SPLIT_COUNTER_SLOTS:
+        raise ValueError(f"split-K needs one counter per column block: {needed} > {SPLIT_COUNTER_SLOTS}")
+    counters = _SPLIT_COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K counters must be allocated outside a CUDA-graph capture: "
+                               "run the layer once eagerly before capturing")  # fmt: skip
+        counters = _SPLIT_COUNTERS[device] = torch.zeros(SPLIT_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return counters
 
 
 def skinny_linear(
@@ -203,6 +252,9 @@ def skinny_linear(
     """
     if config.kernel not in ("row", "dot"):
         raise ValueError(f"config.kernel must be 'row' or 'dot', got {config.kernel!r}")
+    split_k = config.split_k
+    if split_k < 1 or split_k & (split_k - 1) or (split_k > 1 and config.kernel != "dot"):
+        raise ValueError(f"config.split_k must be a power of two (> 1 only for the dot kernel), got {split_k}")
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x must be [rows, in] and weight [out, in], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -243,8 +295,13 @@ def _launch(x, weight, b, y, rows, in_features, out_features, grid_n, config, ti
         _gemv_kernel[(grid_n, rows)](
             x, weight, b, y, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0), **tiles
         )
-    else:
-        _skinny_dot_kernel[(grid_n,)](
-            x, weight, b, y, rows, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0),
-            BLOCK_M=MAX_ROWS, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiles,
-        )  # fmt: skip
+        return
+    part = counters = y  # placeholders, unread without split-K
+    if config.split_k > 1:
+        part = torch.empty(config.split_k * MAX_ROWS * out_features, dtype=torch.float32, device=x.device)
+        counters = split_counters(x.device, grid_n)
+    _skinny_dot_kernel[(grid_n, config.split_k)](
+        x, weight, b, y, part, counters, rows, out_features, in_features, x.stride(0), weight.stride(0),
+        y.stride(0), BLOCK_M=MAX_ROWS, SPLIT_K=config.split_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiles,
+    )  # fmt: skip

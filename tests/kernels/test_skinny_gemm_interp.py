@@ -28,6 +28,8 @@ from tests.triton_interp import numpy_index_shim  # noqa: E402,F401  (autouse fi
 CPU = torch.device("cpu")
 ROW = SkinnyConfig("row", 8, 16, 4, 2)
 DOT = SkinnyConfig("dot", 16, 16, 4, 2)
+# 4 programs per column block over K = 40 (3 K tiles of 16: one split gets none), partials added
+DOT_SPLIT = SkinnyConfig("dot", 16, 16, 4, 2, 4)
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
@@ -36,7 +38,7 @@ def rand(*shape, dtype=torch.float32, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("config", [ROW, DOT], ids=["row", "dot"])
+@pytest.mark.parametrize("config", [ROW, DOT, DOT_SPLIT], ids=["row", "dot", "dot_split4"])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 def test_equals_f_linear(dtype, config, rows, with_bias):
@@ -50,13 +52,24 @@ def test_equals_f_linear(dtype, config, rows, with_bias):
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
-@pytest.mark.parametrize("config", [ROW, DOT], ids=["row", "dot"])
+@pytest.mark.parametrize("config", [ROW, DOT, DOT_SPLIT], ids=["row", "dot", "dot_split4"])
 def test_each_row_depends_only_on_itself(config):
     """A decode row gives the same bits alone as inside a block of 16 (padding rows masked)."""
     x, w = rand(16, 40, seed=4), rand(37, 40, seed=5)
     block = skinny_linear(x, w, None, config)
     for row in (0, 7, 15):
         assert torch.equal(skinny_linear(x[row : row + 1], w, None, config)[0], block[row])
+
+
+def test_split_k_leaves_its_counters_at_zero_and_is_repeatable():
+    from blockdraft.kernels import skinny_gemm
+
+    x, w, b = rand(16, 40, seed=9), rand(37, 40, seed=10), rand(37, seed=11)
+    first = skinny_linear(x, w, b, DOT_SPLIT)
+    for split in (2, 8):
+        torch.testing.assert_close(skinny_linear(x, w, b, DOT_SPLIT._replace(split_k=split)), first, **TOL[torch.float32])
+    assert torch.equal(skinny_linear(x, w, b, DOT_SPLIT), first)
+    assert int(skinny_gemm._SPLIT_COUNTERS[CPU].abs().sum()) == 0
 
 
 def test_config_choice_off_sm90_and_when_switched_off(monkeypatch):
@@ -104,6 +117,9 @@ def test_refusals():
         skinny_linear(rand(17, 8), w, None, DOT)
     with pytest.raises(ValueError, match="'row' or 'dot'"):
         skinny_linear(x, w, None, SkinnyConfig("tile", 8, 16, 4, 2))
+    for bad in (SkinnyConfig("dot", 16, 16, 4, 2, 3), SkinnyConfig("row", 8, 16, 4, 2, 2)):
+        with pytest.raises(ValueError, match="split_k"):
+            skinny_linear(x, w, None, bad)
 
 
 def test_linear_dispatch(monkeypatch):
