@@ -58,8 +58,8 @@ class SkinnyConfig(NamedTuple):
     split_k: int = 1
 
 
-# H200 (sm90, 132 SMs), bf16. Tiles: the fastest of 48-144 tilings per shape, found by the first
-# version of `python -m blockdraft.bench.skinny_gemm --sweep` (same kernels and timing;
+# H200 (sm90, 132 SMs), bf16. Tiles: the fastest (or within 0.06 us of it) of 144 tilings per
+# one-row shape and 48 per 16-row shape, found by the first version of `python -m blockdraft.bench.skinny_gemm --sweep` (same kernels and timing;
 # docs/benchmarks/gpu-2026-12-01-s14/skinny_gemm_sweep_prototype.json); us per call cuBLAS ->
 # these tiles from the bench run without the sweep (skinny_gemm.json). Keys
 # (K = in_features, N = out_features); None = cuBLAS measured as fast or faster.
@@ -114,8 +114,8 @@ def config_for(rows: int, in_features: int, out_features: int, device: torch.dev
     Returns:
         one row: the table entry (None where cuBLAS measured as fast), else `one_row_rule` up to
         RULE_MAX_IN_FEATURES / RULE_MAX_OUT_FEATURES; 2-16 rows: the 16-row table entry; else
-        None (cuBLAS). Only sm90 GPUs (H100 / H200, where the tables were measured) take the
-        kernels; off CUDA (Triton's interpreter in tests) the choice is made as on sm90; None
+        None (cuBLAS). Only sm90 GPUs take the kernels (measured on the H200; the H100 has the
+        same architecture and SM count but was not measured); off CUDA (Triton's interpreter in tests) the choice is made as on sm90; None
         for every shape when BLOCKDRAFT_SKINNY_GEMM=0 (read per call, so CUDA graphs captured
         before a change keep their kernels).
     """
