@@ -44,6 +44,20 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
             for t in (0, 1):
                 assert results["eval"][f"A/{variant}/{ds}/T{t}"]["acceptance_length"] >= 1.0
 
+    # The side-by-side replay command gives the run's own eval numbers on the same sequences.
+    from blockdraft.training import replay
+
+    export = str(tmp_path / "w" / "A" / "export")
+    for t, (variant, dv) in ((0, ("bf16", "0")), (1, ("bf16-dv256", "256"))):
+        assert replay.main(["--gguf", args[args.index("--gguf") + 1], "--prep", str(tmp_path / "prep"),
+                            "--eval-sequences", str(tmp_path / "w" / "eval_sequences.safetensors"),
+                            "--draft", export, "--num-prompts", "1", "--temperature", str(t),
+                            "--draft-vocab-size", dv, "--dtype", "bfloat16"]) == 0  # fmt: skip
+        replayed = json.loads(capsys.readouterr().out)
+        for ds in ("humaneval", "mtbench"):
+            assert replayed[f"{export}/{ds}"]["acceptance_length"] == results["eval"][f"A/{variant}/{ds}/T{t}"][
+                "acceptance_length"]
+
     # A second and a third run on the same --work reuse the answers and, with --extend-seconds,
     # answer the prompts not in them yet as the next shard (each prompt once; the third run reaches
     # the multi-turn prompts after the first turns).
