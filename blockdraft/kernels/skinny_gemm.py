@@ -22,8 +22,8 @@ table of the H200's best tiles per (K, N) for one row and for 16 rows; other one
 to the sizes the rule was checked at use a rule fitted to those measurements; everything else
 (more than 16 rows, 2-16 rows of unlisted shapes, other GPUs, float32, shapes where cuBLAS
 measured as fast, shapes beyond the rule's checked sizes such as vocabulary-sized LM heads)
-stays on cuBLAS via `F.linear`. BLOCKDRAFT_SKINNY_GEMM=0 in
-the environment keeps every shape on cuBLAS (for side-by-side benchmarks).
+stays on cuBLAS via `F.linear`. BLOCKDRAFT_SKINNY_GEMM=0 in the environment before start-up keeps
+every shape on cuBLAS (for side-by-side benchmarks).
 
 Numerics: float32 accumulation, bias added in float32, one rounding to the output dtype. The
 summation order differs from cuBLAS's, so results agree within bf16 rounding, not bit for bit;
@@ -32,7 +32,6 @@ each row's result depends only on its own input row (padding rows are masked out
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from typing import NamedTuple
@@ -42,6 +41,8 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # the dot kernel's M tile; more rows go to cuBLAS
+# BLOCKDRAFT_SKINNY_GEMM=0 before start-up keeps every shape on cuBLAS (side-by-side benchmarks)
+ENABLED = os.environ.get("BLOCKDRAFT_SKINNY_GEMM", "1") != "0"
 
 
 class SkinnyConfig(NamedTuple):
@@ -115,16 +116,23 @@ def config_for(rows: int, in_features: int, out_features: int, device: torch.dev
         one row: the table entry (None where cuBLAS measured as fast), else `one_row_rule` up to
         RULE_MAX_IN_FEATURES / RULE_MAX_OUT_FEATURES; 2-16 rows: the 16-row table entry; else
         None (cuBLAS). Only sm90 GPUs take the kernels (measured on the H200; the H100 has the
-        same architecture and SM count but was not measured); off CUDA (Triton's interpreter in tests) the choice is made as on sm90; None
-        for every shape when BLOCKDRAFT_SKINNY_GEMM=0 (read per call, so CUDA graphs captured
-        before a change keep their kernels).
+        same architecture and SM count but was not measured); off CUDA (Triton's interpreter in
+        tests) the choice is made as on sm90; None for every shape when BLOCKDRAFT_SKINNY_GEMM=0
+        was set when this module was imported. Called for every linear layer call: the
+        environment and the GPU's capability are read once, the choice per shape is cached.
     """
-    if not 1 <= rows <= MAX_ROWS or os.environ.get("BLOCKDRAFT_SKINNY_GEMM", "1") == "0":
+    if not ENABLED or not 1 <= rows <= MAX_ROWS:
         return None
     if device.type == "cuda" and not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
         return None
+    return _choice(rows == 1, in_features, out_features)
+
+
+@functools.lru_cache(maxsize=None)
+def _choice(one_row: bool, in_features: int, out_features: int) -> SkinnyConfig | None:
+    """`config_for` on sm90 (tables, then the one-row rule within its checked sizes)."""
     key = (in_features, out_features)
-    if rows > 1:
+    if not one_row:
         return _SM90_SIXTEEN_ROWS.get(key)
     if key in _SM90_ONE_ROW:
         return _SM90_ONE_ROW[key]
@@ -239,7 +247,9 @@ def skinny_linear(
 
     Args:
         x: [rows, in_features]: up to MAX_ROWS rows for the dot kernel, up to 65,535 for the row
-            kernel (one grid row each); unit column stride (any row stride).
+            kernel (one grid row each); unit column stride (any row stride). On CUDA, x must be
+            on the current device (the launch goes there, as for the other kernels in
+            blockdraft.kernels; the engine runs on one device).
         weight: [out_features, in_features], contiguous, on x's device in x's dtype (float16 /
             bfloat16; float32 for tests, the dot kernel then multiplying in IEEE float32).
         bias: contiguous [out_features] or None.
@@ -284,8 +294,7 @@ def skinny_linear(
     grid_n = triton.cdiv(out_features, config.block_n)
     tiles = dict(HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                  num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _launch(x, weight, b, y, rows, in_features, out_features, grid_n, config, tiles)
+    _launch(x, weight, b, y, rows, in_features, out_features, grid_n, config, tiles)
     return y
 
 

@@ -79,8 +79,20 @@ def test_config_choice_off_sm90_and_when_switched_off(monkeypatch):
     assert config_for(1, 896, 1152, torch.device("cuda", 0)) is None  # other GPUs: cuBLAS
     monkeypatch.setattr(skinny_gemm, "_is_sm90", lambda index: True)
     assert config_for(1, 896, 1152, torch.device("cuda", 0)) is not None
-    monkeypatch.setenv("BLOCKDRAFT_SKINNY_GEMM", "0")
+    monkeypatch.setattr(skinny_gemm, "ENABLED", False)  # BLOCKDRAFT_SKINNY_GEMM=0 at import
     assert config_for(1, 896, 1152, torch.device("cuda", 0)) is None and config_for(1, 896, 1152, CPU) is None
+
+
+def test_the_switch_is_read_from_the_environment_at_import():
+    import os
+    import subprocess
+    import sys
+
+    code = "from blockdraft.kernels import skinny_gemm; print(skinny_gemm.ENABLED)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "BLOCKDRAFT_SKINNY_GEMM": value})  # fmt: skip
+        assert out.stdout.strip() == expected
 
 
 def test_config_choice():
