@@ -181,22 +181,31 @@ def trace_path(path: str, mode: str) -> str:
 
 
 def run(shape: str, device: str, batch_size: int, steps: int, warmup: int, modes: list[str], prompt_len: int,
-        hbm_bandwidth: float = H200_HBM_BYTES_PER_S, trace: str | None = None, on_mode=None) -> dict:
+        hbm_bandwidth: float = H200_HBM_BYTES_PER_S, trace: str | None = None, on_mode=None,
+        draft_vocab_size: int = 0) -> dict:
     """Build the bench's engines for `shape` and profile each mode; returns the JSON document.
+    draft_vocab_size N > 0: the drafter scores ids 0..N-1 only (as `bench --draft-vocab-size N`).
     `on_mode(doc, mode)` is called as each mode is done (main prints it and rewrites --out, so a
     run cut short keeps what it measured).
 
     Raises:
-        ValueError: no CUDA for device "cuda", or prompt + tokens beyond the shape's context (named).
+        ValueError: no CUDA for device "cuda", prompt + tokens beyond the shape's context, or a draft
+            vocabulary larger than the shape's (named).
     """
     from blockdraft.bench.command import device_info, floor_of
     from blockdraft.bench.suite import Settings, build_engines, log
     from blockdraft.bench.workload import random_workload, resolve_device_dtype
 
+    from blockdraft.bench.shapes import get_shape, model_config
+
+    vocab = model_config(get_shape(shape)).vocab_size
+    if isinstance(draft_vocab_size, bool) or not 0 <= draft_vocab_size <= vocab:
+        raise ValueError(f"--draft-vocab-size must be in [0, {vocab}] for {shape} (0: full vocabulary), "
+                         f"got {draft_vocab_size}")
     dev, dtype = resolve_device_dtype(device, "auto")
     log(f"building {shape} on {dev}")
     workload = random_workload(shape, dev, dtype, num_prompts=batch_size, prompt_len=prompt_len, draft_layers=None,
-                               block_size=BLOCK_SIZE, with_drafter=DFLASH in modes)
+                               block_size=BLOCK_SIZE, with_drafter=DFLASH in modes, draft_vocab_size=draft_vocab_size)
     workload.hf_model = None  # the bench's HF baseline; not profiled here (frees its copy of the weights)
     k = BLOCK_SIZE - 1 if workload.drafter is not None else 0
     max_tokens = (1 + warmup + 3 * steps + 2) * (k + 1)  # no request finishes: at most K + 1 tokens a step
@@ -206,7 +215,8 @@ def run(shape: str, device: str, batch_size: int, steps: int, warmup: int, modes
     doc = {"schema": SCHEMA, "workload": {"shape": shape, "prompt_len": prompt_len, **workload.source},
            "device": device_info(dev), "dtype": str(dtype).replace("torch.", ""),
            "settings": {"batch_size": batch_size, "steps": steps, "warmup": warmup, "modes": modes,
-                        "block_size": BLOCK_SIZE if k else None, "num_speculative_tokens": k or None},
+                        "block_size": BLOCK_SIZE if k else None, "num_speculative_tokens": k or None,
+                        "draft_vocab_size": draft_vocab_size},
            "floor": floor, "modes": {}}
     for mode in modes:
         log(f"{mode}: warm-up, {steps} timed steps, {steps} profiled steps")
@@ -281,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens per random prompt (default 128, as bench)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto (default): cuda if available")
+    p.add_argument("--draft-vocab-size", type=_at_least(0), default=0,
+                   help="DFlash drafts over ids 0..N-1 only, as bench --draft-vocab-size N (default 0: full vocabulary)")
     p.add_argument("--top", type=_at_least(1), default=25,
                    help="table rows printed per table (default 25; the JSON has all)")
     p.add_argument("--out", help="write the JSON document here")
@@ -302,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(args.shape, args.device, args.batch_size, args.steps, args.warmup, modes, args.prompt_len,
-            trace=args.trace, on_mode=on_mode)
+            trace=args.trace, on_mode=on_mode, draft_vocab_size=args.draft_vocab_size)
     except ValueError as e:
         p.error(str(e))
     if args.out:

@@ -10,6 +10,9 @@ step instead of sitting in the 50 MB L2), the median of 5 timings of 20 replays.
             with and without split-K for any row count), which is how the shipped table was
             found (minutes per shape),
   floor     the weight bytes at 4.25 TB/s (the H200's measured copy bandwidth).
+  swiglu    for SwiGLU down projections (down, draft_down) where a kernel is chosen: the activation
+            kernel then the chosen GEMM (two launches) -> the GEMM reading gate and up itself
+            (`skinny_linear(gate, W, None, config, up=up)`, one launch).
 Prints a table and writes JSON (`--out`).
 
     python -m blockdraft.bench.skinny_gemm --out skinny_gemm.json            # the default shapes
@@ -41,6 +44,7 @@ SHAPES = {
     "smollm2-135m": [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)],
 }  # fmt: skip
 HBM_BYTES_PER_S = 4.25e12
+SWIGLU_DOWN = ("down", "draft_down")  # linears whose input is silu(gate) * up
 SWEEP_ROW = [("row", bn, bk, nw, ns) for bn, bk, nw, ns in
              itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3, 4))]  # fmt: skip
 SWEEP_DOT = [("dot", bn, bk, nw, ns) for bn, bk, nw, ns in
@@ -74,10 +78,13 @@ def time_calls(fn, weights: list[torch.Tensor], xs: list[torch.Tensor], replays:
     return statistics.median(times)
 
 
-def bench_shape(k: int, n: int, rows: int, dtype: torch.dtype, sweep: bool, min_bytes: int = 300_000_000) -> dict:
+def bench_shape(k: int, n: int, rows: int, dtype: torch.dtype, sweep: bool, min_bytes: int = 300_000_000,
+                swiglu: bool = False) -> dict:
     """One record for x [rows, k] @ W [n, k].T on CUDA: weight MB, HBM floor, cuBLAS and the chosen
     config in us per call, and with `sweep` the best tiling and the top 5 (configs that do not fit
-    the GPU's shared memory are skipped). Weight copies fill >= min_bytes (bytes).
+    the GPU's shared memory are skipped). Weight copies fill >= min_bytes (bytes). `swiglu` (a
+    down projection) with a chosen config: also `two_launch_swiglu_us` (activation kernel, then
+    the GEMM) and `fused_swiglu_us` (the GEMM reading gate and up), checked equal bit for bit.
 
     Raises:
         AssertionError: a kernel's output disagrees with F.linear (allclose 2e-2).
@@ -104,6 +111,16 @@ def bench_shape(k: int, n: int, rows: int, dtype: torch.dtype, sweep: bool, min_
     chosen = config_for(rows, k, n, torch.device("cuda"))
     rec["chosen"] = None if chosen is None else list(chosen)
     rec["chosen_us"] = None if chosen is None else timed(chosen)
+    if swiglu and chosen is not None:
+        from blockdraft.kernels.activation import silu_mul
+
+        gate_ups = [torch.randn(rows, 2 * k, device="cuda", dtype=dtype, generator=gen) for _ in range(copies)]
+        two = lambda gu, w: skinny_linear(silu_mul(gu[:, :k], gu[:, k:]), w, None, chosen)  # noqa: E731
+        one = lambda gu, w: skinny_linear(gu[:, :k], w, None, chosen, up=gu[:, k:])  # noqa: E731
+        if not torch.equal(one(gate_ups[0], weights[0]), two(gate_ups[0], weights[0])):
+            raise AssertionError(f"the fused SwiGLU GEMM differs from activation + GEMM at K={k} N={n} rows={rows}")
+        rec["two_launch_swiglu_us"] = time_calls(two, weights, gate_ups)
+        rec["fused_swiglu_us"] = time_calls(one, weights, gate_ups)
     if sweep:
         grid = (SWEEP_ROW if rows == 1 else []) + SWEEP_DOT + SWEEP_SPLIT
         results = []
@@ -120,13 +137,16 @@ def bench_shape(k: int, n: int, rows: int, dtype: torch.dtype, sweep: bool, min_
 
 def format_row(model: str, name: str, rec: dict) -> str:
     """One table line of a `bench_shape` record: shape, weight MB, floor / cuBLAS / chosen us per
-    call and the gain (cuBLAS / chosen, "-" where cuBLAS is kept), plus the sweep's best."""
+    call and the gain (cuBLAS / chosen, "-" where cuBLAS is kept), plus the sweep's best and the
+    SwiGLU down projection's two launches -> one."""
 
     def us(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
     ratio = "-" if rec["chosen_us"] is None else f"{rec['cublas_us'] / rec['chosen_us']:.2f}x"
     best = f" | best {us(rec.get('best_us'))} {rec.get('best')}" if "best" in rec else ""
+    if "fused_swiglu_us" in rec:
+        best += f" | swiglu {us(rec['two_launch_swiglu_us'])} -> {us(rec['fused_swiglu_us'])}"
     return (f"{model:13} {name:18} {rec['K']:>6} {rec['N']:>6} {rec['rows']:>4} {rec['weight_mb']:>8.1f} "
             f"{us(rec['floor_us']):>7} {us(rec['cublas_us']):>7} {us(rec['chosen_us']):>7} {ratio:>6}{best}")  # fmt: skip
 
@@ -134,6 +154,8 @@ def format_row(model: str, name: str, rec: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--linears", nargs="+", default=None, metavar="NAME",
+                   help="only these linears of each model (e.g. qkv o draft_kv; default all)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="rows of x (1-16; default 1 16)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--sweep", action="store_true", help="also time a grid of tilings per shape (minutes)")
@@ -141,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if any(not 1 <= r <= 16 for r in args.rows):
         p.error(f"--rows must be in [1, 16], got {args.rows}")
+    known = {name for model in args.models for name, _, _ in SHAPES[model]}
+    if args.linears and not set(args.linears) <= known:
+        p.error(f"--linears {sorted(set(args.linears) - known)} not among {sorted(known)} of {args.models}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU (the kernels and cuBLAS are timed as CUDA-graph replays)")
     if args.out:
@@ -151,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for model in args.models:
         for (name, k, n), rows in itertools.product(SHAPES[model], args.rows):
-            rec = dict(model=model, linear=name, **bench_shape(k, n, rows, dtype, args.sweep))
+            if args.linears and name not in args.linears:
+                continue
+            rec = dict(model=model, linear=name,
+                       **bench_shape(k, n, rows, dtype, args.sweep, swiglu=name in SWIGLU_DOWN))
             records.append(rec)
             print(format_row(model, name, rec), flush=True)
             if args.out:  # after every record, so a run cut short keeps what it measured

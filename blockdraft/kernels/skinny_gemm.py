@@ -14,8 +14,10 @@ docs/benchmarks/gpu-2026-12-01-s14/skinny_gemm.json). Two kernels:
       zero-padded to 16, by [BLOCK_N, BLOCK_K] tiles of W with tl.dot, so W is read once for
       all rows; optionally split over K (split_k programs per column block, for narrow outputs
       such as a down projection to 896 features, where 28 column blocks leave most SMs idle).
-      The shipped tables use no split yet: `python -m blockdraft.bench.skinny_gemm --sweep`
-      times split-K tiles beside the others.
+      `python -m blockdraft.bench.skinny_gemm --sweep` times split-K tiles beside the others;
+      the 16-row table uses them for narrow outputs (e.g. Qwen2.5-0.5B's down projection).
+  Either kernel can form its input as silu(gate) * up (`up=`): a SwiGLU down projection in one
+  launch (used for one row, `SWIGLU_MAX_ROWS`).
 
 Which shapes take a kernel, and with which tiles, is measured, not guessed (`config_for`): a
 table of the H200's best tiles per (K, N) for one row and for 16 rows; other one-row shapes up
@@ -85,7 +87,22 @@ _SM90_SIXTEEN_ROWS: dict[tuple[int, int], SkinnyConfig] = {
     (4096, 24576): SkinnyConfig("dot", 64, 128, 4, 3),  # 49.27 -> 48.24
     (12288, 4096): SkinnyConfig("dot", 32, 256, 4, 5),  # 28.00 -> 26.90
     (4096, 32768): SkinnyConfig("dot", 128, 128, 4, 3),  # 64.87 -> 63.30
+    # session 15 sweep (split-K measured; docs/benchmarks/gpu-2026-12-02-s15/sweep16_draft.json)
+    (4864, 896): SkinnyConfig("dot", 32, 256, 4, 4, 4),  # Qwen2.5-0.5B down: 7.42 -> 6.72
+    (896, 128): SkinnyConfig("dot", 16, 64, 4, 4, 8),  # its drafter's k/v: 3.95 -> 3.52
+    (896, 1024): SkinnyConfig("dot", 16, 128, 4, 5),  # drafter gate / up: 4.24 -> 3.80
+    (1024, 896): SkinnyConfig("dot", 16, 256, 4, 4),  # drafter down: 4.44 -> 3.81
+    (2688, 896): SkinnyConfig("dot", 32, 128, 4, 4, 4),  # drafter fc (3 target layers): 6.55 -> 5.48
+    (4096, 1024): SkinnyConfig("dot", 32, 128, 4, 4, 4),  # Qwen3-8B drafter k/v: 7.14 -> 6.34
+    (4096, 12288): SkinnyConfig("dot", 128, 128, 4, 4),  # its gate / up: 28.62 -> 27.14
 }
+# SwiGLU down projections reading gate and up themselves (`skinny_linear(..., up=...)`) for at
+# most this many rows: with one row the activation's launch is saved (us per call, activation
+# kernel + GEMM -> one launch, session 15: Qwen3-8B down 27.96 -> 27.55, SmolLM2 4.60 -> 3.44, a
+# 0.5B drafter's 4.13 -> 2.90; Qwen2.5-0.5B 6.35 -> 6.43 and 1.5B 11.46 -> 11.49 about even); at
+# 16 rows every program recomputes silu for 16 rows of K and the GEMM turns compute-bound
+# (Qwen3-8B down 30.47 -> 214 us).
+SWIGLU_MAX_ROWS = 1
 # The one-row rule is used up to the sizes it was checked at (skinny_gemm.json: 1.02-2.76x over
 # cuBLAS on 15 unlisted shapes of Qwen2.5-0.5B / 1.5B, SmolLM2-135M and DFlash drafters, K up to
 # 20,480, N up to 17,920).
@@ -147,12 +164,22 @@ def _is_sm90(device_index: int) -> bool:
 
 
 @triton.jit
+def _silu_mul_input(gate, up):
+    """silu(gate) * up rounded as `blockdraft.kernels.activation.silu_mul` (silu rounded to the
+    dtype, then the product), so a fused SwiGLU down projection reads the same input values."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (silu * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_x_row, stride_w_row, stride_y_row,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_x_row, stride_up_row, stride_w_row, stride_y_row,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(N, BLOCK_N), rows): y[row, n-block] = x[row] @ W[n-block].T (+ bias); the
-    products accumulate per (n, k) lane in float32 and are summed over K once at the end."""
+    products accumulate per (n, k) lane in float32 and are summed over K once at the end.
+    GATED: the row is silu(x[row]) * up[row] (`_silu_mul_input`) instead of x[row]."""
     row = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -163,6 +190,8 @@ def _gemv_kernel(
         k_ok = k < K
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptr + row * stride_x_row + k, mask=k_ok, other=0.0)
+        if GATED:
+            x = _silu_mul_input(x, tl.load(up_ptr + row * stride_up_row + k, mask=k_ok, other=0.0))
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -172,11 +201,13 @@ def _gemv_kernel(
 
 @triton.jit
 def _skinny_dot_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x_row, stride_w_row, stride_y_row,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    x_ptr, up_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_x_row, stride_up_row,
+    stride_w_row, stride_y_row,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): y[:M, n-block] = x[:M] @ W[n-block].T (+ bias), M <= BLOCK_M.
+    GATED: the rows are silu(x[:M]) * up[:M] (`_silu_mul_input`) instead of x[:M].
 
     SPLIT_K > 1 (more programs for narrow N): program (n-block, s) sums the s-th share of K's
     tiles into float32 partials part[s, :, n-block]; the last of the n-block's programs to finish
@@ -190,6 +221,7 @@ def _skinny_dot_kernel(
     n_ok = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * stride_w_row
     x_rows = x_ptr + m[:, None].to(tl.int64) * stride_x_row
+    up_rows = up_ptr + m[:, None].to(tl.int64) * stride_up_row
     per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = tl.program_id(1) * per_split
     k_hi = tl.minimum(k_lo + per_split, K)
@@ -199,6 +231,8 @@ def _skinny_dot_kernel(
         k_ok = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATED:
+            x = _silu_mul_input(x, tl.load(up_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0))
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     if SPLIT_K > 1:
         part_rows = (tl.program_id(1) * BLOCK_M + m[:, None]).to(tl.int64) * N
@@ -241,9 +275,12 @@ def split_counters(device: torch.device, needed: int) -> torch.Tensor:
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
+    up: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [rows, in] @ weight [out, in].T + bias [out] with the kernel and tiles of `config`.
+    """x [rows, in] @ weight [out, in].T + bias [out] with the kernel and tiles of `config`; with
+    `up`, (silu(x) * up) @ weight.T + bias: a SwiGLU down projection that reads the gate and up
+    projections directly, saving the activation's launch and its output's round trip.
 
     Args:
         x: [rows, in_features]: up to MAX_ROWS rows for the dot kernel, up to 65,535 for the row
@@ -254,6 +291,10 @@ def skinny_linear(
             bfloat16; float32 for tests, the dot kernel then multiplying in IEEE float32).
         bias: contiguous [out_features] or None.
         config: from `config_for` (or a test's choice).
+        up: None, or x's shape, dtype and device with unit column stride (any row stride: e.g.
+            x and up the two halves of a stacked gate_up output); silu(x) * up is rounded to the
+            dtype as `blockdraft.kernels.activation.silu_mul` rounds it, so the result equals
+            skinny_linear(silu_mul(x, up), ...) bit for bit.
     Returns:
         [rows, out_features], new contiguous tensor in x's dtype; float32 accumulation, so it
         agrees with F.linear within rounding (another summation order), not bit for bit.
@@ -278,6 +319,9 @@ def skinny_linear(
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError(f"x needs unit column stride and weight must be contiguous, got strides {x.stride()} "
                          f"and {weight.stride()}")  # fmt: skip
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype or up.device != x.device or up.stride(1) != 1):
+        raise ValueError(f"up must match x ({tuple(x.shape)}, {x.dtype}, {x.device}, unit column stride), got "
+                         f"{tuple(up.shape)}, {up.dtype}, {up.device}, strides {up.stride()}")  # fmt: skip
     if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{weight.shape[0]}], got {tuple(bias.shape)} "
                          f"with strides {bias.stride()}")  # fmt: skip
@@ -290,27 +334,29 @@ def skinny_linear(
     y = torch.empty((rows, out_features), dtype=x.dtype, device=x.device)
     if rows == 0 or out_features == 0:
         return y
-    b = bias if bias is not None else weight  # a placeholder, never read without HAS_BIAS
+    b = bias if bias is not None else weight  # placeholders, never read without HAS_BIAS / GATED
+    u = up if up is not None else x
     grid_n = triton.cdiv(out_features, config.block_n)
-    tiles = dict(HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+    tiles = dict(HAS_BIAS=bias is not None, GATED=up is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                  num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
-    _launch(x, weight, b, y, rows, in_features, out_features, grid_n, config, tiles)
+    _launch(x, u, weight, b, y, rows, in_features, out_features, grid_n, config, tiles)
     return y
 
 
-def _launch(x, weight, b, y, rows, in_features, out_features, grid_n, config, tiles) -> None:
+def _launch(x, u, weight, b, y, rows, in_features, out_features, grid_n, config, tiles) -> None:
     """Launch the kernel of `config` on the current device (arguments checked by `skinny_linear`)."""
     if config.kernel == "row":
         _gemv_kernel[(grid_n, rows)](
-            x, weight, b, y, out_features, in_features, x.stride(0), weight.stride(0), y.stride(0), **tiles
-        )
+            x, u, weight, b, y, out_features, in_features, x.stride(0), u.stride(0), weight.stride(0), y.stride(0),
+            **tiles,
+        )  # fmt: skip
         return
     part = counters = y  # placeholders, unread without split-K
     if config.split_k > 1:
         part = torch.empty(config.split_k * MAX_ROWS * out_features, dtype=torch.float32, device=x.device)
         counters = split_counters(x.device, grid_n)
     _skinny_dot_kernel[(grid_n, config.split_k)](
-        x, weight, b, y, part, counters, rows, out_features, in_features, x.stride(0), weight.stride(0),
-        y.stride(0), BLOCK_M=MAX_ROWS, SPLIT_K=config.split_k,
+        x, u, weight, b, y, part, counters, rows, out_features, in_features, x.stride(0), u.stride(0),
+        weight.stride(0), y.stride(0), BLOCK_M=MAX_ROWS, SPLIT_K=config.split_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiles,
     )  # fmt: skip

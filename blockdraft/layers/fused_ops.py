@@ -85,6 +85,7 @@ def _kernels() -> SimpleNamespace:
             qk_norm_rope=rope.qk_norm_rope, norm_rope=rope.norm_rope,
             silu_and_mul=activation.silu_and_mul, silu_mul=activation.silu_mul,
             skinny_config_for=skinny_gemm.config_for, skinny_linear=skinny_gemm.skinny_linear,
+            skinny_swiglu_max_rows=skinny_gemm.SWIGLU_MAX_ROWS,
         )  # fmt: skip
     return _KERNELS
 
@@ -211,6 +212,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fus
     than cuBLAS there); else `F.linear`, whose errors (shape mismatches) it raises. The kernel
     agrees with F.linear within half-precision rounding (another summation order).
     """
+    config = _skinny_config(fused, x, weight, bias)
+    if config is not None:
+        return _kernels().skinny_linear(x, weight, bias, config)
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool = True
+) -> torch.Tensor:
+    """SwiGLU's down projection: linear(silu_mul(gate, up), weight, bias) for gate / up [rows, in].
+
+    Where `linear` would take the skinny-GEMM kernel and the rows are few enough for it to pay
+    (`skinny_gemm.SWIGLU_MAX_ROWS`, measured), one launch reads gate and up and forms
+    silu(gate) * up on the fly, rounded as the activation kernel rounds it, so the result equals
+    the two-launch path bit for bit; else the two ops as `silu_mul` and `linear` dispatch them.
+    """
+    if (fused and gate.shape == up.shape and gate.dtype == up.dtype and up.stride(-1) == 1 and not _needs_autograd(up)
+            and (gate.is_cuda or _CPU_KERNELS) and gate.dim() == 2
+            and gate.shape[0] <= _kernels().skinny_swiglu_max_rows):  # fmt: skip
+        config = _skinny_config(fused, gate, weight, bias)
+        if config is not None:
+            return _kernels().skinny_linear(gate, weight, bias, config, up=up)
+    return linear(silu_mul(gate, up, fused), weight, bias, fused)
+
+
+def _skinny_config(fused: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The skinny-GEMM tiles for x @ weight.T + bias when `linear`'s conditions hold, else None."""
     if (
         fused
         and (x.is_cuda or _CPU_KERNELS)
@@ -223,10 +251,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fus
         and not torch.is_autocast_enabled(x.device.type)
         and not _needs_autograd(x, weight, bias)
     ):
-        config = _kernels().skinny_config_for(x.shape[0], weight.shape[1], weight.shape[0], x.device)
-        if config is not None:
-            return _kernels().skinny_linear(x, weight, bias, config)
-    return F.linear(x, weight, bias)
+        return _kernels().skinny_config_for(x.shape[0], weight.shape[1], weight.shape[0], x.device)
+    return None
 
 
 def silu_and_mul(gate_up: torch.Tensor, fused: bool = True) -> torch.Tensor:

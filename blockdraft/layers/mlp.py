@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockdraft.layers.fused_ops import UsesFusedOps, silu_and_mul
+from blockdraft.layers.fused_ops import UsesFusedOps, silu_and_mul, silu_mul_linear
 from blockdraft.layers.linear import Linear, StackedLinear
 
 
@@ -13,7 +13,8 @@ class GatedMLP(UsesFusedOps, nn.Module):
     """down(silu(gate(x)) * up(x)); HF names gate_proj / up_proj (stacked) and down_proj, no biases.
 
     Input / output [rows, hidden_size] in the parameters' dtype. Parameters are left
-    uninitialised (weights are always loaded). On CUDA silu(gate) * up is one Triton kernel.
+    uninitialised (weights are always loaded). On CUDA silu(gate) * up is one Triton kernel, or
+    part of the down projection's skinny-GEMM launch where that kernel runs (1-16 rows).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
@@ -23,4 +24,9 @@ class GatedMLP(UsesFusedOps, nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.fused_ops))
+        gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if self.fused_ops and down.fused_ops and down.packed_weight is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return silu_mul_linear(gate, up, down.weight, down.bias)
+        return down(silu_and_mul(gate_up, self.fused_ops))

@@ -14,12 +14,13 @@ from blockdraft.bench.profile_step import STEP_LABEL, main, shorten, summarize, 
 def test_cpu_run_prints_tables_and_writes_json_and_traces(tmp_path, capsys):
     out, trace = tmp_path / "p.json", tmp_path / "t.json"
     assert main(["--shape", "tiny", "--device", "cpu", "--batch-size", "2", "--steps", "2", "--warmup", "1",
-                 "--prompt-len", "16", "--out", str(out), "--trace", str(trace)]) == 0
+                 "--prompt-len", "16", "--out", str(out), "--trace", str(trace), "--draft-vocab-size", "64"]) == 0
     text = capsys.readouterr().out
     assert "== plain: 2 steps, batch 2" in text and "== dflash: 2 steps, batch 2" in text
     assert "CPU op (self time)" in text and "aten::" in text
     doc = json.loads(out.read_text())
     assert doc["schema"] == "blockdraft-profile-step/1" and doc["settings"]["num_speculative_tokens"] == 15
+    assert doc["settings"]["draft_vocab_size"] == 64 and doc["workload"]["draft_vocab_size"] == 64
     assert list(doc["modes"]) == ["plain", "dflash"] and doc["device"]["type"] == "cpu"
     for mode, s in doc["modes"].items():
         assert s["timeline"] == "cpu" and s["steps"] == 2 and s["batch_size"] == 2, mode
@@ -104,3 +105,9 @@ def test_output_path_that_is_a_folder_is_refused_before_the_run(flag, tmp_path, 
         main(["--shape", "tiny", "--device", "cpu", flag, str(tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"{flag} {str(tmp_path)!r} is a folder" in err
+
+
+def test_draft_vocab_beyond_the_shape_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--shape", "tiny", "--device", "cpu", "--draft-vocab-size", "513"])
+    assert exc.value.code == 2 and "--draft-vocab-size must be in [0, 512] for tiny" in capsys.readouterr().err

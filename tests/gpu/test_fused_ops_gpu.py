@@ -182,6 +182,29 @@ def test_skinny_split_k(k, n, split):
     assert all(int(c.abs().sum()) == 0 for c in skinny_gemm._SPLIT_COUNTERS.values())
 
 
+@pytest.mark.parametrize("k,n", [(4864, 896), (12288, 4096), (1024, 896)])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_skinny_swiglu_down_projection(k, n, rows):
+    """The down projection reading gate and up itself (silu(gate) * up formed in the GEMM) ==
+    the activation kernel then the same GEMM, bit for bit, eagerly and in a graph replay."""
+    from blockdraft.kernels.activation import silu_mul
+    from blockdraft.kernels.skinny_gemm import SkinnyConfig, config_for, skinny_linear
+
+    config = config_for(rows, k, n, torch.device("cuda")) or SkinnyConfig("dot", 32, 256, 4, 4)
+    gate_up, w = rand(rows, 2 * k, dtype=torch.bfloat16), rand(n, k, dtype=torch.bfloat16, scale=0.02, seed=1)
+    gate, up = gate_up[:, :k], gate_up[:, k:]
+    out = skinny_linear(gate, w, None, config, up=up)
+    assert torch.equal(out, skinny_linear(silu_mul(gate, up), w, None, config))
+    static = torch.zeros_like(gate_up)
+    skinny_linear(static[:, :k], w, None, config, up=static[:, k:])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = skinny_linear(static[:, :k], w, None, config, up=static[:, k:])
+    static.copy_(gate_up)
+    graph.replay()
+    assert torch.equal(graph_out, out)
+
+
 def test_linear_layers_take_the_skinny_kernel_on_sm90(monkeypatch):
     from blockdraft.kernels import skinny_gemm
     from blockdraft.layers.linear import Linear
@@ -190,7 +213,7 @@ def test_linear_layers_take_the_skinny_kernel_on_sm90(monkeypatch):
         pytest.skip("the skinny-GEMM tables are for sm90")
     calls = []
     real = fused_ops._kernels().skinny_linear
-    monkeypatch.setattr(fused_ops._kernels(), "skinny_linear", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.setattr(fused_ops._kernels(), "skinny_linear", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
     layer = Linear(896, 1152, bias=True).to("cuda", torch.bfloat16)
     with torch.inference_mode():
         layer(rand(1, 896, dtype=torch.bfloat16))

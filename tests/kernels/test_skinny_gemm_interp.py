@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tests.triton_interp import require_interpreter
 
-require_interpreter("blockdraft.kernels.skinny_gemm")
+require_interpreter("blockdraft.kernels.skinny_gemm", "blockdraft.kernels.activation")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -21,6 +21,7 @@ from blockdraft.kernels.skinny_gemm import (  # noqa: E402
     one_row_rule,
     skinny_linear,
 )
+from blockdraft.kernels.activation import silu_mul  # noqa: E402
 from blockdraft.layers import fused_ops  # noqa: E402
 from blockdraft.layers.linear import Linear  # noqa: E402
 from tests.triton_interp import numpy_index_shim  # noqa: E402,F401  (autouse fixture)
@@ -59,6 +60,21 @@ def test_each_row_depends_only_on_itself(config):
     block = skinny_linear(x, w, None, config)
     for row in (0, 7, 15):
         assert torch.equal(skinny_linear(x[row : row + 1], w, None, config)[0], block[row])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("config", [ROW, DOT, DOT_SPLIT], ids=["row", "dot", "dot_split4"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_gated_input_equals_the_activation_kernel_then_the_gemm(dtype, config, rows):
+    """up=...: (silu(gate) * up) @ W.T in one launch == silu_mul kernel, then the same GEMM, bit
+    for bit (same rounding of the activation). gate / up are the halves of a stacked output."""
+    gate_up = rand(rows, 80, dtype=dtype, seed=12) * 3
+    gate, up = gate_up[:, :40], gate_up[:, 40:]
+    w, b = rand(37, 40, dtype=dtype, seed=13) * 0.2, rand(37, dtype=dtype, seed=14)
+    fused = skinny_linear(gate, w, b, config, up=up)
+    assert torch.equal(fused, skinny_linear(silu_mul(gate, up), w, b, config))
+    expected = F.linear(fused_ops.silu_mul_ref(gate, up).float(), w.float(), b.float()).to(dtype)
+    torch.testing.assert_close(fused, expected, **TOL[dtype])
 
 
 def test_split_k_leaves_its_counters_at_zero_and_is_repeatable():
@@ -100,7 +116,8 @@ def test_config_choice():
     assert table_one == SkinnyConfig("row", 4, 1024, 8, 3) and table_sixteen.kernel == "dot"
     assert config_for(1, 100, 300, CPU) == one_row_rule(100, 300)  # unmeasured: the rule
     assert config_for(8, 100, 300, CPU) is None  # unmeasured, several rows: cuBLAS
-    assert config_for(4, 4864, 896, CPU) is None  # cuBLAS measured faster at 16 rows
+    assert config_for(4, 4864, 896, CPU).split_k == 4  # narrow output at 16 rows: split over K
+    assert config_for(4, 20480, 4096, CPU) is None  # cuBLAS measured as fast at 16 rows
     assert config_for(1, 896, 32768, CPU) is None  # measured: cuBLAS faster than the rule's tiles
     assert config_for(1, 896, 151936, CPU) is None  # beyond the sizes the rule was checked at
     assert config_for(0, 896, 1152, CPU) is None and config_for(MAX_ROWS + 1, 896, 1152, CPU) is None
@@ -129,6 +146,9 @@ def test_refusals():
         skinny_linear(rand(17, 8), w, None, DOT)
     with pytest.raises(ValueError, match="'row' or 'dot'"):
         skinny_linear(x, w, None, SkinnyConfig("tile", 8, 16, 4, 2))
+    for bad_up in (rand(2, 9), rand(2, 8).half(), rand(8, 2).t()):
+        with pytest.raises(ValueError, match="up must match x"):
+            skinny_linear(x, w, None, ROW, up=bad_up)
     for bad in (SkinnyConfig("dot", 16, 16, 4, 2, 3), SkinnyConfig("row", 8, 16, 4, 2, 2)):
         with pytest.raises(ValueError, match="split_k"):
             skinny_linear(x, w, None, bad)
@@ -170,3 +190,31 @@ def test_linear_dispatch(monkeypatch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert fused_ops.linear(xh, half.weight, half.bias).dtype == F.linear(xh, half.weight, half.bias).dtype
     assert len(calls) == 1  # none of these took the kernel
+
+
+def test_swiglu_down_projection_dispatch(monkeypatch):
+    """GatedMLP / DFlashMLP: where the down projection takes the kernel, one launch reads gate and
+    up (same bits as activation + GEMM); fp32 (cuBLAS) keeps the two ops, bit for bit as before."""
+    from blockdraft.layers.mlp import GatedMLP
+
+    monkeypatch.setattr(fused_ops, "_CPU_KERNELS", True)
+    calls = []
+    real = fused_ops._kernels().skinny_linear
+    monkeypatch.setattr(fused_ops._kernels(), "skinny_linear",
+                        lambda *a, **kw: calls.append(kw.get("up") is not None) or real(*a, **kw))  # fmt: skip
+    mlp = GatedMLP(24, 40)
+    with torch.no_grad():
+        mlp.gate_up_proj.weight.copy_(rand(80, 24, seed=15) * 0.3)
+        mlp.down_proj.weight.copy_(rand(24, 40, seed=16) * 0.2)
+        x = rand(1, 24, seed=17)
+        two_ops = F.linear(silu_mul(*F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)), mlp.down_proj.weight)
+        assert torch.equal(mlp(x), two_ops) and not calls  # fp32: activation kernel, then F.linear
+        mlp.half()
+        out = mlp(x.half())
+        assert calls == [False, True]  # gate_up GEMM, then the gated down projection
+        gate_up = fused_ops.linear(x.half(), mlp.gate_up_proj.weight, None)
+        assert torch.equal(out, fused_ops.linear(silu_mul(*gate_up.chunk(2, dim=-1)), mlp.down_proj.weight, None))
+        mlp.down_proj.fused_ops = False  # cuBLAS for the down projection: activation, then F.linear
+        calls.clear()
+        assert torch.equal(mlp(x.half()), F.linear(silu_mul(*gate_up.chunk(2, dim=-1)), mlp.down_proj.weight))
+        assert calls == [False]

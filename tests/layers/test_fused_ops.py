@@ -23,8 +23,9 @@ TWINS = SimpleNamespace(
     rms_norm=fused_ops.rms_norm_ref, fused_add_rms_norm=fused_ops.add_rms_norm_ref,
     qk_norm_rope=fused_ops.qk_norm_rope_ref, norm_rope=fused_ops.norm_rope_ref,
     silu_and_mul=fused_ops.silu_and_mul_ref, silu_mul=fused_ops.silu_mul_ref,
-    # every shape "has" a skinny config, and its twin is F.linear
-    skinny_config_for=lambda rows, k, n, device: "twin", skinny_linear=lambda x, w, b, config: F.linear(x, w, b),
+    # every shape "has" a skinny config, and its twin is F.linear (after silu(x) * up when gated)
+    skinny_config_for=lambda rows, k, n, device: "twin", skinny_swiglu_max_rows=16,
+    skinny_linear=lambda x, w, b, config, up=None: F.linear(x if up is None else fused_ops.silu_mul_ref(x, up), w, b),
 )  # fmt: skip
 
 
