@@ -77,6 +77,7 @@ def paged_attention_dense(
     scale: float,
     sliding_window: int | None = None,
     causal: bool = True,
+    kv_written: bool = False,
 ) -> torch.Tensor:
     """Write this forward's K/V (causal forwards only), then attend; see the module docstring.
 
@@ -88,6 +89,8 @@ def paged_attention_dense(
         scale: softmax scale.
         sliding_window: window size incl. self, or None.
         causal: draft-block mode only (False = bidirectional inside the block).
+        kv_written: True when the caller already wrote this forward's K/V into the cache (the
+            q/k RoPE kernel's `kv_write`); nothing is written then.
     Returns:
         [T, num_heads, head_dim] in q's dtype; padding rows are zero.
     Memory: gathers every row's full page list, O(T * max_blocks_per_req * kv_block_size *
@@ -98,7 +101,7 @@ def paged_attention_dense(
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     block_tokens = meta.num_block_tokens
-    if not block_tokens:
+    if not kv_written and not block_tokens:
         write_kv_dense(k_cache, v_cache, k, v, meta.slot_mapping)
     device = q.device
     row_req = meta.row_req if meta.row_req is not None else row_requests_device(meta.query_start_loc, num_rows)
@@ -146,3 +149,6 @@ def paged_attention_dense(
     out = torch.einsum("tkgn,tnkd->tkgd", probs, vals.float())
     out = torch.where(is_row[:, None, None, None], out, 0.0)
     return out.reshape(num_rows, num_heads, head_dim).to(q.dtype)
+
+
+paged_attention_dense.accepts_kv_written = True  # see AttentionBackend

@@ -14,6 +14,9 @@ class AttentionBackend(Protocol):
 
     q [rows, heads, head_dim]; k, v [rows, kv_heads, head_dim]; k_cache, v_cache
     [num_kv_blocks, kv_block_size, kv_heads, head_dim]. Returns [rows, heads, head_dim].
+    A backend with the attribute `accepts_kv_written = True` also takes `kv_written=True`: the
+    caller (the q/k RoPE kernel of `blockdraft.layers.attention.Attention`) has written the
+    K/V already, and the backend only attends.
     """
 
     def __call__(

@@ -54,6 +54,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     causal: bool = True,
+    kv_written: bool = False,
 ) -> torch.Tensor:
     """Write this forward's K/V to the cache (causal forwards only), then attend.
 
@@ -65,11 +66,13 @@ def paged_attention(
         scale: softmax scale (usually head_dim ** -0.5).
         sliding_window: attend only to the last `sliding_window` positions (incl. self), or None.
         causal: for draft blocks only: False = bidirectional inside the block.
+        kv_written: True when the caller already wrote this forward's K/V into the cache (the
+            q/k RoPE kernel's `kv_write`); nothing is written then.
     Returns:
         [num_rows, num_heads, head_dim] in q's dtype; rows past `query_start_loc[-1]`
         (padding) are zero.
     """
-    if not meta.num_block_tokens:
+    if not kv_written and not meta.num_block_tokens:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     qsl = meta.query_start_loc_host
@@ -92,6 +95,9 @@ def paged_attention(
             mask = _mask(seq_len - (hi - lo), hi - lo, seq_len, sliding_window, True, q.device)
         _attend(q[lo:hi], keys, vals, mask, scale, out[lo:hi])
     return out
+
+
+paged_attention.accepts_kv_written = True  # see AttentionBackend
 
 
 # Causal query ranges of at most this many rows (DFlash verify blocks: K + 1 <= block_size rows)

@@ -439,6 +439,7 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None = None,
     causal: bool = True,
+    kv_written: bool = False,
     *,
     num_kv_splits: int | None = None,
     multi_row: bool | None = None,
@@ -456,6 +457,8 @@ def paged_attention_triton(
             query_start_loc when None, without a host sync).
         scale: softmax scale; sliding_window: window incl. self or None; causal: draft-block
             mode only (False = bidirectional inside the block).
+        kv_written: True when the caller already wrote this forward's K/V into the cache (the
+            q/k RoPE kernel's `kv_write`); nothing is written then.
         num_kv_splits: split each program's keys over this many programs and merge them in a
             second launch (flash-decoding), for batches too small to fill the GPU; None picks it
             from the shapes (`kv_splits_for` / `multi_row_kv_splits`), 1 = a single attention launch.
@@ -504,7 +507,7 @@ def paged_attention_triton(
     if not 1 <= splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits must be in [1, {MAX_KV_SPLITS}], got {splits}")
 
-    if not block_tokens:
+    if not kv_written and not block_tokens:
         write_kv_triton(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_rows == 0:
@@ -555,6 +558,9 @@ def paged_attention_triton(
             NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
         )  # fmt: skip
     return out
+
+
+paged_attention_triton.accepts_kv_written = True  # see AttentionBackend
 
 
 MULTI_ROW_MAX_GROUP = 4  # see use_multi_row

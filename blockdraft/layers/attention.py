@@ -12,7 +12,7 @@ from torch import nn
 
 from blockdraft.attention.interface import AttentionBackend
 from blockdraft.attention.metadata import AttentionMetadata
-from blockdraft.layers.fused_ops import UsesFusedOps, qk_norm_rope
+from blockdraft.layers.fused_ops import UsesFusedOps, qk_norm_rope, qk_norm_rope_write_kv
 from blockdraft.layers.linear import Linear, StackedLinear
 from blockdraft.layers.norm import RMSNorm
 
@@ -65,17 +65,21 @@ class Attention(UsesFusedOps, nn.Module):
 
         v is a view of the qkv matmul output; q and k are new tensors (normed and rotated).
         """
+        q, k, v = self._split_heads(x)
+        q, k = qk_norm_rope(q, k, cos, sin, *self._qk_norm_args(), self.fused_ops)
+        return q, k, v
+
+    def _split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [rows, hidden] -> views q [rows, heads, D], k, v [rows, kv_heads, D] of one qkv matmul."""
         rows = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(rows, self.num_heads, self.head_dim)
-        k = k.view(rows, self.num_kv_heads, self.head_dim)
-        v = v.view(rows, self.num_kv_heads, self.head_dim)
+        return (q.view(rows, self.num_heads, self.head_dim), k.view(rows, self.num_kv_heads, self.head_dim),
+                v.view(rows, self.num_kv_heads, self.head_dim))  # fmt: skip
+
+    def _qk_norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         if self.q_norm is None:
-            q, k = qk_norm_rope(q, k, cos, sin, None, None, 0.0, self.fused_ops)
-        else:
-            q_w, k_w = self.q_norm.weight, self.k_norm.weight
-            q, k = qk_norm_rope(q, k, cos, sin, q_w, k_w, self.q_norm.eps, self.fused_ops)
-        return q, k, v
+            return None, None, 0.0
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
     def forward(
         self,
@@ -85,9 +89,21 @@ class Attention(UsesFusedOps, nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """x [rows, hidden]; cos/sin [rows, 1, head_dim]; kv_cache = (k_cache, v_cache) -> [rows, hidden]."""
-        q, k, v = self.project_qkv(x, cos, sin)
+        """x [rows, hidden]; cos/sin [rows, 1, head_dim]; kv_cache = (k_cache, v_cache) -> [rows, hidden].
+
+        Causal forwards through a backend that takes `kv_written` let the q/k norm + RoPE kernel
+        write this forward's K/V into the cache in its launch (one launch less per layer).
+        """
+        written = False
+        if self.causal and getattr(self.backend, "accepts_kv_written", False) and meta.slot_mapping.device == x.device:
+            q, k, v = self._split_heads(x)
+            q, k, written = qk_norm_rope_write_kv(q, k, v, cos, sin, *self._qk_norm_args(), kv_cache,
+                                                  meta.slot_mapping, self.fused_ops)  # fmt: skip
+        else:
+            q, k, v = self.project_qkv(x, cos, sin)
+        extra = {"kv_written": True} if written else {}
         out = self.backend(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding_window=self.sliding_window, causal=self.causal
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding_window=self.sliding_window, causal=self.causal,
+            **extra,
         )
         return self.o_proj(out.reshape(x.shape[0], self.q_size))

@@ -194,6 +194,40 @@ def qk_norm_rope(
     return qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps)
 
 
+def qk_norm_rope_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    fused: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """`qk_norm_rope`, and where its kernel runs, the paged-cache write of (rotated k, v) in the
+    same launch (`blockdraft.kernels.rope.qk_norm_rope(kv_write=...)`).
+
+    Args:
+        v [rows, kv_heads, D] like k; kv_cache (k_cache, v_cache) [num_blocks, kv_block_size,
+        kv_heads, D]; slot_mapping [rows] (< 0: no write); the rest as `qk_norm_rope`.
+    Returns:
+        (q, k, written): written is True when the cache now holds this forward's K/V (the
+        attention backend must then not write them again: `kv_written=True`), False when the
+        torch twins ran and the backend writes as usual.
+    """
+    kernel_ok = (_one_dtype(q, k, v, cos, sin, q_weight, k_weight)
+                 and not _needs_autograd(q, k, v, q_weight, k_weight))  # fmt: skip
+    if fused and (q.is_cuda or _CPU_KERNELS) and kernel_ok:
+        kv_write = (v, kv_cache[0], kv_cache[1], slot_mapping)
+        q, k = _kernels().qk_norm_rope(q, k, cos, sin, q_weight, k_weight, eps, kv_write=kv_write)
+        return q, k, True
+    q, k = qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps)
+    return q, k, False
+
+
 def norm_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None, eps: float, fused: bool = True
 ) -> torch.Tensor:

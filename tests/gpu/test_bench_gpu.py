@@ -9,6 +9,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+@pytest.mark.gpu_exclusive  # the bench sizes its pools from the free GPU memory (0.9)
 @pytest.mark.parametrize("eager", [False, True])
 def test_bench_tiny_shape_on_cuda(tmp_path, eager):
     from blockdraft.bench.report import validate_report

@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 from blockdraft.cli import main  # noqa: E402
 from tests.server.tiny_model import write_tiny_drafter, write_tiny_model  # noqa: E402
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_exclusive]
 
 
 def test_eval_drafter_runs_on_cuda_with_compare_plain(tmp_path, monkeypatch, capsys):

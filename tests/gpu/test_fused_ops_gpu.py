@@ -96,6 +96,32 @@ def test_qk_norm_rope_on_qkv_views(dtype, shape, rows, with_norm):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("with_norm", [False, True], ids=["rope", "norm_rope"])
+def test_qk_norm_rope_writes_the_kv_cache_like_write_kv(dtype, shape, with_norm):
+    """kv_write: the RoPE launch leaves the paged cache exactly as write_kv_triton(k_out, v)
+    would (padding slots untouched), and q / k are unchanged by it."""
+    from blockdraft.attention.triton_attention import write_kv_triton
+
+    _, heads, kv_heads, head_dim, _, _ = SHAPES[shape]
+    rows, q_size, kv_size = 16, heads * head_dim, kv_heads * head_dim
+    qkv = rand(rows, q_size + 2 * kv_size, dtype=dtype, scale=2)
+    q, k, v = (t.view(rows, -1, head_dim) for t in qkv.split([q_size, kv_size, kv_size], dim=-1))
+    rope = RotaryEmbedding(head_dim, 1e6).cuda()
+    cos, sin = rope.cos_sin(torch.randint(0, 32768, (rows,), device="cuda"), dtype)
+    qw, kw = (rand(head_dim, dtype=dtype, seed=s) * 0.2 + 1 for s in (3, 4)) if with_norm else (None, None)
+    slots = torch.randperm(64, device="cuda")[:rows]
+    slots[3] = -1
+    caches = [rand(4, 16, kv_heads, head_dim, dtype=dtype, seed=s) for s in (5, 6)]
+    expected = [c.clone() for c in caches]
+    out_q, out_k = qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6, kv_write=(v, *caches, slots))
+    plain_q, plain_k = qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+    assert torch.equal(out_q, plain_q) and torch.equal(out_k, plain_k)
+    write_kv_triton(*expected, plain_k, v, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("rows", ROWS)
 def test_silu_and_mul(dtype, shape, rows):
     inter = SHAPES[shape][4]

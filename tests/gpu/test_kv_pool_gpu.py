@@ -20,7 +20,7 @@ from blockdraft.spec.dflash.speculator import DFlashSpeculator  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
 from tests.gpu.runner_util import cuda_llm, cuda_tiny_target  # noqa: E402
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_exclusive]
 GIB = 1 << 30
 
 

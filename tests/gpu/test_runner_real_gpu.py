@@ -62,6 +62,7 @@ def test_dflash_shipped_drafter_equals_plain_greedy_fp32(name):
     assert llm.engine.stats.spec.num_accepted_tokens > 0
 
 
+@pytest.mark.gpu_exclusive  # half the GPU's memory for its pool
 def test_cli_generate_on_cuda_sizes_the_pool_and_answers():
     cached_real_target("qwen2.5-coder-0.5b-instruct", "bfloat16")  # skip unless cached
     cmd = [sys.executable, "-m", "blockdraft.cli", "generate", QUESTIONS[0], "--device", "cuda", "--draft", "shipped",

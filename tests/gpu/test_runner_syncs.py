@@ -14,7 +14,7 @@ from blockdraft.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import random_prompts  # noqa: E402
 from tests.gpu.runner_util import count_host_syncs, cuda_llm, cuda_tiny_target, graph_runs  # noqa: E402
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.gpu_exclusive]
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])

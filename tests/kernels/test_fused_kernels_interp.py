@@ -111,6 +111,43 @@ def test_qk_norm_rope_on_qkv_views(dtype, heads, kv_heads, head_dim, with_norm):
     assert_matches(norm_rope(k, cos, sin, kw, 1e-6), ref_k, exact=not with_norm)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_norm", [False, True], ids=["rope", "norm_rope"])
+def test_qk_norm_rope_writes_the_kv_cache_like_write_kv(dtype, with_norm):
+    """kv_write: the cache afterwards holds exactly what write_kv(k_out, v) writes (padding slot
+    -1 writes nothing, other slots untouched); q / k outputs are unchanged by the write."""
+    from blockdraft.attention.torch_ref import write_kv
+
+    rows, heads, kv_heads, head_dim, block = 4, 4, 2, 16, 4
+    qkv = rand(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype, scale=2, seed=21)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(rows, -1, head_dim) for t in (q, k, v))
+    angles = torch.arange(rows)[:, None, None] * torch.rand(1, 1, head_dim // 2).repeat(1, 1, 2) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qw, kw = (rand(head_dim, dtype=dtype, seed=s) * 0.3 + 1 for s in (6, 7)) if with_norm else (None, None)
+    slots = torch.tensor([9, -1, 2, 13])  # a padding row, slots across pages
+    caches = [rand(5, block, kv_heads, head_dim, dtype=dtype, seed=s) for s in (22, 23)]
+    expected = [c.clone() for c in caches]
+    out_q, out_k = qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6, kv_write=(v, *caches, slots))
+    plain_q, plain_k = qk_norm_rope(q, k, cos, sin, qw, kw, 1e-6)
+    assert torch.equal(out_q, plain_q) and torch.equal(out_k, plain_k)
+    write_kv(*expected, plain_k, v, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_kv_write_refusals():
+    k = rand(2, 2, 16, dtype=torch.float32)
+    cos = sin = torch.ones(2, 16)
+    cache = torch.zeros(3, 4, 2, 16)
+    good = (rand(2, 2, 16, dtype=torch.float32), cache, cache.clone(), torch.tensor([0, 1]))
+    for bad, match in [((rand(2, 3, 16, dtype=torch.float32),) + good[1:], "v must match k"),
+                       (good[:1] + (torch.zeros(3, 4, 3, 16),) + good[2:], "k_cache must be"),
+                       (good[:2] + (torch.zeros(2, 4, 2, 16),) + good[3:], "must match"),
+                       (good[:3] + (torch.tensor([0.0, 1.0]),), "slot_mapping must be")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            qk_norm_rope(k, k, cos, sin, kv_write=bad)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("inter", [40, 1100])  # one partial block; two blocks of 1024
 def test_silu_and_mul(dtype, inter):

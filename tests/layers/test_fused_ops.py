@@ -19,9 +19,22 @@ from blockdraft.layers.norm import RMSNorm
 from blockdraft.spec.dflash.checkpoint import random_drafter
 from tests.layers.fused_cases import decode, random_target
 
+
+
+def _qk_norm_rope_twin(q, k, cos, sin, q_weight, k_weight, eps, kv_write=None):
+    """The twin of kernels.rope.qk_norm_rope: with kv_write, the torch cache write follows."""
+    from blockdraft.attention.torch_ref import write_kv
+
+    q, k = fused_ops.qk_norm_rope_ref(q, k, cos, sin, q_weight, k_weight, eps)
+    if kv_write is not None:
+        v, k_cache, v_cache, slot_mapping = kv_write
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q, k
+
+
 TWINS = SimpleNamespace(
     rms_norm=fused_ops.rms_norm_ref, fused_add_rms_norm=fused_ops.add_rms_norm_ref,
-    qk_norm_rope=fused_ops.qk_norm_rope_ref, norm_rope=fused_ops.norm_rope_ref,
+    qk_norm_rope=_qk_norm_rope_twin, norm_rope=fused_ops.norm_rope_ref,
     silu_and_mul=fused_ops.silu_and_mul_ref, silu_mul=fused_ops.silu_mul_ref,
     # every shape "has" a skinny config, and its twin is F.linear (after silu(x) * up when gated)
     skinny_config_for=lambda rows, k, n, device: "twin", skinny_swiglu_max_rows=16,
@@ -131,3 +144,38 @@ def test_drafter_residual_carry_is_bit_identical(kernel_path_with_twins, dtype):
     (fused, fused_caches), (plain, plain_caches) = outs
     assert torch.equal(fused, plain)
     assert all(torch.equal(a, b) for fa, pa in zip(fused_caches, plain_caches) for a, b in zip(fa, pa))
+
+
+def test_the_rope_kernel_writes_the_kv_cache_and_the_backend_only_attends(kernel_path_with_twins):
+    """Causal layers on the kernel path write K/V in the RoPE launch and call the backend with
+    kv_written=True; the twins leave the write to the backend; same logits either way (the
+    decode reads every written slot back over 3 steps)."""
+    model = random_target("qwen3", torch.bfloat16, seed=5)
+    seen = []
+    for layer in model.model.layers:
+        real = layer.self_attn.backend
+
+        def recording(*args, _real=real, **kwargs):
+            seen.append(kwargs.get("kv_written", False))
+            return _real(*args, **kwargs)
+
+        recording.accepts_kv_written = True
+        layer.self_attn.backend = recording
+    set_fused_ops(model, True)
+    fused = decode(model, [[5, 6, 7, 8, 9], [10, 11]], steps=3)
+    assert seen and all(seen)
+    seen.clear()
+    set_fused_ops(model, False)
+    plain = decode(model, [[5, 6, 7, 8, 9], [10, 11]], steps=3)
+    assert seen and not any(seen)
+    assert torch.equal(fused.logits, plain.logits)
+
+
+def test_backends_without_the_flag_keep_writing(kernel_path_with_twins):
+    model = random_target("llama", torch.bfloat16, seed=6)
+    calls = []
+    for layer in model.model.layers:
+        real = layer.self_attn.backend
+        layer.self_attn.backend = lambda *a, _real=real, **kw: calls.append(kw) or _real(*a, **kw)
+    decode(model, [[5, 6, 7]], steps=1)
+    assert calls and all("kv_written" not in kw for kw in calls)
