@@ -87,7 +87,7 @@ _SM90_SIXTEEN_ROWS: dict[tuple[int, int], SkinnyConfig] = {
     (4096, 24576): SkinnyConfig("dot", 64, 128, 4, 3),  # 49.27 -> 48.24
     (12288, 4096): SkinnyConfig("dot", 32, 256, 4, 5),  # 28.00 -> 26.90
     (4096, 32768): SkinnyConfig("dot", 128, 128, 4, 3),  # 64.87 -> 63.30
-    # session 15 sweep (split-K measured; docs/benchmarks/gpu-2026-12-02-s15/sweep16_draft.json)
+    # session 15 sweep (split-K measured; docs/benchmarks/gpu-2026-12-01-s15/sweep16_draft.json)
     (4864, 896): SkinnyConfig("dot", 32, 256, 4, 4, 4),  # Qwen2.5-0.5B down: 7.42 -> 6.72
     (896, 128): SkinnyConfig("dot", 16, 64, 4, 4, 8),  # its drafter's k/v: 3.95 -> 3.52
     (896, 1024): SkinnyConfig("dot", 16, 128, 4, 5),  # drafter gate / up: 4.24 -> 3.80

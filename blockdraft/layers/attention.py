@@ -30,7 +30,9 @@ class Attention(UsesFusedOps, nn.Module):
         backend: the paged attention function (see AttentionBackend).
         causal: passed to the backend; False only for non-causal draft blocks.
     Parameters are left uninitialised (weights are always loaded). On CUDA the q/k norm and
-    RoPE run as one Triton kernel (`blockdraft.layers.fused_ops.qk_norm_rope`).
+    RoPE run as one Triton kernel (`blockdraft.layers.fused_ops.qk_norm_rope`), which in causal
+    layers also writes the forward's K/V into the paged cache when the backend accepts
+    `kv_written` (`fused_ops.qk_norm_rope_write_kv`).
     """
 
     def __init__(
