@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-import os
-
 from blockdraft.config import ModelConfig
 from blockdraft.llm import LLM, LoadedTarget
+
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist with several workers, skip the `gpu_exclusive` tests: parallel workers

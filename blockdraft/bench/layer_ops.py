@@ -9,7 +9,9 @@ the embedding table counts although a step reads only `batch` rows of it).
 
 Attention backends (`--attention`, several allowed; the model is built once and re-pointed):
     skip       no attention (returns q unchanged): the cost of everything else, i.e. of the ops
-               this benchmark is about. Not a model of a real step.
+               this benchmark is about. Not a model of a real step. It takes no `kv_written`,
+               so no K/V are written; with the other backends the q/k RoPE kernel writes them
+               (on the kernel path), so "backend - skip" excludes the write there.
     dense      blockdraft.attention.dense_ref.paged_attention_dense: sync-free torch, capturable,
                but a test oracle (it gathers every page in fp32), so it inflates the step.
     triton     blockdraft.attention.triton_attention.paged_attention_triton, when that module exists.
@@ -31,10 +33,10 @@ from collections.abc import Callable
 
 import torch
 
+from blockdraft.attention.interface import AttentionBackend
 from blockdraft.attention.metadata import build_metadata
 from blockdraft.bench.random_weights import fill_random_
 from blockdraft.config import ModelConfig
-from blockdraft.attention.interface import AttentionBackend
 from blockdraft.layers.fused_ops import set_fused_ops
 from blockdraft.models import CausalLM, allocate_kv_caches, build_model
 

@@ -193,13 +193,12 @@ def run(shape: str, device: str, batch_size: int, steps: int, warmup: int, modes
             vocabulary larger than the shape's (named).
     """
     from blockdraft.bench.command import device_info, floor_of
+    from blockdraft.bench.shapes import get_shape, model_config
     from blockdraft.bench.suite import Settings, build_engines, log
     from blockdraft.bench.workload import random_workload, resolve_device_dtype
 
-    from blockdraft.bench.shapes import get_shape, model_config
-
     vocab = model_config(get_shape(shape)).vocab_size
-    if isinstance(draft_vocab_size, bool) or not 0 <= draft_vocab_size <= vocab:
+    if not 0 <= draft_vocab_size <= vocab:
         raise ValueError(f"--draft-vocab-size must be in [0, {vocab}] for {shape} (0: full vocabulary), "
                          f"got {draft_vocab_size}")
     dev, dtype = resolve_device_dtype(device, "auto")

@@ -146,12 +146,14 @@ def _check_kv_write(v, k_cache, v_cache, slot_mapping, k) -> None:
                 or cache.device != k.device or not cache.is_floating_point()):  # fmt: skip
             raise ValueError(f"{name} must be a float [num_blocks, kv_block_size, {num_kv_heads}, {head_dim}] "
                              f"tensor on {k.device} with unit stride inside a head, got {tuple(cache.shape)} "
-                             f"{cache.dtype} on {cache.device}")  # fmt: skip
+                             f"{cache.dtype} on {cache.device}, strides {cache.stride()}")  # fmt: skip
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match")
-    if slot_mapping.shape != (rows,) or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be an int32 / int64 [{rows}], got {tuple(slot_mapping.shape)} "
-                         f"{slot_mapping.dtype}")  # fmt: skip
+    if (slot_mapping.shape != (rows,) or slot_mapping.dtype not in (torch.int32, torch.int64)
+            or slot_mapping.device != k.device or (rows > 1 and slot_mapping.stride(0) != 1)):  # fmt: skip
+        raise ValueError(f"slot_mapping must be a contiguous int32 / int64 [{rows}] on {k.device}, got "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype} on {slot_mapping.device}, "
+                         f"strides {slot_mapping.stride()}")  # fmt: skip
 
 
 def _launch(
@@ -229,9 +231,10 @@ def qk_norm_rope(
         q_weight, k_weight: [head_dim] RMSNorm weights (Qwen3 q_norm / k_norm), both or neither.
         eps: RMSNorm epsilon (unused without weights).
         kv_write: None, or (v [rows, num_kv_heads, head_dim] like k, k_cache, v_cache
-            [num_blocks, kv_block_size, num_kv_heads, head_dim] (written in place, cast to their
-            dtype), slot_mapping [rows] int32 / int64 flat slot page * kv_block_size + offset, < 0
-            writes nothing): the cache holds exactly what `write_kv_triton(k_cache, v_cache,
+            [num_blocks, kv_block_size, num_kv_heads, head_dim] (written in place, each cast to
+            its own float dtype; any page / token / head strides), slot_mapping a contiguous
+            [rows] int32 / int64 flat slot page * kv_block_size + offset (< 0 writes nothing),
+            all on k's device): the cache holds exactly what `write_kv_triton(k_cache, v_cache,
             k_out, v, slot_mapping)` would write.
     Returns:
         (q_out [rows, num_heads, head_dim], k_out [rows, num_kv_heads, head_dim]), new

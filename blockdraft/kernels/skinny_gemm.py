@@ -17,7 +17,7 @@ docs/benchmarks/gpu-2026-12-01-s14/skinny_gemm.json). Two kernels:
       `python -m blockdraft.bench.skinny_gemm --sweep` times split-K tiles beside the others;
       the 16-row table uses them for narrow outputs (e.g. Qwen2.5-0.5B's down projection).
   Either kernel can form its input as silu(gate) * up (`up=`): a SwiGLU down projection in one
-  launch (used for one row, `SWIGLU_MAX_ROWS`).
+  launch (used for one row of the shapes where that measured faster, `fuses_swiglu`).
 
 Which shapes take a kernel, and with which tiles, is measured, not guessed (`config_for`): a
 table of the H200's best tiles per (K, N) for one row and for 16 rows; other one-row shapes up
@@ -96,13 +96,20 @@ _SM90_SIXTEEN_ROWS: dict[tuple[int, int], SkinnyConfig] = {
     (4096, 1024): SkinnyConfig("dot", 32, 128, 4, 4, 4),  # Qwen3-8B drafter k/v: 7.14 -> 6.34
     (4096, 12288): SkinnyConfig("dot", 128, 128, 4, 4),  # its gate / up: 28.62 -> 27.14
 }
-# SwiGLU down projections reading gate and up themselves (`skinny_linear(..., up=...)`) for at
-# most this many rows: with one row the activation's launch is saved (us per call, activation
-# kernel + GEMM -> one launch, session 15: Qwen3-8B down 27.96 -> 27.55, SmolLM2 4.60 -> 3.44, a
-# 0.5B drafter's 4.13 -> 2.90; Qwen2.5-0.5B 6.35 -> 6.43 and 1.5B 11.46 -> 11.49 about even); at
-# 16 rows every program recomputes silu for 16 rows of K and the GEMM turns compute-bound
-# (Qwen3-8B down 30.47 -> 214 us).
-SWIGLU_MAX_ROWS = 1
+# SwiGLU down projections that read gate and up themselves (`skinny_linear(..., up=...)`): one
+# row of these (K, N), where one launch measured faster than the activation kernel + the GEMM
+# (us per call, session 15, docs/benchmarks/gpu-2026-12-01-s15/swiglu.json): Qwen3-8B down 27.96
+# -> 27.55, SmolLM2-135M down 4.60 -> 3.44. Not taken: Qwen2.5-0.5B 6.35 -> 6.43 and 1.5B 11.46
+# -> 11.49 (even); 16 rows (Qwen3-8B 30.47 -> 214 us: every program recomputes silu for 16 rows
+# of K and the GEMM turns compute-bound).
+_SM90_SWIGLU_ONE_ROW = frozenset({(12288, 4096), (1536, 576)})
+
+
+def fuses_swiglu(rows: int, in_features: int, out_features: int) -> bool:
+    """True when a SwiGLU down projection of `rows` rows and this weight shape ([out, in]) should
+    form silu(gate) * up inside its skinny-GEMM launch (one row of a measured-faster shape; the
+    kernel must also be chosen by `config_for`). Pure lookup, no errors."""
+    return rows == 1 and (in_features, out_features) in _SM90_SWIGLU_ONE_ROW
 # The one-row rule is used up to the sizes it was checked at (skinny_gemm.json: 1.02-2.76x over
 # cuBLAS on 15 unlisted shapes of Qwen2.5-0.5B / 1.5B, SmolLM2-135M and DFlash drafters, K up to
 # 20,480, N up to 17,920).

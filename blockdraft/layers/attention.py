@@ -93,11 +93,19 @@ class Attention(UsesFusedOps, nn.Module):
     ) -> torch.Tensor:
         """x [rows, hidden]; cos/sin [rows, 1, head_dim]; kv_cache = (k_cache, v_cache) -> [rows, hidden].
 
-        Causal forwards through a backend that takes `kv_written` let the q/k norm + RoPE kernel
-        write this forward's K/V into the cache in its launch (one launch less per layer).
+        Causal forwards (no draft block) through a backend that takes `kv_written` let the q/k
+        norm + RoPE kernel write this forward's K/V into the cache in its launch (one launch less
+        per layer); where the torch twins run, the backend writes as before.
+
+        Raises:
+            ValueError: the cache's page size differs from meta.kv_block_size (before any write).
         """
         written = False
-        if self.causal and getattr(self.backend, "accepts_kv_written", False) and meta.slot_mapping.device == x.device:
+        if (self.causal and not meta.num_block_tokens and getattr(self.backend, "accepts_kv_written", False)
+                and meta.slot_mapping.device == x.device):  # fmt: skip
+            if kv_cache[0].shape[1] != meta.kv_block_size:  # checked before the cache is written
+                raise ValueError(f"cache pages hold {kv_cache[0].shape[1]} tokens but meta.kv_block_size is "
+                                 f"{meta.kv_block_size}")  # fmt: skip
             q, k, v = self._split_heads(x)
             q, k, written = qk_norm_rope_write_kv(q, k, v, cos, sin, *self._qk_norm_args(), kv_cache,
                                                   meta.slot_mapping, self.fused_ops)  # fmt: skip

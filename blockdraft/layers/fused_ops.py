@@ -85,7 +85,7 @@ def _kernels() -> SimpleNamespace:
             qk_norm_rope=rope.qk_norm_rope, norm_rope=rope.norm_rope,
             silu_and_mul=activation.silu_and_mul, silu_mul=activation.silu_mul,
             skinny_config_for=skinny_gemm.config_for, skinny_linear=skinny_gemm.skinny_linear,
-            skinny_swiglu_max_rows=skinny_gemm.SWIGLU_MAX_ROWS,
+            skinny_fuses_swiglu=skinny_gemm.fuses_swiglu,
         )  # fmt: skip
     return _KERNELS
 
@@ -257,14 +257,14 @@ def silu_mul_linear(
 ) -> torch.Tensor:
     """SwiGLU's down projection: linear(silu_mul(gate, up), weight, bias) for gate / up [rows, in].
 
-    Where `linear` would take the skinny-GEMM kernel and the rows are few enough for it to pay
-    (`skinny_gemm.SWIGLU_MAX_ROWS`, measured), one launch reads gate and up and forms
+    Where `linear` would take the skinny-GEMM kernel and one launch measured faster for these
+    rows and this shape (`skinny_gemm.fuses_swiglu`), that launch reads gate and up and forms
     silu(gate) * up on the fly, rounded as the activation kernel rounds it, so the result equals
     the two-launch path bit for bit; else the two ops as `silu_mul` and `linear` dispatch them.
     """
     if (fused and gate.shape == up.shape and gate.dtype == up.dtype and up.stride(-1) == 1 and not _needs_autograd(up)
             and (gate.is_cuda or _CPU_KERNELS) and gate.dim() == 2
-            and gate.shape[0] <= _kernels().skinny_swiglu_max_rows):  # fmt: skip
+            and _kernels().skinny_fuses_swiglu(gate.shape[0], weight.shape[1], weight.shape[0])):  # fmt: skip
         config = _skinny_config(fused, gate, weight, bias)
         if config is not None:
             return _kernels().skinny_linear(gate, weight, bias, config, up=up)

@@ -14,7 +14,8 @@ class GatedMLP(UsesFusedOps, nn.Module):
 
     Input / output [rows, hidden_size] in the parameters' dtype. Parameters are left
     uninitialised (weights are always loaded). On CUDA silu(gate) * up is one Triton kernel, or
-    part of the down projection's skinny-GEMM launch where that kernel runs (1-16 rows).
+    part of the down projection's skinny-GEMM launch for one row of the shapes where that measured
+    faster (`blockdraft.kernels.skinny_gemm.fuses_swiglu`).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:

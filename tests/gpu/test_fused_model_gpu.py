@@ -125,6 +125,24 @@ def test_decode_layer_kernel_count(preset):
         assert launched == count, f"{name}: {launched} per layer, expected {count}; {detail}"
 
 
+@pytest.mark.parametrize("preset", ["qwen3-8b", "qwen2.5-0.5b"])
+def test_the_rope_kernel_writes_kv_instead_of_a_separate_launch(preset):
+    """With the Triton attention backend a decode layer launches no `_write_kv_kernel`: the q/k
+    norm + RoPE kernel writes the K/V (`kv_written`); with the ops off the backend writes them."""
+    from blockdraft.attention.triton_attention import paged_attention_triton
+
+    config = dataclasses.replace(layer_ops.PRESETS[preset], num_hidden_layers=2, layer_types=(), vocab_size=1024)
+    for fused, expected_writes in ((True, 0), (False, 2)):
+        model = set_fused_ops(layer_ops.random_model(config), fused)
+        layer_ops.set_attention_backend(model, paged_attention_triton)
+        step = layer_ops.decode_step(model, batch=4, context=64)
+        with torch.inference_mode():
+            step()
+            kernels = layer_ops.count_cuda_kernels(step)
+        assert sum(k.startswith("_write_kv_kernel") for k in kernels) == expected_writes, kernels
+        assert sum(k.startswith("_qk_norm_rope_kernel") for k in kernels) == (2 if fused else 0), kernels
+
+
 def test_layer_ops_benchmark_runs(tmp_path):
     out = tmp_path / "layer_ops.json"
     layer_ops.main(["--preset", "qwen2.5-0.5b", "--layers", "2", "--batch", "2", "--context", "32",

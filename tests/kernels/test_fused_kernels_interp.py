@@ -143,7 +143,8 @@ def test_kv_write_refusals():
     for bad, match in [((rand(2, 3, 16, dtype=torch.float32),) + good[1:], "v must match k"),
                        (good[:1] + (torch.zeros(3, 4, 3, 16),) + good[2:], "k_cache must be"),
                        (good[:2] + (torch.zeros(2, 4, 2, 16),) + good[3:], "must match"),
-                       (good[:3] + (torch.tensor([0.0, 1.0]),), "slot_mapping must be")]:  # fmt: skip
+                       (good[:3] + (torch.tensor([0.0, 1.0]),), "slot_mapping must be"),
+                       (good[:3] + (torch.tensor([[0, 5], [1, 5]])[:, 0],), "contiguous int32")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             qk_norm_rope(k, k, cos, sin, kv_write=bad)
 

@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
+from blockdraft.kernels.activation import silu_mul  # noqa: E402
 from blockdraft.kernels.skinny_gemm import (  # noqa: E402
     MAX_ROWS,
     SkinnyConfig,
@@ -21,7 +22,6 @@ from blockdraft.kernels.skinny_gemm import (  # noqa: E402
     one_row_rule,
     skinny_linear,
 )
-from blockdraft.kernels.activation import silu_mul  # noqa: E402
 from blockdraft.layers import fused_ops  # noqa: E402
 from blockdraft.layers.linear import Linear  # noqa: E402
 from tests.triton_interp import numpy_index_shim  # noqa: E402,F401  (autouse fixture)
@@ -109,6 +109,14 @@ def test_the_switch_is_read_from_the_environment_at_import():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**os.environ, "BLOCKDRAFT_SKINNY_GEMM": value})  # fmt: skip
         assert out.stdout.strip() == expected
+
+
+def test_swiglu_fuses_one_row_of_the_measured_shapes_only():
+    from blockdraft.kernels.skinny_gemm import fuses_swiglu
+
+    assert fuses_swiglu(1, 12288, 4096) and fuses_swiglu(1, 1536, 576)  # Qwen3-8B, SmolLM2 down
+    assert not fuses_swiglu(1, 4864, 896)  # Qwen2.5-0.5B down: even, not taken
+    assert not fuses_swiglu(16, 12288, 4096) and not fuses_swiglu(2, 1536, 576)
 
 
 def test_config_choice():
@@ -202,6 +210,7 @@ def test_swiglu_down_projection_dispatch(monkeypatch):
     real = fused_ops._kernels().skinny_linear
     monkeypatch.setattr(fused_ops._kernels(), "skinny_linear",
                         lambda *a, **kw: calls.append(kw.get("up") is not None) or real(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(fused_ops._kernels(), "skinny_fuses_swiglu", lambda rows, k, n: rows == 1 and (k, n) == (40, 24))
     mlp = GatedMLP(24, 40)
     with torch.no_grad():
         mlp.gate_up_proj.weight.copy_(rand(80, 24, seed=15) * 0.3)

@@ -20,7 +20,6 @@ from blockdraft.spec.dflash.checkpoint import random_drafter
 from tests.layers.fused_cases import decode, random_target
 
 
-
 def _qk_norm_rope_twin(q, k, cos, sin, q_weight, k_weight, eps, kv_write=None):
     """The twin of kernels.rope.qk_norm_rope: with kv_write, the torch cache write follows."""
     from blockdraft.attention.torch_ref import write_kv
@@ -37,7 +36,7 @@ TWINS = SimpleNamespace(
     qk_norm_rope=_qk_norm_rope_twin, norm_rope=fused_ops.norm_rope_ref,
     silu_and_mul=fused_ops.silu_and_mul_ref, silu_mul=fused_ops.silu_mul_ref,
     # every shape "has" a skinny config, and its twin is F.linear (after silu(x) * up when gated)
-    skinny_config_for=lambda rows, k, n, device: "twin", skinny_swiglu_max_rows=16,
+    skinny_config_for=lambda rows, k, n, device: "twin", skinny_fuses_swiglu=lambda rows, k, n: True,
     skinny_linear=lambda x, w, b, config, up=None: F.linear(x if up is None else fused_ops.silu_mul_ref(x, up), w, b),
 )  # fmt: skip
 
@@ -173,9 +172,26 @@ def test_the_rope_kernel_writes_the_kv_cache_and_the_backend_only_attends(kernel
 
 def test_backends_without_the_flag_keep_writing(kernel_path_with_twins):
     model = random_target("llama", torch.bfloat16, seed=6)
+    plain = decode(set_fused_ops(model, False), [[5, 6, 7]], steps=3)
     calls = []
     for layer in model.model.layers:
         real = layer.self_attn.backend
         layer.self_attn.backend = lambda *a, _real=real, **kw: calls.append(kw) or _real(*a, **kw)
-    decode(model, [[5, 6, 7]], steps=1)
+    fused = decode(set_fused_ops(model, True), [[5, 6, 7]], steps=3)
     assert calls and all("kv_written" not in kw for kw in calls)
+    assert torch.equal(fused.logits, plain.logits)  # the backend wrote what the decode reads back
+
+
+def test_each_forward_writes_its_kv_once(kernel_path_with_twins, monkeypatch):
+    """The RoPE launch's write replaces the backend's: as many cache writes per forward as layers."""
+    from blockdraft.attention import torch_ref
+
+    real, writes = torch_ref.write_kv, []
+    monkeypatch.setattr(torch_ref, "write_kv", lambda *a: writes.append(1) or real(*a))
+    model = random_target("qwen2", torch.bfloat16, seed=7)
+    counts = []
+    for enabled in (True, False):
+        writes.clear()
+        decode(set_fused_ops(model, enabled), [[5, 6, 7, 8], [9, 10]], steps=2)
+        counts.append(len(writes))
+    assert counts[0] == counts[1] == 3 * model.config.num_hidden_layers  # prefill + 2 steps

@@ -22,7 +22,7 @@ from torch import nn
 
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.attention.metadata import AttentionMetadata
-from blockdraft.layers.fused_ops import UsesFusedOps, norm_rope, qk_norm_rope, silu_mul, silu_mul_linear, use_kernels
+from blockdraft.layers.fused_ops import UsesFusedOps, norm_rope, qk_norm_rope, silu_mul, use_kernels
 from blockdraft.layers.linear import Linear, cpu_packing_supported
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
@@ -89,10 +89,7 @@ class DFlashMLP(UsesFusedOps, nn.Module):
         self.down_proj = Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = self.gate_proj(x), self.up_proj(x), self.down_proj
-        if self.fused_ops and down.fused_ops and down.packed_weight is None:
-            return silu_mul_linear(gate, up, down.weight, down.bias)  # one launch where skinny-GEMM runs
-        return down(silu_mul(gate, up, self.fused_ops))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), self.fused_ops))
 
 
 class DFlashDecoderLayer(nn.Module):
