@@ -6,6 +6,10 @@ batch of 512 rows is 1,024 programs, not 8,192 one-head ones (H200, Qwen2.5-0.5B
 stride, unit stride inside a head). Results go to new contiguous tensors, so attention backends
 see the same layout as with the torch path.
 
+With `kv_write` the k programs also store the rotated keys and the row's values at the row's
+paged-cache slot, so a causal layer needs no separate cache-write launch (TensorRT-LLM's
+applyBiasRopeUpdateKVCache fuses the same steps).
+
 Rounding follows the torch twin (`blockdraft.layers.fused_ops.qk_norm_rope_ref`, i.e.
 `RMSNorm` then `apply_rotary` in the input dtype): every product and the final sum are rounded
 to the input dtype, like the separate torch elementwise ops.
