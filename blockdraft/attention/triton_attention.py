@@ -406,9 +406,10 @@ def write_kv_triton(
     Args:
         k_cache, v_cache: [num_blocks, kv_block_size, num_kv_heads, head_dim] (written in place).
         k, v: [num_rows, num_kv_heads, head_dim]; cast to the cache dtype.
-        slot_mapping: [num_rows] int32/int64 flat slot (page * kv_block_size + offset).
+        slot_mapping: contiguous [num_rows] int32/int64 flat slot (page * kv_block_size + offset).
     Raises:
-        ValueError: mismatched shapes, a head_dim that is not a power of two, unsupported dtypes.
+        ValueError: mismatched shapes, a head_dim that is not a power of two, unsupported dtypes,
+            a strided or other-device slot_mapping.
     """
     num_rows, num_kv_heads, head_dim = k.shape
     _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
@@ -417,6 +418,9 @@ def write_kv_triton(
             f"k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping {tuple(slot_mapping.shape)} must be "
             "[num_rows, num_kv_heads, head_dim] x2 and [num_rows]"
         )
+    if slot_mapping.device != k.device or (num_rows > 1 and slot_mapping.stride(0) != 1):
+        raise ValueError(f"slot_mapping must be contiguous and on {k.device} (the kernel reads slot i at offset i), "
+                         f"got strides {slot_mapping.stride()} on {slot_mapping.device}")  # fmt: skip
     if num_rows == 0:
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)

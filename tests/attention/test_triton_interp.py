@@ -192,6 +192,8 @@ def test_write_kv_skips_padding_slots():
     for row, slot in ((1, 7), (3, 0), (4, 11)):
         assert torch.equal(flat[slot], k[row]) and torch.equal(vflat[slot], v[row])
     assert int((flat.abs().sum((1, 2)) > 0).sum()) == 3
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):  # would be read as [7, 3, ...]
+        write_kv_triton(cache, v_cache, k, v, torch.tensor([[7, 3], [0, 3], [1, 3], [2, 3], [4, 3]])[:, 0])
 
 
 @pytest.mark.parametrize(
