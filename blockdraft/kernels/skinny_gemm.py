@@ -110,6 +110,8 @@ def fuses_swiglu(rows: int, in_features: int, out_features: int) -> bool:
     form silu(gate) * up inside its skinny-GEMM launch (one row of a measured-faster shape; the
     kernel must also be chosen by `config_for`). Pure lookup, no errors."""
     return rows == 1 and (in_features, out_features) in _SM90_SWIGLU_ONE_ROW
+
+
 # The one-row rule is used up to the sizes it was checked at (skinny_gemm.json: 1.02-2.76x over
 # cuBLAS on 15 unlisted shapes of Qwen2.5-0.5B / 1.5B, SmolLM2-135M and DFlash drafters, K up to
 # 20,480, N up to 17,920).
