@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto (default): cuda if available")
     p.add_argument("--draft-vocab-size", type=_at_least(0), default=0,
-                   help="DFlash drafts over ids 0..N-1 only, as bench --draft-vocab-size N (default 0: full vocabulary)")
+                   help="DFlash drafts over ids 0..N-1 of the random vocabulary only, as bench --shape ... "
+                        "--draft-vocab-size N: 0 (default: full vocabulary) up to the shape's vocabulary size")
     p.add_argument("--top", type=_at_least(1), default=25,
                    help="table rows printed per table (default 25; the JSON has all)")
     p.add_argument("--out", help="write the JSON document here")

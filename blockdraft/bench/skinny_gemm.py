@@ -153,11 +153,13 @@ def format_row(model: str, name: str, rec: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                   help="model shapes to time (default: all)")
+    linears = sorted({name for shapes in SHAPES.values() for name, _, _ in shapes})
     p.add_argument("--linears", nargs="+", default=None, metavar="NAME",
-                   help="only these linears of each model (e.g. qkv o draft_kv; default all)")
+                   help=f"only these linears of each model (default all; names: {', '.join(linears)})")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16], help="rows of x (1-16; default 1 16)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="default bfloat16")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tilings per shape (minutes)")
     p.add_argument("--out", default=None, help="write the records as JSON here")
     args = p.parse_args(argv)
