@@ -79,8 +79,9 @@ def graph_runs():
         TargetGraphs.run, StepTailGraphs.run = run_target, run_draft
 
 
-def count_host_syncs(fn) -> int:
-    """Number of synchronising CUDA operations torch's sync debug mode reports while `fn()` runs."""
+def host_sync_sites(fn) -> list[str]:
+    """"file:line" of each synchronising CUDA operation torch's sync debug mode reports while
+    `fn()` runs (the Python line that called it), in order; len() is the count."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -89,4 +90,9 @@ def count_host_syncs(fn) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def count_host_syncs(fn) -> int:
+    """Number of synchronising CUDA operations torch's sync debug mode reports while `fn()` runs."""
+    return len(host_sync_sites(fn))
