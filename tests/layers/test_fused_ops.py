@@ -195,3 +195,36 @@ def test_each_forward_writes_its_kv_once(kernel_path_with_twins, monkeypatch):
         decode(set_fused_ops(model, enabled), [[5, 6, 7, 8], [9, 10]], steps=2)
         counts.append(len(writes))
     assert counts[0] == counts[1] == 3 * model.config.num_hidden_layers  # prefill + 2 steps
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_dflash_equals_plain_with_the_kv_write_in_the_rope_launch(kernel_path_with_twins, monkeypatch, k):
+    """Engine level, every op on its kernel branch (twins standing in), so each causal layer
+    writes K/V in the RoPE launch and the backend only attends: plain and DFlash decoding ==
+    plain decoding on the torch ops (the backend writing), token for token, for batch sizes 1-4,
+    seeded T > 0 and a stop token inside a draft block."""
+    from blockdraft.layers import attention
+    from blockdraft.sampling_params import SamplingParams
+    from blockdraft.spec.dflash.speculator import DFlashSpeculator
+    from tests.conftest import make_llm, random_prompts, tiny_target
+
+    written = []
+    real = attention.qk_norm_rope_write_kv
+    monkeypatch.setattr(attention, "qk_norm_rope_write_kv", lambda *a: (lambda r: written.append(r[2]) or r)(real(*a)))
+    target = tiny_target("qwen3", seed=k)
+    prompts = random_prompts(4, seed=80 + k)
+    greedy = make_llm(target).generate(prompts[:1], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=12, stop_token_ids=[greedy[5]]),
+              SamplingParams(max_tokens=k + 1, ignore_eos=True)]  # fmt: skip
+    set_fused_ops(target.model, False)  # the reference: torch ops, the backend writes K/V
+    plain = [(o.token_ids, o.finish_reason) for o in make_llm(target).generate(prompts, params)]
+    set_fused_ops(target.model, True)
+    written.clear()
+    assert [(o.token_ids, o.finish_reason) for o in make_llm(target).generate(prompts, params)] == plain
+    drafter = random_drafter(target.config, num_layers=2, block_size=8, target_layer_ids=(0, 2), seed=k, init_std=0.1)
+    llm = make_llm(target, speculator=DFlashSpeculator(drafter, target.model, k, 256, 4))
+    for bs in (1, 2, 4):
+        assert [(o.token_ids, o.finish_reason) for o in llm.generate(prompts[:bs], params[:bs])] == plain[:bs]
+    assert written and all(written) and llm.engine.stats.spec.num_drafted_tokens > 0
