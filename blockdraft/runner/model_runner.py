@@ -69,7 +69,7 @@ class ModelRunner:
         graphs: uniform-step and prefill graphs (runner.step_graphs.build_step_graphs), or None (all eager).
         compiled_sampling: sample non-greedy rows with the torch.compile'd fused noise + argmax
             (blockdraft.sample.sample, compiled=True: same tokens, ~12x faster at 1024 rows x 152K
-            vocabulary on an H200); compiled on the first step that samples.
+            vocabulary on an H200); built at start-up by build_runner (warm_up_compiled_sampler).
     """
 
     def __init__(

@@ -201,17 +201,20 @@ def warm_up_compiled_sampler(vocab_size: int, device: torch.device | str) -> Non
     that step (and break the one-sync-per-step rule of the GPU path), so engines with compiled
     sampling call this at start-up, as vLLM warms up its sampler. It samples four dummy batches:
     1 and 2 rows (dynamic shapes specialise size 1) x with and without a top-k / top-p threshold
-    (two graphs: the threshold is a tensor or None).
+    (two graphs: the threshold is a tensor or None). It runs under torch.inference_mode, as the
+    runner's steps do: torch.compile guards on the grad mode, so graphs built with grad enabled
+    would be rebuilt inside the first sampled step.
     """
     key = (str(torch.device(device)), int(vocab_size))
     if key in _warmed_up:
         return
-    for top_p in (1.0, 0.9):
-        for rows in (1, 2):
-            params = [SamplingParams(temperature=1.0, top_p=top_p, seed=0)] * rows
-            logits = torch.zeros(rows, vocab_size, device=device)
-            positions = torch.zeros(rows, dtype=torch.long, device=device)
-            SamplingTensors.from_params(params, device).sample(logits, positions, compiled=True)
+    with torch.inference_mode():
+        for top_p in (1.0, 0.9):
+            for rows in (1, 2):
+                params = [SamplingParams(temperature=1.0, top_p=top_p, seed=0)] * rows
+                logits = torch.zeros(rows, vocab_size, device=device)
+                positions = torch.zeros(rows, dtype=torch.long, device=device)
+                SamplingTensors.from_params(params, device).sample(logits, positions, compiled=True)
     _warmed_up.add(key)
 
 

@@ -213,3 +213,37 @@ def test_warm_up_compiled_sampler_builds_each_graph_once(monkeypatch):
     assert len(calls) == 4
     sampler_mod.warm_up_compiled_sampler(128, "cpu")  # another vocabulary: its own warm-up
     assert len(calls) == 8
+
+
+def test_after_the_warm_up_a_runner_step_compiles_nothing(monkeypatch):
+    """The runner samples under torch.inference_mode; graphs the warm-up built with grad enabled
+    failed torch.compile's grad-mode guard and were rebuilt inside the first sampled step (seconds
+    of compiling and ~25 host syncs in a served step: the sync-count flake of sessions 13-16).
+    After the warm-up, greedy / sampled / top-p rows in any mix and any row count >= 1 run the
+    warmed graphs (dynamo raises on a recompile). Dynamo's guards do not depend on the backend, so
+    the graphs are built with the eager backend here (seconds instead of a minute of inductor)."""
+    import torch._dynamo
+
+    import blockdraft.sample.sampler as sampler_mod
+
+    torch._dynamo.reset()
+    compiled = torch.compile(sampler_mod._perturbed_argmax, dynamic=True, fullgraph=True, backend="eager")
+    monkeypatch.setattr(sampler_mod, "_compiled_perturbed_argmax", compiled)
+    monkeypatch.setattr(sampler_mod, "_warmed_up", set())
+    sampler_mod.warm_up_compiled_sampler(V, "cpu")
+    g = torch.Generator().manual_seed(3)
+    batches = [
+        [SamplingParams(temperature=0.7, top_p=0.9, seed=1)],
+        [SamplingParams(temperature=0.8, seed=2)],
+        [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=1), SamplingParams(temperature=0.0)],
+        [SamplingParams(temperature=1.0, seed=i) for i in range(5)],
+    ]
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
+            for params in batches:
+                logits = torch.randn(len(params), V, generator=g)
+                positions = torch.arange(len(params)) + 4
+                st = SamplingTensors.from_params(params, "cpu")
+                assert torch.equal(st.sample(logits, positions, compiled=True), st.sample(logits, positions))
+    finally:
+        torch._dynamo.reset()
