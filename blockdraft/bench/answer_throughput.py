@@ -33,6 +33,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+@torch.inference_mode()  # as the runner samples: the compiled sampler's graphs guard on it
 def sampler_ms(vocab: int, rows: int, device: str, compiled: bool, iters: int = 10) -> float:
     """Milliseconds per `sample` call on [rows, vocab] random logits, all rows at T = 0.7."""
     from blockdraft.sample import SamplingTensors

@@ -202,8 +202,10 @@ def warm_up_compiled_sampler(vocab_size: int, device: torch.device | str) -> Non
     sampling call this at start-up, as vLLM warms up its sampler. It samples four dummy batches:
     1 and 2 rows (dynamic shapes specialise size 1) x with and without a top-k / top-p threshold
     (two graphs: the threshold is a tensor or None). It runs under torch.inference_mode, as the
-    runner's steps do: torch.compile guards on the grad mode, so graphs built with grad enabled
-    would be rebuilt inside the first sampled step.
+    runner's steps do: torch.compile guards on the grad mode (and on whether its inputs are
+    inference tensors), so graphs built with grad enabled would be rebuilt inside the first
+    sampled step. Callers of the compiled sampler must therefore build its inputs and call it
+    under inference_mode too.
     """
     key = (str(torch.device(device)), int(vocab_size))
     if key in _warmed_up:

@@ -226,6 +226,7 @@ def test_after_the_warm_up_a_runner_step_compiles_nothing(monkeypatch):
 
     import blockdraft.sample.sampler as sampler_mod
 
+    warmed = sampler_mod._warmed_up  # the process's: reset below drops the graphs it vouches for
     torch._dynamo.reset()
     compiled = torch.compile(sampler_mod._perturbed_argmax, dynamic=True, fullgraph=True, backend="eager")
     monkeypatch.setattr(sampler_mod, "_compiled_perturbed_argmax", compiled)
@@ -247,3 +248,4 @@ def test_after_the_warm_up_a_runner_step_compiles_nothing(monkeypatch):
                 assert torch.equal(st.sample(logits, positions, compiled=True), st.sample(logits, positions))
     finally:
         torch._dynamo.reset()
+        warmed.clear()  # so a later engine warms the real sampler up again instead of compiling in a step
