@@ -29,6 +29,11 @@ with device-synchronised clocks; medians. ms/step = (t_full - t_prefill) / (step
 steps_prefill): one target forward (plain) or one verify + draft + bookkeeping (DFlash). TTFT ms =
 t_prefill, the time to the first token of every request of the batch. Greedy (T=0), EOS ignored,
 --max-tokens tokens.
+A cell is one closed batch of N requests by default. With --num-prompts M (>= every N) it sends M
+requests with at most N in flight, the next as soon as one finishes (the load of a server at
+concurrency N, as vLLM's benchmark_serving --max-concurrency N measures it: no tail where the last
+requests of a batch run alone); HF runs them as M / N batches of N in turn, z-lab one at a time.
+TTFT ms is then the time for every request's first token, N at a time.
 Outputs of DFlash vs plain (and HF / z-lab vs ours) are compared token for token; mismatches are
 counted, not hidden. Where our DFlash differs from our plain decoding, the target's top-2 gap at
 the first divergent token is measured once more (an eager plain forward on the common prefix) and
@@ -71,6 +76,11 @@ def add_bench_parser(sub) -> None:
                    help="with --model: prompt set (default humaneval); batch N takes the first N")
     b.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated concurrent requests (default 1,8,32,64)")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
+    b.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per cell, sent with at most batch-size in flight: the next starts when one "
+                        "finishes, as vLLM's benchmark_serving --max-concurrency (HF: batches of batch-size in "
+                        "turn; z-lab: one at a time). Default: the batch size, i.e. one closed batch per cell; "
+                        "must be >= every batch size")
     b.add_argument("--repeats", type=int, default=3, help="timed repeats per cell, median reported (default 3)")
     b.add_argument("--warmup", type=int, default=1, help="untimed full runs before timing (default 1)")
     b.add_argument("--engines", default=",".join(ENGINE_CHOICES),
@@ -172,7 +182,7 @@ def build_workload(args):
     from blockdraft.bench.workload import model_workload, random_workload, resolve_device_dtype
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    num_prompts = max(parse_batch_sizes(args.batch_sizes))
+    num_prompts = max(max(parse_batch_sizes(args.batch_sizes)), args.num_prompts or 0)
     draft, draft_vocab_size = check_drafter_flags(args)
     if args.shape:
         return random_workload(args.shape, device, dtype, num_prompts=num_prompts, prompt_len=args.prompt_len,
@@ -268,7 +278,7 @@ def run_bench(args) -> int:
                                  "async_scheduling": args.async_scheduling})
     forced = bool(args.shape) if args.forced is None else args.forced
     settings = Settings(parse_batch_sizes(args.batch_sizes), args.max_tokens, args.repeats, args.warmup, engines,
-                        forced, args.num_speculative_tokens, options)
+                        forced, args.num_speculative_tokens, options, args.num_prompts)
     log("building models")
     workload = build_workload(args)
     prefix = Path(out_prefix(args.out) if args.out else f"bench-{Path(workload.name).name}")
@@ -281,7 +291,8 @@ def run_bench(args) -> int:
                      "hidden_size": workload.config.hidden_size},
         "device": device_info(workload.device),
         "dtype": str(workload.dtype).replace("torch.", ""),
-        "settings": {"batch_sizes": list(settings.batch_sizes), "max_tokens": settings.max_tokens,
+        "settings": {"batch_sizes": list(settings.batch_sizes), "num_prompts": settings.num_prompts,
+                     "max_tokens": settings.max_tokens,
                      "repeats": settings.repeats, "warmup": settings.warmup, "engines": list(engines),
                      "forced": forced, "num_speculative_tokens": num_speculative_tokens(workload, settings),
                      "block_size": workload.drafter.config.block_size if workload.drafter else None,

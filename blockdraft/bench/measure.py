@@ -31,11 +31,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_generate(engine: BenchEngine, prompts: list[list[int]], max_tokens: int, device: torch.device):
+def timed_generate(engine: BenchEngine, prompts: list[list[int]], max_tokens: int, device: torch.device,
+                   concurrency: int | None = None):
     """(Generation, seconds) of one call, the clock started and stopped on an idle device."""
     synchronize(device)
     t0 = time.perf_counter()
-    gen = engine.generate(prompts, max_tokens)
+    gen = engine.generate(prompts, max_tokens, concurrency)
     synchronize(device)
     return gen, time.perf_counter() - t0
 
@@ -88,6 +89,8 @@ class Run:
 class Cell:
     """One (engine, mode, batch size) measurement.
 
+    batch_size: concurrent requests; num_requests: requests per run (>= batch_size: with more, a
+    client keeps batch_size in flight and sends the next when one finishes).
     status: "ok", "n/a" (the engine cannot run this batch size; `reason` says why) or "error"
     (it raised; `reason` holds the message). token_ids: outputs of the last full run (for parity;
     not written to JSON). deterministic: every full run gave the same tokens.
@@ -96,6 +99,7 @@ class Cell:
     engine: str
     mode: str
     batch_size: int
+    num_requests: int
     status: str = "ok"
     reason: str | None = None
     runs: list[Run] = field(default_factory=list)
@@ -114,6 +118,7 @@ class Cell:
             "engine": self.engine,
             "mode": self.mode,
             "batch_size": self.batch_size,
+            "num_requests": self.num_requests,
             "status": self.status,
             "reason": self.reason,
             "tokens_per_s": self.median("tokens_per_s"),
@@ -128,9 +133,11 @@ class Cell:
 
 
 def measure(
-    engine: BenchEngine, prompts: list[list[int]], max_tokens: int, repeats: int, warmup: int, device: torch.device
+    engine: BenchEngine, prompts: list[list[int]], max_tokens: int, repeats: int, warmup: int, device: torch.device,
+    concurrency: int | None = None,
 ) -> Cell:
-    """Warm up `warmup` full calls, then `repeats` x (prefill-only call, full call).
+    """Warm up `warmup` full calls, then `repeats` x (prefill-only call, full call), each over all
+    `prompts` with at most `concurrency` requests in flight (None: all at once).
 
     An engine that raises is recorded as status "error" (traceback on stderr) so one broken
     baseline does not lose the rest of a device run.
@@ -141,19 +148,20 @@ def measure(
         raise param_error("max_tokens", f"max_tokens must be >= 2 so that decode steps exist to time, got {max_tokens}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    cell = Cell(engine.engine, engine.mode, len(prompts))
-    reason = engine.unsupported(len(prompts))
+    concurrency = concurrency or len(prompts)
+    cell = Cell(engine.engine, engine.mode, concurrency, len(prompts))
+    reason = engine.unsupported(concurrency)
     if reason is not None:
         cell.status, cell.reason = "n/a", reason
         return cell
     try:
         outputs = []
         for _ in range(warmup):
-            outputs.append(engine.generate(prompts, max_tokens).token_ids)
+            outputs.append(engine.generate(prompts, max_tokens, concurrency).token_ids)
         last: Generation | None = None
         for _ in range(repeats):
-            first, t1 = timed_generate(engine, prompts, 1, device)
-            last, t = timed_generate(engine, prompts, max_tokens, device)
+            first, t1 = timed_generate(engine, prompts, 1, device, concurrency)
+            last, t = timed_generate(engine, prompts, max_tokens, device, concurrency)
             cell.runs.append(Run(t, last.num_steps, _count(last), t1, first.num_steps, _count(first)))
             outputs.append(last.token_ids)
         cell.token_ids = last.token_ids

@@ -4,10 +4,10 @@ and the printed table.
 Schema "blockdraft-bench/1" (top-level keys; `validate_report` checks them):
     schema, created, workload{name, ...}, device{type, name, torch, transformers, dflash}, dtype,
     settings{batch_sizes, max_tokens, repeats, warmup, engines, forced, num_speculative_tokens,
-             block_size, draft_layers, llm_options},
+             block_size, draft_layers, llm_options, num_prompts (since session 16; None = batch size)},
     floor{hbm_bytes_per_s, target_weight_bytes, plain_step_floor_ms, dflash_extra_bytes,
           dflash_step_floor_ms},
-    results[ {engine, mode, batch_size, status, reason, tokens_per_s, decode_tokens_per_s,
+    results[ {engine, mode, batch_size, num_requests (since session 16), status, reason, tokens_per_s, decode_tokens_per_s,
               ms_per_step, ttft_ms (since session 12), seconds, acceptance_length, deterministic, runs[...],
               speedup_vs_ours_plain, speedup_vs_hf, speedup_vs_zlab} ],
     parity[ {batch_size, candidate, reference, num_requests, mismatched_requests, first_mismatch,
@@ -123,7 +123,8 @@ def format_table(report: dict) -> str:
     s = report["settings"]
     lines = [
         f"{w['name']} ({report['dtype']}) on {report['device']['name']}: {s['max_tokens']} new tokens per request, "
-        f"median of {s['repeats']} runs after {s['warmup']} warm-up; K={s['num_speculative_tokens']}",
+        f"median of {s['repeats']} runs after {s['warmup']} warm-up; K={s['num_speculative_tokens']}"
+        + (f"; {s['num_prompts']} requests per cell, up to 'batch' in flight" if s.get("num_prompts") else ""),
         f"{'batch':>5} {'engine':<6} {'mode':<13}{'tok/s':>9} {'dec tok/s':>9} {'ms/step':>9} {'TTFT ms':>8} {'acc.len':>7} "
         f"{'x plain':>8} {'x HF':>7} {'x z-lab':>8} {'mismatch':>15}",
     ]

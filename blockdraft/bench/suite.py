@@ -35,18 +35,31 @@ class Settings:
     forced: bool = False
     num_speculative_tokens: int | None = None
     llm_options: dict | None = None
+    num_prompts: int | None = None  # requests per cell (None: the batch size, one closed batch)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch sizes must be integers >= 1, got {list(self.batch_sizes)}")
         if self.max_tokens < 2:
             raise param_error("max_tokens", f"max_tokens must be >= 2 (prefill + at least one decode step), got {self.max_tokens}")
+        if self.num_prompts is not None and self.num_prompts < max(self.batch_sizes):
+            raise param_error("num_prompts", f"num_prompts must be >= every batch size, got {self.num_prompts} with "
+                                             f"batch sizes up to {max(self.batch_sizes)}: it is how many requests a "
+                                             f"cell sends, up to batch-size at a time")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0, got {self.repeats} and {self.warmup}")
         bad = sorted(set(self.engines) - set(ENGINE_CHOICES))
         if bad or "ours" not in self.engines:
             raise ValueError(f"engines must include 'ours' (the reference) and only {list(ENGINE_CHOICES)}, "
                              f"got {list(self.engines)}")
+
+
+def cell_prompts(workload: Workload, settings: Settings, batch: int, forced: bool = False) -> list[list[int]]:
+    """The prompts of one cell: `settings.num_prompts` (default `batch`) of the workload's, in
+    order (cycled when it has fewer); the forced engine repeats prompt 0, whose continuation its
+    drafts replay."""
+    n = settings.num_prompts or batch
+    return [workload.prompts[0 if forced else j % len(workload.prompts)] for j in range(n)]
 
 
 def log(msg: str) -> None:
@@ -158,10 +171,10 @@ def run_matrix(
         if i == 0:
             reference = forced_reference_of(engine, workload, settings)
         for batch in settings.batch_sizes:
-            forced = engine.mode == FORCED
-            prompts = [workload.prompts[0 if forced else j] for j in range(batch)]
+            prompts = cell_prompts(workload, settings, batch, forced=engine.mode == FORCED)
             log(f"batch {batch}: {engine.engine} {engine.mode}")
-            cell = measure(engine, prompts, settings.max_tokens, settings.repeats, settings.warmup, workload.device)
+            cell = measure(engine, prompts, settings.max_tokens, settings.repeats, settings.warmup, workload.device,
+                           concurrency=batch)
             if cell.status == "ok":
                 log(f"batch {batch}: {engine.engine} {engine.mode} -> ok {_fmt(cell.median('tokens_per_s'))} tok/s, "
                     f"{_fmt(cell.median('ms_per_step'))} ms/step")
@@ -203,7 +216,7 @@ def _parity(batch: int, by_key: dict, forced_reference: list[int] | None) -> lis
     forced = by_key.get(("ours", FORCED))
     if forced is not None and forced.token_ids is not None and forced_reference is not None:
         rows.append({"batch_size": batch, "candidate": f"ours/{FORCED}", "reference": "ours/plain (batch 1)",
-                     **compare_outputs(forced.token_ids, [forced_reference] * batch)})
+                     **compare_outputs(forced.token_ids, [forced_reference] * len(forced.token_ids))})
     return rows
 
 
@@ -233,7 +246,8 @@ def add_divergence_gaps(workload: Workload, settings: Settings, cells: list[Cell
         for p in todo:
             batch = p["batch_size"]
             cand, ref = by_key[(batch, "ours", DFLASH)].token_ids, by_key[(batch, "ours", PLAIN)].token_ids
-            p["divergences"] = divergence_gaps(engine.llm, workload.prompts[:batch], cand, ref, p["first_mismatch"])
+            prompts = cell_prompts(workload, settings, batch)
+            p["divergences"] = divergence_gaps(engine.llm, prompts, cand, ref, p["first_mismatch"])
             p["near_ties"] = sum(d["near_tie"] for d in p["divergences"])
     finally:
         del engine

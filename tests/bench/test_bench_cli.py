@@ -59,6 +59,22 @@ def test_tiny_shape_runs_every_engine_and_spec_equals_plain(tmp_path, capsys):
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 
+def test_num_prompts_sends_more_requests_than_the_batch_size(tmp_path, capsys):
+    """--num-prompts 5 at batch sizes 1 and 2: every cell runs all 5 requests (z-lab one at a time,
+    HF in batches), outputs still agree with our plain decoding, the JSON and the table say so."""
+    rc, doc, rows, parity = _run(tmp_path, "--shape", "tiny", "--batch-sizes", "1,2", "--num-prompts", "5",
+                                 "--max-tokens", "6", "--prompt-len", "10", "--warmup", "0")
+    assert rc == 0 and doc["settings"]["num_prompts"] == 5
+    assert "5 requests per cell, up to 'batch' in flight" in capsys.readouterr().out
+    for key, row in rows.items():
+        if row["status"] == "ok":
+            assert row["num_requests"] == 5 and row["runs"][0]["num_tokens"] == 30, key
+    for key, p in parity.items():
+        assert (p["num_requests"], p["mismatched_requests"]) == (5, 0), key
+    if ZLAB:
+        assert rows[("zlab", "plain", 1)]["status"] == "ok" and rows[("zlab", "plain", 2)]["status"] == "n/a"
+
+
 def test_engine_subset_and_no_draft(tmp_path):
     rc, doc, rows, parity = _run(tmp_path, "--shape", "tiny", "--batch-sizes", "2", "--max-tokens", "4",
                                  "--prompt-len", "8", "--engines", "ours", "--no-draft", "--no-plot", "--warmup", "0")
@@ -79,6 +95,7 @@ def test_engine_subset_and_no_draft(tmp_path):
         (["--model", "x", "--num-speculative-tokens", "3"], "--num-speculative-tokens needs a drafter"),
         (["--shape", "tiny", "--prompt-len", "0"], "--prompt-len must be >= 1"),
         (["--shape", "tiny", "--prompt-len", "2000", "--engines", "ours"], "exceeds the model's context of 2048"),
+        (["--shape", "tiny", "--batch-sizes", "1,8", "--num-prompts", "4"], "num_prompts (--num-prompts) must be >= every batch size, got 4 with batch sizes up to 8"),
         (["--shape", "tiny", "--batch-sizes", "1,8,1"], "--batch-sizes lists 1 twice"),
         (["--shape", "tiny", "--repeats", "0"], "--repeats must be >= 1"),
         (["--shape", "tiny", "--warmup", "-1"], "--warmup must be >= 0"),

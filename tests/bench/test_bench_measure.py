@@ -16,13 +16,14 @@ class _Fake:
     engine, mode = "fake", "plain"
 
     def __init__(self, fail=False, limit=None):
-        self.fail, self.limit, self.calls = fail, limit, []
+        self.fail, self.limit, self.calls, self.concurrency = fail, limit, [], []
 
     def unsupported(self, batch_size):
         return "too many" if self.limit and batch_size > self.limit else None
 
-    def generate(self, prompts, max_tokens):
+    def generate(self, prompts, max_tokens, concurrency=None):
         self.calls.append(max_tokens)
+        self.concurrency.append(concurrency)
         if self.fail:
             raise RuntimeError("boom")
         return Generation([[5] * max_tokens for _ in prompts], num_steps=max_tokens)
@@ -37,6 +38,19 @@ def test_measure_warms_up_then_times_prefill_and_full_runs():
     assert (r.num_steps, r.num_tokens, r.prefill_steps, r.prefill_tokens) == (6, 12, 1, 2)
     assert cell.summary()["tokens_per_s"] > 0 and cell.token_ids == [[5] * 6] * 2
     assert cell.summary()["ttft_ms"] == pytest.approx(1e3 * sorted(x.prefill_seconds for x in cell.runs)[1])
+
+
+def test_measure_sends_every_prompt_at_the_given_concurrency():
+    """A cell of 5 requests at concurrency 2: every call gets all 5 prompts and concurrency 2; the
+    cell is filed under batch size 2 with 5 requests; the engine is asked about 2, not 5."""
+    eng = _Fake(limit=2)
+    cell = measure(eng, [[1]] * 5, max_tokens=4, repeats=1, warmup=1, device=CPU, concurrency=2)
+    assert cell.status == "ok" and eng.concurrency == [2, 2, 2]
+    assert (cell.batch_size, cell.num_requests, cell.summary()["num_requests"]) == (2, 5, 5)
+    assert cell.runs[0].num_tokens == 20 and len(cell.token_ids) == 5
+    assert measure(_Fake(limit=2), [[1]] * 5, 4, 1, 0, CPU, concurrency=3).status == "n/a"
+    default = measure(_Fake(), [[1]] * 3, 4, 1, 0, CPU)  # None: one closed batch of all prompts
+    assert (default.batch_size, default.num_requests) == (3, 3)
 
 
 def test_measure_records_unsupported_and_failing_engines():
@@ -76,6 +90,9 @@ def test_settings_and_batch_sizes_refuse_bad_values():
         Settings((1,), 8, engines=("hf",))
     with pytest.raises(ValueError, match="engines must include"):
         Settings((1,), 8, engines=("ours", "vllm"))
+    with pytest.raises(ValueError, match=r"num_prompts must be >= every batch size, got 16 with batch sizes up to 32"):
+        Settings((1, 32), 8, num_prompts=16)
+    assert Settings((1, 32), 8, num_prompts=32).num_prompts == 32
 
 
 def _row(engine, mode, batch, tps, ms, status="ok"):

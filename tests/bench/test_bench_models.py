@@ -127,3 +127,32 @@ def test_forced_speculator_goes_through_the_static_graph_step_path(monkeypatch):
     gen = engine.generate([prompt] * 3, 12)
     assert gen.token_ids == [reference] * 3
     assert gen.num_steps == 3 and gen.acceptance_length == 5.5  # 1 + 8 + 3 tokens: every draft accepted
+
+
+def test_our_engine_keeps_at_most_concurrency_requests_in_flight():
+    """7 prompts at concurrency 3: the engine never holds more than 3 requests (running + waiting)
+    and does hold 3; a new one enters as one finishes, so later steps mix a prefill with decodes;
+    the outputs are the closed batch's, in prompt order (greedy, fp32), plain and DFlash."""
+    from blockdraft.bench.engines.ours import OurEngine, dflash_speculator
+    from blockdraft.bench.workload import random_prompts
+
+    _, target = random_target(get_shape("tiny"), torch.float32, "cpu")
+    drafter = random_drafter_on_device(target.config, 2, 8, torch.float32, "cpu")
+    plan = PoolPlan(max_batch=7, max_prompt_len=14, max_tokens=9, lookahead=8)
+    prompts = random_prompts(7, 14, target.config.vocab_size, 3)
+    prompts = [p[: 6 + i] for i, p in enumerate(prompts)]  # different lengths: requests finish apart
+    for spec in (None, dflash_speculator(drafter, target, plan, None)):
+        engine = OurEngine(target, "cpu", plan, spec, "plain" if spec is None else "dflash")
+        closed = engine.generate(prompts, 9)
+        sched, in_flight = engine.llm.engine.scheduler, []
+        step = engine.llm.engine.step
+
+        def counting_step(*args, **kwargs):
+            in_flight.append(len(sched.running) + len(sched.waiting))
+            return step(*args, **kwargs)
+
+        engine.llm.engine.step = counting_step
+        windowed = engine.generate(prompts, 9, concurrency=3)
+        assert windowed.token_ids == closed.token_ids
+        assert max(in_flight) == 3 and in_flight.count(3) > 1
+        assert engine.generate(prompts, 9, concurrency=7).token_ids == closed.token_ids  # all at once

@@ -64,7 +64,7 @@ def test_suite_marks_the_dflash_rows_with_their_divergences(target):
     runner_up = _top(make_llm(target), prompts[1] + reference[1][:2])[1][0]
     candidate = [list(reference[0]), reference[1][:2] + [runner_up] + reference[1][3:]]
     workload = Workload("tiny", torch.device("cpu"), torch.float32, None, target, None, prompts)
-    cells = [Cell("ours", mode, 2, token_ids=ids) for mode, ids in (("plain", reference), ("dflash", candidate))]
+    cells = [Cell("ours", mode, 2, 2, token_ids=ids) for mode, ids in (("plain", reference), ("dflash", candidate))]
     parity = [
         {"batch_size": 2, "candidate": "ours/dflash", "reference": "ours/plain", **compare_outputs(candidate, reference)},
         {"batch_size": 2, "candidate": "hf/plain", "reference": "ours/plain", **compare_outputs(candidate, reference)},

@@ -37,6 +37,7 @@ class BenchEngine(Protocol):
         """Why this engine cannot run `batch_size` concurrent requests, or None if it can."""
         ...
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> Generation:
-        """Greedy-decode every prompt for exactly `max_tokens` tokens."""
+    def generate(self, prompts: list[list[int]], max_tokens: int, concurrency: int | None = None) -> Generation:
+        """Greedy-decode every prompt for exactly `max_tokens` tokens, with at most `concurrency`
+        requests in flight (None: all at once)."""
         ...

@@ -33,13 +33,18 @@ class HFEngine:
     def unsupported(self, batch_size: int) -> str | None:
         return None
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> Generation:
-        """One `generate` call over all prompts; num_steps = max_tokens (one forward per token)."""
-        ids, mask = left_pad(prompts, self.pad_token_id, self.model.device)
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens)
-        new = out[:, ids.shape[1] :].tolist()
-        return Generation(token_ids=new, num_steps=max_tokens)
+    def generate(self, prompts: list[list[int]], max_tokens: int, concurrency: int | None = None) -> Generation:
+        """One `generate` call per batch of `concurrency` prompts (all prompts when None), in order:
+        static batching, as HF users batch; num_steps = max_tokens per batch (one forward per token)."""
+        size = concurrency or len(prompts)
+        new, steps = [], 0
+        for i in range(0, len(prompts), size):
+            ids, mask = left_pad(prompts[i : i + size], self.pad_token_id, self.model.device)
+            with torch.inference_mode():
+                out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens)
+            new += out[:, ids.shape[1] :].tolist()
+            steps += max_tokens
+        return Generation(token_ids=new, num_steps=steps)
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -86,10 +87,19 @@ class OurEngine:
             return f"the KV pool was sized for {self.max_batch} concurrent requests"
         return None
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> Generation:
-        """`LLM.generate` at T=0 with ignore_eos; steps = engine steps this call ran."""
+    def generate(self, prompts: list[list[int]], max_tokens: int, concurrency: int | None = None) -> Generation:
+        """Greedy decoding at T=0 with ignore_eos; steps = engine steps this call ran.
+
+        All prompts at once through `LLM.generate`, or, with `concurrency` below the number of
+        prompts, as a client that keeps at most `concurrency` requests in the engine and sends the
+        next prompt when one finishes (vLLM's `benchmark_serving --max-concurrency`).
+        """
         before = self.llm.engine.stats.num_steps
-        outs = self.llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        if concurrency is None or concurrency >= len(prompts):
+            outs = self.llm.generate(prompts, params)
+        else:
+            outs = _generate_windowed(self.llm.engine, prompts, params, concurrency)
         pooled = SpecStats()
         for o in outs:
             pooled.merge(o.spec)
@@ -98,6 +108,27 @@ class OurEngine:
             num_steps=self.llm.engine.stats.num_steps - before,
             acceptance_length=pooled.acceptance_length if self.mode != PLAIN else None,
         )
+
+
+_WINDOWED_CALLS = itertools.count()  # request ids stay unique across calls on one engine
+
+
+def _generate_windowed(engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> list:
+    """Final RequestOutputs of `prompts` in input order, at most `concurrency` in the engine at once."""
+    call = next(_WINDOWED_CALLS)
+    out: list = [None] * len(prompts)
+    index: dict[str, int] = {}
+    fed = 0
+    while fed < len(prompts) or index:
+        while fed < len(prompts) and len(index) < concurrency:
+            rid = f"bench-{call}-{fed}"
+            engine.add_request(rid, prompts[fed], params)
+            index[rid] = fed
+            fed += 1
+        for o in engine.step(stream=False):
+            if o.finished and o.request_id in index:
+                out[index.pop(o.request_id)] = o
+    return out
 
 
 def dflash_speculator(drafter, target: LoadedTarget, plan: PoolPlan, num_speculative_tokens: int | None,

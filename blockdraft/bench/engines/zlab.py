@@ -43,17 +43,30 @@ class ZLabEngine:
             return "dflash_generate decodes one request at a time"
         return None
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> Generation:
-        """Runs `dflash_generate(..., temperature=0, stop_token_ids=None)` on the single prompt.
+    def generate(self, prompts: list[list[int]], max_tokens: int, concurrency: int | None = None) -> Generation:
+        """Runs `dflash_generate(..., temperature=0, stop_token_ids=None)` on each prompt in turn
+        (one request in flight); acceptance pooled over every verify step.
 
         Raises:
-            ValueError: more than one prompt.
+            ValueError: several prompts at once (concurrency None or > 1).
         """
+        if len(prompts) > 1 and concurrency != 1:
+            raise ValueError(f"z-lab dflash_generate decodes one request at a time: {len(prompts)} prompts need "
+                             f"concurrency=1, got {concurrency}")
+        tokens, num_steps, accepted = [], 0, []
+        for prompt in prompts:
+            out, steps = self._one(prompt, max_tokens)
+            tokens.append(out)
+            num_steps += 1 + len(steps)
+            accepted += steps
+        acceptance = statistics.fmean(accepted) if self.block_size > 1 and accepted else None
+        return Generation(token_ids=tokens, num_steps=num_steps, acceptance_length=acceptance)
+
+    def _one(self, prompt: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+        """(output token ids, acceptance length of each verify step) of one request."""
         from dflash import model as zlab
 
-        if len(prompts) != 1:
-            raise ValueError(f"z-lab dflash_generate takes one prompt, got {len(prompts)}")
-        ids = torch.tensor([prompts[0]], dtype=torch.long, device=self.target.device)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.target.device)
         with _host_timer_off_cuda(zlab, ids.device), warnings.catch_warnings():
             # the reference passes past_key_values, which transformers >= 5.x deprecates: its noise, not ours
             warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
@@ -61,10 +74,7 @@ class ZLabEngine:
                 self.drafter, self.target, ids, max_tokens, None,
                 temperature=0.0, block_size=self.block_size, return_stats=True,
             )
-        tokens = res.output_ids[0, ids.shape[1] :].tolist()
-        steps = res.acceptance_lengths
-        acceptance = statistics.fmean(steps) if self.block_size > 1 and steps else None
-        return Generation(token_ids=[tokens], num_steps=1 + len(steps), acceptance_length=acceptance)
+        return res.output_ids[0, ids.shape[1] :].tolist(), list(res.acceptance_lengths)
 
 
 @contextlib.contextmanager
