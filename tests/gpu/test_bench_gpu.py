@@ -32,6 +32,29 @@ def test_bench_tiny_shape_on_cuda(tmp_path, eager):
     assert doc["settings"]["llm_options"] == ({"enforce_eager": True} if eager else {})
 
 
+@pytest.mark.gpu_exclusive  # as above
+def test_bench_num_prompts_keeps_the_window_on_cuda(tmp_path):
+    """--num-prompts 6 at batch sizes 1 and 4 with CUDA graphs and async scheduling: every cell runs
+    the 6 requests (a request joins as one finishes), DFlash and HF agree with our plain decoding
+    or differ only at near-ties."""
+    from blockdraft.bench.report import validate_report
+    from blockdraft.cli import main
+
+    args = ["bench", "--shape", "tiny", "--device", "cuda", "--batch-sizes", "1,4", "--num-prompts", "6",
+            "--max-tokens", "24", "--prompt-len", "16", "--repeats", "1", "--no-plot", "--no-forced",
+            "--out", str(tmp_path / "r")]  # fmt: skip
+    assert main(args) == 0
+    doc = json.loads((tmp_path / "r.json").read_text())
+    validate_report(doc)
+    for r in doc["results"]:
+        if r["status"] == "ok":
+            assert r["num_requests"] == 6 and r["runs"][0]["num_tokens"] == 6 * 24, r
+    for p in doc["parity"]:
+        assert p["num_requests"] == 6
+        if p["candidate"] == "ours/dflash":
+            assert p["mismatched_requests"] == p["near_ties"], p
+
+
 def test_attention_kernels_bench_times_graph_replays_and_variants(tmp_path):
     """`python -m blockdraft.bench.attention_kernels --variants` on tiny shapes: every Triton
     column and forced configuration is timed (graph replays) and matches the torch oracle."""
