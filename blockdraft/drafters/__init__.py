@@ -93,6 +93,8 @@ def resolve_draft(
     or the folder `blockdraft fetch` made for one) when one exists and plain decoding otherwise;
     `shipped` insists on it.
     Raises:
+        ValueError / FileNotFoundError: `shipped` for a model that is neither a catalog name nor an
+            existing path (as `resolve_model_path` names it);
         ValueError: `shipped` for a model with no shipped drafter (names the models that have one);
             `num_speculative_tokens` given while `auto` finds no drafter, or outside the shipped
             drafter's [1, block_size - 1].
@@ -113,6 +115,9 @@ def resolve_draft(
     if path is not None:
         return str(path)
     if draft == SHIPPED:
+        from blockdraft.weights.fetch import check_model_exists
+
+        check_model_exists(model)  # an unknown name is named as such, not as "no drafter"
         raise ValueError(f"no drafter ships for model {model!r}; shipped drafters: {shipped_names()}")
     if num_speculative_tokens is not None:
         raise ValueError(

@@ -360,14 +360,32 @@ def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.Path
         raise ValueError(f"model folder {value!r} has no config.json; expected {expected}")
     if path.is_file():
         raise ValueError(f"model file {value!r} is not a .gguf file; expected {expected}")
+    raise _no_such_model(name_or_path)
+
+
+def check_model_exists(name_or_path: str | os.PathLike) -> None:
+    """Refuse, without fetching or reading anything, a model that is neither a catalog name nor an
+    existing path (e.g. before saying that no drafter ships for it).
+
+    Raises:
+        FileNotFoundError / ValueError: as `resolve_model_path` for a missing path / an unknown name.
+    """
+    if str(name_or_path) not in CATALOG and not Path(str(name_or_path)).expanduser().exists():
+        raise _no_such_model(name_or_path)
+
+
+def _no_such_model(name_or_path: str | os.PathLike) -> Exception:
+    """The error for a model that is neither a catalog name nor an existing path."""
+    value = str(name_or_path)
+    expected = "a local folder with config.json (HF format) or a .gguf file"
     # A missing path is a missing file, not an unknown name: say so; the catalog is listed for names.
     if isinstance(name_or_path, os.PathLike) or _looks_like_path(value):
         what = "file" if value.lower().endswith(".gguf") else "path"
         hub = value.count("/") == 1 and not value.startswith(("/", ".", "~")) and what == "path"
-        raise FileNotFoundError(
+        return FileNotFoundError(
             f"model {what} {value!r} does not exist; expected {expected}"
             + ("; Hugging Face Hub ids are not downloaded (`blockdraft fetch --list`: the catalog)" if hub else ""))
-    raise ValueError(f"unknown model {value!r}; catalog models: {', '.join(CATALOG)} (or a path: {expected})")
+    return ValueError(f"unknown model {value!r}; catalog models: {', '.join(CATALOG)} (or a path: {expected})")
 
 
 def _looks_like_path(value: str) -> bool:

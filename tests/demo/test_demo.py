@@ -141,6 +141,10 @@ def test_demo_explicit_k_and_bad_flags(tiny, tmp_path, capsys):
     model, _ = tiny
     assert main(["demo", "w05x", "--model", str(model)]) == 2  # a folder model: no shipped drafter
     assert "no drafter ships for model" in capsys.readouterr().err
+    assert main(["demo", "w05x", "--model", "nosuchmodel"]) == 2  # named as an unknown model, not a drafter
+    assert "unknown model 'nosuchmodel'; catalog models:" in capsys.readouterr().err
+    assert main(["demo", "w05x", "--model", str(tmp_path / "gone" / "m")]) == 2
+    assert "does not exist" in capsys.readouterr().err
     assert main(["demo", "w05x", "--model", str(model), "--repeats", "0"]) == 2
     assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
     assert main(["demo", "w05x", "--model", str(model), "--draft", str(tiny[1]), "--temperature", "0.7"]) == 0
