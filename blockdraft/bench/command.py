@@ -32,8 +32,9 @@ t_prefill, the time to the first token of every request of the batch. Greedy (T=
 A cell is one closed batch of N requests by default. With --num-prompts M (>= every N) it sends M
 requests with at most N in flight, the next as soon as one finishes (the load of a server at
 concurrency N, as vLLM's benchmark_serving --max-concurrency N measures it: no tail where the last
-requests of a batch run alone); HF runs them as M / N batches of N in turn, z-lab one at a time.
-TTFT ms is then the time for every request's first token, N at a time.
+requests of a batch run alone); HF runs them as batches of N in turn (the last one smaller), z-lab
+(batch 1 only) one after another. TTFT ms is then not one request's time to first token but the
+prefill-only run's: all M requests to their first token, N at a time.
 Outputs of DFlash vs plain (and HF / z-lab vs ours) are compared token for token; mismatches are
 counted, not hidden. Where our DFlash differs from our plain decoding, the target's top-2 gap at
 the first divergent token is measured once more (an eager plain forward on the common prefix) and
@@ -73,15 +74,16 @@ def add_bench_parser(sub) -> None:
     add_draft_vocab_size_flag(b, "; with --shape: ids 0..N-1 of the random vocabulary (times an N-column head)")
     b.add_argument("--prompt-len", type=int, default=128, help="with --shape: tokens per random prompt (default 128)")
     b.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"],
-                   help="with --model: prompt set (default humaneval); batch N takes the first N")
+                   help="with --model: prompt set (default humaneval); a cell takes the first N prompts (N = "
+                        "the batch size, or --num-prompts), repeating them past the set's size")
     b.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated concurrent requests (default 1,8,32,64)")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default 128)")
     b.add_argument("--num-prompts", type=int, default=None,
                    help="requests per cell, sent with at most batch-size in flight: the next starts when one "
                         "finishes, as vLLM's benchmark_serving --max-concurrency (HF: batches of batch-size in "
-                        "turn; z-lab: one at a time). Default: the batch size, i.e. one closed batch per cell; "
-                        "must be >= every batch size. With --model the prompts repeat past the dataset's "
-                        "(HumanEval 164, MT-bench 80)")
+                        "turn, the last one smaller; z-lab: batch 1 only, the requests in turn). Default: the "
+                        "batch size, i.e. one closed batch per cell; must be >= every batch size. With --model "
+                        "the prompts repeat past the dataset's (HumanEval 164, MT-bench 80)")
     b.add_argument("--repeats", type=int, default=3, help="timed repeats per cell, median reported (default 3)")
     b.add_argument("--warmup", type=int, default=1, help="untimed full runs before timing (default 1)")
     b.add_argument("--engines", default=",".join(ENGINE_CHOICES),

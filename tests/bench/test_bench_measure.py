@@ -208,3 +208,18 @@ def test_table_says_how_many_mismatches_are_near_ties():
     parity[0]["near_ties"] = 2
     assert "2/8 (2 ties)" in rep.format_table(_report(rows, parity))
     assert "TTFT ms" in table and " 12.35 " in table and "t of them first differ at a near-tie" in table  # rows of older JSON files without ttft_ms print n/a
+
+
+def test_table_explains_ttft_with_num_prompts_and_a_missing_step_time():
+    """With --num-prompts the TTFT column is the prefill-only run of all requests: the table says
+    so; an ok row whose prefill-only run was not shorter than its full run (ms/step None) gets the
+    reason. Neither line without the cause."""
+    rows = [_row("ours", "plain", 2, 100, 2.0), _row("ours", "dflash", 2, 200, 3.0)]
+    plain = rep.format_table(_report(rows))
+    assert "TTFT ms: the prefill-only run" not in plain and "ms/step, dec tok/s n/a" not in plain
+    report = _report(rows)
+    report["settings"]["num_prompts"] = 6
+    report["results"][1]["ms_per_step"] = None
+    table = rep.format_table(report)
+    assert "TTFT ms: the prefill-only run, all 6 requests to their first token, 'batch' at a time" in table
+    assert "ms/step, dec tok/s n/a: the prefill-only run took as long as the full run" in table
