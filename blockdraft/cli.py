@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        set_threads(getattr(args, "threads", None))
+        if hasattr(args, "threads"):  # commands that run a model (not fetch)
+            set_threads(args.threads)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         if isinstance(e, OSError) and e.errno is not None:  # from the OS, not one of our checks

@@ -1,9 +1,23 @@
 """`--threads`: the CPU threads of torch's math, one flag for every command that runs a model
-(the `blockdraft` commands and the `python -m blockdraft.bench.*` scripts)."""
+(the `blockdraft` commands and the `python -m blockdraft.bench.*` scripts).
+
+Without the flag (or $BLOCKDRAFT_THREADS) the threads are torch's default (one per core) unless
+other processes keep cores busy: then only the cores left free. torch's threads wait for each
+other at every op, so a thread whose core another job holds stalls all of them: on a 2-core
+machine with another job running, the README's demo took 16 min with 2 threads and 53 s with 1
+(session 16's new-user trial, docs/benchmarks/cpu.md).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
+from typing import Callable
+
+THREADS_ENV = "BLOCKDRAFT_THREADS"  # the default of --threads, e.g. for scripts and tests
+BUSY_SAMPLE_S = 0.1  # how long /proc/stat is watched before choosing (seconds)
 
 
 def add_threads_flag(parser: argparse.ArgumentParser) -> None:
@@ -11,23 +25,72 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     `python -m blockdraft.bench.*` scripts); apply it with `set_threads`."""
     parser.add_argument(
         "--threads", type=int, default=None,
-        help="CPU threads for the model's math (default: torch's, one per core); on a machine "
-             "shared with other jobs 1 can be much faster than oversubscribed cores")
+        help=f"CPU threads for the model's math (default: ${THREADS_ENV}, else one per core, minus the "
+             "cores other processes keep busy when the command starts: oversubscribed cores stall torch)")
 
 
 def set_threads(threads: int | None) -> None:
-    """Apply --threads (torch.set_num_threads) before any model work; None leaves torch's default.
+    """Apply --threads (torch.set_num_threads) before any model work. None: $BLOCKDRAFT_THREADS,
+    else `auto_threads` of what /proc/stat shows for BUSY_SAMPLE_S seconds (a line on stderr says
+    so when it takes fewer than torch's default).
 
     Raises:
-        ValueError: threads < 1.
+        ValueError: threads < 1, or $BLOCKDRAFT_THREADS not an integer >= 1.
     """
+    import torch
+
+    if threads is None and os.environ.get(THREADS_ENV):
+        value = os.environ[THREADS_ENV]
+        if not value.strip().isdigit() or int(value) < 1:
+            raise ValueError(f"${THREADS_ENV} must be an integer >= 1 (CPU threads), got {value!r}")
+        threads = int(value)
     if threads is None:
+        default = torch.get_num_threads()
+        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or default
+        busy = busy_cpus(available)
+        chosen = auto_threads(default, available, busy)
+        if chosen < default:
+            print(f"blockdraft: {chosen} CPU thread{'s' * (chosen > 1)} for the model's math, not {default}: other "
+                  f"processes keep about {busy:.1f} of {available} cores busy (--threads N or ${THREADS_ENV} "
+                  f"sets it)", file=sys.stderr, flush=True)
+            torch.set_num_threads(chosen)
         return
     if threads < 1:
         raise ValueError(f"--threads must be an integer >= 1, got {threads}")
-    import torch
-
     torch.set_num_threads(threads)
+
+
+def auto_threads(default: int, available: int, busy: float | None) -> int:
+    """Threads for torch's math: `default` (torch's own choice) unless `busy` of the `available`
+    cores are taken by other processes, then the free ones (rounded), at least 1, at most
+    `default`; `default` when `busy` is unknown (None)."""
+    if busy is None:
+        return default
+    return max(1, min(default, round(available - busy)))
+
+
+def _read_cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of all CPUs since boot, from /proc/stat's first line (Linux)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user / nice]
+    return fields[3] + fields[4], sum(fields[:8])
+
+
+def busy_cpus(available: int, interval_s: float = BUSY_SAMPLE_S,
+              read: Callable[[], tuple[int, int]] = _read_cpu_times) -> float | None:
+    """Cores (of `available`) kept busy by other processes: the non-idle share of all CPUs over
+    `interval_s` seconds while this process sleeps, times `available`. None where it cannot be
+    read (no /proc/stat) or no time passed."""
+    try:
+        idle0, total0 = read()
+        time.sleep(interval_s)
+        idle1, total1 = read()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    return available * (1.0 - (idle1 - idle0) / (total1 - total0))
 
 
 def apply_threads_flag(parser: argparse.ArgumentParser, threads: int | None) -> None:

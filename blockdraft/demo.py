@@ -225,7 +225,8 @@ def _median(xs: list[float]) -> float:
 def format_header(r: DemoReport) -> str:
     """First lines: what runs against what."""
     return (
-        f"blockdraft demo: {r.model} ({r.dtype}, CPU, {r.num_threads} threads) + DFlash drafter "
+        f"blockdraft demo: {r.model} ({r.dtype}, CPU, {r.num_threads} thread{'s' * (r.num_threads != 1)}) "
+        f"+ DFlash drafter "
         f"{r.draft} (K = {r.num_speculative_tokens}: drafts per step"
         f"{f', draft vocabulary {r.draft_vocab_size} ids' if r.draft_vocab_size else ''})\n"
         f"each prompt: plain decoding and speculative decoding on the same loaded weights, "
