@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if hasattr(args, "threads"):  # commands that run a model (not fetch)
-            set_threads(args.threads)
+            set_threads(args.threads, auto=not _runs_on_cuda(args))
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         if isinstance(e, OSError) and e.errno is not None:  # from the OS, not one of our checks
@@ -28,6 +28,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # e.g. --cache-dir / $BLOCKDRAFT_CACHE naming a file, a folder not writable
         return _os_error(e)
+
+
+def _runs_on_cuda(args) -> bool:
+    """Whether the command's model runs on a GPU (--device cuda, or auto with one present)."""
+    device = getattr(args, "device", "cpu")  # commands without --device (demo) run on the CPU
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device == "cuda"
 
 
 def _os_error(e: OSError) -> int:

@@ -29,10 +29,11 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
              "cores other processes keep busy when the command starts: oversubscribed cores stall torch)")
 
 
-def set_threads(threads: int | None) -> None:
+def set_threads(threads: int | None, auto: bool = True) -> None:
     """Apply --threads (torch.set_num_threads) before any model work. None: $BLOCKDRAFT_THREADS,
-    else `auto_threads` of what /proc/stat shows for BUSY_SAMPLE_S seconds (a line on stderr says
-    so when it takes fewer than torch's default).
+    else, with `auto`, `auto_threads` of what /proc/stat shows for BUSY_SAMPLE_S seconds once, at
+    start (a line on stderr says so when it takes fewer than torch's default), else torch's default
+    (commands whose model runs on a GPU: the CPU only feeds it).
 
     Raises:
         ValueError: threads < 1, or $BLOCKDRAFT_THREADS not an integer >= 1.
@@ -41,18 +42,22 @@ def set_threads(threads: int | None) -> None:
 
     if threads is None and os.environ.get(THREADS_ENV):
         value = os.environ[THREADS_ENV]
-        if not value.strip().isdigit() or int(value) < 1:
+        if not value.strip().isdecimal() or not value.strip().isascii() or int(value) < 1:
             raise ValueError(f"${THREADS_ENV} must be an integer >= 1 (CPU threads), got {value!r}")
         threads = int(value)
+    if threads is None and not auto:
+        return
     if threads is None:
         default = torch.get_num_threads()
-        available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or default
-        busy = busy_cpus(available)
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        available = len(cpus) if cpus else os.cpu_count() or default
+        busy = busy_cpus(available, cpus=cpus)
         chosen = auto_threads(default, available, busy)
         if chosen < default:
-            print(f"blockdraft: {chosen} CPU thread{'s' * (chosen > 1)} for the model's math, not {default}: other "
-                  f"processes keep about {busy:.1f} of {available} cores busy (--threads N or ${THREADS_ENV} "
-                  f"sets it)", file=sys.stderr, flush=True)
+            print(f"blockdraft: {chosen} CPU thread{'s' * (chosen > 1)} for the model's math, not {default}: "
+                  f"{available} core{'s' * (available > 1)} available to this process, other processes keep "
+                  f"about {busy:.1f} of them busy (--threads N or ${THREADS_ENV} sets it)", file=sys.stderr,
+                  flush=True)  # fmt: skip
             torch.set_num_threads(chosen)
         return
     if threads < 1:
@@ -66,26 +71,37 @@ def auto_threads(default: int, available: int, busy: float | None) -> int:
     `default`; `default` when `busy` is unknown (None)."""
     if busy is None:
         return default
-    return max(1, min(default, round(available - busy)))
+    return max(1, min(default, int(available - busy + 0.5)))  # half a core free counts as one
 
 
-def _read_cpu_times() -> tuple[int, int]:
-    """(idle, total) jiffies of all CPUs since boot, from /proc/stat's first line (Linux)."""
+def _read_cpu_times(cpus: list[int] | None = None) -> tuple[int, int]:
+    """(idle, total) jiffies since boot of the CPUs `cpus` (the per-CPU `cpuN` lines of
+    /proc/stat, Linux), or of all CPUs (its first line) when None or when a line is missing."""
     with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user / nice]
-    return fields[3] + fields[4], sum(fields[:8])
+        lines = [line.split() for line in f if line.startswith("cpu")]
+    rows = [lines[0][1:]]
+    if cpus:
+        per_cpu = {row[0]: row[1:] for row in lines[1:]}
+        if all(f"cpu{c}" in per_cpu for c in cpus):
+            rows = [per_cpu[f"cpu{c}"] for c in cpus]
+    idle = total = 0
+    for row in rows:
+        fields = [int(x) for x in row]
+        # user nice system idle iowait irq softirq steal [guest guest_nice: already in user / nice]
+        idle, total = idle + fields[3] + fields[4], total + sum(fields[:8])
+    return idle, total
 
 
-def busy_cpus(available: int, interval_s: float = BUSY_SAMPLE_S,
-              read: Callable[[], tuple[int, int]] = _read_cpu_times) -> float | None:
-    """Cores (of `available`) kept busy by other processes: the non-idle share of all CPUs over
-    `interval_s` seconds while this process sleeps, times `available`. None where it cannot be
-    read (no /proc/stat) or no time passed."""
+def busy_cpus(available: int, interval_s: float = BUSY_SAMPLE_S, cpus: list[int] | None = None,
+              read: Callable[[list[int] | None], tuple[int, int]] = _read_cpu_times) -> float | None:
+    """Cores (of `available`) kept busy by other processes: the non-idle share over `interval_s`
+    seconds, while this process sleeps, of the CPUs `cpus` it may run on (all CPUs when None),
+    times `available`. A container that sees the host's /proc/stat still reads its own CPUs
+    when its affinity names them. None where it cannot be read (no /proc/stat) or no time passed."""
     try:
-        idle0, total0 = read()
+        idle0, total0 = read(cpus)
         time.sleep(interval_s)
-        idle1, total1 = read()
+        idle1, total1 = read(cpus)
     except (OSError, ValueError, IndexError):
         return None
     if total1 <= total0:

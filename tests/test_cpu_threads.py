@@ -1,5 +1,7 @@
 """--threads and its default: torch's thread count minus the cores other processes keep busy."""
 
+import os
+
 import pytest
 import torch
 
@@ -20,39 +22,63 @@ def test_auto_threads_leaves_the_busy_cores_to_their_jobs():
     assert auto_threads(2, 2, 0.3) == 2  # light background load: torch's default
     assert auto_threads(2, 2, 3.5) == 1  # never below one
     assert auto_threads(8, 8, 3.4) == 5  # the free cores, rounded
+    assert auto_threads(4, 4, 1.5) == 3 and auto_threads(4, 4, 2.5) == 2  # half a free core counts as one
     assert auto_threads(4, 8, 0.0) == 4  # never above torch's own choice
     assert auto_threads(2, 2, None) == 2  # unknown load: torch's default
 
 
 def test_busy_cpus_reads_the_non_idle_share_while_it_sleeps():
     readings = iter([(100, 1000), (150, 1100)])  # (idle, total) jiffies: half the time busy
-    assert busy_cpus(2, interval_s=0, read=lambda: next(readings)) == pytest.approx(1.0)
+    assert busy_cpus(2, interval_s=0, read=lambda cpus: next(readings)) == pytest.approx(1.0)
     same = iter([(100, 1000), (100, 1000)])  # no tick between the readings
-    assert busy_cpus(2, interval_s=0, read=lambda: next(same)) is None
+    assert busy_cpus(2, interval_s=0, read=lambda cpus: next(same)) is None
 
-    def unreadable():
+    def unreadable(cpus):
         raise OSError("no /proc/stat")
 
     assert busy_cpus(2, interval_s=0, read=unreadable) is None
-    assert 0.0 <= busy_cpus(1, interval_s=0.05) <= 1.0  # this machine's /proc/stat
+
+
+def test_cpu_times_come_from_this_process_cpus(tmp_path, monkeypatch):
+    """A container that sees the host's /proc/stat reads the lines of its own CPUs: here CPU 1 is
+    busy and CPU 3 idle while the host total says little."""
+    import builtins
+
+    stat = ("cpu  1000 0 0 9000 0 0 0 0 0 0\n"
+            "cpu0 0 0 0 2500 0 0 0 0 0 0\ncpu1 500 0 0 0 0 0 0 0 0 0\n"
+            "cpu2 0 0 0 2500 0 0 0 0 0 0\ncpu3 0 0 0 500 0 0 0 0 0 0\nintr 1 2 3\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: __import__("io").StringIO(stat)
+                        if path == "/proc/stat" else real_open(path, *a, **k))
+    assert cpu_threads._read_cpu_times([1, 3]) == (500, 1000)  # idle+iowait, total of cpu1 + cpu3
+    assert cpu_threads._read_cpu_times(None) == (9000, 10000)  # the first line: all CPUs
+    assert cpu_threads._read_cpu_times([1, 7]) == (9000, 10000)  # a CPU without a line: all CPUs
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux /proc/stat")
+def test_busy_cpus_on_this_machine():
+    cpus = sorted(os.sched_getaffinity(0))
+    assert 0.0 <= busy_cpus(len(cpus), interval_s=0.05, cpus=cpus) <= len(cpus)
 
 
 def test_default_takes_fewer_threads_on_a_busy_machine_and_says_so(restore_threads, monkeypatch, capsys):
     torch.set_num_threads(2)
     monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(cpu_threads, "busy_cpus", lambda available: 1.3)
+    monkeypatch.setattr(cpu_threads, "busy_cpus", lambda available, cpus=None: 1.3)
     set_threads(None)
     assert torch.get_num_threads() == 1
-    assert "1 CPU thread for the model's math, not 2: other processes keep about 1.3 of 2 cores busy" in \
-        capsys.readouterr().err
+    assert ("1 CPU thread for the model's math, not 2: 2 cores available to this process, other processes keep "
+            "about 1.3 of them busy") in capsys.readouterr().err
     torch.set_num_threads(2)
-    monkeypatch.setattr(cpu_threads, "busy_cpus", lambda available: 0.2)
+    set_threads(None, auto=False)  # a GPU run: torch's default, the load not read
+    assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
+    monkeypatch.setattr(cpu_threads, "busy_cpus", lambda available, cpus=None: 0.2)
     set_threads(None)
     assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""  # idle: nothing changed, nothing said
 
 
 def test_flag_and_environment_win_over_the_automatic_choice(restore_threads, monkeypatch):
-    monkeypatch.setattr(cpu_threads, "busy_cpus", lambda available: pytest.fail("the load must not be read"))
+    monkeypatch.setattr(cpu_threads, "busy_cpus", lambda *a, **k: pytest.fail("the load must not be read"))
     set_threads(3)
     assert torch.get_num_threads() == 3
     monkeypatch.setenv(THREADS_ENV, "2")
@@ -60,9 +86,22 @@ def test_flag_and_environment_win_over_the_automatic_choice(restore_threads, mon
     assert torch.get_num_threads() == 2
     set_threads(1)  # the flag over the environment
     assert torch.get_num_threads() == 1
-    for bad in ("0", "two", "-1"):
+    for bad in ("0", "two", "-1", "\u00b2"):
         monkeypatch.setenv(THREADS_ENV, bad)
         with pytest.raises(ValueError, match=rf"\$BLOCKDRAFT_THREADS must be an integer >= 1 \(CPU threads\), got '{bad}'"):
             set_threads(None)
     with pytest.raises(ValueError, match="--threads must be an integer >= 1, got 0"):
         set_threads(0)
+
+
+def test_fetch_does_not_read_the_load_and_gpu_commands_keep_torch_default(monkeypatch):
+    """`fetch` runs no model: no thread choice at all; a command on CUDA keeps torch's default."""
+    from blockdraft import cli
+
+    calls = []
+    monkeypatch.setattr(cli, "set_threads", lambda threads, auto=True: calls.append((threads, auto)))
+    cli.main(["fetch", "--list"])
+    assert calls == []
+    assert cli._runs_on_cuda(type("A", (), {"device": "cuda"})()) is True
+    assert cli._runs_on_cuda(type("A", (), {"device": "cpu"})()) is False
+    assert cli._runs_on_cuda(object()) is False  # no --device (demo): the CPU

@@ -227,7 +227,8 @@ def device_info(device) -> dict:
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     return {"type": device.type, "name": name, "torch": torch.__version__, "transformers": transformers.__version__,
-            "dflash": version("dflash"), "python": platform.python_version(), "cpu_count": os.cpu_count()}
+            "dflash": version("dflash"), "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads()}
 
 
 def out_prefix(out: str) -> str:

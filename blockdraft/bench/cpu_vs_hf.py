@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(fn(args.model, args.max_tokens, args.dtype)))
         return 0
     refuse_unwritable(p, "--json-out", args.json_out)  # before the runs, not when writing their result
+    if args.threads is None:  # chosen once here from the load, then the same for every child (and recorded)
+        import torch
+
+        args.threads = torch.get_num_threads()
     runs = {"ours": [], "hf": []}
     for _ in range(args.repeats):
         for engine in ("ours", "hf"):

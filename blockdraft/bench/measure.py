@@ -148,7 +148,7 @@ def measure(
         raise param_error("max_tokens", f"max_tokens must be >= 2 so that decode steps exist to time, got {max_tokens}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    concurrency = concurrency or len(prompts)
+    concurrency = min(concurrency or len(prompts), len(prompts))
     cell = Cell(engine.engine, engine.mode, concurrency, len(prompts))
     reason = engine.unsupported(concurrency)
     if reason is not None:

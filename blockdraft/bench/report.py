@@ -147,8 +147,8 @@ def format_table(report: dict) -> str:
         lines.append(f"TTFT ms: the prefill-only run, all {s['num_prompts']} requests to their first token, 'batch' "
                      "at a time (not one request's time to first token)")
     if any(r["status"] == "ok" and r["ms_per_step"] is None for r in report["results"]):
-        lines.append("ms/step, dec tok/s n/a: the prefill-only run took as long as the full run (a busy machine: "
-                     "rerun with more --repeats, or --threads 1 on a shared CPU)")
+        lines.append("ms/step, dec tok/s n/a: the full run took no longer than the prefill-only run, or ran no more "
+                     "steps (a busy machine: rerun with more --repeats, or --threads 1 on a shared CPU)")
     if any(p.get("mismatched_requests") and "near_ties" in p for p in report["parity"]):
         lines.append("mismatch 'm/n (t ties)': m of n requests differ from our plain decoding; t of them first "
                      "differ at a near-tie (top-2 logit gap < 1e-2; every gap in the JSON's parity divergences)")

@@ -156,3 +156,32 @@ def test_our_engine_keeps_at_most_concurrency_requests_in_flight():
         assert windowed.token_ids == closed.token_ids
         assert max(in_flight) == 3 and in_flight.count(3) > 1
         assert engine.generate(prompts, 9, concurrency=7).token_ids == closed.token_ids  # all at once
+
+
+def test_a_failing_window_leaves_the_engine_empty():
+    """A bad prompt is refused before any request is queued; an error mid-run aborts the call's
+    requests, so the next cell on the same engine starts from an empty engine."""
+    from blockdraft.bench.engines.ours import OurEngine
+    from blockdraft.bench.workload import random_prompts
+
+    _, target = random_target(get_shape("tiny"), torch.float32, "cpu")
+    plan = PoolPlan(max_batch=4, max_prompt_len=10, max_tokens=8)
+    engine = OurEngine(target, "cpu", plan)
+    prompts = random_prompts(5, 10, target.config.vocab_size, 4)
+    with pytest.raises(ValueError):
+        engine.generate(prompts[:4] + [[target.config.vocab_size + 5]], 8, concurrency=2)
+    assert not engine.llm.engine.has_unfinished_requests()
+    step, calls = engine.llm.engine.step, []
+
+    def failing_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return step(*args, **kwargs)
+
+    engine.llm.engine.step = failing_step
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate(prompts, 8, concurrency=2)
+    assert not engine.llm.engine.has_unfinished_requests()
+    engine.llm.engine.step = step
+    assert engine.generate(prompts, 8, concurrency=2).token_ids == engine.generate(prompts, 8).token_ids

@@ -67,4 +67,6 @@ def test_cpu_vs_hf_passes_threads_to_both_children_and_records_it(monkeypatch, t
     assert json.loads(out.read_text())["threads"] == 1
     commands.clear()
     assert cpu_vs_hf.main(["--repeats", "1", "--json-out", str(out)]) == 0
-    assert not any("--threads" in c for c in commands)  # torch's default stays the children's default
+    # no flag: the parent's choice ($BLOCKDRAFT_THREADS here, else from the load) once, for every child
+    n = torch.get_num_threads()
+    assert all(c[-2:] == ["--threads", str(n)] for c in commands) and json.loads(out.read_text())["threads"] == n
