@@ -1,8 +1,9 @@
 """`--threads`: the CPU threads of torch's math, one flag for every command that runs a model
 (the `blockdraft` commands and the `python -m blockdraft.bench.*` scripts).
 
-Without the flag (or $BLOCKDRAFT_THREADS) the threads are torch's default (one per core) unless
-other processes keep cores busy: then only the cores left free. torch's threads wait for each
+Without the flag (or $BLOCKDRAFT_THREADS) a command whose model runs on the CPU takes torch's
+default (one thread per core) unless other processes keep cores busy: then only the cores left
+free (GPU commands keep torch's default). torch's threads wait for each
 other at every op, so a thread whose core another job holds stalls all of them: on a 2-core
 machine with another job running, the README's demo took 16 min with 2 threads and 53 s with 1
 (session 16's new-user trial, docs/benchmarks/cpu.md).
