@@ -337,6 +337,9 @@ def convert_gguf(path: str | os.PathLike, cache_dir: str | os.PathLike | None = 
                                    f"GGUF model ({type(e).__name__}: {e})") from e
 
 
+_EXPECTED_MODEL = "a local folder with config.json (HF format) or a .gguf file"  # what --model takes besides names
+
+
 def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
                        progress: bool = True) -> Path:
     """An HF-format model folder for a catalog name, a local HF folder or a local .gguf file.
@@ -355,11 +358,10 @@ def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.Path
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":
         return convert_gguf(path, cache_dir, progress)
-    expected = "a local folder with config.json (HF format) or a .gguf file"
     if path.is_dir():
-        raise ValueError(f"model folder {value!r} has no config.json; expected {expected}")
+        raise ValueError(f"model folder {value!r} has no config.json; expected {_EXPECTED_MODEL}")
     if path.is_file():
-        raise ValueError(f"model file {value!r} is not a .gguf file; expected {expected}")
+        raise ValueError(f"model file {value!r} is not a .gguf file; expected {_EXPECTED_MODEL}")
     raise _no_such_model(name_or_path)
 
 
@@ -377,7 +379,7 @@ def check_model_exists(name_or_path: str | os.PathLike) -> None:
 def _no_such_model(name_or_path: str | os.PathLike) -> Exception:
     """The error for a model that is neither a catalog name nor an existing path."""
     value = str(name_or_path)
-    expected = "a local folder with config.json (HF format) or a .gguf file"
+    expected = _EXPECTED_MODEL
     # A missing path is a missing file, not an unknown name: say so; the catalog is listed for names.
     if isinstance(name_or_path, os.PathLike) or _looks_like_path(value):
         what = "file" if value.lower().endswith(".gguf") else "path"
