@@ -142,6 +142,9 @@ def _add_serve_parser(sub, default_model: str) -> None:
                    help="KV pages in the pool (default: 1024 on CPU; on CUDA as many as --gpu-memory-utilization allows)")
     _add_device_flags(s)
     _add_async_scheduling_flag(s)
+    from blockdraft.engine.scheduler import add_mixed_prefill_flag
+
+    add_mixed_prefill_flag(s)
     _add_prefix_caching_flag(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens per engine step: prefill chunks + decode rows (default %(default)s)")

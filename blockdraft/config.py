@@ -146,16 +146,25 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching limits: tokens per step (prefill chunks + decode rows) and running requests."""
+    """Continuous batching limits: tokens per step (prefill chunks + decode rows) and running requests.
+
+    mixed_prefill: True = a step carries prompt chunks and running requests' decode / verify rows
+    together (vLLM's chunked prefill); False = a step either prefills (admitted and partly
+    computed prompts) or decodes, prefill first, as SGLang without --enable-mixed-chunk, so decode
+    steps stay uniform and replay their CUDA graphs (a mixed step runs eagerly).
+    """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    mixed_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise param_error("max_num_batched_tokens", f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise param_error("max_num_seqs", f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not isinstance(self.mixed_prefill, bool):
+            raise param_error("mixed_prefill", f"mixed_prefill must be True or False, got {self.mixed_prefill!r}")
 
 
 @dataclass(frozen=True)

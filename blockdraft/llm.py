@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import time
@@ -121,6 +122,10 @@ class LLM:
             answers were identical, bf16 ones may flip at exact ties.
         max_logprobs: the largest `SamplingParams.logprobs` a request may ask for (default 20, as
             vLLM's max_logprobs); `generate` refuses more with a ValueError naming `logprobs`.
+        mixed_prefill: a step may carry new prompts' prefill beside running requests' decode /
+            verify rows (vLLM's chunked prefill; blockdraft.engine.scheduler). None = on unless CUDA
+            graphs are captured: a mixed step cannot replay a graph, so there a step prefills or
+            decodes (as SGLang without --enable-mixed-chunk). Same output either way.
     Raises:
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
@@ -150,6 +155,7 @@ class LLM:
         async_scheduling: bool | None = None,
         enable_prefix_caching: bool = False,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        mixed_prefill: bool | None = None,
     ) -> None:
         check_max_logprobs(max_logprobs)  # before any weights load, as preflight's checks
         if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
@@ -164,13 +170,15 @@ class LLM:
         )
         device, cache = pre.device, pre.cache
         async_scheduling = resolve_async_scheduling(async_scheduling, device, enforce_eager, attention_backend, graph_mode)
+        mixed_prefill = resolve_mixed_prefill(mixed_prefill, device, enforce_eager, attention_backend, graph_mode)
+        sched = dataclasses.replace(pre.scheduler, mixed_prefill=mixed_prefill)
         self.target = target or load_target(str(pre.target_path), dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
         if speculator is None and pre.draft is not None:
             speculator = _build_speculator(pre, self.target)
         self.speculator = speculator
         options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode)
-        self.engine = _build_engine(self.target, cache, pre.scheduler, speculator, device, async_scheduling,
+        self.engine = _build_engine(self.target, cache, sched, speculator, device, async_scheduling,
                                     max_logprobs, **options)
         self._ids = itertools.count()
 
@@ -366,6 +374,22 @@ def resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool
             f"(tests) graph_mode='eager' with attention_backend='dense' runs the same graph code without CUDA "
             f"(got attention_backend={attention_backend!r}, graph_mode={graph_mode!r})"
         )
+    return requested
+
+
+def resolve_mixed_prefill(requested: bool | None, device, enforce_eager: bool, attention_backend, graph_mode) -> bool:
+    """None -> False iff CUDA graphs are captured (a mixed step runs eagerly; separate prefill
+    steps keep the decode steps on their graphs), else True (one eager forward instead of two).
+
+    Raises:
+        ValueError: a value other than None / True / False.
+    """
+    from blockdraft.runner.setup import resolve_graph_mode
+
+    if requested is not None and not isinstance(requested, bool):
+        raise ValueError(f"mixed_prefill must be None, True or False, got {requested!r}")
+    if requested is None:
+        return resolve_graph_mode(device, enforce_eager, attention_backend, graph_mode) != "capture"
     return requested
 
 

@@ -6,6 +6,9 @@ newest running request is preempted: its pages are freed and it goes back to the
 waiting queue with `num_computed_tokens = 0`, so its prompt and output so far are recomputed as a
 prefill (the tokens it already produced are kept, so nothing is lost and no token changes).
 
+Without mixed prefill (SchedulerConfig.mixed_prefill False, the default where CUDA graphs are
+captured) a step either prefills or decodes, prefill first (`schedule`).
+
 Prefix caching (KVCacheManager(enable_prefix_caching=True)): a waiting request with nothing
 computed starts from its longest cached prefix of full pages (never its last token), so its first
 step is a prefill chunk at start_position > 0, as chunked prefill already runs. Pages are offered
@@ -15,6 +18,7 @@ to the cache by `cache_computed` after each committed step, and before they are 
 
 from __future__ import annotations
 
+import argparse
 from collections import deque
 
 from blockdraft.config import SchedulerConfig
@@ -52,11 +56,35 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        """Build this step's batch (may preempt running requests to make room)."""
+        """Build this step's batch (may preempt running requests to make room).
+
+        With `config.mixed_prefill` off, a step that can prefill does only that: the running
+        requests still computing their prompt (uncomputed tokens > 1: a chunked prompt, or one
+        readmitted after preemption) and the waiting requests admitted now; the decoding requests
+        wait one step. Otherwise (nothing to prefill, or no page or slot for it) the step decodes
+        every running request, so a step of Q rows per request stays uniform (CUDA graphs).
+        """
+        if self.config.mixed_prefill:
+            return self._schedule(self.running, admit=True)
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        preempted: list[str] = []
+        if prefilling or (self.waiting and len(self.running) < self.config.max_num_seqs):
+            so = self._schedule(prefilling, admit=True)
+            if so.requests:
+                return so
+            preempted = so.preempted_request_ids
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        so = self._schedule(decoding, admit=False)
+        so.preempted_request_ids[:0] = preempted
+        return so
+
+    def _schedule(self, candidates: list[Request], admit: bool) -> SchedulerOutput:
+        """Running `candidates` in order (preempting the newest running requests when pages run
+        out), then, with `admit` and no preemption, waiting requests while budget lasts."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        for req in list(self.running):
+        for req in list(candidates):
             # status, not `req in self.running`: a scan of the batch per request (quadratic)
             if req.status is not RequestStatus.RUNNING or budget == 0:  # preempted above, or no budget
                 continue
@@ -70,8 +98,8 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
-        if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
+        if admit and not preempted:
+            self._admit_waiting(budget, scheduled)
         return SchedulerOutput(requests=scheduled, preempted_request_ids=preempted)
 
     def schedule_continuation(self, so: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
@@ -187,3 +215,11 @@ class Scheduler:
         self.cache_computed(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
+
+
+def add_mixed_prefill_flag(p) -> None:
+    """--mixed-prefill / --no-mixed-prefill (LLM(mixed_prefill=...)), for serve and bench."""
+    p.add_argument("--mixed-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="let a step carry new prompts' prefill beside running requests' decode rows, as vLLM's "
+                        "chunked prefill (default: on unless CUDA graphs are captured; there a step prefills or "
+                        "decodes, prefill first, so decode steps keep their graphs; same output either way)")

@@ -60,10 +60,12 @@ class StaticInputs:
     block_table: torch.Tensor
 
     @classmethod
-    def allocate(cls, max_reqs: int, rows_per_req: int, block_table_width: int, device) -> "StaticInputs":
-        """Zeroed buffers for the largest bucket: max_reqs x rows_per_req rows, block tables
-        [max_reqs, block_table_width] int32 (smaller buckets use leading slices)."""
-        rows = max_reqs * rows_per_req
+    def allocate(cls, max_reqs: int, rows_per_req: int, block_table_width: int, device,
+                 num_rows: int | None = None) -> "StaticInputs":
+        """Zeroed buffers for the largest bucket: max_reqs x rows_per_req rows (or `num_rows`, for
+        ragged prefill buckets), block tables [max_reqs, block_table_width] int32 (smaller buckets
+        use leading slices)."""
+        rows = max_reqs * rows_per_req if num_rows is None else num_rows
         return cls(
             input_ids=torch.zeros(rows, dtype=torch.long, device=device),
             positions=torch.zeros(rows, dtype=torch.long, device=device),
@@ -85,9 +87,11 @@ class StaticInputs:
         self.seq_lens[:reqs].copy_(batch.meta.seq_lens)
         self.block_table[:reqs].copy_(batch.meta.block_table)
 
-    def metadata(self, num_reqs: int, rows_per_req: int, kv_block_size: int) -> AttentionMetadata:
-        """Causal metadata over the first `num_reqs` requests' slices (no host lists)."""
-        rows = num_reqs * rows_per_req
+    def metadata(self, num_reqs: int, rows_per_req: int, kv_block_size: int,
+                 num_rows: int | None = None) -> AttentionMetadata:
+        """Causal metadata over the first `num_reqs` requests' slices and num_reqs x rows_per_req
+        rows (or the first `num_rows`; no host lists)."""
+        rows = num_reqs * rows_per_req if num_rows is None else num_rows
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: num_reqs + 1],
             seq_lens=self.seq_lens[:num_reqs],

@@ -7,7 +7,7 @@ GPU path (a backend without host metadata): nothing in a step reads device value
 host except the final `fetch_step_output` (and log-probabilities, when asked for). Uniform decode /
 verify steps replay two CUDA graphs (runner.step_graphs: the target, then the tail that verifies,
 drafts and packs), with the sampler between them only when a row samples; so do prefill steps of
-a single request of up to 512 rows (runner.prefill_graphs); everything else runs eagerly.
+up to 4 requests and 512 rows (runner.prefill_graphs); everything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class LaunchedStep:
     logits: its [L, V] logits rows. graphed: the step replayed the uniform-step graphs (a
     continuation can follow it).
 
-    Steps that replayed graphs (uniform steps, and single-request prefills although graphed is
+    Steps that replayed graphs (uniform steps, and prefills of a few requests although graphed is
     False) hold static graph outputs in `packed` and `logits`, and a continuation's `batch` holds
     views of the static inputs: all shared with every other graph of the engine (one memory pool),
     so valid until the next replay of any graph. The engine reads them before that (a
@@ -191,13 +191,16 @@ class ModelRunner:
         return logits, packed
 
     def _enqueue_prefill(self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer) -> LaunchedStep:
-        """A padded single-request prefill step: its target graph, the sampler only when the row
+        """A padded prefill step of a few requests: its target graph, the sampler only when a row
         samples, its tail graph (runner.prefill_graphs). Not continuable (graphed=False)."""
         prefill = self.graphs.prefill
         logits, aux = prefill.run(batch)
+        logits = logits[: len(batch.sample_req)]  # the real requests' rows (every request samples)
         sampled = None if batch.sampling.all_greedy else _sample(batch, logits, self.compiled_sampling)
-        packed = self._timed_tail(timer, lambda: prefill.run_tail(batch.input_ids.shape[0], aux, sampled))
-        return LaunchedStep(so, batch, packed, start_fetch(packed), logits, timer, graphed=False)
+        tail = lambda: prefill.run_tail(batch.meta.num_reqs, batch.input_ids.shape[0], aux, sampled)  # noqa: E731
+        packed = self._timed_tail(timer, tail)
+        return LaunchedStep(so, batch, packed, start_fetch(packed[: len(batch.sample_req)]), logits, timer,
+                            graphed=False)
 
     def _timed_tail(self, timer: StepTimer, run_tail):
         """Run a tail graph as the step's second timer phase (drafting; its verification is fused

@@ -16,7 +16,7 @@ import torch
 
 from blockdraft.runner.continuation import ContinuationGraphs
 from blockdraft.runner.cuda_graphs import TargetGraphs, capture_sizes
-from blockdraft.runner.prefill_graphs import PrefillGraphs, prefill_sizes
+from blockdraft.runner.prefill_graphs import PrefillGraphs, prefill_request_sizes, prefill_sizes
 from blockdraft.runner.step_tail import StepTailGraphs
 
 if TYPE_CHECKING:
@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepGraphs:
     """The target graphs, the tail graphs of the same buckets, the continuation graphs (async
-    scheduling's next step; None when async scheduling is off) and the single-request prefill
-    graphs (None when no prefill bucket fits max_num_batched_tokens)."""
+    scheduling's next step; None when async scheduling is off) and the prefill graphs of up to
+    PREFILL_MAX_REQUESTS requests (None when no prefill bucket fits max_num_batched_tokens)."""
 
     target: TargetGraphs
     tail: StepTailGraphs
@@ -94,11 +94,14 @@ def build_step_graphs(
         if speculator is not None:
             prepare = draft_input_preparer(speculator.drafter.attention_backend.name)
             draft_prefill = functools.partial(draft_after_prefill, speculator, prepare)
+        request_buckets = prefill_request_sizes(max_num_seqs)
         prefill = PrefillGraphs(model, kv_caches, aux_layer_ids, draft_prefill, prefill_buckets, block_table_width,
-                                kv_block_size, capture, pool)
+                                kv_block_size, capture, pool, request_buckets)
         for num_rows in reversed(prefill_buckets):
-            prefill.capture_bucket(num_rows)
+            for num_reqs in reversed(request_buckets):
+                prefill.capture_bucket(num_reqs, num_rows)
     if capture:
-        logger.info("captured CUDA graphs for %d request buckets %s x %d rows and %d single-request prefill "
-                    "buckets %s rows", len(buckets), buckets, rows_per_req, len(prefill_buckets), prefill_buckets)
+        logger.info("captured CUDA graphs for %d request buckets %s x %d rows and prefill buckets of %s requests "
+                    "x %s rows", len(buckets), buckets, rows_per_req, prefill.request_buckets if prefill else [],
+                    prefill_buckets)
     return StepGraphs(target, tail, cont, prefill)

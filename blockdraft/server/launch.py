@@ -89,6 +89,7 @@ def serve(args) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
+        mixed_prefill=args.mixed_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         max_logprobs=args.max_logprobs,  # the same limit as the server's: they agree
     )

@@ -74,11 +74,39 @@ def test_chunked_prefill_and_mixed_steps_run_eagerly_between_replays():
     target = cuda_tiny_target(torch.float32, seed=4)
     prompts, params = random_prompts(12, seed=4, low=10, high=40), _params(12, 24)
     want = _tokens(cuda_llm(target, enforce_eager=True), prompts, params)
-    llm = cuda_llm(target, max_num_seqs=12, max_num_batched_tokens=8)  # buckets 1, 2, 4, 8; chunked prefill
+    # buckets 1, 2, 4, 8; chunked prefill; prompts join the running requests' decode steps (mixed steps)
+    llm = cuda_llm(target, max_num_seqs=12, max_num_batched_tokens=8, mixed_prefill=True)
     assert llm.engine.runner.graphs.target.buckets == [1, 2, 4, 8]
     with graph_runs() as (target_runs, _):
         assert _tokens(llm, prompts, params) == want
     assert target_runs and len(target_runs) < llm.engine.stats.num_steps
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
+def test_requests_arriving_mid_decode_leave_every_decode_step_on_its_graphs(k, monkeypatch):
+    """The CUDA default (mixed prefill off): 8 requests of different lengths, at most 3 running, so
+    each finish admits the next while the others decode. Every step that carries decode rows
+    replays the target graph (a prompt gets a step of its own); answers equal enforce_eager's."""
+    from blockdraft.runner.model_runner import ModelRunner
+
+    target = cuda_tiny_target(torch.float32, seed=6)
+    prompts = random_prompts(8, seed=21)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (5, 17, 9, 30, 12, 3, 22, 8)]
+    want = _tokens(cuda_llm(target, k, enforce_eager=True, max_num_seqs=3), prompts, params)
+    decode_steps, sampled, launch = [], set(), ModelRunner.launch
+
+    def recorded(self, so):
+        ids = {sr.request_id for sr in so.requests}
+        decode_steps.append(bool(ids & sampled))
+        sampled.update(sr.request_id for sr in so.requests if sr.sample)
+        return launch(self, so)
+
+    monkeypatch.setattr(ModelRunner, "launch", recorded)
+    llm = cuda_llm(target, k, max_num_seqs=3, async_scheduling=False)
+    assert llm.engine.scheduler.config.mixed_prefill is False
+    with graph_runs() as (target_runs, _):
+        assert _tokens(llm, prompts, params) == want
+    assert len(target_runs) == sum(decode_steps) and 0 < sum(decode_steps) < len(decode_steps)
 
 
 @pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
@@ -147,3 +175,31 @@ def test_single_request_prefill_graphs_equal_the_same_padded_step_run_eagerly(dt
         assert one_at_a_time(eager) == want
         if k is not None:
             assert graphed.engine.stats.spec.num_accepted_tokens == eager.engine.stats.spec.num_accepted_tokens
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k", [None, 15], ids=["plain", "k15"])
+def test_prefill_graphs_of_several_requests_equal_the_same_padded_step_run_eagerly(dtype, k):
+    """2, 3 and 4 requests arriving together prefill through the request buckets 2, 4, 4 of the
+    prefill graphs: replay == the identical padded code run eagerly (tokens and accepted drafts)."""
+    from blockdraft.runner.prefill_graphs import PrefillGraphs
+
+    target = cuda_tiny_target(dtype, seed=7)
+    groups = [random_prompts(n, seed=20 + n, low=5, high=100) for n in (2, 3, 4)]
+
+    def together(llm):
+        return [[list(o.token_ids) for o in llm.generate(g, _params(len(g), 20))] for g in groups]
+
+    eager = cuda_llm(target, k, graph_mode="eager")
+    want = together(eager)
+    graphed = cuda_llm(target, k)
+    runs, run = [], PrefillGraphs.run
+    PrefillGraphs.run = lambda self, batch: runs.append((batch.num_reqs, batch.meta.num_reqs)) or run(self, batch)
+    try:
+        assert together(graphed) == want
+    finally:
+        PrefillGraphs.run = run
+    assert runs == [(2, 2), (3, 4), (4, 4)]
+    if k is not None:
+        assert graphed.engine.stats.spec.num_accepted_tokens == eager.engine.stats.spec.num_accepted_tokens
+

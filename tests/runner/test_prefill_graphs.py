@@ -1,9 +1,11 @@
-"""Single-request prefill steps padded to a row bucket (the code their CUDA graphs capture), run
-eagerly on CPU with the dense sync-free backend: same tokens and drafts as the unpadded path."""
+"""Prefill steps of up to 4 requests padded to a request and row bucket (the code their CUDA graphs
+capture), run eagerly on CPU with the dense sync-free backend: same tokens and drafts as the
+unpadded path."""
 
 import pytest
 
-from blockdraft.runner.prefill_graphs import PrefillGraphs, prefill_sizes
+from blockdraft.runner.model_runner import ModelRunner
+from blockdraft.runner.prefill_graphs import PrefillGraphs, prefill_request_sizes, prefill_sizes
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec.dflash.checkpoint import random_drafter
 from blockdraft.spec.dflash.speculator import DFlashSpeculator
@@ -45,6 +47,9 @@ def test_buckets_are_powers_of_two_from_16_up_to_the_step_budget():
     assert prefill_sizes(100) == [16, 32, 64]
     assert prefill_sizes(8) == []
     assert prefill_sizes(8192, largest=64) == [16, 32, 64]
+    assert prefill_request_sizes(64) == [1, 2, 4]
+    assert prefill_request_sizes(3) == [1, 2, 3]
+    assert prefill_request_sizes(1) == [1]
 
 
 @pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
@@ -65,8 +70,8 @@ def test_single_request_prefill_padded_to_a_bucket_equals_the_normal_path(target
 
 
 def test_long_prompts_batches_and_cached_prefixes(target, prefill_runs):
-    """A prompt beyond the largest bucket and a step of several requests run the eager path; a
-    prompt whose prefix is cached pads only its uncached rows (seq_len > rows)."""
+    """A prompt beyond the largest bucket runs the eager path, three requests prefill as one padded
+    step; a prompt whose prefix is cached pads only its uncached rows (seq_len > rows)."""
     long_prompt = random_prompts(1, seed=41, low=70, high=71)[0]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = [list(o.token_ids) for o in make_llm(target).generate([long_prompt], params)]
@@ -77,7 +82,7 @@ def test_long_prompts_batches_and_cached_prefixes(target, prefill_runs):
     prompts = random_prompts(3, seed=42)
     assert [list(o.token_ids) for o in llm.generate(prompts, params)] == [
         list(o.token_ids) for o in make_llm(target).generate(prompts, params)]
-    assert prefill_runs == []  # three requests prefilled in one step
+    assert prefill_runs == [(sum(map(len, prompts)), 64)]  # three requests in one step (request bucket 4)
     cached = make_llm(target, enable_prefix_caching=True, **GRAPHS)
     base = random_prompts(1, seed=43, low=30, high=31)[0]
     cached.generate([base + [5, 6]], params)
@@ -85,6 +90,38 @@ def test_long_prompts_batches_and_cached_prefixes(target, prefill_runs):
     got = cached.generate([base + [7, 8, 9]], params)
     assert list(got[0].token_ids) == list(make_llm(target).generate([base + [7, 8, 9]], params)[0].token_ids)
     assert prefill_runs and prefill_runs[0][0] < 33  # the cached full pages were not recomputed
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
+def test_prefill_steps_of_several_requests_padded_to_a_bucket_equal_the_normal_path(target, monkeypatch, k):
+    """2, 3 and 4 prompts admitted together replay the request buckets 2, 4, 4 (padding requests
+    inert: the real requests' tokens, drafts and accepted counts are unchanged); 5 run eagerly."""
+    runs, run = [], PrefillGraphs.run
+    monkeypatch.setattr(PrefillGraphs, "run", lambda self, batch: runs.append((batch.num_reqs, batch.meta.num_reqs))
+                        or run(self, batch))  # fmt: skip
+    cases = []
+    for n, seed in ((2, 50), (3, 51), (4, 52), (5, 53)):
+        prompts = random_prompts(n, seed=seed, low=5, high=40)
+        params = [SamplingParams(max_tokens=7, ignore_eos=True, temperature=0.8 * (i % 2), seed=i) for i in range(n)]
+        cases.append((prompts, params, [list(o.token_ids) for o in make_llm(target).generate(prompts, params)]))
+    # built after the reference runs: an LLM sets the shared target's attention backend
+    build = (lambda **kw: make_llm(target, **kw)) if k is None else (lambda **kw: _spec_llm(target, k, **kw))
+    eager_llm, padded_llm = build(), build(**GRAPHS)
+    drafts, finish = {}, ModelRunner.finish
+
+    def recorded(self, step):  # every step's drafts per request, in step order
+        out = finish(self, step)
+        drafts.setdefault(id(self), []).append(dict(out.draft_token_ids))
+        return out
+
+    monkeypatch.setattr(ModelRunner, "finish", recorded)
+    for prompts, params, want in cases:
+        assert [list(o.token_ids) for o in eager_llm.generate(prompts, params)] == want
+        assert [list(o.token_ids) for o in padded_llm.generate(prompts, params)] == want
+    assert runs == [(2, 2), (3, 4), (4, 4)]
+    # the drafts of each step, the prefill steps' first blocks included, are the eager engine's
+    assert drafts[id(padded_llm.engine.runner)] == drafts[id(eager_llm.engine.runner)]
+    assert k is None or any(d for d in drafts[id(padded_llm.engine.runner)][0].values())
 
 
 def test_logprobs_of_a_padded_prefill_step(target, prefill_runs):

@@ -1,7 +1,7 @@
 """The DFlash drafter step of a graphed step, over the target graphs' static buffers.
 
-`DraftStep` serves the uniform decode / verify steps; `draft_after_prefill` the single-request
-prefill steps (runner.prefill_graphs).
+`DraftStep` serves the uniform decode / verify steps; `draft_after_prefill` the prefill steps of
+a few requests (runner.prefill_graphs).
 
 It runs inside the step's tail graph (runner.step_tail), after verification: prepare the
 drafter's inputs from the verified tokens (context slots with rejected and padding rows set to
@@ -83,26 +83,32 @@ def draft_after_prefill(
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
     logits_index: torch.Tensor,
     target: torch.Tensor,
     num_accepted: torch.Tensor,
 ) -> torch.Tensor:
-    """The drafter part of a padded single-request prefill step that samples its last row -> [1, K] int64.
+    """The drafter part of a padded prefill step whose requests each sample their last row -> [R_b, K] int64.
 
-    Writes the draft context of this step's rows (the prompt's uncached rows, or its last chunk;
-    padding rows carry PADDING_SLOT), then drafts the block after the sampled token (nothing to
-    verify: a prefill row carries no drafts).
+    Writes the draft context of this step's rows (the prompts' uncached rows, or their last
+    chunks; padding rows carry PADDING_SLOT), then drafts the block after each sampled token
+    (nothing to verify: a prefill row carries no drafts). Padding requests (an empty query range)
+    draft from MASK at position 0 over no context, as DraftStep's; their drafts are junk.
 
     Args:
         prepare: `draft_input_preparer(...)` of the drafter's backend.
         features: [T_b, n*H] the target's aux features of the padded rows.
         positions / slot_mapping: [T_b] int64 of the padded rows.
-        block_table: [1, M] int32.
-        logits_index: [1] int64, the row that sampled (the prompt's last row).
-        target: [1, 1] int64, the token sampled there.
-        num_accepted: [1] int64 zeros (a prefill row verifies no drafts).
+        block_table: [R_b, M] int32.
+        query_start_loc: [R_b + 1] int32 of the target forward (padding requests empty).
+        logits_index: [R_b] int64, the row each request sampled (its prompt's last row; 0 for padding).
+        target: [R_b, 1] int64, the token sampled there.
+        num_accepted: [R_b] int64 zeros (a prefill row verifies no drafts).
     """
-    logits_rows = torch.zeros(1, 1, dtype=torch.long, device=target.device)  # the one logits row
+    num_reqs = target.shape[0]
+    real = query_start_loc[1:] > query_start_loc[:-1]
+    request = torch.arange(num_reqs, dtype=torch.long, device=target.device)
+    logits_rows = torch.where(real, request, -1).view(num_reqs, 1)  # one logits row per request
     prepared = prepare(logits_rows, logits_index, num_accepted, target, positions, slot_mapping,
                        speculator.mask_token_id, speculator.num_query_tokens)
     return speculator.propose(features, positions, prepared.context_slot_mapping, prepared.bonus_tokens,

@@ -1,0 +1,201 @@
+"""Where a run under load spends its time: engine steps by the kind of work they launched.
+
+`blockdraft bench --num-prompts M` measures a server's load (at most N requests in flight, the next
+sent as one finishes); this explains its number. For plain decoding and DFlash it runs the same
+M prompts twice: as closed batches of N (all start together) and as that window (requests start
+and stop at different steps), and sorts each `LLMEngine.step` call by what it launched:
+
+  uniform        a decode / verify step that replays the uniform-step CUDA graphs
+  continuation   the next such step, launched from the previous one's device output (async scheduling)
+  prefill-graph  a prefill step of up to 4 requests replaying the prefill graphs
+  eager          any other step (mixed prefill + decode, a burst of prefills, a chunk, no graphs)
+  none           nothing launched (the step only read back the one launched before)
+
+An engine step that launched two (e.g. "uniform+continuation", a chain restarted after the batch
+changed) is its own row. Per row: engine steps, seconds of host wall time in them (the GPU time
+shows through the read-back each step waits for), milliseconds each, requests running after it.
+
+    python -m blockdraft.bench.load_profile --model qwen2.5-coder-0.5b-instruct --draft shipped \\
+        --draft-vocab-size 32768 --batch-size 32 --num-prompts 128 --max-tokens 128 --out load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from blockdraft.bench.engines import DFLASH, PLAIN
+from blockdraft.bench.engines.ours import _generate_windowed
+from blockdraft.bench.measure import synchronize
+from blockdraft.errors import refuse_unwritable
+from blockdraft.runner.model_runner import ModelRunner
+from blockdraft.sampling_params import SamplingParams
+
+SCHEMA = "blockdraft-load-profile/1"
+HOWS = ("closed", "windowed")
+
+
+@contextmanager
+def recorded_launches():
+    """Yield a list that collects the kind of every step any ModelRunner launches in the block
+    (the kinds in the module docstring, "continuation-refused" for a continuation that did not fit)."""
+    kinds: list[str] = []
+    launch, continuation = ModelRunner.launch, ModelRunner.launch_continuation
+
+    def recorded_launch(self, so):
+        graphs = self.graphs
+        if graphs is not None and graphs.target.padding_for(so) is not None:
+            kinds.append("uniform")
+        elif graphs is not None and graphs.prefill is not None and graphs.prefill.padding_for(so) is not None:
+            kinds.append("prefill-graph")
+        else:
+            kinds.append("eager")
+        return launch(self, so)
+
+    def recorded_continuation(self, prev, so):
+        out = continuation(self, prev, so)
+        kinds.append("continuation" if out is not None else "continuation-refused")
+        return out
+
+    ModelRunner.launch, ModelRunner.launch_continuation = recorded_launch, recorded_continuation
+    try:
+        yield kinds
+    finally:
+        ModelRunner.launch, ModelRunner.launch_continuation = launch, continuation
+
+
+def profile_load(engine, prompts: list[list[int]], max_tokens: int, batch_size: int, how: str,
+                 device: torch.device | str = "cpu") -> dict:
+    """Run `prompts` greedily (ignore_eos, `max_tokens` each) through `engine` (an LLMEngine) and
+    sort its steps by kind.
+
+    how: "closed" = batches of `batch_size` prompts, each started together and run to the end;
+    "windowed" = at most `batch_size` in the engine, the next added as one finishes. device: the
+    engine's (CUDA is synchronised before and after the timed run).
+    Returns {"wall_s", "tokens", "tokens_per_s", "steps", "by_kind": {kind: {"steps", "seconds",
+    "ms_each", "mean_running"}}} (seconds: host wall time, the device synchronised at both ends).
+    Raises:
+        ValueError: `how` not in HOWS, batch_size < 1, or a prompt the engine refuses.
+    """
+    if how not in HOWS:
+        raise ValueError(f"how must be one of {HOWS}, got {how!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = torch.device(device)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    steps: list[tuple[float, str, int]] = []
+    plain_step = engine.step
+
+    with recorded_launches() as kinds:
+        def timed_step(stream: bool = True):
+            first, t0 = len(kinds), time.perf_counter()
+            out = plain_step(stream)
+            steps.append((time.perf_counter() - t0, "+".join(kinds[first:]) or "none", len(engine.scheduler.running)))
+            return out
+
+        engine.step = timed_step
+        try:
+            synchronize(device)
+            t0 = time.perf_counter()
+            if how == "closed":
+                outs = []
+                for start in range(0, len(prompts), batch_size):
+                    chunk = prompts[start:start + batch_size]
+                    outs += _generate_windowed(engine, chunk, params, len(chunk))
+            else:
+                outs = _generate_windowed(engine, prompts, params, batch_size)
+            synchronize(device)
+            wall = time.perf_counter() - t0
+        finally:
+            del engine.step  # the instance attribute shadowed the method
+    by_kind: dict = collections.defaultdict(lambda: [0, 0.0, 0])
+    for seconds, kind, running in steps:
+        row = by_kind[kind]
+        row[0], row[1], row[2] = row[0] + 1, row[1] + seconds, row[2] + running
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {
+        "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": len(steps),
+        "by_kind": {k: {"steps": n, "seconds": s, "ms_each": 1e3 * s / n, "mean_running": r / n}
+                    for k, (n, s, r) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
+    }  # fmt: skip
+
+
+def format_table(results: dict) -> str:
+    """One line per (mode, how) and one per step kind under it."""
+    lines = [f"{'mode':7} {'how':9} {'kind':32} {'steps':>6} {'seconds':>8} {'ms each':>8} {'running':>7} {'tok/s':>9}"]
+    for key, r in results.items():
+        mode, how = key.split("/")
+        lines.append(f"{mode:7} {how:9} {'(all)':32} {r['steps']:6d} {r['wall_s']:8.3f} "
+                     f"{1e3 * r['wall_s'] / max(r['steps'], 1):8.3f} {'':7} {r['tokens_per_s']:9.1f}")
+        for kind, k in r["by_kind"].items():
+            lines.append(f"{'':7} {'':9} {kind:32} {k['steps']:6d} {k['seconds']:8.3f} {k['ms_each']:8.3f} "
+                         f"{k['mean_running']:7.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m blockdraft.bench.load_profile`: print the table, write JSON (--out)."""
+    from blockdraft.bench.engines.ours import OurEngine, PoolPlan, dflash_speculator
+    from blockdraft.bench.workload import model_workload, resolve_device_dtype
+    from blockdraft.drafters import resolve_draft
+    from blockdraft.engine.scheduler import add_mixed_prefill_flag
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name or HF folder (default %(default)s)")
+    p.add_argument("--draft", default="shipped", help="drafter folder or 'shipped' (default %(default)s)")
+    p.add_argument("--draft-vocab-size", type=int, default=0, help="draft vocabulary (default 0: full)")
+    p.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"], help="prompts (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, help="requests in flight (default %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=128, help="requests per run (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each (mode, how); the last is kept (default 2)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="default auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="default auto")
+    add_mixed_prefill_flag(p)
+    p.add_argument("--out", help="write the JSON document here")
+    args = p.parse_args(argv)
+    for name in ("batch_size", "num_prompts", "max_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    refuse_unwritable(p, "--out", args.out)
+    try:
+        device, dtype = resolve_device_dtype(args.device, args.dtype)
+        draft = resolve_draft(args.draft, args.model)
+        if draft is None:
+            p.error(f"--draft {args.draft!r}: no drafter (give a drafter folder or 'shipped')")
+        wl = model_workload(args.model, draft, device, dtype, dataset=args.dataset, num_prompts=args.num_prompts,
+                            draft_vocab_size=args.draft_vocab_size, load_hf=False)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
+    k = wl.drafter.config.block_size - 1
+    plan = PoolPlan(max_batch=args.batch_size, max_prompt_len=max(map(len, wl.prompts)), max_tokens=args.max_tokens,
+                    lookahead=k + 1)
+    options = {} if args.mixed_prefill is None else {"mixed_prefill": args.mixed_prefill}
+    results = {}
+    for mode in (PLAIN, DFLASH):
+        spec = None if mode == PLAIN else dflash_speculator(wl.drafter, wl.target, plan, None, wl.draft_head)
+        engine = OurEngine(wl.target, str(device), plan, spec, mode, options).llm.engine
+        for how in HOWS:
+            for _ in range(args.repeats):  # the first run of each compiles kernels for its shapes
+                results[f"{mode}/{how}"] = profile_load(engine, wl.prompts, args.max_tokens, args.batch_size, how,
+                                                        device)
+        del engine
+    doc = {"schema": SCHEMA, "settings": vars(args), "device": str(device),
+           "dtype": str(dtype).removeprefix("torch."), "results": results}
+    if args.out:
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(format_table(results))
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

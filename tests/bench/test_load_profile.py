@@ -1,0 +1,47 @@
+"""bench.load_profile sorts the engine steps of a closed or windowed run by what they launched
+(the padded graph code runs eagerly on CPU with graph_mode="eager")."""
+
+import pytest
+
+from blockdraft.bench.load_profile import format_table, profile_load
+from blockdraft.runner.model_runner import ModelRunner
+from blockdraft.spec.dflash.checkpoint import random_drafter
+from blockdraft.spec.dflash.speculator import DFlashSpeculator
+from tests.conftest import make_llm, random_prompts, tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=5, logit_scale=8.0)
+
+
+def _dflash_llm(target, **kw):
+    drafter = random_drafter(target.config, num_layers=1, block_size=4, target_layer_ids=(0, 2), seed=1)
+    spec = DFlashSpeculator(drafter, target.model, 3, None, 4)
+    return make_llm(target, speculator=spec, attention_backend="dense", graph_mode="eager", **kw)
+
+
+def test_closed_batches_sort_into_eager_prefill_graph_and_uniform_steps(target):
+    launch = ModelRunner.launch
+    engine = _dflash_llm(target, max_num_seqs=5, mixed_prefill=False).engine
+    out = profile_load(engine, random_prompts(7, seed=3), max_tokens=6, batch_size=5, how="closed")
+    kinds = out["by_kind"]
+    assert out["tokens"] == 7 * 6 and out["steps"] == sum(k["steps"] for k in kinds.values())
+    # 5 prompts prefill eagerly (more than the largest prefill-graph bucket, 4), the other 2 replay it
+    assert kinds["eager"]["steps"] == 1 and kinds["prefill-graph"]["steps"] == 1
+    assert kinds["uniform"]["steps"] == out["steps"] - 2
+    assert out["wall_s"] >= sum(k["seconds"] for k in kinds.values()) > 0
+    assert "step" not in vars(engine) and ModelRunner.launch is launch  # instrumentation removed
+    table = format_table({"dflash/closed": out})
+    assert "prefill-graph" in table and "uniform" in table
+
+
+def test_windowed_run_counts_every_token_and_bad_arguments_are_refused(target):
+    engine = _dflash_llm(target, max_num_seqs=3).engine
+    prompts = random_prompts(6, seed=4)
+    out = profile_load(engine, prompts, max_tokens=5, batch_size=3, how="windowed")
+    assert out["tokens"] == 6 * 5 and out["steps"] == sum(k["steps"] for k in out["by_kind"].values())
+    with pytest.raises(ValueError, match="how must be one of"):
+        profile_load(engine, prompts, 5, 3, "open")
+    with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
+        profile_load(engine, prompts, 5, 0, "closed")

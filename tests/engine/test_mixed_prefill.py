@@ -1,0 +1,147 @@
+"""SchedulerConfig.mixed_prefill: off, a step prefills (admitted and partly computed prompts) or
+decodes, prefill first, so decode / verify steps stay uniform and replay their graphs while
+requests arrive; the answers are the same token for token."""
+
+import pytest
+
+from blockdraft.config import SchedulerConfig
+from blockdraft.engine.kv_cache_manager import KVCacheManager
+from blockdraft.engine.request import Request
+from blockdraft.engine.scheduler import Scheduler
+from blockdraft.llm import resolve_mixed_prefill
+from blockdraft.runner.model_runner import ModelRunner
+from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec.dflash.checkpoint import random_drafter
+from blockdraft.spec.dflash.speculator import DFlashSpeculator
+from tests.conftest import make_llm, random_prompts, tiny_target
+
+GRAPHS = dict(attention_backend="dense", graph_mode="eager")
+
+
+def _sched(mixed, budget=16, seqs=4, blocks=16, bs=4):
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, mixed_prefill=mixed)
+    return Scheduler(config, KVCacheManager(blocks, bs))
+
+
+def _req(rid, n):
+    return Request(rid, list(range(1, n + 1)), SamplingParams())
+
+
+def _decoding(s, rid, prompt_len, drafts=(8, 9)):
+    """A running request whose prompt is computed and whose first token and drafts wait."""
+    r = _req(rid, prompt_len)
+    s.add_request(r)
+    s.schedule()
+    r.num_computed_tokens = prompt_len
+    r.output_token_ids = [7]
+    r.spec_token_ids = list(drafts)
+    return r
+
+
+def _rows(so):
+    return [(sr.request_id, sr.start_position, len(sr.token_ids), sr.sample) for sr in so.requests]
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_a_new_prompt_joins_the_decode_step_only_with_mixed_prefill(mixed):
+    s = _sched(mixed)
+    a = _decoding(s, "a", 3)
+    b = _req("b", 5)
+    s.add_request(b)
+    if mixed:
+        assert _rows(s.schedule()) == [("a", 3, 3, True), ("b", 0, 5, True)]
+        return
+    assert _rows(s.schedule()) == [("b", 0, 5, True)]  # a waits one step with its drafts
+    assert a.spec_token_ids == [8, 9]
+    b.num_computed_tokens, b.output_token_ids, b.spec_token_ids = 5, [4], [5, 6]
+    assert _rows(s.schedule()) == [("a", 3, 3, True), ("b", 5, 3, True)]
+
+
+def test_without_mixed_prefill_every_chunk_of_a_long_prompt_comes_before_decoding():
+    s = _sched(False, budget=8, blocks=32)
+    _decoding(s, "a", 3)
+    b = _req("b", 20)
+    s.add_request(b)
+    steps = []
+    for _ in range(4):
+        so = s.schedule()
+        steps.append(_rows(so))
+        if so.requests[0].request_id == "b":
+            b.num_computed_tokens += len(so.requests[0].token_ids)
+    assert steps[:3] == [[("b", 0, 8, False)], [("b", 8, 8, False)], [("b", 16, 4, True)]]
+    b.output_token_ids = [4]  # b sampled: both decode now
+    assert _rows(s.schedule()) == [("a", 3, 3, True), ("b", 20, 1, True)]
+
+
+def test_without_mixed_prefill_a_prompt_that_cannot_start_does_not_stall_decoding():
+    # no sequence slot: the running request decodes
+    s = _sched(False, seqs=1)
+    _decoding(s, "a", 3)
+    s.add_request(_req("b", 5))
+    assert _rows(s.schedule()) == [("a", 3, 3, True)]
+    # no page for the waiting prompt (the pool holds a's pages only): a decodes, b waits
+    s = _sched(False, blocks=2)
+    _decoding(s, "a", 3)
+    s.add_request(_req("b", 5))
+    assert _rows(s.schedule()) == [("a", 3, 3, True)]
+    assert [r.request_id for r in s.waiting] == ["b"]
+
+
+def test_mixed_prefill_resolves_from_the_graph_mode():
+    assert resolve_mixed_prefill(None, "cpu", False, None, None) is True
+    assert resolve_mixed_prefill(None, "cuda", False, None, None) is False  # graphs captured
+    assert resolve_mixed_prefill(None, "cuda", True, None, None) is True  # --enforce-eager
+    assert resolve_mixed_prefill(False, "cpu", False, None, None) is False
+    with pytest.raises(ValueError, match="mixed_prefill must be None, True or False, got 'no'"):
+        resolve_mixed_prefill("no", "cpu", False, None, None)
+    with pytest.raises(ValueError, match="mixed_prefill must be True or False, got 1"):
+        SchedulerConfig(mixed_prefill=1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=5, logit_scale=8.0)
+
+
+def _record_steps(monkeypatch):
+    """Per launched step: (carries a request that sampled before, replays the uniform-step graphs)."""
+    steps, sampled = [], set()
+    launch = ModelRunner.launch
+
+    def recorded(self, so):
+        ids = {sr.request_id for sr in so.requests}
+        steps.append((bool(ids & sampled), self.graphs.target.padding_for(so) is not None))
+        sampled.update(sr.request_id for sr in so.requests if sr.sample)
+        return launch(self, so)
+
+    monkeypatch.setattr(ModelRunner, "launch", recorded)
+    return steps
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "dflash-k3"])
+def test_without_mixed_prefill_decode_steps_stay_uniform_as_requests_arrive(target, monkeypatch, k):
+    """8 requests of different lengths, at most 3 running: each one that finishes lets the next
+    in mid-decode. Without mixed prefill every step that carries decode rows is uniform (a graph
+    replay on CUDA); with it some are not (the control). Answers equal plain eager decoding."""
+    prompts = random_prompts(8, seed=21)
+    params = [SamplingParams(max_tokens=[5, 17, 9, 30, 12, 3, 22, 8][i], ignore_eos=True, temperature=0.9 * (i % 2),
+                             seed=i) for i in range(8)]  # fmt: skip
+    want = [o.token_ids for o in make_llm(target).generate(prompts, params)]
+
+    def run(mixed):
+        spec = None
+        if k is not None:
+            drafter = random_drafter(target.config, num_layers=1, block_size=k + 1, target_layer_ids=(0, 2), seed=1)
+            spec = DFlashSpeculator(drafter, target.model, k, None, 4)
+        steps = _record_steps(monkeypatch)
+        llm = make_llm(target, speculator=spec, **GRAPHS, max_num_seqs=3, mixed_prefill=mixed)
+        assert llm.engine.scheduler.config.mixed_prefill is mixed
+        return [o.token_ids for o in llm.generate(prompts, params)], steps
+
+    got, steps = run(False)
+    assert got == want
+    assert all(uniform for decodes, uniform in steps if decodes)
+    assert sum(not decodes for decodes, _ in steps) == 6  # the first three prompts in one step, then one at a time
+    got, steps = run(True)
+    assert got == want
+    assert any(decodes and not uniform for decodes, uniform in steps)
