@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from blockdraft.bench.engines import DFLASH, PLAIN
-from blockdraft.bench.engines.ours import _generate_windowed
+from blockdraft.bench.engines.ours import generate_windowed
 from blockdraft.bench.measure import synchronize
 from blockdraft.errors import refuse_unwritable
 from blockdraft.runner.model_runner import ModelRunner
@@ -108,9 +108,9 @@ def profile_load(engine, prompts: list[list[int]], max_tokens: int, batch_size: 
                 outs = []
                 for start in range(0, len(prompts), batch_size):
                     chunk = prompts[start:start + batch_size]
-                    outs += _generate_windowed(engine, chunk, params, len(chunk))
+                    outs += generate_windowed(engine, chunk, params, len(chunk))
             else:
-                outs = _generate_windowed(engine, prompts, params, batch_size)
+                outs = generate_windowed(engine, prompts, params, batch_size)
             synchronize(device)
             wall = time.perf_counter() - t0
         finally:

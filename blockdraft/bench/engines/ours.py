@@ -100,7 +100,7 @@ class OurEngine:
         if concurrency is None or concurrency >= len(prompts):
             outs = self.llm.generate(prompts, params)
         else:
-            outs = _generate_windowed(self.llm.engine, prompts, params, concurrency)
+            outs = generate_windowed(self.llm.engine, prompts, params, concurrency)
         pooled = SpecStats()
         for o in outs:
             pooled.merge(o.spec)
@@ -114,7 +114,7 @@ class OurEngine:
 _WINDOWED_CALLS = itertools.count()  # request ids stay unique across calls on one engine
 
 
-def _generate_windowed(engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> list:
+def generate_windowed(engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> list:
     """Final RequestOutputs of `prompts` in input order, at most `concurrency` in the engine at once.
 
     As `LLM.generate`: every prompt is checked before any is queued, and the step loop runs with
