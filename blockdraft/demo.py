@@ -373,6 +373,9 @@ def main(args) -> int:
 
     def on_start(report: DemoReport) -> None:
         print(format_header(report) + "\n", flush=True)
+        # the untimed warm-up (both engines, every prompt) comes before the first progress line
+        print(f"  (warming up: both engines on each of the {len(prompts)} prompts, a few tokens, untimed)",
+              file=sys.stderr, flush=True)
 
     def on_run(label: str, index: int, repeat: int, seconds: float) -> None:
         print(f"  (prompt {index + 1}/{len(prompts)}, run {repeat + 1}/{args.repeats}: {label} {seconds:.1f} s)",

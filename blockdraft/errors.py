@@ -66,7 +66,10 @@ def check_writable_file(path: str, flag: str = "--json", example: str = "report.
         with open(path, "a"):
             pass
     except OSError as e:
-        raise ValueError(f"{flag} {path!r}: not writable ({e.strerror or e})") from None
+        why = e.strerror or e
+        if not existed:  # e.g. /proc: ENOENT although the folder exists
+            why = f"{folder!r} refuses new files: {why}"
+        raise ValueError(f"{flag} {path!r}: not writable ({why})") from None
     if not existed:
         os.remove(path)
 

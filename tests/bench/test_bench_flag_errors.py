@@ -46,7 +46,7 @@ def test_check_writable_file_refuses_a_missing_folder_a_folder_a_file_as_folder_
             check_writable_file(path, "--out")
         assert str(e.value).startswith(f"--out {path!r}")
     assert not (tmp_path / "ok.json").exists()  # the probe leaves no file behind
-    with pytest.raises(ValueError, match=r"--out '/proc/blockdraft-probe.json': not writable"):
+    with pytest.raises(ValueError, match=r"--out '/proc/blockdraft-probe.json': not writable \('/proc' refuses new files"):
         check_writable_file("/proc/blockdraft-probe.json", "--out")  # os.access says yes to root there
     monkeypatch.setattr(os, "access", lambda *a: False)  # as root every path is writable: fake it
     with pytest.raises(ValueError, match="not writable"):

@@ -77,6 +77,8 @@ def _kinds(lines: list[str]) -> list[str]:
             kinds.append("answer")
         elif line.startswith("  (prompt "):
             kinds.append("progress")
+        elif line.startswith("  (warming up: "):
+            kinds.append("warm-up")
         elif line.startswith("speed, median"):
             kinds.append("speed header")
         elif line.startswith("  -> [") and " plain " in line:
@@ -97,7 +99,7 @@ def test_demo_with_repeats_prints_answers_then_speed_lines_then_summary(tiny, tm
 
 def test_demo_with_one_run_prints_each_speed_line_after_its_answer(tiny, tmp_path, capsys, monkeypatch):
     kinds = [k for k in _kinds(_demo_terminal(tiny, tmp_path, capsys, monkeypatch, repeats=1)) if k != "progress"]
-    assert kinds == ["answer", "speed", "answer", "speed", "summary"]
+    assert kinds == ["warm-up", "answer", "speed", "answer", "speed", "summary"]  # a line before the slow warm-up
 
 
 def test_demo_shows_each_answer_before_the_later_timed_runs(tiny):
