@@ -35,7 +35,9 @@ class LLMEngine:
     async_scheduling (vLLM's --async-scheduling): while a uniform decode step runs on the device,
     the next step of the same requests is launched from its device output before its tokens are
     read back, so the GPU does not wait for the host's bookkeeping (commit, stop checks, scheduling,
-    input preparation) between steps. Stop conditions are then applied one step late: a request that
+    input preparation) between steps; without mixed prefill, when a request waits to start, the
+    prefill step of the waiting requests is launched that way instead (it needs no token of the
+    step before). Stop conditions are then applied one step late: a request that
     stops at step N has also been computed in step N+1, whose tokens for it are dropped. The output
     is the same token for token. The chain of such steps breaks (one synchronous step) whenever the
     batch changes: a request could be admitted, finishes or is aborted, or needs pages the pool
@@ -172,15 +174,19 @@ class LLMEngine:
         return self._pop_finished_outputs() + self._outputs_of(reqs)
 
     def _launch_next(self, sched_out: SchedulerOutput, reqs: list[Request], launched):
-        """Launch the step after `launched` from its device output -> (its requests, the launched
-        step) or None."""
+        """Launch the step after `launched` before reading it back -> (its requests, the launched
+        step) or None: the same requests' next decode step from its device output, else (without
+        mixed prefill) the prefill step of waiting requests, which does not need its tokens."""
         if not self.runner.can_continue(launched):
             return None
         nxt = self.scheduler.schedule_continuation(sched_out, self.max_model_len)
-        if nxt is None:
+        if nxt is not None:
+            launched_next = self.runner.launch_continuation(launched, nxt)
+            return None if launched_next is None else (reqs, launched_next)
+        ahead = self.scheduler.schedule_prefill_ahead()
+        if ahead is None:
             return None
-        launched_next = self.runner.launch_continuation(launched, nxt)
-        return None if launched_next is None else (reqs, launched_next)
+        return [self._requests[sr.request_id] for sr in ahead.requests], self.runner.launch(ahead)
 
     def _commit(self, sched_out: SchedulerOutput, reqs: list[Request], run_out: ModelRunnerOutput) -> None:
         """Apply a step's output to its requests (`reqs`, the Request objects of sched_out's rows:

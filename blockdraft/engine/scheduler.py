@@ -141,6 +141,22 @@ class Scheduler:
             ))
         return SchedulerOutput(requests=scheduled)
 
+    def schedule_prefill_ahead(self) -> SchedulerOutput | None:
+        """Without mixed prefill: the prefill step of the waiting requests, scheduled while the
+        running requests' decode step is in flight and not yet committed (async scheduling), or None.
+
+        It does not depend on that step (other requests, and no page it holds), so the engine
+        launches it before reading the decode step back instead of leaving the GPU idle meanwhile.
+        Admissions only, as `schedule` would make them (budget, sequence slots, pages; no
+        preemption). None with mixed prefill on, while a running request is still prefilling (the
+        next `schedule` takes it with the waiting ones), or when nothing can be admitted.
+        """
+        if self.config.mixed_prefill or any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
+            return None
+        scheduled: list[ScheduledRequest] = []
+        self._admit_waiting(self.config.max_num_batched_tokens, scheduled)
+        return SchedulerOutput(requests=scheduled) if scheduled else None
+
     def _fit_running(self, req: Request, budget: int) -> int:
         """Tokens to compute for a running request; trims drafts that do not fit the budget."""
         uncomputed = req.num_tokens - req.num_computed_tokens

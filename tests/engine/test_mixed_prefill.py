@@ -145,3 +145,51 @@ def test_without_mixed_prefill_decode_steps_stay_uniform_as_requests_arrive(targ
     got, steps = run(True)
     assert got == want
     assert any(decodes and not uniform for decodes, uniform in steps)
+
+
+def test_prefill_ahead_is_none_with_mixed_prefill_or_a_prompt_still_prefilling():
+    s = _sched(True)
+    _decoding(s, "a", 3)
+    s.add_request(_req("b", 5))
+    assert s.schedule_prefill_ahead() is None  # mixed prefill: the next schedule() mixes instead
+    s = _sched(False, budget=8, blocks=32)
+    _decoding(s, "a", 3)
+    b = _req("b", 5)
+    s.add_request(b)
+    assert _rows(s.schedule_prefill_ahead()) == [("b", 0, 5, True)]
+    assert s.schedule_prefill_ahead() is None  # nothing waits any more
+    b.num_computed_tokens, b.output_token_ids = 5, [4]  # its prefill committed
+    c = _req("c", 20)
+    s.add_request(c)
+    assert _rows(s.schedule_prefill_ahead()) == [("c", 0, 8, False)]  # a first chunk
+    s.add_request(_req("d", 4))
+    assert s.schedule_prefill_ahead() is None  # c's next chunk comes first, in schedule()
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "dflash-k3"])
+def test_async_scheduling_launches_waiting_prompts_prefill_ahead_with_the_same_answers(target, monkeypatch, k):
+    """Async scheduling without mixed prefill: when a request waits to start, its prefill step is
+    launched before the decode step in flight is read back; the answers are those of synchronous
+    scheduling (and of plain eager decoding), token for token."""
+    from blockdraft.engine.scheduler import Scheduler
+
+    prompts = random_prompts(8, seed=22)
+    params = [SamplingParams(max_tokens=[5, 17, 9, 30, 12, 3, 22, 8][i], ignore_eos=True, temperature=0.9 * (i % 2),
+                             seed=i) for i in range(8)]  # fmt: skip
+    want = [o.token_ids for o in make_llm(target).generate(prompts, params)]
+    ahead, schedule_ahead = [], Scheduler.schedule_prefill_ahead
+    monkeypatch.setattr(Scheduler, "schedule_prefill_ahead",
+                        lambda self: ahead.append(schedule_ahead(self)) or ahead[-1])  # fmt: skip
+
+    def run(async_scheduling):
+        spec = None
+        if k is not None:
+            drafter = random_drafter(target.config, num_layers=1, block_size=k + 1, target_layer_ids=(0, 2), seed=1)
+            spec = DFlashSpeculator(drafter, target.model, k, None, 4)
+        llm = make_llm(target, speculator=spec, **GRAPHS, max_num_seqs=3, mixed_prefill=False,
+                       async_scheduling=async_scheduling)
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+    assert run(False) == want and not ahead
+    assert run(True) == want
+    assert sum(s is not None for s in ahead) >= 3  # prefill steps really launched ahead

@@ -107,6 +107,10 @@ def test_requests_arriving_mid_decode_leave_every_decode_step_on_its_graphs(k, m
     with graph_runs() as (target_runs, _):
         assert _tokens(llm, prompts, params) == want
     assert len(target_runs) == sum(decode_steps) and 0 < sum(decode_steps) < len(decode_steps)
+    # async scheduling (the CUDA default) launches the waiting prompts' prefill ahead: same answers
+    llm = cuda_llm(target, k, max_num_seqs=3)
+    assert llm.engine.async_scheduling
+    assert _tokens(llm, prompts, params) == want
 
 
 @pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
