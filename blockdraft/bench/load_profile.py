@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from blockdraft.bench.engines import DFLASH, PLAIN
-from blockdraft.bench.engines.ours import generate_windowed
 from blockdraft.bench.measure import synchronize
+from blockdraft.engine.feed import feed_requests
 from blockdraft.errors import refuse_unwritable
 from blockdraft.runner.model_runner import ModelRunner
 from blockdraft.sampling_params import SamplingParams
@@ -108,9 +108,9 @@ def profile_load(engine, prompts: list[list[int]], max_tokens: int, batch_size: 
                 outs = []
                 for start in range(0, len(prompts), batch_size):
                     chunk = prompts[start:start + batch_size]
-                    outs += generate_windowed(engine, chunk, params, len(chunk))
+                    outs += feed_requests(engine, chunk, params, len(chunk), id_prefix="load")
             else:
-                outs = generate_windowed(engine, prompts, params, batch_size)
+                outs = feed_requests(engine, prompts, params, batch_size, id_prefix="load")
             synchronize(device)
             wall = time.perf_counter() - t0
         finally:

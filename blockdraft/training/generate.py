@@ -12,7 +12,6 @@ per-batch (HF) seed; the rest greedily.
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import torch
@@ -69,42 +68,22 @@ def generate_with_engine(
     return _generate_until(llm.engine, prompt_ids, params, deadline, progress)
 
 
-_CALLS = itertools.count()  # numbers _generate_until's calls: request ids unique on a shared engine
-
-
 def _generate_until(engine, prompt_ids: list[list[int]], params: list, deadline: float,
                     progress: bool) -> list[list[int] | None]:
     """Drive `engine` over the prompts until all are answered or `deadline` passes (see
-    generate_with_engine). The waiting queue is kept short (2x max_num_seqs) so that aborting
-    at the deadline touches few requests."""
-    import time
-
+    generate_with_engine). The waiting queue is kept short (2x max_num_seqs in flight) so that
+    aborting at the deadline touches few requests."""
     from tqdm.auto import tqdm
 
-    out: list[list[int] | None] = [None] * len(prompt_ids)
-    index: dict[str, int] = {}
-    call = next(_CALLS)  # request ids unique across calls on one engine
-    window = 2 * engine.scheduler.config.max_num_seqs
-    fed = 0
+    from blockdraft.engine.feed import feed_requests
+
     bar = tqdm(total=len(prompt_ids), desc="generate", unit="req", disable=not progress)
-    while fed < len(prompt_ids) or engine.has_unfinished_requests():
-        if time.time() > deadline:
-            break
-        while fed < len(prompt_ids) and len(index) < window:
-            rid = f"answer-{call}-{fed}"
-            engine.add_request(rid, prompt_ids[fed], params[fed])
-            index[rid] = fed
-            fed += 1
-        for o in engine.step(stream=False):
-            if o.finished and o.request_id in index:
-                out[index.pop(o.request_id)] = list(o.token_ids)
-                bar.update(1)
-    for rid in list(index):  # past the deadline: unfinished requests give no answer
-        engine.abort_request(rid)
-    while engine.has_unfinished_requests():
-        engine.step(stream=False)
-    bar.close()
-    return out
+    try:
+        outs = feed_requests(engine, prompt_ids, params, 2 * engine.scheduler.config.max_num_seqs, deadline=deadline,
+                             id_prefix="answer", on_finished=lambda _: bar.update(1))
+    finally:
+        bar.close()
+    return [None if o is None else list(o.token_ids) for o in outs]
 
 
 @torch.no_grad()

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import inspect
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from blockdraft.bench.engines import DFLASH, FORCED, PLAIN, Generation
-from blockdraft.engine.gc_heap import frozen_gc_heap
+from blockdraft.engine.feed import feed_requests
 from blockdraft.engine.request import SpecStats
 from blockdraft.llm import LLM, LoadedTarget
 from blockdraft.sampling_params import SamplingParams
@@ -100,7 +99,7 @@ class OurEngine:
         if concurrency is None or concurrency >= len(prompts):
             outs = self.llm.generate(prompts, params)
         else:
-            outs = generate_windowed(self.llm.engine, prompts, params, concurrency)
+            outs = feed_requests(self.llm.engine, prompts, params, concurrency, id_prefix="bench")
         pooled = SpecStats()
         for o in outs:
             pooled.merge(o.spec)
@@ -109,46 +108,6 @@ class OurEngine:
             num_steps=self.llm.engine.stats.num_steps - before,
             acceptance_length=pooled.acceptance_length if self.mode != PLAIN else None,
         )
-
-
-_WINDOWED_CALLS = itertools.count()  # request ids stay unique across calls on one engine
-
-
-def generate_windowed(engine, prompts: list[list[int]], params: SamplingParams, concurrency: int) -> list:
-    """Final RequestOutputs of `prompts` in input order, at most `concurrency` in the engine at once.
-
-    As `LLM.generate`: every prompt is checked before any is queued, and the step loop runs with
-    the garbage collector's heap frozen (engine/gc_heap.py), so both paths are timed alike. On an
-    error the requests still in the engine are aborted, so the next cell starts from an empty one.
-    Raises:
-        ValueError: a prompt the engine refuses (engine.check_request), nothing queued then.
-        RuntimeError: the engine ran dry while requests of this call had no final output.
-    """
-    for prompt in prompts:
-        engine.check_request(prompt, params)
-    call = next(_WINDOWED_CALLS)
-    out: list = [None] * len(prompts)
-    index: dict[str, int] = {}
-    fed = 0
-    try:
-        with frozen_gc_heap():
-            while fed < len(prompts) or index:
-                while fed < len(prompts) and len(index) < concurrency:
-                    rid = f"bench-{call}-{fed}"
-                    engine.add_request(rid, prompts[fed], params)
-                    index[rid] = fed
-                    fed += 1
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError(f"the engine has no unfinished requests but {len(index)} of this call's "
-                                       f"have no final output")
-                for o in engine.step(stream=False):
-                    if o.finished and o.request_id in index:
-                        out[index.pop(o.request_id)] = o
-    except BaseException:
-        for rid in index:  # stopped and their pages freed at once (LLMEngine.abort_request)
-            engine.abort_request(rid)
-        raise
-    return out
 
 
 def dflash_speculator(drafter, target: LoadedTarget, plan: PoolPlan, num_speculative_tokens: int | None,
