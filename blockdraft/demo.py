@@ -227,11 +227,11 @@ def format_header(r: DemoReport) -> str:
     return (
         f"blockdraft demo: {r.model} ({r.dtype}, CPU, {r.num_threads} thread{'s' * (r.num_threads != 1)}) "
         f"+ DFlash drafter "
-        f"{r.draft} (K = {r.num_speculative_tokens}: drafts per step"
+        f"{r.draft} (K = {r.num_speculative_tokens} drafts per step"
         f"{f', draft vocabulary {r.draft_vocab_size} ids' if r.draft_vocab_size else ''})\n"
         f"each prompt: plain decoding and speculative decoding on the same loaded weights, "
         f"{_sampling_words(r.temperature, r.seed)}, at most {r.max_tokens} tokens, "
-        f"{r.repeats} timed run(s) each, interleaved"
+        f"{r.repeats} timed run{'s' * (r.repeats != 1)} each, interleaved"
     )
 
 
@@ -374,8 +374,8 @@ def main(args) -> int:
     def on_start(report: DemoReport) -> None:
         print(format_header(report) + "\n", flush=True)
         # the untimed warm-up (both engines, every prompt) comes before the first progress line
-        print(f"  (warming up: both engines on each of the {len(prompts)} prompts, a few tokens, untimed)",
-              file=sys.stderr, flush=True)
+        which = "the prompt" if len(prompts) == 1 else f"each of the {len(prompts)} prompts"
+        print(f"  (warming up: both engines on {which}, a few tokens, untimed)", file=sys.stderr, flush=True)
 
     def on_run(label: str, index: int, repeat: int, seconds: float) -> None:
         print(f"  (prompt {index + 1}/{len(prompts)}, run {repeat + 1}/{args.repeats}: {label} {seconds:.1f} s)",

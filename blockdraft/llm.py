@@ -122,10 +122,11 @@ class LLM:
             answers were identical, bf16 ones may flip at exact ties.
         max_logprobs: the largest `SamplingParams.logprobs` a request may ask for (default 20, as
             vLLM's max_logprobs); `generate` refuses more with a ValueError naming `logprobs`.
-        mixed_prefill: a step may carry new prompts' prefill beside running requests' decode /
-            verify rows (vLLM's chunked prefill; blockdraft.engine.scheduler). None = on unless CUDA
-            graphs are captured: a mixed step cannot replay a graph, so there a step prefills or
-            decodes (as SGLang without --enable-mixed-chunk). Same output either way.
+        mixed_prefill: a step may carry new prompts' prefill chunks beside running requests'
+            decode / verify rows (blockdraft.engine.scheduler; long prompts are chunked either
+            way). None = on unless the decode steps replay captured CUDA graphs: a mixed step
+            cannot, so there a step prefills or decodes (as SGLang without --enable-mixed-chunk).
+            The same tokens in fp32; in bf16 another batch make-up can flip a near-tie.
     Raises:
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
@@ -170,16 +171,15 @@ class LLM:
         )
         device, cache = pre.device, pre.cache
         async_scheduling = resolve_async_scheduling(async_scheduling, device, enforce_eager, attention_backend, graph_mode)
-        mixed_prefill = resolve_mixed_prefill(mixed_prefill, device, enforce_eager, attention_backend, graph_mode)
-        sched = dataclasses.replace(pre.scheduler, mixed_prefill=mixed_prefill)
+        resolve_mixed_prefill(mixed_prefill, graphs_captured=False)  # checked before the weights load
         self.target = target or load_target(str(pre.target_path), dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
         if speculator is None and pre.draft is not None:
             speculator = _build_speculator(pre, self.target)
         self.speculator = speculator
         options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode)
-        self.engine = _build_engine(self.target, cache, sched, speculator, device, async_scheduling,
-                                    max_logprobs, **options)
+        self.engine = _build_engine(self.target, cache, pre.scheduler, speculator, device, async_scheduling,
+                                    max_logprobs, mixed_prefill, **options)
         self._ids = itertools.count()
 
     def generate(
@@ -377,25 +377,23 @@ def resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool
     return requested
 
 
-def resolve_mixed_prefill(requested: bool | None, device, enforce_eager: bool, attention_backend, graph_mode) -> bool:
-    """None -> False iff CUDA graphs are captured (a mixed step runs eagerly; separate prefill
-    steps keep the decode steps on their graphs), else True (one eager forward instead of two).
+def resolve_mixed_prefill(requested: bool | None, graphs_captured: bool) -> bool:
+    """None -> False iff the uniform decode / verify steps replay captured CUDA graphs (a mixed
+    step would run eagerly; separate prefill steps keep them on their graphs), else True (one
+    eager forward instead of two); True / False are kept.
 
     Raises:
         ValueError: a value other than None / True / False.
     """
-    from blockdraft.runner.setup import resolve_graph_mode
-
     if requested is not None and not isinstance(requested, bool):
         raise ValueError(f"mixed_prefill must be None, True or False, got {requested!r}")
-    if requested is None:
-        return resolve_graph_mode(device, enforce_eager, attention_backend, graph_mode) != "capture"
-    return requested
+    return (not graphs_captured) if requested is None else requested
 
 
 def _build_engine(
     target: LoadedTarget, cache: CacheConfig, sched: SchedulerConfig, speculator, device,
-    async_scheduling: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS, **runner_options
+    async_scheduling: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS, mixed_prefill: bool | None = None,
+    **runner_options
 ) -> LLMEngine:
     """Runner (backend, KV pool, graphs; see blockdraft.runner.setup.build_runner) + scheduler + engine."""
     from blockdraft.runner.setup import build_runner
@@ -409,7 +407,9 @@ def _build_engine(
             "(1 + K); turn async scheduling off"
         )
     kv = KVCacheManager(setup.num_kv_blocks, cache.kv_block_size, cache.enable_prefix_caching)
-    scheduler = Scheduler(sched, kv)
+    graphs = setup.runner.graphs
+    mixed_prefill = resolve_mixed_prefill(mixed_prefill, graphs_captured=graphs is not None and graphs.target.capture)
+    scheduler = Scheduler(dataclasses.replace(sched, mixed_prefill=mixed_prefill), kv)
     return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len,
                      target.config.vocab_size, async_scheduling=async_scheduling, max_logprobs=max_logprobs)
 

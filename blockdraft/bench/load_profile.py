@@ -9,11 +9,13 @@ and stop at different steps), and sorts each `LLMEngine.step` call by what it la
   continuation   the next such step, launched from the previous one's device output (async scheduling)
   prefill-graph  a prefill step of up to 4 requests replaying the prefill graphs
   eager          any other step (mixed prefill + decode, a burst of prefills, a chunk, no graphs)
-  none           nothing launched (the step only read back the one launched before)
+  none           nothing launched (the step only read back the one launched before, or the
+                 scheduler had nothing to run)
 
 An engine step that launched two (e.g. "uniform+continuation", a chain restarted after the batch
 changed) is its own row. Per row: engine steps, seconds of host wall time in them (the GPU time
-shows through the read-back each step waits for), milliseconds each, requests running after it.
+shows through the read-back each step waits for), milliseconds each, requests running after it
+(mean); the "(all)" row of each run gives its wall time, steps and tokens per second.
 
     python -m blockdraft.bench.load_profile --model qwen2.5-coder-0.5b-instruct --draft shipped \\
         --draft-vocab-size 32768 --batch-size 32 --num-prompts 128 --max-tokens 128 --out load.json
@@ -34,7 +36,7 @@ import torch
 from blockdraft.bench.engines import DFLASH, PLAIN
 from blockdraft.bench.measure import synchronize
 from blockdraft.engine.feed import feed_requests
-from blockdraft.errors import refuse_unwritable
+from blockdraft.errors import flag_message, refuse_unwritable
 from blockdraft.runner.model_runner import ModelRunner
 from blockdraft.sampling_params import SamplingParams
 
@@ -141,53 +143,75 @@ def format_table(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m blockdraft.bench.load_profile`: print the table, write JSON (--out)."""
+    """`python -m blockdraft.bench.load_profile`: print the table, write JSON (--out); returns the
+    exit code (argparse exits with 2 on a bad flag, naming it)."""
     from blockdraft.bench.engines.ours import OurEngine, PoolPlan, dflash_speculator
     from blockdraft.bench.workload import model_workload, resolve_device_dtype
-    from blockdraft.drafters import resolve_draft
+    from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
+    from blockdraft.drafters import add_draft_vocab_size_flag, resolve_draft
     from blockdraft.engine.scheduler import add_mixed_prefill_flag
+    from blockdraft.preflight import preflight
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m blockdraft.bench.load_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name or HF folder (default %(default)s)")
-    p.add_argument("--draft", default="shipped", help="drafter folder or 'shipped' (default %(default)s)")
-    p.add_argument("--draft-vocab-size", type=int, default=0, help="draft vocabulary (default 0: full)")
+    p.add_argument("--draft", default="shipped", help="DFlash drafter folder, or 'shipped' (default) for --model's")
+    add_draft_vocab_size_flag(p)
     p.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"], help="prompts (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=32, help="requests in flight (default %(default)s)")
-    p.add_argument("--num-prompts", type=int, default=128, help="requests per run (default %(default)s)")
+    p.add_argument("--num-prompts", type=int, default=128,
+                   help="requests per run, >= --batch-size (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each (mode, how); the last is kept (default 2)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="default auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="default auto")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of each of plain/dflash x closed/windowed; the table shows the last, as the first "
+                        "compiles kernels for its shapes (default %(default)s)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="auto (default): cuda when torch sees a GPU. Meant for the GPU: on the CPU every step is eager")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto (default): bf16 on CUDA, fp32 on the CPU")
     add_mixed_prefill_flag(p)
+    add_threads_flag(p)
     p.add_argument("--out", help="write the JSON document here")
     args = p.parse_args(argv)
     for name in ("batch_size", "num_prompts", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_prompts < args.batch_size:
+        p.error(f"--num-prompts ({args.num_prompts}) must be >= --batch-size ({args.batch_size}): a window of "
+                f"{args.batch_size} needs that many requests")
     refuse_unwritable(p, "--out", args.out)
+    apply_threads_flag(p, args.threads)
     try:
         device, dtype = resolve_device_dtype(args.device, args.dtype)
         draft = resolve_draft(args.draft, args.model)
         if draft is None:
-            p.error(f"--draft {args.draft!r}: no drafter (give a drafter folder or 'shipped')")
-        wl = model_workload(args.model, draft, device, dtype, dataset=args.dataset, num_prompts=args.num_prompts,
-                            draft_vocab_size=args.draft_vocab_size, load_hf=False)
+            p.error(f"--draft {args.draft!r}: no drafter (give a DFlash drafter folder or 'shipped')")
+        # the drafter folder, its config against the model's, the draft vocabulary: before the weights load
+        pre = preflight(args.model, draft, None, draft_vocab_size=args.draft_vocab_size)
+        _log(f"loading {args.model} and its drafter")
+        wl = model_workload(args.model, str(pre.draft), device, dtype, dataset=args.dataset,
+                            num_prompts=args.num_prompts, draft_vocab_size=pre.draft_vocab_size, load_hf=False)
     except (ValueError, FileNotFoundError) as e:
-        p.error(str(e))
+        p.error(flag_message(e, p._option_string_actions))
     k = wl.drafter.config.block_size - 1
     plan = PoolPlan(max_batch=args.batch_size, max_prompt_len=max(map(len, wl.prompts)), max_tokens=args.max_tokens,
                     lookahead=k + 1)
     options = {} if args.mixed_prefill is None else {"mixed_prefill": args.mixed_prefill}
-    results = {}
+    results, mixed = {}, {}
     for mode in (PLAIN, DFLASH):
         spec = None if mode == PLAIN else dflash_speculator(wl.drafter, wl.target, plan, None, wl.draft_head)
         engine = OurEngine(wl.target, str(device), plan, spec, mode, options).llm.engine
+        mixed[mode] = engine.scheduler.config.mixed_prefill
         for how in HOWS:
-            for _ in range(args.repeats):  # the first run of each compiles kernels for its shapes
+            for r in range(args.repeats):
+                _log(f"{mode} {how}, run {r + 1}/{args.repeats}: {args.num_prompts} requests, {args.batch_size} "
+                     f"at a time")
                 results[f"{mode}/{how}"] = profile_load(engine, wl.prompts, args.max_tokens, args.batch_size, how,
                                                         device)
         del engine
-    doc = {"schema": SCHEMA, "settings": vars(args), "device": str(device),
+    settings = {**vars(args), "mixed_prefill": mixed, "draft": str(pre.draft), "draft_vocab_size": pre.draft_vocab_size,
+                "num_speculative_tokens": k}
+    doc = {"schema": SCHEMA, "settings": settings, "device": str(device),
            "dtype": str(dtype).removeprefix("torch."), "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
@@ -195,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         print(f"wrote {args.out}")
     return 0
+
+
+def _log(msg: str) -> None:
+    print(f"[load_profile {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

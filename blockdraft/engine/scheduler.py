@@ -41,6 +41,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._decode_owed = False  # without mixed prefill: the last step computed a non-final prompt chunk
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError if it can never fit in the KV pool."""
@@ -59,28 +60,36 @@ class Scheduler:
         """Build this step's batch (may preempt running requests to make room).
 
         With `config.mixed_prefill` off, a step that can prefill does only that: the running
-        requests still computing their prompt (uncomputed tokens > 1: a chunked prompt, or one
-        readmitted after preemption) and the waiting requests admitted now; the decoding requests
-        wait one step. Otherwise (nothing to prefill, or no page or slot for it) the step decodes
-        every running request, so a step of Q rows per request stays uniform (CUDA graphs).
+        requests still computing their prompt (`is_prefilling`: a chunked prompt, a prefix hit,
+        one readmitted after preemption) and the waiting requests admitted now, leaving free the
+        pages the decoding requests need for their next rows (else the next decode step would
+        preempt what was just admitted); the decoding requests wait one step. After a step that
+        computed a prompt's non-final chunk, the decoding requests get the next step, so a long
+        prompt interleaves with decode steps instead of stalling them for all its chunks.
+        Otherwise (nothing to prefill, or no page or slot for it) the step decodes every running
+        request, so a step of Q rows per request stays uniform (CUDA graphs).
         """
         if self.config.mixed_prefill:
             return self._schedule(self.running, admit=True)
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        prefilling = [r for r in self.running if is_prefilling(r)]
+        decoding = [r for r in self.running if not is_prefilling(r)]
         preempted: list[str] = []
-        if prefilling or (self.waiting and len(self.running) < self.config.max_num_seqs):
-            so = self._schedule(prefilling, admit=True)
+        can_admit = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        if (prefilling or can_admit) and not (self._decode_owed and decoding):
+            so = self._schedule(prefilling, admit=True, reserve=self._decode_reserve(decoding))
             if so.requests:
+                self._decode_owed = any(not sr.sample for sr in so.requests)
                 return so
             preempted = so.preempted_request_ids
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
-        so = self._schedule(decoding, admit=False)
+        self._decode_owed = False
+        so = self._schedule([r for r in decoding if r.status is RequestStatus.RUNNING], admit=False)
         so.preempted_request_ids[:0] = preempted
         return so
 
-    def _schedule(self, candidates: list[Request], admit: bool) -> SchedulerOutput:
+    def _schedule(self, candidates: list[Request], admit: bool, reserve: int = 0) -> SchedulerOutput:
         """Running `candidates` in order (preempting the newest running requests when pages run
-        out), then, with `admit` and no preemption, waiting requests while budget lasts."""
+        out), then, with `admit` and no preemption, waiting requests while budget lasts and more
+        than `reserve` pages stay free."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -99,7 +108,7 @@ class Scheduler:
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
         if admit and not preempted:
-            self._admit_waiting(budget, scheduled)
+            self._admit_waiting(budget, scheduled, reserve)
         return SchedulerOutput(requests=scheduled, preempted_request_ids=preempted)
 
     def schedule_continuation(self, so: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
@@ -151,11 +160,19 @@ class Scheduler:
         preemption). None with mixed prefill on, while a running request is still prefilling (the
         next `schedule` takes it with the waiting ones), or when nothing can be admitted.
         """
-        if self.config.mixed_prefill or any(r.num_tokens - r.num_computed_tokens > 1 for r in self.running):
+        if self.config.mixed_prefill or any(is_prefilling(r) for r in self.running):
             return None
         scheduled: list[ScheduledRequest] = []
-        self._admit_waiting(self.config.max_num_batched_tokens, scheduled)
-        return SchedulerOutput(requests=scheduled) if scheduled else None
+        self._admit_waiting(self.config.max_num_batched_tokens, scheduled, self._decode_reserve(self.running))
+        if not scheduled:
+            return None
+        self._decode_owed = any(not sr.sample for sr in scheduled)
+        return SchedulerOutput(requests=scheduled)
+
+    def _decode_reserve(self, decoding: list[Request]) -> int:
+        """Pages the decoding requests still need for their next step's rows (bonus + drafts)."""
+        return sum(max(0, self.kv.blocks_needed(r.num_tokens + len(r.spec_token_ids)) - len(r.block_ids))
+                   for r in decoding)
 
     def _fit_running(self, req: Request, budget: int) -> int:
         """Tokens to compute for a running request; trims drafts that do not fit the budget."""
@@ -164,12 +181,17 @@ class Scheduler:
             del req.spec_token_ids[max(0, budget - uncomputed) :]
         return min(uncomputed + len(req.spec_token_ids), budget)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], reserve: int = 0) -> int:
+        """Admit waiting requests in order while budget, sequence slots and pages last, leaving
+        `reserve` pages free -> the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit = self._take_prefix_hit(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, req.num_computed_tokens + num_new):
+            extra = self.kv.blocks_needed(req.num_computed_tokens + num_new) - len(req.block_ids)
+            if extra > self.kv.num_free_blocks - reserve or not self.kv.allocate_slots(
+                req, req.num_computed_tokens + num_new
+            ):
                 if hit:  # give the hit back (its pages stay cached); retried next step
                     self.kv.free(req)
                     req.num_computed_tokens = 0
@@ -233,9 +255,19 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
 
 
+def is_prefilling(req: Request) -> bool:
+    """Whether a running request is still computing its prompt (or, readmitted after
+    preemption, its prompt and output so far): more than its last token uncomputed, or less than
+    its prompt computed (a prompt cut one token short by the budget)."""
+    return req.num_tokens - req.num_computed_tokens > 1 or req.num_computed_tokens < len(req.prompt_token_ids)
+
+
 def add_mixed_prefill_flag(p) -> None:
-    """--mixed-prefill / --no-mixed-prefill (LLM(mixed_prefill=...)), for serve and bench."""
+    """--mixed-prefill / --no-mixed-prefill (LLM(mixed_prefill=...)), for serve, bench and load_profile."""
     p.add_argument("--mixed-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="let a step carry new prompts' prefill beside running requests' decode rows, as vLLM's "
-                        "chunked prefill (default: on unless CUDA graphs are captured; there a step prefills or "
-                        "decodes, prefill first, so decode steps keep their graphs; same output either way)")
+                   help="let a step carry new prompts' prefill chunks beside the running requests' decode rows, as "
+                        "vLLM does (long prompts are chunked to --max-num-batched-tokens either way). Default: on "
+                        "where steps run eagerly (CPU, --enforce-eager), off where decode steps replay CUDA graphs: "
+                        "a step then prefills or decodes, new prompts first (as SGLang without "
+                        "--enable-mixed-chunk), so the decode steps keep their graphs. Same tokens in fp32; in bf16 "
+                        "a different batch can flip a near-tie")

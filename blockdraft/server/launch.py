@@ -98,7 +98,11 @@ def serve(args) -> int:
     drafter = f"DFlash drafter {draft}, K={spec.num_speculative_tokens}" if spec is not None else "no drafter"
     if spec is not None and getattr(spec, "draft_head", None) is not None:
         drafter += f", draft vocab {spec.draft_head.size}"
-    logger.info("serving %r (%s) on http://%s:%d, %s", config.served_model_name, drafter, config.host, config.port,
-                "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)")
+    engine = llm.engine
+    graphs = engine.runner.graphs is not None and engine.runner.graphs.target.capture
+    steps = (f"CUDA graphs {'on' if graphs else 'off'}, async scheduling {'on' if engine.async_scheduling else 'off'}, "
+             f"mixed prefill {'on' if engine.scheduler.config.mixed_prefill else 'off'}")
+    logger.info("serving %r (%s; %s) on http://%s:%d, %s", config.served_model_name, drafter, steps, config.host,
+                config.port, "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)")
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

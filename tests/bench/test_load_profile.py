@@ -45,3 +45,17 @@ def test_windowed_run_counts_every_token_and_bad_arguments_are_refused(target):
         profile_load(engine, prompts, 5, 3, "open")
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         profile_load(engine, prompts, 5, 0, "closed")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--num-prompts", "1", "--batch-size", "2"], "--num-prompts (1) must be >= --batch-size (2)"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--draft", "/nonexistent-drafter"], "drafter folder '/nonexistent-drafter' does not exist; draft (--draft)"),
+    (["--out", "/nonexistent-folder/x.json"], "folder '/nonexistent-folder' does not exist"),
+])
+def test_bad_flags_exit_2_naming_the_flag_before_any_weights_load(argv, words, capsys):
+    from blockdraft.bench.load_profile import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", *argv])
+    assert e.value.code == 2 and words in capsys.readouterr().err

@@ -51,7 +51,7 @@ def test_demo_prints_answers_identical_to_plain_with_acceptance_and_speedup(tiny
     assert summary["all_identical"] and summary["num_identical"] == 2
     assert summary["num_output_tokens"] == sum(len(o.token_ids) for o in plain)
     assert report["num_speculative_tokens"] == 7  # the tiny drafter's block_size 8 - 1
-    assert "(K = 7: drafts per step)" in printed and report["draft_vocab_size"] == 0  # full vocabulary
+    assert "(K = 7 drafts per step)" in printed and report["draft_vocab_size"] == 0  # full vocabulary
     assert printed.count("identical to plain: yes") == 2
     # Two repeats: both answers come first, then one speed line per prompt, then the summary.
     speed = printed.index("speed, median of 2 timed runs per engine:")
@@ -221,7 +221,7 @@ def test_demo_header_names_the_draft_vocabulary():
     from blockdraft.demo import DemoReport, format_header
 
     report = DemoReport("m", "d", "bfloat16", 4, 96, 1, 0.0, None, 2, draft_vocab_size=32768)
-    assert "(K = 4: drafts per step, draft vocabulary 32768 ids)" in format_header(report)
+    assert "(K = 4 drafts per step, draft vocabulary 32768 ids)" in format_header(report)
 
 
 def test_demo_summary_warns_when_plain_speed_swings():

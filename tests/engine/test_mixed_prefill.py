@@ -57,20 +57,50 @@ def test_a_new_prompt_joins_the_decode_step_only_with_mixed_prefill(mixed):
     assert _rows(s.schedule()) == [("a", 3, 3, True), ("b", 5, 3, True)]
 
 
-def test_without_mixed_prefill_every_chunk_of_a_long_prompt_comes_before_decoding():
+def test_without_mixed_prefill_a_long_prompts_chunks_take_turns_with_decoding():
+    """A 20-token prompt at 8 tokens per step: each non-final chunk is followed by a decode step
+    (a long prompt does not stall the running requests for all its chunks)."""
     s = _sched(False, budget=8, blocks=32)
     _decoding(s, "a", 3)
     b = _req("b", 20)
     s.add_request(b)
     steps = []
-    for _ in range(4):
+    for _ in range(5):
         so = s.schedule()
         steps.append(_rows(so))
         if so.requests[0].request_id == "b":
             b.num_computed_tokens += len(so.requests[0].token_ids)
-    assert steps[:3] == [[("b", 0, 8, False)], [("b", 8, 8, False)], [("b", 16, 4, True)]]
+    a_decodes = [("a", 3, 3, True)]
+    assert steps == [[("b", 0, 8, False)], a_decodes, [("b", 8, 8, False)], a_decodes, [("b", 16, 4, True)]]
     b.output_token_ids = [4]  # b sampled: both decode now
     assert _rows(s.schedule()) == [("a", 3, 3, True), ("b", 20, 1, True)]
+
+
+def test_a_prompt_cut_one_token_short_is_still_prefilling():
+    """A 9-token prompt at 8 tokens per step leaves 1 token: that last token is a prefill (its own
+    step), not a decode row that would make the decode step non-uniform."""
+    s = _sched(False, budget=8, blocks=32)
+    _decoding(s, "a", 3)
+    b = _req("b", 9)
+    s.add_request(b)
+    assert _rows(s.schedule()) == [("b", 0, 8, False)]
+    b.num_computed_tokens = 8
+    assert _rows(s.schedule()) == [("a", 3, 3, True)]  # the decode turn after a non-final chunk
+    assert _rows(s.schedule()) == [("b", 8, 1, True)]
+
+
+def test_without_mixed_prefill_admissions_leave_the_decoding_requests_their_next_pages():
+    """Pages of 4 tokens, 3 in the pool: a holds 1 (3 tokens) and needs a second for its next 3
+    rows, so b (5 tokens, 2 pages) waits rather than be preempted by a's next step."""
+    s = _sched(False, blocks=3)
+    _decoding(s, "a", 3)
+    s.add_request(_req("b", 5))
+    assert _rows(s.schedule()) == [("a", 3, 3, True)]  # 2 free - 1 reserved < 2 for b
+    assert s.schedule_prefill_ahead() is None  # the same reserve
+    s = _sched(False, blocks=4)
+    _decoding(s, "a", 3)
+    s.add_request(_req("b", 5))
+    assert _rows(s.schedule()) == [("b", 0, 5, True)]  # 3 free - 1 reserved = 2 for b
 
 
 def test_without_mixed_prefill_a_prompt_that_cannot_start_does_not_stall_decoding():
@@ -87,15 +117,18 @@ def test_without_mixed_prefill_a_prompt_that_cannot_start_does_not_stall_decodin
     assert [r.request_id for r in s.waiting] == ["b"]
 
 
-def test_mixed_prefill_resolves_from_the_graph_mode():
-    assert resolve_mixed_prefill(None, "cpu", False, None, None) is True
-    assert resolve_mixed_prefill(None, "cuda", False, None, None) is False  # graphs captured
-    assert resolve_mixed_prefill(None, "cuda", True, None, None) is True  # --enforce-eager
-    assert resolve_mixed_prefill(False, "cpu", False, None, None) is False
+def test_mixed_prefill_resolves_from_whether_graphs_are_captured(target):
+    assert resolve_mixed_prefill(None, graphs_captured=False) is True  # CPU, --enforce-eager, no graph fits
+    assert resolve_mixed_prefill(None, graphs_captured=True) is False
+    assert resolve_mixed_prefill(True, graphs_captured=True) is True
+    assert resolve_mixed_prefill(False, graphs_captured=False) is False
     with pytest.raises(ValueError, match="mixed_prefill must be None, True or False, got 'no'"):
-        resolve_mixed_prefill("no", "cpu", False, None, None)
+        resolve_mixed_prefill("no", graphs_captured=False)
     with pytest.raises(ValueError, match="mixed_prefill must be True or False, got 1"):
         SchedulerConfig(mixed_prefill=1)
+    with pytest.raises(ValueError, match="mixed_prefill must be None, True or False, got 'on'"):
+        make_llm(target, mixed_prefill="on")
+    assert make_llm(target, **GRAPHS).engine.scheduler.config.mixed_prefill is True  # graphs built, not captured
 
 
 @pytest.fixture(scope="module")

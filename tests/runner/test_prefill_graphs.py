@@ -165,3 +165,14 @@ def test_logprobs_of_padded_verify_steps(target):
     for a, b in zip(got, want):
         assert [d["token_id"] for d in a.logprobs] == [d["token_id"] for d in b.logprobs] == list(b.token_ids)
         assert [d["logprob"] for d in a.logprobs] == pytest.approx([d["logprob"] for d in b.logprobs], abs=1e-4)
+
+
+def test_a_smaller_prefill_bucket_after_a_larger_one_reads_no_stale_row(target):
+    """4 prompts of ~15 tokens (bucket 4 x 64), then 3 of 3 tokens (bucket 4 x 16): the padding
+    request's logits row must not be the first step's (row ~60, past the 16 rows of the second)."""
+    first = random_prompts(4, seed=60, low=14, high=16)
+    second = random_prompts(3, seed=61, low=3, high=4)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = [[list(o.token_ids) for o in make_llm(target).generate(p, params)] for p in (first, second)]
+    padded = make_llm(target, **GRAPHS)
+    assert [[list(o.token_ids) for o in padded.generate(p, params)] for p in (first, second)] == want

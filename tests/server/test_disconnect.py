@@ -64,3 +64,9 @@ def test_request_log_has_no_prompt_text(plain_server):
     log = plain_server.log.read_text()
     assert rid in log and "prompt tokens" in log
     assert secret not in log and "w05x" not in log
+
+
+def test_start_up_log_names_how_steps_run(plain_server):
+    """The start-up line says whether CUDA graphs, async scheduling and mixed prefill are on (CPU:
+    eager steps, so prompts join the decode steps)."""
+    assert "CUDA graphs off, async scheduling off, mixed prefill on" in plain_server.log.read_text()

@@ -93,7 +93,8 @@ def draft_after_prefill(
     Writes the draft context of this step's rows (the prompts' uncached rows, or their last
     chunks; padding rows carry PADDING_SLOT), then drafts the block after each sampled token
     (nothing to verify: a prefill row carries no drafts). Padding requests (an empty query range)
-    draft from MASK at position 0 over no context, as DraftStep's; their drafts are junk.
+    run a whole draft block from MASK at position 0 over no context (DraftStep gives them an
+    empty block instead): nothing is written to any cache, their drafts are junk and not read.
 
     Args:
         prepare: `draft_input_preparer(...)` of the drafter's backend.
