@@ -163,16 +163,18 @@ class Scheduler:
         if self.config.mixed_prefill or any(is_prefilling(r) for r in self.running):
             return None
         scheduled: list[ScheduledRequest] = []
-        self._admit_waiting(self.config.max_num_batched_tokens, scheduled, self._decode_reserve(self.running))
+        # the decode step in flight is not committed: reserve for it and the step after it
+        self._admit_waiting(self.config.max_num_batched_tokens, scheduled, self._decode_reserve(self.running, 2))
         if not scheduled:
             return None
         self._decode_owed = any(not sr.sample for sr in scheduled)
         return SchedulerOutput(requests=scheduled)
 
-    def _decode_reserve(self, decoding: list[Request]) -> int:
-        """Pages the decoding requests still need for their next step's rows (bonus + drafts)."""
-        return sum(max(0, self.kv.blocks_needed(r.num_tokens + len(r.spec_token_ids)) - len(r.block_ids))
-                   for r in decoding)
+    def _decode_reserve(self, decoding: list[Request], steps: int = 1) -> int:
+        """Pages the decoding requests still need for their next `steps` steps' rows (at most
+        1 + drafts tokens each)."""
+        return sum(max(0, self.kv.blocks_needed(r.num_tokens + steps * (1 + len(r.spec_token_ids)) - 1)
+                       - len(r.block_ids)) for r in decoding)
 
     def _fit_running(self, req: Request, budget: int) -> int:
         """Tokens to compute for a running request; trims drafts that do not fit the budget."""
