@@ -31,14 +31,17 @@ def feed_requests(
 ) -> list[RequestOutput | None]:
     """Run `prompts` through `engine` with at most `in_flight` of them unfinished at once.
 
-    As `LLM.generate`: every prompt is checked before any is queued, and the step loop runs with
-    the garbage collector's heap frozen (engine/gc_heap.py). On an error the requests of this call
-    still in the engine are aborted, so the engine is left without them.
+    As `LLM.generate`, it needs the engine to itself (a step returns every request's final
+    output, and only this call's are kept): every prompt is checked before any is queued, and the
+    step loop runs with the garbage collector's heap frozen (engine/gc_heap.py). On an error the
+    requests of this call still in the engine are aborted; at the deadline too, and then, when
+    nothing else runs, one more step reads back a step still in flight (async scheduling) and the
+    aborted requests' outputs, so the engine is left empty.
 
     Args:
         engine: an LLMEngine (add_request / step / abort_request / check_request).
         prompts: token id lists.
-        params: one SamplingParams for every prompt, or one per prompt.
+        params: one SamplingParams for every prompt, or a list / tuple of one per prompt.
         in_flight: requests of this call unfinished in the engine at most (running + waiting), >= 1.
         deadline: `time.time()` seconds; once past it no further step starts, the unfinished
             requests are aborted and their entries are None. None = run to the end.
@@ -53,7 +56,7 @@ def feed_requests(
     """
     if in_flight < 1:
         raise ValueError(f"in_flight must be >= 1, got {in_flight}")
-    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    per_prompt = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
     if len(per_prompt) != len(prompts):
         raise ValueError(f"got {len(per_prompt)} sampling params for {len(prompts)} prompts")
     for prompt, p in zip(prompts, per_prompt):
@@ -80,7 +83,13 @@ def feed_requests(
                         out[index.pop(o.request_id)] = o
                         if on_finished is not None:
                             on_finished(o)
-    finally:
-        for rid in index:  # past the deadline, or an error: stopped and their pages freed at once
+    except BaseException:
+        for rid in index:  # stopped and their pages freed at once
             engine.abort_request(rid)
+        raise
+    if index:  # past the deadline
+        for rid in index:
+            engine.abort_request(rid)
+        if not engine.has_unfinished_requests():
+            engine.step(stream=False)  # reads back a step still in flight; pops the aborted outputs
     return out

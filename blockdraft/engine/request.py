@@ -99,6 +99,9 @@ class Request:
     prefix_serial: int = 0
     spec_stats: SpecStats = field(default_factory=SpecStats)
     num_preemptions: int = 0
+    # tokens computed before it decodes again after a preemption (its prompt and output then; the
+    # last is recomputed by the step that samples): engine.scheduler.is_prefilling
+    num_recompute_tokens: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[dict] = field(default_factory=list)

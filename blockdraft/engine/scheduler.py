@@ -226,6 +226,7 @@ class Scheduler:
         self.running.remove(req)
         self.cache_computed(req)
         self.kv.free(req)
+        req.num_recompute_tokens = req.num_tokens
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
@@ -259,9 +260,10 @@ class Scheduler:
 
 def is_prefilling(req: Request) -> bool:
     """Whether a running request is still computing its prompt (or, readmitted after
-    preemption, its prompt and output so far): more than its last token uncomputed, or less than
-    its prompt computed (a prompt cut one token short by the budget)."""
-    return req.num_tokens - req.num_computed_tokens > 1 or req.num_computed_tokens < len(req.prompt_token_ids)
+    preemption, its prompt and output so far): more than its last token uncomputed, or less
+    computed than that (a prompt or recompute cut one token short by the budget)."""
+    target = max(len(req.prompt_token_ids), req.num_recompute_tokens)
+    return req.num_tokens - req.num_computed_tokens > 1 or req.num_computed_tokens < target
 
 
 def add_mixed_prefill_flag(p) -> None:

@@ -42,7 +42,10 @@ class LaunchedStep:
     False) hold static graph outputs in `packed` and `logits`, and a continuation's `batch` holds
     views of the static inputs: all shared with every other graph of the engine (one memory pool),
     so valid until the next replay of any graph. The engine reads them before that (a
-    continuation's advance reads its predecessor's `packed` in stream order).
+    continuation's advance reads its predecessor's `packed` in stream order). A prefill step
+    launched ahead of reading a uniform step back (async scheduling, no mixed prefill) replays
+    other graphs first: `finish` then reads only the host copy, whose fetch was queued before
+    them, and no logits (`can_continue` excludes log-probabilities).
     """
 
     so: SchedulerOutput

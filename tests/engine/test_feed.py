@@ -62,3 +62,28 @@ def test_training_answers_with_a_deadline_come_from_the_same_loop(llm, monkeypat
     assert generate_with_engine(llm, prompts, 5, [False] * 4, deadline=float("inf")) == full
     monkeypatch.setattr(feed.time, "time", lambda: 10.0)
     assert generate_with_engine(llm, prompts, 5, [False] * 4, deadline=5.0) == [None] * 4
+
+
+def test_a_deadline_on_an_async_engine_leaves_nothing_in_flight(tiny_qwen_async):
+    llm, prompts = tiny_qwen_async
+    clock = iter(range(1000))
+    feed_time = feed.time.time
+    try:
+        feed.time.time = lambda: next(clock)
+        got = _tokens(feed_requests(llm.engine, prompts, SamplingParams(max_tokens=30, ignore_eos=True), 2,
+                                    deadline=6.5))
+    finally:
+        feed.time.time = feed_time
+    assert None in got
+    engine = llm.engine
+    assert engine._inflight is None and not engine._finished_unreported  # read back, outputs popped
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.fixture
+def tiny_qwen_async():
+    from tests.conftest import tiny_target
+
+    target = tiny_target("qwen3", seed=5, logit_scale=8.0)
+    llm = make_llm(target, attention_backend="dense", graph_mode="eager", async_scheduling=True, max_num_seqs=2)
+    return llm, random_prompts(4, seed=8)

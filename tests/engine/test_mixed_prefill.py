@@ -6,7 +6,7 @@ import pytest
 
 from blockdraft.config import SchedulerConfig
 from blockdraft.engine.kv_cache_manager import KVCacheManager
-from blockdraft.engine.request import Request
+from blockdraft.engine.request import Request, RequestStatus
 from blockdraft.engine.scheduler import Scheduler
 from blockdraft.llm import resolve_mixed_prefill
 from blockdraft.runner.model_runner import ModelRunner
@@ -87,6 +87,32 @@ def test_a_prompt_cut_one_token_short_is_still_prefilling():
     b.num_computed_tokens = 8
     assert _rows(s.schedule()) == [("a", 3, 3, True)]  # the decode turn after a non-final chunk
     assert _rows(s.schedule()) == [("b", 8, 1, True)]
+
+
+def test_a_readmitted_request_is_prefilling_until_it_recomputed_its_output_so_far():
+    from blockdraft.engine.scheduler import is_prefilling
+
+    s = _sched(False, blocks=32)
+    a = _decoding(s, "a", 3)
+    a.output_token_ids = [7, 8, 9, 10]  # 3 prompt + 4 output tokens, then preempted
+    s._preempt(a)
+    a.status = RequestStatus.RUNNING
+    a.num_computed_tokens = 6  # recomputed all but its last token: that one still prefills
+    assert is_prefilling(a)
+    a.num_computed_tokens, a.output_token_ids = 7, [7, 8, 9, 10, 11]  # the recompute sampled
+    assert not is_prefilling(a)
+
+
+def test_a_prefill_launched_ahead_reserves_the_pages_of_two_decode_steps():
+    """a (3 prompt + 1 token, 2 drafts) holds 2 pages; the step in flight and the next one may
+    need 4 + 2 x 3 - 1 = 9 tokens, 3 pages: b (2 pages) fits in a pool of 5, not of 4."""
+    for blocks, want in ((4, None), (5, [("b", 0, 5, True)])):
+        s = _sched(False, blocks=blocks)
+        a = _decoding(s, "a", 3)
+        s.kv.allocate_slots(a, 6)  # the decode step in flight took its pages
+        s.add_request(_req("b", 5))
+        got = s.schedule_prefill_ahead()
+        assert (got if got is None else _rows(got)) == want
 
 
 def test_without_mixed_prefill_admissions_leave_the_decoding_requests_their_next_pages():
