@@ -161,7 +161,8 @@ def _add_device_flags(p) -> None:
                    help="where to run (default auto: cuda when torch sees a GPU, else cpu)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of GPU memory for weights, activations and the KV pool, in (0, 1] (default 0.9)")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs (every step runs eagerly)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs: every step runs eagerly, so async scheduling is off and "
+                        "prompts join decode steps (mixed prefill)")
 
 
 def _add_prefix_caching_flag(p) -> None:

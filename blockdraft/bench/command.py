@@ -98,7 +98,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--hbm-bandwidth", type=float, default=H200_HBM_BYTES_PER_S,
                    help=f"B/s for the HBM floor of a step (default {H200_HBM_BYTES_PER_S:.3g}, H200)")
     b.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="our LLM without CUDA graphs (passed as enforce_eager=True)")
+                   help="our LLM without CUDA graphs (enforce_eager=True): every step eager, so async scheduling off "
+                        "and mixed prefill on")
     b.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="our LLM's async scheduling (default: on when CUDA graphs are captured)")
     from blockdraft.engine.scheduler import add_mixed_prefill_flag

@@ -270,8 +270,8 @@ def add_mixed_prefill_flag(p) -> None:
     """--mixed-prefill / --no-mixed-prefill (LLM(mixed_prefill=...)), for serve, bench and load_profile."""
     p.add_argument("--mixed-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="let a step carry new prompts' prefill chunks beside the running requests' decode rows, as "
-                        "vLLM does (long prompts are chunked to --max-num-batched-tokens either way). Default: on "
-                        "where steps run eagerly (CPU, --enforce-eager), off where decode steps replay CUDA graphs: "
+                        "vLLM does (long prompts are chunked to the step's token budget either way). Default: on "
+                        "where steps run eagerly (CPU, no CUDA graphs), off where decode steps replay CUDA graphs: "
                         "a step then prefills or decodes, new prompts first (as SGLang without "
                         "--enable-mixed-chunk), so the decode steps keep their graphs. Same tokens in fp32; in bf16 "
                         "a different batch can flip a near-tie")
