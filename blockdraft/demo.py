@@ -281,7 +281,21 @@ def format_summary(report: DemoReport) -> str:
         f"{s['num_output_tokens']} tokens | acceptance length {tau} | "
         f"plain {s['plain_tokens_per_s']:.1f} tok/s | DFlash {s['dflash_tokens_per_s']:.1f} tok/s | "
         f"speedup {s['speedup']:.2f}x"
-    ) + _disturbed_note(s["speedup"], s["acceptance_length"]) + _busy_note(report)
+    ) + _disturbed_note(s["speedup"], s["acceptance_length"]) + _busy_note(report) + _disturbed_prompts_note(report)
+
+
+def _disturbed_prompts_note(report: DemoReport) -> str:
+    """A note line when some prompt's speedup exceeded its acceptance length (its speed line
+    warned) while the pooled figures did not, so the summary's speedup includes those timings."""
+    s = report.summary()
+    if _disturbed_note(s["speedup"], s["acceptance_length"]):
+        return ""  # the pooled warning already says it
+    bad = [i + 1 for i, p in enumerate(report.prompts) if _disturbed_note(p.speedup, p.acceptance_length)]
+    if not bad:
+        return ""
+    which = ", ".join(str(i) for i in bad)
+    return (f"\nnote: the summary includes the disturbed timing of prompt{'s' * (len(bad) > 1)} {which} "
+            f"(speedup above its acceptance length); rerun with --repeats 3 (or on a quiet machine)")
 
 
 # Plain decoding speeds of one demo's runs further apart than this mean the machine was busy.

@@ -367,12 +367,14 @@ def resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool
     if requested is None:
         return mode == "capture"
     if requested and mode == "off":
+        python_only = ""  # the test-only knobs, named only to who set one (never the CLI)
+        if attention_backend is not None or graph_mode is not None:
+            python_only = (f" In Python (tests) graph_mode='eager' with attention_backend='dense' runs the same graph "
+                           f"code without CUDA (got attention_backend={attention_backend!r}, graph_mode={graph_mode!r})")
         raise ValueError(
             f"async scheduling needs the CUDA graphs of decode steps, which are off here (device {device}"
             f"{', --enforce-eager' if enforce_eager else ''}): run on CUDA without --enforce-eager, or turn it off "
-            f"(drop --async-scheduling or pass --no-async-scheduling; LLM(async_scheduling=False)). In Python "
-            f"(tests) graph_mode='eager' with attention_backend='dense' runs the same graph code without CUDA "
-            f"(got attention_backend={attention_backend!r}, graph_mode={graph_mode!r})"
+            f"(drop --async-scheduling or pass --no-async-scheduling; LLM(async_scheduling=False)).{python_only}"
         )
     return requested
 
