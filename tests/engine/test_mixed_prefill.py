@@ -11,9 +11,8 @@ from blockdraft.engine.scheduler import Scheduler
 from blockdraft.llm import resolve_mixed_prefill
 from blockdraft.runner.model_runner import ModelRunner
 from blockdraft.sampling_params import SamplingParams
-from blockdraft.spec.dflash.checkpoint import random_drafter
-from blockdraft.spec.dflash.speculator import DFlashSpeculator
 from tests.conftest import make_llm, random_prompts, tiny_target
+from tests.engine.test_async_scheduling import _oracle_speculator
 
 GRAPHS = dict(attention_backend="dense", graph_mode="eager")
 
@@ -162,6 +161,27 @@ def target():
     return tiny_target("qwen3", seed=5, logit_scale=8.0)
 
 
+def _arrivals():
+    """8 prompts of different lengths, greedy and seeded T > 0, some allowed to stop on a token id
+    or EOS (so inside a draft block). With `_oracle_speculator` over `_plain_sequences` most
+    drafts are accepted."""
+    prompts = random_prompts(8, seed=21)
+    stops = [{"ignore_eos": True}, {"stop_token_ids": [17]}, {}, {"ignore_eos": True}]
+    params = [SamplingParams(max_tokens=[5, 17, 9, 30, 12, 3, 22, 8][i], temperature=0.9 * (i % 2), seed=i,
+                             **stops[i % 4]) for i in range(8)]  # fmt: skip
+    return prompts, params
+
+
+def _plain_sequences(target, prompts, params):
+    """Prompt + 60 plain tokens per request (same temperature and seed): the oracle's drafts."""
+    long = [SamplingParams(max_tokens=60, ignore_eos=True, temperature=p.temperature, seed=p.seed) for p in params]
+    return [p + o.token_ids for p, o in zip(prompts, make_llm(target).generate(prompts, long))]
+
+
+def _answers(llm, prompts, params):
+    return [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+
+
 def _record_steps(monkeypatch):
     """Per launched step: (carries a request that sampled before, replays the uniform-step graphs)."""
     steps, sampled = [], set()
@@ -177,30 +197,31 @@ def _record_steps(monkeypatch):
     return steps
 
 
-@pytest.mark.parametrize("k", [None, 3], ids=["plain", "dflash-k3"])
+@pytest.mark.parametrize("k", [None, 1, 3], ids=["plain", "dflash-k1", "dflash-k3"])
 def test_without_mixed_prefill_decode_steps_stay_uniform_as_requests_arrive(target, monkeypatch, k):
     """8 requests of different lengths, at most 3 running: each one that finishes lets the next
     in mid-decode. Without mixed prefill every step that carries decode rows is uniform (a graph
-    replay on CUDA); with it some are not (the control). Answers equal plain eager decoding."""
-    prompts = random_prompts(8, seed=21)
-    params = [SamplingParams(max_tokens=[5, 17, 9, 30, 12, 3, 22, 8][i], ignore_eos=True, temperature=0.9 * (i % 2),
-                             seed=i) for i in range(8)]  # fmt: skip
-    want = [o.token_ids for o in make_llm(target).generate(prompts, params)]
+    replay on CUDA); with it some are not (the control). Answers and stops equal plain eager
+    decoding, token for token, with most drafts accepted."""
+    prompts, params = _arrivals()
+    want = _answers(make_llm(target), prompts, params)
+    assert any(reason == "stop" for _, reason in want)  # a stop inside a draft block is covered
+    sequences = _plain_sequences(target, prompts, params)  # before any step is recorded
 
     def run(mixed):
-        spec = None
-        if k is not None:
-            drafter = random_drafter(target.config, num_layers=1, block_size=k + 1, target_layer_ids=(0, 2), seed=1)
-            spec = DFlashSpeculator(drafter, target.model, k, None, 4)
+        spec = None if k is None else _oracle_speculator(target, k, sequences)
         steps = _record_steps(monkeypatch)
         llm = make_llm(target, speculator=spec, **GRAPHS, max_num_seqs=3, mixed_prefill=mixed)
         assert llm.engine.scheduler.config.mixed_prefill is mixed
-        return [o.token_ids for o in llm.generate(prompts, params)], steps
+        got = _answers(llm, prompts, params)
+        spec = llm.engine.stats.spec
+        assert k is None or spec.num_accepted_tokens > 0.3 * spec.num_drafted_tokens
+        return got, steps
 
     got, steps = run(False)
     assert got == want
     assert all(uniform for decodes, uniform in steps if decodes)
-    assert sum(not decodes for decodes, _ in steps) == 6  # the first three prompts in one step, then one at a time
+    assert sum(not decodes for decodes, _ in steps) >= 4  # the first three prompts, then admissions apart
     got, steps = run(True)
     assert got == want
     assert any(decodes and not uniform for decodes, uniform in steps)
@@ -225,29 +246,30 @@ def test_prefill_ahead_is_none_with_mixed_prefill_or_a_prompt_still_prefilling()
     assert s.schedule_prefill_ahead() is None  # c's next chunk comes first, in schedule()
 
 
-@pytest.mark.parametrize("k", [None, 3], ids=["plain", "dflash-k3"])
+@pytest.mark.parametrize("k", [None, 1, 3], ids=["plain", "dflash-k1", "dflash-k3"])
 def test_async_scheduling_launches_waiting_prompts_prefill_ahead_with_the_same_answers(target, monkeypatch, k):
     """Async scheduling without mixed prefill: when a request waits to start, its prefill step is
-    launched before the decode step in flight is read back; the answers are those of synchronous
-    scheduling (and of plain eager decoding), token for token."""
+    launched before the decode step in flight is read back; the answers and stops are those of
+    synchronous scheduling and of plain eager decoding, token for token, greedy and seeded T > 0,
+    with most drafts accepted."""
     from blockdraft.engine.scheduler import Scheduler
 
-    prompts = random_prompts(8, seed=22)
-    params = [SamplingParams(max_tokens=[5, 17, 9, 30, 12, 3, 22, 8][i], ignore_eos=True, temperature=0.9 * (i % 2),
-                             seed=i) for i in range(8)]  # fmt: skip
-    want = [o.token_ids for o in make_llm(target).generate(prompts, params)]
+    prompts, params = _arrivals()
+    want = _answers(make_llm(target), prompts, params)
+    assert any(reason == "stop" for _, reason in want)  # a stop inside a draft block is covered
+    sequences = _plain_sequences(target, prompts, params)
     ahead, schedule_ahead = [], Scheduler.schedule_prefill_ahead
     monkeypatch.setattr(Scheduler, "schedule_prefill_ahead",
                         lambda self: ahead.append(schedule_ahead(self)) or ahead[-1])  # fmt: skip
 
     def run(async_scheduling):
-        spec = None
-        if k is not None:
-            drafter = random_drafter(target.config, num_layers=1, block_size=k + 1, target_layer_ids=(0, 2), seed=1)
-            spec = DFlashSpeculator(drafter, target.model, k, None, 4)
+        spec = None if k is None else _oracle_speculator(target, k, sequences)
         llm = make_llm(target, speculator=spec, **GRAPHS, max_num_seqs=3, mixed_prefill=False,
                        async_scheduling=async_scheduling)
-        return [o.token_ids for o in llm.generate(prompts, params)]
+        got = _answers(llm, prompts, params)
+        spec = llm.engine.stats.spec
+        assert k is None or spec.num_accepted_tokens > 0.3 * spec.num_drafted_tokens
+        return got
 
     assert run(False) == want and not ahead
     assert run(True) == want
