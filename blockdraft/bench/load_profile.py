@@ -52,14 +52,9 @@ def recorded_launches():
     launch, continuation = ModelRunner.launch, ModelRunner.launch_continuation
 
     def recorded_launch(self, so):
-        graphs = self.graphs
-        if graphs is not None and graphs.target.padding_for(so) is not None:
-            kinds.append("uniform")
-        elif graphs is not None and graphs.prefill is not None and graphs.prefill.padding_for(so) is not None:
-            kinds.append("prefill-graph")
-        else:
-            kinds.append("eager")
-        return launch(self, so)
+        step = launch(self, so)
+        kinds.append("uniform" if step.graphed else "prefill-graph" if step.prefill_graphed else "eager")
+        return step
 
     def recorded_continuation(self, prev, so):
         out = continuation(self, prev, so)
@@ -130,7 +125,9 @@ def profile_load(engine, prompts: list[list[int]], max_tokens: int, batch_size: 
 
 
 def format_table(results: dict) -> str:
-    """One line per (mode, how) and one per step kind under it."""
+    """The table of `profile_load` results keyed "mode/how": one "(all)" line per run (its steps,
+    wall seconds, ms per step, output tokens per second), then one line per step kind (steps,
+    seconds of host wall time, ms each, mean requests running after the step)."""
     lines = [f"{'mode':7} {'how':9} {'kind':32} {'steps':>6} {'seconds':>8} {'ms each':>8} {'running':>7} {'tok/s':>9}"]
     for key, r in results.items():
         mode, how = key.split("/")

@@ -36,7 +36,7 @@ class LaunchedStep:
     the tail graph's static output [R_b, Q + 1 + K] of the whole bucket (rows past S are padding).
     fetch: the copy of its first S rows to the host, started at launch (runner.staging.start_fetch).
     logits: its [L, V] logits rows. graphed: the step replayed the uniform-step graphs (a
-    continuation can follow it).
+    continuation can follow it). prefill_graphed: it replayed the prefill graphs instead.
 
     Steps that replayed graphs (uniform steps, and prefills of a few requests although graphed is
     False) hold static graph outputs in `packed` and `logits`, and a continuation's `batch` holds
@@ -55,6 +55,7 @@ class LaunchedStep:
     logits: torch.Tensor
     timer: StepTimer
     graphed: bool
+    prefill_graphed: bool = False
 
 
 class ModelRunner:
@@ -203,7 +204,7 @@ class ModelRunner:
         tail = lambda: prefill.run_tail(batch.meta.num_reqs, batch.input_ids.shape[0], aux, sampled)  # noqa: E731
         packed = self._timed_tail(timer, tail)
         return LaunchedStep(so, batch, packed, start_fetch(packed[: len(batch.sample_req)]), logits, timer,
-                            graphed=False)
+                            graphed=False, prefill_graphed=True)
 
     def _timed_tail(self, timer: StepTimer, run_tail):
         """Run a tail graph as the step's second timer phase (drafting; its verification is fused
