@@ -71,8 +71,9 @@ class Scheduler:
         """
         if self.config.mixed_prefill:
             return self._schedule(self.running, admit=True)
-        prefilling = [r for r in self.running if is_prefilling(r)]
-        decoding = [r for r in self.running if not is_prefilling(r)]
+        prefilling, decoding = [], []
+        for r in self.running:  # one pass: this runs every step
+            (prefilling if is_prefilling(r) else decoding).append(r)
         preempted: list[str] = []
         can_admit = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
         if (prefilling or can_admit) and not (self._decode_owed and decoding):
