@@ -152,11 +152,19 @@ class SchedulerConfig:
     together (vLLM's chunked prefill); False = a step either prefills (admitted and partly
     computed prompts) or decodes, prefill first, as SGLang without --enable-mixed-chunk, so decode
     steps stay uniform and replay their CUDA graphs (a mixed step runs eagerly).
+    max_prefill_tokens / max_prefill_seqs: without mixed prefill, a prefill step takes another
+    waiting prompt only while its rows stay within max_prefill_tokens and its requests within
+    max_prefill_seqs (SGLang's --max-prefill-tokens); the first prompt of a step is limited by
+    max_num_batched_tokens alone (chunked as usual). None: no limit beyond the budget. The engine
+    sets them to the largest prefill CUDA graph where it captured them (runner.prefill_graphs), so
+    a burst of arrivals prefills in graphed steps instead of one eager step.
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     mixed_prefill: bool = True
+    max_prefill_tokens: int | None = None
+    max_prefill_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -165,6 +173,10 @@ class SchedulerConfig:
             raise param_error("max_num_seqs", f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not isinstance(self.mixed_prefill, bool):
             raise param_error("mixed_prefill", f"mixed_prefill must be True or False, got {self.mixed_prefill!r}")
+        for name in ("max_prefill_tokens", "max_prefill_seqs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise param_error(name, f"{name} must be None or an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)

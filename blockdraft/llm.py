@@ -411,7 +411,12 @@ def _build_engine(
     kv = KVCacheManager(setup.num_kv_blocks, cache.kv_block_size, cache.enable_prefix_caching)
     graphs = setup.runner.graphs
     mixed_prefill = resolve_mixed_prefill(mixed_prefill, graphs_captured=graphs is not None and graphs.target.capture)
-    scheduler = Scheduler(dataclasses.replace(sched, mixed_prefill=mixed_prefill), kv)
+    sched = dataclasses.replace(sched, mixed_prefill=mixed_prefill)
+    if not mixed_prefill and graphs is not None and graphs.prefill is not None:
+        # a prefill step of several prompts stays within the largest prefill graph
+        sched = dataclasses.replace(sched, max_prefill_tokens=graphs.prefill.buckets[-1],
+                                    max_prefill_seqs=graphs.prefill.request_buckets[-1])
+    scheduler = Scheduler(sched, kv)
     return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len,
                      target.config.vocab_size, async_scheduling=async_scheduling, max_logprobs=max_logprobs)
 

@@ -7,7 +7,7 @@ and stop at different steps), and sorts each `LLMEngine.step` call by what it la
 
   uniform        a decode / verify step that replays the uniform-step CUDA graphs
   continuation   the next such step, launched from the previous one's device output (async scheduling)
-  prefill-graph  a prefill step of up to 4 requests replaying the prefill graphs
+  prefill-graph  a prefill step of up to 8 requests replaying the prefill graphs
   eager          any other step (mixed prefill + decode, a burst of prefills, a chunk, no graphs)
   none           nothing launched (the step only read back the one launched before, or the
                  scheduler had nothing to run)

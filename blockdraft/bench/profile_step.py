@@ -182,9 +182,11 @@ def trace_path(path: str, mode: str) -> str:
 
 def run(shape: str, device: str, batch_size: int, steps: int, warmup: int, modes: list[str], prompt_len: int,
         hbm_bandwidth: float = H200_HBM_BYTES_PER_S, trace: str | None = None, on_mode=None,
-        draft_vocab_size: int = 0) -> dict:
+        draft_vocab_size: int = 0, num_speculative_tokens: int | None = None) -> dict:
     """Build the bench's engines for `shape` and profile each mode; returns the JSON document.
     draft_vocab_size N > 0: the drafter scores ids 0..N-1 only (as `bench --draft-vocab-size N`).
+    num_speculative_tokens K: drafts verified per step, 1..BLOCK_SIZE - 1 (None: BLOCK_SIZE - 1); a
+    step's cost depends on K (K + 1 verify rows per request), not on how many drafts are accepted.
     `on_mode(doc, mode)` is called as each mode is done (main prints it and rewrites --out, so a
     run cut short keeps what it measured).
 
@@ -198,6 +200,9 @@ def run(shape: str, device: str, batch_size: int, steps: int, warmup: int, modes
     from blockdraft.bench.workload import random_workload, resolve_device_dtype
 
     vocab = model_config(get_shape(shape)).vocab_size
+    if num_speculative_tokens is not None and not 1 <= num_speculative_tokens <= BLOCK_SIZE - 1:
+        raise ValueError(f"--num-speculative-tokens must be in [1, {BLOCK_SIZE - 1}] (the random drafter's block "
+                         f"size is {BLOCK_SIZE}), got {num_speculative_tokens}")
     if not 0 <= draft_vocab_size <= vocab:
         raise ValueError(f"--draft-vocab-size must be in [0, {vocab}] for {shape} (0: full vocabulary), "
                          f"got {draft_vocab_size}")
@@ -206,9 +211,10 @@ def run(shape: str, device: str, batch_size: int, steps: int, warmup: int, modes
     workload = random_workload(shape, dev, dtype, num_prompts=batch_size, prompt_len=prompt_len, draft_layers=None,
                                block_size=BLOCK_SIZE, with_drafter=DFLASH in modes, draft_vocab_size=draft_vocab_size)
     workload.hf_model = None  # the bench's HF baseline; not profiled here (frees its copy of the weights)
-    k = BLOCK_SIZE - 1 if workload.drafter is not None else 0
+    k = (num_speculative_tokens or BLOCK_SIZE - 1) if workload.drafter is not None else 0
     max_tokens = (1 + warmup + 3 * steps + 2) * (k + 1)  # no request finishes: at most K + 1 tokens a step
-    engines, _, _ = build_engines(workload, Settings((batch_size,), max_tokens, engines=("ours",)))
+    engines, _, _ = build_engines(workload, Settings((batch_size,), max_tokens, engines=("ours",),
+                                                     num_speculative_tokens=k or None))
     by_mode = {e.mode: e for e in engines}
     floor = floor_of(workload, hbm_bandwidth)
     doc = {"schema": SCHEMA, "workload": {"shape": shape, "prompt_len": prompt_len, **workload.source},
@@ -293,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab-size", type=_at_least(0), default=0,
                    help="DFlash drafts over ids 0..N-1 of the random vocabulary only, as bench --shape ... "
                         "--draft-vocab-size N: 0 (default: full vocabulary) up to the shape's vocabulary size")
+    p.add_argument("--num-speculative-tokens", type=_at_least(1), default=None, metavar="K",
+                   help=f"DFlash drafts verified per step, 1..{BLOCK_SIZE - 1} (default {BLOCK_SIZE - 1}, as bench); "
+                        "the step's cost depends on K, not on how many drafts are accepted")
     p.add_argument("--top", type=_at_least(1), default=25,
                    help="table rows printed per table (default 25; the JSON has all)")
     p.add_argument("--out", help="write the JSON document here")
@@ -314,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(args.shape, args.device, args.batch_size, args.steps, args.warmup, modes, args.prompt_len,
-            trace=args.trace, on_mode=on_mode, draft_vocab_size=args.draft_vocab_size)
+            trace=args.trace, on_mode=on_mode, draft_vocab_size=args.draft_vocab_size,
+            num_speculative_tokens=args.num_speculative_tokens)
     except ValueError as e:
         p.error(str(e))
     if args.out:

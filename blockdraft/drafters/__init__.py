@@ -41,6 +41,10 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
     `<cache>/drafters/<model>-<sha256[:16] of the shipped files>/` (written to a temp folder, then
     renamed), next to copies of config.json, speculative.json and draft_vocab.json. Expanding a
     new copy (the shipped files changed) removes the copies of older ones (`_remove_stale_copies`).
+
+    Raises:
+        FileNotFoundError: the model's shipped folder has its config.json but no weights file
+            (an incomplete install or checkout; names the folder and the files looked for).
     """
     from blockdraft.drafters.pack import PACK_FILE
 
@@ -51,7 +55,11 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
         return folder
     if (folder / PACK_FILE).is_file():
         return _expand(folder, cache_dir)
-    return None
+    raise FileNotFoundError(
+        f"the shipped drafter for {model!r} in {folder} has its config.json but neither model.safetensors "
+        f"nor {PACK_FILE}: the install or checkout is incomplete; reinstall blockdraft, or give --draft PATH "
+        "(or --no-draft for plain decoding)"
+    )
 
 
 def add_draft_vocab_size_flag(parser, extra: str = "") -> None:

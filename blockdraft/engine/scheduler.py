@@ -7,7 +7,9 @@ waiting queue with `num_computed_tokens = 0`, so its prompt and output so far ar
 prefill (the tokens it already produced are kept, so nothing is lost and no token changes).
 
 Without mixed prefill (SchedulerConfig.mixed_prefill False, the default where CUDA graphs are
-captured) a step either prefills or decodes, prefill first (`schedule`).
+captured) a step either prefills or decodes, prefill first (`schedule`), and a prefill step takes
+whole prompts only up to SchedulerConfig.max_prefill_tokens rows / max_prefill_seqs requests (the
+largest prefill graph), so a burst of arrivals prefills in graphed steps.
 
 Prefix caching (KVCacheManager(enable_prefix_caching=True)): a waiting request with nothing
 computed starts from its longest cached prefix of full pages (never its last token), so its first
@@ -77,7 +79,7 @@ class Scheduler:
         preempted: list[str] = []
         can_admit = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
         if (prefilling or can_admit) and not (self._decode_owed and decoding):
-            so = self._schedule(prefilling, admit=True, reserve=self._decode_reserve(decoding))
+            so = self._schedule(prefilling, admit=True, reserve=self._decode_reserve(decoding), limit_prefill=True)
             if so.requests:
                 self._decode_owed = any(not sr.sample for sr in so.requests)
                 return so
@@ -87,10 +89,11 @@ class Scheduler:
         so.preempted_request_ids[:0] = preempted
         return so
 
-    def _schedule(self, candidates: list[Request], admit: bool, reserve: int = 0) -> SchedulerOutput:
+    def _schedule(self, candidates: list[Request], admit: bool, reserve: int = 0,
+                  limit_prefill: bool = False) -> SchedulerOutput:
         """Running `candidates` in order (preempting the newest running requests when pages run
         out), then, with `admit` and no preemption, waiting requests while budget lasts and more
-        than `reserve` pages stay free."""
+        than `reserve` pages stay free (and, with `limit_prefill`, within the prefill step limits)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -109,7 +112,7 @@ class Scheduler:
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
         if admit and not preempted:
-            self._admit_waiting(budget, scheduled, reserve)
+            self._admit_waiting(budget, scheduled, reserve, limit_prefill)
         return SchedulerOutput(requests=scheduled, preempted_request_ids=preempted)
 
     def schedule_continuation(self, so: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
@@ -165,7 +168,8 @@ class Scheduler:
             return None
         scheduled: list[ScheduledRequest] = []
         # the decode step in flight is not committed: reserve for it and the step after it
-        self._admit_waiting(self.config.max_num_batched_tokens, scheduled, self._decode_reserve(self.running, 2))
+        self._admit_waiting(self.config.max_num_batched_tokens, scheduled, self._decode_reserve(self.running, 2),
+                            limit_prefill=True)
         if not scheduled:
             return None
         self._decode_owed = any(not sr.sample for sr in scheduled)
@@ -184,15 +188,26 @@ class Scheduler:
             del req.spec_token_ids[max(0, budget - uncomputed) :]
         return min(uncomputed + len(req.spec_token_ids), budget)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], reserve: int = 0) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], reserve: int = 0,
+                       limit_prefill: bool = False) -> int:
         """Admit waiting requests in order while budget, sequence slots and pages last, leaving
-        `reserve` pages free -> the budget left."""
+        `reserve` pages free -> the budget left. With `limit_prefill` (a prefill-only step), a request
+        joins a step that already has one only within max_prefill_seqs requests and, when
+        max_prefill_tokens is set, whole and within max_prefill_tokens rows."""
+        max_rows, max_reqs = self.config.max_prefill_tokens, self.config.max_prefill_seqs
+        rows = sum(len(sr.token_ids) for sr in scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if limit_prefill and scheduled and max_reqs is not None and len(scheduled) >= max_reqs:
+                break
             req = self.waiting[0]
             hit = self._take_prefix_hit(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            num_new = min(remaining, budget)
             extra = self.kv.blocks_needed(req.num_computed_tokens + num_new) - len(req.block_ids)
-            if extra > self.kv.num_free_blocks - reserve or not self.kv.allocate_slots(
+            # joining others: whole prompts only (a non-final chunk makes the step run eagerly)
+            over_limit = (limit_prefill and scheduled and max_rows is not None
+                          and (rows + num_new > max_rows or num_new < remaining))
+            if over_limit or extra > self.kv.num_free_blocks - reserve or not self.kv.allocate_slots(
                 req, req.num_computed_tokens + num_new
             ):
                 if hit:  # give the hit back (its pages stay cached); retried next step
@@ -206,6 +221,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+            rows += num_new
         return budget
 
     def _take_prefix_hit(self, req: Request) -> int | None:

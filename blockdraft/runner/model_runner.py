@@ -7,7 +7,7 @@ GPU path (a backend without host metadata): nothing in a step reads device value
 host except the final `fetch_step_output` (and log-probabilities, when asked for). Uniform decode /
 verify steps replay two CUDA graphs (runner.step_graphs: the target, then the tail that verifies,
 drafts and packs), with the sampler between them only when a row samples; so do prefill steps of
-up to 4 requests and 512 rows (runner.prefill_graphs); everything else runs eagerly.
+up to 8 requests and 1,024 rows (runner.prefill_graphs); everything else runs eagerly.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ otherwise runs eagerly: on the H200 a 150-token Qwen2.5-0.5B prompt took 17.8 ms
 work (~360 kernel launches from Python), 35.7 ms with the DFlash drafter's context write and
 first block (docs/benchmarks/gpu.md "Session 12"); with 32 requests in flight, the steps that
 prefilled the few requests admitted together took 22 ms each, half of the run (gpu.md "Session
-17"). The step is padded to a bucket of R_b = 1, 2, 4 requests and T_b = 16, 32, ... rows
+17"). The step is padded to a bucket of R_b = 1, 2, 4, 8 requests and T_b = 16, 32, ..., 1024 rows
+(up to the step's token budget; 1,024 rows: 4 HumanEval prompts with the chat template, mean 168
+tokens, fit, where 512 rows took 3)
 (padding requests: an empty query range and seq_len 0; padding rows: token 0, position 0,
 PADDING_SLOT, row_req -1, as runner.input_batch pads) and replayed as two graphs per bucket:
 
@@ -31,8 +33,8 @@ from blockdraft.runner.input_batch import BatchPadding, InputBatch
 from blockdraft.runner.static_graph import StaticGraph
 from blockdraft.runner.step_output import pack_step
 
-PREFILL_CAPTURE_MAX = 512  # rows of the largest bucket (vLLM captures its graphs up to 512 tokens too)
-PREFILL_MAX_REQUESTS = 4  # requests of the largest bucket: larger bursts amortise an eager step
+PREFILL_CAPTURE_MAX = 1024  # rows of the largest bucket: 4 HumanEval prompts (mean 168 tokens) fit
+PREFILL_MAX_REQUESTS = 8  # requests of the largest bucket; an eager prefill step costs 20-40 ms on the H200
 
 
 def prefill_sizes(max_num_batched_tokens: int, largest: int = PREFILL_CAPTURE_MAX) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,6 +77,9 @@ def build_step_graphs(
         return None
     aux_layer_ids = () if speculator is None else speculator.aux_layer_ids
     pool = torch.cuda.graph_pool_handle() if capture else None
+    # Start-up cost, logged below: capture seconds and the pool's reserved memory.
+    started = time.perf_counter()
+    reserved_before = torch.cuda.memory_reserved() if capture else 0
     target = TargetGraphs(
         model, kv_caches, aux_layer_ids, buckets, rows_per_req, block_table_width, kv_block_size, capture, pool
     )
@@ -102,6 +106,7 @@ def build_step_graphs(
                 prefill.capture_bucket(num_reqs, num_rows)
     if capture:
         logger.info("captured CUDA graphs for %d request buckets %s x %d rows and prefill buckets of %s requests "
-                    "x %s rows", len(buckets), buckets, rows_per_req, prefill.request_buckets if prefill else [],
-                    prefill_buckets)
+                    "x %s rows in %.1f s (%.0f MiB more GPU memory reserved)", len(buckets), buckets, rows_per_req,
+                    prefill.request_buckets if prefill else [], prefill_buckets, time.perf_counter() - started,
+                    (torch.cuda.memory_reserved() - reserved_before) / 2**20)
     return StepGraphs(target, tail, cont, prefill)

@@ -23,13 +23,17 @@ def _dflash_llm(target, **kw):
 
 def test_closed_batches_sort_into_eager_prefill_graph_and_uniform_steps(target):
     launch = ModelRunner.launch
-    engine = _dflash_llm(target, max_num_seqs=5, mixed_prefill=False).engine
-    out = profile_load(engine, random_prompts(7, seed=3), max_tokens=6, batch_size=5, how="closed")
+    engine = _dflash_llm(target, max_num_seqs=5, max_num_batched_tokens=64, mixed_prefill=False).engine
+    # prompts of 19, 19, 6, 7, 7 tokens, then 8 and 80 (longer than the 64-token budget)
+    prompts = random_prompts(6, seed=3) + random_prompts(1, seed=9, low=80, high=81)
+    out = profile_load(engine, prompts, max_tokens=6, batch_size=5, how="closed")
     kinds = out["by_kind"]
     assert out["tokens"] == 7 * 6 and out["steps"] == sum(k["steps"] for k in kinds.values())
-    # 5 prompts prefill eagerly (more than the largest prefill-graph bucket, 4), the other 2 replay it
-    assert kinds["eager"]["steps"] == 1 and kinds["prefill-graph"]["steps"] == 1
-    assert kinds["uniform"]["steps"] == out["steps"] - 2
+    # batch 1: one prefill-graph step of 5 prompts (58 rows); batch 2: the 8-token prompt alone (the
+    # 80-token one does not join as a chunk), the long prompt's first chunk (eager), a decode step
+    # (its turn after a non-final chunk), the last chunk of 16 rows (prefill graph)
+    assert kinds["eager"]["steps"] == 1 and kinds["prefill-graph"]["steps"] == 3
+    assert kinds["uniform"]["steps"] == out["steps"] - 4
     assert out["wall_s"] >= sum(k["seconds"] for k in kinds.values()) > 0
     assert "step" not in vars(engine) and ModelRunner.launch is launch  # instrumentation removed
     table = format_table({"dflash/closed": out})

@@ -111,3 +111,20 @@ def test_draft_vocab_beyond_the_shape_is_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--shape", "tiny", "--device", "cpu", "--draft-vocab-size", "513"])
     assert exc.value.code == 2 and "--draft-vocab-size must be in [0, 512] for tiny" in capsys.readouterr().err
+
+
+def test_num_speculative_tokens_reaches_the_dflash_engine(tmp_path, monkeypatch, capsys):
+    import blockdraft.bench.suite as suite
+
+    built = []
+    real = suite.build_engines
+    monkeypatch.setattr(suite, "build_engines", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    out = tmp_path / "p.json"
+    assert main(["--shape", "tiny", "--device", "cpu", "--mode", "dflash", "--batch-size", "2", "--steps", "1",
+                 "--warmup", "0", "--prompt-len", "16", "--num-speculative-tokens", "3", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["settings"]["num_speculative_tokens"] == 3
+    (dflash,) = [e for e in built[0][0] if e.mode == "dflash"]
+    assert dflash.llm.speculator.num_speculative_tokens == 3
+    with pytest.raises(SystemExit) as exc:
+        main(["--shape", "tiny", "--device", "cpu", "--num-speculative-tokens", "16"])
+    assert exc.value.code == 2 and "--num-speculative-tokens must be in [1, 15]" in capsys.readouterr().err

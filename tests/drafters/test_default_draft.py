@@ -191,3 +191,16 @@ def test_llm_api_takes_auto_and_shipped(tiny):
     assert LLM(model=str(model), draft="auto").speculator is None  # a folder model has no shipped drafter
     with pytest.raises(ValueError, match="no drafter ships for model"):
         LLM(model=str(model), draft="shipped")
+
+
+def test_a_shipped_folder_without_weights_is_named_not_taken_for_no_drafter(tmp_path, monkeypatch):
+    """An incomplete install (config.json but no weights file) fails naming the folder, for
+    `auto` too, instead of "no drafter ships" or a silent fall back to plain decoding."""
+    import blockdraft.drafters as drafters
+
+    shipped = tmp_path / "shipped"
+    shutil.copytree(SHIPPED_DIR / QWEN, shipped / QWEN, ignore=shutil.ignore_patterns("model.*"))
+    monkeypatch.setattr(drafters, "SHIPPED_DIR", shipped)
+    for draft in ("auto", "shipped"):
+        with pytest.raises(FileNotFoundError, match=f"shipped drafter for '{QWEN}' in .*neither model.safetensors"):
+            resolve_draft(draft, QWEN, cache_dir=tmp_path)

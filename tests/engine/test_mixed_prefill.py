@@ -17,8 +17,8 @@ from tests.engine.test_async_scheduling import _oracle_speculator
 GRAPHS = dict(attention_backend="dense", graph_mode="eager")
 
 
-def _sched(mixed, budget=16, seqs=4, blocks=16, bs=4):
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, mixed_prefill=mixed)
+def _sched(mixed, budget=16, seqs=4, blocks=16, bs=4, **limits):
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, mixed_prefill=mixed, **limits)
     return Scheduler(config, KVCacheManager(blocks, bs))
 
 
@@ -140,6 +140,55 @@ def test_without_mixed_prefill_a_prompt_that_cannot_start_does_not_stall_decodin
     s.add_request(_req("b", 5))
     assert _rows(s.schedule()) == [("a", 3, 3, True)]
     assert [r.request_id for r in s.waiting] == ["b"]
+
+
+def test_without_mixed_prefill_a_prefill_step_stays_within_the_prefill_limits():
+    """Arrivals of 5, 4, 3, 6 and 20 tokens, budget 32, at most 10 rows and 3 requests per
+    prefill step: others join the first prompt only whole and within both limits; a prompt longer
+    than the limit still starts a step of its own (chunked by the budget alone)."""
+    s = _sched(False, budget=32, seqs=8, blocks=64, max_prefill_tokens=10, max_prefill_seqs=3)
+    reqs = {rid: _req(rid, n) for rid, n in (("a", 5), ("b", 4), ("c", 3), ("d", 6), ("e", 20))}
+    for r in reqs.values():
+        s.add_request(r)
+
+    def prefill_step():
+        rows = _rows(s.schedule())
+        for rid, *_ in rows:  # committed: the prompt computed, a first token sampled
+            reqs[rid].num_computed_tokens, reqs[rid].output_token_ids = reqs[rid].num_tokens, [7]
+        return rows
+
+    assert prefill_step() == [("a", 0, 5, True), ("b", 0, 4, True)]  # c: 12 rows
+    assert prefill_step() == [("c", 0, 3, True), ("d", 0, 6, True)]  # e: not whole within 10
+    assert prefill_step() == [("e", 0, 20, True)]
+    s = _sched(False, budget=32, seqs=8, blocks=64, max_prefill_tokens=100, max_prefill_seqs=3)
+    for rid in "abcd":
+        s.add_request(_req(rid, 2))
+    assert [r[0] for r in _rows(s.schedule())] == ["a", "b", "c"]  # the request limit
+    s = _sched(False, budget=16, seqs=8, blocks=64, max_prefill_tokens=16)
+    for rid, n in (("a", 10), ("b", 10)):
+        s.add_request(_req(rid, n))
+    assert _rows(s.schedule()) == [("a", 0, 10, True)]  # b would join only as a 6-token chunk
+    s = _sched(False, budget=16, seqs=8, blocks=64)  # no limits: b joins as a chunk, as before
+    for rid, n in (("a", 10), ("b", 10)):
+        s.add_request(_req(rid, n))
+    assert _rows(s.schedule()) == [("a", 0, 10, True), ("b", 0, 6, False)]
+    s = _sched(False, budget=32, seqs=8, blocks=64, max_prefill_tokens=100, max_prefill_seqs=2)
+    _decoding(s, "x", 3)
+    for rid in "abc":
+        s.add_request(_req(rid, 2))
+    assert [r[0] for r in _rows(s.schedule_prefill_ahead())] == ["a", "b"]  # launched ahead: the same limits
+    with pytest.raises(ValueError, match="max_prefill_seqs must be None or an integer >= 1, got 0"):
+        SchedulerConfig(max_prefill_seqs=0)
+
+
+def test_the_engine_limits_prefill_steps_to_its_largest_prefill_graph(target):
+    graphs = make_llm(target, mixed_prefill=False, max_num_seqs=6, **GRAPHS).engine.scheduler.config
+    assert (graphs.max_prefill_tokens, graphs.max_prefill_seqs) == (512, 6)  # buckets up to the budget / seqs
+    assert make_llm(target, max_num_batched_tokens=4096, mixed_prefill=False, **GRAPHS).engine.scheduler.config \
+        .max_prefill_tokens == 1024
+    for kw in ({"mixed_prefill": True, **GRAPHS}, {"mixed_prefill": False}):  # mixed steps / no graphs: no limit
+        config = make_llm(target, **kw).engine.scheduler.config
+        assert (config.max_prefill_tokens, config.max_prefill_seqs) == (None, None), kw
 
 
 def test_mixed_prefill_resolves_from_whether_graphs_are_captured(target):

@@ -184,12 +184,12 @@ def test_single_request_prefill_graphs_equal_the_same_padded_step_run_eagerly(dt
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("k", [None, 15], ids=["plain", "k15"])
 def test_prefill_graphs_of_several_requests_equal_the_same_padded_step_run_eagerly(dtype, k):
-    """2, 3 and 4 requests arriving together prefill through the request buckets 2, 4, 4 of the
-    prefill graphs: replay == the identical padded code run eagerly (tokens and accepted drafts)."""
+    """2, 3, 4 and 5 requests arriving together prefill through the request buckets 2, 4, 4, 8 of
+    the prefill graphs: replay == the identical padded code run eagerly (tokens and accepted drafts)."""
     from blockdraft.runner.prefill_graphs import PrefillGraphs
 
     target = cuda_tiny_target(dtype, seed=7)
-    groups = [random_prompts(n, seed=20 + n, low=5, high=100) for n in (2, 3, 4)]
+    groups = [random_prompts(n, seed=20 + n, low=5, high=100) for n in (2, 3, 4, 5)]
 
     def together(llm):
         return [[list(o.token_ids) for o in llm.generate(g, _params(len(g), 20))] for g in groups]
@@ -203,7 +203,32 @@ def test_prefill_graphs_of_several_requests_equal_the_same_padded_step_run_eager
         assert together(graphed) == want
     finally:
         PrefillGraphs.run = run
-    assert runs == [(2, 2), (3, 4), (4, 4)]
+    assert runs == [(2, 2), (3, 4), (4, 4), (5, 8)]
+    if k is not None:
+        assert graphed.engine.stats.spec.num_accepted_tokens == eager.engine.stats.spec.num_accepted_tokens
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k", [None, 15], ids=["plain", "k15"])
+def test_a_burst_of_arrivals_prefills_in_graph_steps_within_the_largest_bucket(dtype, k):
+    """12 requests arriving together (more than the largest prefill request bucket, 8): with graphs
+    captured (mixed prefill off by default) they prefill as graph steps of 8 and 4 requests, not one
+    eager step; replay == the identical padded code run eagerly with the same step limits."""
+    from blockdraft.runner.prefill_graphs import PrefillGraphs
+
+    target = cuda_tiny_target(dtype, seed=8)
+    prompts = random_prompts(12, seed=33, low=5, high=40)
+    eager = cuda_llm(target, k, graph_mode="eager", mixed_prefill=False)
+    want = [list(o.token_ids) for o in eager.generate(prompts, _params(12, 20))]
+    graphed = cuda_llm(target, k)
+    assert graphed.engine.scheduler.config.max_prefill_seqs == 8
+    runs, run = [], PrefillGraphs.run
+    PrefillGraphs.run = lambda self, batch: runs.append((batch.num_reqs, batch.meta.num_reqs)) or run(self, batch)
+    try:
+        assert [list(o.token_ids) for o in graphed.generate(prompts, _params(12, 20))] == want
+    finally:
+        PrefillGraphs.run = run
+    assert runs == [(8, 8), (4, 4)]
     if k is not None:
         assert graphed.engine.stats.spec.num_accepted_tokens == eager.engine.stats.spec.num_accepted_tokens
 

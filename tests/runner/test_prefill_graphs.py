@@ -11,7 +11,7 @@ from blockdraft.spec.dflash.checkpoint import random_drafter
 from blockdraft.spec.dflash.speculator import DFlashSpeculator
 from tests.conftest import make_llm, random_prompts, tiny_target
 
-GRAPHS = dict(attention_backend="dense", graph_mode="eager", max_num_seqs=8)
+GRAPHS = dict(attention_backend="dense", graph_mode="eager", max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,12 @@ def _one_at_a_time(llm, prompts, params):
 
 
 def test_buckets_are_powers_of_two_from_16_up_to_the_step_budget():
-    assert prefill_sizes(8192) == [16, 32, 64, 128, 256, 512]
+    assert prefill_sizes(8192) == [16, 32, 64, 128, 256, 512, 1024]
     assert prefill_sizes(100) == [16, 32, 64]
     assert prefill_sizes(8) == []
     assert prefill_sizes(8192, largest=64) == [16, 32, 64]
-    assert prefill_request_sizes(64) == [1, 2, 4]
+    assert prefill_request_sizes(64) == [1, 2, 4, 8]
+    assert prefill_request_sizes(6) == [1, 2, 4, 6]
     assert prefill_request_sizes(3) == [1, 2, 3]
     assert prefill_request_sizes(1) == [1]
 
@@ -94,13 +95,14 @@ def test_long_prompts_batches_and_cached_prefixes(target, prefill_runs):
 
 @pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
 def test_prefill_steps_of_several_requests_padded_to_a_bucket_equal_the_normal_path(target, monkeypatch, k):
-    """2, 3 and 4 prompts admitted together replay the request buckets 2, 4, 4 (padding requests
-    inert: the real requests' tokens, drafts and accepted counts are unchanged); 5 run eagerly."""
+    """2, 3, 4 and 5 prompts admitted together replay the request buckets 2, 4, 4, 8 (padding
+    requests inert: the real requests' tokens, drafts and accepted counts are unchanged); 9 (more
+    than the largest bucket) run eagerly."""
     runs, run = [], PrefillGraphs.run
     monkeypatch.setattr(PrefillGraphs, "run", lambda self, batch: runs.append((batch.num_reqs, batch.meta.num_reqs))
                         or run(self, batch))  # fmt: skip
     cases = []
-    for n, seed in ((2, 50), (3, 51), (4, 52), (5, 53)):
+    for n, seed in ((2, 50), (3, 51), (4, 52), (5, 53), (9, 54)):
         prompts = random_prompts(n, seed=seed, low=5, high=40)
         params = [SamplingParams(max_tokens=7, ignore_eos=True, temperature=0.8 * (i % 2), seed=i) for i in range(n)]
         cases.append((prompts, params, [list(o.token_ids) for o in make_llm(target).generate(prompts, params)]))
@@ -118,10 +120,33 @@ def test_prefill_steps_of_several_requests_padded_to_a_bucket_equal_the_normal_p
     for prompts, params, want in cases:
         assert [list(o.token_ids) for o in eager_llm.generate(prompts, params)] == want
         assert [list(o.token_ids) for o in padded_llm.generate(prompts, params)] == want
-    assert runs == [(2, 2), (3, 4), (4, 4)]
+    assert runs == [(2, 2), (3, 4), (4, 4), (5, 8)]
     # the drafts of each step, the prefill steps' first blocks included, are the eager engine's
     assert drafts[id(padded_llm.engine.runner)] == drafts[id(eager_llm.engine.runner)]
     assert k is None or any(d for d in drafts[id(padded_llm.engine.runner)][0].values())
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
+def test_a_burst_beyond_the_largest_prefill_graph_prefills_in_graphed_steps(target, monkeypatch, k):
+    """Without mixed prefill, 12 short prompts arriving together (more than the largest request
+    bucket, 8) prefill as graph steps of 8 and 4 requests; 4 prompts of 20-31 tokens under a
+    64-token budget (64-row largest bucket) prefill whole, as many per step as fit (a third prompt
+    would join as a chunk, and the step would run eagerly). Tokens as plain eager decoding."""
+    runs, run = [], PrefillGraphs.run
+    monkeypatch.setattr(PrefillGraphs, "run", lambda self, batch: runs.append((batch.num_reqs, batch.num_rows))
+                        or run(self, batch))  # fmt: skip
+    build = (lambda **kw: make_llm(target, **kw)) if k is None else (lambda **kw: _spec_llm(target, k, **kw))
+    short, long = random_prompts(12, seed=60, low=3, high=12), random_prompts(4, seed=61, low=20, high=35)
+    assert [len(p) for p in long] == [21, 26, 20, 31]  # 21 + 26 + 20 > 64: without the limit, 17 rows of the third
+    for prompts, budget, want_runs in ((short, 512, [(8, sum(map(len, short[:8]))), (4, sum(map(len, short[8:])))]),
+                                       (long, 64, [(2, 47), (2, 51)])):
+        params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8 * (i % 2), seed=i)
+                  for i in range(len(prompts))]
+        want = [list(o.token_ids) for o in build().generate(prompts, params)]
+        runs.clear()
+        padded = build(mixed_prefill=False, max_num_batched_tokens=budget, **GRAPHS)
+        assert [list(o.token_ids) for o in padded.generate(prompts, params)] == want
+        assert runs == want_runs
 
 
 def test_logprobs_of_a_padded_prefill_step(target, prefill_runs):
