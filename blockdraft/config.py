@@ -155,8 +155,9 @@ class SchedulerConfig:
     max_prefill_tokens / max_prefill_seqs: without mixed prefill, a prefill step takes another
     waiting prompt only while its rows stay within max_prefill_tokens and its requests within
     max_prefill_seqs (SGLang's --max-prefill-tokens); the first prompt of a step is limited by
-    max_num_batched_tokens alone (chunked as usual). None: no limit beyond the budget. The engine
-    sets them to the largest prefill CUDA graph where it captured them (runner.prefill_graphs), so
+    max_num_batched_tokens alone (chunked as usual); running requests still prefilling count toward
+    both. None: no limit beyond the budget. Without mixed prefill the engine sets them to the
+    largest prefill graph bucket wherever it built prefill graphs (runner.prefill_graphs), so
     a burst of arrivals prefills in graphed steps instead of one eager step.
     """
 
@@ -175,7 +176,7 @@ class SchedulerConfig:
             raise param_error("mixed_prefill", f"mixed_prefill must be True or False, got {self.mixed_prefill!r}")
         for name in ("max_prefill_tokens", "max_prefill_seqs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise param_error(name, f"{name} must be None or an integer >= 1, got {value!r}")
 
 

@@ -7,9 +7,10 @@ waiting queue with `num_computed_tokens = 0`, so its prompt and output so far ar
 prefill (the tokens it already produced are kept, so nothing is lost and no token changes).
 
 Without mixed prefill (SchedulerConfig.mixed_prefill False, the default where CUDA graphs are
-captured) a step either prefills or decodes, prefill first (`schedule`), and a prefill step takes
-whole prompts only up to SchedulerConfig.max_prefill_tokens rows / max_prefill_seqs requests (the
-largest prefill graph), so a burst of arrivals prefills in graphed steps.
+captured) a step either prefills or decodes, prefill first (`schedule`), and a further waiting
+prompt joins a prefill step only whole and within SchedulerConfig.max_prefill_tokens rows /
+max_prefill_seqs requests (the largest prefill graph), so a burst of arrivals prefills in graphed
+steps; the step's first prompt is chunked by the token budget alone.
 
 Prefix caching (KVCacheManager(enable_prefix_caching=True)): a waiting request with nothing
 computed starts from its longest cached prefix of full pages (never its last token), so its first
@@ -160,8 +161,8 @@ class Scheduler:
 
         It does not depend on that step (other requests, and no page it holds), so the engine
         launches it before reading the decode step back instead of leaving the GPU idle meanwhile.
-        Admissions only, as `schedule` would make them (budget, sequence slots, pages; no
-        preemption). None with mixed prefill on, while a running request is still prefilling (the
+        Admissions only, as `schedule` would make them (budget, sequence slots, pages, the prefill
+        step limits; no preemption). None with mixed prefill on, while a running request is still prefilling (the
         next `schedule` takes it with the waiting ones), or when nothing can be admitted.
         """
         if self.config.mixed_prefill or any(is_prefilling(r) for r in self.running):

@@ -179,6 +179,23 @@ def test_without_mixed_prefill_a_prefill_step_stays_within_the_prefill_limits():
     assert [r[0] for r in _rows(s.schedule_prefill_ahead())] == ["a", "b"]  # launched ahead: the same limits
     with pytest.raises(ValueError, match="max_prefill_seqs must be None or an integer >= 1, got 0"):
         SchedulerConfig(max_prefill_seqs=0)
+    with pytest.raises(ValueError, match="max_prefill_tokens must be None or an integer >= 1, got True"):
+        SchedulerConfig(max_prefill_tokens=True)
+
+
+@pytest.mark.parametrize("max_seqs, sizes, want", [
+    (None, (10,), [("a", 32, 8, True)]),  # a's last 8-token chunk + 10 > 16 rows: b waits
+    (2, (2, 2), [("a", 32, 8, True), ("b", 0, 2, True)]),  # a counts as one of the 2 requests
+])
+def test_a_running_prompt_still_prefilling_counts_toward_the_prefill_limits(max_seqs, sizes, want):
+    s = _sched(False, budget=32, seqs=8, blocks=64, max_prefill_tokens=16, max_prefill_seqs=max_seqs)
+    a = _req("a", 40)
+    s.add_request(a)
+    assert _rows(s.schedule()) == [("a", 0, 32, False)]
+    a.num_computed_tokens = 32
+    for rid, n in zip("bc", sizes):
+        s.add_request(_req(rid, n))
+    assert _rows(s.schedule()) == want
 
 
 def test_the_engine_limits_prefill_steps_to_its_largest_prefill_graph(target):
