@@ -46,14 +46,20 @@ HOWS = ("closed", "windowed")
 
 @contextmanager
 def recorded_launches():
-    """Yield a list that collects the kind of every step any ModelRunner launches in the block
-    (the kinds in the module docstring, "continuation-refused" for a continuation that did not fit)."""
+    """Yield (kinds, shapes): `kinds` collects the kind of every step any ModelRunner launches in
+    the block (the kinds in the module docstring, "continuation-refused" for a continuation that
+    did not fit); `shapes` maps "eager" and "prefill-graph" to the [requests, rows] of each such
+    launch (what decides whether a prefill step fits a graph)."""
     kinds: list[str] = []
+    shapes: dict[str, list[list[int]]] = {"eager": [], "prefill-graph": []}
     launch, continuation = ModelRunner.launch, ModelRunner.launch_continuation
 
     def recorded_launch(self, so):
         step = launch(self, so)
-        kinds.append("uniform" if step.graphed else "prefill-graph" if step.prefill_graphed else "eager")
+        kind = "uniform" if step.graphed else "prefill-graph" if step.prefill_graphed else "eager"
+        kinds.append(kind)
+        if kind in shapes:
+            shapes[kind].append([len(so.requests), so.total_num_tokens])
         return step
 
     def recorded_continuation(self, prev, so):
@@ -63,7 +69,7 @@ def recorded_launches():
 
     ModelRunner.launch, ModelRunner.launch_continuation = recorded_launch, recorded_continuation
     try:
-        yield kinds
+        yield kinds, shapes
     finally:
         ModelRunner.launch, ModelRunner.launch_continuation = launch, continuation
 
@@ -77,7 +83,8 @@ def profile_load(engine, prompts: list[list[int]], max_tokens: int, batch_size: 
     "windowed" = at most `batch_size` in the engine, the next added as one finishes. device: the
     engine's (CUDA is synchronised before and after the timed run).
     Returns {"wall_s", "tokens", "tokens_per_s", "steps", "by_kind": {kind: {"steps", "seconds",
-    "ms_each", "mean_running"}}} (seconds: host wall time, the device synchronised at both ends).
+    "ms_each", "mean_running"}}, "launch_shapes": {"eager" | "prefill-graph": [[requests, rows],
+    ...] in launch order}} (seconds: host wall time, the device synchronised at both ends).
     Raises:
         ValueError: `how` not in HOWS, batch_size < 1, or a prompt the engine refuses.
     """
@@ -90,7 +97,7 @@ def profile_load(engine, prompts: list[list[int]], max_tokens: int, batch_size: 
     steps: list[tuple[float, str, int]] = []
     plain_step = engine.step
 
-    with recorded_launches() as kinds:
+    with recorded_launches() as (kinds, shapes):
         def timed_step(stream: bool = True):
             first, t0 = len(kinds), time.perf_counter()
             out = plain_step(stream)
@@ -121,13 +128,15 @@ def profile_load(engine, prompts: list[list[int]], max_tokens: int, batch_size: 
         "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "steps": len(steps),
         "by_kind": {k: {"steps": n, "seconds": s, "ms_each": 1e3 * s / n, "mean_running": r / n}
                     for k, (n, s, r) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
+        "launch_shapes": shapes,
     }  # fmt: skip
 
 
 def format_table(results: dict) -> str:
     """The table of `profile_load` results keyed "mode/how": one "(all)" line per run (its steps,
     wall seconds, ms per step, output tokens per second), then one line per step kind (steps,
-    seconds of host wall time, ms each, mean requests running after the step)."""
+    seconds of host wall time, ms each, mean requests running after the step), then the
+    requests x rows of its first 12 eager launches, if any (why they missed the prefill graphs)."""
     lines = [f"{'mode':7} {'how':9} {'kind':32} {'steps':>6} {'seconds':>8} {'ms each':>8} {'running':>7} {'tok/s':>9}"]
     for key, r in results.items():
         mode, how = key.split("/")
@@ -136,6 +145,10 @@ def format_table(results: dict) -> str:
         for kind, k in r["by_kind"].items():
             lines.append(f"{'':7} {'':9} {kind:32} {k['steps']:6d} {k['seconds']:8.3f} {k['ms_each']:8.3f} "
                          f"{k['mean_running']:7.1f}")
+        eager = r.get("launch_shapes", {}).get("eager", [])
+        if eager:
+            shown = ", ".join(f"{n}x{t}" for n, t in eager[:12]) + (", ..." if len(eager) > 12 else "")
+            lines.append(f"{'':7} {'':9} eager launches, requests x rows: {shown}")
     return "\n".join(lines)
 
 

@@ -162,8 +162,9 @@ class Scheduler:
         It does not depend on that step (other requests, and no page it holds), so the engine
         launches it before reading the decode step back instead of leaving the GPU idle meanwhile.
         Admissions only, as `schedule` would make them (budget, sequence slots, pages, the prefill
-        step limits; no preemption). None with mixed prefill on, while a running request is still prefilling (the
-        next `schedule` takes it with the waiting ones), or when nothing can be admitted.
+        step limits; no preemption). None with mixed prefill on, while a running request is still
+        prefilling (the next `schedule` takes it with the waiting ones), or when nothing can be
+        admitted.
         """
         if self.config.mixed_prefill or any(is_prefilling(r) for r in self.running):
             return None

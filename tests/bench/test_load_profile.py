@@ -34,10 +34,12 @@ def test_closed_batches_sort_into_eager_prefill_graph_and_uniform_steps(target):
     # (its turn after a non-final chunk), the last chunk of 16 rows (prefill graph)
     assert kinds["eager"]["steps"] == 1 and kinds["prefill-graph"]["steps"] == 3
     assert kinds["uniform"]["steps"] == out["steps"] - 4
+    assert out["launch_shapes"] == {"eager": [[1, 64]], "prefill-graph": [[5, 58], [1, 8], [1, 16]]}
     assert out["wall_s"] >= sum(k["seconds"] for k in kinds.values()) > 0
     assert "step" not in vars(engine) and ModelRunner.launch is launch  # instrumentation removed
     table = format_table({"dflash/closed": out})
     assert "prefill-graph" in table and "uniform" in table
+    assert "eager launches, requests x rows: 1x64" in table
 
 
 def test_windowed_run_counts_every_token_and_bad_arguments_are_refused(target):
