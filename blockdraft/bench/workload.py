@@ -6,6 +6,7 @@ HF folder or .gguf) with an optional drafter and held-out HumanEval / MT-bench p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +78,31 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return torch.randint(0, vocab_size, (num, length), generator=gen).tolist()
 
 
+def check_fits_in_memory(shape, dtype: torch.dtype, fraction: float = 0.8) -> None:
+    """Refuse to build `shape`'s random weights in host memory when they alone (every layer, the
+    LM head and the input embedding, in `dtype`) exceed `fraction` of the machine's physical
+    memory (e.g. Qwen3-8B in fp32: ~33 GB), instead of swapping or being killed minutes later.
+
+    Raises:
+        ValueError: names the shape, the gigabytes it needs and the machine has, and what fits.
+    """
+    from blockdraft.bench.shapes import model_config, weight_bytes_per_forward
+
+    config = model_config(shape)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    need = weight_bytes_per_forward(config, itemsize) + config.vocab_size * config.hidden_size * itemsize
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not on this platform: do not guess
+        return
+    if need > fraction * have:
+        raise ValueError(
+            f"the {shape.name} shape needs ~{need / 1e9:.0f} GB of {str(dtype).replace('torch.', '')} weights in host "
+            f"memory, and this machine has {have / 1e9:.0f} GB: on the CPU use a smaller --shape (tiny, "
+            "qwen2.5-0.5b), or run it on a GPU"
+        )
+
+
 def random_workload(
     shape_name: str, device: torch.device, dtype: torch.dtype, *, num_prompts: int, prompt_len: int,
     draft_layers: int | None, block_size: int, with_drafter: bool = True, seed: int = 0, draft_vocab_size: int = 0,
@@ -87,12 +113,15 @@ def random_workload(
     measures the cost of an N-column draft head, e.g. with forced acceptance), checked by the caller.
 
     Raises:
-        ValueError: unknown shape, bad drafter sizes, or prompts too long for the shape's context.
+        ValueError: unknown shape, bad drafter sizes, prompts too long for the shape's context, or
+            (on the CPU) weights larger than 80 % of the machine's memory.
     """
     from blockdraft.bench.random_weights import random_drafter_on_device, random_target
     from blockdraft.bench.shapes import get_shape
 
     shape = get_shape(shape_name)
+    if torch.device(device).type == "cpu":
+        check_fits_in_memory(shape, dtype)
     hf, target = random_target(shape, dtype, device, seed)
     layers = draft_layers or shape.draft_layers
     drafter = None

@@ -73,3 +73,21 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         hbm_floor_ms(10, 0.0)
     assert torch.bfloat16.itemsize == 2  # floor_of uses dtype.itemsize
+
+
+def test_a_shape_too_big_for_host_memory_is_refused_before_building(monkeypatch):
+    import torch
+
+    from blockdraft.bench import workload
+
+    pages = {"SC_PHYS_PAGES": 2**20, "SC_PAGE_SIZE": 4096}  # a 4 GiB machine
+    monkeypatch.setattr(workload.os, "sysconf", lambda name: pages[name])
+    with pytest.raises(ValueError, match=r"qwen3-8b shape needs ~33 GB of float32 weights in host memory, and this "
+                                         r"machine has 4 GB: on the CPU use a smaller --shape"):
+        workload.random_workload("qwen3-8b", torch.device("cpu"), torch.float32, num_prompts=1, prompt_len=4,
+                                 draft_layers=None, block_size=4)
+    workload.check_fits_in_memory(get_shape("qwen2.5-0.5b"), torch.float32)  # ~2.5 GB: fits in 80 % of 4 GiB
+    pages["SC_PHYS_PAGES"] = 2**19  # 2 GiB
+    workload.check_fits_in_memory(get_shape("qwen2.5-0.5b"), torch.bfloat16)  # ~1.2 GB: fits
+    with pytest.raises(ValueError, match=r"qwen2.5-0.5b shape needs ~\d GB of float32 .* machine has 2 GB"):
+        workload.check_fits_in_memory(get_shape("qwen2.5-0.5b"), torch.float32)
