@@ -80,7 +80,7 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
 
 def check_fits_in_memory(shape, dtype: torch.dtype, fraction: float = 0.8) -> None:
     """Refuse to build `shape`'s random weights in host memory when they alone (every layer, the
-    LM head and the input embedding, in `dtype`) exceed `fraction` of the machine's physical
+    LM head and an untied input embedding, in `dtype`) exceed `fraction` of the machine's physical
     memory (e.g. Qwen3-8B in fp32: ~33 GB), instead of swapping or being killed minutes later.
 
     Raises:
@@ -90,7 +90,9 @@ def check_fits_in_memory(shape, dtype: torch.dtype, fraction: float = 0.8) -> No
 
     config = model_config(shape)
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    need = weight_bytes_per_forward(config, itemsize) + config.vocab_size * config.hidden_size * itemsize
+    need = weight_bytes_per_forward(config, itemsize)  # counts a tied embedding once, as the head
+    if not config.tie_word_embeddings:
+        need += config.vocab_size * config.hidden_size * itemsize
     try:
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not on this platform: do not guess
