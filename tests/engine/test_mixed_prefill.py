@@ -248,14 +248,17 @@ def _answers(llm, prompts, params):
     return [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
 
 
-def _record_steps(monkeypatch):
-    """Per launched step: (carries a request that sampled before, replays the uniform-step graphs)."""
+def _record_steps(monkeypatch, sizes=None):
+    """Per launched step: (carries a request that sampled before, replays the uniform-step graphs);
+    `sizes`, if given, gets each step's (requests, rows)."""
     steps, sampled = [], set()
     launch = ModelRunner.launch
 
     def recorded(self, so):
         ids = {sr.request_id for sr in so.requests}
         steps.append((bool(ids & sampled), self.graphs.target.padding_for(so) is not None))
+        if sizes is not None:
+            sizes.append((len(so.requests), so.total_num_tokens))
         sampled.update(sr.request_id for sr in so.requests if sr.sample)
         return launch(self, so)
 
@@ -268,16 +271,22 @@ def test_without_mixed_prefill_decode_steps_stay_uniform_as_requests_arrive(targ
     """8 requests of different lengths, at most 3 running: each one that finishes lets the next
     in mid-decode. Without mixed prefill every step that carries decode rows is uniform (a graph
     replay on CUDA); with it some are not (the control). Answers and stops equal plain eager
-    decoding, token for token, with most drafts accepted."""
+    decoding, token for token, with most drafts accepted. Also under a 16-token step budget, where
+    the prefill step limits (16 rows, the largest prefill graph) keep arrivals out of a step they
+    would join as a chunk, and long prompts are chunked."""
     prompts, params = _arrivals()
     want = _answers(make_llm(target), prompts, params)
     assert any(reason == "stop" for _, reason in want)  # a stop inside a draft block is covered
     sequences = _plain_sequences(target, prompts, params)  # before any step is recorded
 
-    def run(mixed):
+    sizes = []
+
+    def run(mixed, budget=512):
         spec = None if k is None else _oracle_speculator(target, k, sequences)
-        steps = _record_steps(monkeypatch)
-        llm = make_llm(target, speculator=spec, **GRAPHS, max_num_seqs=3, mixed_prefill=mixed)
+        sizes.clear()
+        steps = _record_steps(monkeypatch, sizes)
+        llm = make_llm(target, speculator=spec, **GRAPHS, max_num_seqs=3, mixed_prefill=mixed,
+                       max_num_batched_tokens=budget)
         assert llm.engine.scheduler.config.mixed_prefill is mixed
         got = _answers(llm, prompts, params)
         spec = llm.engine.stats.spec
@@ -288,6 +297,11 @@ def test_without_mixed_prefill_decode_steps_stay_uniform_as_requests_arrive(targ
     assert got == want
     assert all(uniform for decodes, uniform in steps if decodes)
     assert sum(not decodes for decodes, _ in steps) >= 4  # the first three prompts, then admissions apart
+    assert [len(p) for p in prompts[:2]] == [5, 13]  # 18 rows: more than one 16-row prefill step
+    got, steps = run(False, budget=16)
+    assert got == want
+    assert all(uniform for decodes, uniform in steps if decodes)
+    assert sizes[0] == (1, 5)  # the second prompt does not join the first as an 11-token chunk
     got, steps = run(True)
     assert got == want
     assert any(decodes and not uniform for decodes, uniform in steps)
