@@ -410,7 +410,7 @@ def _build_engine(
         )
     kv = KVCacheManager(setup.num_kv_blocks, cache.kv_block_size, cache.enable_prefix_caching)
     graphs = setup.runner.graphs
-    mixed_prefill = resolve_mixed_prefill(mixed_prefill, graphs_captured=graphs is not None and graphs.target.capture)
+    mixed_prefill = resolve_mixed_prefill(mixed_prefill, graphs_captured=setup.runner.graphs_captured)
     sched = dataclasses.replace(sched, mixed_prefill=mixed_prefill)
     if not mixed_prefill and graphs is not None and graphs.prefill is not None:
         # a prefill step of several prompts stays within the largest prefill graph

@@ -113,6 +113,12 @@ class ModelRunner:
         batch = build_input_batch(so, self.kv_block_size, self.device, host_metadata, padding)
         return self._enqueue(so, batch, timer, graphed=padding is not None)
 
+    @property
+    def graphs_captured(self) -> bool:
+        """Whether uniform steps replay captured CUDA graphs (False: no graphs, or their padded code
+        runs eagerly, graph_mode="eager")."""
+        return self.graphs is not None and self.graphs.target.capture
+
     def can_continue(self, step: LaunchedStep) -> bool:
         """Whether `launch_continuation` can follow `step`: a graphed uniform step without
         log-probabilities (their logits live in the graph's output buffer, which the next replay

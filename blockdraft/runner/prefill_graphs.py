@@ -8,10 +8,10 @@ work (~360 kernel launches from Python), 35.7 ms with the DFlash drafter's conte
 first block (docs/benchmarks/gpu.md "Session 12"); with 32 requests in flight, the steps that
 prefilled the few requests admitted together took 22 ms each, half of the run (gpu.md "Session
 17"). The step is padded to a bucket of R_b = 1, 2, 4, 8 requests and T_b = 16, 32, ..., 1024 rows
-(up to the step's token budget; 1,024 rows: 4 HumanEval prompts with the chat template, mean 168
-tokens, fit, where 512 rows took 3)
-(padding requests: an empty query range and seq_len 0; padding rows: token 0, position 0,
-PADDING_SLOT, row_req -1, as runner.input_batch pads) and replayed as two graphs per bucket:
+(up to the step's token budget; 4 HumanEval prompts with the chat template, mean 168 tokens, fit
+1,024 rows, 3 fitted 512). Padding requests have an empty query range and seq_len 0; padding rows
+token 0, position 0, PADDING_SLOT, row_req -1, as runner.input_batch pads. Each bucket replays
+two graphs:
 
   target: forward over the T_b rows + the LM head of each request's sampled row + greedy argmax;
   tail:   (DFlash) the drafter's context write of the prompt rows and each request's first block

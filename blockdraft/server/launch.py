@@ -99,7 +99,7 @@ def serve(args) -> int:
     if spec is not None and getattr(spec, "draft_head", None) is not None:
         drafter += f", draft vocab {spec.draft_head.size}"
     engine = llm.engine
-    graphs = engine.runner.graphs is not None and engine.runner.graphs.target.capture
+    graphs = engine.runner.graphs_captured
     steps = (f"CUDA graphs {'on' if graphs else 'off'}, async scheduling {'on' if engine.async_scheduling else 'off'}, "
              f"mixed prefill {'on' if engine.scheduler.config.mixed_prefill else 'off'}")
     logger.info("serving %r (%s; %s) on http://%s:%d, %s", config.served_model_name, drafter, steps, config.host,
