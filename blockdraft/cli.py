@@ -146,8 +146,9 @@ def _add_serve_parser(sub, default_model: str) -> None:
 
     add_mixed_prefill_flag(s)
     _add_prefix_caching_flag(s)
-    s.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="tokens per engine step: prefill chunks + decode rows (default %(default)s)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step: prefill chunks + decode / verify rows (default: 512 on CPU, "
+                        "8192 on CUDA, where a step holds every request's verify rows, as vLLM's server on large GPUs)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together (default %(default)s)")
     add_cache_dir_flag(s)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

@@ -144,6 +144,21 @@ class CacheConfig:
             )
 
 
+# Tokens per engine step when not given, by device type: a few hundred rows already keep 2 CPU
+# cores busy, while on the GPU a step must hold every running request's verify rows (64 x 16 at
+# K = 15) and prefill steps of several prompts; 8192 is vLLM's server default on 80 GB-class GPUs.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
+
+
+def default_max_num_batched_tokens(device: str) -> int:
+    """The tokens-per-step budget used when none is given, for a resolved device type ("cpu" |
+    "cuda"; DEFAULT_MAX_NUM_BATCHED_TOKENS). Raises ValueError for another device type."""
+    if device not in DEFAULT_MAX_NUM_BATCHED_TOKENS:
+        raise ValueError(f"no default max_num_batched_tokens for device {device!r}; "
+                         f"known: {sorted(DEFAULT_MAX_NUM_BATCHED_TOKENS)}")
+    return DEFAULT_MAX_NUM_BATCHED_TOKENS[device]
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits: tokens per step (prefill chunks + decode rows) and running requests.

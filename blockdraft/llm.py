@@ -106,7 +106,9 @@ class LLM:
         gpu_memory_utilization: fraction of the GPU the engine may use, in (0, 1] (CUDA, when
             num_kv_blocks is None).
         enforce_eager: CUDA: never capture CUDA graphs.
-        max_num_batched_tokens / max_num_seqs: scheduler limits per step.
+        max_num_batched_tokens / max_num_seqs: scheduler limits per step (tokens: prefill chunks +
+            decode / verify rows; running requests). max_num_batched_tokens None: 512 on CPU, 8192
+            on CUDA (blockdraft.config.DEFAULT_MAX_NUM_BATCHED_TOKENS).
         target: an already loaded target (shares weights between engines; tests, benchmarks).
         attention_backend: "torch" | "dense" | "triton" | None (the device's default; tests).
         graph_mode: None (CUDA graphs on CUDA unless enforce_eager) | "off" | "eager" (the
@@ -143,7 +145,7 @@ class LLM:
         device: str = "cpu",
         kv_block_size: int = 16,
         num_kv_blocks: int | None = None,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 64,
         cache_dir: str | None = None,
         target: LoadedTarget | None = None,

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, default_max_num_batched_tokens
 from blockdraft.errors import param_error
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -107,7 +107,7 @@ def preflight(
     kv_block_size: int = 16,
     num_kv_blocks: int | None = None,
     gpu_memory_utilization: float = 0.9,
-    max_num_batched_tokens: int = 512,
+    max_num_batched_tokens: int | None = None,
     max_num_seqs: int = 64,
     cache_dir: str | None = None,
     target_config: ModelConfig | None = None,
@@ -135,6 +135,8 @@ def preflight(
     if num_kv_blocks is None and device != "cuda":
         num_kv_blocks = CPU_NUM_KV_BLOCKS
     cache = CacheConfig(kv_block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = default_max_num_batched_tokens(device)
     sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     if draft is not None and not isinstance(draft, (str, os.PathLike)):
         raise param_error("draft", f"draft must be a drafter folder, 'auto', 'shipped' or None, got {draft!r}",

@@ -59,9 +59,12 @@ def test_every_option_with_a_default_names_it():
     assert silent == {name: [] for name in sub.choices}
     serve = {a.option_strings[0]: a for a in sub.choices["serve"]._actions if a.option_strings}
     for flag, default in [("--max-tokens-limit", 4096), ("--max-n", 16), ("--max-pending", 1024),
-                          ("--kv-block-size", 16), ("--max-num-batched-tokens", 512), ("--max-num-seqs", 64)]:
+                          ("--kv-block-size", 16), ("--max-num-seqs", 64)]:
         action = serve[flag]
         assert (action.help % vars(action)).endswith(f"(default {default})"), flag
+    # a device-dependent default: None in argparse, both values in the help
+    assert serve["--max-num-batched-tokens"].default is None
+    assert "default: 512 on CPU, 8192 on CUDA" in serve["--max-num-batched-tokens"].help
     assert "steps between checkpoints (default 0: only at the end)" in _help("train-drafter")
 
 

@@ -117,6 +117,19 @@ def test_serve_refuses_bad_pool_and_scheduler_sizes_before_loading(tiny, capsys)
         _refused(capsys, ["serve", "--model", str(model), *flags], expected)
 
 
+def test_the_step_budget_defaults_by_device(tiny):
+    from blockdraft.config import default_max_num_batched_tokens
+    from blockdraft.preflight import preflight
+
+    model, _ = tiny
+    assert preflight(str(model), device="cpu").scheduler.max_num_batched_tokens == 512
+    assert preflight(str(model), device="cpu", max_num_batched_tokens=77).scheduler.max_num_batched_tokens == 77
+    # CUDA: every running request's verify rows (64 x 16 at K = 15) and prefills of several prompts
+    assert default_max_num_batched_tokens("cuda") == 8192
+    with pytest.raises(ValueError, match=r"device 'mps'; known: \['cpu', 'cuda'\]"):
+        default_max_num_batched_tokens("mps")
+
+
 def test_python_api_checks_before_loading(tiny, tmp_path):
     model, drafter = tiny
     with pytest.raises(FileNotFoundError, match="'/nonexistent' does not exist"):

@@ -232,3 +232,19 @@ def test_a_burst_of_arrivals_prefills_in_graph_steps_within_the_largest_bucket(d
     if k is not None:
         assert graphed.engine.stats.spec.num_accepted_tokens == eager.engine.stats.spec.num_accepted_tokens
 
+
+
+def test_the_cuda_default_budget_verifies_64_requests_at_k15_in_one_graphed_step():
+    """Without max_num_batched_tokens, CUDA steps hold 8192 tokens (the CPU's 512 would fit only
+    32 requests x 16 verify rows, so at 64 requests drafts were trimmed and steps ran eagerly):
+    64 requests at K = 15 replay the 64-request bucket, output equal to plain greedy."""
+    target = cuda_tiny_target(torch.float32, seed=7)
+    prompts = random_prompts(64, seed=8)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True) for _ in prompts]
+    plain = _tokens(cuda_llm(target, max_num_seqs=64), prompts, params)
+    llm = cuda_llm(target, 15, max_num_seqs=64)
+    assert llm.engine.scheduler.config.max_num_batched_tokens == 8192
+    assert llm.engine.runner.graphs.target.buckets[-1] == 64
+    with graph_runs() as (target_runs, _):
+        assert _tokens(llm, prompts, params) == plain
+    assert (64, 64) in target_runs, target_runs
