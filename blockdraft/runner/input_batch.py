@@ -28,7 +28,8 @@ from blockdraft.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class BatchPadding:
     """Static shape of a padded batch: `num_reqs` requests, `num_rows` rows, block tables
-    `block_table_width` pages wide. Each must be >= what the scheduled step needs."""
+    `block_table_width` pages wide (the columns the step writes into the graphs' static table:
+    StaticInputs.table_width). Each must be >= what the scheduled step needs."""
 
     num_reqs: int
     num_rows: int

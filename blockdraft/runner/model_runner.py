@@ -151,7 +151,7 @@ class ModelRunner:
         inputs, q = self.graphs.target.inputs, self.graphs.target.rows_per_req
         # pages are only ever appended to a running request: equal counts mean equal tables
         if any(len(a.block_ids) != len(b.block_ids) for a, b in zip(so.requests, prev.so.requests)):
-            inputs.block_table[: padding.num_reqs].copy_(stage_block_table(so, padding, self.device))
+            inputs.write_block_table(stage_block_table(so, padding, self.device))
         self.graphs.continuation.run(padding.num_reqs, prev.packed)
         rows = padding.num_reqs * q
         batch = dataclasses.replace(

@@ -107,7 +107,7 @@ class PrefillGraphs:
         if rows > self.buckets[-1]:
             return None
         num_reqs = next(b for b in self.request_buckets if b >= len(reqs))
-        return BatchPadding(num_reqs, next(b for b in self.buckets if b >= rows), self.block_table_width)
+        return BatchPadding(num_reqs, next(b for b in self.buckets if b >= rows), self.inputs.table_width(reqs))
 
     def run(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Load a padded batch and replay the target graph of its bucket -> (logits [R_b, V] of the

@@ -5,7 +5,7 @@ import torch
 
 from blockdraft.attention.metadata import PADDING_SLOT
 from blockdraft.engine.outputs import ScheduledRequest, SchedulerOutput
-from blockdraft.runner.cuda_graphs import capture_sizes
+from blockdraft.runner.cuda_graphs import StaticInputs, capture_sizes
 from blockdraft.runner.input_batch import BatchPadding, build_input_batch
 from blockdraft.runner.staging import start_fetch
 from blockdraft.runner.step_output import fetch_step_output, pack_step
@@ -38,6 +38,28 @@ def test_padded_batch_layout_is_inert_padding():
     assert b.logits_indices.tolist() == list(range(6))
     with pytest.raises(ValueError, match="does not fit the padding"):
         build_input_batch(so, 4, "cpu", padding=BatchPadding(1, 12, 5))
+
+
+def test_static_block_table_is_written_only_as_wide_as_steps_need_yet_reads_as_written_whole():
+    """Steps write max(widest request, columns written before) columns of the graphs' static
+    table (M = 64 here), never M; after every step its rows equal the full-width table."""
+    static = StaticInputs.allocate(4, 1, 64, "cpu")
+    steps = [
+        [_req("a", 1, 5, 0, [7, 2]), _req("b", 1, 9, 0, [4, 5, 6, 9])],  # 4 columns
+        [_req("c", 1, 2, 0, [3])],  # narrower: still writes 4, zeroing a's and b's old pages in row 0
+        [_req("d", 1, 2, 0, [8, 1, 2, 3, 10, 11]), _req("e", 1, 2, 0, [12])],  # wider: 6
+    ]
+    for reqs in steps:
+        so = SchedulerOutput(reqs)
+        width = static.table_width(so.requests)
+        assert width == max(static.block_table_cols, max(len(r.block_ids) for r in reqs)) < 64
+        static.load(build_input_batch(so, 4, "cpu", host_metadata=False, padding=BatchPadding(len(reqs), len(reqs), width)))
+        whole = build_input_batch(so, 4, "cpu", host_metadata=False, padding=BatchPadding(len(reqs), len(reqs), 64))
+        assert torch.equal(static.block_table[: len(reqs)], whole.meta.block_table)
+    assert static.block_table_cols == 6 and not static.block_table[:, 6:].any()
+    # a table narrower than what was written (no engine path makes one) still reads exactly
+    static.write_block_table(torch.tensor([[5, 6]], dtype=torch.int32))
+    assert static.block_table[0].tolist() == [5, 6] + [0] * 62
 
 
 def test_slot_mapping_follows_each_requests_pages_across_page_boundaries():
