@@ -17,6 +17,12 @@ class IncrementalDetokenizer:
     last emitted. So a token costs one decode; every WINDOW tokens the window restarts at the last
     read offset, which costs one more (short) decode. A trailing U+FFFD (an incomplete UTF-8
     sequence from byte-level BPE) is held back until the next token completes it.
+
+    Without stop strings nothing needs the text before it is read, so `extend` only stores the
+    ids and reading `text` decodes what arrived since the last read: a streaming caller reads it
+    every step (one decode per step, as before), `LLM.generate` once at the end (one decode per
+    request instead of one per step: under cProfile, 512 requests at 32 in flight on the H200 spent
+    5.2 of the 10.9 s that committing step outputs took in the detokenizer).
     """
 
     # Tokens in the window before it restarts. A decode's cost grows with its length (Qwen2.5's
@@ -30,12 +36,20 @@ class IncrementalDetokenizer:
         self._decode = token_decoder(tokenizer)
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
-        self.text = ""
+        self._text = ""
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
         self._prefix_text = ""  # == decode(ids[prefix_offset:read_offset]), kept, not re-decoded
+        self._num_decoded = 0  # ids the last decode saw (text held back for UTF-8 is not re-decoded per read)
         self._stopped = False
+
+    @property
+    def text(self) -> str:
+        """The output text so far (stop string excluded), decoding ids stored by `extend` first."""
+        if self._num_decoded < len(self._ids) and not self._stopped:
+            self._emit()
+        return self._text
 
     def append(self, token_id: int) -> str | None:
         """Add one token; return the stop string it completed (text is then cut before it), else None."""
@@ -44,6 +58,7 @@ class IncrementalDetokenizer:
 
     def _emit(self) -> str | None:
         """Decode the window once and emit the text the newest ids added (see the class docstring)."""
+        self._num_decoded = len(self._ids)
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(self._prefix_text) or full.endswith("\ufffd"):
             return None
@@ -55,8 +70,8 @@ class IncrementalDetokenizer:
             self._prefix_text = self._decode(self._ids[read_before : self._read_offset])
         else:
             self._prefix_text = full
-        start = max(0, len(self.text) - self.max_stop_len + 1)
-        self.text += new_text
+        start = max(0, len(self._text) - self.max_stop_len + 1)
+        self._text += new_text
         return self._check_stop(start)
 
     def extend(self, token_ids: list[int]) -> tuple[int, str] | None:
@@ -64,14 +79,14 @@ class IncrementalDetokenizer:
 
         Returns (index in token_ids of the token that completed it, the stop string), or None
         (all tokens appended).
-        Without stop strings the tokens are decoded together, one decode for the lot (a DFlash
-        step commits up to K + 1 tokens per request); the final text is the same, but text ending
-        in an incomplete UTF-8 character holds back the whole step's text until a later token
-        completes it, where per-token appends would emit the earlier tokens' text at once.
+        Without stop strings the tokens are only stored, and decoded together when `text` is next
+        read (a DFlash step commits up to K + 1 tokens per request); the final text is the same,
+        but text ending in an incomplete UTF-8 character holds back all of the unread tokens' text
+        until a later token completes it, where per-token appends would emit the earlier tokens'
+        text at once.
         """
-        if not self.stop and len(token_ids) > 1:
+        if not self.stop:
             self._ids.extend(token_ids)
-            self._emit()
             return None
         for i, tok in enumerate(token_ids):
             stop_str = self.append(tok)
@@ -85,18 +100,18 @@ class IncrementalDetokenizer:
             return
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) > len(self._prefix_text):
-            self.text += full[len(self._prefix_text) :]
+            self._text += full[len(self._prefix_text) :]
             self._read_offset, self._prefix_text = len(self._ids), full
 
     def _check_stop(self, start: int) -> str | None:
         best = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            i = self._text.find(s, start)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return None
-        self.text = self.text[: best[0]]
+        self._text = self._text[: best[0]]
         self._stopped = True
         return best[1]
 

@@ -102,6 +102,20 @@ def test_a_step_of_several_tokens_is_one_decode_and_gives_the_same_text(tokenize
     assert counting.calls <= 2 * steps + 1, (counting.calls, steps, len(ids))
 
 
+def test_without_stop_strings_nothing_is_decoded_until_the_text_is_read(tokenizer):
+    """`LLM.generate` reads a request's text once, when it finishes: the steps before cost no
+    decode, and the one read gives the streamed text exactly."""
+    ids = tokenizer.encode(TEXT * 2, add_special_tokens=False)
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting, [])
+    for i in range(0, len(ids), 3):
+        assert detok.extend(ids[i : i + 3]) is None
+    assert counting.calls == 0
+    detok.flush()
+    assert detok.text == TEXT * 2 == _stream(tokenizer, ids)[1].text
+    assert counting.calls <= 2, counting.calls
+
+
 def test_stop_string_split_across_multibyte_tokens(tokenizer):
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     detok = IncrementalDetokenizer(tokenizer, ["中文"])
