@@ -26,7 +26,7 @@ steps and waiting ones are admitted as they do, so most steps mix prefill and de
 eagerly (the serving / data-generation regime; e.g. `--mode plain --batch 512 --requests 2000`).
 It is a benchmark, not a test:
 
-    python -m blockdraft.bench.host_overhead [--out host.json] [--profile dflash-forced/32]
+    python -m blockdraft.bench.host_overhead [--out host.json] [--profile dflash-forced/32] [--max-model-len 32768]
 """
 
 from __future__ import annotations
@@ -59,6 +59,14 @@ HOST_SHAPE = replace(
     description="near-free Qwen3 for host-overhead runs: hidden 64, 2 layers, vocab 1024",
 )
 MODES = (PLAIN, DFLASH, FORCED)
+
+
+def host_shape(max_model_len: int = 256):
+    """HOST_SHAPE with a context of `max_model_len` tokens: the GPU path's block tables are
+    ceil(max_model_len / 16) pages wide whatever the requests use (Qwen2.5: 32,768 -> 2,048)."""
+    if max_model_len < 1:
+        raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}")
+    return replace(HOST_SHAPE, hf_fields={**HOST_SHAPE.hf_fields, "max_position_embeddings": max_model_len})
 PATHS = {
     # the GPU path's code (sync-free backend, padded static-shape steps), run eagerly on the CPU
     "graph": {"attention_backend": "dense", "graph_mode": "eager"},
@@ -103,8 +111,9 @@ class ModelClock:
         return call
 
 
-def build_engines(max_batch: int, prompt_len: int, max_tokens: int, k: int, path: str, seed: int = 0) -> dict:
-    """{mode: OurEngine} over one random target (and drafter) of HOST_SHAPE on the CPU.
+def build_engines(max_batch: int, prompt_len: int, max_tokens: int, k: int, path: str, seed: int = 0,
+                  max_model_len: int = 256) -> dict:
+    """{mode: OurEngine} over one random target (and drafter) of `host_shape(max_model_len)` on the CPU.
 
     The forced engine replays the plain continuation of prompt 0, so its batches must be copies
     of that prompt (see `prompts_for`).
@@ -115,10 +124,11 @@ def build_engines(max_batch: int, prompt_len: int, max_tokens: int, k: int, path
     from blockdraft.llm import LoadedTarget
     from blockdraft.models import build_model
 
-    config = model_config(HOST_SHAPE)
+    shape = host_shape(max_model_len)
+    config = model_config(shape)
     model = init_random_(build_model(config, dtype=torch.float32, device="cpu"), seed).eval()
     target = LoadedTarget(config, model, IdTokenizer(), "<random host>")
-    drafter = random_drafter_on_device(config, HOST_SHAPE.draft_layers, k + 1, torch.float32, "cpu", seed + 1)
+    drafter = random_drafter_on_device(config, shape.draft_layers, k + 1, torch.float32, "cpu", seed + 1)
     plan = PoolPlan(max_batch, prompt_len, max_tokens, lookahead=k + 1)
     options = PATHS[path]
     plain = OurEngine(target, "cpu", plan, options=options)
@@ -200,22 +210,25 @@ def measure_case(engine, prompts: list[list[int]], max_tokens: int | list[int]) 
     }
 
 
-def engine_builder(batches: list[int], max_tokens: int, prompt_len: int, k: int, path: str, num_requests: int):
+def engine_builder(batches: list[int], max_tokens: int, prompt_len: int, k: int, path: str, num_requests: int,
+                   max_model_len: int = 256):
     """batch -> the engines of its cases: one set for all batches (max_num_seqs = the largest), or
     with num_requests one per batch (max_num_seqs = the batch; the pool fits 2x prompt_len prompts)."""
     if num_requests:
-        return functools.cache(lambda batch: build_engines(batch, 2 * prompt_len, max_tokens, k, path))
-    shared = build_engines(max(batches), prompt_len, max_tokens, k, path)
+        return functools.cache(lambda batch: build_engines(batch, 2 * prompt_len, max_tokens, k, path,
+                                                           max_model_len=max_model_len))
+    shared = build_engines(max(batches), prompt_len, max_tokens, k, path, max_model_len=max_model_len)
     return lambda batch: shared
 
 
 def run(batches: list[int], modes: list[str], max_tokens: int, prompt_len: int, k: int, repeats: int,
-        path: str, num_requests: int = 0) -> list[dict]:
+        path: str, num_requests: int = 0, max_model_len: int = 256) -> list[dict]:
     """Median over `repeats` runs (after one warm-up) of every (mode, batch) case; us per step.
 
     num_requests > 0: each case runs that many requests, at most `batch` at once (module docstring).
+    max_model_len: the target's context in tokens (host_shape).
     """
-    engines_for = engine_builder(batches, max_tokens, prompt_len, k, path, num_requests)
+    engines_for = engine_builder(batches, max_tokens, prompt_len, k, path, num_requests, max_model_len)
     rows = []
     for mode in modes:
         for batch in batches:
@@ -233,10 +246,11 @@ def run(batches: list[int], modes: list[str], max_tokens: int, prompt_len: int, 
 
 
 def profile_case(case: str, max_tokens: int, prompt_len: int, k: int, path: str, num_requests: int = 0,
-                 top: int = 30) -> str:
+                 top: int = 30, max_model_len: int = 256) -> str:
     """cProfile one `generate` of `case` ("mode/batch") -> the top functions by tottime and cumtime."""
     mode, batch = case.split("/")
-    engines = engine_builder([int(batch)], max_tokens, prompt_len, k, path, num_requests)(int(batch))
+    engines = engine_builder([int(batch)], max_tokens, prompt_len, k, path, num_requests,
+                             max_model_len)(int(batch))
     prompts, limits = case_inputs(engines, mode, int(batch), num_requests, prompt_len, max_tokens)
     generate(engines[mode], prompts, limits)
     prof = cProfile.Profile()
@@ -279,19 +293,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=0,
                    help="requests per case, at most BATCH at once (mixed prefill + decode steps); 0: one batch")
     p.add_argument("--profile", metavar="MODE/BATCH", help="print a cProfile of one case instead")
+    p.add_argument("--max-model-len", type=int, default=256,
+                   help="the target's context in tokens, which sets the block tables' width on the GPU path "
+                        "(default 256; Qwen2.5's is 32768)")
     args = p.parse_args(argv)
+    try:
+        host_shape(args.max_model_len)
+    except ValueError as e:
+        p.error(str(e))
     refuse_unwritable(p, "--out", args.out)  # before the run, not when writing its result
     torch.set_num_threads(args.threads)
     if args.profile:
         print(profile_case(args.profile, args.max_tokens, args.prompt_len, args.num_speculative_tokens, args.path,
-                           args.requests))
+                           args.requests, max_model_len=args.max_model_len))
         return 0
     rows = run(args.batch, args.mode, args.max_tokens, args.prompt_len, args.num_speculative_tokens, args.repeats,
-               args.path, args.requests)
+               args.path, args.requests, args.max_model_len)
     print(format_table(rows))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"shape": HOST_SHAPE.hf_fields, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
+            json.dump({"shape": host_shape(args.max_model_len).hf_fields, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
                        "k": args.num_speculative_tokens, "requests": args.requests, "rows": rows}, f, indent=2)
     return 0
 
