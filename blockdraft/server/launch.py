@@ -100,8 +100,10 @@ def serve(args) -> int:
         drafter += f", draft vocab {spec.draft_head.size}"
     engine = llm.engine
     graphs = engine.runner.graphs_captured
+    sched = engine.scheduler.config  # the effective limits: the step budget's default depends on the device
     steps = (f"CUDA graphs {'on' if graphs else 'off'}, async scheduling {'on' if engine.async_scheduling else 'off'}, "
-             f"mixed prefill {'on' if engine.scheduler.config.mixed_prefill else 'off'}")
+             f"mixed prefill {'on' if sched.mixed_prefill else 'off'}, step budget {sched.max_num_batched_tokens} "
+             f"tokens, up to {sched.max_num_seqs} requests")
     logger.info("serving %r (%s; %s) on http://%s:%d, %s", config.served_model_name, drafter, steps, config.host,
                 config.port, "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)")
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)

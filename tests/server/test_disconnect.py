@@ -68,5 +68,7 @@ def test_request_log_has_no_prompt_text(plain_server):
 
 def test_start_up_log_names_how_steps_run(plain_server):
     """The start-up line says whether CUDA graphs, async scheduling and mixed prefill are on (CPU:
-    eager steps, so prompts join the decode steps)."""
-    assert "CUDA graphs off, async scheduling off, mixed prefill on" in plain_server.log.read_text()
+    eager steps, so prompts join the decode steps) and the limits in effect (the CPU's default
+    step budget: 512 tokens; 8192 on CUDA)."""
+    assert ("CUDA graphs off, async scheduling off, mixed prefill on, step budget 512 tokens, up to 64 requests"
+            in plain_server.log.read_text())
