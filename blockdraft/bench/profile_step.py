@@ -257,10 +257,12 @@ def format_mode(mode: str, s: dict, top: int) -> str:
         + (f" | HBM floor {s['floor_ms']:.3f} ms, wall/floor {s['wall_over_floor']:.2f}" if cuda else ""),
         f"{'GPU' if cuda else 'CPU op'} busy {s['busy_ms']:.3f} ms/step | idle (wall - busy) "
         f"{s['idle_ms']:.3f} ms/step",
-        f"kernels {s['kernels']:.1f}/step (+ {s['memcpy_memset']:.1f} memcpy/memset) | graph launches "
-        f"{s['graph_launches']:.1f}/step | eager launches {s['eager_launches']:.1f}/step | host syncs "
-        f"{s['host_syncs']:.1f}/step",
     ]
+    if cuda:  # kernels, launches and syncs exist on a CUDA timeline only (the CPU's JSON holds 0)
+        lines.append(
+            f"kernels {s['kernels']:.1f}/step (+ {s['memcpy_memset']:.1f} memcpy/memset) | graph launches "
+            f"{s['graph_launches']:.1f}/step | eager launches {s['eager_launches']:.1f}/step | host syncs "
+            f"{s['host_syncs']:.1f}/step")
     lines += format_rows(s["rows"], "GPU kernel" if cuda else "CPU op (self time)", top)
     if cuda:
         lines += format_rows(s["host_rows"], "host op (self CPU time)", top)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
-from blockdraft.bench.profile_step import STEP_LABEL, main, shorten, summarize, trace_path, union_us
+from blockdraft.bench.profile_step import STEP_LABEL, format_mode, main, shorten, summarize, trace_path, union_us
 
 
 def test_cpu_run_prints_tables_and_writes_json_and_traces(tmp_path, capsys):
@@ -18,6 +18,7 @@ def test_cpu_run_prints_tables_and_writes_json_and_traces(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "== plain: 2 steps, batch 2" in text and "== dflash: 2 steps, batch 2" in text
     assert "CPU op (self time)" in text and "aten::" in text
+    assert "graph launches" not in text  # GPU-only counts are not printed as zeros on the CPU
     doc = json.loads(out.read_text())
     assert doc["schema"] == "blockdraft-profile-step/1" and doc["settings"]["num_speculative_tokens"] == 15
     assert doc["settings"]["draft_vocab_size"] == 64 and doc["workload"]["draft_vocab_size"] == 64
@@ -70,6 +71,10 @@ def test_summarize_cuda_events_per_step():
     hosts = {r["name"] for r in s["host_rows"]}
     assert STEP_LABEL not in hosts and {"cudaGraphLaunch", "aten::argmax"} <= hosts
     assert "cudaDeviceSynchronize" not in hosts  # outside the steps: the clock's synchronize
+    s.update(steps=2, batch_size=1, tokens=1.0, wall_ms=0.1, profiled_wall_ms=0.1, idle_ms=0.05, floor_ms=0.05,
+             wall_over_floor=2.0)
+    text = format_mode("plain", s, top=5)
+    assert "graph launches 1.0/step | eager launches 1.0/step | host syncs 0.5/step" in text
 
 
 def test_shorten_union_and_trace_path():
