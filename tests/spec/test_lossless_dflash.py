@@ -42,6 +42,33 @@ def test_dflash_seeded_sampling_and_chunked_prefill_parity(llama_target):
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
 
 
+def _streamed_texts(engine, prompts, params) -> list[str]:
+    """Each request's text as a streaming server reads it: after every engine step (only growing)."""
+    texts = {f"s{i}": "" for i in range(len(prompts))}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"s{i}", prompt, p)
+    while engine.has_unfinished_requests():
+        for o in engine.step(stream=True):
+            assert o.text.startswith(texts[o.request_id]), (o.request_id, texts[o.request_id], o.text)
+            texts[o.request_id] = o.text
+    return list(texts.values())
+
+
+def test_text_read_once_equals_text_read_every_step_and_dflash_equals_plain(llama_target):
+    """Without stop strings a request's text is decoded when read: `LLM.generate` reads it once at
+    the end, a streaming engine every step (DFlash commits up to K + 1 tokens per step). Both give
+    the same text, and DFlash gives plain decoding's, greedy and seeded T > 0."""
+    prompts = random_prompts(6, seed=31)
+    params = [SamplingParams(max_tokens=(5, 17, 30)[i % 3], ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i)
+              for i in range(6)]
+    texts = {}
+    for name, llm in (("plain", make_llm(llama_target)), ("dflash", _dflash_llm(llama_target, 3))):
+        once = [o.text for o in llm.generate(prompts, params)]
+        assert _streamed_texts(llm.engine, prompts, params) == once, name
+        texts[name] = once
+    assert texts["dflash"] == texts["plain"] and all(texts["plain"])
+
+
 def test_mask_token_equal_to_an_emitted_token_and_a_stop_id_changes_nothing(llama_target):
     prompt = random_prompts(1, seed=70)[0]
     full = make_llm(llama_target).generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
