@@ -146,7 +146,8 @@ class CacheConfig:
 
 # Tokens per engine step when not given, by device type: a few hundred rows already keep 2 CPU
 # cores busy, while on the GPU a step must hold every running request's verify rows (64 x 16 at
-# K = 15) and prefill steps of several prompts; 8192 is vLLM's server default on 80 GB-class GPUs.
+# K = 15) and prefill steps of several prompts; 8192 is vLLM's server default on GPUs of >= 70 GiB
+# (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 
 

@@ -62,8 +62,12 @@ MODES = (PLAIN, DFLASH, FORCED)
 
 
 def host_shape(max_model_len: int = 256):
-    """HOST_SHAPE with a context of `max_model_len` tokens: the GPU path's block tables are
-    ceil(max_model_len / 16) pages wide whatever the requests use (Qwen2.5: 32,768 -> 2,048)."""
+    """HOST_SHAPE with a context of `max_model_len` tokens: the GPU path's static block table is
+    ceil(max_model_len / 16) pages wide whatever the requests use (Qwen2.5: 32,768 -> 2,048).
+
+    Raises:
+        ValueError: max_model_len < 1 (names the flag and the value).
+    """
     if max_model_len < 1:
         raise ValueError(f"--max-model-len must be >= 1, got {max_model_len}")
     return replace(HOST_SHAPE, hf_fields={**HOST_SHAPE.hf_fields, "max_position_embeddings": max_model_len})
@@ -312,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"shape": host_shape(args.max_model_len).hf_fields, "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
+            json.dump({"shape": host_shape(args.max_model_len).hf_fields, "max_tokens": args.max_tokens,
+                       "prompt_len": args.prompt_len,
                        "k": args.num_speculative_tokens, "requests": args.requests, "rows": rows}, f, indent=2)
     return 0
 

@@ -100,8 +100,9 @@ class StaticInputs:
         return max(self.block_table_cols, max((len(sr.block_ids) for sr in requests), default=1))
 
     def write_block_table(self, table: torch.Tensor) -> None:
-        """Copy [r, w] page ids into the leading rows and columns (async); columns w.. of those rows
-        that an earlier step wrote are zeroed, so every row reads as `table` padded with 0."""
+        """Copy `table` ([r, w] int32 page ids, on the buffers' device; r <= R_max, w <= M) into the
+        leading rows and columns (async, no host sync); columns w.. of those rows that an earlier
+        step wrote are zeroed, so every row reads as `table` padded with 0."""
         reqs, width = table.shape
         self.block_table[:reqs, :width].copy_(table)
         if width < self.block_table_cols:  # not on the engine's path (table_width); kept exact anyway

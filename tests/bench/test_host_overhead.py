@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from blockdraft.bench.host_overhead import HOST_SHAPE, main
 
 
@@ -33,8 +35,6 @@ def test_the_context_length_sets_the_shape_and_is_checked(tmp_path, capsys):
                  "--max-model-len", "4096", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["shape"]["max_position_embeddings"] == 4096 and data["rows"][0]["steps"] > 0
-    import pytest
-
     with pytest.raises(SystemExit):
         main(["--max-model-len", "0"])
     assert "--max-model-len must be >= 1, got 0" in capsys.readouterr().err
