@@ -10,6 +10,10 @@
 #   2-9. carry ["parts/gN"], N = 1..8:  bash scripts/h200_validate.sh stash
 #   10. bash scripts/h200_validate.sh prep && bash scripts/h200_validate.sh suite        (~7 min)
 #   11. bash scripts/h200_validate.sh exclusive; bash scripts/h200_validate.sh load; bash scripts/h200_validate.sh bench
+#   12. (optional) bash scripts/h200_validate.sh before: the load bench with an earlier commit's code,
+#      side by side with 11's; workstation before call 1:
+#      git archive REF blockdraft | tar -x -C D; rm D/blockdraft/drafters/*/model.int8
+#      tar czf parts/b19/old.tgz -C D blockdraft
 #   Afterwards restore the tree: : > .git/info/exclude; git add blockdraft/drafters/*/model.int8 docs
 # Results land in $OUT (logs, JSON); copy them into docs/benchmarks/gpu-<date>-s<N>/.
 set -u
@@ -22,6 +26,10 @@ stage)  # wheels (gguf, dflash, pytest-xdist), a private copy of the code, the H
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site parts/b19/whl/*.whl || exit 1
   mkdir -p /tmp/tcode /tmp/bdc/gguf /tmp/blobs
   cp -r blockdraft tests pyproject.toml scripts /tmp/tcode/ && cp -r parts/b19/cache/downloads /tmp/bdc/ || exit 1
+  if [ -f parts/b19/old.tgz ]; then  # an earlier commit's code (phase `before`), with today's drafter files
+    mkdir -p /tmp/oldcode && tar xzf parts/b19/old.tgz -C /tmp/oldcode || exit 1
+    for d in blockdraft/drafters/*/; do cp "$d"model.int8 "/tmp/oldcode/$d" || exit 1; done
+  fi
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv ;;
 stash)  # one GGUF piece per call
   cp parts/g*/blob.* /tmp/blobs/ && ls /tmp/blobs ;;
@@ -45,5 +53,9 @@ bench)  # under load (with HF), then closed batches of 1 and 32
     --engines ours,hf --out "$OUT/sustained" > "$OUT/sustained.log" 2>&1; echo "rc $?"; tail -14 "$OUT/sustained.log"
   python3 -m blockdraft.cli bench "${DRAFT[@]}" --batch-sizes 1,32 --max-tokens 128 --engines ours \
     --out "$OUT/closed" > "$OUT/closed.log" 2>&1; echo "rc $?"; tail -14 "$OUT/closed.log" ;;
-*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench" >&2; exit 2 ;;
+before) # the same load bench with the earlier code staged in /tmp/oldcode (ours only)
+  cd /tmp/oldcode && PYTHONPATH=/tmp/site:/tmp/oldcode python3 -m blockdraft.cli bench "${DRAFT[@]}" --batch-sizes 32 \
+    --num-prompts 128 --max-tokens 128 --engines ours --out "$OUT/sustained-before" > "$OUT/sustained-before.log" 2>&1
+  echo "rc $?"; tail -14 "$OUT/sustained-before.log" ;;
+*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|before" >&2; exit 2 ;;
 esac

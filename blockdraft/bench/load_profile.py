@@ -7,6 +7,8 @@ and stop at different steps), and sorts each `LLMEngine.step` call by what it la
 
   uniform        a decode / verify step that replays the uniform-step CUDA graphs
   continuation   the next such step, launched from the previous one's device output (async scheduling)
+  join           a uniform step in which the requests of a prefill step launched ahead join the
+                 others, launched before that prefill is read back (async scheduling)
   prefill-graph  a prefill step of up to 8 requests replaying the prefill graphs
   eager          any other step (mixed prefill + decode, a burst of prefills, a chunk, no graphs)
   none           nothing launched (the step only read back the one launched before, or the
@@ -47,12 +49,12 @@ HOWS = ("closed", "windowed")
 @contextmanager
 def recorded_launches():
     """Yield (kinds, shapes): `kinds` collects the kind of every step any ModelRunner launches in
-    the block (the kinds in the module docstring, "continuation-refused" for a continuation that
-    did not fit); `shapes` maps "eager" and "prefill-graph" to the [requests, rows] of each such
-    launch (what decides whether a prefill step fits a graph)."""
+    the block (the kinds in the module docstring; "continuation-refused" / "join-refused" for a
+    step scheduled that way that fit no graph); `shapes` maps "eager" and "prefill-graph" to the
+    [requests, rows] of each such launch (what decides whether a prefill step fits a graph)."""
     kinds: list[str] = []
     shapes: dict[str, list[list[int]]] = {"eager": [], "prefill-graph": []}
-    launch, continuation = ModelRunner.launch, ModelRunner.launch_continuation
+    launch, continuation, join = ModelRunner.launch, ModelRunner.launch_continuation, ModelRunner.launch_join
 
     def recorded_launch(self, so):
         step = launch(self, so)
@@ -67,11 +69,17 @@ def recorded_launches():
         kinds.append("continuation" if out is not None else "continuation-refused")
         return out
 
+    def recorded_join(self, prev, so):
+        out = join(self, prev, so)
+        kinds.append("join" if out is not None else "join-refused")
+        return out
+
     ModelRunner.launch, ModelRunner.launch_continuation = recorded_launch, recorded_continuation
+    ModelRunner.launch_join = recorded_join
     try:
         yield kinds, shapes
     finally:
-        ModelRunner.launch, ModelRunner.launch_continuation = launch, continuation
+        ModelRunner.launch, ModelRunner.launch_continuation, ModelRunner.launch_join = launch, continuation, join
 
 
 def profile_load(engine, prompts: list[list[int]], max_tokens: int, batch_size: int, how: str,

@@ -30,20 +30,24 @@ class LLMEngine:
     """Owns the scheduler and the runner; users add requests and call `step()`.
 
     The runner's `launch(SchedulerOutput)` / `finish(launched) -> ModelRunnerOutput` are the only
-    calls into tensor land (plus `can_continue` / `launch_continuation` with async scheduling).
+    calls into tensor land (plus `can_continue` / `launch_continuation` and `can_join` /
+    `launch_join` with async scheduling).
 
     async_scheduling (vLLM's --async-scheduling): while a uniform decode step runs on the device,
     the next step of the same requests is launched from its device output before its tokens are
     read back, so the GPU does not wait for the host's bookkeeping (commit, stop checks, scheduling,
     input preparation) between steps; without mixed prefill, when a request waits to start, the
     prefill step of the waiting requests is launched that way instead (it needs no token of the
-    step before). Stop conditions are then applied one step late: a request that
-    stops at step N has also been computed in step N+1, whose tokens for it are dropped. The output
-    is the same token for token. The chain of such steps breaks (one synchronous step) whenever the
-    batch changes: a request could be admitted, finishes or is aborted, or needs pages the pool
-    lacks. So a request that arrives mid-chain is admitted one step later than without async
-    scheduling, and one step may carry a stopped request's rows: the batch of a step can differ,
-    which in bf16 can flip a token at a near-tie, as any change of batch composition can.
+    step before), and after it the uniform step in which its requests join the running ones
+    (Scheduler.schedule_join: their first token and drafts are copied from the prefill's device
+    output; the others' rows are known on the host), before the prefill is read back. Stop
+    conditions are then applied one step late: a request that stops at step N has also been
+    computed in step N+1, whose tokens for it are dropped. The output is the same token for token.
+    The chain of such steps breaks (one synchronous step) whenever the batch changes otherwise: a
+    request finishes or is aborted (plain decoding joins the others without it), or needs pages
+    the pool lacks. So a request that arrives mid-chain is admitted one step later than without
+    async scheduling, and one step may carry a stopped request's rows: the batch of a step can
+    differ, which in bf16 can flip a token at a near-tie, as any change of batch composition can.
 
     max_logprobs: the largest `SamplingParams.logprobs` a request may ask for (vLLM's
     max_logprobs); more is refused when the request is added.
@@ -175,18 +179,25 @@ class LLMEngine:
 
     def _launch_next(self, sched_out: SchedulerOutput, reqs: list[Request], launched):
         """Launch the step after `launched` before reading it back -> (its requests, the launched
-        step) or None: the same requests' next decode step from its device output, else (without
-        mixed prefill) the prefill step of waiting requests, which does not need its tokens."""
-        if not self.runner.can_continue(launched):
+        step) or None: the same requests' next decode step from its device output; else (without
+        mixed prefill) the prefill step of waiting requests, which does not need its tokens; else,
+        after a step that verified no drafts (a prefill launched ahead), the uniform step in which
+        its requests join the running ones (their tokens copied from its device output)."""
+        if self.runner.can_continue(launched):
+            nxt = self.scheduler.schedule_continuation(sched_out, self.max_model_len)
+            if nxt is not None:
+                launched_next = self.runner.launch_continuation(launched, nxt)
+                return None if launched_next is None else (reqs, launched_next)
+            ahead = self.scheduler.schedule_prefill_ahead()
+            if ahead is not None:
+                return [self._requests[sr.request_id] for sr in ahead.requests], self.runner.launch(ahead)
+        if not self.runner.can_join(launched):
             return None
-        nxt = self.scheduler.schedule_continuation(sched_out, self.max_model_len)
-        if nxt is not None:
-            launched_next = self.runner.launch_continuation(launched, nxt)
-            return None if launched_next is None else (reqs, launched_next)
-        ahead = self.scheduler.schedule_prefill_ahead()
-        if ahead is None:
+        join = self.scheduler.schedule_join(sched_out, self.runner.num_speculative_tokens, self.max_model_len)
+        launched_join = None if join is None else self.runner.launch_join(launched, join)
+        if launched_join is None:
             return None
-        return [self._requests[sr.request_id] for sr in ahead.requests], self.runner.launch(ahead)
+        return [self._requests[sr.request_id] for sr in join.requests], launched_join
 
     def _commit(self, sched_out: SchedulerOutput, reqs: list[Request], run_out: ModelRunnerOutput) -> None:
         """Apply a step's output to its requests (`reqs`, the Request objects of sched_out's rows:

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from blockdraft.engine.request import SpecStats
 from blockdraft.sampling_params import SamplingParams
 
+# a token id of a step scheduled before the step that produces it is read back (async scheduling:
+# Scheduler.schedule_continuation / schedule_join); the runner fills it in on the device
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -24,7 +28,8 @@ class ScheduledRequest:
     sampling_params: the request's parameters (plain Python; the runner turns them into tensors).
     A continuation step (async scheduling, Scheduler.schedule_continuation) is scheduled before the
     previous step's tokens reach the host: its token_ids are PLACEHOLDER_TOKEN (-1) and its
-    start_position -1; the runner builds both on the device from the previous step's output.
+    start_position -1; the runner builds both on the device from the previous step's output. A join
+    step (Scheduler.schedule_join) has placeholder tokens at known positions.
     """
 
     request_id: str

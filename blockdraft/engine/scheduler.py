@@ -26,10 +26,8 @@ from collections import deque
 
 from blockdraft.config import SchedulerConfig
 from blockdraft.engine.kv_cache_manager import KVCacheManager
-from blockdraft.engine.outputs import ScheduledRequest, SchedulerOutput
+from blockdraft.engine.outputs import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from blockdraft.engine.request import Request, RequestStatus
-
-PLACEHOLDER_TOKEN = -1  # a continuation step's token id that only the device knows (schedule_continuation)
 
 
 class Scheduler:
@@ -153,6 +151,55 @@ class Scheduler:
                 block_ids=list(req.block_ids),
                 sampling_params=req.sampling_params,
             ))
+        return SchedulerOutput(requests=scheduled)
+
+    def schedule_join(self, so: SchedulerOutput, num_spec_tokens: int, max_model_len: int) -> SchedulerOutput | None:
+        """The uniform step of every running request, scheduled while `so` is in flight and before
+        its tokens are known, when `so` verified no drafts (async scheduling).
+
+        `so` (typically a prefill step launched ahead of reading a decode step back) must have
+        every request sample one token from its last row with no drafts to verify, so each of its
+        requests' next rows are known on the host except for their tokens: Q = 1 + K rows at
+        position `num_tokens` onwards (the token `so` samples, then the K drafts it proposes), written
+        here as PLACEHOLDER_TOKEN (the runner copies them from `so`'s device output). Every other
+        running request must have its step before committed, one uncomputed token and exactly K
+        drafts (`num_spec_tokens`), as `schedule` would schedule it. Requests of `so` that are no
+        longer running (stopped, aborted) are left out. The step is what `schedule` would return
+        after `so` is committed, in the same order, unless `so`'s own stops change the batch.
+
+        Returns None (nothing scheduled; pages may have grown, which later steps use) when a waiting
+        request could be admitted, a request of `so` verifies drafts or does not sample, another
+        running request is not ready as above, the step exceeds the token budget, a request of
+        `so` would need its drafts trimmed to `max_model_len`, or the pool is out of pages (no
+        preemption here).
+        """
+        admissible = self.waiting and len(self.running) < self.config.max_num_seqs
+        q = num_spec_tokens + 1
+        if admissible or not so.requests or len(self.running) * q > self.config.max_num_batched_tokens:
+            return None
+        in_flight = set()
+        for sr in so.requests:
+            if not sr.sample or sr.num_spec_tokens:
+                return None
+            in_flight.add(sr.request_id)
+        scheduled = []
+        for req in self.running:
+            if req.request_id in in_flight:
+                start = req.num_tokens  # `so` computes up to here and samples the token at `start`
+                # +1: the engine trims drafts that would end past max_model_len; none may be trimmed here
+                if start + q + 1 > max_model_len or not self.kv.allocate_slots(req, start + q):
+                    return None
+                scheduled.append(ScheduledRequest(
+                    request_id=req.request_id, token_ids=[PLACEHOLDER_TOKEN] * q, start_position=start,
+                    num_spec_tokens=num_spec_tokens, sample=True, block_ids=list(req.block_ids),
+                    sampling_params=req.sampling_params,
+                ))  # fmt: skip
+                continue
+            if req.num_tokens - req.num_computed_tokens != 1 or len(req.spec_token_ids) != num_spec_tokens:
+                return None
+            if not self.kv.allocate_slots(req, req.num_computed_tokens + q):
+                return None
+            scheduled.append(self._scheduled(req, q))
         return SchedulerOutput(requests=scheduled)
 
     def schedule_prefill_ahead(self) -> SchedulerOutput | None:

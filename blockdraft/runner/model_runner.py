@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
-from blockdraft.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from blockdraft.engine.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
+from blockdraft.host_tensor import host_tensor
 from blockdraft.runner.input_batch import InputBatch, build_input_batch, stage_block_table
-from blockdraft.runner.staging import PendingFetch, start_fetch
+from blockdraft.runner.staging import PendingFetch, stage_to_device, start_fetch
 from blockdraft.runner.step_graphs import StepGraphs
 from blockdraft.runner.step_output import add_logprobs, fetch_step_output, pack_step
 from blockdraft.runner.step_timer import StepTimer
@@ -159,6 +160,59 @@ class ModelRunner:
             slot_mapping=inputs.slot_mapping[:rows], meta=inputs.metadata(padding.num_reqs, q, self.kv_block_size),
         )  # fmt: skip
         return self._enqueue(so, batch, timer, graphed=True, loaded=True)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """K: drafts a uniform step verifies per request (0 for plain decoding)."""
+        return self.speculator.num_speculative_tokens if self.speculator is not None else 0
+
+    def can_join(self, step: LaunchedStep) -> bool:
+        """Whether `launch_join` can follow `step`: uniform-step graphs with async scheduling
+        (continuation graphs built), every request of `step` samples one token without drafts to
+        verify, and none asks for log-probabilities (the join's replay would overwrite the logits
+        before `finish` reads them)."""
+        if self.graphs is None or self.graphs.continuation is None or step.batch.kmax:
+            return False
+        if len(step.batch.sample_req) != len(step.so.requests):
+            return False
+        return all(sr.sampling_params.logprobs is None for sr in step.so.requests)
+
+    @torch.inference_mode()
+    def launch_join(self, prev: LaunchedStep, so: SchedulerOutput) -> LaunchedStep | None:
+        """Enqueue a uniform step in which `prev`'s requests join the others, before `prev` has
+        been read back (async scheduling; e.g. the newcomers of a prefill step launched ahead).
+
+        Args:
+            prev: a launched step with `can_join(prev)`, the last one enqueued (its packed output is
+                read in stream order before this step's graphs replay).
+            so: Scheduler.schedule_join(prev.so, ...): Q rows per request; the rows of `prev`'s
+                requests hold PLACEHOLDER_TOKEN, replaced on the device by the token `prev` samples
+                and the K drafts it proposes (packed columns 0 and 2..K+1); everything else is built
+                on the host as for any step.
+        Returns:
+            The launched step (graphed, so a continuation can follow it), or None when `so` fits no
+            graph bucket or does not match `prev`; nothing is enqueued then.
+        """
+        padding = self.graphs.target.padding_for(so) if self.can_join(prev) else None
+        k = self.num_speculative_tokens
+        if padding is None or prev.packed.shape[1] != 2 + k:
+            return None
+        sample_index = {prev.so.requests[i].request_id: s for s, i in enumerate(prev.batch.sample_req)}
+        q, width = k + 1, prev.packed.shape[1]
+        dst, src = [], []
+        for i, sr in enumerate(so.requests):
+            if sr.token_ids[0] != PLACEHOLDER_TOKEN:
+                continue
+            s = sample_index.get(sr.request_id)
+            if s is None:
+                return None
+            dst += range(i * q, (i + 1) * q)
+            src += [s * width] + [s * width + 2 + j for j in range(k)]  # the sampled token, then the drafts
+        timer = StepTimer(self.device)
+        batch = build_input_batch(so, self.kv_block_size, self.device, self.attention_backend.host_metadata, padding)
+        index = stage_to_device({"dst": host_tensor(dst, torch.long), "src": host_tensor(src, torch.long)}, self.device)
+        batch.input_ids.index_copy_(0, index["dst"], prev.packed.reshape(-1).index_select(0, index["src"]))
+        return self._enqueue(so, batch, timer, graphed=True)
 
     @torch.inference_mode()
     def finish(self, step: LaunchedStep) -> ModelRunnerOutput:

@@ -53,6 +53,17 @@ def test_windowed_run_counts_every_token_and_bad_arguments_are_refused(target):
         profile_load(engine, prompts, 5, 0, "closed")
 
 
+def test_windowed_async_run_shows_the_join_steps(target):
+    """Async scheduling without mixed prefill: a newcomer's prefill, then the step it joins,
+    launched before the prefill is read back ("join", alone or after the prefill's launch)."""
+    launch_join = ModelRunner.launch_join
+    engine = _dflash_llm(target, max_num_seqs=3, mixed_prefill=False, async_scheduling=True).engine
+    out = profile_load(engine, random_prompts(8, seed=4), max_tokens=6, batch_size=3, how="windowed")
+    kinds = out["by_kind"]
+    assert out["tokens"] == 8 * 6 and sum(v["steps"] for k, v in kinds.items() if "join" in k.split("+")) >= 3
+    assert ModelRunner.launch_join is launch_join  # instrumentation removed
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--num-prompts", "1", "--batch-size", "2"], "--num-prompts (1) must be >= --batch-size (2)"),
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),

@@ -54,15 +54,23 @@ def _oracle_speculator(target, k: int, sequences: list[list[int]], seed: int = 0
 
 
 def _count_continuations(monkeypatch):
-    counts = {"continued": 0}
-    original = ModelRunner.launch_continuation
+    """Count the continuation and join steps launched (each a step launched before its
+    predecessor is read back)."""
+    counts = {"continued": 0, "joined": 0}
+    continuation, join = ModelRunner.launch_continuation, ModelRunner.launch_join
 
-    def counted(self, prev, so):
-        out = original(self, prev, so)
+    def continued(self, prev, so):
+        out = continuation(self, prev, so)
         counts["continued"] += out is not None
         return out
 
-    monkeypatch.setattr(ModelRunner, "launch_continuation", counted)
+    def joined(self, prev, so):
+        out = join(self, prev, so)
+        counts["joined"] += out is not None
+        return out
+
+    monkeypatch.setattr(ModelRunner, "launch_continuation", continued)
+    monkeypatch.setattr(ModelRunner, "launch_join", joined)
     return counts
 
 
@@ -86,8 +94,8 @@ def test_async_plain_decoding_equals_sync(target, monkeypatch):
     assert llm.engine.runner.graphs.continuation is not None
     assert _run(llm, prompts, params) == want
     assert counts["continued"] > 20
-    # every continuation launched and not dropped is counted once, when its step reads it back
-    assert 20 < llm.engine.stats.num_async_steps <= counts["continued"]
+    # every continuation or join launched and not dropped is counted once, when its step reads it back
+    assert 20 < llm.engine.stats.num_async_steps <= counts["continued"] + counts["joined"]
     assert llm.engine.stats.num_async_steps < llm.engine.stats.num_steps
 
 
@@ -135,6 +143,78 @@ def test_async_after_a_graphed_single_request_prefill_equals_sync(target, monkey
     assert [_run(llm, [p], [q])[0] for p, q in zip(prompts, params)] == want
     assert sorted(prefills) == sorted(len(p) for p in prompts) and counts["continued"] > 5
 
+JOIN = dict(GRAPHS, max_num_seqs=3, mixed_prefill=False)  # prefill apart from decode, as on the GPU
+
+
+def _window_params(plain_tokens: list[list[int]]) -> list[SamplingParams]:
+    """Per request: max_tokens 1 (stops in its prefill step), a stop id equal to its first token,
+    a stop string, EOS, long ones; greedy and seeded T > 0."""
+    params = []
+    for i, tokens in enumerate(plain_tokens):
+        kind = i % 5
+        kw = dict(max_tokens=[1, 20, 31, 40, 26][kind], temperature=0.8 * (i % 2), seed=i)
+        if kind == 1 and not i % 2:
+            kw["stop_token_ids"] = [tokens[0]]  # greedy: its first token is known
+        if kind == 2:
+            kw["stop"] = [word(23)]
+        if kind == 3:
+            kw["ignore_eos"] = True
+        params.append(SamplingParams(**kw))
+    return params
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
+def test_newcomers_join_the_running_requests_before_their_prefill_is_read_back(target, monkeypatch, k):
+    """Without mixed prefill, the prefill of a newcomer is launched ahead of reading a decode step
+    back; the uniform step in which it joins the others is launched before the prefill is read
+    back, its tokens copied from the prefill's device output (Scheduler.schedule_join). 12
+    requests through 3 sequence slots: same tokens, stops and text as synchronous scheduling and
+    as plain decoding, with newcomers that stop in their prefill step (max_tokens 1, a stop id
+    equal to their first token) and seeded sampling."""
+    prompts = random_prompts(12, seed=50)
+    first = [o.token_ids for o in make_llm(target).generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))]
+    params = _window_params(first)
+    long = [SamplingParams(max_tokens=60, ignore_eos=True, temperature=q.temperature, seed=q.seed) for q in params]
+    sampled = make_llm(target).generate(prompts, long)
+    sequences = [p + o.token_ids for p, o in zip(prompts, sampled)]
+
+    def build(async_scheduling):
+        spec = None if k is None else _oracle_speculator(target, k, sequences)
+        return make_llm(target, speculator=spec, **JOIN, async_scheduling=async_scheduling)
+
+    sync = build(False)
+    want = _run(sync, prompts, params)
+    assert want == _run(make_llm(target), prompts, params)
+    assert want[0][2] == "length" and len(want[0][0]) == 1 and want[6][2] == "stop" and len(want[6][0]) == 1
+    counts = _count_continuations(monkeypatch)
+    llm = build(True)
+    assert _run(llm, prompts, params) == want
+    assert counts["joined"] >= 6 and counts["continued"] > 5
+    got, ref = llm.engine.stats.spec, sync.engine.stats.spec  # the newcomers' first drafts verified as in sync
+    assert (got.num_steps, got.num_drafted_tokens, got.num_accepted_tokens) == (
+        ref.num_steps, ref.num_drafted_tokens, ref.num_accepted_tokens)
+
+
+def test_no_join_after_a_prefill_whose_requests_ask_for_logprobs(target, monkeypatch):
+    """The join's replay would overwrite the prefill's logits before they are read: with
+    log-probabilities asked for, no join, and the same tokens and log-probabilities as sync."""
+    prompts = random_prompts(6, seed=51)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2 if i % 2 else None) for i in range(6)]
+
+    def run(async_scheduling):
+        outs = make_llm(target, **JOIN, async_scheduling=async_scheduling).generate(prompts, params)
+        return [(o.token_ids, o.logprobs) for o in outs]
+
+    want = run(False)
+    counts = _count_continuations(monkeypatch)
+    got = run(True)
+    assert got == want and any(lp for _, lp in got)
+    joined = counts["joined"]
+    counts = _count_continuations(monkeypatch)
+    run(True)
+    assert joined == counts["joined"]  # deterministic, and joins only after prefills without logprobs
+
+
 def _drive(engine, prompts, params, add_at: int, abort_at: int) -> dict:
     """Add 3 requests, step; add 2 more at step `add_at`, abort req-1 at step `abort_at`."""
     done = {}
@@ -171,19 +251,25 @@ def test_async_requests_arriving_and_aborted_mid_chain(target, monkeypatch):
     assert counts["continued"] > 3
 
 
-def test_async_stops_at_the_context_limit_like_sync():
-    # max_model_len = 48 tokens: the chain must break before the longest outcome passes it
+@pytest.mark.parametrize("max_num_seqs", [8, 1])
+def test_async_stops_at_the_context_limit_like_sync(max_num_seqs, monkeypatch):
+    # max_model_len = 48 tokens: the chain must break before the longest outcome passes it; one
+    # sequence slot without mixed prefill: each prompt prefills alone and joins (prompts of 44+
+    # tokens leave no room for K drafts: no join)
     target = tiny_target("llama", seed=2, logit_scale=8.0, max_position_embeddings=48)
-    prompts = random_prompts(3, seed=3, low=10, high=20)
+    prompts = random_prompts(3, seed=3, low=10, high=20) + [list(range(1, 45)), list(range(2, 46))]
     params = SamplingParams(max_tokens=100, ignore_eos=True)
     plain = make_llm(target).generate(prompts, params)
     sequences = [p + o.token_ids for p, o in zip(prompts, plain)]
     assert all(o.finish_reason == "length" and len(p) + len(o.token_ids) == 48 for p, o in zip(prompts, plain))
-    sync = make_llm(target, speculator=_oracle_speculator(target, 3, sequences), **GRAPHS, async_scheduling=False)
+    opts = dict(GRAPHS, max_num_seqs=max_num_seqs, mixed_prefill=max_num_seqs > 1)
+    sync = make_llm(target, speculator=_oracle_speculator(target, 3, sequences), **opts, async_scheduling=False)
     want = [o.token_ids for o in sync.generate(prompts, params)]
     assert want == [o.token_ids for o in plain]
-    llm = make_llm(target, speculator=_oracle_speculator(target, 3, sequences), **GRAPHS, async_scheduling=True)
+    counts = _count_continuations(monkeypatch)
+    llm = make_llm(target, speculator=_oracle_speculator(target, 3, sequences), **opts, async_scheduling=True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert counts["joined"] == (3 if max_num_seqs == 1 else 0)
     got, ref = llm.engine.stats.spec, sync.engine.stats.spec  # the same drafts verified and accepted
     assert (got.num_steps, got.num_drafted_tokens, got.num_accepted_tokens) == (
         ref.num_steps, ref.num_drafted_tokens, ref.num_accepted_tokens)

@@ -113,6 +113,38 @@ def test_requests_arriving_mid_decode_leave_every_decode_step_on_its_graphs(k, m
     assert _tokens(llm, prompts, params) == want
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k", [None, 3, 15], ids=["plain", "k3", "k15"])
+def test_newcomers_join_the_running_requests_before_their_prefill_is_read_back(dtype, k, monkeypatch):
+    """The CUDA defaults (mixed prefill off, async scheduling), 12 requests through 3 sequence
+    slots: each admission's prefill is launched ahead of reading a decode step back, and the
+    uniform step in which the newcomers join the others is launched before the prefill is read
+    back, their first token and drafts copied on the device (Scheduler.schedule_join). Same tokens
+    as synchronous scheduling, greedy and seeded T > 0, including requests that stop in their
+    prefill step (max_tokens 1); fp32 also == enforce_eager."""
+    from blockdraft.runner.model_runner import ModelRunner
+
+    target = cuda_tiny_target(dtype, seed=6)
+    prompts = random_prompts(12, seed=22)
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i)
+              for i, m in enumerate((5, 17, 9, 30, 12, 1, 22, 8, 1, 14, 2, 11))]  # fmt: skip
+    want = _tokens(cuda_llm(target, k, max_num_seqs=3, async_scheduling=False), prompts, params)
+    if dtype == torch.float32:
+        assert want == _tokens(cuda_llm(target, k, enforce_eager=True, max_num_seqs=3), prompts, params)
+    joined, original = [], ModelRunner.launch_join
+
+    def counted(self, prev, so):
+        out = original(self, prev, so)
+        joined.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ModelRunner, "launch_join", counted)
+    llm = cuda_llm(target, k, max_num_seqs=3)
+    assert llm.engine.async_scheduling and not llm.engine.scheduler.config.mixed_prefill
+    assert _tokens(llm, prompts, params) == want
+    assert sum(joined) >= 4
+
+
 @pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
 def test_async_scheduling_equals_sync_scheduling(k, monkeypatch):
     """On by default with CUDA graphs: steps launched from the previous step's device output emit
