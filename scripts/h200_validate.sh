@@ -9,6 +9,7 @@
 #      printf 'blockdraft/drafters/*/model.int8\ndocs/\n' > .git/info/exclude
 #   2-9. carry ["parts/gN"], N = 1..8:  bash scripts/h200_validate.sh stash
 #   10. bash scripts/h200_validate.sh prep && bash scripts/h200_validate.sh suite        (~7 min)
+#       (suite / exclusive take test files to run instead of all of tests/gpu)
 #   11. bash scripts/h200_validate.sh exclusive; bash scripts/h200_validate.sh load; bash scripts/h200_validate.sh bench
 #   12. (optional) bash scripts/h200_validate.sh before: the load bench with an earlier commit's code,
 #      side by side with 11's; workstation before call 1:
@@ -37,11 +38,11 @@ prep)   # assemble, verify and convert the GGUF into the cache the tests and ben
   cat /tmp/blobs/blob.* > /tmp/bdc/gguf/qwen.gguf
   echo "$QWEN_SHA  /tmp/bdc/gguf/qwen.gguf" | sha256sum -c || exit 1
   cd /tmp/tcode && python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf("/tmp/bdc/gguf/qwen.gguf"))' ;;
-suite)
-  cd /tmp/tcode && timeout 480 python3 -m pytest -q tests/gpu -n 8 -p xdist -m "not gpu_exclusive" \
+suite)  # all of tests/gpu, or the test files given after the phase
+  shift; cd /tmp/tcode && timeout 480 python3 -m pytest -q "${@:-tests/gpu}" -n 8 -p xdist -m "not gpu_exclusive" \
     > "$OUT/gpu-tests-n8.log" 2>&1; echo "rc $?"; tail -3 "$OUT/gpu-tests-n8.log" ;;
 exclusive)
-  cd /tmp/tcode && timeout 300 python3 -m pytest -q -m gpu_exclusive tests/gpu > "$OUT/gpu-exclusive.log" 2>&1
+  shift; cd /tmp/tcode && timeout 300 python3 -m pytest -q -m gpu_exclusive "${@:-tests/gpu}" > "$OUT/gpu-exclusive.log" 2>&1
   echo "rc $?"; tail -3 "$OUT/gpu-exclusive.log" ;;
 load)   # where a run under load spends its time, twice (the plain runs move between processes)
   cd /tmp/tcode && for i in 1 2; do

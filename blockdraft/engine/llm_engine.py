@@ -42,12 +42,13 @@ class LLMEngine:
     (Scheduler.schedule_join: their first token and drafts are copied from the prefill's device
     output; the others' rows are known on the host), before the prefill is read back. Stop
     conditions are then applied one step late: a request that stops at step N has also been
-    computed in step N+1, whose tokens for it are dropped. The output is the same token for token.
-    The chain of such steps breaks (one synchronous step) whenever the batch changes otherwise: a
-    request finishes or is aborted (plain decoding joins the others without it), or needs pages
-    the pool lacks. So a request that arrives mid-chain is admitted one step later than without
-    async scheduling, and one step may carry a stopped request's rows: the batch of a step can
-    differ, which in bf16 can flip a token at a near-tie, as any change of batch composition can.
+    computed in step N+1, whose tokens for it are dropped; step N+2 leaves it out (the others'
+    rows gathered from N+1's device output). The output is the same token for token. The chain
+    of such steps breaks (one synchronous step) when a request needs pages the pool lacks, its
+    drafts would pass the context limit, or a step fits no graph. A request that arrives mid-chain
+    is admitted one step later than without async scheduling, and one step may carry a stopped
+    request's rows: the batch of a step can differ, which in bf16 can flip a token at a near-tie,
+    as any change of batch composition can.
 
     max_logprobs: the largest `SamplingParams.logprobs` a request may ask for (vLLM's
     max_logprobs); more is refused when the request is added.
@@ -187,7 +188,11 @@ class LLMEngine:
             nxt = self.scheduler.schedule_continuation(sched_out, self.max_model_len)
             if nxt is not None:
                 launched_next = self.runner.launch_continuation(launched, nxt)
-                return None if launched_next is None else (reqs, launched_next)
+                if launched_next is None:
+                    return None
+                if len(nxt.requests) != len(reqs):  # requests that stopped meanwhile are left out
+                    reqs = [self._requests[sr.request_id] for sr in nxt.requests]
+                return reqs, launched_next
             ahead = self.scheduler.schedule_prefill_ahead()
             if ahead is not None:
                 return [self._requests[sr.request_id] for sr in ahead.requests], self.runner.launch(ahead)

@@ -115,29 +115,38 @@ class Scheduler:
         return SchedulerOutput(requests=scheduled, preempted_request_ids=preempted)
 
     def schedule_continuation(self, so: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
-        """The step after `so` for the same requests, scheduled before `so`'s tokens are known.
+        """The step after `so` for its requests still running, scheduled before `so`'s tokens are known.
 
         Async scheduling: `so` is in flight and every committed step before it is applied, so each
         request's `num_computed_tokens` is the start of its rows in `so`. `so` must be uniform (every
         request samples after Q = 1 + K rows). The next step gives each request Q rows again: the
         bonus token and K drafts that the runner takes from `so`'s output on the device, written
         here as PLACEHOLDER_TOKEN. Pages are allocated for the longest outcome (all K drafts of `so`
-        accepted: 2Q tokens past the start).
+        accepted: 2Q tokens past the start). Requests of `so` that have stopped or been aborted
+        since are left out (the runner gathers the others' rows), unless another running request
+        has the same id.
 
         Returns None (nothing scheduled; pages may have grown, which later steps use) when the batch
-        would change: a waiting request could be admitted (a sequence slot is free), a running
-        request is not in `so` or has finished, `so`
-        is not uniform, the longest outcome would not leave room for K drafts within
-        `max_model_len`, or the pool is out of pages (no preemption here).
+        would change otherwise: a waiting request could be admitted (a sequence slot is free), a
+        running request is not in `so`, none of `so`'s requests is still running, `so` is not
+        uniform, the longest outcome would not leave room for K drafts within `max_model_len`, or
+        the pool is out of pages (no preemption here).
         """
         admissible = self.waiting and len(self.running) < self.config.max_num_seqs
-        if admissible or not so.requests or len(so.requests) != len(self.running):
+        if admissible or not so.requests or not self.running:
             return None
         q = len(so.requests[0].token_ids)
-        scheduled = []
-        for sr, req in zip(so.requests, self.running):
-            if req.request_id != sr.request_id or not sr.sample or len(sr.token_ids) != q or sr.num_spec_tokens != q - 1:
+        running_ids = {r.request_id for r in self.running}
+        scheduled, i = [], 0
+        for sr in so.requests:
+            if not sr.sample or len(sr.token_ids) != q or sr.num_spec_tokens != q - 1:
                 return None
+            req = self.running[i] if i < len(self.running) else None
+            if req is None or req.request_id != sr.request_id:
+                if sr.request_id in running_ids:  # out of order, or its id reused by a newer request
+                    return None
+                continue  # stopped or aborted since `so` was scheduled
+            i += 1
             need = req.num_computed_tokens + 2 * q
             # +1: the engine trims drafts that would end past max_model_len; none may be trimmed here
             if need + 1 > max_model_len or not self.kv.allocate_slots(req, need):
@@ -151,6 +160,8 @@ class Scheduler:
                 block_ids=list(req.block_ids),
                 sampling_params=req.sampling_params,
             ))
+        if i != len(self.running):
+            return None
         return SchedulerOutput(requests=scheduled)
 
     def schedule_join(self, so: SchedulerOutput, num_spec_tokens: int, max_model_len: int) -> SchedulerOutput | None:

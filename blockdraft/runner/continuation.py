@@ -15,6 +15,11 @@ graph's (runner.step_tail), so the advance rewrites the static buffers in place:
 requests (row_req >= 0) get the values above, padding rows and requests keep their inert values.
 The host only supplies the block table when it allocated pages. It runs as one CUDA graph per
 bucket (it would otherwise be ~15 eager launches per step on the host's critical path).
+
+When some requests of step N have stopped (seen when step N-1 was read back), step N+1 carries
+only the others: the host lays out that smaller batch as any step, with placeholder tokens, and
+`advanced_rows` gathers the same values for the remaining requests from step N's output (a few
+eager launches, once per stop, instead of waiting for step N to read it back and restart).
 """
 
 from __future__ import annotations
@@ -62,6 +67,34 @@ def advance_static_inputs(inputs: StaticInputs, packed: torch.Tensor, num_reqs: 
     slots_now.copy_(torch.where(real, slots, slots_now))
     pos_now.copy_(torch.where(real, pos, pos_now))
     seq_lens.copy_(new_seq_lens)
+
+
+def advanced_rows(inputs: StaticInputs, packed: torch.Tensor, src_req: torch.Tensor, q: int,
+                  block_table: torch.Tensor, kv_block_size: int) -> tuple[torch.Tensor, ...]:
+    """The rows of step N+1 for a subset of step N's requests (the ones still running), on the
+    device: the same arithmetic as `advance_static_inputs` (module docstring), gathered by request.
+
+    Args:
+        inputs: the static buffers holding step N's padded uniform batch (read, not written).
+        packed: [R_b, 2Q] int64, step N's output (runner.step_output.pack_step).
+        src_req: [R'] int64, step N's request index of each request of step N+1, in order.
+        q: Q rows per request. block_table: [>= R', M] int32, step N+1's page table (its first R'
+            rows belong to these requests, the pages allocated for the longest outcome).
+        kv_block_size: tokens per page.
+    Returns:
+        (input_ids, positions, slot_mapping) [R' * Q] int64 and seq_lens [R'] int32 of the R'
+        requests' rows, in step N+1's order.
+    """
+    num_reqs = src_req.shape[0]
+    pos_now = inputs.positions[: packed.shape[0] * q].view(-1, q).index_select(0, src_req)
+    rows = packed.index_select(0, src_req)
+    accepted = rows[:, q : q + 1]
+    ids = torch.cat([rows[:, :q].gather(1, accepted), rows[:, q + 1 :]], dim=1)
+    start = pos_now[:, :1] + accepted + 1
+    pos = start + torch.arange(q, device=packed.device)
+    pages = block_table[:num_reqs].gather(1, torch.div(pos, kv_block_size, rounding_mode="floor"))
+    slots = pages.to(torch.long) * kv_block_size + pos % kv_block_size
+    return ids.reshape(-1), pos.reshape(-1), slots.reshape(-1), (start[:, 0] + q).to(torch.int32)
 
 
 class ContinuationGraphs:

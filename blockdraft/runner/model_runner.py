@@ -20,6 +20,7 @@ import torch
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.engine.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
 from blockdraft.host_tensor import host_tensor
+from blockdraft.runner.continuation import advanced_rows
 from blockdraft.runner.input_batch import InputBatch, build_input_batch, stage_block_table
 from blockdraft.runner.staging import PendingFetch, stage_to_device, start_fetch
 from blockdraft.runner.step_graphs import StepGraphs
@@ -134,22 +135,30 @@ class ModelRunner:
         """Enqueue the step after `prev` before `prev` has been read back (async scheduling).
 
         Args:
-            prev: a launched step with `can_continue(prev)`, not finished yet or finished.
-            so: the same requests in the same order, each with Q placeholder tokens and K drafts
+            prev: a launched step with `can_continue(prev)`, the last one enqueued.
+            so: `prev`'s requests, or the ones still running in the same order (the others
+                stopped), each with Q placeholder tokens and K drafts
                 (Scheduler.schedule_continuation); its block_ids cover 2Q tokens past prev's start.
+        The same requests advance the graphs' static inputs in place (runner.continuation, one
+        replay); a subset is laid out on the host as any step and its rows gathered from `prev`'s
+        device output (`advanced_rows`, a few eager launches).
         Returns:
-            The launched step, or None when `so` does not continue `prev` (other requests, or a
-            step that no graph bucket fits); nothing is enqueued then.
+            The launched step, or None when `so` does not continue `prev` (a request not in `prev`,
+            or a step that no graph bucket fits); nothing is enqueued then.
         """
-        if not self.can_continue(prev) or [sr.request_id for sr in so.requests] != [
-            sr.request_id for sr in prev.so.requests
-        ]:
+        prev_index = {sr.request_id: i for i, sr in enumerate(prev.so.requests)}
+        src = [prev_index.get(sr.request_id, -1) for sr in so.requests]
+        if not self.can_continue(prev) or not so.requests or -1 in src:
             return None
         padding = self.graphs.target.padding_for(so)
-        if padding is None or padding.num_reqs != prev.batch.meta.num_reqs:
+        if padding is None:
             return None
         timer = StepTimer(self.device)
         inputs, q = self.graphs.target.inputs, self.graphs.target.rows_per_req
+        if src != list(range(len(prev.so.requests))):
+            return self._launch_subset(prev, so, src, padding, timer)
+        if padding.num_reqs != prev.batch.meta.num_reqs:
+            return None
         # pages are only ever appended to a running request: equal counts mean equal tables
         if any(len(a.block_ids) != len(b.block_ids) for a, b in zip(so.requests, prev.so.requests)):
             inputs.write_block_table(stage_block_table(so, padding, self.device))
@@ -160,6 +169,23 @@ class ModelRunner:
             slot_mapping=inputs.slot_mapping[:rows], meta=inputs.metadata(padding.num_reqs, q, self.kv_block_size),
         )  # fmt: skip
         return self._enqueue(so, batch, timer, graphed=True, loaded=True)
+
+    def _launch_subset(self, prev: LaunchedStep, so: SchedulerOutput, src: list[int], padding, timer) -> LaunchedStep:
+        """The continuation of the requests of `prev` at indices `src` (the others stopped): the
+        layout, block table and sampling tensors built on the host (placeholder tokens), then the
+        rows' tokens, positions, slots and lengths gathered from `prev`'s output on the device
+        before the graphs' static inputs are loaded from the batch."""
+        q = self.graphs.target.rows_per_req
+        batch = build_input_batch(so, self.kv_block_size, self.device, self.attention_backend.host_metadata, padding)
+        src_req = stage_to_device({"src": host_tensor(src, torch.long)}, self.device)["src"]
+        ids, pos, slots, seq_lens = advanced_rows(
+            self.graphs.target.inputs, prev.packed, src_req, q, batch.meta.block_table, self.kv_block_size)
+        rows = len(src) * q
+        batch.input_ids[:rows].copy_(ids)
+        batch.positions[:rows].copy_(pos)
+        batch.slot_mapping[:rows].copy_(slots)
+        batch.meta.seq_lens[: len(src)].copy_(seq_lens)
+        return self._enqueue(so, batch, timer, graphed=True)
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -55,13 +55,14 @@ def _oracle_speculator(target, k: int, sequences: list[list[int]], seed: int = 0
 
 def _count_continuations(monkeypatch):
     """Count the continuation and join steps launched (each a step launched before its
-    predecessor is read back)."""
-    counts = {"continued": 0, "joined": 0}
+    predecessor is read back), and the continuations that left out requests that stopped."""
+    counts = {"continued": 0, "joined": 0, "subset": 0}
     continuation, join = ModelRunner.launch_continuation, ModelRunner.launch_join
 
     def continued(self, prev, so):
         out = continuation(self, prev, so)
         counts["continued"] += out is not None
+        counts["subset"] += out is not None and len(so.requests) < len(prev.so.requests)
         return out
 
     def joined(self, prev, so):
@@ -93,7 +94,7 @@ def test_async_plain_decoding_equals_sync(target, monkeypatch):
     llm = make_llm(target, **GRAPHS, async_scheduling=True)
     assert llm.engine.runner.graphs.continuation is not None
     assert _run(llm, prompts, params) == want
-    assert counts["continued"] > 20
+    assert counts["continued"] > 20 and counts["subset"] >= 3
     # every continuation or join launched and not dropped is counted once, when its step reads it back
     assert 20 < llm.engine.stats.num_async_steps <= counts["continued"] + counts["joined"]
     assert llm.engine.stats.num_async_steps < llm.engine.stats.num_steps
@@ -111,7 +112,7 @@ def test_async_speculative_equals_sync_with_many_accepted_drafts(target, monkeyp
     counts = _count_continuations(monkeypatch)
     llm = make_llm(target, speculator=_oracle_speculator(target, k, sequences), **GRAPHS, async_scheduling=True)
     assert _run(llm, prompts, params) == want
-    assert counts["continued"] > 5
+    assert counts["continued"] > 5 and counts["subset"] >= 3  # requests stop at different steps
     got, ref = llm.engine.stats.spec, sync.engine.stats.spec
     assert (got.num_steps, got.num_drafted_tokens, got.num_accepted_tokens) == (
         ref.num_steps, ref.num_drafted_tokens, ref.num_accepted_tokens)
@@ -371,3 +372,34 @@ def test_advance_static_inputs_equals_the_host_built_batch():
             assert torch.equal(getattr(got, name), getattr(want, name)), (trial, name)
     with pytest.raises(ValueError, match=r"packed output has shape \(4, 7\), expected \(4, 8\)"):
         advance_static_inputs(got, packed[:, :7], bucket, q, page)
+
+
+def test_advanced_rows_of_the_requests_still_running_equal_the_host_built_batch():
+    """When some requests of step N stopped, the rows gathered on the device for the others
+    (continuation.advanced_rows) equal build_input_batch of the step the synchronous scheduler
+    would have made for them, for every accepted count and subset."""
+    from blockdraft.runner.continuation import advanced_rows
+
+    rng = random.Random(1)
+    q, page, width, bucket = 4, 4, 8, 4
+    params = SamplingParams()
+    for trial in range(30):
+        n = rng.randint(2, 4)
+        starts = [rng.randint(1, 12) for _ in range(n)]
+        pages = [rng.sample(range(40), width) for _ in range(n)]
+        tokens = [[rng.randrange(1, 90) for _ in range(q)] for _ in range(n)]
+        so = SchedulerOutput([ScheduledRequest(f"r{i}", tokens[i], starts[i], q - 1, True, pages[i], params)
+                              for i in range(n)])
+        inputs = StaticInputs.allocate(bucket, q, width, "cpu")
+        padding = BatchPadding(bucket, bucket * q, width)
+        inputs.load(build_input_batch(so, page, "cpu", host_metadata=False, padding=padding))
+        packed = torch.cat([torch.randint(1, 90, (bucket, q)), torch.randint(0, q, (bucket, 1)),
+                            torch.randint(1, 90, (bucket, q - 1))], dim=1)  # fmt: skip
+        keep = sorted(rng.sample(range(n), rng.randint(1, n - 1)))
+        nxt = SchedulerOutput([ScheduledRequest(
+            f"r{i}", [int(packed[i, packed[i, q]])] + packed[i, q + 1 :].tolist(), starts[i] + int(packed[i, q]) + 1,
+            q - 1, True, pages[i], params) for i in keep])  # fmt: skip
+        want = build_input_batch(nxt, page, "cpu", host_metadata=False)
+        ids, pos, slots, seq_lens = advanced_rows(inputs, packed, torch.tensor(keep), q, want.meta.block_table, page)
+        assert torch.equal(ids, want.input_ids) and torch.equal(pos, want.positions), trial
+        assert torch.equal(slots, want.slot_mapping) and torch.equal(seq_lens, want.meta.seq_lens), trial

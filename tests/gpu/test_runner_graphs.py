@@ -157,10 +157,11 @@ def test_async_scheduling_equals_sync_scheduling(k, monkeypatch):
                              stop_token_ids=[17] if i % 3 == 0 else []) for i in range(7)]  # fmt: skip
     sync = cuda_llm(target, k, async_scheduling=False)
     want = [(o.token_ids, o.finish_reason) for o in sync.generate(prompts, params)]
-    continued, original = [], ModelRunner.launch_continuation
+    continued, subsets, original = [], [], ModelRunner.launch_continuation
     def counted(self, prev, so):
         out = original(self, prev, so)
         continued.append(out is not None)
+        subsets.append(out is not None and len(so.requests) < len(prev.so.requests))
         return out
 
     monkeypatch.setattr(ModelRunner, "launch_continuation", counted)
@@ -168,6 +169,7 @@ def test_async_scheduling_equals_sync_scheduling(k, monkeypatch):
     assert llm.engine.async_scheduling
     assert [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)] == want
     assert sum(continued) > 10  # steps really launched from the previous step's device output
+    assert sum(subsets) >= 1  # and on past requests that stopped (the others' rows gathered)
 
 
 def test_captured_runner_samples_with_the_compiled_sampler_and_the_same_tokens():
