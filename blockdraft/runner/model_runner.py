@@ -1,7 +1,8 @@
 """Owns the tensors: KV caches, the target model, the speculator. One step = prepare -> target
 forward -> sample + verify -> propose -> one read-back (DFLASH.md, "One decode step").
 `launch` enqueues a step and `finish` reads it back; between the two, `launch_continuation` can
-enqueue the next uniform step from the first one's device output (async scheduling).
+enqueue the next uniform step from the first one's device output, and `launch_join` the uniform
+step that a prefill's requests join (async scheduling).
 
 GPU path (a backend without host metadata): nothing in a step reads device values back to the
 host except the final `fetch_step_output` (and log-probabilities, when asked for). Uniform decode /
@@ -21,7 +22,7 @@ from blockdraft.attention.backends import AttentionBackendSpec, select_attention
 from blockdraft.engine.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
 from blockdraft.host_tensor import host_tensor
 from blockdraft.runner.continuation import advanced_rows
-from blockdraft.runner.input_batch import InputBatch, build_input_batch, stage_block_table
+from blockdraft.runner.input_batch import BatchPadding, InputBatch, build_input_batch, stage_block_table
 from blockdraft.runner.staging import PendingFetch, stage_to_device, start_fetch
 from blockdraft.runner.step_graphs import StepGraphs
 from blockdraft.runner.step_output import add_logprobs, fetch_step_output, pack_step
@@ -170,7 +171,8 @@ class ModelRunner:
         )  # fmt: skip
         return self._enqueue(so, batch, timer, graphed=True, loaded=True)
 
-    def _launch_subset(self, prev: LaunchedStep, so: SchedulerOutput, src: list[int], padding, timer) -> LaunchedStep:
+    def _launch_subset(self, prev: LaunchedStep, so: SchedulerOutput, src: list[int], padding: BatchPadding,
+                       timer: StepTimer) -> LaunchedStep:
         """The continuation of the requests of `prev` at indices `src` (the others stopped): the
         layout, block table and sampling tensors built on the host (placeholder tokens), then the
         rows' tokens, positions, slots and lengths gathered from `prev`'s output on the device
