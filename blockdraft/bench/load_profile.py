@@ -7,6 +7,7 @@ and stop at different steps), and sorts each `LLMEngine.step` call by what it la
 
   uniform        a decode / verify step that replays the uniform-step CUDA graphs
   continuation   the next such step, launched from the previous one's device output (async scheduling)
+  continuation-past-stops  the same, leaving out the requests that stopped (their rows dropped)
   join           a uniform step in which the requests of a prefill step launched ahead join the
                  others, launched before that prefill is read back (async scheduling)
   prefill-graph  a prefill step of up to 8 requests replaying the prefill graphs
@@ -66,7 +67,10 @@ def recorded_launches():
 
     def recorded_continuation(self, prev, so):
         out = continuation(self, prev, so)
-        kinds.append("continuation" if out is not None else "continuation-refused")
+        if out is None:
+            kinds.append("continuation-refused")
+        else:
+            kinds.append("continuation" if len(so.requests) == len(prev.so.requests) else "continuation-past-stops")
         return out
 
     def recorded_join(self, prev, so):

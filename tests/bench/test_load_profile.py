@@ -61,6 +61,18 @@ def test_windowed_async_run_shows_the_join_steps(target):
     out = profile_load(engine, random_prompts(8, seed=4), max_tokens=6, batch_size=3, how="windowed")
     kinds = out["by_kind"]
     assert out["tokens"] == 8 * 6 and sum(v["steps"] for k, v in kinds.items() if "join" in k.split("+")) >= 3
+
+    # an oracle drafter accepts more for some requests: they stop at different steps and leave the chain
+    from blockdraft.sampling_params import SamplingParams
+    from tests.engine.test_async_scheduling import _oracle_speculator
+
+    prompts = random_prompts(3, seed=5)
+    plain = make_llm(target).generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    spec = _oracle_speculator(target, 3, [p + o.token_ids for p, o in zip(prompts, plain)])
+    engine = make_llm(target, speculator=spec, attention_backend="dense", graph_mode="eager", max_num_seqs=3,
+                      mixed_prefill=False, async_scheduling=True).engine
+    closed = profile_load(engine, prompts, max_tokens=24, batch_size=3, how="closed")["by_kind"]
+    assert closed["continuation-past-stops"]["steps"] >= 1
     assert ModelRunner.launch_join is launch_join  # instrumentation removed
 
 
