@@ -185,14 +185,12 @@ class LLMEngine:
         after a step that verified no drafts (a prefill launched ahead), the uniform step in which
         its requests join the running ones (their tokens copied from its device output)."""
         if self.runner.can_continue(launched):
-            nxt = self.scheduler.schedule_continuation(sched_out, self.max_model_len)
+            nxt = self.scheduler.schedule_continuation(sched_out, reqs, self.max_model_len)
             if nxt is not None:
                 launched_next = self.runner.launch_continuation(launched, nxt)
                 if launched_next is None:
                     return None
-                if len(nxt.requests) != len(reqs):  # requests that stopped meanwhile are left out
-                    reqs = [self._requests[sr.request_id] for sr in nxt.requests]
-                return reqs, launched_next
+                return [r for r in reqs if not r.is_finished], launched_next  # stopped ones left out
             ahead = self.scheduler.schedule_prefill_ahead()
             if ahead is not None:
                 return [self._requests[sr.request_id] for sr in ahead.requests], self.runner.launch(ahead)

@@ -114,7 +114,8 @@ class Scheduler:
             self._admit_waiting(budget, scheduled, reserve, limit_prefill)
         return SchedulerOutput(requests=scheduled, preempted_request_ids=preempted)
 
-    def schedule_continuation(self, so: SchedulerOutput, max_model_len: int) -> SchedulerOutput | None:
+    def schedule_continuation(self, so: SchedulerOutput, requests: list[Request],
+                              max_model_len: int) -> SchedulerOutput | None:
         """The step after `so` for its requests still running, scheduled before `so`'s tokens are known.
 
         Async scheduling: `so` is in flight and every committed step before it is applied, so each
@@ -123,9 +124,12 @@ class Scheduler:
         bonus token and K drafts that the runner takes from `so`'s output on the device, written
         here as PLACEHOLDER_TOKEN. Pages are allocated for the longest outcome (all K drafts of `so`
         accepted: 2Q tokens past the start). Requests of `so` that have stopped or been aborted
-        since are left out (the runner gathers the others' rows), unless another running request
-        has the same id.
+        since are left out (the runner gathers the others' rows).
 
+        Args:
+            so: the step in flight. requests: the Request of each of its rows (by object: a
+                stopped request's id may already belong to a newer request).
+            max_model_len: the context limit in tokens.
         Returns None (nothing scheduled; pages may have grown, which later steps use) when the batch
         would change otherwise: a waiting request could be admitted (a sequence slot is free), a
         running request is not in `so`, none of `so`'s requests is still running, `so` is not
@@ -136,16 +140,14 @@ class Scheduler:
         if admissible or not so.requests or not self.running:
             return None
         q = len(so.requests[0].token_ids)
-        running_ids = {r.request_id for r in self.running}
         scheduled, i = [], 0
-        for sr in so.requests:
+        for sr, req in zip(so.requests, requests, strict=True):
             if not sr.sample or len(sr.token_ids) != q or sr.num_spec_tokens != q - 1:
                 return None
-            req = self.running[i] if i < len(self.running) else None
-            if req is None or req.request_id != sr.request_id:
-                if sr.request_id in running_ids:  # out of order, or its id reused by a newer request
-                    return None
+            if req.is_finished:
                 continue  # stopped or aborted since `so` was scheduled
+            if i >= len(self.running) or self.running[i] is not req:
+                return None
             i += 1
             need = req.num_computed_tokens + 2 * q
             # +1: the engine trims drafts that would end past max_model_len; none may be trimmed here
@@ -178,11 +180,11 @@ class Scheduler:
         longer running (stopped, aborted) are left out. The step is what `schedule` would return
         after `so` is committed, in the same order, unless `so`'s own stops change the batch.
 
-        Returns None (nothing scheduled; pages may have grown, which later steps use) when a waiting
-        request could be admitted, a request of `so` verifies drafts or does not sample, another
-        running request is not ready as above, the step exceeds the token budget, a request of
-        `so` would need its drafts trimmed to `max_model_len`, or the pool is out of pages (no
-        preemption here).
+        Returns None (nothing scheduled; pages may have grown, which later steps use) when nothing
+        is running, a waiting request could be admitted, a request of `so` verifies drafts or does
+        not sample, another running request is not ready as above, the step exceeds the token
+        budget, a request of `so` would need its drafts trimmed to `max_model_len`, or the pool is
+        out of pages (no preemption here).
         """
         admissible = self.waiting and len(self.running) < self.config.max_num_seqs
         q = num_spec_tokens + 1
@@ -211,7 +213,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, req.num_computed_tokens + q):
                 return None
             scheduled.append(self._scheduled(req, q))
-        return SchedulerOutput(requests=scheduled)
+        return SchedulerOutput(requests=scheduled) if scheduled else None
 
     def schedule_prefill_ahead(self) -> SchedulerOutput | None:
         """Without mixed prefill: the prefill step of the waiting requests, scheduled while the

@@ -157,6 +157,9 @@ class ModelRunner:
         timer = StepTimer(self.device)
         inputs, q = self.graphs.target.inputs, self.graphs.target.rows_per_req
         if src != list(range(len(prev.so.requests))):
+            # the host lays out this batch with placeholder positions: only device metadata is fixed up
+            if self.attention_backend.host_metadata:
+                return None
             return self._launch_subset(prev, so, src, padding, timer)
         if padding.num_reqs != prev.batch.meta.num_reqs:
             return None

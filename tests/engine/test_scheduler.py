@@ -97,3 +97,46 @@ def test_request_larger_than_pool_is_refused_with_a_clear_error():
     s = _sched(blocks=2, bs=4)
     with pytest.raises(ValueError, match="needs 3 KV pages"):
         s.add_request(_req("a", 9))
+
+
+def _decoding(s, rid, prompt_len, drafts):
+    """Admit a request and commit its prompt and first token, with `drafts` drafts (mixed_prefill on)."""
+    r = _req(rid, prompt_len)
+    s.add_request(r)
+    s.schedule()
+    r.num_computed_tokens, r.output_token_ids, r.spec_token_ids = prompt_len, [7], list(drafts)
+    return r
+
+
+def test_continuation_leaves_out_stopped_requests_but_not_one_whose_id_a_newer_request_took():
+    s = _sched(budget=64, seqs=2, blocks=32)
+    a, x = _decoding(s, "a", 3, [8, 9]), _decoding(s, "x", 4, [8, 9])
+    step = s.schedule()
+    assert [sr.request_id for sr in step.requests] == ["a", "x"]
+    s.finish(x)  # x stopped while `step` is in flight: the continuation carries a alone
+    nxt = s.schedule_continuation(step, [a, x], max_model_len=64)
+    assert [(sr.request_id, sr.token_ids, sr.start_position) for sr in nxt.requests] == [("a", [-1, -1, -1], -1)]
+    # a newer request took x's id and place: its rows are not x's continuation
+    x2 = _decoding(s, "x", 5, [8, 9])
+    assert [r.request_id for r in s.running] == ["a", "x"] and s.running[1] is x2
+    assert s.schedule_continuation(step, [a, x], max_model_len=64) is None
+
+
+def test_join_places_the_in_flight_requests_rows_after_their_known_tokens():
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2, mixed_prefill=False)
+    s = Scheduler(config, KVCacheManager(32, 4))
+    a = _decoding(s, "a", 3, [8, 9])
+    b = _req("b", 6)
+    s.add_request(b)
+    prefill = s.schedule_prefill_ahead()  # b's prompt, launched while a's step is in flight
+    assert [sr.request_id for sr in prefill.requests] == ["b"] and prefill.requests[0].sample
+    join = s.schedule_join(prefill, num_spec_tokens=2, max_model_len=64)
+    assert [(sr.request_id, sr.token_ids, sr.start_position, sr.num_spec_tokens) for sr in join.requests] == [
+        ("a", [7, 8, 9], 3, 2), ("b", [-1, -1, -1], 6, 2)]
+    assert len(b.block_ids) == 3  # 6 + 3 rows in pages of 4
+    # refused: drafts would pass the context; `so` verifies drafts; a waiting request could be admitted
+    assert s.schedule_join(prefill, num_spec_tokens=2, max_model_len=9) is None
+    assert s.schedule_join(join, num_spec_tokens=2, max_model_len=64) is None
+    s.finish(a)
+    s.add_request(_req("c", 2))
+    assert s.schedule_join(prefill, num_spec_tokens=2, max_model_len=64) is None
