@@ -196,7 +196,7 @@ class LLMEngine:
                 return [self._requests[sr.request_id] for sr in ahead.requests], self.runner.launch(ahead)
         if not self.runner.can_join(launched):
             return None
-        join = self.scheduler.schedule_join(sched_out, self.runner.num_speculative_tokens, self.max_model_len)
+        join = self.scheduler.schedule_join(sched_out, reqs, self.runner.num_speculative_tokens, self.max_model_len)
         launched_join = None if join is None else self.runner.launch_join(launched, join)
         if launched_join is None:
             return None

@@ -166,7 +166,8 @@ class Scheduler:
             return None
         return SchedulerOutput(requests=scheduled)
 
-    def schedule_join(self, so: SchedulerOutput, num_spec_tokens: int, max_model_len: int) -> SchedulerOutput | None:
+    def schedule_join(self, so: SchedulerOutput, requests: list[Request], num_spec_tokens: int,
+                      max_model_len: int) -> SchedulerOutput | None:
         """The uniform step of every running request, scheduled while `so` is in flight and before
         its tokens are known, when `so` verified no drafts (async scheduling).
 
@@ -180,6 +181,9 @@ class Scheduler:
         longer running (stopped, aborted) are left out. The step is what `schedule` would return
         after `so` is committed, in the same order, unless `so`'s own stops change the batch.
 
+        Args:
+            so: the step in flight. requests: the Request of each of its rows (by object, as in
+                `schedule_continuation`). num_spec_tokens: K. max_model_len: the context limit.
         Returns None (nothing scheduled; pages may have grown, which later steps use) when nothing
         is running, a waiting request could be admitted, a request of `so` verifies drafts or does
         not sample, another running request is not ready as above, the step exceeds the token
@@ -191,13 +195,13 @@ class Scheduler:
         if admissible or not so.requests or len(self.running) * q > self.config.max_num_batched_tokens:
             return None
         in_flight = set()
-        for sr in so.requests:
+        for sr, req in zip(so.requests, requests, strict=True):
             if not sr.sample or sr.num_spec_tokens:
                 return None
-            in_flight.add(sr.request_id)
+            in_flight.add(id(req))
         scheduled = []
         for req in self.running:
-            if req.request_id in in_flight:
+            if id(req) in in_flight:
                 start = req.num_tokens  # `so` computes up to here and samples the token at `start`
                 # +1: the engine trims drafts that would end past max_model_len; none may be trimmed here
                 if start + q + 1 > max_model_len or not self.kv.allocate_slots(req, start + q):

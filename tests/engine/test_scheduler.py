@@ -130,13 +130,13 @@ def test_join_places_the_in_flight_requests_rows_after_their_known_tokens():
     s.add_request(b)
     prefill = s.schedule_prefill_ahead()  # b's prompt, launched while a's step is in flight
     assert [sr.request_id for sr in prefill.requests] == ["b"] and prefill.requests[0].sample
-    join = s.schedule_join(prefill, num_spec_tokens=2, max_model_len=64)
+    join = s.schedule_join(prefill, [b], num_spec_tokens=2, max_model_len=64)
     assert [(sr.request_id, sr.token_ids, sr.start_position, sr.num_spec_tokens) for sr in join.requests] == [
         ("a", [7, 8, 9], 3, 2), ("b", [-1, -1, -1], 6, 2)]
     assert len(b.block_ids) == 3  # 6 + 3 rows in pages of 4
     # refused: drafts would pass the context; `so` verifies drafts; a waiting request could be admitted
-    assert s.schedule_join(prefill, num_spec_tokens=2, max_model_len=9) is None
-    assert s.schedule_join(join, num_spec_tokens=2, max_model_len=64) is None
+    assert s.schedule_join(prefill, [b], num_spec_tokens=2, max_model_len=9) is None
+    assert s.schedule_join(join, [a, b], num_spec_tokens=2, max_model_len=64) is None
     s.finish(a)
     s.add_request(_req("c", 2))
-    assert s.schedule_join(prefill, num_spec_tokens=2, max_model_len=64) is None
+    assert s.schedule_join(prefill, [b], num_spec_tokens=2, max_model_len=64) is None
