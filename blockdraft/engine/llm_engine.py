@@ -38,7 +38,8 @@ class LLMEngine:
     read back, so the GPU does not wait for the host's bookkeeping (commit, stop checks, scheduling,
     input preparation) between steps; without mixed prefill, when a request waits to start, the
     prefill step of the waiting requests is launched that way instead (it needs no token of the
-    step before), and after it the uniform step in which its requests join the running ones
+    step before; a request that arrives while it runs is prefilled right behind it), and after
+    it the uniform step in which its requests join the running ones
     (Scheduler.schedule_join: their first token and drafts are copied from the prefill's device
     output; the others' rows are known on the host), before the prefill is read back. Stop
     conditions are then applied one step late: a request that stops at step N has also been
@@ -181,9 +182,10 @@ class LLMEngine:
     def _launch_next(self, sched_out: SchedulerOutput, reqs: list[Request], launched):
         """Launch the step after `launched` before reading it back -> (its requests, the launched
         step) or None: the same requests' next decode step from its device output; else (without
-        mixed prefill) the prefill step of waiting requests, which does not need its tokens; else,
-        after a step that verified no drafts (a prefill launched ahead), the uniform step in which
-        its requests join the running ones (their tokens copied from its device output)."""
+        mixed prefill) the prefill step of waiting requests, which does not need its tokens (also
+        behind a prefill in flight); else, after a step that verified no drafts (a prefill launched
+        ahead), the uniform step in which its requests join the running ones (their tokens copied
+        from its device output)."""
         if self.runner.can_continue(launched):
             nxt = self.scheduler.schedule_continuation(sched_out, reqs, self.max_model_len)
             if nxt is not None:
@@ -191,9 +193,14 @@ class LLMEngine:
                 if launched_next is None:
                     return None
                 return [r for r in reqs if not r.is_finished], launched_next  # stopped ones left out
-            ahead = self.scheduler.schedule_prefill_ahead()
-            if ahead is not None:
-                return [self._requests[sr.request_id] for sr in ahead.requests], self.runner.launch(ahead)
+            completing = []
+        elif self.runner.can_join(launched):  # e.g. a prefill: the prompts it ends are not waiting on it
+            completing = [r for sr, r in zip(sched_out.requests, reqs) if sr.sample]
+        else:
+            return None
+        ahead = self.scheduler.schedule_prefill_ahead(completing)
+        if ahead is not None:
+            return [self._requests[sr.request_id] for sr in ahead.requests], self.runner.launch(ahead)
         if not self.runner.can_join(launched):
             return None
         join = self.scheduler.schedule_join(sched_out, reqs, self.runner.num_speculative_tokens, self.max_model_len)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 from collections import deque
+from collections.abc import Collection
 
 from blockdraft.config import SchedulerConfig
 from blockdraft.engine.kv_cache_manager import KVCacheManager
@@ -219,18 +220,23 @@ class Scheduler:
             scheduled.append(self._scheduled(req, q))
         return SchedulerOutput(requests=scheduled) if scheduled else None
 
-    def schedule_prefill_ahead(self) -> SchedulerOutput | None:
+    def schedule_prefill_ahead(self, completing: Collection[Request] = ()) -> SchedulerOutput | None:
         """Without mixed prefill: the prefill step of the waiting requests, scheduled while the
-        running requests' decode step is in flight and not yet committed (async scheduling), or None.
+        running requests' decode step (or another prefill step) is in flight and not yet committed
+        (async scheduling), or None.
 
         It does not depend on that step (other requests, and no page it holds), so the engine
-        launches it before reading the decode step back instead of leaving the GPU idle meanwhile.
+        launches it before reading the step back instead of leaving the GPU idle meanwhile.
         Admissions only, as `schedule` would make them (budget, sequence slots, pages, the prefill
         step limits; no preemption). None with mixed prefill on, while a running request is still
-        prefilling (the next `schedule` takes it with the waiting ones), or when nothing can be
-        admitted.
+        prefilling (the next `schedule` takes it with the waiting ones) other than the
+        `completing` ones, whose prompts the step in flight computes to the end, or when nothing
+        can be admitted.
         """
-        if self.config.mixed_prefill or any(is_prefilling(r) for r in self.running):
+        if self.config.mixed_prefill:
+            return None
+        done = {id(r) for r in completing}
+        if any(is_prefilling(r) and id(r) not in done for r in self.running):
             return None
         scheduled: list[ScheduledRequest] = []
         # the decode step in flight is not committed: reserve for it and the step after it

@@ -196,6 +196,49 @@ def test_newcomers_join_the_running_requests_before_their_prefill_is_read_back(t
         ref.num_steps, ref.num_drafted_tokens, ref.num_accepted_tokens)
 
 
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
+def test_a_window_of_requests_prefills_newcomers_behind_a_prefill_in_flight(target, monkeypatch, k):
+    """A server's window (the next request sent as one finishes, 3 in flight): a request that
+    arrives while the prefill of another is in flight is prefilled right behind it (launched
+    before that prefill is read back), and both join the others. Same answers as sync."""
+    from blockdraft.engine.scheduler import Scheduler
+
+    prompts = random_prompts(16, seed=52)
+    params = [SamplingParams(max_tokens=[3, 9, 5, 14, 7][i % 5], ignore_eos=True, temperature=0.8 * (i % 2), seed=i)
+              for i in range(16)]  # fmt: skip
+    long = [SamplingParams(max_tokens=60, ignore_eos=True, temperature=q.temperature, seed=q.seed) for q in params]
+    sequences = [p + o.token_ids for p, o in zip(prompts, make_llm(target).generate(prompts, long))]
+
+    def window(async_scheduling):
+        spec = None if k is None else _oracle_speculator(target, k, sequences)
+        engine = make_llm(target, speculator=spec, **JOIN, async_scheduling=async_scheduling).engine
+        sent, done = 3, {}
+        for i in range(3):
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.token_ids, out.finish_reason)
+                    if sent < len(prompts):
+                        engine.add_request(f"r{sent}", prompts[sent], params[sent])
+                        sent += 1
+        return done
+
+    want = window(False)
+    behind, original = [], Scheduler.schedule_prefill_ahead
+
+    def counted(self, completing=()):
+        out = original(self, completing)
+        behind.append(bool(completing) and out is not None)
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule_prefill_ahead", counted)
+    counts = _count_continuations(monkeypatch)
+    assert window(True) == want and len(want) == 16
+    assert counts["joined"] >= 4
+    assert sum(behind) >= (2 if k else 0)  # plain requests here never arrive in consecutive steps
+
+
 def test_no_join_after_a_prefill_whose_requests_ask_for_logprobs(target, monkeypatch):
     """The join's replay would overwrite the prefill's logits before they are read: with
     log-probabilities asked for, no join, and the same tokens and log-probabilities as sync."""
