@@ -339,8 +339,12 @@ def test_async_scheduling_launches_waiting_prompts_prefill_ahead_with_the_same_a
     assert any(reason == "stop" for _, reason in want)  # a stop inside a draft block is covered
     sequences = _plain_sequences(target, prompts, params)
     ahead, schedule_ahead = [], Scheduler.schedule_prefill_ahead
-    monkeypatch.setattr(Scheduler, "schedule_prefill_ahead",
-                        lambda self: ahead.append(schedule_ahead(self)) or ahead[-1])  # fmt: skip
+
+    def recorded(self, completing=()):
+        ahead.append(schedule_ahead(self, completing))
+        return ahead[-1]
+
+    monkeypatch.setattr(Scheduler, "schedule_prefill_ahead", recorded)
 
     def run(async_scheduling):
         spec = None if k is None else _oracle_speculator(target, k, sequences)
