@@ -20,7 +20,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig, default_max_num_batched_tokens
+from blockdraft.config import (CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+                               default_max_num_batched_tokens)
 from blockdraft.errors import param_error
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")

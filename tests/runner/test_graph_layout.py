@@ -53,7 +53,8 @@ def test_static_block_table_is_written_only_as_wide_as_steps_need_yet_reads_as_w
         so = SchedulerOutput(reqs)
         width = static.table_width(so.requests)
         assert width == max(static.block_table_cols, max(len(r.block_ids) for r in reqs)) < 64
-        static.load(build_input_batch(so, 4, "cpu", host_metadata=False, padding=BatchPadding(len(reqs), len(reqs), width)))
+        padding = BatchPadding(len(reqs), len(reqs), width)
+        static.load(build_input_batch(so, 4, "cpu", host_metadata=False, padding=padding))
         whole = build_input_batch(so, 4, "cpu", host_metadata=False, padding=BatchPadding(len(reqs), len(reqs), 64))
         assert torch.equal(static.block_table[: len(reqs)], whole.meta.block_table)
     assert static.block_table_cols == 6 and not static.block_table[:, 6:].any()
