@@ -5,9 +5,11 @@ import pytest
 
 from blockdraft.bench.load_profile import format_table, profile_load
 from blockdraft.runner.model_runner import ModelRunner
+from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec.dflash.checkpoint import random_drafter
 from blockdraft.spec.dflash.speculator import DFlashSpeculator
 from tests.conftest import make_llm, random_prompts, tiny_target
+from tests.engine.test_async_scheduling import _oracle_speculator
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +65,6 @@ def test_windowed_async_run_shows_the_join_steps(target):
     assert out["tokens"] == 8 * 6 and sum(v["steps"] for k, v in kinds.items() if "join" in k.split("+")) >= 3
 
     # an oracle drafter accepts more for some requests: they stop at different steps and leave the chain
-    from blockdraft.sampling_params import SamplingParams
-    from tests.engine.test_async_scheduling import _oracle_speculator
-
     prompts = random_prompts(3, seed=5)
     plain = make_llm(target).generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
     spec = _oracle_speculator(target, 3, [p + o.token_ids for p, o in zip(prompts, plain)])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from blockdraft.engine.outputs import ScheduledRequest, SchedulerOutput
-from blockdraft.runner.continuation import advance_static_inputs
+from blockdraft.runner.continuation import advance_static_inputs, advanced_rows
 from blockdraft.runner.cuda_graphs import StaticInputs
 from blockdraft.runner.input_batch import BatchPadding, build_input_batch
 from blockdraft.runner.model_runner import ModelRunner
@@ -225,6 +225,8 @@ def test_a_window_of_requests_prefills_newcomers_behind_a_prefill_in_flight(targ
         return done
 
     want = window(False)
+    plain = make_llm(target).generate(prompts, params)
+    assert want == {f"r{i}": (o.token_ids, o.finish_reason) for i, o in enumerate(plain)}
     behind, original = [], Scheduler.schedule_prefill_ahead
 
     def counted(self, completing=()):
@@ -243,20 +245,26 @@ def test_no_join_after_a_prefill_whose_requests_ask_for_logprobs(target, monkeyp
     """The join's replay would overwrite the prefill's logits before they are read: with
     log-probabilities asked for, no join, and the same tokens and log-probabilities as sync."""
     prompts = random_prompts(6, seed=51)
-    params = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2 if i % 2 else None) for i in range(6)]
+    # the first three prefill together without log-probabilities (a join follows), the last three with
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2 if i >= 3 else None) for i in range(6)]
 
     def run(async_scheduling):
         outs = make_llm(target, **JOIN, async_scheduling=async_scheduling).generate(prompts, params)
         return [(o.token_ids, o.logprobs) for o in outs]
 
     want = run(False)
-    counts = _count_continuations(monkeypatch)
+    after, join = [], ModelRunner.launch_join
+
+    def recorded(self, prev, so):
+        out = join(self, prev, so)
+        if out is not None:  # whether the step it followed asked for log-probabilities
+            after.append(any(sr.sampling_params.logprobs is not None for sr in prev.so.requests))
+        return out
+
+    monkeypatch.setattr(ModelRunner, "launch_join", recorded)
     got = run(True)
     assert got == want and any(lp for _, lp in got)
-    joined = counts["joined"]
-    counts = _count_continuations(monkeypatch)
-    run(True)
-    assert joined == counts["joined"]  # deterministic, and joins only after prefills without logprobs
+    assert after and not any(after)  # joins happened, none after a step with log-probabilities
 
 
 def _drive(engine, prompts, params, add_at: int, abort_at: int) -> dict:
@@ -383,33 +391,46 @@ def test_async_scheduling_needs_the_step_graphs(target):
     assert make_llm(target).engine.async_scheduling is False  # CPU default: off (no graphs captured)
 
 
+def _random_uniform_step(rng, n: int, q: int, width: int) -> tuple[SchedulerOutput, list[int], list[list[int]]]:
+    """A uniform step of n requests (Q rows, Q - 1 drafts each) at random start positions and
+    pages -> (the step, its starts, its pages)."""
+    starts = [rng.randint(1, 12) for _ in range(n)]
+    pages = [rng.sample(range(40), width) for _ in range(n)]
+    so = SchedulerOutput([ScheduledRequest(f"r{i}", [rng.randrange(1, 90) for _ in range(q)], starts[i], q - 1, True,
+                                           pages[i], SamplingParams()) for i in range(n)])  # fmt: skip
+    return so, starts, pages
+
+
+def _random_packed(rng, bucket: int, q: int) -> torch.Tensor:
+    """A step's packed output [bucket, 2Q]: target tokens, accepted counts, next drafts (junk in
+    padding requests' rows too)."""
+    return torch.tensor([[rng.randrange(1, 90) for _ in range(q)] + [rng.randrange(q)]
+                         + [rng.randrange(1, 90) for _ in range(q - 1)] for _ in range(bucket)])  # fmt: skip
+
+
+def _step_after(packed: torch.Tensor, starts, pages, keep, q: int) -> SchedulerOutput:
+    """The step the synchronous scheduler makes after `packed` for the requests at indices `keep`:
+    bonus token target[accepted] and the next drafts, at start + accepted + 1."""
+    return SchedulerOutput([ScheduledRequest(
+        f"r{i}", [int(packed[i, packed[i, q]])] + packed[i, q + 1 :].tolist(), starts[i] + int(packed[i, q]) + 1,
+        q - 1, True, pages[i], SamplingParams()) for i in keep])  # fmt: skip
+
+
 def test_advance_static_inputs_equals_the_host_built_batch():
     """For every accepted count, the static inputs advanced on the device equal the static inputs
     loaded from build_input_batch of the SchedulerOutput the synchronous scheduler would have made
     (padding rows and requests included, whatever the padding requests' packed rows hold)."""
     rng = random.Random(0)
     q, page, width, bucket = 4, 4, 8, 4
-    params = SamplingParams()
+    padding = BatchPadding(bucket, bucket * q, width)
     for trial in range(20):
         n = rng.randint(1, 3)
-        starts = [rng.randint(1, 12) for _ in range(n)]
-        pages = [rng.sample(range(40), width) for _ in range(n)]
-        tokens = [[rng.randrange(1, 90) for _ in range(q)] for _ in range(n)]
-        so = SchedulerOutput([ScheduledRequest(f"r{i}", tokens[i], starts[i], q - 1, True, pages[i], params)
-                              for i in range(n)])
-        padding = BatchPadding(bucket, bucket * q, width)
-        batch = build_input_batch(so, page, "cpu", host_metadata=False, padding=padding)
-        target = torch.tensor([[rng.randrange(1, 90) for _ in range(q)] for _ in range(bucket)])
-        accepted = torch.tensor([rng.randrange(q) for _ in range(bucket)])  # padding requests: junk too
-        drafts = torch.tensor([[rng.randrange(1, 90) for _ in range(q - 1)] for _ in range(bucket)])
-        packed = torch.cat([target, accepted[:, None], drafts], dim=1)
-        nxt = SchedulerOutput([ScheduledRequest(
-            f"r{i}", [int(target[i, accepted[i]])] + drafts[i].tolist(), starts[i] + int(accepted[i]) + 1, q - 1, True,
-            pages[i], params) for i in range(n)])  # fmt: skip
-        want_batch = build_input_batch(nxt, page, "cpu", host_metadata=False, padding=padding)
+        so, starts, pages = _random_uniform_step(rng, n, q, width)
+        packed = _random_packed(rng, bucket, q)
+        nxt = _step_after(packed, starts, pages, range(n), q)
         got, want = (StaticInputs.allocate(bucket + 2, q, width, "cpu") for _ in range(2))
-        got.load(batch)
-        want.load(want_batch)
+        got.load(build_input_batch(so, page, "cpu", host_metadata=False, padding=padding))
+        want.load(build_input_batch(nxt, page, "cpu", host_metadata=False, padding=padding))
         advance_static_inputs(got, packed, bucket, q, page)
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table", "query_start_loc", "row_req"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (trial, name)
@@ -421,28 +442,17 @@ def test_advanced_rows_of_the_requests_still_running_equal_the_host_built_batch(
     """When some requests of step N stopped, the rows gathered on the device for the others
     (continuation.advanced_rows) equal build_input_batch of the step the synchronous scheduler
     would have made for them, for every accepted count and subset."""
-    from blockdraft.runner.continuation import advanced_rows
-
     rng = random.Random(1)
     q, page, width, bucket = 4, 4, 8, 4
-    params = SamplingParams()
+    padding = BatchPadding(bucket, bucket * q, width)
     for trial in range(30):
         n = rng.randint(2, 4)
-        starts = [rng.randint(1, 12) for _ in range(n)]
-        pages = [rng.sample(range(40), width) for _ in range(n)]
-        tokens = [[rng.randrange(1, 90) for _ in range(q)] for _ in range(n)]
-        so = SchedulerOutput([ScheduledRequest(f"r{i}", tokens[i], starts[i], q - 1, True, pages[i], params)
-                              for i in range(n)])
+        so, starts, pages = _random_uniform_step(rng, n, q, width)
         inputs = StaticInputs.allocate(bucket, q, width, "cpu")
-        padding = BatchPadding(bucket, bucket * q, width)
         inputs.load(build_input_batch(so, page, "cpu", host_metadata=False, padding=padding))
-        packed = torch.cat([torch.randint(1, 90, (bucket, q)), torch.randint(0, q, (bucket, 1)),
-                            torch.randint(1, 90, (bucket, q - 1))], dim=1)  # fmt: skip
+        packed = _random_packed(rng, bucket, q)
         keep = sorted(rng.sample(range(n), rng.randint(1, n - 1)))
-        nxt = SchedulerOutput([ScheduledRequest(
-            f"r{i}", [int(packed[i, packed[i, q]])] + packed[i, q + 1 :].tolist(), starts[i] + int(packed[i, q]) + 1,
-            q - 1, True, pages[i], params) for i in keep])  # fmt: skip
-        want = build_input_batch(nxt, page, "cpu", host_metadata=False)
+        want = build_input_batch(_step_after(packed, starts, pages, keep, q), page, "cpu", host_metadata=False)
         ids, pos, slots, seq_lens = advanced_rows(inputs, packed, torch.tensor(keep), q, want.meta.block_table, page)
         assert torch.equal(ids, want.input_ids) and torch.equal(pos, want.positions), trial
         assert torch.equal(slots, want.slot_mapping) and torch.equal(seq_lens, want.meta.seq_lens), trial
