@@ -11,6 +11,7 @@
 #   10. bash scripts/h200_validate.sh prep && bash scripts/h200_validate.sh suite        (~7 min)
 #       (suite / exclusive take test files to run instead of all of tests/gpu)
 #   11. bash scripts/h200_validate.sh exclusive; bash scripts/h200_validate.sh load; bash scripts/h200_validate.sh bench
+#   (optional) bash scripts/h200_validate.sh ksweep [K ...]: the load bench per K, side by side
 #   12. (optional) bash scripts/h200_validate.sh before: the load bench with an earlier commit's code,
 #      side by side with 11's; workstation before call 1:
 #      git archive REF blockdraft | tar -x -C D; rm D/blockdraft/drafters/*/model.int8
@@ -54,9 +55,14 @@ bench)  # under load (with HF), then closed batches of 1 and 32
     --engines ours,hf --out "$OUT/sustained" > "$OUT/sustained.log" 2>&1; echo "rc $?"; tail -14 "$OUT/sustained.log"
   python3 -m blockdraft.cli bench "${DRAFT[@]}" --batch-sizes 1,32 --max-tokens 128 --engines ours \
     --out "$OUT/closed" > "$OUT/closed.log" 2>&1; echo "rc $?"; tail -14 "$OUT/closed.log" ;;
+ksweep) # the load bench per K (drafts per step), K given after the phase (default 15 7 5 3)
+  shift; cd /tmp/tcode && for k in ${@:-15 7 5 3}; do
+    python3 -m blockdraft.cli bench "${DRAFT[@]}" --num-speculative-tokens "$k" --batch-sizes 32 --num-prompts 128 \
+      --max-tokens 128 --engines ours --no-plot --out "$OUT/load-k$k" > "$OUT/load-k$k.log" 2>&1
+    echo "K=$k rc $?"; tail -5 "$OUT/load-k$k.log"; done ;;
 before) # the same load bench with the earlier code staged in /tmp/oldcode (ours only)
   cd /tmp/oldcode && PYTHONPATH=/tmp/site:/tmp/oldcode python3 -m blockdraft.cli bench "${DRAFT[@]}" --batch-sizes 32 \
     --num-prompts 128 --max-tokens 128 --engines ours --out "$OUT/sustained-before" > "$OUT/sustained-before.log" 2>&1
   echo "rc $?"; tail -14 "$OUT/sustained-before.log" ;;
-*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|before" >&2; exit 2 ;;
+*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|before" >&2; exit 2 ;;
 esac

@@ -12,8 +12,9 @@
 #                     drafter folder, int8 pack included)
 # PARTS/g1 .. g8      the Qwen2.5-Coder-0.5B GGUF in 63,000,000-byte pieces, one per device call
 # PARTS/init/A-bf16.safetensors   the shipped drafter expanded to bf16: train_fast's INIT
-# PARTS/base/keep13/  (not made here: session 13's answers and eval sequences, kept since; train_fast
-#                     DATA / EVAL, see docs/benchmarks/drafter-qwen2.5-coder-0.5b.md "Session 13")
+# PARTS/keep21/       (not made here: session 21's 42,147 answers, data{0,1,2}.tgz, kept since; train_fast
+#                     DATA, see docs/benchmarks/drafter-qwen2.5-coder-0.5b.md "Session 21"; session 13's
+#                     base/keep13/ was lost with an earlier checkout)
 #
 # Device calls then carry PARTS/base (23 MB + the tree: shrink the tree first, see h200_run.sh),
 # then PARTS/g1 .. g8 one per call, within 30 s of each other.
