@@ -36,6 +36,11 @@ DEFAULTS = dict(num_prompts=2000, max_prompt_tokens=512, max_new_tokens=256, syn
 # The settings that shape the dataset (recorded in its info["settings"]); the training ones may change on reuse.
 DATA_SETTINGS = ("num_prompts", "max_prompt_tokens", "max_new_tokens", "synth_prompts", "sampled_fraction")
 
+# Requests the target answers at once while making the data (--max-num-seqs): 512 at once answered
+# at 47.8K tokens/s on the H200 in bf16 (gpu_run, docs/benchmarks/gpu.md "Session 21"); the CPU
+# gains nothing from more than a few dozen.
+ANSWER_MAX_NUM_SEQS = {"cpu": 32, "cuda": 512}
+
 MAX_BLOCK_SIZE = 64  # released DFlash drafters use 8-16; a block costs B query tokens per anchor
 MAX_SYNTH_PROMPTS = 1_000_000  # far above any useful run; beyond it the request list alone exhausts memory
 
@@ -71,6 +76,8 @@ def check_settings(settings: dict, args) -> None:
         raise ValueError(f"--synth-prompts must be an integer in [0, {MAX_SYNTH_PROMPTS}], got {synth!r}")
     if not 0.0 <= settings["sampled_fraction"] <= 1.0:
         raise ValueError(f"--sampled-fraction must be in [0, 1], got {settings['sampled_fraction']}")
+    if getattr(args, "max_num_seqs", None) is not None:
+        _check_int("--max-num-seqs", args.max_num_seqs, 1)
     if isinstance(args.train_vocab_size, bool) or not isinstance(args.train_vocab_size, int) or args.train_vocab_size < 0:
         raise ValueError(f"--train-vocab-size must be an integer >= 0 (0: full vocabulary), got {args.train_vocab_size!r}")
     if args.data and Path(args.data).is_file():
@@ -274,16 +281,37 @@ def select_training_prompts(tokenizer, settings: dict, args) -> tuple[list[list[
     return prompts, stats, eval_texts
 
 
+def answering_engine_kwargs(device: str, max_num_seqs: int | None, num_prompts: int) -> dict:
+    """The LLM keyword arguments of the engine that answers the training prompts.
+
+    Args:
+        device: the resolved device, "cpu" or "cuda[:N]".
+        max_num_seqs: --max-num-seqs, requests answered at once (None: ANSWER_MAX_NUM_SEQS).
+        num_prompts: prompts to answer (the CPU pool: 4 pages of 16 tokens each, at least 1,024).
+    Returns {"max_num_seqs": ...} on CUDA, where the engine sizes its KV pool from the free GPU
+    memory as `serve` does (the caller frees it before training), plus "num_kv_blocks" on the CPU.
+    """
+    cuda = device.startswith("cuda")
+    seqs = max_num_seqs if max_num_seqs is not None else ANSWER_MAX_NUM_SEQS["cuda" if cuda else "cpu"]
+    return {"max_num_seqs": seqs} if cuda else {"max_num_seqs": seqs, "num_kv_blocks": max(1024, num_prompts * 4)}
+
+
 def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
-                  chosen: tuple[list[list[int]], dict, list[str]]):
-    """Generate the dataset into `folder` with our engine: the target answers the `chosen` prompts
-    (select_training_prompts) and, with --synth-prompts, requests it writes itself."""
+                  chosen: tuple[list[list[int]], dict, list[str]], device: str = "cpu"):
+    """Generate the dataset into `folder` with our engine on `device`: the target answers the `chosen`
+    prompts (select_training_prompts) and, with --synth-prompts, requests it writes itself; at most
+    --max-num-seqs at once (answering_engine_kwargs). The engine (its KV pool, its CUDA graphs) is
+    freed before returning, so training gets the memory."""
+    import gc
+
+    import torch
+
     from blockdraft.llm import LLM
     from blockdraft.training.generate import encode_prompts, generate_with_engine, sampling_plan, to_dataset
 
     prompts, stats, eval_texts = chosen
-    llm = LLM(target=target, dtype=args.dtype, device=args.device, max_num_seqs=32,
-              num_kv_blocks=max(1024, len(prompts) * 4))
+    llm = LLM(target=target, dtype=args.dtype, device=device,
+              **answering_engine_kwargs(device, getattr(args, "max_num_seqs", None), len(prompts)))
     t0 = time.perf_counter()
     if settings["synth_prompts"]:  # requests the target writes itself, after the ShareGPT ones (training/synth.py)
         from blockdraft.training.synth import synthesize_prompts
@@ -301,6 +329,10 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
             "gen_seconds": round(time.perf_counter() - t0, 1)}
     data = to_dataset(prompts, responses, sampled, info)
     data.save(folder)
+    del llm
+    gc.collect()  # the engine's reference cycles hold its KV pool and graph pool
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return data
 
 
@@ -400,7 +432,7 @@ def train_drafter(args) -> dict:
     # weights are inference-only; an untied LM head, as Qwen's, is one).
     target = load_target(str(path), args.dtype, device, args.cache_dir, pack_weights=False)
     if data is None:
-        data = build_dataset(target, settings, args, folder, str(path), chosen)
+        data = build_dataset(target, settings, args, folder, str(path), chosen, device)
     if cfg.batch_size > len(data):  # not an error (each step takes all of them), but not what was asked
         print(f"train-drafter: --batch-size {cfg.batch_size} is more than the {len(data)} training sequences; "
               f"each step uses all {len(data)}", file=sys.stderr, flush=True)

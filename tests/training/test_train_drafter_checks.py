@@ -34,6 +34,7 @@ def _error(capsys, *flags) -> str:
     (["--max-len", "1"], "--max-len must be an integer >= 2, got 1"),
     (["--ckpt-every", "-1"], "--ckpt-every must be an integer >= 0, got -1"),
     (["--seed", "-1"], "--seed must be an integer >= 0, got -1"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1, got 0"),
     (["--mask-token-id", "49152"], "--mask-token-id must be in [0, 49152) (this target's vocabulary), got 49152"),
     (["--mask-token-id", "2"], ("--mask-token-id 2 is '<|im_end|>', a special token the training data holds "
                                 "(chat markers, end of sequence); pick an id that never occurs in the data, or "
