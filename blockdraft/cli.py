@@ -220,9 +220,11 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "duplicates, no overlap with HumanEval / MT-bench) and answered after them: prompts in the "
                         "target's own domain (default 0)")
     t.add_argument("--max-num-seqs", type=int, default=None,
-                   help="prompts the target answers at once while making the data (default 512 on CUDA, whose KV "
-                        "pool is then sized from the free GPU memory as in `serve` and freed before training; 32 "
-                        "on the CPU)")
+                   help="prompts the target answers at once while making the data (default 512 on CUDA, 32 on "
+                        "the CPU, at most the number of prompts); the answering engine's KV pool holds that many "
+                        "prompts of --max-prompt-tokens + --max-new-tokens and is freed before training (lower it "
+                        "if the pool does not fit the GPU). Same answers whatever the value in float32; in "
+                        "bfloat16 another batch can flip a near-tie. Unused when the data is reused")
     t.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (default 0: only at the end)")
     t.add_argument("--cache-features", action="store_true",
                    help="compute the target's features of every training sequence once and keep them in memory "

@@ -281,19 +281,26 @@ def select_training_prompts(tokenizer, settings: dict, args) -> tuple[list[list[
     return prompts, stats, eval_texts
 
 
-def answering_engine_kwargs(device: str, max_num_seqs: int | None, num_prompts: int) -> dict:
+def answering_engine_kwargs(device: str, max_num_seqs: int | None, num_requests: int, max_prompt_tokens: int,
+                            max_new_tokens: int, kv_block_size: int = 16) -> dict:
     """The LLM keyword arguments of the engine that answers the training prompts.
 
     Args:
         device: the resolved device, "cpu" or "cuda[:N]".
-        max_num_seqs: --max-num-seqs, requests answered at once (None: ANSWER_MAX_NUM_SEQS).
-        num_prompts: prompts to answer (the CPU pool: 4 pages of 16 tokens each, at least 1,024).
-    Returns {"max_num_seqs": ...} on CUDA, where the engine sizes its KV pool from the free GPU
-    memory as `serve` does (the caller frees it before training), plus "num_kv_blocks" on the CPU.
+        max_num_seqs: --max-num-seqs, requests answered at once (None: ANSWER_MAX_NUM_SEQS of the
+            device, at most `num_requests`).
+        num_requests: requests to answer (ShareGPT prompts + --synth-prompts).
+        max_prompt_tokens / max_new_tokens: the longest prompt and answer, tokens.
+    Returns {"max_num_seqs", "kv_block_size", "num_kv_blocks"}: a pool of the pages that many
+    requests of the longest prompt and answer need (at least 1,024), as the GPU recipe
+    (training/answering.answer_engine) sizes it, so it does not grow with the prompt count nor take
+    the whole GPU (the trainer needs the memory next).
     """
-    cuda = device.startswith("cuda")
-    seqs = max_num_seqs if max_num_seqs is not None else ANSWER_MAX_NUM_SEQS["cuda" if cuda else "cpu"]
-    return {"max_num_seqs": seqs} if cuda else {"max_num_seqs": seqs, "num_kv_blocks": max(1024, num_prompts * 4)}
+    if max_num_seqs is None:
+        max_num_seqs = max(1, min(ANSWER_MAX_NUM_SEQS["cuda" if device.startswith("cuda") else "cpu"], num_requests))
+    per_request = math.ceil((max_prompt_tokens + max_new_tokens + 1) / kv_block_size)
+    return {"max_num_seqs": max_num_seqs, "kv_block_size": kv_block_size,
+            "num_kv_blocks": max(1024, max_num_seqs * per_request)}
 
 
 def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
@@ -310,8 +317,14 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
     from blockdraft.training.generate import encode_prompts, generate_with_engine, sampling_plan, to_dataset
 
     prompts, stats, eval_texts = chosen
-    llm = LLM(target=target, dtype=args.dtype, device=device,
-              **answering_engine_kwargs(device, getattr(args, "max_num_seqs", None), len(prompts)))
+    engine = answering_engine_kwargs(device, getattr(args, "max_num_seqs", None), len(prompts) + settings["synth_prompts"],
+                                     settings["max_prompt_tokens"], settings["max_new_tokens"])
+    try:
+        llm = LLM(target=target, dtype=args.dtype, device=device, **engine)
+    except torch.OutOfMemoryError as e:
+        raise ValueError(f"--max-num-seqs {engine['max_num_seqs']}: the answering engine's KV pool of "
+                         f"{engine['num_kv_blocks']} pages (that many prompts of --max-prompt-tokens + "
+                         f"--max-new-tokens) does not fit in the GPU's memory; lower --max-num-seqs") from e
     t0 = time.perf_counter()
     if settings["synth_prompts"]:  # requests the target writes itself, after the ShareGPT ones (training/synth.py)
         from blockdraft.training.synth import synthesize_prompts
@@ -325,12 +338,13 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
     responses = generate_with_engine(llm, prompts, settings["max_new_tokens"], sampled, 0.7, args.seed, progress=True)
     info = {"target": args.target, "target_path": target_path, "vocab_size": target.config.vocab_size,
             "settings": {k: settings[k] for k in DATA_SETTINGS}, "generator": "blockdraft engine",
+            "device": device, "dtype": args.dtype, "max_num_seqs": engine["max_num_seqs"],
             "sampled_temperature": 0.7, "seed": args.seed, "prompt_stats": stats,
             "gen_seconds": round(time.perf_counter() - t0, 1)}
     data = to_dataset(prompts, responses, sampled, info)
     data.save(folder)
     del llm
-    gc.collect()  # the engine's reference cycles hold its KV pool and graph pool
+    gc.collect()  # CUDA graphs keep closures over their owners (cycles); collect them so empty_cache frees the pool
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return data

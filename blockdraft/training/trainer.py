@@ -351,7 +351,26 @@ class Trainer:
                     "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(p.device),
                 }
         self.step, self.history = int(state["step"]), list(state.get("history", []))
+        self._drop_log_lines_after(self.step)
         return True
+
+    def _drop_log_lines_after(self, step: int) -> None:
+        """Remove from train_log.jsonl the lines of steps past `step`, the checkpoint a resumed run
+        starts from (an interrupted run logged them, the resumed one redoes and logs them again), and
+        a line cut short by the interruption."""
+        log = self.out_dir / "train_log.jsonl"
+        if not log.is_file():
+            return
+        lines = log.read_text().splitlines(keepends=True)
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line).get("step", 0) <= step and line.endswith("\n"):
+                    kept.append(line)
+            except ValueError:
+                continue
+        if len(kept) != len(lines):
+            _atomic(log, lambda p: p.write_text("".join(kept)))
 
 
 def read_checkpoint_state(out_dir: str | Path) -> dict | None:

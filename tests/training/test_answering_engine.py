@@ -1,5 +1,6 @@
-"""train-drafter answers its prompts --max-num-seqs at a time (512 on CUDA, 32 on the CPU), with the
-same answers whatever that number (fp32), and frees the answering engine before training."""
+"""train-drafter answers its prompts --max-num-seqs at a time (512 on CUDA, 32 on the CPU, at most the
+number of requests) from a KV pool sized for that many, with the same answers whatever that number
+(fp32), and frees the answering engine and its KV pool before training."""
 
 import weakref
 
@@ -14,29 +15,35 @@ from tests.training.test_train_drafter_e2e import NAME, _cached
 
 
 def test_engine_arguments_per_device():
-    assert answering_engine_kwargs("cpu", None, 8) == {"max_num_seqs": 32, "num_kv_blocks": 1024}
-    assert answering_engine_kwargs("cpu", 3, 1000) == {"max_num_seqs": 3, "num_kv_blocks": 4000}
-    assert answering_engine_kwargs("cuda", None, 8) == {"max_num_seqs": 512}  # pool from free memory
-    assert answering_engine_kwargs("cuda:1", 64, 8) == {"max_num_seqs": 64}
+    # 512 + 256 + 1 tokens = 49 pages of 16 per request; the pool holds at least 1,024 pages
+    assert answering_engine_kwargs("cpu", None, 2000, 512, 256) == {
+        "max_num_seqs": 32, "kv_block_size": 16, "num_kv_blocks": 32 * 49}
+    assert answering_engine_kwargs("cuda", None, 20000, 512, 256)["num_kv_blocks"] == 512 * 49
+    assert answering_engine_kwargs("cuda:1", None, 8, 128, 16)["max_num_seqs"] == 8  # no more than there are
+    assert answering_engine_kwargs("cuda", 3, 8, 128, 16) == {"max_num_seqs": 3, "kv_block_size": 16,
+                                                               "num_kv_blocks": 1024}
+    # the pool no longer grows with the number of prompts (it was 4 pages per prompt)
+    assert answering_engine_kwargs("cpu", None, 10**6, 512, 256)["num_kv_blocks"] == 32 * 49
 
 
 @pytest.mark.skipif(not _cached(), reason="needs SmolLM2 and the data wheels in the cache (slow to fetch)")
-def test_max_num_seqs_reaches_the_engine_changes_no_answer_and_the_engine_is_freed(tmp_path, capsys, monkeypatch):
+def test_max_num_seqs_reaches_the_engine_changes_no_answer_and_the_pool_is_freed(tmp_path, capsys, monkeypatch):
     engines = []
 
     class Spy(blockdraft.llm.LLM):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            engines.append((kwargs["max_num_seqs"], weakref.ref(self)))
+            pool = [weakref.ref(t) for pair in self.engine.runner.kv_caches for t in pair]
+            engines.append((kwargs["max_num_seqs"], kwargs["num_kv_blocks"], pool))
 
     fit = Trainer.fit
 
-    def fit_after_the_engine_is_gone(self, *args, **kwargs):
-        assert engines and engines[-1][1]() is None, "the answering engine still holds its memory during training"
+    def fit_after_the_pool_is_gone(self, *args, **kwargs):
+        assert engines and all(ref() is None for ref in engines[-1][2]), "the KV pool is still held during training"
         return fit(self, *args, **kwargs)
 
     monkeypatch.setattr(blockdraft.llm, "LLM", Spy)
-    monkeypatch.setattr(Trainer, "fit", fit_after_the_engine_is_gone)
+    monkeypatch.setattr(Trainer, "fit", fit_after_the_pool_is_gone)
     data = {}
     for seqs in (None, "1"):
         out = tmp_path / f"seqs-{seqs}"
@@ -46,7 +53,9 @@ def test_max_num_seqs_reaches_the_engine_changes_no_answer_and_the_engine_is_fre
         assert main(args) == 0
         capsys.readouterr()
         data[seqs] = TokenDataset.load(out / "data")
-    assert [seqs for seqs, _ in engines] == [32, 1]
+    assert [(seqs, pages) for seqs, pages, _ in engines] == [(4, 1024), (1, 1024)]  # 4 prompts: 4 at once
+    assert [data[s].info["max_num_seqs"] for s in (None, "1")] == [4, 1]
+    assert data[None].info["device"] == "cpu" and data[None].info["dtype"] == "float32"
     assert len(data[None]) == len(data["1"]) == 4
-    for i in range(4):  # one request at a time or all together: the same answers
+    for i in range(4):  # one request at a time or all together: the same answers (fp32)
         assert data[None].sequence(i)[0].tolist() == data["1"].sequence(i)[0].tolist()

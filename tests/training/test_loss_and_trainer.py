@@ -1,5 +1,6 @@
 """Loss terms, learning on a fixed batch, the LR schedule, and exact resume from a checkpoint."""
 
+import json
 import math
 
 import pytest
@@ -80,6 +81,24 @@ def test_resume_replays_an_uninterrupted_run_exactly(tiny, tmp_path):
         torch.testing.assert_close(a, b, msg=k)
     files = sorted(p.name for p in (tmp_path / "b" / "checkpoint").iterdir())
     assert files == ["drafter.safetensors", "optimizer.safetensors", "state.json"]  # no pickles
+
+
+def _logged_steps(out) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_a_resumed_run_logs_each_step_once(tiny, tmp_path):
+    """Lines an interrupted run logged after its last checkpoint (and a line cut short) are dropped on
+    resume: the resumed run redoes those steps and logs them again."""
+    out = tmp_path / "run"
+    _trainer(tiny, out, steps=8).fit(progress=False, until=4)  # checkpoint at step 4
+    with open(out / "train_log.jsonl", "a") as f:  # died after logging step 6, mid-line at 7
+        f.write(json.dumps({"step": 6, "loss": 1.0}) + "\n" + '{"step": 7, "lo')
+    resumed = _trainer(tiny, out, steps=8)
+    assert resumed.load_checkpoint() and resumed.step == 4
+    assert _logged_steps(out) == [2, 4]
+    resumed.fit(progress=False)
+    assert _logged_steps(out) == [2, 4, 6, 8]
 
 
 def test_max_len_that_keeps_no_response_token_is_refused(tiny, tmp_path):
