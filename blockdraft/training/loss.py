@@ -76,12 +76,13 @@ def weighted_block_loss(
     return loss, {"correct": correct, "count": count}
 
 
-def expected_acceptance(slot_accuracy: list[float]) -> float:
+def expected_acceptance(slot_accuracy: list[float | None]) -> float:
     """A rough acceptance length from per-slot accuracies: 1 + sum_k prod_{j<=k} acc_j (treats
-    slots as independent; a progress signal, not a measurement)."""
+    slots as independent; a progress signal, not a measurement). Stops at the first slot without
+    labels (None, or NaN as older logs hold)."""
     total, run = 1.0, 1.0
     for acc in slot_accuracy:
-        if math.isnan(acc):
+        if acc is None or math.isnan(acc):
             break
         run *= acc
         total += run

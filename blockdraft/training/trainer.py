@@ -104,11 +104,12 @@ class StepStats:
         self.count = n if self.count is None else self.count + n
 
     def summary(self) -> dict:
-        """{"loss", "acc": per-slot top-1 accuracy list (slot 1 first), "acc_mean", "tau_proxy"}."""
+        """{"loss", "acc": per-slot top-1 accuracy list (slot 1 first), "acc_mean", "tau_proxy"}; None
+        for a slot no label reached (and for acc_mean without any), so the logs are strict JSON."""
         acc = (self.correct / self.count.clamp(min=1)).tolist() if self.count is not None else []
-        acc = [a if n > 0 else float("nan") for a, n in zip(acc, self.count.tolist())] if acc else []
+        acc = [a if n > 0 else None for a, n in zip(acc, self.count.tolist())] if acc else []
         total = float(self.count.sum()) if self.count is not None else 0.0
-        mean = float(self.correct.sum()) / total if total else float("nan")
+        mean = float(self.correct.sum()) / total if total else None
         return {"loss": self.loss_sum / max(1, self.steps), "acc": acc, "acc_mean": mean,
                 "tau_proxy": expected_acceptance(acc)}
 
@@ -438,7 +439,7 @@ def _postfix(s: dict) -> dict:
     """tqdm postfix: loss, the tau proxy and top-1 accuracy of slots 1, 2, 4, 8, 15 ("n/a" for a
     slot no label reached in the logged steps: tiny runs with short answers)."""
     acc = s["acc"]
-    picks = {f"a{k}": "n/a" if math.isnan(acc[k - 1]) else f"{acc[k - 1]:.2f}" for k in (1, 2, 4, 8, 15) if k <= len(acc)}
+    picks = {f"a{k}": "n/a" if acc[k - 1] is None else f"{acc[k - 1]:.2f}" for k in (1, 2, 4, 8, 15) if k <= len(acc)}
     return {"loss": f"{s['loss']:.3f}", "tau": f"{s['tau_proxy']:.2f}", **picks}
 
 

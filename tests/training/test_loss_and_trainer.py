@@ -9,7 +9,7 @@ import torch
 from blockdraft.training.build import new_drafter
 from blockdraft.training.loss import block_labels, default_gamma, slot_weights, weighted_block_loss
 from blockdraft.training.target import EngineTarget
-from blockdraft.training.trainer import TrainConfig, Trainer, lr_at
+from blockdraft.training.trainer import StepStats, TrainConfig, Trainer, lr_at
 from tests.training._tiny import MASK_ID, tiny_data
 
 
@@ -148,5 +148,22 @@ def test_resuming_with_other_settings_is_refused_naming_them(tiny, tmp_path):
 def test_progress_postfix_shows_slots_without_labels_as_na():
     from blockdraft.training.trainer import _postfix
 
-    post = _postfix({"acc": [0.5] * 14 + [float("nan")], "loss": 2.0, "tau_proxy": 1.5})
+    post = _postfix({"acc": [0.5] * 14 + [None], "loss": 2.0, "tau_proxy": 1.5})
     assert post == {"loss": "2.000", "tau": "1.50", "a1": "0.50", "a2": "0.50", "a4": "0.50", "a8": "0.50", "a15": "n/a"}
+
+
+def test_logs_are_strict_json_when_slots_see_no_label(tiny, tmp_path):
+    """Slots no label reached are null (not NaN, which strict JSON readers such as jq refuse)."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} in a log")
+
+    window = StepStats()
+    window.add(2.0, {"correct": torch.tensor([1.0, 0.0, 0.0]), "count": torch.tensor([2.0, 0.0, 0.0])})
+    summary = window.summary()
+    assert summary["acc"] == [0.5, None, None] and summary["tau_proxy"] == 1.5
+    assert json.loads(json.dumps(summary), parse_constant=refuse) == summary
+    assert StepStats().summary()["acc_mean"] is None
+    _trainer(tiny, tmp_path, steps=2).fit(progress=False)  # the files a run writes
+    for line in (tmp_path / "train_log.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=refuse)
+    json.loads((tmp_path / "checkpoint" / "state.json").read_text(), parse_constant=refuse)
