@@ -416,26 +416,33 @@ def _step_after(packed: torch.Tensor, starts, pages, keep, q: int) -> SchedulerO
         q - 1, True, pages[i], SamplingParams()) for i in keep])  # fmt: skip
 
 
+Q, PAGE, WIDTH, BUCKET = 4, 4, 8, 4  # rows per request, tokens per page, pages per request, padded requests
+PADDING = BatchPadding(BUCKET, BUCKET * Q, WIDTH)
+
+
+def _random_case(rng, n: int) -> tuple[SchedulerOutput, list[int], list[list[int]], torch.Tensor]:
+    """A random uniform step of `n` requests and a random packed output for it: (so, starts, pages, packed)."""
+    so, starts, pages = _random_uniform_step(rng, n, Q, WIDTH)
+    return so, starts, pages, _random_packed(rng, BUCKET, Q)
+
+
 def test_advance_static_inputs_equals_the_host_built_batch():
     """For every accepted count, the static inputs advanced on the device equal the static inputs
     loaded from build_input_batch of the SchedulerOutput the synchronous scheduler would have made
     (padding rows and requests included, whatever the padding requests' packed rows hold)."""
     rng = random.Random(0)
-    q, page, width, bucket = 4, 4, 8, 4
-    padding = BatchPadding(bucket, bucket * q, width)
     for trial in range(20):
         n = rng.randint(1, 3)
-        so, starts, pages = _random_uniform_step(rng, n, q, width)
-        packed = _random_packed(rng, bucket, q)
-        nxt = _step_after(packed, starts, pages, range(n), q)
-        got, want = (StaticInputs.allocate(bucket + 2, q, width, "cpu") for _ in range(2))
-        got.load(build_input_batch(so, page, "cpu", host_metadata=False, padding=padding))
-        want.load(build_input_batch(nxt, page, "cpu", host_metadata=False, padding=padding))
-        advance_static_inputs(got, packed, bucket, q, page)
+        so, starts, pages, packed = _random_case(rng, n)
+        nxt = _step_after(packed, starts, pages, range(n), Q)
+        got, want = (StaticInputs.allocate(BUCKET + 2, Q, WIDTH, "cpu") for _ in range(2))
+        got.load(build_input_batch(so, PAGE, "cpu", host_metadata=False, padding=PADDING))
+        want.load(build_input_batch(nxt, PAGE, "cpu", host_metadata=False, padding=PADDING))
+        advance_static_inputs(got, packed, BUCKET, Q, PAGE)
         for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table", "query_start_loc", "row_req"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (trial, name)
     with pytest.raises(ValueError, match=r"packed output has shape \(4, 7\), expected \(4, 8\)"):
-        advance_static_inputs(got, packed[:, :7], bucket, q, page)
+        advance_static_inputs(got, packed[:, :7], BUCKET, Q, PAGE)
 
 
 def test_advanced_rows_of_the_requests_still_running_equal_the_host_built_batch():
@@ -443,16 +450,13 @@ def test_advanced_rows_of_the_requests_still_running_equal_the_host_built_batch(
     (continuation.advanced_rows) equal build_input_batch of the step the synchronous scheduler
     would have made for them, for every accepted count and subset."""
     rng = random.Random(1)
-    q, page, width, bucket = 4, 4, 8, 4
-    padding = BatchPadding(bucket, bucket * q, width)
     for trial in range(30):
         n = rng.randint(2, 4)
-        so, starts, pages = _random_uniform_step(rng, n, q, width)
-        inputs = StaticInputs.allocate(bucket, q, width, "cpu")
-        inputs.load(build_input_batch(so, page, "cpu", host_metadata=False, padding=padding))
-        packed = _random_packed(rng, bucket, q)
+        so, starts, pages, packed = _random_case(rng, n)
+        inputs = StaticInputs.allocate(BUCKET, Q, WIDTH, "cpu")
+        inputs.load(build_input_batch(so, PAGE, "cpu", host_metadata=False, padding=PADDING))
         keep = sorted(rng.sample(range(n), rng.randint(1, n - 1)))
-        want = build_input_batch(_step_after(packed, starts, pages, keep, q), page, "cpu", host_metadata=False)
-        ids, pos, slots, seq_lens = advanced_rows(inputs, packed, torch.tensor(keep), q, want.meta.block_table, page)
+        want = build_input_batch(_step_after(packed, starts, pages, keep, Q), PAGE, "cpu", host_metadata=False)
+        ids, pos, slots, seq_lens = advanced_rows(inputs, packed, torch.tensor(keep), Q, want.meta.block_table, PAGE)
         assert torch.equal(ids, want.input_ids) and torch.equal(pos, want.positions), trial
         assert torch.equal(slots, want.slot_mapping) and torch.equal(seq_lens, want.meta.seq_lens), trial
