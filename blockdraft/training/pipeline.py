@@ -308,7 +308,12 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
     """Generate the dataset into `folder` with our engine on `device`: the target answers the `chosen`
     prompts (select_training_prompts) and, with --synth-prompts, requests it writes itself; at most
     --max-num-seqs at once (answering_engine_kwargs). The engine (its KV pool, its CUDA graphs) is
-    freed before returning, so training gets the memory."""
+    freed before returning, so training gets the memory.
+
+    Returns the TokenDataset (also saved to `folder`; its info records device, dtype, max_num_seqs).
+    Raises:
+        ValueError: the answering engine's KV pool does not fit the GPU (names --max-num-seqs).
+    """
     import gc
 
     import torch
