@@ -240,7 +240,9 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the target answers and the drafter trains (default auto: cuda "
                         "when torch sees a GPU, else cpu)")
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target weights (default float32)")
+    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="target weights while answering and training (default auto: bfloat16 on cuda, "
+                        "float32 on cpu); the drafter keeps fp32 master weights (bf16 autocast on cuda)")
     add_cache_dir_flag(t, "model and data cache")
     t.set_defaults(func=_train_drafter)
 

@@ -41,8 +41,25 @@ DATA_SETTINGS = ("num_prompts", "max_prompt_tokens", "max_new_tokens", "synth_pr
 # gains nothing from more than a few dozen.
 ANSWER_MAX_NUM_SEQS = {"cpu": 32, "cuda": 512}
 
+# --dtype auto: bf16 on the GPU (the recipe behind the shipped drafters answers and trains in bf16),
+# fp32 on the CPU, where bf16 matmuls are slower and fp32 answers do not depend on the batch.
+TARGET_DTYPE_AUTO = {"cpu": "float32", "cuda": "bfloat16"}
+TARGET_DTYPES = ("auto", "float32", "bfloat16")
+
 MAX_BLOCK_SIZE = 64  # released DFlash drafters use 8-16; a block costs B query tokens per anchor
 MAX_SYNTH_PROMPTS = 1_000_000  # far above any useful run; beyond it the request list alone exhausts memory
+
+
+def resolve_target_dtype(dtype: str, device: str) -> str:
+    """train-drafter's --dtype on `device` ("cpu" | "cuda") -> "float32" | "bfloat16" ("auto": see
+    TARGET_DTYPE_AUTO).
+
+    Raises:
+        ValueError: `dtype` is not one of TARGET_DTYPES (named with the allowed values).
+    """
+    if dtype not in TARGET_DTYPES:
+        raise ValueError(f"--dtype must be one of {list(TARGET_DTYPES)}, got {dtype!r}")
+    return TARGET_DTYPE_AUTO[device] if dtype == "auto" else dtype
 
 
 def resolve_settings(args) -> dict:
@@ -394,7 +411,7 @@ def train_drafter(args) -> dict:
     import torch
 
     from blockdraft.llm import eos_token_ids, load_target
-    from blockdraft.preflight import check_dtype, read_target_config, resolve_device
+    from blockdraft.preflight import read_target_config, resolve_device
     from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter, load_drafter
     from blockdraft.spec.dflash.config import DEFAULT_BLOCK_SIZE
     from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
@@ -414,8 +431,8 @@ def train_drafter(args) -> dict:
     # (minutes to hours): the values, then the drafter's shape against the target's config.json.
     check_settings(settings, args)
     torch.manual_seed(args.seed)
-    check_dtype(args.dtype)
     device = resolve_device(args.device)
+    args.dtype = resolve_target_dtype(args.dtype, device)
     cfg = TrainConfig(steps=settings["steps"], batch_size=settings["batch_size"], max_len=args.max_len,
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
                       ckpt_every=args.ckpt_every, log_every=settings["log_every"])

@@ -1,6 +1,6 @@
-"""`blockdraft train-drafter --device cuda` on the tiny model: the target answers its prompts from a KV
-pool sized for --max-num-seqs requests, and that pool (and the engine's graphs) is back with the
-allocator before training starts."""
+"""`blockdraft train-drafter --device cuda` on the tiny model: the target (bf16 by default on CUDA)
+answers its prompts from a KV pool sized for --max-num-seqs requests, and that pool (and the engine's
+graphs) is back with the allocator before training starts."""
 
 from __future__ import annotations
 
@@ -53,5 +53,6 @@ def test_train_drafter_on_cuda_frees_the_answering_pool_before_training(tmp_path
     summary = json.loads(capsys.readouterr().out)
     (seqs, refs, pool, with_engine), = engines
     assert seqs == 6 and summary["data"]["max_num_seqs"] == 6 and summary["data"]["num_sequences"] == 6
+    assert summary["data"]["dtype"] == "bfloat16" and summary["data"]["device"] == "cuda"
     assert all(ref() is None for ref in refs)
     assert at_fit[0] <= with_engine - pool  # the pool's memory went back before training

@@ -1,6 +1,7 @@
 """train-drafter answers its prompts --max-num-seqs at a time (512 on CUDA, 32 on the CPU, at most the
 number of requests) from a KV pool sized for that many, with the same answers whatever that number
-(fp32), and frees the answering engine and its KV pool before training."""
+(fp32), and frees the answering engine and its KV pool before training. Its target is bf16 on CUDA and
+fp32 on the CPU unless --dtype says otherwise."""
 
 import weakref
 
@@ -9,7 +10,7 @@ import pytest
 import blockdraft.llm
 from blockdraft.cli import main
 from blockdraft.training.dataset import TokenDataset
-from blockdraft.training.pipeline import answering_engine_kwargs
+from blockdraft.training.pipeline import answering_engine_kwargs, resolve_target_dtype
 from blockdraft.training.trainer import Trainer
 from tests.training.test_train_drafter_e2e import NAME, _cached
 
@@ -24,6 +25,13 @@ def test_engine_arguments_per_device():
                                                                "num_kv_blocks": 1024}
     # the pool no longer grows with the number of prompts (it was 4 pages per prompt)
     assert answering_engine_kwargs("cpu", None, 10**6, 512, 256)["num_kv_blocks"] == 32 * 49
+
+
+def test_target_dtype_per_device():
+    assert resolve_target_dtype("auto", "cuda") == "bfloat16" and resolve_target_dtype("auto", "cpu") == "float32"
+    assert resolve_target_dtype("float32", "cuda") == "float32" and resolve_target_dtype("bfloat16", "cpu") == "bfloat16"
+    with pytest.raises(ValueError, match=r"--dtype must be one of \['auto', 'float32', 'bfloat16'\], got 'float16'"):
+        resolve_target_dtype("float16", "cuda")
 
 
 @pytest.mark.skipif(not _cached(), reason="needs SmolLM2 and the data wheels in the cache (slow to fetch)")
