@@ -7,7 +7,7 @@
 #                                       weights are INIT, evaluate, then `blockdraft bench` the result
 #   h200_run.sh pack WORK OUT           resume's results + generated data into OUT (<= 15 MB pieces)
 #   h200_run.sh prepare4 PARTS; stash PARTS (per GGUF piece); train_fast WORK INIT DATA_TARS EVAL;
-#   pack4 | pack6 WORK OUT; packdata WORK OUT SHARD
+#   pack4 | pack6 WORK OUT (pack6: again until "all sent"); packdata WORK OUT SHARD
 #                                       sessions 4-6: GPU tests + continue INIT (fp32 drafter weights)
 #                                       on kept answers (tars of data/ shards, comma-separated) plus
 #                                       new ones, cached features, 32K-id loss; bench; 8B profile
@@ -181,15 +181,30 @@ pack4() {
 }
 
 # Session 6: the run's results (pack6) and its new data shard (packdata WORK OUT SHARD), each in
-# <= 16 MB files (the device returns 8 files per call).
+# <= 16 MB files (the device returns 8 files per call). Session 22: a call returns at most ~64 MiB in
+# all, so pack6 cuts everything once (results with the eval sequences first, then the int8 pack, then
+# the fp32 master weights) and each call moves the next <= 60 MB into OUT: call it until it says
+# "pack6: all sent". Reassemble with `cat A-fp32.? > drafter.safetensors`, `cat A-int8.? > model.int8`.
 pack6() {
-  local W=$1 OUT=$2
+  local W=$1 OUT=$2 PARTS=/tmp/pack6-parts
   mkdir -p "$OUT"
-  cp /tmp/gputests.log "$W/" 2>/dev/null
-  tar czf "$OUT/small.tgz" -C "$W" resume.log $(cd "$W" && ls -d gputests.log qwen/results.json qwen/A/train_log.jsonl \
-    qwen/A/export/config.json qwen/A/export/draft_vocab.json bench-real.* profile-qwen3-8b-b1.* 2>/dev/null)
-  split -b 16000000 -d -a 1 "$W/qwen/A/checkpoint/drafter.safetensors" "$OUT/A-fp32."
+  if [ ! -d "$PARTS" ]; then
+    mkdir -p "$PARTS" || exit 1
+    cp /tmp/gputests.log "$W/" 2>/dev/null
+    tar czf "$PARTS/0-small.tgz" -C "$W" resume.log $(cd "$W" && ls -d gputests.log qwen/results.json \
+      qwen/eval_sequences.safetensors qwen/A/train_log.jsonl qwen/A/export/config.json qwen/A/export/draft_vocab.json \
+      bench-real.* profile-qwen3-8b-b1.* 2>/dev/null)
+    [ ! -f "$W/qwen/A/model.int8" ] || split -b 16000000 -d -a 1 "$W/qwen/A/model.int8" "$PARTS/1-A-int8."
+    split -b 16000000 -d -a 1 "$W/qwen/A/checkpoint/drafter.safetensors" "$PARTS/2-A-fp32."
+  fi
+  local part sent=0 size
+  for part in $(ls "$PARTS" | sort); do
+    size=$(stat -c %s "$PARTS/$part")
+    [ $((sent + size)) -le 60000000 ] || break
+    mv "$PARTS/$part" "$OUT/${part#?-}" && sent=$((sent + size))
+  done
   ls -la "$OUT"
+  if [ -z "$(ls "$PARTS")" ]; then echo "pack6: all sent"; else echo "pack6: $(ls "$PARTS" | wc -l) left, call again"; fi
 }
 
 packdata() {

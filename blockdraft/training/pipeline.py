@@ -495,7 +495,8 @@ def train_drafter(args) -> dict:
         (out / "drafter" / SPECULATIVE_FILE).write_text(json.dumps(
             {"draft_vocab_size": args.train_vocab_size, "source": "train-drafter --train-vocab-size"}, indent=1))
     run = {**settings, "block_size": args.block_size, "max_len": args.max_len, "lr": args.lr, "seed": args.seed}
-    summary = {"target": args.target, "settings": run, "drafter": str(out / "drafter"), "device": device, "resumed": resumed,
+    summary = {"target": args.target, "settings": run, "drafter": str(out / "drafter"), "device": device,
+               "dtype": args.dtype, "resumed": resumed,
                "params": num_parameters(drafter), "train_vocab_size": args.train_vocab_size,
                "cache_features": args.cache_features, "data": data.info, "final": final,
                "init_from": str(init[0]) if init else None, "new_layers": grown}

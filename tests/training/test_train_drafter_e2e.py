@@ -16,6 +16,7 @@ from blockdraft.preflight import resolve_device
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec.dflash.checkpoint import load_drafter
 from blockdraft.training import corpora
+from blockdraft.training.pipeline import TARGET_DTYPE_AUTO
 from blockdraft.weights.fetch import cache_root, find_wheel, is_complete
 
 NAME = "smollm2-135m-instruct"
@@ -41,6 +42,7 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     assert "more than the" not in first.err  # --tiny's batch of 4 = the 4 sequences
     assert summary["data"]["num_sequences"] == 4 and summary["final"]["step"] == 3
     assert summary["device"] == resolve_device("auto")  # the default, resolved (cpu without CUDA)
+    assert summary["dtype"] == TARGET_DTYPE_AUTO[summary["device"]]  # --dtype auto, resolved (float32 on cpu)
     assert (out / "checkpoint" / "state.json").is_file() and (out / "data" / "data-00000.safetensors").is_file()
 
     # The same command again: the run is finished; said so (was silent), nothing loads or trains, exit 0.
@@ -162,6 +164,7 @@ def test_train_drafter_trains_through_an_untied_lm_head_on_the_cpu(tmp_path, cap
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["final"]["step"] == 2 and summary["data"]["num_sequences"] == 2
+    assert summary["dtype"] == summary["data"]["dtype"] == "bfloat16"
     assert (tmp_path / "q" / "drafter" / "model.safetensors").is_file()
 
 
