@@ -175,6 +175,9 @@ class SchedulerConfig:
     both. None: no limit beyond the budget. Without mixed prefill the engine sets them to the
     largest prefill graph bucket wherever it built prefill graphs (runner.prefill_graphs), so
     a burst of arrivals prefills in graphed steps instead of one eager step.
+    num_speculative_tokens: K of the engine's speculator (0 without one; the engine sets it): the
+    pages admissions leave free for the decoding requests count K drafts each, also for a request
+    whose drafts a step trimmed to fit the token budget (its next step drafts K again).
     """
 
     max_num_batched_tokens: int = 512
@@ -182,6 +185,7 @@ class SchedulerConfig:
     mixed_prefill: bool = True
     max_prefill_tokens: int | None = None
     max_prefill_seqs: int | None = None
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -190,6 +194,9 @@ class SchedulerConfig:
             raise param_error("max_num_seqs", f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if not isinstance(self.mixed_prefill, bool):
             raise param_error("mixed_prefill", f"mixed_prefill must be True or False, got {self.mixed_prefill!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise param_error("num_speculative_tokens", f"num_speculative_tokens must be an integer >= 0, got {k!r}")
         for name in ("max_prefill_tokens", "max_prefill_seqs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

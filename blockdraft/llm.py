@@ -413,7 +413,8 @@ def _build_engine(
     kv = KVCacheManager(setup.num_kv_blocks, cache.kv_block_size, cache.enable_prefix_caching)
     graphs = setup.runner.graphs
     mixed_prefill = resolve_mixed_prefill(mixed_prefill, graphs_captured=setup.runner.graphs_captured)
-    sched = dataclasses.replace(sched, mixed_prefill=mixed_prefill)
+    sched = dataclasses.replace(sched, mixed_prefill=mixed_prefill,
+                                num_speculative_tokens=getattr(speculator, "num_speculative_tokens", 0))
     if not mixed_prefill and graphs is not None and graphs.prefill is not None:
         # a prefill step of several prompts stays within the largest prefill graph
         sched = dataclasses.replace(sched, max_prefill_tokens=graphs.prefill.buckets[-1],

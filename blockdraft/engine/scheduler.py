@@ -249,8 +249,9 @@ class Scheduler:
 
     def _decode_reserve(self, decoding: list[Request], steps: int = 1) -> int:
         """Pages the decoding requests still need for their next `steps` steps' rows (at most
-        1 + drafts tokens each)."""
-        return sum(max(0, self.kv.blocks_needed(r.num_tokens + steps * (1 + len(r.spec_token_ids)) - 1)
+        1 + K tokens each: a request whose drafts a step trimmed drafts K again)."""
+        k = self.config.num_speculative_tokens
+        return sum(max(0, self.kv.blocks_needed(r.num_tokens + steps * (1 + max(k, len(r.spec_token_ids))) - 1)
                        - len(r.block_ids)) for r in decoding)
 
     def _fit_running(self, req: Request, budget: int) -> int:

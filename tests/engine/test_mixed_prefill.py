@@ -128,6 +128,26 @@ def test_without_mixed_prefill_admissions_leave_the_decoding_requests_their_next
     assert _rows(s.schedule()) == [("b", 0, 5, True)]  # 3 free - 1 reserved = 2 for b
 
 
+def test_the_reserve_counts_k_drafts_for_a_request_whose_drafts_were_trimmed():
+    """Pages of 4 tokens, 3 in the pool: a (3 prompt + 1 token) holds 1 page and its drafts were
+    trimmed to fit the budget; its next step drafts K = 2 again (4 + 3 - 1 = 6 tokens, 2 pages), so
+    b (5 tokens, 2 pages) waits. Counting only the drafts it holds now (none), b would take the pages
+    and a's next step would preempt it."""
+    s = _sched(False, blocks=3, num_speculative_tokens=2)
+    _decoding(s, "a", 3, drafts=())
+    s.add_request(_req("b", 5))
+    assert _rows(s.schedule()) == [("a", 3, 1, True)]
+    s = _sched(False, blocks=3)  # no speculator: a's next step is its one token, b fits
+    _decoding(s, "a", 3, drafts=())
+    s.add_request(_req("b", 5))
+    assert _rows(s.schedule()) == [("b", 0, 5, True)]
+
+
+def test_scheduler_config_refuses_a_negative_k():
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 0, got -1"):
+        SchedulerConfig(num_speculative_tokens=-1)
+
+
 def test_without_mixed_prefill_a_prompt_that_cannot_start_does_not_stall_decoding():
     # no sequence slot: the running request decodes
     s = _sched(False, seqs=1)
@@ -288,6 +308,7 @@ def test_without_mixed_prefill_decode_steps_stay_uniform_as_requests_arrive(targ
         llm = make_llm(target, speculator=spec, **GRAPHS, max_num_seqs=3, mixed_prefill=mixed,
                        max_num_batched_tokens=budget)
         assert llm.engine.scheduler.config.mixed_prefill is mixed
+        assert llm.engine.scheduler.config.num_speculative_tokens == (k or 0)  # the reserve's K
         got = _answers(llm, prompts, params)
         spec = llm.engine.stats.spec
         assert k is None or spec.num_accepted_tokens > 0.3 * spec.num_drafted_tokens
