@@ -7,8 +7,12 @@ and checks every answer equals plain decoding. `--write-default` stores the fast
 vocabulary size) in the drafter folder's speculative.json, which `LLM` / `blockdraft generate` use
 when --num-speculative-tokens / --draft-vocab-size are not given.
 
-    OMP_WAIT_POLICY=PASSIVE python -m blockdraft.bench.spec_k --model qwen2.5-coder-0.5b-instruct \\
+    python -m blockdraft.bench.spec_k --model qwen2.5-coder-0.5b-instruct \\
         --ks 1,2,3,4,7,15 --max-tokens 64 --repeats 3 --write-default
+
+Run it as the engine is used, without OMP_WAIT_POLICY=PASSIVE: on a 2-core CPU that setting made
+plain decoding 1.6-1.7x slower and DFlash slower still, which moved the fastest K
+(docs/benchmarks/speculative-k-cpu.md "Session 22").
 """
 
 from __future__ import annotations
