@@ -50,16 +50,21 @@ MAX_BLOCK_SIZE = 64  # released DFlash drafters use 8-16; a block costs B query 
 MAX_SYNTH_PROMPTS = 1_000_000  # far above any useful run; beyond it the request list alone exhausts memory
 
 
+def _device_kind(device: str) -> str:
+    """"cpu" | "cuda" | "cuda:N" -> "cpu" or "cuda", the key of the per-device defaults above."""
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
 def resolve_target_dtype(dtype: str, device: str) -> str:
-    """train-drafter's --dtype on `device` ("cpu" | "cuda") -> "float32" | "bfloat16" ("auto": see
-    TARGET_DTYPE_AUTO).
+    """train-drafter's --dtype on `device` ("cpu", "cuda" or "cuda:N") -> "float32" | "bfloat16"
+    ("auto": see TARGET_DTYPE_AUTO).
 
     Raises:
         ValueError: `dtype` is not one of TARGET_DTYPES (named with the allowed values).
     """
     if dtype not in TARGET_DTYPES:
         raise ValueError(f"--dtype must be one of {list(TARGET_DTYPES)}, got {dtype!r}")
-    return TARGET_DTYPE_AUTO[device] if dtype == "auto" else dtype
+    return TARGET_DTYPE_AUTO[_device_kind(device)] if dtype == "auto" else dtype
 
 
 def resolve_settings(args) -> dict:
@@ -314,7 +319,7 @@ def answering_engine_kwargs(device: str, max_num_seqs: int | None, num_requests:
     the whole GPU (the trainer needs the memory next).
     """
     if max_num_seqs is None:
-        max_num_seqs = max(1, min(ANSWER_MAX_NUM_SEQS["cuda" if device.startswith("cuda") else "cpu"], num_requests))
+        max_num_seqs = max(1, min(ANSWER_MAX_NUM_SEQS[_device_kind(device)], num_requests))
     per_request = math.ceil((max_prompt_tokens + max_new_tokens + 1) / kv_block_size)
     return {"max_num_seqs": max_num_seqs, "kv_block_size": kv_block_size,
             "num_kv_blocks": max(1024, max_num_seqs * per_request)}

@@ -29,6 +29,7 @@ def test_engine_arguments_per_device():
 
 def test_target_dtype_per_device():
     assert resolve_target_dtype("auto", "cuda") == "bfloat16" and resolve_target_dtype("auto", "cpu") == "float32"
+    assert resolve_target_dtype("auto", "cuda:1") == "bfloat16"  # an index, as answering_engine_kwargs takes
     assert resolve_target_dtype("float32", "cuda") == "float32" and resolve_target_dtype("bfloat16", "cpu") == "bfloat16"
     with pytest.raises(ValueError, match=r"--dtype must be one of \['auto', 'float32', 'bfloat16'\], got 'float16'"):
         resolve_target_dtype("float16", "cuda")
