@@ -12,6 +12,7 @@
 #       (suite / exclusive take test files to run instead of all of tests/gpu)
 #   11. bash scripts/h200_validate.sh exclusive; bash scripts/h200_validate.sh load; bash scripts/h200_validate.sh bench
 #   (optional) bash scripts/h200_validate.sh ksweep [K ...]: the load bench per K, side by side
+#   (optional) bash scripts/h200_validate.sh ksweep1 [K ...]: batch 1 per K, 32 prompts one at a time
 #   (optional) carry ["parts/prev"]: bash scripts/h200_validate.sh drafters: batch 1 over 32 prompts, one
 #      at a time, the shipped drafter and an earlier one side by side (workstation: parts/prev/qwen13 =
 #      the drafter folder of an earlier commit, `git show REF:blockdraft/drafters/<model>/<file>`)
@@ -69,9 +70,14 @@ drafters) # batch 1 over 32 HumanEval prompts, one at a time: one prompt does no
     name=$(basename "$d"); python3 -m blockdraft.cli bench --model "$MODEL" --draft "$d" --draft-vocab-size 32768 \
       --batch-sizes 1 --num-prompts 32 --max-tokens 128 --engines ours --no-plot --out "$OUT/b1-$name" > "$OUT/b1-$name.log" 2>&1
     echo "$name rc $?"; tail -6 "$OUT/b1-$name.log"; done ;;
+ksweep1) # batch 1 per K over 32 HumanEval prompts one at a time, the shipped drafter (default 15 7 5 3)
+  shift; cd /tmp/tcode && for k in ${@:-15 7 5 3}; do
+    python3 -m blockdraft.cli bench "${DRAFT[@]}" --num-speculative-tokens "$k" --batch-sizes 1 --num-prompts 32 \
+      --max-tokens 128 --engines ours --no-plot --out "$OUT/b1-k$k" > "$OUT/b1-k$k.log" 2>&1
+    echo "K=$k rc $?"; tail -5 "$OUT/b1-k$k.log"; done ;;
 before) # the same load bench with the earlier code staged in /tmp/oldcode (ours only)
   cd /tmp/oldcode && PYTHONPATH=/tmp/site:/tmp/oldcode python3 -m blockdraft.cli bench "${DRAFT[@]}" --batch-sizes 32 \
     --num-prompts 128 --max-tokens 128 --engines ours --out "$OUT/sustained-before" > "$OUT/sustained-before.log" 2>&1
   echo "rc $?"; tail -14 "$OUT/sustained-before.log" ;;
-*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|drafters|before" >&2; exit 2 ;;
+*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|drafters|before" >&2; exit 2 ;;
 esac
