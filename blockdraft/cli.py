@@ -306,9 +306,11 @@ def _generate(args) -> int:
     if not args.prompt.strip():
         raise ValueError("prompt is empty: give a non-empty prompt")
     from blockdraft.drafters import check_draft_flags, resolve_draft
+    from blockdraft.preflight import resolve_device
 
     check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size)
-    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens)
+    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens,
+                          resolve_device(args.device), args.draft_vocab_size)
     llm = LLM(
         model=args.model,
         draft=draft,

@@ -157,7 +157,8 @@ def preflight(
             resolve_num_speculative_tokens,
         )
 
-        draft = resolve_draft(draft, model, cache_dir=cache_dir, num_speculative_tokens=num_speculative_tokens)
+        draft = resolve_draft(draft, model, cache_dir=cache_dir, num_speculative_tokens=num_speculative_tokens,
+                              device_type=device, draft_vocab_size=draft_vocab_size)
     elif num_speculative_tokens is not None:
         raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} needs a drafter: pass draft= a drafter "
                          f"folder, 'shipped' or 'auto' (draft=None decodes plainly)")

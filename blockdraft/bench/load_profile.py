@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.bench.engines.ours import OurEngine, PoolPlan, dflash_speculator
     from blockdraft.bench.workload import model_workload, resolve_device_dtype
     from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
-    from blockdraft.drafters import add_draft_vocab_size_flag, resolve_draft
+    from blockdraft.drafters import AUTO, SHIPPED, add_draft_vocab_size_flag, resolve_draft
     from blockdraft.engine.scheduler import add_mixed_prefill_flag
     from blockdraft.preflight import preflight
 
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads_flag(p, args.threads)
     try:
         device, dtype = resolve_device_dtype(args.device, args.dtype)
-        draft = resolve_draft(args.draft, args.model)
+        draft = resolve_draft(SHIPPED if args.draft == AUTO else args.draft, args.model)  # a profile of DFlash
         if draft is None:
             p.error(f"--draft {args.draft!r}: no drafter (give a DFlash drafter folder or 'shipped')")
         # the drafter folder, its config against the model's, the draft vocabulary: before the weights load

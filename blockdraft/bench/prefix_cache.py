@@ -126,7 +126,8 @@ def _measure(args, argv: list[str] | None) -> int:
     from blockdraft.llm import LLM, load_target
     from blockdraft.sampling_params import SamplingParams
 
-    draft = None if args.no_draft else resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
+    draft = None if args.no_draft else resolve_draft(args.draft, args.model, cache_dir=args.cache_dir,
+                                                               device_type=args.device)
     target = load_target(args.model, args.dtype, device=args.device, cache_dir=args.cache_dir)
     pool = dict(num_kv_blocks=512, kv_block_size=16)  # 8192 tokens: the system prompt many times over
     engines = {name: LLM(target=target, draft=draft, device=args.device, enable_prefix_caching=(name == ON), **pool)

@@ -5,7 +5,9 @@ size) share it and run every prompt interleaved (blockdraft.side_by_side), `--re
 medians. Prints a table of K, draft vocabulary, acceptance length, tokens/s and speedup over plain,
 and checks every answer equals plain decoding. `--write-default` stores the fastest K (and its draft
 vocabulary size) in the drafter folder's speculative.json, which `LLM` / `blockdraft generate` use
-when --num-speculative-tokens / --draft-vocab-size are not given.
+when --num-speculative-tokens / --draft-vocab-size are not given; when even the fastest K is slower
+than plain decoding it also records `"draft_auto": false`, so `--draft auto` decodes plainly on the
+CPU with that drafter.
 
     python -m blockdraft.bench.spec_k --model qwen2.5-coder-0.5b-instruct \\
         --ks 1,2,3,4,7,15 --max-tokens 64 --repeats 3 --write-default
@@ -231,8 +233,12 @@ def _measure(args, argv: list[str] | None, ks: list[tuple[int, int]], p) -> int:
         evidence["chosen_by"] = args.choose_by
         if best["draft_vocab_size"]:  # read back by LLM as the default --draft-vocab-size
             evidence = {"draft_vocab_size": best["draft_vocab_size"], **evidence}
+        slower = best[args.choose_by] < 1.0
+        if slower:  # --draft auto then decodes plainly here (checkpoint.draft_auto_off_reason)
+            evidence = {"draft_auto": False, **evidence}
         file = write_recommended_num_speculative_tokens(default_folder, best["k"], evidence)
-        print(f"fastest: K = {best['k']}, draft vocabulary {best['draft_vocab_size'] or 'full'}; wrote {file}")
+        print(f"fastest: K = {best['k']}, draft vocabulary {best['draft_vocab_size'] or 'full'}; wrote {file}"
+              + (f" (slower than plain decoding: --draft auto now decodes plainly on this device type)" if slower else ""))
     return 0 if all(r["identical"] for r in rows) else 1
 
 

@@ -15,6 +15,7 @@ blockdraft.spec.dflash.checkpoint.recommended_num_speculative_tokens) and `draft
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 SHIPPED_DIR = Path(__file__).resolve().parent
+logger = logging.getLogger(__name__)
 
 
 AUTO = "auto"  # --draft default: the shipped drafter for the model if one exists, else plain decoding
@@ -93,13 +95,17 @@ def check_draft_flags(
 
 
 def resolve_draft(
-    draft: str | None, model: str, no_draft: bool = False, cache_dir=None, num_speculative_tokens: int | None = None
+    draft: str | None, model: str, no_draft: bool = False, cache_dir=None, num_speculative_tokens: int | None = None,
+    device_type: str = "cpu", draft_vocab_size: int | None = None,
 ) -> str | None:
     """The CLI's `--draft auto | shipped | PATH` and `--no-draft` -> a drafter folder, or None (plain).
 
     `auto` (also `draft=None`) picks the drafter shipped for catalog model `model` (a catalog name,
     or the folder `blockdraft fetch` made for one) when one exists and plain decoding otherwise;
-    `shipped` insists on it.
+    `shipped` insists on it. `auto` also decodes plainly, with a logged warning, when the shipped
+    folder's speculative.json says the drafter measured slower than plain on `device_type`
+    ("cpu" | "cuda"; checkpoint.draft_auto_off_reason), unless `num_speculative_tokens` or a
+    nonzero `draft_vocab_size` asks for speculation.
     Raises:
         ValueError / FileNotFoundError: `shipped` for a model that is neither a catalog name nor an
             existing path (as `resolve_model_path` names it);
@@ -119,6 +125,13 @@ def resolve_draft(
 
         # before shipped_drafter, which may expand an int8 pack: a bad K fails without reading weights
         read_drafter_config(SHIPPED_DIR / model).check_num_speculative_tokens(num_speculative_tokens)
+    if draft != SHIPPED and num_speculative_tokens is None and not draft_vocab_size and model in shipped_names():
+        from blockdraft.spec.dflash.checkpoint import draft_auto_off_reason
+
+        reason = draft_auto_off_reason(SHIPPED_DIR / model, device_type)
+        if reason is not None:  # checked on the shipped folder: no int8 pack is expanded for nothing
+            logger.warning("%s", reason)
+            return None
     path = shipped_drafter(model, cache_dir=cache_dir)
     if path is not None:
         return str(path)

@@ -13,6 +13,7 @@ from blockdraft.drafters import SHIPPED_DIR, check_draft_flags, resolve_draft, s
 from blockdraft.llm import LLM
 from blockdraft.spec.dflash.checkpoint import (
     SPECULATIVE_FILE,
+    draft_auto_off_reason,
     read_drafter_config,
     recommended_draft_vocab_size,
     recommended_num_speculative_tokens,
@@ -35,7 +36,7 @@ def test_auto_picks_the_shipped_drafter_for_catalog_models_and_nothing_otherwise
     qwen = str(shipped_drafter(QWEN, cache_dir=tmp_path))
     assert resolve_draft(None, QWEN, cache_dir=tmp_path) == resolve_draft("auto", QWEN, cache_dir=tmp_path) == qwen
     for name in (QWEN, SMOL):  # both ship as int8 packs, expanded into the cache on first use
-        path = resolve_draft("auto", name, cache_dir=tmp_path)
+        path = resolve_draft("auto", name, cache_dir=tmp_path, device_type="cuda")
         assert path is not None and (tmp_path / "drafters") in Path(path).parents
     assert resolve_draft("auto", "qwen2.5-coder-1.5b-instruct") is None  # catalog model, no drafter
     assert resolve_draft("auto", str(tmp_path)) is None  # a model folder
@@ -44,6 +45,36 @@ def test_auto_picks_the_shipped_drafter_for_catalog_models_and_nothing_otherwise
     assert resolve_draft("auto", QWEN, no_draft=True) is None
     assert resolve_draft("shipped", QWEN, cache_dir=tmp_path) == qwen
     assert resolve_draft("/some/drafter", QWEN) == "/some/drafter"
+
+
+def test_auto_decodes_plainly_where_the_shipped_drafter_measured_slower(tmp_path, caplog):
+    """SmolLM2's drafter measured 0.89x plain on a CPU (its speculative.json says draft_auto: false
+    at the top level, which speaks for the CPU only): auto skips it there, with a warning naming
+    the file and how to speculate anyway; shipped, K or a draft vocabulary still take it."""
+    assert resolve_draft("auto", SMOL, cache_dir=tmp_path, device_type="cpu") is None
+    assert "draft_auto" not in caplog.text and "slower than plain decoding on cpu (fastest K: 0.89x" in caplog.text
+    assert "--draft shipped" in caplog.text and not (tmp_path / "drafters").exists()  # nothing expanded
+    smol = str(shipped_drafter(SMOL, cache_dir=tmp_path))
+    assert resolve_draft("auto", SMOL, cache_dir=tmp_path, device_type="cuda") == smol
+    assert resolve_draft("shipped", SMOL, cache_dir=tmp_path, device_type="cpu") == smol
+    assert resolve_draft("auto", SMOL, cache_dir=tmp_path, num_speculative_tokens=1) == smol
+    assert resolve_draft("auto", SMOL, cache_dir=tmp_path, draft_vocab_size=4096) == smol
+    assert resolve_draft("auto", QWEN, cache_dir=tmp_path, device_type="cpu") is not None  # 1.31x there
+
+
+def test_draft_auto_flag_per_device_type(tmp_path):
+    write = lambda d: (tmp_path / SPECULATIVE_FILE).write_text(json.dumps(d))  # noqa: E731
+    write({"num_speculative_tokens": 2, "draft_auto": False, "table": [{"k": 1, "speedup": 0.7}, {"k": 2, "speedup": 0.8}]})
+    assert "(fastest K: 0.80x plain decoding)" in draft_auto_off_reason(tmp_path, "cpu")
+    assert draft_auto_off_reason(tmp_path, "cuda") is None  # the top level is a CPU measurement
+    write({"draft_auto": True, "per_device": {"cuda": {"draft_auto": False}}})
+    assert draft_auto_off_reason(tmp_path, "cpu") is None
+    assert "slower than plain decoding on cuda, so" in draft_auto_off_reason(tmp_path, "cuda")
+    write({"num_speculative_tokens": 2})
+    assert draft_auto_off_reason(tmp_path, "cpu") is None
+    write({"draft_auto": "no"})
+    with pytest.raises(ValueError, match="draft_auto must be true or false, got 'no'"):
+        draft_auto_off_reason(tmp_path, "cpu")
 
 
 def test_resolution_errors_name_the_problem():

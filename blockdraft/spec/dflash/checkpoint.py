@@ -161,6 +161,35 @@ def recommended_draft_vocab_size(path: str | Path, device_type: str = "cpu") -> 
     return _recorded(path, "draft_vocab_size", device_type)
 
 
+def draft_auto_off_reason(path: str | Path, device_type: str = "cpu") -> str | None:
+    """Why `--draft auto` should decode plainly with the drafter in `path` on `device_type`, or None.
+
+    `<path>/speculative.json` may record `"draft_auto": false`: the fastest K measured slower than
+    plain decoding on that device type, so the default should not speculate there (an explicit
+    `--draft shipped`, a drafter path or K still does). Unlike K, the top level speaks for the CPU
+    only (where `python -m blockdraft.bench.spec_k --write-default` measures); another device type
+    needs its own `per_device` entry, since a GPU verifies K + 1 rows for about the cost of one.
+    The reason names the measured speedup when that entry has a table.
+    Raises:
+        ValueError: `draft_auto` is not true / false, or the file is malformed (as _recorded).
+    """
+    file = Path(path) / SPECULATIVE_FILE
+    _recorded(path, "draft_auto", device_type)  # checks per_device's shape
+    data = _read_speculative_json(path)
+    entry = data.get("per_device", {}).get(device_type, data if device_type == "cpu" else {})
+    flag = entry.get("draft_auto")
+    if flag is None or flag is True:
+        return None
+    if flag is not False:
+        raise ValueError(f"{file}: draft_auto must be true or false, got {flag!r}")
+    rows = entry.get("table")
+    speeds = [r["speedup"] for r in rows if isinstance(r, dict) and isinstance(r.get("speedup"), (int, float))] \
+        if isinstance(rows, list) else []
+    measured = f" (fastest K: {max(speeds):.2f}x plain decoding)" if speeds else ""
+    return (f"{file} records that this drafter measured slower than plain decoding on {device_type}{measured}, "
+            "so --draft auto decodes plainly; give --draft shipped (or --num-speculative-tokens K) to speculate anyway")
+
+
 def _recorded(path: str | Path, key: str, device_type: str):
     """`key` from the speculative.json `per_device` entry of `device_type`, else the top level, else None."""
     data = _read_speculative_json(path)
