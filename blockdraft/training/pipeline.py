@@ -410,9 +410,36 @@ def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: i
     return json.loads(summary.read_text())
 
 
+def check_resume_dtype(out: Path, dtype: str, asked: str, device: str) -> None:
+    """A run resumed from the checkpoint in `out` keeps the target dtype it started with: its
+    features so far (and its data/) came from the target in that dtype, and a resume in another one
+    (say a CPU run moved to a GPU with --dtype auto) would mix fp32 and bf16 silently. `dtype`: the
+    resolved --dtype `asked` on `device`, so an `auto` that resolves to the recorded dtype passes.
+    A checkpoint written before the dtype was recorded is not checked: its run may have been either
+    (--dtype bfloat16, or auto on CUDA, existed already), so it resumes as it did.
+
+    Raises:
+        ValueError: the checkpoint records another dtype (names both and what to do); raised
+            before anything in `out` is written.
+    """
+    from blockdraft.training.trainer import read_checkpoint_state
+
+    recorded = (read_checkpoint_state(out) or {}).get("target_dtype")
+    if recorded is not None and recorded != dtype:
+        now = f"--dtype {asked}" + (f" ({dtype} on {device})" if asked != dtype else "")
+        raise ValueError(f"the run in {out} was trained with the target in {recorded} (its checkpoint); this run asks "
+                         f"for {now}: resume it with --dtype {recorded}, or use a new --out to train in {dtype}")
+
+
 def train_drafter(args) -> dict:
     """The whole command; returns the summary (also written to `out/summary.json`), or the recorded
-    one of a run already finished in `out` (finished_run: said on stderr, nothing trained)."""
+    one of a run already finished in `out` (finished_run: said on stderr, nothing trained).
+
+    Raises:
+        ValueError: a flag's value (check_settings, check_against_target, ...), a dataset made with
+            other settings (reuse_dataset), or a checkpoint in `out` of another target dtype
+            (check_resume_dtype) or other training settings (Trainer.load_checkpoint).
+    """
     import torch
 
     from blockdraft.llm import eos_token_ids, load_target
@@ -437,7 +464,9 @@ def train_drafter(args) -> dict:
     check_settings(settings, args)
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
-    args.dtype = resolve_target_dtype(args.dtype, device)
+    asked_dtype, args.dtype = args.dtype, resolve_target_dtype(args.dtype, device)
+    if not args.no_resume:  # before anything loads; a finished run's rerun does not ignore --dtype either
+        check_resume_dtype(Path(args.out), args.dtype, asked_dtype, device)
     cfg = TrainConfig(steps=settings["steps"], batch_size=settings["batch_size"], max_len=args.max_len,
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
                       ckpt_every=args.ckpt_every, log_every=settings["log_every"])
@@ -485,7 +514,8 @@ def train_drafter(args) -> dict:
     draft_vocab = None
     if args.train_vocab_size:
         draft_vocab = rank_dataset(data, target_config.vocab_size, eos_token_ids(target), args.train_vocab_size)[0]
-    trainer = Trainer(drafter, train_target, data, cfg, out, features=features, draft_vocab=draft_vocab)
+    trainer = Trainer(drafter, train_target, data, cfg, out, features=features, draft_vocab=draft_vocab,
+                      target_dtype=args.dtype)
     resumed = trainer.load_checkpoint() if not args.no_resume else False
     if resumed:
         print(f"train-drafter: resuming the run in {out} at step {trainer.step} of {cfg.steps} (its checkpoint; "

@@ -9,7 +9,8 @@ bf16 autocast on CUDA (fp32 master weights), fp32 on CPU.
 Determinism: batch order is a pure function of (seed, epoch) and anchors of (seed, step), so a
 resumed run replays exactly the batches and anchors of an uninterrupted one.
 Checkpoints (`<out>/checkpoint/`): drafter.safetensors (fp32 master weights, z-lab names),
-optimizer.safetensors (AdamW moments by parameter name), state.json (step, config, metrics).
+optimizer.safetensors (AdamW moments by parameter name), state.json (step, config, target dtype,
+metrics).
 No pickles are written or read. The result is exported in the z-lab format (export_drafter).
 """
 
@@ -135,6 +136,8 @@ class Trainer:
             response token left to anchor a block once sequences are cut to cfg.max_len (every
             prompt that long: training would only log a loss of 0); a `features` cache built for
             other layer ids, another max_len or another dataset size.
+        target_dtype: the target's dtype ("float32" | "bfloat16"), recorded in the checkpoint's
+            state.json (train-drafter refuses to resume a run in another; None: not recorded).
     """
 
     drafter: DFlashDraftModel
@@ -146,6 +149,7 @@ class Trainer:
     history: list = field(default_factory=list)
     features: FeatureCache | None = None
     draft_vocab: torch.Tensor | None = None
+    target_dtype: str | None = None
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -300,7 +304,8 @@ class Trainer:
         _atomic(d / "drafter.safetensors", lambda p: save_file(weights, str(p)))
         _atomic(d / "optimizer.safetensors", lambda p: save_file(self._optimizer_tensors(), str(p)))
         state = {"step": self.step, "train_config": asdict(self.cfg), "train_vocab_size": self._train_vocab_size(),
-                 "drafter_config": self.drafter.config.to_hf_dict(), "history": self.history}
+                 "drafter_config": self.drafter.config.to_hf_dict(), "target_dtype": self.target_dtype,
+                 "history": self.history}
         _atomic(d / "state.json", lambda p: p.write_text(json.dumps(state, indent=1)))
         return d
 
@@ -375,7 +380,8 @@ class Trainer:
 
 
 def read_checkpoint_state(out_dir: str | Path) -> dict | None:
-    """`<out_dir>/checkpoint/state.json` (step, train_config, drafter_config, ...), None without one."""
+    """`<out_dir>/checkpoint/state.json` (step, train_config, drafter_config, target_dtype, ...), None
+    without one."""
     file = Path(out_dir) / "checkpoint" / "state.json"
     return json.loads(file.read_text()) if file.is_file() else None
 

@@ -227,3 +227,70 @@ def test_prompts_dropped_for_length_are_counted():
     assert read > n  # some of them are too long
     assert stats["over_max_prompt_tokens"] == read - n and stats["used"] == len(prompts) == n
     assert prompts == [encode_prompts(tokenizer, [texts[i]], limit)[0][0] for i in short[:n]]
+
+
+def _files(folder) -> dict:
+    """Every file under `folder` (relative path -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_resume_in_another_target_dtype_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """A float32 run resumed in bfloat16 (e.g. moved to a GPU with --dtype auto) would mix features of both
+    precisions: refused naming both, the folder untouched; an auto that resolves to float32 resumes."""
+    import json
+    import shutil
+
+    from blockdraft.training.trainer import Trainer
+
+    out = tmp_path / "run"
+
+    def run(*flags, folder=out):
+        return main(["train-drafter", "--target", NAME, "--tiny", "--out", str(folder), "--num-prompts", "4",
+                     "--max-new-tokens", "8", "--steps", "2", "--ckpt-every", "1", *flags])
+
+    class Interrupted(Exception):
+        pass
+
+    def save_then_stop(self):  # the run stops right after its step-1 checkpoint
+        save(self)
+        raise Interrupted
+
+    save = Trainer.save_checkpoint
+    with monkeypatch.context() as mp:
+        mp.setattr(Trainer, "save_checkpoint", save_then_stop)
+        with pytest.raises(Interrupted):
+            run("--device", "cpu", "--dtype", "float32")
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 1 and state["target_dtype"] == "float32"
+    capsys.readouterr()
+
+    before = _files(out)
+    assert "checkpoint/drafter.safetensors" in before
+    with monkeypatch.context() as mp:
+        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        assert run("--device", "cpu", "--dtype", "bfloat16") == 2
+        assert (f"the run in {out} was trained with the target in float32 (its checkpoint); this run asks for "
+                f"--dtype bfloat16: resume it with --dtype float32, or use a new --out to train in bfloat16") in \
+            capsys.readouterr().err
+        mp.setattr("torch.cuda.is_available", lambda: True)  # the run moved to a GPU, --dtype auto
+        assert run() == 2
+        assert "this run asks for --dtype auto (bfloat16 on cuda): resume it with --dtype float32" in \
+            capsys.readouterr().err
+    assert _files(out) == before  # nothing written, renamed or removed
+
+    # a checkpoint written before the dtype was recorded resumes as before (unchecked)
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    del state["target_dtype"]
+    (old / "checkpoint" / "state.json").write_text(json.dumps(state))
+    with monkeypatch.context() as mp:
+        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+        with pytest.raises(_Loading):
+            run("--device", "cpu", "--dtype", "bfloat16", folder=old)
+
+    # --dtype auto on the CPU resolves to the recorded float32: the run resumes and finishes
+    assert run("--device", "cpu") == 0
+    captured = capsys.readouterr()
+    assert f"train-drafter: resuming the run in {out} at step 1 of 2" in captured.err
+    summary = json.loads(captured.out)
+    assert summary["resumed"] and summary["dtype"] == "float32" and summary["final"]["step"] == 2
