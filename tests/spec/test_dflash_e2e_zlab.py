@@ -1,7 +1,9 @@
 """Whole greedy DFlash loop: our CausalLM + DFlashSpeculator vs z-lab's `dflash_generate` with an
 HF Qwen3 target holding the same weights. Same tokens AND the same acceptance length every step,
 which pins down the loop semantics (anchor positions, which rows feed the draft context, K + 1
-query rows, target layer id offsets).
+query rows, target layer id offsets). z-lab drafts a block of K + 1 rows; we keep the drafter's
+trained block width B for K < B - 1, so the loops are compared at K = B - 1, and K < B - 1 against
+our own K = B - 1 drafts.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class _OurLoop:
 @pytest.mark.parametrize("k", [3, 5])
 def test_greedy_loop_matches_zlab_dflash_generate(k, monkeypatch):
     cfg, ours, hf = _targets()
-    drafter = random_drafter(cfg, num_layers=2, block_size=6, seed=4, init_std=0.25)
+    drafter = random_drafter(cfg, num_layers=2, block_size=k + 1, seed=4, init_std=0.25)
     spec = DFlashSpeculator(drafter, ours, k, num_kv_blocks=NUM_PAGES, kv_block_size=KV_BLOCK_SIZE)
     prompt = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(5))
     max_new = 24
@@ -127,3 +129,27 @@ def test_greedy_loop_matches_zlab_dflash_generate(k, monkeypatch):
     # random drafter is mostly 1, the drafts themselves depend on the whole context).
     assert loop.drafts[: len(full)] == ref_drafts[: len(full)]
     assert len({t for d in ref_drafts for t in d}) > 3
+
+
+def test_k_below_the_block_drafts_the_whole_block_s_first_k():
+    """K = 2 with a B = 6 drafter: the block keeps its 6 rows (as trained), so the drafts and their
+    logits are the first 2 of K = 5's on the same context; a 3-row block would draft otherwise."""
+    cfg, ours, _ = _targets()
+    drafter = random_drafter(cfg, num_layers=2, block_size=6, seed=4, init_std=0.25)
+    full = DFlashSpeculator(drafter, ours, 5, num_kv_blocks=NUM_PAGES, kv_block_size=KV_BLOCK_SIZE)
+    short = DFlashSpeculator(drafter, ours, 2, num_kv_blocks=NUM_PAGES, kv_block_size=KV_BLOCK_SIZE)
+    assert (short.num_query_tokens, short.num_block_tokens) == (3, 6)
+    prompt = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(6))
+    argmax, aux, pos, slots = _OurLoop(ours, cfg, full)._forward(prompt, 0)
+    bonus, bonus_pos = torch.tensor([int(argmax[-1])]), torch.tensor([len(prompt)])
+    table = torch.arange(NUM_PAGES, dtype=torch.int32)[None]
+    drafts = {s.num_speculative_tokens: s.propose(aux, pos, slots, bonus, bonus_pos, table) for s in (full, short)}
+    assert drafts[2].shape == (1, 2) and drafts[2].tolist() == drafts[5][:, :2].tolist()
+    logits = {s.num_speculative_tokens: s.draft_logits(bonus, bonus_pos, table) for s in (full, short)}
+    torch.testing.assert_close(logits[2], logits[5][:, :2], rtol=0, atol=0)
+    # the sharpness of the check: a 3-row block (what z-lab runs for K = 2) scores differently
+    cut = DFlashSpeculator(random_drafter(cfg, num_layers=2, block_size=3, seed=4, init_std=0.25), ours, 2,
+                           num_kv_blocks=NUM_PAGES, kv_block_size=KV_BLOCK_SIZE)
+    cut.drafter.load_state_dict(drafter.state_dict())
+    cut.propose(aux, pos, slots, bonus, bonus_pos, table)
+    assert not torch.allclose(cut.draft_logits(bonus, bonus_pos, table), logits[2])

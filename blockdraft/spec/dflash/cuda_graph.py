@@ -6,10 +6,11 @@ a few requests (runner.prefill_graphs).
 It runs inside the step's tail graph (runner.step_tail), after verification: prepare the
 drafter's inputs from the verified tokens (context slots with rejected and padding rows set to
 PADDING_SLOT, bonus tokens and positions), write the draft context K/V of the committed rows, then
-the fixed [bonus, MASK x K] block forward + the LM head on the K draft rows + argmax (DFLASH.md
-"One decode step", steps 3-5). It reads the target graphs' static buffers (positions, slots, block
-table, and the block layout, which for a uniform step is the target's: Q rows per request, padding
-requests empty) and the aux features the target graph of the same bucket wrote.
+the fixed [bonus, MASK x (B - 1)] block forward + the LM head on the K draft rows + argmax
+(DFLASH.md "One decode step", steps 3-5). It reads the target graphs' static buffers (positions,
+slots, block table, and the block layout, which for a uniform step is the target's: Q rows per
+request, padding requests empty, widened to B rows per request when K + 1 < B) and the aux
+features the target graph of the same bucket wrote.
 """
 
 from __future__ import annotations
@@ -72,8 +73,19 @@ class DraftStep:
             prepared.bonus_tokens,
             prepared.bonus_positions,
             tg.block_table[:num_reqs],
-            block_layout=(tg.query_start_loc[: num_reqs + 1], tg.row_req[:rows]),
+            block_layout=self._block_layout(num_reqs),
         )
+
+    def _block_layout(self, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query_start_loc [R_b + 1] int32, row_req [R_b*B] int32) of the draft block: the target's
+        layout (Q rows per request, padding requests empty) with every request's range B rows wide.
+        Device ops on the static buffers only, so a graph capture replays them."""
+        tg, q, b = self.target_graphs.inputs, self.speculator.num_query_tokens, self.speculator.num_block_tokens
+        qsl, row_req = tg.query_start_loc[: num_reqs + 1], tg.row_req[: num_reqs * q]
+        if b == q:
+            return qsl, row_req
+        # a uniform step's ranges start at multiples of Q; a request's first row names it (or -1)
+        return qsl // q * b, row_req.view(num_reqs, q)[:, :1].expand(num_reqs, b).reshape(-1)
 
 
 def draft_after_prefill(

@@ -1,12 +1,17 @@
 """DFlashSpeculator: turns committed target features + bonus tokens into K drafts per request.
 
 One call = DFLASH.md "One decode step" steps 4-5: write the committed rows' context K/V into the
-draft cache, then ONE batched block forward on [bonus, MASK x K] per request at positions
-P..P+K (P = bonus position), scored with the target's LM head at slots 1..K, argmax.
+draft cache, then ONE batched block forward on [bonus, MASK x (B - 1)] per request at positions
+P..P+B-1 (P = bonus position, B = the drafter's block_size), scored with the target's LM head at
+slots 1..K, argmax. The block keeps its trained width B whatever K is: the drafter was trained on
+whole blocks whose rows see each other, and a block cut to K + 1 rows drafts worse (on the H200,
+batch 1, session 23: acceptance 2.23 at K = 3 with a 4-row block, where the 16-row block's first
+3 drafts give ~2.6); only the K drafts the target verifies are scored.
 With a draft vocabulary (blockdraft.spec.draft_vocab.DraftHead, FR-Spec) the scoring uses only the
 head rows of the N ranked ids and the argmax is mapped back to target ids; verification is
 unchanged, so the output stays the target's.
-Reference loop: z-lab `dflash/model.py` `dflash_generate` (its `block_size` argument = K + 1).
+Reference loop: z-lab `dflash/model.py` `dflash_generate` (its `block_size` argument = K + 1, so
+it cuts the block for K < B - 1; we do not).
 """
 
 from __future__ import annotations
@@ -90,8 +95,13 @@ class DFlashSpeculator:
 
     @property
     def num_query_tokens(self) -> int:
-        """Q = K + 1 block rows per request: [anchor, MASK x K]."""
+        """Q = K + 1 rows per request that the target verifies: [anchor, K drafts]."""
         return self.num_speculative_tokens + 1
+
+    @property
+    def num_block_tokens(self) -> int:
+        """B = block_size rows per request in the draft block: [anchor, MASK x (B - 1)], B >= Q."""
+        return self.drafter.config.block_size
 
     @torch.no_grad()
     def propose(
@@ -114,7 +124,7 @@ class DFlashSpeculator:
             bonus_tokens: [R] int64 anchor token per request (last committed token).
             bonus_positions: [R] int P per request; context = positions < P.
             block_table: [R, M] int32 page ids per request (the target's).
-            block_layout: optional prebuilt (query_start_loc [R + 1] int32, row_req [R*Q] int32) of
+            block_layout: optional prebuilt (query_start_loc [R + 1] int32, row_req [R*B] int32) of
                 the draft block (CUDA graphs pass static buffers with padding requests: empty
                 query range, bonus position 0, rows -1); None builds the dense layout.
         Returns:
@@ -139,32 +149,33 @@ class DFlashSpeculator:
         block_layout: tuple[torch.Tensor, torch.Tensor] | None = None,
         upcast: bool = True,
     ) -> torch.Tensor:
-        """One batched block forward over the cached context -> logits [R, K, V] float32
-        (upcast=False: possibly the LM head's dtype, see DFlashDraftModel.compute_logits).
+        """One batched block forward ([R*B] rows) over the cached context -> logits [R, K, V] float32
+        of block slots 1..K (upcast=False: possibly the LM head's dtype, see
+        DFlashDraftModel.compute_logits).
 
         With a draft head the last dimension is its N draft-vocabulary columns instead, in
         draft-vocab order (column j scores target token `draft_head.token_ids[j]`): [R, K, N].
         """
-        num_reqs, q = bonus_tokens.shape[0], self.num_query_tokens
+        num_reqs, q, k = bonus_tokens.shape[0], self.num_block_tokens, self.num_speculative_tokens
         ids = torch.full((num_reqs, q), self.mask_token_id, dtype=torch.long, device=bonus_tokens.device)
         ids[:, 0] = bonus_tokens
         offsets = torch.arange(q, device=bonus_positions.device)
-        block_positions = (bonus_positions.long()[:, None] + offsets[None, :]).reshape(-1)  # [R*Q]
+        block_positions = (bonus_positions.long()[:, None] + offsets[None, :]).reshape(-1)  # [R*B]
         embeds = self.target.embed(ids.reshape(-1))
         scale = self.drafter.config.input_embedding_scale
         if scale != 1.0:
             embeds = embeds * scale
         host_lists = self.drafter.attention_backend.host_metadata
         meta = block_metadata(bonus_positions, block_table, q, self.kv_block_size, host_lists, block_layout)
-        hidden = self.drafter(embeds, block_positions, self.kv_caches, meta)  # [R*Q, H]
-        # Slot 0 (the anchor) predicts nothing (sample_from_anchor=false); slot k predicts P + k.
-        drafts_hidden = hidden.view(num_reqs, q, -1)[:, 1:].reshape(num_reqs * (q - 1), -1)
+        hidden = self.drafter(embeds, block_positions, self.kv_caches, meta)  # [R*B, H]
+        # Slot 0 (the anchor) predicts nothing (sample_from_anchor=false); slot j predicts P + j.
+        drafts_hidden = hidden.view(num_reqs, q, -1)[:, 1 : k + 1].reshape(num_reqs * k, -1)
         if self.draft_head is not None:
             head = self.draft_head.logits  # model dtype
         else:  # the target's head: a float32 copy of [R*K, V] only when the caller needs it
             head = functools.partial(self.target.compute_logits, upcast=upcast)
         logits = self.drafter.compute_logits(drafts_hidden, head, upcast)  # output_multiplier / softcapping
-        return logits.view(num_reqs, q - 1, -1)
+        return logits.view(num_reqs, k, -1)
 
 
 def _check_draft_head(head: DraftHead | None, drafter: DFlashDraftModel) -> DraftHead | None:
