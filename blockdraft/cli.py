@@ -107,7 +107,8 @@ def _add_draft_flags(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--draft", default="auto",
                    help="DFlash drafter checkpoint folder; 'shipped' for the drafter shipped for --model; "
-                   "'auto' (default): the shipped drafter if one exists for --model, else plain decoding")
+                   "'auto' (default): the shipped drafter if one exists for --model, else plain decoding (also "
+                   "where its speculative.json says it measured slower than plain on this device type)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="drafts per step K (default: the K measured for the drafter on this device type, its "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -48,11 +49,11 @@ def test_auto_picks_the_shipped_drafter_for_catalog_models_and_nothing_otherwise
 
 
 def test_auto_decodes_plainly_where_the_shipped_drafter_measured_slower(tmp_path, caplog):
-    """SmolLM2's drafter measured 0.89x plain on a CPU (its speculative.json says draft_auto: false
+    """SmolLM2's drafter measured 0.97x plain on a CPU (its speculative.json says draft_auto: false
     at the top level, which speaks for the CPU only): auto skips it there, with a warning naming
     the file and how to speculate anyway; shipped, K or a draft vocabulary still take it."""
     assert resolve_draft("auto", SMOL, cache_dir=tmp_path, device_type="cpu") is None
-    assert "draft_auto" not in caplog.text and "slower than plain decoding on cpu (fastest K: 0.89x" in caplog.text
+    assert re.search(r"slower than plain decoding on cpu \(fastest K: 0\.\d\dx plain decoding\)", caplog.text)
     assert "--draft shipped" in caplog.text and not (tmp_path / "drafters").exists()  # nothing expanded
     smol = str(shipped_drafter(SMOL, cache_dir=tmp_path))
     assert resolve_draft("auto", SMOL, cache_dir=tmp_path, device_type="cuda") == smol

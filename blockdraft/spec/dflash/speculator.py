@@ -3,10 +3,13 @@
 One call = DFLASH.md "One decode step" steps 4-5: write the committed rows' context K/V into the
 draft cache, then ONE batched block forward on [bonus, MASK x (B - 1)] per request at positions
 P..P+B-1 (P = bonus position, B = the drafter's block_size), scored with the target's LM head at
-slots 1..K, argmax. The block keeps its trained width B whatever K is: the drafter was trained on
-whole blocks whose rows see each other, and a block cut to K + 1 rows drafts worse (on the H200,
-batch 1, session 23: acceptance 2.23 at K = 3 with a 4-row block, where the 16-row block's first
-3 drafts give ~2.6); only the K drafts the target verifies are scored.
+slots 1..K, argmax. On the CPU the block keeps its trained width B whatever K is (`full_block`):
+the drafter was trained on whole blocks whose rows see each other, and a block cut to K + 1 rows
+drafts worse (H200, batch 1, 32 HumanEval prompts, session 23: acceptance 2.23 -> 2.72 at K = 3,
+2.47 -> 3.00 at K = 7, docs/benchmarks/gpu.md "Session 23"); only the K drafts the target verifies
+are scored. On CUDA the block stays K + 1 rows for now: with full blocks a batch-32 run at K = 7
+hit an illegal memory access in its first DFlash step (not yet found); K = B - 1, the CUDA
+default, is the same either way.
 With a draft vocabulary (blockdraft.spec.draft_vocab.DraftHead, FR-Spec) the scoring uses only the
 head rows of the N ranked ids and the argmax is mapped back to target ids; verification is
 unchanged, so the output stays the target's.
@@ -58,6 +61,7 @@ class DFlashSpeculator:
         num_kv_blocks: int | None,
         kv_block_size: int,
         draft_head: DraftHead | None = None,
+        full_block: bool | None = None,
     ) -> None:
         """
         Args:
@@ -66,6 +70,9 @@ class DFlashSpeculator:
                 allocate later with `allocate_kv_caches` (the GPU pool is sized after profiling).
             draft_head: score drafts over this draft vocabulary (its N ranked ids) instead of the
                 target's full LM head; None = the full vocabulary.
+            full_block: draft with the trained block of B = block_size rows whatever K is (True), or
+                with K + 1 rows (False); None = True for a drafter on the CPU, False on CUDA (see
+                the module docstring).
         Raises:
             ValueError: K out of range; a draft head whose hidden size or ids do not fit the drafter.
         """
@@ -78,6 +85,7 @@ class DFlashSpeculator:
         self.mask_token_id = drafter.config.mask_token_id
         self.kv_block_size = kv_block_size
         self.draft_head = _check_draft_head(draft_head, drafter)
+        self.full_block = drafter.device.type == "cpu" if full_block is None else bool(full_block)
         self.kv_caches: list = []
         if num_kv_blocks is not None:
             self.allocate_kv_caches(num_kv_blocks)
@@ -100,8 +108,9 @@ class DFlashSpeculator:
 
     @property
     def num_block_tokens(self) -> int:
-        """B = block_size rows per request in the draft block: [anchor, MASK x (B - 1)], B >= Q."""
-        return self.drafter.config.block_size
+        """Rows per request in the draft block, [anchor, MASK x (rows - 1)]: the drafter's
+        block_size B with `full_block`, else Q = K + 1."""
+        return self.drafter.config.block_size if self.full_block else self.num_query_tokens
 
     @torch.no_grad()
     def propose(
