@@ -287,7 +287,8 @@ def _at_least(low: int):
 def main(argv: list[str] | None = None) -> int:
     """`python -m blockdraft.bench.profile_step`: print the tables, write JSON (--out) and chrome
     traces (--trace); returns the exit code (argparse exits with 2 on a bad flag)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    # no abbreviations: `--draft shipped` (a flag of other tools) was read as --draft-vocab-size
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
                                 epilog="CPU smoke run: --shape tiny --device cpu --steps 2 --warmup 1 --prompt-len 16")
     p.add_argument("--shape", default="qwen3-8b", choices=list(SHAPES), help="random-weight shape (default qwen3-8b)")
     p.add_argument("--batch-size", type=_at_least(1), default=1, help="concurrent requests (default 1)")

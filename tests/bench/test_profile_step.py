@@ -97,6 +97,13 @@ def test_bad_flag_names_value_and_choices(flag, value, allowed, capsys):
     assert e.value.code == 2 and value in err and allowed in err and flag in err
 
 
+def test_a_flag_it_lacks_is_not_taken_for_an_abbreviation(capsys):
+    """`--draft` (other tools have it) once parsed as --draft-vocab-size and failed on its value."""
+    with pytest.raises(SystemExit) as e:
+        main(["--draft", "shipped"])
+    assert e.value.code == 2 and "unrecognized arguments: --draft shipped" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_cuda_without_cuda_is_a_clear_error(capsys):
     with pytest.raises(SystemExit) as e:
