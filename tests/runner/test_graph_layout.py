@@ -85,3 +85,24 @@ def test_one_packed_tensor_carries_tokens_accepted_counts_and_drafts():
     assert out.draft_token_ids == {"a": [5, 6], "c": [7, 8]}
     plain = fetch_step_output(so, batch, start_fetch(pack_step(target, torch.tensor([2, 0]), None)))
     assert plain.sampled_token_ids == {"a": [11, 12, 13], "c": [21]} and plain.draft_token_ids == {}
+
+
+def test_draft_block_layout_widens_each_request_of_a_padded_step():
+    """DraftStep's draft-block layout with whole blocks (B = 16) over a padded K = 3 step: each real
+    request owns 16 rows in order, padding requests stay empty and their rows -1; with B = Q the
+    target's own layout is passed through."""
+    from types import SimpleNamespace
+
+    from blockdraft.spec.dflash.cuda_graph import DraftStep
+
+    so = SchedulerOutput([_req("a", 4, 5, 3, [7, 2]), _req("b", 4, 9, 3, [4, 5, 6])])
+    b = build_input_batch(so, 4, "cpu", host_metadata=False, padding=BatchPadding(4, 16, 5))
+    step = DraftStep.__new__(DraftStep)  # the layout needs only the buffers and the two widths
+    step.target_graphs = SimpleNamespace(inputs=b.meta)
+    step.speculator = SimpleNamespace(num_query_tokens=4, num_block_tokens=16)
+    qsl, row_req = step._block_layout(4)
+    assert qsl.tolist() == [0, 16, 32, 32, 32] and qsl.dtype == torch.int32
+    assert row_req.tolist() == [0] * 16 + [1] * 16 + [-1] * 32 and row_req.dtype == b.meta.row_req.dtype
+    step.speculator = SimpleNamespace(num_query_tokens=4, num_block_tokens=4)
+    qsl, row_req = step._block_layout(4)
+    assert qsl is not None and qsl.data_ptr() == b.meta.query_start_loc.data_ptr() and row_req.numel() == 16

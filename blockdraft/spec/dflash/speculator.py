@@ -8,8 +8,8 @@ the drafter was trained on whole blocks whose rows see each other, and a block c
 drafts worse (H200, batch 1, 32 HumanEval prompts, session 23: acceptance 2.23 -> 2.72 at K = 3,
 2.47 -> 3.00 at K = 7, docs/benchmarks/gpu.md "Session 23"); only the K drafts the target verifies
 are scored. On CUDA the block stays K + 1 rows for now: with full blocks a batch-32 run at K = 7
-hit an illegal memory access in its first DFlash step (not yet found); K = B - 1, the CUDA
-default, is the same either way.
+hit an illegal memory access in its first DFlash step (cause not found, possibly not the block's);
+K = B - 1, the CUDA default, is the same either way.
 With a draft vocabulary (blockdraft.spec.draft_vocab.DraftHead, FR-Spec) the scoring uses only the
 head rows of the N ranked ids and the argmax is mapped back to target ids; verification is
 unchanged, so the output stays the target's.
