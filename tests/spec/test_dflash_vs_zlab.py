@@ -1,8 +1,9 @@
 """Our drafter == z-lab's `dflash.model.DFlashDraftModel` (PyPI dflash==0.1.0) on the same weights.
 
-The oracle runs each request alone, with its whole context as `target_hidden` and the block
-[bonus, MASK x K] (K + 1 rows, as z-lab's `dflash_generate(block_size=K + 1)`), at positions
-0..P+K. Ours runs all requests in one batched block forward over a paged cache.
+The oracle runs each request alone, with its whole context as `target_hidden` and the whole
+block [bonus, MASK x (B - 1)] (B rows, as z-lab's `dflash_generate(block_size=B)`), at positions
+0..P+B-1; its first K drafts are compared. Ours runs all requests in one batched block forward
+over a paged cache (on the CPU the block keeps its B rows for any K).
 """
 
 from __future__ import annotations
