@@ -90,7 +90,8 @@ class LLM:
     Args:
         model: catalog name (see `blockdraft fetch --list`), HF-format folder, or .gguf file.
         draft: DFlash drafter checkpoint folder, "shipped" (the drafter shipped for `model`),
-            "auto" (shipped if one exists, else plain), or None for plain decoding (the default
+            "auto" (shipped if one exists and its speculative.json does not record it slower than
+            plain on this device type, else plain), or None for plain decoding (the default
             here, as in vLLM's LLM; the CLI's `generate` defaults to "auto").
         num_speculative_tokens: drafts per step K (default: the K recorded in the drafter folder's
             speculative.json, else the drafter's block_size - 1).

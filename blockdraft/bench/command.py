@@ -65,7 +65,8 @@ def add_bench_parser(sub) -> None:
     src.add_argument("--model", help="real model: catalog name, HF folder or .gguf")
     b.add_argument("--draft", default=None,
                    help="with --model: DFlash drafter folder, 'shipped' (the one shipped for --model) or 'auto' "
-                        "(shipped if there is one) (default: none, plain rows only)")
+                        "(shipped if there is one and not recorded slower than plain on this device type) "
+                        "(default: none, plain rows only)")
     b.add_argument("--no-draft", action="store_true", help="with --shape: no drafter (plain rows only)")
     b.add_argument("--draft-layers", type=int, default=None,
                    help="with --shape: random drafter depth (default: 5 for qwen3-8b / qwen2.5-0.5b, 2 for tiny)")

@@ -104,8 +104,8 @@ def resolve_draft(
     or the folder `blockdraft fetch` made for one) when one exists and plain decoding otherwise;
     `shipped` insists on it. `auto` also decodes plainly, with a logged warning, when the shipped
     folder's speculative.json says the drafter measured slower than plain on `device_type`
-    ("cpu" | "cuda"; checkpoint.draft_auto_off_reason), unless `num_speculative_tokens` or a
-    nonzero `draft_vocab_size` asks for speculation.
+    ("cpu" | "cuda"; checkpoint.draft_auto_off_reason), unless `num_speculative_tokens` or
+    `draft_vocab_size` (0 included: the full vocabulary) asks for speculation.
     Raises:
         ValueError / FileNotFoundError: `shipped` for a model that is neither a catalog name nor an
             existing path (as `resolve_model_path` names it);
@@ -125,7 +125,7 @@ def resolve_draft(
 
         # before shipped_drafter, which may expand an int8 pack: a bad K fails without reading weights
         read_drafter_config(SHIPPED_DIR / model).check_num_speculative_tokens(num_speculative_tokens)
-    if draft != SHIPPED and num_speculative_tokens is None and not draft_vocab_size and model in shipped_names():
+    if draft != SHIPPED and num_speculative_tokens is None and draft_vocab_size is None and model in shipped_names():
         from blockdraft.spec.dflash.checkpoint import draft_auto_off_reason
 
         reason = draft_auto_off_reason(SHIPPED_DIR / model, device_type)

@@ -73,9 +73,9 @@ def serve(args) -> int:
     check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size)
     config = config_from_args(args)
     check_address(config.host, config.port)  # before a minute of loading, not after
-    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens,
-                          resolve_device(args.device), args.draft_vocab_size)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens,
+                          resolve_device(args.device), args.draft_vocab_size)  # may log why auto decodes plainly
     llm = LLM(
         model=args.model,
         draft=draft,

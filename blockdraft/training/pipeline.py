@@ -428,7 +428,8 @@ def check_resume_dtype(out: Path, dtype: str, asked: str, device: str) -> None:
     if recorded is not None and recorded != dtype:
         now = f"--dtype {asked}" + (f" ({dtype} on {device})" if asked != dtype else "")
         raise ValueError(f"the run in {out} was trained with the target in {recorded} (its checkpoint); this run asks "
-                         f"for {now}: resume it with --dtype {recorded}, or use a new --out to train in {dtype}")
+                         f"for {now}: continue it (or rerun it if finished) with --dtype {recorded}, or use a new "
+                         f"--out to train in {dtype}")
 
 
 def train_drafter(args) -> dict:

@@ -52,3 +52,15 @@ def test_table_and_choice_over_draft_vocabulary_sizes():
     assert rows[1]["speedup"] == pytest.approx(2.0 / 1.2)
     best = best_row(rows)
     assert (best["k"], best["draft_vocab_size"]) == (2, 64)
+
+
+def test_draft_auto_measures_the_shipped_drafter_even_where_auto_would_skip_it(capsys):
+    """SmolLM2's drafter is recorded slower than plain on the CPU, so `--draft auto` elsewhere
+    decodes plainly; spec_k measures a drafter, so here auto is the shipped one (it crashed on the
+    missing folder): the run gets as far as checking --ks against that drafter."""
+    from blockdraft.bench.spec_k import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "smollm2-135m-instruct", "--draft", "auto", "--ks", "16"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--ks" in err and "block_size - 1 = 15" in err

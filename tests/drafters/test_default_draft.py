@@ -53,28 +53,37 @@ def test_auto_decodes_plainly_where_the_shipped_drafter_measured_slower(tmp_path
     at the top level, which speaks for the CPU only): auto skips it there, with a warning naming
     the file and how to speculate anyway; shipped, K or a draft vocabulary still take it."""
     assert resolve_draft("auto", SMOL, cache_dir=tmp_path, device_type="cpu") is None
-    assert re.search(r"slower than plain decoding on cpu \(fastest K: 0\.\d\dx plain decoding\)", caplog.text)
+    assert re.search(r"slower than plain decoding on cpu \(fastest: K = \d+ at 0\.\d\dx\)", caplog.text)
     assert "--draft shipped" in caplog.text and not (tmp_path / "drafters").exists()  # nothing expanded
     smol = str(shipped_drafter(SMOL, cache_dir=tmp_path))
     assert resolve_draft("auto", SMOL, cache_dir=tmp_path, device_type="cuda") == smol
     assert resolve_draft("shipped", SMOL, cache_dir=tmp_path, device_type="cpu") == smol
     assert resolve_draft("auto", SMOL, cache_dir=tmp_path, num_speculative_tokens=1) == smol
-    assert resolve_draft("auto", SMOL, cache_dir=tmp_path, draft_vocab_size=4096) == smol
+    assert resolve_draft("auto", SMOL, cache_dir=tmp_path, draft_vocab_size=0) == smol  # 0 = full vocabulary
     assert resolve_draft("auto", QWEN, cache_dir=tmp_path, device_type="cpu") is not None  # 1.31x there
 
 
 def test_draft_auto_flag_per_device_type(tmp_path):
     write = lambda d: (tmp_path / SPECULATIVE_FILE).write_text(json.dumps(d))  # noqa: E731
     write({"num_speculative_tokens": 2, "draft_auto": False, "table": [{"k": 1, "speedup": 0.7}, {"k": 2, "speedup": 0.8}]})
-    assert "(fastest K: 0.80x plain decoding)" in draft_auto_off_reason(tmp_path, "cpu")
+    assert "(fastest: K = 2 at 0.80x)" in draft_auto_off_reason(tmp_path, "cpu")
     assert draft_auto_off_reason(tmp_path, "cuda") is None  # the top level is a CPU measurement
+    # a per_device.cpu entry without its own flag (e.g. only a K) leaves the top level's in force
+    write({"draft_auto": False, "per_device": {"cpu": {"num_speculative_tokens": 3}}})
+    assert draft_auto_off_reason(tmp_path, "cpu") is not None
+    write({"draft_auto": False, "per_device": {"cpu": {"draft_auto": True}}})
+    assert draft_auto_off_reason(tmp_path, "cpu") is None
     write({"draft_auto": True, "per_device": {"cuda": {"draft_auto": False}}})
     assert draft_auto_off_reason(tmp_path, "cpu") is None
     assert "slower than plain decoding on cuda, so" in draft_auto_off_reason(tmp_path, "cuda")
     write({"num_speculative_tokens": 2})
     assert draft_auto_off_reason(tmp_path, "cpu") is None
     write({"draft_auto": "no"})
-    with pytest.raises(ValueError, match="draft_auto must be true or false, got 'no'"):
+    for device in ("cpu", "cuda"):  # a bad value is refused whichever device reads it
+        with pytest.raises(ValueError, match="draft_auto must be true or false, got 'no'"):
+            draft_auto_off_reason(tmp_path, device)
+    write({"per_device": {"cuda": {"draft_auto": 0}}})
+    with pytest.raises(ValueError, match="per_device.cuda.draft_auto must be true or false, got 0"):
         draft_auto_off_reason(tmp_path, "cpu")
 
 

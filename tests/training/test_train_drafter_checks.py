@@ -270,11 +270,11 @@ def test_a_resume_in_another_target_dtype_is_refused_before_anything_is_written(
         mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
         assert run("--device", "cpu", "--dtype", "bfloat16") == 2
         assert (f"the run in {out} was trained with the target in float32 (its checkpoint); this run asks for "
-                f"--dtype bfloat16: resume it with --dtype float32, or use a new --out to train in bfloat16") in \
+                f"--dtype bfloat16: continue it (or rerun it if finished) with --dtype float32, or use a new --out to train in bfloat16") in \
             capsys.readouterr().err
         mp.setattr("torch.cuda.is_available", lambda: True)  # the run moved to a GPU, --dtype auto
         assert run() == 2
-        assert "this run asks for --dtype auto (bfloat16 on cuda): resume it with --dtype float32" in \
+        assert "this run asks for --dtype auto (bfloat16 on cuda): continue it (or rerun it if finished) with --dtype float32" in \
             capsys.readouterr().err
     assert _files(out) == before  # nothing written, renamed or removed
 

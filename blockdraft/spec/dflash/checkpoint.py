@@ -168,26 +168,34 @@ def draft_auto_off_reason(path: str | Path, device_type: str = "cpu") -> str | N
     plain decoding on that device type, so the default should not speculate there (an explicit
     `--draft shipped`, a drafter path or K still does). Unlike K, the top level speaks for the CPU
     only (where `python -m blockdraft.bench.spec_k --write-default` measures); another device type
-    needs its own `per_device` entry, since a GPU verifies K + 1 rows for about the cost of one.
-    The reason names the measured speedup when that entry has a table.
+    needs its own `per_device` entry, since a GPU verifies K + 1 rows for about the cost of one;
+    for the CPU a `per_device.cpu` entry's own `draft_auto` wins over the top level. The reason
+    names the fastest measured K and its speedup when the deciding entry has a table.
     Raises:
-        ValueError: `draft_auto` is not true / false, or the file is malformed (as _recorded).
+        ValueError: `draft_auto` (at the top level or in any `per_device` entry) is not true /
+            false, or the file is malformed (as _recorded).
     """
     file = Path(path) / SPECULATIVE_FILE
     _recorded(path, "draft_auto", device_type)  # checks per_device's shape
     data = _read_speculative_json(path)
-    entry = data.get("per_device", {}).get(device_type, data if device_type == "cpu" else {})
-    flag = entry.get("draft_auto")
-    if flag is None or flag is True:
+    for where, value in [("", data.get("draft_auto"))] + [
+        (f"per_device.{d}.", e.get("draft_auto")) for d, e in data.get("per_device", {}).items()
+    ]:  # a bad value is an error whichever device reads the file
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{file}: {where}draft_auto must be true or false, got {value!r}")
+    entry = data.get("per_device", {}).get(device_type, {})
+    if "draft_auto" not in entry and device_type == "cpu":
+        entry = data  # the top level is the CPU's measurement
+    if entry.get("draft_auto", True):
         return None
-    if flag is not False:
-        raise ValueError(f"{file}: draft_auto must be true or false, got {flag!r}")
     rows = entry.get("table")
-    speeds = [r["speedup"] for r in rows if isinstance(r, dict) and isinstance(r.get("speedup"), (int, float))] \
+    rows = [r for r in rows if isinstance(r, dict) and isinstance(r.get("speedup"), (int, float))] \
         if isinstance(rows, list) else []
-    measured = f" (fastest K: {max(speeds):.2f}x plain decoding)" if speeds else ""
+    best = max(rows, key=lambda r: r["speedup"], default=None)
+    measured = f" (fastest: K = {best.get('k')} at {best['speedup']:.2f}x)" if best else ""
     return (f"{file} records that this drafter measured slower than plain decoding on {device_type}{measured}, "
-            "so --draft auto decodes plainly; give --draft shipped (or --num-speculative-tokens K) to speculate anyway")
+            "so draft 'auto' decodes plainly; give --draft shipped / draft='shipped' (or a K, or a draft "
+            "vocabulary size) to speculate anyway")
 
 
 def _recorded(path: str | Path, key: str, device_type: str):
