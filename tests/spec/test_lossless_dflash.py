@@ -12,23 +12,25 @@ from blockdraft.spec.dflash.speculator import DFlashSpeculator
 from tests.conftest import make_llm, random_prompts, tiny_target
 
 
-def _dflash_llm(target, k, block_size=16, mask_token_id=None, **kw):
+def _dflash_llm(target, k, block_size=16, mask_token_id=None, full_block=None, **kw):
     drafter = random_drafter(
         target.config, num_layers=2, block_size=block_size, target_layer_ids=(0, 2), seed=k, init_std=0.1, mask_token_id=mask_token_id
     )
     kw.setdefault("num_kv_blocks", 256)
     kw.setdefault("kv_block_size", 4)
-    spec = DFlashSpeculator(drafter, target.model, k, kw["num_kv_blocks"], kw["kv_block_size"])
+    spec = DFlashSpeculator(drafter, target.model, k, kw["num_kv_blocks"], kw["kv_block_size"], full_block=full_block)
     return make_llm(target, speculator=spec, **kw)
 
 
-@pytest.mark.parametrize("k", [1, 3, 7, 15])
-def test_dflash_greedy_parity_batch_sizes_and_max_tokens(llama_target, k):
+@pytest.mark.parametrize("k, full_block", [(1, None), (3, None), (7, None), (15, None), (3, False)])
+def test_dflash_greedy_parity_batch_sizes_and_max_tokens(llama_target, k, full_block):
+    """Whole 16-row draft blocks (the CPU default) for every K, and the K + 1-row block CUDA drafts."""
     prompts = random_prompts(8, seed=50 + k)
     mts = [1, k, k + 1, k + 2, 64]
     params = [SamplingParams(max_tokens=mts[i % 5], ignore_eos=True) for i in range(8)]
     plain = [o.token_ids for o in make_llm(llama_target).generate(prompts, params)]
-    llm = _dflash_llm(llama_target, k)
+    llm = _dflash_llm(llama_target, k, full_block=full_block)
+    assert llm.speculator.num_block_tokens == (k + 1 if full_block is False else 16)
     for bs in (1, 2, 3, 5, 8):
         assert [o.token_ids for o in llm.generate(prompts[:bs], params[:bs])] == plain[:bs]
     assert llm.engine.stats.spec.num_drafted_tokens > 0
