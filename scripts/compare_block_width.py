@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     pre = preflight(args.model, draft, args.k, "auto", draft_vocab_size=args.draft_vocab_size, **pool)
     target = load_target(args.model)
     engines = {"plain": LLM(target=target, **pool)}
+    # the drafter and draft vocabulary LLM(draft=...) builds, loaded once; each engine its own width and KV
+    built = LLM(target=target, draft=draft, num_speculative_tokens=args.k, draft_vocab_size=pre.draft_vocab_size,
+                **pool).speculator
     for label, full in (("full", True), ("cut", False)):
-        # the same drafter and draft vocabulary as LLM(draft=...) builds, with the width forced
-        built = LLM(target=target, draft=draft, num_speculative_tokens=args.k,
-                    draft_vocab_size=pre.draft_vocab_size, **pool).speculator
         spec = DFlashSpeculator(built.drafter, target.model, args.k, pool["num_kv_blocks"], pool["kv_block_size"],
                                 built.draft_head, full_block=full)
         engines[label] = LLM(target=target, speculator=spec, **pool)

@@ -176,14 +176,13 @@ def draft_auto_off_reason(path: str | Path, device_type: str = "cpu") -> str | N
             false, or the file is malformed (as _recorded).
     """
     file = Path(path) / SPECULATIVE_FILE
-    _recorded(path, "draft_auto", device_type)  # checks per_device's shape
-    data = _read_speculative_json(path)
+    data, per_device = _speculative_entries(path)
     for where, value in [("", data.get("draft_auto"))] + [
-        (f"per_device.{d}.", e.get("draft_auto")) for d, e in data.get("per_device", {}).items()
+        (f"per_device.{d}.", e.get("draft_auto")) for d, e in per_device.items()
     ]:  # a bad value is an error whichever device reads the file
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"{file}: {where}draft_auto must be true or false, got {value!r}")
-    entry = data.get("per_device", {}).get(device_type, {})
+    entry = per_device.get(device_type, {})
     if "draft_auto" not in entry and device_type == "cpu":
         entry = data  # the top level is the CPU's measurement
     if entry.get("draft_auto", True):
@@ -200,13 +199,23 @@ def draft_auto_off_reason(path: str | Path, device_type: str = "cpu") -> str | N
 
 def _recorded(path: str | Path, key: str, device_type: str):
     """`key` from the speculative.json `per_device` entry of `device_type`, else the top level, else None."""
+    data, per_device = _speculative_entries(path)
+    entry = per_device.get(device_type, {})
+    return entry[key] if key in entry else data.get(key)
+
+
+def _speculative_entries(path: str | Path) -> tuple[dict, dict]:
+    """(`<path>/speculative.json` as a dict, its `per_device` map); ({}, {}) without the file.
+
+    Raises:
+        ValueError: the file is not a JSON object, or `per_device` does not map device types to objects.
+    """
     data = _read_speculative_json(path)
     per_device = data.get("per_device", {})
     if not isinstance(per_device, dict) or not all(isinstance(v, dict) for v in per_device.values()):
         raise ValueError(f"{Path(path) / SPECULATIVE_FILE}: per_device must map device types to JSON objects, "
                          f"e.g. {{\"cuda\": {{\"num_speculative_tokens\": 15}}}}, got {per_device!r:.80}")
-    entry = per_device.get(device_type, {})
-    return entry[key] if key in entry else data.get(key)
+    return data, per_device
 
 
 def resolve_draft_vocab_size(
