@@ -1,7 +1,7 @@
 """The draft block at full width vs cut to K + 1 rows, side by side on the CPU (gpu.md "Session 23").
 
 One process, one loaded target; three engines: plain decoding, DFlash drafting the drafter's whole
-trained block (B rows, the CPU default since session 23) and DFlash drafting a block cut to K + 1
+trained block (B rows, the default: on the CPU since session 23, on CUDA since 24) and DFlash drafting a block cut to K + 1
 rows (what every engine drafted before); the three `blockdraft demo` prompts, interleaved
 (blockdraft.side_by_side), medians over --repeats. Prints acceptance length, tok/s and the speedup
 over plain for both widths, and writes them as JSON with --json.

@@ -13,8 +13,8 @@
 #   11. bash scripts/h200_validate.sh exclusive; bash scripts/h200_validate.sh load; bash scripts/h200_validate.sh bench
 #   (optional) bash scripts/h200_validate.sh ksweep [K ...]: the load bench per K, side by side
 #   (optional) bash scripts/h200_validate.sh ksweep1 [K ...]: batch 1 per K, 32 prompts one at a time
-#   (optional) [BLOCKING=1] bash scripts/h200_validate.sh fullblock [K ...]: the load bench with whole draft
-#      blocks forced on CUDA (run `ksweep K` first: the same with the shipped cut blocks)
+#   (optional) bash scripts/h200_validate.sh cutblock [K ...]: the load bench with draft blocks cut to K + 1
+#      rows (as before session 24), beside `ksweep K` (whole blocks)
 #   (optional) carry ["parts/prev"]: bash scripts/h200_validate.sh drafters: batch 1 over 32 prompts, one
 #      at a time, the shipped drafter and an earlier one side by side (workstation: parts/prev/qwen13 =
 #      the drafter folder of an earlier commit, `git show REF:blockdraft/drafters/<model>/<file>`)
@@ -77,20 +77,20 @@ ksweep1) # batch 1 per K over 32 HumanEval prompts one at a time, the shipped dr
     python3 -m blockdraft.cli bench "${DRAFT[@]}" --num-speculative-tokens "$k" --batch-sizes 1 --num-prompts 32 \
       --max-tokens 128 --engines ours --no-plot --out "$OUT/b1-k$k" > "$OUT/b1-k$k.log" 2>&1
     echo "K=$k rc $?"; tail -5 "$OUT/b1-k$k.log"; done ;;
-fullblock) # the load bench per K with whole draft blocks forced on CUDA (gpu.md "Session 23": a K = 7 run
-  # crashed with them); BLOCKING=1 runs with CUDA_LAUNCH_BLOCKING=1 to name the failing kernel
-  shift; rm -rf /tmp/tcode_full && cp -r /tmp/tcode /tmp/tcode_full || exit 1
-  sed -i 's/self.full_block = drafter.device.type == "cpu" if/self.full_block = True if/' \
-    /tmp/tcode_full/blockdraft/spec/dflash/speculator.py
-  grep -q "self.full_block = True if" /tmp/tcode_full/blockdraft/spec/dflash/speculator.py || { echo "patch failed"; exit 1; }
-  cd /tmp/tcode_full && for k in ${@:-7}; do
-    CUDA_LAUNCH_BLOCKING=${BLOCKING:-0} PYTHONPATH=/tmp/site:/tmp/tcode_full python3 -m blockdraft.cli bench "${DRAFT[@]}" \
+cutblock) # the load bench per K with draft blocks cut to K + 1 rows (z-lab's loop; the default drafts whole
+  # blocks since session 24), side by side with `ksweep K`
+  shift; rm -rf /tmp/tcode_cut && cp -r /tmp/tcode /tmp/tcode_cut || exit 1
+  sed -i 's/self.full_block = True if full_block is None/self.full_block = False if full_block is None/' \
+    /tmp/tcode_cut/blockdraft/spec/dflash/speculator.py
+  grep -q "self.full_block = False if" /tmp/tcode_cut/blockdraft/spec/dflash/speculator.py || { echo "patch failed"; exit 1; }
+  cd /tmp/tcode_cut && for k in ${@:-7}; do
+    PYTHONPATH=/tmp/site:/tmp/tcode_cut python3 -m blockdraft.cli bench "${DRAFT[@]}" \
       --num-speculative-tokens "$k" --batch-sizes 32 --num-prompts 128 --max-tokens 128 --engines ours --no-plot \
-      --out "$OUT/load-k$k-full" > "$OUT/load-k$k-full.log" 2>&1
-    echo "K=$k whole blocks rc $?"; grep -v "^frame" "$OUT/load-k$k-full.log" | tail -8; done ;;
+      --out "$OUT/load-k$k-cut" > "$OUT/load-k$k-cut.log" 2>&1
+    echo "K=$k cut blocks rc $?"; grep -v "^frame" "$OUT/load-k$k-cut.log" | tail -8; done ;;
 before) # the same load bench with the earlier code staged in /tmp/oldcode (ours only)
   cd /tmp/oldcode && PYTHONPATH=/tmp/site:/tmp/oldcode python3 -m blockdraft.cli bench "${DRAFT[@]}" --batch-sizes 32 \
     --num-prompts 128 --max-tokens 128 --engines ours --out "$OUT/sustained-before" > "$OUT/sustained-before.log" 2>&1
   echo "rc $?"; tail -14 "$OUT/sustained-before.log" ;;
-*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|fullblock|drafters|before" >&2; exit 2 ;;
+*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|cutblock|drafters|before" >&2; exit 2 ;;
 esac

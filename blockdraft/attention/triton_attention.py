@@ -516,7 +516,7 @@ def paged_attention_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_rows == 0:
         return out
-    row_req = meta.row_req
+    row_req = None if meta.row_req is None else meta.row_req.contiguous()  # kernels read row_req[row]
     if row_req is None and not multi_row:  # the multi-row kernel finds requests from query_start_loc
         row_req = row_requests_device(meta.query_start_loc, num_rows)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -527,7 +527,7 @@ def paged_attention_triton(
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused
-    tensors = (out, q, k, v, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, block_table,
+    tensors = (out, q, k, v, k_cache, v_cache, meta.query_start_loc.contiguous(), meta.seq_lens.contiguous(), block_table,
                row_req if row_req is not None else meta.query_start_loc)  # fmt: skip
     strides = (
         out.stride(0), out.stride(1), q.stride(0), q.stride(1),

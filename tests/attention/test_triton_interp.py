@@ -183,6 +183,27 @@ def test_strided_qkv_views_are_read_in_place():
     assert torch.equal(case.k_cache, twin.k_cache)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_strided_metadata_views_are_read_as_their_values(path):
+    """query_start_loc / seq_lens / row_req as strided views whose storage holds junk between the
+    elements (a stride-0 row_req once read stale rows past a one-request draft block: an illegal
+    address on the H200, session 24): the kernels see the views' values."""
+    case, twin = random_case(27, num_reqs=2, block_tokens=4), random_case(27, num_reqs=2, block_tokens=4)
+
+    def strided(x: torch.Tensor, junk: int) -> torch.Tensor:
+        spread = torch.full((x.numel(), 2), junk, dtype=x.dtype)
+        spread[:, 0] = x
+        return spread[:, 0]  # stride 2
+
+    m = case.meta
+    m.query_start_loc, m.seq_lens = strided(m.query_start_loc, 1), strided(m.seq_lens, 1)  # in range, wrong
+    m.row_req = strided(m.row_req, 1)
+    assert m.row_req.stride(0) == 2
+    multi_row, block_m = PATHS[path]
+    out = case.run(functools.partial(paged_attention_triton, multi_row=multi_row, block_m=block_m))
+    torch.testing.assert_close(out, twin.run(paged_attention_dense), **TOL[torch.float32])
+
+
 def test_write_kv_skips_padding_slots():
     cache = torch.zeros(3, 4, 2, 16)
     v_cache = torch.zeros_like(cache)

@@ -103,6 +103,10 @@ def test_draft_block_layout_widens_each_request_of_a_padded_step():
     qsl, row_req = step._block_layout(4)
     assert qsl.tolist() == [0, 16, 32, 32, 32] and qsl.dtype == torch.int32
     assert row_req.tolist() == [0] * 16 + [1] * 16 + [-1] * 32 and row_req.dtype == b.meta.row_req.dtype
+    # one request: a fresh contiguous copy, not a stride-0 view of the static buffer (kernels read
+    # row_req[row]; the view read past the request's first row on the H200, session 24)
+    qsl, row_req = step._block_layout(1)
+    assert qsl.tolist() == [0, 16] and row_req.tolist() == [0] * 16 and row_req.is_contiguous()
     step.speculator = SimpleNamespace(num_query_tokens=4, num_block_tokens=4)
     qsl, row_req = step._block_layout(4)
     assert qsl is not None and qsl.data_ptr() == b.meta.query_start_loc.data_ptr() and row_req.numel() == 16

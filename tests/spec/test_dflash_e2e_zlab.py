@@ -132,9 +132,9 @@ def test_greedy_loop_matches_zlab_dflash_generate(k, monkeypatch):
 
 
 def test_k_below_the_block_drafts_the_whole_block_s_first_k():
-    """K = 2 with a B = 6 drafter on the CPU: the block keeps its 6 rows (as trained), so the drafts
+    """K = 2 with a B = 6 drafter: the block keeps its 6 rows (as trained), so the drafts
     and their logits are the first 2 of K = 5's on the same context; a 3-row block (full_block=False,
-    what z-lab runs for K = 2, and CUDA for now) drafts otherwise."""
+    what z-lab runs for K = 2, and CUDA did before session 24) drafts otherwise."""
     cfg, ours, _ = _targets()
     drafter = random_drafter(cfg, num_layers=2, block_size=6, seed=4, init_std=0.25)
     full = DFlashSpeculator(drafter, ours, 5, num_kv_blocks=NUM_PAGES, kv_block_size=KV_BLOCK_SIZE)

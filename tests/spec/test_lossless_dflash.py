@@ -24,7 +24,7 @@ def _dflash_llm(target, k, block_size=16, mask_token_id=None, full_block=None, *
 
 @pytest.mark.parametrize("k, full_block", [(1, None), (3, None), (7, None), (15, None), (3, False)])
 def test_dflash_greedy_parity_batch_sizes_and_max_tokens(llama_target, k, full_block):
-    """Whole 16-row draft blocks (the CPU default) for every K, and the K + 1-row block CUDA drafts."""
+    """Whole 16-row draft blocks (the default) for every K, and blocks cut to K + 1 rows (full_block=False)."""
     prompts = random_prompts(8, seed=50 + k)
     mts = [1, k, k + 1, k + 2, 64]
     params = [SamplingParams(max_tokens=mts[i % 5], ignore_eos=True) for i in range(8)]

@@ -84,8 +84,10 @@ class DraftStep:
         qsl, row_req = tg.query_start_loc[: num_reqs + 1], tg.row_req[: num_reqs * q]
         if b == q:
             return qsl, row_req
-        # a uniform step's ranges start at multiples of Q; a request's first row names it (or -1)
-        return qsl // q * b, row_req.view(num_reqs, q)[:, :1].expand(num_reqs, b).reshape(-1)
+        # a uniform step's ranges start at multiples of Q; a request's first row names it (or -1).
+        # contiguous: for one request the expanded rows reshape to a stride-0 view, which kernels
+        # indexing row_req[row] read past (stale rows, an illegal address on the H200, session 24)
+        return qsl // q * b, row_req.view(num_reqs, q)[:, :1].expand(num_reqs, b).contiguous().view(-1)
 
 
 def draft_after_prefill(

@@ -3,13 +3,10 @@
 One call = DFLASH.md "One decode step" steps 4-5: write the committed rows' context K/V into the
 draft cache, then ONE batched block forward on [bonus, MASK x (B - 1)] per request at positions
 P..P+B-1 (P = bonus position, B = the drafter's block_size), scored with the target's LM head at
-slots 1..K, argmax. On the CPU the block keeps its trained width B whatever K is (`full_block`):
-the drafter was trained on whole blocks whose rows see each other, and a block cut to K + 1 rows
-drafts worse (H200, batch 1, 32 HumanEval prompts, session 23: acceptance 2.23 -> 2.72 at K = 3,
-2.47 -> 3.00 at K = 7, docs/benchmarks/gpu.md "Session 23"); only the K drafts the target verifies
-are scored. On CUDA the block stays K + 1 rows for now: with full blocks a batch-32 run at K = 7
-hit an illegal memory access in its first DFlash step (cause not found, possibly not the block's);
-K = B - 1, the CUDA default, is the same either way.
+slots 1..K, argmax. The block keeps its trained width B whatever K is (`full_block`): the drafter
+was trained on whole blocks whose rows see each other, and a block cut to K + 1 rows drafts worse
+(H200, batch 1, 32 HumanEval prompts, session 23: acceptance 2.23 -> 2.72 at K = 3, 2.47 -> 3.00 at
+K = 7, docs/benchmarks/gpu.md "Session 23"); only the K drafts the target verifies are scored.
 With a draft vocabulary (blockdraft.spec.draft_vocab.DraftHead, FR-Spec) the scoring uses only the
 head rows of the N ranked ids and the argmax is mapped back to target ids; verification is
 unchanged, so the output stays the target's.
@@ -70,9 +67,8 @@ class DFlashSpeculator:
                 allocate later with `allocate_kv_caches` (the GPU pool is sized after profiling).
             draft_head: score drafts over this draft vocabulary (its N ranked ids) instead of the
                 target's full LM head; None = the full vocabulary.
-            full_block: draft with the trained block of B = block_size rows whatever K is (True), or
-                with K + 1 rows (False); None = True for a drafter on the CPU, False on CUDA (see
-                the module docstring).
+            full_block: draft with the trained block of B = block_size rows whatever K is (True,
+                also for None), or with K + 1 rows (False, as z-lab's loop; see the module docstring).
         Raises:
             ValueError: K out of range; a draft head whose hidden size or ids do not fit the drafter.
         """
@@ -85,7 +81,7 @@ class DFlashSpeculator:
         self.mask_token_id = drafter.config.mask_token_id
         self.kv_block_size = kv_block_size
         self.draft_head = _check_draft_head(draft_head, drafter)
-        self.full_block = drafter.device.type == "cpu" if full_block is None else bool(full_block)
+        self.full_block = True if full_block is None else bool(full_block)
         self.kv_caches: list = []
         if num_kv_blocks is not None:
             self.allocate_kv_caches(num_kv_blocks)
