@@ -320,7 +320,7 @@ class ModelRunner:
         spec = self.speculator
         prepared = self._prepare_draft_inputs(
             batch.logits_rows, batch.logits_indices, num_accepted, target, batch.positions, batch.slot_mapping,
-            getattr(spec, "mask_token_id", 0), spec.num_speculative_tokens + 1,
+            getattr(spec, "mask_token_id", 0),
         )  # fmt: skip
         slots, bonus, bonus_positions = prepared.context_slot_mapping, prepared.bonus_tokens, prepared.bonus_positions
         block_table = batch.meta.block_table.index_select(0, batch.sample_req_index)

@@ -16,7 +16,7 @@ from tests.gpu.cuda_util import capture, no_host_sync, poison_allocator  # noqa:
 from tests.spec.prepare_cases import pad_step, random_step  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
-MASK, Q = 151_665, 16
+MASK = 151_665
 
 
 def assert_same(a: DraftInputs, b: DraftInputs) -> None:
@@ -28,18 +28,18 @@ def assert_same(a: DraftInputs, b: DraftInputs) -> None:
 def test_matches_cpu_twin(fn):
     for seed in range(30):
         case = random_step(seed, num_reqs=1 + seed, max_drafts=15, pad_sample=seed % 3)
-        expected = prepare_draft_inputs(*case.args(), MASK, Q)
+        expected = prepare_draft_inputs(*case.args(), MASK)
         poison_allocator()
-        got = fn(*case.to("cuda").args(), MASK, Q)
+        got = fn(*case.to("cuda").args(), MASK)
         assert_same(DraftInputs(*(x.cpu() for x in vars(got).values())), expected)
 
 
 @pytest.mark.parametrize("fn", [prepare_draft_inputs_triton, prepare_draft_inputs], ids=["triton", "twin"])
 def test_no_host_sync(fn):
     case = random_step(1, num_reqs=8, pad_sample=1).to("cuda")
-    fn(*case.args(), MASK, Q)
+    fn(*case.args(), MASK)
     with no_host_sync():
-        fn(*case.args(), MASK, Q)
+        fn(*case.args(), MASK)
 
 
 @pytest.mark.parametrize("fn", [prepare_draft_inputs_triton, prepare_draft_inputs], ids=["triton", "twin"])
@@ -47,10 +47,10 @@ def test_cuda_graph_replay(fn):
     """Same shapes, new contents: a captured call follows the new step."""
     bucket = dict(num_sample=10, width=16, num_logits=160, num_rows=200)
     static = pad_step(random_step(10, num_reqs=8, max_drafts=15), **bucket).to("cuda")
-    graph, out = capture(lambda: fn(*static.args(), MASK, Q))
+    graph, out = capture(lambda: fn(*static.args(), MASK))
     for seed in range(11, 31):
         case = pad_step(random_step(seed, num_reqs=1 + seed % 10, max_drafts=15), **bucket)
         for dst, src in zip(static.args(), case.to("cuda").args()):
             dst.copy_(src)
         graph.replay()
-        assert_same(DraftInputs(*(x.cpu() for x in vars(out).values())), prepare_draft_inputs(*case.args(), MASK, Q))
+        assert_same(DraftInputs(*(x.cpu() for x in vars(out).values())), prepare_draft_inputs(*case.args(), MASK))

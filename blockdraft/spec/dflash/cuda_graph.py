@@ -64,7 +64,7 @@ class DraftStep:
         logits_rows = torch.where(tg.row_req[:rows].view(num_reqs, q) >= 0, index.view(num_reqs, q), -1)
         prepared = self.prepare(
             logits_rows, index, num_accepted, target, tg.positions[:rows], tg.slot_mapping[:rows],
-            self.speculator.mask_token_id, q,
+            self.speculator.mask_token_id,
         )  # fmt: skip
         return self.speculator.propose(
             features,
@@ -125,6 +125,6 @@ def draft_after_prefill(
     request = torch.arange(num_reqs, dtype=torch.long, device=target.device)
     logits_rows = torch.where(real, request, -1).view(num_reqs, 1)  # one logits row per request
     prepared = prepare(logits_rows, logits_index, num_accepted, target, positions, slot_mapping,
-                       speculator.mask_token_id, speculator.num_query_tokens)
+                       speculator.mask_token_id)
     return speculator.propose(features, positions, prepared.context_slot_mapping, prepared.bonus_tokens,
                               prepared.bonus_positions, block_table)

@@ -5,15 +5,15 @@ the drafter needs, per sampling request s with anchor row a_s and k_s draft rows
   * the context slot mapping: the step's slots with the rejected draft rows (column
     c > num_accepted[s] of `logits_rows`) set to PADDING_SLOT, so only committed rows write
     draft KV;
-  * the bonus token target[s, num_accepted[s]] at position positions[a_s] + 1 + num_accepted[s];
-  * the draft block [bonus, MASK x K] and its positions bonus_position + 0..K.
+  * the bonus token target[s, num_accepted[s]] at position positions[a_s] + 1 + num_accepted[s],
+    the anchor of the next draft block (`DFlashSpeculator.propose` builds the block from it).
 This module computes them with tensor ops only (no boolean-mask indexing, no `.item()`), so it
 runs inside a CUDA graph; `blockdraft.spec.dflash.prepare_inputs_triton` is the one-launch
 Triton kernel with the same outputs. Reference math: the tensor ops of
 `blockdraft.runner.model_runner.ModelRunner._propose` (which index `rows[rejected]`, a sync).
 
 Padding sampling requests (logits_rows[s, 0] == -1, e.g. in a CUDA-graph bucket) reject nothing
-and get bonus token `mask_token_id` at position 0, so their block is valid embedding input.
+and get bonus token `mask_token_id` at position 0, so their draft block is valid embedding input.
 """
 
 from __future__ import annotations
@@ -27,22 +27,18 @@ from blockdraft.attention.metadata import PADDING_SLOT
 
 @dataclass
 class DraftInputs:
-    """Outputs of `prepare_draft_inputs` (S sampling requests, T forward rows, Q = K + 1).
+    """Outputs of `prepare_draft_inputs` (S sampling requests, T forward rows).
 
     Attributes:
         context_slot_mapping: [T] int64, the step's slot_mapping with rejected draft rows set to
             PADDING_SLOT (the drafter writes context K/V of committed rows only).
         bonus_tokens: [S] int64, target[s, num_accepted[s]].
         bonus_positions: [S] int64, position of the anchor row + 1 + num_accepted[s].
-        block_token_ids: [S, Q] int64, [bonus, mask_token_id x K] per request.
-        block_positions: [S * Q] int64, bonus_positions[s] + j for j in 0..Q-1, request-major.
     """
 
     context_slot_mapping: torch.Tensor
     bonus_tokens: torch.Tensor
     bonus_positions: torch.Tensor
-    block_token_ids: torch.Tensor
-    block_positions: torch.Tensor
 
 
 def check_draft_inputs(
@@ -52,12 +48,11 @@ def check_draft_inputs(
     target_tokens: torch.Tensor,
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
-    num_query_tokens: int,
 ) -> None:
     """Shape checks shared by the twin and the kernel (shapes only: no device values are read).
 
     Raises:
-        ValueError: a tensor of the wrong rank or length, or num_query_tokens < 1.
+        ValueError: a tensor of the wrong rank or length.
     """
     num_sample, width = logits_rows.shape if logits_rows.dim() == 2 else (-1, -1)
     if width < 1:
@@ -74,8 +69,6 @@ def check_draft_inputs(
         raise ValueError(
             f"positions {tuple(positions.shape)} and slot_mapping {tuple(slot_mapping.shape)} must both be [T]"
         )
-    if num_query_tokens < 1:
-        raise ValueError(f"num_query_tokens must be >= 1 (anchor + K drafts), got {num_query_tokens}")
 
 
 def prepare_draft_inputs(
@@ -86,9 +79,8 @@ def prepare_draft_inputs(
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
     mask_token_id: int,
-    num_query_tokens: int,
 ) -> DraftInputs:
-    """Context slots, bonus tokens / positions and the draft block of one step (module docstring).
+    """Context slots and bonus tokens / positions of one step (module docstring).
 
     Args:
         logits_rows: [S, kmax + 1] int, per sampling request the logits-row index of its anchor
@@ -98,16 +90,13 @@ def prepare_draft_inputs(
         target_tokens: [S, kmax + 1] int, the target's token at each of those rows.
         positions: [T] int, position of each forward row.
         slot_mapping: [T] int64, cache slot of each forward row (PADDING_SLOT = none).
-        mask_token_id: the drafter's MASK token.
-        num_query_tokens: Q = K + 1 block rows per request.
+        mask_token_id: the drafter's MASK token (the bonus of padding requests).
     Returns:
         DraftInputs (shapes in its docstring); inputs are not modified.
     Raises:
         ValueError: see `check_draft_inputs`.
     """
-    check_draft_inputs(
-        logits_rows, logits_indices, num_accepted, target_tokens, positions, slot_mapping, num_query_tokens
-    )
+    check_draft_inputs(logits_rows, logits_indices, num_accepted, target_tokens, positions, slot_mapping)
     num_rows = slot_mapping.shape[0]
     rows = logits_rows.long()
     accepted = num_accepted.long()
@@ -125,16 +114,7 @@ def prepare_draft_inputs(
     bonus = torch.where(is_real, bonus, mask_token_id)
     anchor_position = torch.cat([positions.long(), positions.new_zeros(1, dtype=torch.long)])[forward_row[:, 0]]
     bonus_positions = torch.where(is_real, anchor_position + 1 + accepted, 0)
-    block_ids = torch.full((rows.shape[0], num_query_tokens), mask_token_id, dtype=torch.long, device=rows.device)
-    block_ids[:, 0] = bonus
-    offsets = torch.arange(num_query_tokens, device=rows.device)
-    return DraftInputs(
-        context_slot_mapping=slots[:num_rows],
-        bonus_tokens=bonus,
-        bonus_positions=bonus_positions,
-        block_token_ids=block_ids,
-        block_positions=(bonus_positions[:, None] + offsets[None, :]).reshape(-1),
-    )
+    return DraftInputs(context_slot_mapping=slots[:num_rows], bonus_tokens=bonus, bonus_positions=bonus_positions)
 
 
 def draft_input_preparer(backend_name: str):

@@ -18,12 +18,11 @@ from blockdraft.spec.dflash.prepare_inputs import DraftInputs, check_draft_input
 @triton.jit
 def _prepare_draft_inputs_kernel(
     logits_rows_ptr, logits_indices_ptr, num_accepted_ptr, target_ptr, positions_ptr,
-    slots_ptr, bonus_ptr, bonus_positions_ptr, block_ids_ptr, block_positions_ptr,
+    slots_ptr, bonus_ptr, bonus_positions_ptr,
     stride_rows, stride_target, mask_token_id,
-    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, NUM_QUERY: tl.constexpr, BLOCK_Q: tl.constexpr,
-    PAD_SLOT: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, PAD_SLOT: tl.constexpr,
 ):  # fmt: skip
-    """Grid (S,): reject this request's unaccepted draft rows, then write its bonus and block."""
+    """Grid (S,): reject this request's unaccepted draft rows, then write its bonus token and position."""
     s = tl.program_id(0).to(tl.int64)
     column = tl.arange(0, BLOCK_W)
     rows = tl.load(logits_rows_ptr + s * stride_rows + column, mask=column < WIDTH, other=-1).to(tl.int64)
@@ -42,12 +41,6 @@ def _prepare_draft_inputs_kernel(
     tl.store(bonus_ptr + s, bonus)
     tl.store(bonus_positions_ptr + s, bonus_position)
 
-    j = tl.arange(0, BLOCK_Q)
-    in_block = j < NUM_QUERY
-    ids = tl.where(j == 0, bonus, mask_token_id).to(tl.int64)
-    tl.store(block_ids_ptr + s * NUM_QUERY + j, ids, mask=in_block)
-    tl.store(block_positions_ptr + s * NUM_QUERY + j, bonus_position + j, mask=in_block)
-
 
 def prepare_draft_inputs_triton(
     logits_rows: torch.Tensor,
@@ -57,15 +50,12 @@ def prepare_draft_inputs_triton(
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
     mask_token_id: int,
-    num_query_tokens: int,
 ) -> DraftInputs:
     """Triton twin of `prepare_draft_inputs` (same arguments, outputs and errors).
 
     Launches: a copy of slot_mapping, then one program per sampling request.
     """
-    check_draft_inputs(
-        logits_rows, logits_indices, num_accepted, target_tokens, positions, slot_mapping, num_query_tokens
-    )
+    check_draft_inputs(logits_rows, logits_indices, num_accepted, target_tokens, positions, slot_mapping)
     num_sample, width = logits_rows.shape
     logits_rows, target_tokens = logits_rows.contiguous(), target_tokens.contiguous()  # rows indexed base + column
     device = logits_rows.device
@@ -73,17 +63,13 @@ def prepare_draft_inputs_triton(
         context_slot_mapping=slot_mapping.to(torch.long, copy=True),
         bonus_tokens=torch.empty(num_sample, dtype=torch.long, device=device),
         bonus_positions=torch.empty(num_sample, dtype=torch.long, device=device),
-        block_token_ids=torch.empty(num_sample, num_query_tokens, dtype=torch.long, device=device),
-        block_positions=torch.empty(num_sample * num_query_tokens, dtype=torch.long, device=device),
     )
     if num_sample == 0:
         return out
     _prepare_draft_inputs_kernel[(num_sample,)](
         logits_rows, logits_indices, num_accepted, target_tokens, positions,
-        out.context_slot_mapping, out.bonus_tokens, out.bonus_positions, out.block_token_ids, out.block_positions,
+        out.context_slot_mapping, out.bonus_tokens, out.bonus_positions,
         logits_rows.stride(0), target_tokens.stride(0), mask_token_id,
-        WIDTH=width, BLOCK_W=triton.next_power_of_2(width),
-        NUM_QUERY=num_query_tokens, BLOCK_Q=triton.next_power_of_2(num_query_tokens),
-        PAD_SLOT=PADDING_SLOT,
+        WIDTH=width, BLOCK_W=triton.next_power_of_2(width), PAD_SLOT=PADDING_SLOT,
     )  # fmt: skip
     return out
