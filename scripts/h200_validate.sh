@@ -51,9 +51,11 @@ suite)  # all of tests/gpu, or the test files given after the phase
 exclusive)
   shift; cd /tmp/tcode && timeout 300 python3 -m pytest -q -m gpu_exclusive "${@:-tests/gpu}" > "$OUT/gpu-exclusive.log" 2>&1
   echo "rc $?"; tail -3 "$OUT/gpu-exclusive.log" ;;
-load)   # where a run under load spends its time, twice (the plain runs move between processes)
+load)   # where a run under load spends its time, twice (the plain runs move between processes); K=... (default
+  # 5, the Qwen drafter's CUDA default since session 24)
   cd /tmp/tcode && for i in 1 2; do
-    python3 -m blockdraft.bench.load_profile "${DRAFT[@]}" --batch-size 32 --num-prompts 128 --max-tokens 128 \
+    python3 -m blockdraft.bench.load_profile "${DRAFT[@]}" --num-speculative-tokens "${K:-5}" --batch-size 32 \
+      --num-prompts 128 --max-tokens 128 \
       --out "$OUT/load$i.json" > "$OUT/load$i.log" 2>&1; echo "rc $?"; done
   tail -25 "$OUT/load2.log" ;;
 bench)  # under load (with HF), then closed batches of 1 and 32

@@ -80,6 +80,8 @@ def test_windowed_async_run_shows_the_join_steps(target):
     (["--repeats", "0"], "--repeats must be >= 1, got 0"),
     (["--draft", "/nonexistent-drafter"], "drafter folder '/nonexistent-drafter' does not exist; draft (--draft)"),
     (["--out", "/nonexistent-folder/x.json"], "folder '/nonexistent-folder' does not exist"),
+    (["--num-speculative-tokens", "16"], "(--num-speculative-tokens) must be in [1, block_size - 1 = 15] for this "
+                                         "drafter, got 16"),
 ])
 def test_bad_flags_exit_2_naming_the_flag_before_any_weights_load(argv, words, capsys):
     from blockdraft.bench.load_profile import main
