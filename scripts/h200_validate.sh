@@ -63,11 +63,12 @@ bench)  # under load (with HF), then closed batches of 1 and 32
     --engines ours,hf --out "$OUT/sustained" > "$OUT/sustained.log" 2>&1; echo "rc $?"; tail -14 "$OUT/sustained.log"
   python3 -m blockdraft.cli bench "${DRAFT[@]}" --batch-sizes 1,32 --max-tokens 128 --engines ours \
     --out "$OUT/closed" > "$OUT/closed.log" 2>&1; echo "rc $?"; tail -14 "$OUT/closed.log" ;;
-ksweep) # the load bench per K (drafts per step), K given after the phase (default 15 7 5 3)
+ksweep) # the load bench per K (drafts per step), K given after the phase (default 15 7 5 3); N=... requests
+  # (default 128; more amortise the drain at the end, where the slowest requests run with few others)
   shift; cd /tmp/tcode && for k in ${@:-15 7 5 3}; do
-    python3 -m blockdraft.cli bench "${DRAFT[@]}" --num-speculative-tokens "$k" --batch-sizes 32 --num-prompts 128 \
-      --max-tokens 128 --engines ours --no-plot --out "$OUT/load-k$k" > "$OUT/load-k$k.log" 2>&1
-    echo "K=$k rc $?"; tail -5 "$OUT/load-k$k.log"; done ;;
+    python3 -m blockdraft.cli bench "${DRAFT[@]}" --num-speculative-tokens "$k" --batch-sizes 32 --num-prompts "${N:-128}" \
+      --max-tokens 128 --engines ours --no-plot --out "$OUT/load-k$k-n${N:-128}" > "$OUT/load-k$k-n${N:-128}.log" 2>&1
+    echo "K=$k N=${N:-128} rc $?"; tail -5 "$OUT/load-k$k-n${N:-128}.log"; done ;;
 drafters) # batch 1 over 32 HumanEval prompts, one at a time: one prompt does not rank drafters (gpu.md "Session 22")
   cd /tmp/tcode && for d in shipped "$OLDPWD"/parts/prev/*/; do
     [ "$d" = shipped ] || [ -f "$d/config.json" ] || continue
