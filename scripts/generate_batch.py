@@ -9,7 +9,7 @@ failing kernel in a Python traceback (docs/benchmarks/gpu.md "Session 24"):
     CUDA_LAUNCH_BLOCKING=1 python scripts/generate_batch.py --k 7 --block whole --graph-mode eager
 
 Prints the block width, the tokens generated, the accepted drafts and the wall time; exits 3 when
-generation raises (the traceback is printed).
+generation raises (the traceback is printed). The dtype is LLM's default (bf16 on CUDA).
 """
 
 from __future__ import annotations
@@ -22,17 +22,22 @@ import traceback
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name with a shipped drafter "
+                   "(default %(default)s)")
     p.add_argument("--k", type=int, default=7, help="drafts per step, K (default 7)")
     p.add_argument("--block", choices=["whole", "cut"], default="whole",
                    help="draft block of the drafter's trained width B (whole, the default) or of K + 1 rows (cut)")
-    p.add_argument("--graph-mode", choices=["capture", "eager", "off"], default="capture",
+    p.add_argument("--graph-mode", choices=["capture", "eager", "off"], default=None,
                    help="capture: CUDA graphs; eager: the same padded graph code run eagerly (Triton kernels); "
-                        "off: no graph code (enforce_eager)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--num-prompts", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--max-num-seqs", type=int, default=32)
+                        "both need CUDA. off: no graph code (enforce_eager). Default: capture on CUDA, off on the CPU")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto (default): cuda when torch sees a GPU")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft vocabulary size N (0: full); default: the size the drafter records")
+    p.add_argument("--num-prompts", type=int, default=128,
+                   help="HumanEval prompts, cycled past the dataset's 164 (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="requests in flight at most (default %(default)s)")
     args = p.parse_args(argv)
 
     import torch
@@ -49,12 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         init(self, *a, **kw)
 
     spec_module.DFlashSpeculator.__init__ = init_with_width
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    mode = args.graph_mode or ("capture" if device == "cuda" else "off")
+    if mode != "off" and device != "cuda":
+        p.error(f"--graph-mode {mode} needs CUDA (device {device}); use --graph-mode off")
     opts = {"capture": {}, "eager": {"graph_mode": "eager", "attention_backend": "triton"},
-            "off": {"enforce_eager": True}}[args.graph_mode]  # fmt: skip
-    llm = LLM(model=args.model, draft="shipped", draft_vocab_size=32768, num_speculative_tokens=args.k,
-              device=args.device, dtype="bfloat16", max_num_seqs=args.max_num_seqs, **opts)
-    print("draft block rows", llm.engine.runner.speculator.num_block_tokens, "graph mode", args.graph_mode, flush=True)
-    prompts = [llm.encode_chat([{"role": "user", "content": t}]) for t in eval_prompts("humaneval", None)[: args.num_prompts]]
+            "off": {"enforce_eager": True}}[mode]  # fmt: skip
+    llm = LLM(model=args.model, draft="shipped", draft_vocab_size=args.draft_vocab_size, num_speculative_tokens=args.k,
+              device=device, max_num_seqs=args.max_num_seqs, **opts)
+    print("draft block rows", llm.engine.runner.speculator.num_block_tokens, "graph mode", mode, flush=True)
+    texts = eval_prompts("humaneval", None)
+    prompts = [llm.encode_chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(args.num_prompts)]
     start = time.perf_counter()
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))

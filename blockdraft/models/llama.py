@@ -141,7 +141,8 @@ class CausalLM(UsesFusedOps, nn.Module):
     def compute_logits(
         self, hidden: torch.Tensor, out: torch.Tensor | None = None, upcast: bool = True
     ) -> torch.Tensor:
-        """hidden [N, hidden] (after the final norm) -> logits [N, vocab] float32, or `out`.
+        """hidden [N, hidden] (after the final norm) -> logits [N, vocab] float32 (upcast=True), the
+        head's dtype (upcast=False), or `out`.
 
         Pass only the rows you need (e.g. the last row of each prompt): the LM head is the
         largest matmul of a decode step. `out` ([N, vocab]): write there instead of a new tensor
@@ -149,8 +150,9 @@ class CausalLM(UsesFusedOps, nn.Module):
         dtype the matmul writes into it directly: no float32 copy, which at 512 verify rows x
         152K ids is ~0.3 GB of traffic per step; consumers upcast what they read (sampling,
         logprobs), and argmax of bf16 logits equals argmax of their exact float32 cast.
-        upcast=False (no `out`; callers that only take the argmax, e.g. the DFlash drafter's
-        full-vocabulary proposals): the head's output in its own dtype, no float32 copy.
+        upcast=False (no `out`): the head's output in its own dtype, no float32 copy, for callers
+        that take the argmax or upcast what they read themselves (the runner's eager steps: sampling
+        and logprobs upcast; the DFlash drafter's full-vocabulary proposals).
         """
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         weight = head.weight

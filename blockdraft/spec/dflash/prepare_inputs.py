@@ -9,8 +9,8 @@ the drafter needs, per sampling request s with anchor row a_s and k_s draft rows
     the anchor of the next draft block (`DFlashSpeculator.propose` builds the block from it).
 This module computes them with tensor ops only (no boolean-mask indexing, no `.item()`), so it
 runs inside a CUDA graph; `blockdraft.spec.dflash.prepare_inputs_triton` is the one-launch
-Triton kernel with the same outputs. Reference math: the tensor ops of
-`blockdraft.runner.model_runner.ModelRunner._propose` (which index `rows[rejected]`, a sync).
+Triton kernel with the same outputs. Reference math: the same with boolean-mask indexing
+(`rows[rejected]`, a host sync), kept frozen in tests/spec/test_prepare_inputs.py.
 
 Padding sampling requests (logits_rows[s, 0] == -1, e.g. in a CUDA-graph bucket) reject nothing
 and get bonus token `mask_token_id` at position 0, so their draft block is valid embedding input.

@@ -57,7 +57,9 @@ def prepare_draft_inputs_triton(
     """
     check_draft_inputs(logits_rows, logits_indices, num_accepted, target_tokens, positions, slot_mapping)
     num_sample, width = logits_rows.shape
-    logits_rows, target_tokens = logits_rows.contiguous(), target_tokens.contiguous()  # rows indexed base + column
+    # the kernel indexes every tensor as base + offset: contiguous copies where a view is strided (no-ops otherwise)
+    logits_rows, target_tokens = logits_rows.contiguous(), target_tokens.contiguous()
+    logits_indices, num_accepted, positions = logits_indices.contiguous(), num_accepted.contiguous(), positions.contiguous()
     device = logits_rows.device
     out = DraftInputs(
         context_slot_mapping=slot_mapping.to(torch.long, copy=True),
