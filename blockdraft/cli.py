@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_draft_flags(p: argparse.ArgumentParser) -> None:
-    """--draft / --no-draft / --num-speculative-tokens / --draft-vocab-size, shared by generate and serve."""
+    """--draft / --no-draft / --num-speculative-tokens / --draft-vocab-size /
+    --speculative-disable-by-batch-size, shared by generate and serve."""
     from blockdraft.drafters import add_draft_vocab_size_flag
 
     p.add_argument("--draft", default="auto",
@@ -114,6 +115,9 @@ def _add_draft_flags(p: argparse.ArgumentParser) -> None:
                    help="drafts per step K (default: the K measured for the drafter on this device type, its "
                         "speculative.json, else block_size - 1)")
     add_draft_vocab_size_flag(p)
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
+                   help="decode without drafts in steps that run N or more requests (vLLM's disable_by_batch_size); "
+                        "eager steps only (on CUDA with --enforce-eager); default: always speculate")
 
 
 def _add_serve_parser(sub, default_model: str) -> None:
@@ -309,7 +313,8 @@ def _generate(args) -> int:
     from blockdraft.drafters import check_draft_flags, resolve_draft
     from blockdraft.preflight import resolve_device
 
-    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size)
+    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size,
+                      args.speculative_disable_by_batch_size)
     draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens,
                           resolve_device(args.device), args.draft_vocab_size)
     llm = LLM(
@@ -324,6 +329,8 @@ def _generate(args) -> int:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
+        # nothing to disable when --draft auto decodes plainly
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if draft is not None else None,
     )
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from blockdraft.engine.kv_cache_manager import KVCacheManager
 from blockdraft.engine.llm_engine import LLMEngine
 from blockdraft.engine.outputs import RequestOutput
 from blockdraft.engine.scheduler import Scheduler
+from blockdraft.errors import param_error
 from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names used to live here)
     CPU_NUM_KV_BLOCKS,
     DEVICE_CHOICES,
@@ -130,6 +131,13 @@ class LLM:
             way). None = on unless the decode steps replay captured CUDA graphs: a mixed step
             cannot, so there a step prefills or decodes (as SGLang without --enable-mixed-chunk).
             The same tokens in fp32; in bf16 another batch make-up can flip a near-tie.
+        speculative_disable_by_batch_size: N (requests): a step that runs N or more requests
+            decodes without drafts (vLLM's disable_by_batch_size; the drafter still reads the
+            step's context, so drafting resumes below N); same output. On the CPU DFlash measured
+            1.53x / 1.32x / 1.06x / 0.80x plain decoding at 1 / 2 / 4 / 8 requests
+            (docs/benchmarks/cpu.md). Eager steps only: needs graph mode "off" (on CUDA
+            enforce_eager=True) and a drafter; ignored when draft="auto" decodes plainly. None
+            (default): always speculate.
     Raises:
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
@@ -160,8 +168,10 @@ class LLM:
         enable_prefix_caching: bool = False,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         mixed_prefill: bool | None = None,
+        speculative_disable_by_batch_size: int | None = None,
     ) -> None:
         check_max_logprobs(max_logprobs)  # before any weights load, as preflight's checks
+        disable_by_batch_size = check_disable_by_batch_size(speculative_disable_by_batch_size)
         if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
             model = _catalog_name(target.path)
         pre = preflight(
@@ -175,12 +185,17 @@ class LLM:
         device, cache = pre.device, pre.cache
         async_scheduling = resolve_async_scheduling(async_scheduling, device, enforce_eager, attention_backend, graph_mode)
         resolve_mixed_prefill(mixed_prefill, graphs_captured=False)  # checked before the weights load
+        disable_by_batch_size = resolve_disable_by_batch_size(
+            disable_by_batch_size, speculator is not None or draft is not None, speculator is None and pre.draft is None,
+            device, enforce_eager, attention_backend, graph_mode,
+        )  # fmt: skip
         self.target = target or load_target(str(pre.target_path), dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
         if speculator is None and pre.draft is not None:
             speculator = _build_speculator(pre, self.target)
         self.speculator = speculator
-        options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode)
+        options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode,
+                       disable_by_batch_size=disable_by_batch_size)
         self.engine = _build_engine(self.target, cache, pre.scheduler, speculator, device, async_scheduling,
                                     max_logprobs, mixed_prefill, **options)
         self._ids = itertools.count()
@@ -380,6 +395,43 @@ def resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool
             f"(drop --async-scheduling or pass --no-async-scheduling; LLM(async_scheduling=False)).{python_only}"
         )
     return requested
+
+
+def check_disable_by_batch_size(value) -> int | None:
+    """Raise ValueError naming `speculative_disable_by_batch_size` and `value` unless it is None or
+    an int >= 1 (requests; a bool is refused); returns it."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise param_error("speculative_disable_by_batch_size", f"speculative_disable_by_batch_size must be None or "
+                          f"an integer >= 1 (requests per step), got {value!r}")
+    return value
+
+
+def resolve_disable_by_batch_size(value: int | None, drafter_asked: bool, plain: bool, device, enforce_eager: bool,
+                                  attention_backend, graph_mode) -> int | None:
+    """The runner's disable_by_batch_size (`check_disable_by_batch_size`'d), before any weights load.
+
+    drafter_asked: a drafter or speculator was given (draft not None); plain: none resolved
+    (draft="auto" decodes plainly): nothing to disable, None.
+    Raises:
+        ValueError: set without a drafter, or where the graph mode (as resolve_graph_mode) is not
+            "off": graphed decode steps always draft in their tail graph.
+    """
+    from blockdraft.runner.setup import resolve_graph_mode
+
+    if value is None:
+        return None
+    if not drafter_asked:
+        raise param_error("speculative_disable_by_batch_size", f"speculative_disable_by_batch_size needs a drafter "
+                          f"(got {value}): give draft (a drafter folder, 'shipped' or 'auto'), or leave it out")
+    mode = resolve_graph_mode(device, enforce_eager, attention_backend, graph_mode)
+    if mode != "off":
+        test_knob = f" or graph_mode='off' (got graph_mode={graph_mode!r})" if graph_mode is not None else ""
+        raise param_error("speculative_disable_by_batch_size", (
+            f"speculative_disable_by_batch_size works on eager steps only (got {value}), but decode steps here run "
+            f"the CUDA-graph code (graph mode {mode!r}), which always drafts: pass enforce_eager=True "
+            f"(--enforce-eager){test_knob}"
+        ))  # fmt: skip
+    return None if plain else value
 
 
 def resolve_mixed_prefill(requested: bool | None, graphs_captured: bool) -> bool:

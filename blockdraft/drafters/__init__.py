@@ -77,21 +77,28 @@ def add_draft_vocab_size_flag(parser, extra: str = "") -> None:
 
 
 def check_draft_flags(
-    draft: str | None, no_draft: bool, num_speculative_tokens: int | None, draft_vocab_size: int | None = None
+    draft: str | None, no_draft: bool, num_speculative_tokens: int | None, draft_vocab_size: int | None = None,
+    disable_by_batch_size: int | None = None,
 ) -> None:
     """Refuse CLI speculative flags that contradict each other or would be silently ignored.
 
     `draft` None means the default, `auto`.
     Raises:
-        ValueError: `--draft PATH | shipped`, `--num-speculative-tokens` or a nonzero
-            `--draft-vocab-size` with `--no-draft`.
+        ValueError: `--draft PATH | shipped`, `--num-speculative-tokens`, a nonzero
+            `--draft-vocab-size` or `--speculative-disable-by-batch-size` with `--no-draft`; the
+            latter below 1.
     """
+    from blockdraft.llm import check_disable_by_batch_size
+
+    check_disable_by_batch_size(disable_by_batch_size)
     if no_draft and draft not in (None, AUTO):
         raise ValueError(f"--draft {draft} and --no-draft contradict each other; give one")
     if no_draft and num_speculative_tokens is not None:
         raise ValueError("--num-speculative-tokens needs a drafter; drop --no-draft")
     if no_draft and draft_vocab_size not in (None, 0):
         raise ValueError(f"--draft-vocab-size {draft_vocab_size} needs a drafter; drop --no-draft")
+    if no_draft and disable_by_batch_size is not None:
+        raise ValueError(f"--speculative-disable-by-batch-size {disable_by_batch_size} needs a drafter; drop --no-draft")
 
 
 def resolve_draft(

@@ -77,6 +77,12 @@ class ModelRunner:
         compiled_sampling: sample non-greedy rows with the torch.compile'd fused noise + argmax
             (blockdraft.sample.sample, compiled=True: same tokens, ~12x faster at 1024 rows x 152K
             vocabulary on an H200); built at start-up by build_runner (warm_up_compiled_sampler).
+        disable_by_batch_size: N (requests) or None; an eager step that samples N or more requests
+            proposes no drafts (vLLM's disable_by_batch_size): the speculator only writes the
+            step's context (`write_context`), and the next step decodes them plainly. Graphed
+            steps always draft (their tail graph does): set it only without graphs.
+    Raises:
+        ValueError: disable_by_batch_size with graphs, or with a speculator that has no write_context.
     """
 
     def __init__(
@@ -89,7 +95,12 @@ class ModelRunner:
         attention_backend: AttentionBackendSpec | None = None,
         graphs: StepGraphs | None = None,
         compiled_sampling: bool = False,
+        disable_by_batch_size: int | None = None,
     ) -> None:
+        if disable_by_batch_size is not None and (graphs is not None or not hasattr(speculator, "write_context")):
+            raise ValueError(f"disable_by_batch_size={disable_by_batch_size!r} needs eager steps (no graphs) and a "
+                             f"speculator with write_context (DFlashSpeculator)")
+        self.disable_by_batch_size = disable_by_batch_size
         self.model = model
         self.compiled_sampling = compiled_sampling
         self.kv_caches = kv_caches
@@ -317,15 +328,19 @@ class ModelRunner:
         hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.aux_layer_ids)
         return self.model.compute_logits(hidden[batch.logits_indices], upcast=False), aux
 
-    def _propose(self, batch: InputBatch, aux, target, num_accepted) -> torch.Tensor:
+    def _propose(self, batch: InputBatch, aux, target, num_accepted) -> torch.Tensor | None:
         """Eager drafter step: write the drafter's context for committed rows, then draft for every
-        sampling request -> [S, K]."""
+        sampling request -> [S, K]; None (no drafts) when the step samples `disable_by_batch_size`
+        requests or more: the context is still written, so drafting can resume at any later step."""
         spec = self.speculator
         prepared = self._prepare_draft_inputs(
             batch.logits_rows, batch.logits_indices, num_accepted, target, batch.positions, batch.slot_mapping,
             getattr(spec, "mask_token_id", 0),
         )  # fmt: skip
         slots, bonus, bonus_positions = prepared.context_slot_mapping, prepared.bonus_tokens, prepared.bonus_positions
+        if self.disable_by_batch_size is not None and target.shape[0] >= self.disable_by_batch_size:
+            spec.write_context(aux, batch.positions, slots)
+            return None
         block_table = batch.meta.block_table.index_select(0, batch.sample_req_index)
         return spec.propose(aux, batch.positions, slots, bonus, bonus_positions, block_table)
 

@@ -43,6 +43,7 @@ def build_runner(
     attention_backend: str | AttentionBackendSpec | None = None,
     graph_mode: str | None = None,
     continuation_graphs: bool = True,
+    disable_by_batch_size: int | None = None,
 ) -> RunnerSetup:
     """Set the models' attention backend, size and allocate the KV pool, capture graphs.
 
@@ -58,6 +59,8 @@ def build_runner(
             padded static-shape graph code without capturing (tests; any device).
         continuation_graphs: also build async scheduling's continuation graphs (the engine passes
             its async_scheduling; without them `ModelRunner.can_continue` is always False).
+        disable_by_batch_size: steps of this many requests or more decode without drafts
+            (ModelRunner; needs graph mode "off").
     Raises:
         ValueError: weights on another device, an unknown graph mode or one the backend / device
             cannot do, num_kv_blocks None on a CPU device, a GPU memory budget that cannot hold
@@ -111,7 +114,7 @@ def build_runner(
                 continuation=continuation_graphs,
             )
     runner = ModelRunner(model, kv_caches, cache.kv_block_size, device, speculator, backend, graphs,
-                         compiled_sampling=mode == "capture")
+                         compiled_sampling=mode == "capture", disable_by_batch_size=disable_by_batch_size)
     return RunnerSetup(runner, num_kv_blocks, max_model_len)
 
 

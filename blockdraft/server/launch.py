@@ -70,7 +70,8 @@ def serve(args) -> int:
     from blockdraft.preflight import resolve_device
     from blockdraft.server.api import build_app
 
-    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size)
+    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size,
+                      args.speculative_disable_by_batch_size)
     config = config_from_args(args)
     check_address(config.host, config.port)  # before a minute of loading, not after
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -94,6 +95,8 @@ def serve(args) -> int:
         mixed_prefill=args.mixed_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         max_logprobs=args.max_logprobs,  # the same limit as the server's: they agree
+        # nothing to disable when --draft auto decodes plainly
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if draft is not None else None,
     )
     app = build_app(llm, config)
     spec = llm.speculator

@@ -34,5 +34,8 @@ class Speculator(Protocol):
         bonus_positions: torch.Tensor,
         block_table: torch.Tensor,
     ) -> torch.Tensor:
-        """Absorb the committed rows' features and return drafts [R, K] int64 (see DFlashSpeculator)."""
+        """Absorb the committed rows' features and return drafts [R, K] int64 (see DFlashSpeculator).
+
+        A speculator that also has `write_context(features, positions, slot_mapping)` (absorb
+        without drafting) supports the runner's disable_by_batch_size."""
         ...

@@ -109,6 +109,13 @@ class DFlashSpeculator:
         return self.drafter.config.block_size if self.full_block else self.num_query_tokens
 
     @torch.no_grad()
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write this step's committed rows' context K/V into the draft cache, without drafting
+        (steps that decode without drafts, the runner's disable_by_batch_size): later proposals
+        then see every position. Arguments as `propose`'s; PADDING_SLOT rows are not written."""
+        self.drafter.write_context(features, positions, self.kv_caches, slot_mapping)
+
+    @torch.no_grad()
     def propose(
         self,
         features: torch.Tensor,
@@ -136,7 +143,7 @@ class DFlashSpeculator:
             [R, K] int64 greedy drafts (target token ids, also with a draft head); column k-1 is the
             token proposed for position P + k.
         """
-        self.drafter.write_context(features, positions, self.kv_caches, slot_mapping)
+        self.write_context(features, positions, slot_mapping)
         if bonus_tokens.shape[0] == 0:  # a step of prefill chunks only: context, no drafts
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.long, device=bonus_tokens.device)
         logits = self.draft_logits(bonus_tokens, bonus_positions, block_table, block_layout, upcast=False)
