@@ -104,6 +104,8 @@ def serve(args) -> int:
     if spec is not None and getattr(spec, "draft_head", None) is not None:
         drafter += f", draft vocab {spec.draft_head.size}"
     engine = llm.engine
+    if engine.runner.disable_by_batch_size is not None:
+        drafter += f", no drafts in steps of {engine.runner.disable_by_batch_size}+ requests"
     graphs = engine.runner.graphs_captured
     sched = engine.scheduler.config  # the effective limits: the step budget's default depends on the device
     steps = (f"CUDA graphs {'on' if graphs else 'off'}, async scheduling {'on' if engine.async_scheduling else 'off'}, "

@@ -136,3 +136,25 @@ def test_cli_flag_checks(capsys):
         err = capsys.readouterr().err
         assert "speculative_disable_by_batch_size (--speculative-disable-by-batch-size) must be None or an integer " \
                ">= 1 (requests per step), got 0" in err and "nonexistent" not in err, err
+
+
+def test_cli_generate_with_the_flag(tmp_path, capsys):
+    """`blockdraft generate --draft PATH --speculative-disable-by-batch-size N` reaches the runner:
+    N = 1 decodes its one request without drafts, N = 2 drafts; the same tokens either way. A
+    folder model with --draft auto decodes plainly: nothing to disable, no error."""
+    import json
+
+    from blockdraft.cli import main
+    from tests.server.tiny_model import write_tiny_drafter, write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    drafter = write_tiny_drafter(tmp_path / "drafter", model)
+    base = ["generate", "w05x w06x", "--model", str(model), "--max-tokens", "8", "--json", "--raw"]
+    runs = {}
+    for n in ("1", "2"):
+        assert main([*base, "--draft", str(drafter), "--speculative-disable-by-batch-size", n]) == 0
+        runs[n] = json.loads(capsys.readouterr().out)
+    assert runs["1"]["num_drafted_tokens"] == 0 and runs["2"]["num_drafted_tokens"] > 0
+    assert runs["1"]["token_ids"] == runs["2"]["token_ids"]
+    assert main([*base, "--speculative-disable-by-batch-size", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == runs["1"]["token_ids"]
