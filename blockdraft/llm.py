@@ -18,6 +18,7 @@ from blockdraft.engine.kv_cache_manager import KVCacheManager
 from blockdraft.engine.llm_engine import LLMEngine
 from blockdraft.engine.outputs import RequestOutput
 from blockdraft.engine.scheduler import Scheduler
+from blockdraft.drafters import check_disable_by_batch_size
 from blockdraft.errors import param_error
 from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names used to live here)
     CPU_NUM_KV_BLOCKS,
@@ -395,15 +396,6 @@ def resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool
             f"(drop --async-scheduling or pass --no-async-scheduling; LLM(async_scheduling=False)).{python_only}"
         )
     return requested
-
-
-def check_disable_by_batch_size(value) -> int | None:
-    """Raise ValueError naming `speculative_disable_by_batch_size` and `value` unless it is None or
-    an int >= 1 (requests; a bool is refused); returns it."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise param_error("speculative_disable_by_batch_size", f"speculative_disable_by_batch_size must be None or "
-                          f"an integer >= 1 (requests per step), got {value!r}")
-    return value
 
 
 def resolve_disable_by_batch_size(value: int | None, drafter_asked: bool, plain: bool, device, enforce_eager: bool,

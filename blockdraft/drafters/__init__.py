@@ -76,6 +76,17 @@ def add_draft_vocab_size_flag(parser, extra: str = "") -> None:
     )
 
 
+def check_disable_by_batch_size(value) -> int | None:
+    """Raise ValueError naming `speculative_disable_by_batch_size` and `value` unless it is None or
+    an int >= 1 (requests; a bool is refused); returns it."""
+    from blockdraft.errors import param_error
+
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise param_error("speculative_disable_by_batch_size", f"speculative_disable_by_batch_size must be None or "
+                          f"an integer >= 1 (requests per step), got {value!r}")
+    return value
+
+
 def check_draft_flags(
     draft: str | None, no_draft: bool, num_speculative_tokens: int | None, draft_vocab_size: int | None = None,
     disable_by_batch_size: int | None = None,
@@ -88,8 +99,6 @@ def check_draft_flags(
             `--draft-vocab-size` or `--speculative-disable-by-batch-size` with `--no-draft`; the
             latter below 1.
     """
-    from blockdraft.llm import check_disable_by_batch_size
-
     check_disable_by_batch_size(disable_by_batch_size)
     if no_draft and draft not in (None, AUTO):
         raise ValueError(f"--draft {draft} and --no-draft contradict each other; give one")
