@@ -13,12 +13,12 @@ import torch
 
 from blockdraft.chat_messages import check_chat_messages
 from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig
+from blockdraft.drafters import check_disable_by_batch_size
 from blockdraft.engine.gc_heap import frozen_gc_heap
 from blockdraft.engine.kv_cache_manager import KVCacheManager
 from blockdraft.engine.llm_engine import LLMEngine
 from blockdraft.engine.outputs import RequestOutput
 from blockdraft.engine.scheduler import Scheduler
-from blockdraft.drafters import check_disable_by_batch_size
 from blockdraft.errors import param_error
 from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names used to live here)
     CPU_NUM_KV_BLOCKS,

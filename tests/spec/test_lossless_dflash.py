@@ -12,7 +12,7 @@ from blockdraft.spec.dflash.speculator import DFlashSpeculator
 from tests.conftest import make_llm, random_prompts, tiny_target
 
 
-def _dflash_llm(target, k, block_size=16, mask_token_id=None, full_block=None, **kw):
+def _dflash_llm(target, k, block_size=16, mask_token_id=None, full_block=True, **kw):
     drafter = random_drafter(
         target.config, num_layers=2, block_size=block_size, target_layer_ids=(0, 2), seed=k, init_std=0.1, mask_token_id=mask_token_id
     )
@@ -22,7 +22,7 @@ def _dflash_llm(target, k, block_size=16, mask_token_id=None, full_block=None, *
     return make_llm(target, speculator=spec, **kw)
 
 
-@pytest.mark.parametrize("k, full_block", [(1, None), (3, None), (7, None), (15, None), (3, False)])
+@pytest.mark.parametrize("k, full_block", [(1, True), (3, True), (7, True), (15, True), (3, False)])
 def test_dflash_greedy_parity_batch_sizes_and_max_tokens(llama_target, k, full_block):
     """Whole 16-row draft blocks (the default) for every K, and blocks cut to K + 1 rows (full_block=False)."""
     prompts = random_prompts(8, seed=50 + k)
@@ -30,7 +30,7 @@ def test_dflash_greedy_parity_batch_sizes_and_max_tokens(llama_target, k, full_b
     params = [SamplingParams(max_tokens=mts[i % 5], ignore_eos=True) for i in range(8)]
     plain = [o.token_ids for o in make_llm(llama_target).generate(prompts, params)]
     llm = _dflash_llm(llama_target, k, full_block=full_block)
-    assert llm.speculator.num_block_tokens == (k + 1 if full_block is False else 16)
+    assert llm.speculator.num_block_tokens == (16 if full_block else k + 1)
     for bs in (1, 2, 3, 5, 8):
         assert [o.token_ids for o in llm.generate(prompts[:bs], params[:bs])] == plain[:bs]
     assert llm.engine.stats.spec.num_drafted_tokens > 0

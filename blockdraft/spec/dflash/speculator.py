@@ -58,7 +58,7 @@ class DFlashSpeculator:
         num_kv_blocks: int | None,
         kv_block_size: int,
         draft_head: DraftHead | None = None,
-        full_block: bool | None = None,
+        full_block: bool = True,
     ) -> None:
         """
         Args:
@@ -67,8 +67,8 @@ class DFlashSpeculator:
                 allocate later with `allocate_kv_caches` (the GPU pool is sized after profiling).
             draft_head: score drafts over this draft vocabulary (its N ranked ids) instead of the
                 target's full LM head; None = the full vocabulary.
-            full_block: draft with the trained block of B = block_size rows whatever K is (True,
-                also for None), or with K + 1 rows (False, as z-lab's loop; see the module docstring).
+            full_block: draft with the trained block of B = block_size rows whatever K is (True, the
+                default), or with K + 1 rows (False, as z-lab's loop; see the module docstring).
         Raises:
             ValueError: K out of range; a draft head whose hidden size or ids do not fit the drafter.
         """
@@ -81,7 +81,7 @@ class DFlashSpeculator:
         self.mask_token_id = drafter.config.mask_token_id
         self.kv_block_size = kv_block_size
         self.draft_head = _check_draft_head(draft_head, drafter)
-        self.full_block = True if full_block is None else bool(full_block)
+        self.full_block = bool(full_block)
         self.kv_caches: list = []
         if num_kv_blocks is not None:
             self.allocate_kv_caches(num_kv_blocks)
