@@ -21,6 +21,7 @@ import traceback
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse `argv`, run the batch -> exit code (0 ok, 2 bad flags, 3 generation raised)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name with a shipped drafter "
                    "(default %(default)s)")
