@@ -83,9 +83,9 @@ ksweep1) # batch 1 per K over 32 HumanEval prompts one at a time, the shipped dr
 cutblock) # the load bench per K with draft blocks cut to K + 1 rows (z-lab's loop; the default drafts whole
   # blocks since session 24), side by side with `ksweep K`
   shift; rm -rf /tmp/tcode_cut && cp -r /tmp/tcode /tmp/tcode_cut || exit 1
-  sed -i 's/self.full_block = True if full_block is None/self.full_block = False if full_block is None/' \
+  sed -i 's/full_block: bool = True,/full_block: bool = False,/' \
     /tmp/tcode_cut/blockdraft/spec/dflash/speculator.py
-  grep -q "self.full_block = False if" /tmp/tcode_cut/blockdraft/spec/dflash/speculator.py || { echo "patch failed"; exit 1; }
+  grep -q "full_block: bool = False," /tmp/tcode_cut/blockdraft/spec/dflash/speculator.py || { echo "patch failed"; exit 1; }
   cd /tmp/tcode_cut && for k in ${@:-7}; do
     PYTHONPATH=/tmp/site:/tmp/tcode_cut python3 -m blockdraft.cli bench "${DRAFT[@]}" \
       --num-speculative-tokens "$k" --batch-sizes 32 --num-prompts 128 --max-tokens 128 --engines ours --no-plot \
