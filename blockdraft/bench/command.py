@@ -71,7 +71,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--draft-layers", type=int, default=None,
                    help="with --shape: random drafter depth (default: 5 for qwen3-8b / qwen2.5-0.5b, 2 for tiny)")
     b.add_argument("--block-size", type=int, default=16, help="with --shape: drafter block size B (default 16)")
-    b.add_argument("--num-speculative-tokens", type=int, default=None, help="drafts per step K (default B - 1)")
+    b.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="drafts per step K (default: with --model, the K `blockdraft generate` uses for the drafter "
+                        "on this device type, recorded in its speculative.json; B - 1 where it records none, and "
+                        "with --shape)")
     add_draft_vocab_size_flag(b, "; with --shape: ids 0..N-1 of the random vocabulary (times an N-column head)")
     b.add_argument("--prompt-len", type=int, default=128, help="with --shape: tokens per random prompt (default 128)")
     b.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"],
@@ -152,12 +155,14 @@ def _check_source_flags(args) -> None:
         raise ValueError("--out is empty; give a file prefix (writes PREFIX.json and PREFIX.png), e.g. 'bench-run'")
 
 
-def check_drafter_flags(args) -> tuple[str | None, int]:
+def check_drafter_flags(args, device_type: str = "cpu") -> tuple[str | None, int]:
     """The drafter flags against the target's config, before any weights are built or loaded:
     with --shape the random drafter's shape, K and the draft vocabulary size (ids 0..N-1, N in
     [0, vocab]); with --model the drafter folder, its config against the model's config.json, K
-    and the draft vocabulary size (blockdraft.preflight). Returns (the drafter folder (--model;
-    None: plain rows only) or None (--shape), the draft vocabulary size (0: full vocabulary)).
+    and the draft vocabulary size (blockdraft.preflight on `device_type`, "cpu" | "cuda": `auto`,
+    K and the draft vocabulary size as `blockdraft generate` resolves them there). Returns (the
+    drafter folder (--model; None: plain rows only) or None (--shape), the draft vocabulary size
+    (0: full vocabulary)).
 
     Raises:
         ValueError / FileNotFoundError: naming the flag value and what is allowed.
@@ -180,7 +185,7 @@ def check_drafter_flags(args) -> tuple[str | None, int]:
         return None, n
     from blockdraft.preflight import preflight
 
-    pre = preflight(args.model, args.draft, args.num_speculative_tokens, cache_dir=args.cache_dir,
+    pre = preflight(args.model, args.draft, args.num_speculative_tokens, device=device_type, cache_dir=args.cache_dir,
                     draft_vocab_size=args.draft_vocab_size)
     return pre.draft, pre.draft_vocab_size
 
@@ -191,7 +196,7 @@ def build_workload(args):
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     num_prompts = max(max(parse_batch_sizes(args.batch_sizes)), args.num_prompts or 0)
-    draft, draft_vocab_size = check_drafter_flags(args)
+    draft, draft_vocab_size = check_drafter_flags(args, device.type)
     if args.shape:
         return random_workload(args.shape, device, dtype, num_prompts=num_prompts, prompt_len=args.prompt_len,
                                draft_layers=args.draft_layers, block_size=args.block_size,

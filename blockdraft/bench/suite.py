@@ -68,10 +68,23 @@ def log(msg: str) -> None:
 
 
 def num_speculative_tokens(workload: Workload, settings: Settings) -> int | None:
-    """K: the setting, else block_size - 1 of the drafter (None without a drafter)."""
+    """K, drafts per step: the setting, else the K `blockdraft generate` / `LLM` use for the drafter
+    folder on the workload's device type (its speculative.json, `per_device` entry first;
+    resolve_num_speculative_tokens), else block_size - 1 (a folder that records no K, or the
+    random drafter of a --shape run, which has no folder). None without a drafter.
+
+    Raises:
+        ValueError: bad speculative.json, or K outside [1, block_size - 1] (naming where it came from).
+    """
     if workload.drafter is None:
         return None
-    return settings.num_speculative_tokens or workload.drafter.config.block_size - 1
+    folder = workload.source.get("draft")  # model_workload's drafter folder; random_workload has none
+    if folder is None:
+        return settings.num_speculative_tokens or workload.drafter.config.block_size - 1
+    from blockdraft.spec.dflash.checkpoint import resolve_num_speculative_tokens
+
+    return resolve_num_speculative_tokens(settings.num_speculative_tokens, folder, workload.drafter.config,
+                                          torch.device(workload.device).type)
 
 
 def engine_builders(

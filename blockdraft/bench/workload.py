@@ -25,7 +25,8 @@ class Workload:
     hf_model: transformers model with the target's weights (HF baseline and z-lab's target).
     target: our loaded target. drafter: our DFlash drafter (None: no DFlash rows).
     prompts: token-id prompts, at least as many as the largest batch (batch N uses the first N).
-    pad_token_id: left-padding id for HF. source: how it was made (goes into the JSON).
+    pad_token_id: left-padding id for HF. source: how it was made (goes into the JSON; its "draft",
+        the drafter folder of model_workload, also gives the bench its default K: suite.num_speculative_tokens).
     draft_head: the drafter's draft vocabulary (blockdraft.spec.draft_vocab; None: full vocabulary).
     """
 

@@ -169,6 +169,74 @@ def test_model_folder_with_drafter_on_eval_prompts(tmp_path, monkeypatch):
         assert parity[("zlab/dflash", 1)]["mismatched_requests"] == 0
 
 
+def recorded_ks(monkeypatch) -> list[int]:
+    """The K of every DFlash speculator the bench engines build (bench.engines.ours.dflash_speculator),
+    in build order: the K a run actually used."""
+    from blockdraft.bench.engines import ours
+
+    ks, build = [], ours.dflash_speculator
+
+    def recording(*args, **kwargs):
+        spec = build(*args, **kwargs)
+        ks.append(spec.num_speculative_tokens)
+        return spec
+
+    monkeypatch.setattr(ours, "dflash_speculator", recording)
+    return ks
+
+
+def test_default_k_is_the_drafters_recorded_k_on_this_device_and_the_flag_wins(tmp_path, monkeypatch):
+    """Without --num-speculative-tokens, --model runs the K `generate` uses on this device type: the
+    speculative.json `per_device.cpu` entry (3) over its top level (2), not B - 1 = 7; the flag wins."""
+    from blockdraft.config import ModelConfig
+    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter, random_drafter
+    from blockdraft.training import corpora
+
+    model_dir, draft_dir = tmp_path / "model", tmp_path / "drafter"
+    hf = _tiny_model_folder(model_dir)
+    export_drafter(random_drafter(ModelConfig.from_hf_dict(hf.config.to_dict()), 1, 8, seed=2), draft_dir)
+    (draft_dir / SPECULATIVE_FILE).write_text(json.dumps({"num_speculative_tokens": 2, "per_device": {
+        "cpu": {"num_speculative_tokens": 3}, "cuda": {"num_speculative_tokens": 5}}}))
+    monkeypatch.setattr(corpora, "eval_prompts", lambda dataset, cache_dir=None: ["w05x w07x", "w10x"])
+    ks = recorded_ks(monkeypatch)
+    flags = ("--model", str(model_dir), "--draft", str(draft_dir), "--engines", "ours", "--batch-sizes", "1",
+             "--max-tokens", "3", "--warmup", "0", "--dtype", "float32", "--no-plot")
+    rc, doc, rows, _ = _run(tmp_path, *flags)
+    assert rc == 0 and rows[("ours", "dflash", 1)]["status"] == "ok"
+    assert doc["settings"]["num_speculative_tokens"] == 3 and ks == [3]
+    rc, doc, _, _ = _run(tmp_path, *flags, "--num-speculative-tokens", "1")
+    assert rc == 0 and doc["settings"]["num_speculative_tokens"] == 1 and ks == [3, 1]
+
+
+def test_suite_k_per_device_type_explicit_and_without_a_recorded_k(tmp_path):
+    """suite.num_speculative_tokens, on a workload's drafter folder: the `per_device` entry of the
+    workload's device type (cuda here without a GPU: only the device type is read), the setting
+    over it, B - 1 without speculative.json or without a folder (a --shape run's random drafter)."""
+    from types import SimpleNamespace
+
+    from blockdraft.bench.suite import Settings, num_speculative_tokens
+    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter, random_drafter
+    from tests.conftest import tiny_config
+
+    drafter = random_drafter(tiny_config("qwen3"), num_layers=1, block_size=8, target_layer_ids=(0, 2), seed=1)
+    folder = tmp_path / "drafter"
+    export_drafter(drafter, folder)
+
+    def k(device: str, setting: int | None = None, source: dict | None = None) -> int | None:
+        wl = SimpleNamespace(drafter=drafter, device=torch.device(device),
+                             source={"draft": str(folder)} if source is None else source)
+        return num_speculative_tokens(wl, Settings((1,), 8, num_speculative_tokens=setting))
+
+    assert k("cuda") == k("cpu") == 7  # no speculative.json: B - 1
+    (folder / SPECULATIVE_FILE).write_text(json.dumps({"num_speculative_tokens": 2, "per_device": {
+        "cuda": {"num_speculative_tokens": 5}}}))
+    assert (k("cuda"), k("cpu"), k("cuda", 4), k("cpu", 4)) == (5, 2, 4, 4)
+    assert (k("cuda", source={}), k("cpu", 4, source={})) == (7, 4)  # no folder: the setting, else B - 1
+    (folder / SPECULATIVE_FILE).write_text(json.dumps({"per_device": {"cuda": {"num_speculative_tokens": 9}}}))
+    with pytest.raises(ValueError, match=r"block_size - 1 = 7.*recorded K for cuda"):
+        k("cuda")
+
+
 def test_help_says_where_files_go_and_gives_a_quick_cpu_command(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
