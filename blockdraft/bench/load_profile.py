@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", default="shipped", help="DFlash drafter folder, or 'shipped' (default) for --model's")
     add_draft_vocab_size_flag(p)
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="drafts per step, 1..B-1 (default B - 1, as `blockdraft bench`)")
+                   help="drafts per step, 1..B-1 (default: the K `blockdraft generate` uses for the drafter on this "
+                        "device type, recorded in its speculative.json; B - 1 where it records none)")
     p.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"], help="prompts (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=32, help="requests in flight (default %(default)s)")
     p.add_argument("--num-prompts", type=int, default=128,
@@ -211,13 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         if draft is None:
             p.error(f"--draft {args.draft!r}: no drafter (give a DFlash drafter folder or 'shipped')")
         # the drafter folder, its config against the model's, the draft vocabulary: before the weights load
-        pre = preflight(args.model, draft, args.num_speculative_tokens, draft_vocab_size=args.draft_vocab_size)
+        pre = preflight(args.model, draft, args.num_speculative_tokens, device=device.type,
+                        draft_vocab_size=args.draft_vocab_size)
         _log(f"loading {args.model} and its drafter")
         wl = model_workload(args.model, str(pre.draft), device, dtype, dataset=args.dataset,
                             num_prompts=args.num_prompts, draft_vocab_size=pre.draft_vocab_size, load_hf=False)
     except (ValueError, FileNotFoundError) as e:
         p.error(flag_message(e, p._option_string_actions))
-    k = args.num_speculative_tokens or wl.drafter.config.block_size - 1  # checked by preflight
+    k = pre.num_speculative_tokens  # the flag, else the drafter's K on this device type, else B - 1 (preflight)
     plan = PoolPlan(max_batch=args.batch_size, max_prompt_len=max(map(len, wl.prompts)), max_tokens=args.max_tokens,
                     lookahead=k + 1)
     options = {} if args.mixed_prefill is None else {"mixed_prefill": args.mixed_prefill}

@@ -134,6 +134,40 @@ def test_prefix_cache_bad_dtype_and_library_errors(tiny, capsys):
     assert err.startswith("error: drafter folder '/nonexistent' does not exist") and len(err.strip().splitlines()) == 1
 
 
+# ---- bench and load_profile: the drafter's K on the device type they run on ----------------------
+
+
+@pytest.mark.parametrize("command", ["bench", "load_profile"])
+def test_a_k_recorded_for_cuda_is_checked_on_cuda_before_any_weights_load(command, tiny, tmp_path, monkeypatch,
+                                                                          capsys):
+    """Both commands resolve the drafter's K for the device type they run on, as `generate` does:
+    on CUDA (faked; nothing is loaded) a `per_device.cuda` K that does not fit the block is refused
+    by name before any model work, although the top-level (CPU) K fits."""
+    import json
+    import shutil
+
+    import torch
+
+    from blockdraft.bench import load_profile, workload
+    from blockdraft.cli import main
+
+    draft = tmp_path / "drafter"
+    shutil.copytree(tiny[1], draft)
+    (draft / "speculative.json").write_text(json.dumps({"num_speculative_tokens": 2, "per_device": {
+        "cuda": {"num_speculative_tokens": 9}}}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(workload, "model_workload", _model_work)
+    flags = ["--device", "cuda", "--model", tiny[0], "--draft", str(draft)]
+    if command == "bench":
+        assert main(["bench", *flags, "--out", str(tmp_path / "r")]) == 2
+    else:
+        with pytest.raises(SystemExit) as e:
+            load_profile.main(flags)
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "block_size - 1 = 7" in err and "got 9 (recorded K for cuda" in err and "Traceback" not in err
+
+
 # ---- the other CPU benchmarks with an output file flag ------------------------------------------
 
 

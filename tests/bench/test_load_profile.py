@@ -89,3 +89,33 @@ def test_bad_flags_exit_2_naming_the_flag_before_any_weights_load(argv, words, c
     with pytest.raises(SystemExit) as e:
         main(["--device", "cpu", *argv])
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_default_k_is_the_drafters_recorded_k_on_this_device_and_the_flag_wins(tmp_path, monkeypatch):
+    """Without --num-speculative-tokens the profile runs (and records) the K `generate` uses on this
+    device type: the speculative.json `per_device.cpu` entry (3) over its top level (2); B - 1 = 7
+    where the folder records none; the flag always wins."""
+    import json
+
+    from blockdraft.bench.load_profile import main
+    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE
+    from blockdraft.training import corpora
+    from tests.bench.test_bench_cli import recorded_ks
+    from tests.server.tiny_model import word, write_tiny_drafter, write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    draft = write_tiny_drafter(tmp_path / "drafter", model)
+    monkeypatch.setattr(corpora, "eval_prompts", lambda dataset, cache_dir=None: [f"{word(5)} {word(7)}"])
+    ks, out = recorded_ks(monkeypatch), tmp_path / "load.json"
+
+    def run(*flags) -> int:
+        assert main(["--model", str(model), "--draft", str(draft), "--device", "cpu", "--batch-size", "1",
+                     "--num-prompts", "1", "--max-tokens", "3", "--repeats", "1", "--out", str(out), *flags]) == 0
+        return json.loads(out.read_text())["settings"]["num_speculative_tokens"]
+
+    (draft / SPECULATIVE_FILE).write_text(json.dumps({"num_speculative_tokens": 2, "per_device": {
+        "cpu": {"num_speculative_tokens": 3}, "cuda": {"num_speculative_tokens": 5}}}))
+    assert run() == 3 and ks == [3]
+    assert run("--num-speculative-tokens", "1") == 1 and ks == [3, 1]
+    (draft / SPECULATIVE_FILE).unlink()
+    assert run() == 7 and ks == [3, 1, 7]
