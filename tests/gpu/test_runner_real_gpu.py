@@ -45,7 +45,9 @@ def _generate(llm, max_tokens=64) -> list[list[int]]:
 @pytest.mark.parametrize("draft", [False, True], ids=["plain", "dflash"])
 def test_graph_replay_equals_eager_bf16(name, draft):
     target = cached_real_target(name, "bfloat16")
-    want = _generate(_llm(target, name, draft, graph_mode="eager"))
+    # the captured engine's scheduling defaults (no mixed prefill steps, async scheduling) pinned for
+    # the eager run too: another batch make-up can flip a bf16 near-tie (session 25, gpu.md)
+    want = _generate(_llm(target, name, draft, graph_mode="eager", mixed_prefill=False, async_scheduling=True))
     with graph_runs() as (target_runs, _):
         assert _generate(_llm(target, name, draft)) == want
     assert target_runs
