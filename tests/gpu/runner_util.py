@@ -96,3 +96,13 @@ def host_sync_sites(fn) -> list[str]:
 def count_host_syncs(fn) -> int:
     """Number of synchronising CUDA operations torch's sync debug mode reports while `fn()` runs."""
     return len(host_sync_sites(fn))
+
+
+def first_divergences(want: list[list[int]], got: list[list[int]]) -> list[tuple[int, int]]:
+    """(request, first differing token index) of each request whose tokens differ, for assertion
+    messages (a length difference counts at the shorter length)."""
+    out = []
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a != b:
+            out.append((i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))))
+    return out

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from blockdraft.drafters import shipped_drafter  # noqa: E402
 from blockdraft.llm import LLM  # noqa: E402
 from blockdraft.sampling_params import SamplingParams  # noqa: E402
-from tests.gpu.runner_util import cached_real_target, graph_runs  # noqa: E402
+from tests.gpu.runner_util import cached_real_target, first_divergences, graph_runs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
@@ -49,7 +49,8 @@ def test_graph_replay_equals_eager_bf16(name, draft):
     # the eager run too: another batch make-up can flip a bf16 near-tie (session 25, gpu.md)
     want = _generate(_llm(target, name, draft, graph_mode="eager", mixed_prefill=False, async_scheduling=True))
     with graph_runs() as (target_runs, _):
-        assert _generate(_llm(target, name, draft)) == want
+        got = _generate(_llm(target, name, draft))
+    assert got == want, f"(request, first differing token): {first_divergences(want, got)}"
     assert target_runs
 
 
