@@ -77,12 +77,17 @@ def completion_logprobs(entries: list[dict], token_text: TokenText, text_offset:
     }
 
 
-def chat_logprobs(entries: list[dict], token_text: TokenText) -> dict:
-    """The /v1/chat/completions `logprobs` object ({"content": [...]}) for these tokens."""
+def chat_logprobs(entries: list[dict], token_text: TokenText, token_ids: bool = False) -> dict:
+    """The /v1/chat/completions `logprobs` object ({"content": [...]}) for these tokens.
+
+    token_ids: also give each token's id first, as "token_id" (not OpenAI's: `blockdraft generate
+    --json --logprobs N` prints these items, where the text alone may not name the token).
+    """
 
     def item(token_id: int, logprob: float) -> dict:
         text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {**({"token_id": token_id} if token_ids else {}), "token": text, "logprob": logprob,
+                "bytes": list(text.encode("utf-8"))}
 
     content = [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries]
     return {"content": content}
