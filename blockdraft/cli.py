@@ -56,6 +56,7 @@ def _command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentPar
 
 def _parser() -> argparse.ArgumentParser:
     from blockdraft import __version__
+    from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
     from blockdraft.weights.catalog import DEFAULT_MODEL, add_cache_dir_flag
 
     p = argparse.ArgumentParser(prog="blockdraft", description="LLM inference with DFlash speculative decoding.")
@@ -76,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models)")
     add_cache_dir_flag(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="also show the target model's log-probability of each output token and its N most likely "
+                        f"alternatives, 0 <= N <= {DEFAULT_MAX_LOGPROBS} (vLLM's SamplingParams(logprobs=N)): a "
+                        "table after the answer (one line per token), or a 'logprobs' list with --json "
+                        "(default: none)")
     _add_device_flags(g)
     _add_async_scheduling_flag(g)
     _add_prefix_caching_flag(g)
@@ -303,11 +309,13 @@ def _serve(args) -> int:
 
 def _generate(args) -> int:
     from blockdraft.llm import LLM
-    from blockdraft.sampling_params import SamplingParams
+    from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        logprobs=args.logprobs,
     )
+    _check_logprobs_limit(args.logprobs, DEFAULT_MAX_LOGPROBS)  # the engine would refuse it after loading
     if not args.prompt.strip():
         raise ValueError("prompt is empty: give a non-empty prompt")
     from blockdraft.drafters import check_draft_flags, resolve_draft
@@ -329,6 +337,7 @@ def _generate(args) -> int:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
+        max_logprobs=DEFAULT_MAX_LOGPROBS,
         # nothing to disable when --draft auto decodes plainly
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if draft is not None else None,
     )
@@ -346,12 +355,44 @@ def _generate(args) -> int:
         num_speculative_tokens=llm.speculator.num_speculative_tokens if llm.speculator is not None else None,
         draft_vocab_size=_draft_vocab_size(llm.speculator),
     )
+    if out.logprobs is not None:
+        from blockdraft.server.responses import TokenText, chat_logprobs
+
+        result["logprobs"] = chat_logprobs(out.logprobs, TokenText(llm.tokenizer), token_ids=True)["content"]
     if args.json:
         print(json.dumps(result))
     else:
         print(out.text)
+        if out.logprobs is not None:
+            print("\n".join(_logprob_table(result["logprobs"])))
         print(_summary_line(result), file=sys.stderr)
     return 0
+
+
+def _check_logprobs_limit(logprobs: int | None, limit: int) -> None:
+    """Refuse `--logprobs` above the engine's `max_logprobs` before any weights load (SamplingParams
+    refuses negative values); worded for the CLI, where no LLM(max_logprobs=...) can raise the limit."""
+    from blockdraft.errors import param_error
+
+    if logprobs is not None and logprobs > limit:
+        raise param_error("logprobs", f"logprobs must be <= {limit} (the engine's max_logprobs, vLLM's default), "
+                                      f"got {logprobs}")
+
+
+def _logprob_table(items: list[dict]) -> list[str]:
+    """`generate --logprobs N`'s lines after the answer: a header, then one line per output token:
+    its position, text (JSON-quoted: spaces and newlines show), id, logprob, and the N alternatives
+    as text=logprob, most likely first. `items`: the JSON output's "logprobs" list."""
+    lines = ["--- logprobs of the target model: #, token, id, logprob, top alternatives ---"]
+    for i, e in enumerate(items):
+        top = "  ".join(f"{_quoted(t['token'])}={t['logprob']:.4f}" for t in e["top_logprobs"])
+        lines.append(f"{i:>4}  {_quoted(e['token']):<16} {e['token_id']:>7}  {e['logprob']:>9.4f}  {top}".rstrip())
+    return lines
+
+
+def _quoted(text: str) -> str:
+    """A token's text in double quotes, with escapes for newlines and other control characters."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _draft_vocab_size(speculator) -> int | None:

@@ -1,0 +1,106 @@
+"""`blockdraft generate --logprobs N`: the target's log-probabilities of the output tokens and their
+N most likely alternatives, as a `logprobs` list with --json (the server's chat items plus ids) or a
+table after the answer; the same with DFlash as with plain decoding; bad values refused before loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockdraft.cli import main
+from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
+from tests.server.tiny_model import word, write_tiny_drafter, write_tiny_model
+
+# Greedy from this raw prompt the tiny model emits a run of the token the tiny drafter proposes
+# (w45x), so drafts get accepted and logprobs come from verify rows, not only from one-row steps.
+PROMPT = word(17)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model = write_tiny_model(root / "model")
+    return model, write_tiny_drafter(root / "drafter", model)
+
+
+def _generate(capsys, model, *flags) -> tuple[int, str, str]:
+    code = main(["generate", PROMPT, "--raw", "--model", str(model), "--max-tokens", "16", *flags])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _json(capsys, model, *flags) -> dict:
+    code, out, err = _generate(capsys, model, "--json", *flags)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_json_has_the_sampled_token_and_n_alternatives_per_output_token(tiny, capsys):
+    model, _ = tiny
+    result = _json(capsys, model, "--no-draft", "--logprobs", "3")
+    items = result["logprobs"]
+    assert [e["token_id"] for e in items] == result["token_ids"] and len(items) == 16
+    assert "".join(e["token"] + " " for e in items).strip() == result["text"]  # word tokens, space-joined
+    for e in items:
+        assert e["token"] == word(e["token_id"]) and e["bytes"] == list(e["token"].encode())
+        assert len(e["top_logprobs"]) == 3 and e["logprob"] <= 0
+        assert set(e["top_logprobs"][0]) == {"token_id", "token", "logprob", "bytes"}
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert tops == sorted(tops, reverse=True) and all(t["token"] == word(t["token_id"]) for t in e["top_logprobs"])
+        # greedy: the sampled token is the most likely one
+        assert all(e["logprob"] >= lp for lp in tops) and e["top_logprobs"][0]["token_id"] == e["token_id"]
+    zero = _json(capsys, model, "--no-draft", "--logprobs", "0")["logprobs"]  # only the sampled token's
+    assert [e["top_logprobs"] for e in zero] == [[]] * 16
+    assert [e["logprob"] for e in zero] == pytest.approx([e["logprob"] for e in items], abs=1e-6)
+    assert "logprobs" not in _json(capsys, model, "--no-draft")  # not asked: the output is as before
+
+
+def test_dflash_logprobs_equal_plain_decoding_token_for_token(tiny, capsys):
+    """The logprobs are the target's: a DFlash run (drafts accepted) gives those of --no-draft."""
+    model, drafter = tiny
+    spec = _json(capsys, model, "--draft", str(drafter), "--logprobs", "5")
+    plain = _json(capsys, model, "--no-draft", "--logprobs", "5")
+    assert spec["num_accepted_tokens"] > 0, "no draft accepted: pick another PROMPT (see the comment)"
+    assert plain["num_speculative_tokens"] is None
+    assert spec["token_ids"] == plain["token_ids"] and len(spec["logprobs"]) == len(plain["logprobs"]) == 16
+    for s, p in zip(spec["logprobs"], plain["logprobs"]):
+        assert (s["token_id"], s["token"]) == (p["token_id"], p["token"])
+        assert [t["token_id"] for t in s["top_logprobs"]] == [t["token_id"] for t in p["top_logprobs"]]
+        assert [s["logprob"], *(t["logprob"] for t in s["top_logprobs"])] == \
+            pytest.approx([p["logprob"], *(t["logprob"] for t in p["top_logprobs"])], abs=1e-4)
+
+
+def test_text_output_prints_a_table_after_the_answer(tiny, capsys):
+    model, _ = tiny
+    ref = _json(capsys, model, "--no-draft", "--logprobs", "2")
+    code, out, err = _generate(capsys, model, "--no-draft", "--logprobs", "2")
+    assert code == 0, err
+    answer, header, *rows = out.rstrip("\n").split("\n")
+    assert answer == ref["text"] and header.startswith("--- logprobs") and len(rows) == 16
+    for i, (row, e) in enumerate(zip(rows, ref["logprobs"])):
+        fields = row.split()
+        assert fields[:4] == [str(i), f'"{e["token"]}"', str(e["token_id"]), f"{e['logprob']:.4f}"]
+        assert fields[4:] == [f'"{t["token"]}"={t["logprob"]:.4f}' for t in e["top_logprobs"]]
+    assert err.strip().splitlines()[-1].startswith("[16 tokens in ")  # the summary stays on stderr
+    code, out, _ = _generate(capsys, model, "--no-draft")
+    assert code == 0 and out.strip() == ref["text"]  # no table unless asked
+
+
+@pytest.mark.parametrize("value, message", [
+    ("-1", "logprobs (--logprobs) must be an integer >= 0, got -1"),
+    (str(DEFAULT_MAX_LOGPROBS + 1), f"logprobs (--logprobs) must be <= {DEFAULT_MAX_LOGPROBS} (the engine's "
+                                    f"max_logprobs, vLLM's default), got {DEFAULT_MAX_LOGPROBS + 1}"),
+])
+def test_bad_values_are_refused_before_the_model_loads(value, message, capsys):
+    assert main(["generate", "hi", "--model", "/nonexistent-model", "--logprobs", value]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "nonexistent" not in err, err
+
+
+def test_help_names_the_range_and_both_outputs():
+    from blockdraft.cli import _command, _parser
+
+    text = " ".join(_command(_parser(), "generate").format_help().split())  # one line: no wrapping breaks
+    assert f"alternatives, 0 <= N <= {DEFAULT_MAX_LOGPROBS}" in text
+    assert "a table after the answer (one line per token), or a 'logprobs' list with --json" in text
