@@ -5,7 +5,11 @@ File layout (one or more shards `data-NNNNN.safetensors` in a folder, read in na
     loss_mask  [total] uint8    1 on response tokens (the labels), 0 on prompt tokens
     offsets    [n + 1] int64    sequence i is rows offsets[i]:offsets[i+1]
     sampled    [n] uint8        1 if the response was sampled (T > 0), 0 if greedy
-metadata (safetensors string map): "info" = JSON (target, generation settings, counts).
+metadata (safetensors string map): "info" = JSON (target, generation settings, counts). train-drafter
+(training/pipeline.py build_dataset) records among them "target", "vocab_size", "settings" (its data
+flags), "device", "seed" and "dtype": the target's dtype while answering ("float32" | "bfloat16"),
+which greedy answers depend on at near-ties; data made before it was recorded, or by
+training/gpu_run.py (which names it in "generator" only), has no "dtype" (unknown).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Layout of `--out`:
     data/          the token dataset (see training/dataset.py), reused when present if it was made
-                   for the same target and data settings (`reuse_dataset`)
+                   for the same target, target dtype and data settings (`reuse_dataset`), with
+                   --no-resume too (it starts the training over, not the answers)
     checkpoint/    resumable trainer state (training/trainer.py)
     train_log.jsonl
     drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors) and its
@@ -223,15 +224,29 @@ def _check_int(flag: str, value, low: int) -> None:
         raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
 
 
-def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_size: int):
+def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_size: int,
+                  asked_dtype: str | None = None, device: str = "cpu"):
     """The dataset already in `folder` (a TokenDataset), or None when it holds none.
 
     It is reused only when made for this target (its recorded name or folder), with token ids
     inside the target's vocabulary, and with the data settings asked for: all of DATA_SETTINGS
     for the run's own OUT/data, those given explicitly for a --data folder (whose recorded ones
-    otherwise stand). Reuse is reported on stderr with the recorded settings.
+    otherwise stand). Likewise the target dtype its answers were made in (info["dtype"]; greedy
+    answers differ at near-ties between float32 and bfloat16): it must be `args.dtype` (the
+    resolved --dtype) for the run's own OUT/data, whether or not the run resumes; for a --data
+    folder only when --dtype was given explicitly (`asked_dtype` not "auto"), an auto that
+    resolves to another dtype being said on stderr. A dataset that records no dtype (made before
+    train-drafter recorded it, or by training/gpu_run.py) is reused with a warning on stderr
+    naming the folder. Reuse is reported on stderr with the recorded settings.
+
+    Args:
+        args: the run's arguments, args.dtype already resolved (resolve_target_dtype).
+        asked_dtype: --dtype as the user gave it ("auto" | "float32" | "bfloat16"; None: args.dtype),
+            and `device` the resolved device ("cpu" | "cuda[:N]"): both only for the messages and
+            the --data rule above.
     Raises:
-        ValueError: naming the folder, each recorded value against the requested one, and what to do.
+        ValueError: naming the folder, each recorded value against the requested one, and what to do
+            (a new --out, removing the folder, or the --dtype it was answered in when only that differs).
     """
     from blockdraft.llm import _catalog_name
     from blockdraft.training.dataset import SHARD_PATTERN, TokenDataset
@@ -253,16 +268,39 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
         given = args.data is None or getattr(args, name, None) is not None
         if given and name in made and made[name] != settings[name]:
             differ.append((f"--{name.replace('_', '-')}", made[name], settings[name]))
+    dtype, asked_dtype = args.dtype, asked_dtype or args.dtype
+    answered_in = info.get("dtype")  # None: not recorded (an older dataset, or gpu_run's)
+    dtype_differs = answered_in is not None and answered_in != dtype
+    if dtype_differs and (args.data is None or asked_dtype != "auto"):
+        differ.append(("--dtype", answered_in, _dtype_flag(asked_dtype, dtype, device).removeprefix("--dtype ")))
     if differ:
         other = " (or another --data folder)" if args.data else ""
+        matching = (f", or pass --dtype {answered_in} to train on its answers" if [w for w, _, _ in differ] == ["--dtype"]
+                    else "")
         raise ValueError(
             f"the dataset in {folder} was made with {', '.join(f'{w} {r}' for w, r, _ in differ)}; this run asks for "
             f"{', '.join(f'{w} {a}' for w, _, a in differ)}. A dataset is reused only for the same target and data "
-            f"settings: use a new --out{other}, or remove {folder} to generate it again")
+            f"settings: use a new --out{other}, or remove {folder} to generate it again{matching}")
     shown = ", ".join(f"{k}={v}" for k, v in made.items()) or "settings not recorded"
     print(f"train-drafter: reusing the {len(data)} sequences in {folder} (target {info.get('target', 'not recorded')!r}, "
-          f"{shown}); the data flags apply to a new dataset only (a new --out or --data folder)", file=sys.stderr)
+          f"dtype {answered_in or 'not recorded'}, {shown}); the data flags apply to a new dataset only (a new --out "
+          f"or --data folder)", file=sys.stderr)
+    if answered_in is None:
+        made_by = f" (generator: {info['generator']!r})" if "generator" in info else ""
+        print(f"train-drafter: warning: {folder} does not record the dtype its answers were made in{made_by}; "
+              f"this run trains with the target in {dtype}: if it answered in another, those answers are used as "
+              f"they are (remove {folder} or use a new --out to answer again in {dtype})", file=sys.stderr)
+    elif dtype_differs:  # a --data folder with --dtype auto
+        print(f"train-drafter: warning: the answers in {folder} were made with the target in {answered_in}; this "
+              f"run trains it in {dtype} (--dtype {asked_dtype} on {device}): pass --dtype {answered_in} to "
+              f"train in the dtype that answered", file=sys.stderr)
     return data
+
+
+def _dtype_flag(asked: str, dtype: str, device: str) -> str:
+    """--dtype as the user gave it, with what it resolved to when that differs: "--dtype float32" or
+    "--dtype auto (bfloat16 on cuda)"."""
+    return f"--dtype {asked}" + (f" ({dtype} on {device})" if asked != dtype else "")
 
 
 def select_training_prompts(tokenizer, settings: dict, args) -> tuple[list[list[int]], dict, list[str]]:
@@ -426,7 +464,7 @@ def check_resume_dtype(out: Path, dtype: str, asked: str, device: str) -> None:
 
     recorded = (read_checkpoint_state(out) or {}).get("target_dtype")
     if recorded is not None and recorded != dtype:
-        now = f"--dtype {asked}" + (f" ({dtype} on {device})" if asked != dtype else "")
+        now = _dtype_flag(asked, dtype, device)
         raise ValueError(f"the run in {out} was trained with the target in {recorded} (its checkpoint); this run asks "
                          f"for {now}: continue it (or rerun it if finished) with --dtype {recorded}, or use a new "
                          f"--out to train in {dtype}")
@@ -438,7 +476,8 @@ def train_drafter(args) -> dict:
 
     Raises:
         ValueError: a flag's value (check_settings, check_against_target, ...), a dataset made with
-            other settings (reuse_dataset), or a checkpoint in `out` of another target dtype
+            other settings or answered in another target dtype (reuse_dataset; before any weights
+            load, --no-resume or not), or a checkpoint in `out` of another target dtype
             (check_resume_dtype) or other training settings (Trainer.load_checkpoint).
     """
     import torch
@@ -492,11 +531,12 @@ def train_drafter(args) -> dict:
     finished = None if args.no_resume else finished_run(out, folder, cfg, drafter.config, args.train_vocab_size, asked)
     if finished is not None:
         return finished
+    # The dataset is checked (its target, dtype and data settings) before any weights load.
+    data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size, asked_dtype, device)
     grown = None
     if init:  # weights after every check: the init drafter must fit this target too
         grown = init_from(drafter, {k: v.float() for k, v in load_drafter(init[0], target_config, torch.float32)
                                     .state_dict().items()})
-    data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size)
     chosen = None if data is not None else select_training_prompts(load_tokenizer(path), settings, args)
     out.mkdir(parents=True, exist_ok=True)
     # Unpacked: the loss back-propagates through the frozen LM head into the drafter (packed CPU

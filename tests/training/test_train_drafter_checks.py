@@ -123,9 +123,11 @@ def _settings(**changes):
     return {**{k: TINY[k] for k in DATA_SETTINGS}, **changes}
 
 
-def _made_here(folder, **changes):
-    """A dataset as `train-drafter --tiny` with `changes` records it for SmolLM2."""
-    _dataset(folder, {"target": NAME, "vocab_size": 49152, "settings": _settings(**changes)})
+def _made_here(folder, dtype="float32", **changes):
+    """A dataset as `train-drafter --tiny` with `changes` records it for SmolLM2, answered in `dtype`
+    (None: not recorded, as in data made before it was)."""
+    _dataset(folder, {"target": NAME, "vocab_size": 49152, "settings": _settings(**changes),
+                      **({"dtype": dtype} if dtype else {})})
 
 
 def test_data_made_for_another_target_is_refused_before_an_index_error(tmp_path, capsys, no_weights):
@@ -158,8 +160,88 @@ def test_the_same_runs_data_is_reused(tmp_path, capsys, monkeypatch):
     with pytest.raises(_Loading):
         main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--num-prompts", "4",
               "--steps", "9", "--lr", "1e-3"])  # training settings may change
-    assert (f"train-drafter: reusing the 2 sequences in {tmp_path / 'data'} (target '{NAME}', num_prompts=4, "
-            f"max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, sampled_fraction=0.25)") in capsys.readouterr().err
+    assert (f"train-drafter: reusing the 2 sequences in {tmp_path / 'data'} (target '{NAME}', dtype float32, "
+            f"num_prompts=4, max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, sampled_fraction=0.25)") in \
+        capsys.readouterr().err
+
+
+def test_the_runs_data_answered_in_another_dtype_is_refused_with_no_resume_too(tmp_path, capsys, no_weights,
+                                                                               monkeypatch):
+    """--no-resume starts the training over but reuses OUT/data: answers made in float32 are not
+    silently trained on in bfloat16 (greedy answers differ at near-ties); refused naming both,
+    before any weights load (an --init-from drafter's neither)."""
+    import blockdraft.spec.dflash.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "load_drafter", lambda *a, **k: pytest.fail("drafter weights loaded before the check"))
+    data = tmp_path / "data"
+    _made_here(data)  # answered in float32, as --tiny on the CPU with --dtype auto
+    before = _files(tmp_path)
+    fix = (f"A dataset is reused only for the same target and data settings: use a new --out, or remove {data} to "
+           f"generate it again, or pass --dtype float32 to train on its answers")
+    # a run that resumes but holds no checkpoint yet gets the same check
+    for flags in (["--no-resume"], [], ["--no-resume", "--init-from", "shipped"]):
+        err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--dtype", "bfloat16", *flags)
+        assert f"the dataset in {data} was made with --dtype float32; this run asks for --dtype bfloat16. {fix}" in err
+    _made_here(data, dtype="bfloat16")  # --dtype auto is named with what it resolved to
+    err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--no-resume")
+    assert (f"was made with --dtype bfloat16; this run asks for --dtype auto (float32 on cpu). A dataset is reused "
+            f"only for the same target and data settings: use a new --out, or remove {data} to generate it again, "
+            f"or pass --dtype bfloat16 to train on its answers") in err
+    # another difference too: --dtype alone would not do, so it is not offered
+    err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--no-resume", "--synth-prompts", "8")
+    assert (f"was made with --synth-prompts 0, --dtype bfloat16; this run asks for --synth-prompts 8, --dtype auto "
+            f"(float32 on cpu). A dataset is reused only for the same target and data settings: use a new --out, or "
+            f"remove {data} to generate it again") in err and "or pass --dtype" not in err
+    _made_here(data)
+    assert _files(tmp_path) == before  # nothing written
+
+
+@pytest.mark.parametrize("flags", [["--dtype", "float32"], []])  # auto resolves to float32 on the CPU
+def test_the_runs_data_is_reused_with_no_resume_in_its_dtype(flags, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    _made_here(tmp_path / "data")
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu", "--no-resume",
+              *flags])
+    err = capsys.readouterr().err
+    assert f"train-drafter: reusing the 2 sequences in {tmp_path / 'data'} (target '{NAME}', dtype float32, " in err
+    assert "warning" not in err
+
+
+def test_data_that_records_no_dtype_is_reused_with_a_warning(tmp_path, capsys, monkeypatch):
+    """Made before the dtype was recorded: it may have been either, so it is reused as before, said
+    on stderr with the folder and how to answer again."""
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    data = tmp_path / "data"
+    _made_here(data, dtype=None)
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu", "--no-resume",
+              "--dtype", "bfloat16"])
+    err = capsys.readouterr().err
+    assert f"reusing the 2 sequences in {data} (target '{NAME}', dtype not recorded, " in err
+    assert (f"train-drafter: warning: {data} does not record the dtype its answers were made in; this run trains with "
+            f"the target in bfloat16: if it answered in another, those answers are used as they are (remove {data} "
+            f"or use a new --out to answer again in bfloat16)") in err
+
+
+def test_a_data_folder_is_held_to_an_explicit_dtype_only(tmp_path, capsys, monkeypatch):
+    """A --data folder keeps what it was made with unless a flag asks otherwise (as its data flags):
+    an explicit --dtype must match; --dtype auto resolving to another dtype is said on stderr."""
+    data = tmp_path / "shared"
+    _made_here(data, dtype="bfloat16")
+    with monkeypatch.context() as mp:
+        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        err = _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data), "--device", "cpu", "--dtype", "float32")
+    assert (f"the dataset in {data} was made with --dtype bfloat16; this run asks for --dtype float32. A dataset is "
+            f"reused only for the same target and data settings: use a new --out (or another --data folder), or "
+            f"remove {data} to generate it again, or pass --dtype bfloat16 to train on its answers") in err
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "run"), "--data", str(data),
+              "--device", "cpu"])
+    assert (f"train-drafter: warning: the answers in {data} were made with the target in bfloat16; this run trains "
+            f"it in float32 (--dtype auto on cpu): pass --dtype bfloat16 to train in the dtype that answered") in \
+        capsys.readouterr().err
 
 
 def test_a_data_folder_keeps_its_settings_unless_a_flag_asks_for_others(tmp_path, capsys, monkeypatch):
@@ -272,21 +354,39 @@ def test_a_resume_in_another_target_dtype_is_refused_before_anything_is_written(
         assert (f"the run in {out} was trained with the target in float32 (its checkpoint); this run asks for "
                 f"--dtype bfloat16: continue it (or rerun it if finished) with --dtype float32, or use a new --out to train in bfloat16") in \
             capsys.readouterr().err
+        # --no-resume starts the training over, not the answers: its data/ records float32 (build_dataset)
+        assert run("--device", "cpu", "--dtype", "bfloat16", "--no-resume") == 2
+        assert (f"the dataset in {out / 'data'} was made with --dtype float32; this run asks for --dtype bfloat16. "
+                f"A dataset is reused only for the same target and data settings: use a new --out, or remove "
+                f"{out / 'data'} to generate it again, or pass --dtype float32 to train on its answers") in \
+            capsys.readouterr().err
         mp.setattr("torch.cuda.is_available", lambda: True)  # the run moved to a GPU, --dtype auto
         assert run() == 2
         assert "this run asks for --dtype auto (bfloat16 on cuda): continue it (or rerun it if finished) with --dtype float32" in \
             capsys.readouterr().err
     assert _files(out) == before  # nothing written, renamed or removed
 
-    # a checkpoint written before the dtype was recorded resumes as before (unchecked)
+    # a checkpoint written before the dtype was recorded is not checked, but its data/ still is
     old = tmp_path / "old"
     shutil.copytree(out, old)
     del state["target_dtype"]
     (old / "checkpoint" / "state.json").write_text(json.dumps(state))
     with monkeypatch.context() as mp:
+        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        assert run("--device", "cpu", "--dtype", "bfloat16", folder=old) == 2
+        assert f"the dataset in {old / 'data'} was made with --dtype float32" in capsys.readouterr().err
+    # ... and where the data records none either (both made before), the run resumes as before, warned
+    from blockdraft.training.dataset import TokenDataset
+
+    data = TokenDataset.load(old / "data")
+    del data.info["dtype"]
+    data.save(old / "data")
+    with monkeypatch.context() as mp:
         mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
         with pytest.raises(_Loading):
             run("--device", "cpu", "--dtype", "bfloat16", folder=old)
+    assert f"train-drafter: warning: {old / 'data'} does not record the dtype its answers were made in (generator: " \
+           f"'blockdraft engine')" in capsys.readouterr().err
 
     # --dtype auto on the CPU resolves to the recorded float32: the run resumes and finishes
     assert run("--device", "cpu") == 0
