@@ -199,10 +199,11 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--tiny", action="store_true",
                    help="smoke run in seconds, sized for the CPU: few prompts, tokens and steps")
     t.add_argument("--out", default="drafter-out", help="output folder (data/, checkpoint/, drafter/; default drafter-out); "
-                   "resumes if present, its data/ only for the same target and data settings")
+                   "resumes if present, its data/ only for the same target, --dtype and data settings")
     t.add_argument("--data", default=None, help="dataset folder to use instead of OUT/data: reused when it holds data-*.safetensors, "
                         "else generated into it (default: OUT/data); when reused, it must be for --target and the "
-                        "data flags given (--num-prompts, --max-new-tokens, ...) must match the ones it was made with")
+                        "data flags given (--num-prompts, --max-new-tokens, ...; --dtype unless auto) must match the ones it "
+                        "was made with")
     from blockdraft.training.pipeline import DEFAULTS, TINY
 
     what = {"num-prompts": "ShareGPT prompts the target answers", "max-prompt-tokens": "longest prompt kept, tokens",
@@ -247,7 +248,10 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "the draft vocabulary that decoding with --draft-vocab-size N uses; N/V of the LM-head "
                         "cost; 0 (the default) = the full vocabulary, else 256 <= N <= V (1/16 of V under 4096 ids), "
                         "the range --draft-vocab-size allows")
-    t.add_argument("--no-resume", action="store_true", help="start over even if OUT holds a checkpoint")
+    t.add_argument("--no-resume", action="store_true",
+                   help="start the training over even if OUT holds a checkpoint; OUT/data is still reused, and "
+                        "refused if it was made for another target, --dtype or data flags (use a new --out, or "
+                        "remove OUT/data to answer again)")
     t.add_argument("--seed", type=int, default=0, help="seeds prompt choice, sampling, init, batches, anchors (default 0)")
     t.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the target answers and the drafter trains (default auto: cuda "
