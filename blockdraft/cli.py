@@ -387,7 +387,7 @@ def _logprob_table(items: list[dict]) -> list[str]:
     """`generate --logprobs N`'s lines after the answer: a header, then one line per output token:
     its position, text (JSON-quoted: spaces and newlines show), id, logprob, and the N alternatives
     as text=logprob, most likely first. `items`: the JSON output's "logprobs" list."""
-    lines = ["--- logprobs of the target model: #, token, id, logprob, top alternatives ---"]
+    lines = ["--- logprobs of the target model: #, token, id, logprob" + (", top alternatives" if any(e["top_logprobs"] for e in items) else "") + " ---"]
     for i, e in enumerate(items):
         top = "  ".join(f"{_quoted(t['token'])}={t['logprob']:.4f}" for t in e["top_logprobs"])
         lines.append(f"{i:>4}  {_quoted(e['token']):<16} {e['token_id']:>7}  {e['logprob']:>9.4f}  {top}".rstrip())

@@ -279,8 +279,8 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
                     else "")
         raise ValueError(
             f"the dataset in {folder} was made with {', '.join(f'{w} {r}' for w, r, _ in differ)}; this run asks for "
-            f"{', '.join(f'{w} {a}' for w, _, a in differ)}. A dataset is reused only for the same target and data "
-            f"settings: use a new --out{other}, or remove {folder} to generate it again{matching}")
+            f"{', '.join(f'{w} {a}' for w, _, a in differ)}. A dataset is reused only for the same target, --dtype and "
+            f"data settings: use a new --out{other}, or remove {folder} to generate it again{matching}")
     shown = ", ".join(f"{k}={v}" for k, v in made.items()) or "settings not recorded"
     print(f"train-drafter: reusing the {len(data)} sequences in {folder} (target {info.get('target', 'not recorded')!r}, "
           f"dtype {answered_in or 'not recorded'}, {shown}); the data flags apply to a new dataset only (a new --out "

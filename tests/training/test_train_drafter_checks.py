@@ -147,7 +147,7 @@ def test_data_settings_that_differ_from_the_runs_own_data_are_refused(tmp_path, 
     _made_here(tmp_path / "data")
     err = _error(capsys, "--out", str(tmp_path), "--synth-prompts", "8")  # was silently ignored
     assert (f"the dataset in {tmp_path / 'data'} was made with --synth-prompts 0; this run asks for --synth-prompts 8. "
-            f"A dataset is reused only for the same target and data settings: use a new --out, or remove "
+            f"A dataset is reused only for the same target, --dtype and data settings: use a new --out, or remove "
             f"{tmp_path / 'data'} to generate it again") in err
     assert main(["train-drafter", "--target", NAME, "--out", str(tmp_path)]) == 2  # the defaults, not --tiny's
     assert "--num-prompts 8, --max-prompt-tokens 128, --max-new-tokens 16; this run asks for --num-prompts 2000, " \
@@ -176,7 +176,7 @@ def test_the_runs_data_answered_in_another_dtype_is_refused_with_no_resume_too(t
     data = tmp_path / "data"
     _made_here(data)  # answered in float32, as --tiny on the CPU with --dtype auto
     before = _files(tmp_path)
-    fix = (f"A dataset is reused only for the same target and data settings: use a new --out, or remove {data} to "
+    fix = (f"A dataset is reused only for the same target, --dtype and data settings: use a new --out, or remove {data} to "
            f"generate it again, or pass --dtype float32 to train on its answers")
     # a run that resumes but holds no checkpoint yet gets the same check
     for flags in (["--no-resume"], [], ["--no-resume", "--init-from", "shipped"]):
@@ -185,12 +185,12 @@ def test_the_runs_data_answered_in_another_dtype_is_refused_with_no_resume_too(t
     _made_here(data, dtype="bfloat16")  # --dtype auto is named with what it resolved to
     err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--no-resume")
     assert (f"was made with --dtype bfloat16; this run asks for --dtype auto (float32 on cpu). A dataset is reused "
-            f"only for the same target and data settings: use a new --out, or remove {data} to generate it again, "
+            f"only for the same target, --dtype and data settings: use a new --out, or remove {data} to generate it again, "
             f"or pass --dtype bfloat16 to train on its answers") in err
     # another difference too: --dtype alone would not do, so it is not offered
     err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--no-resume", "--synth-prompts", "8")
     assert (f"was made with --synth-prompts 0, --dtype bfloat16; this run asks for --synth-prompts 8, --dtype auto "
-            f"(float32 on cpu). A dataset is reused only for the same target and data settings: use a new --out, or "
+            f"(float32 on cpu). A dataset is reused only for the same target, --dtype and data settings: use a new --out, or "
             f"remove {data} to generate it again") in err and "or pass --dtype" not in err
     _made_here(data)
     assert _files(tmp_path) == before  # nothing written
@@ -233,7 +233,7 @@ def test_a_data_folder_is_held_to_an_explicit_dtype_only(tmp_path, capsys, monke
         mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
         err = _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data), "--device", "cpu", "--dtype", "float32")
     assert (f"the dataset in {data} was made with --dtype bfloat16; this run asks for --dtype float32. A dataset is "
-            f"reused only for the same target and data settings: use a new --out (or another --data folder), or "
+            f"reused only for the same target, --dtype and data settings: use a new --out (or another --data folder), or "
             f"remove {data} to generate it again, or pass --dtype bfloat16 to train on its answers") in err
     monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
     with pytest.raises(_Loading):
@@ -252,7 +252,7 @@ def test_a_data_folder_keeps_its_settings_unless_a_flag_asks_for_others(tmp_path
         main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "run"), "--data", str(data)])
     assert f"reusing the 2 sequences in {data}" in capsys.readouterr().err
     assert (f"was made with --max-new-tokens 8; this run asks for --max-new-tokens 32. A dataset is reused only for "
-            f"the same target and data settings: use a new --out (or another --data folder), or remove {data}") in \
+            f"the same target, --dtype and data settings: use a new --out (or another --data folder), or remove {data}") in \
         _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data), "--max-new-tokens", "32")
 
 
@@ -357,7 +357,7 @@ def test_a_resume_in_another_target_dtype_is_refused_before_anything_is_written(
         # --no-resume starts the training over, not the answers: its data/ records float32 (build_dataset)
         assert run("--device", "cpu", "--dtype", "bfloat16", "--no-resume") == 2
         assert (f"the dataset in {out / 'data'} was made with --dtype float32; this run asks for --dtype bfloat16. "
-                f"A dataset is reused only for the same target and data settings: use a new --out, or remove "
+                f"A dataset is reused only for the same target, --dtype and data settings: use a new --out, or remove "
                 f"{out / 'data'} to generate it again, or pass --dtype float32 to train on its answers") in \
             capsys.readouterr().err
         mp.setattr("torch.cuda.is_available", lambda: True)  # the run moved to a GPU, --dtype auto
