@@ -56,12 +56,16 @@ def test_json_has_the_sampled_token_and_n_alternatives_per_output_token(tiny, ca
     assert "logprobs" not in _json(capsys, model, "--no-draft")  # not asked: the output is as before
 
 
-def test_dflash_logprobs_equal_plain_decoding_token_for_token(tiny, capsys):
-    """The logprobs are the target's: a DFlash run (drafts accepted) gives those of --no-draft."""
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.8", "--seed", "3"]], ids=["greedy", "seeded-t0.8"])
+def test_dflash_logprobs_equal_plain_decoding_token_for_token(tiny, capsys, sampling):
+    """The logprobs are the target's: a DFlash run (drafts accepted when greedy) gives those of
+    --no-draft, greedy and seeded sampling alike (logprobs of the raw logits, before temperature)."""
     model, drafter = tiny
-    spec = _json(capsys, model, "--draft", str(drafter), "--logprobs", "5")
-    plain = _json(capsys, model, "--no-draft", "--logprobs", "5")
-    assert spec["num_accepted_tokens"] > 0, "no draft accepted: pick another PROMPT (see the comment)"
+    spec = _json(capsys, model, "--draft", str(drafter), "--logprobs", "5", *sampling)
+    plain = _json(capsys, model, "--no-draft", "--logprobs", "5", *sampling)
+    if not sampling:
+        assert spec["num_accepted_tokens"] > 0, "no draft accepted: pick another PROMPT (see the comment)"
+    assert spec["num_drafted_tokens"] > 0  # it speculated
     assert plain["num_speculative_tokens"] is None
     assert spec["token_ids"] == plain["token_ids"] and len(spec["logprobs"]) == len(plain["logprobs"]) == 16
     for s, p in zip(spec["logprobs"], plain["logprobs"]):
