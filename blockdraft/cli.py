@@ -313,13 +313,14 @@ def _serve(args) -> int:
 
 def _generate(args) -> int:
     from blockdraft.llm import LLM
-    from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams
+    from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_logprobs_limit
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         logprobs=args.logprobs,
     )
-    _check_logprobs_limit(args.logprobs, DEFAULT_MAX_LOGPROBS)  # the engine would refuse it after loading
+    # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)
+    check_logprobs_limit(params, DEFAULT_MAX_LOGPROBS, remedy="vLLM's default, fixed for the CLI")
     if not args.prompt.strip():
         raise ValueError("prompt is empty: give a non-empty prompt")
     from blockdraft.drafters import check_draft_flags, resolve_draft
@@ -371,16 +372,6 @@ def _generate(args) -> int:
             print("\n".join(_logprob_table(result["logprobs"])))
         print(_summary_line(result), file=sys.stderr)
     return 0
-
-
-def _check_logprobs_limit(logprobs: int | None, limit: int) -> None:
-    """Refuse `--logprobs` above the engine's `max_logprobs` before any weights load (SamplingParams
-    refuses negative values); worded for the CLI, where no LLM(max_logprobs=...) can raise the limit."""
-    from blockdraft.errors import param_error
-
-    if logprobs is not None and logprobs > limit:
-        raise param_error("logprobs", f"logprobs must be <= {limit} (the engine's max_logprobs, vLLM's default), "
-                                      f"got {logprobs}")
 
 
 def _logprob_table(items: list[dict]) -> list[str]:

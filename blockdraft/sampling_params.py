@@ -100,14 +100,19 @@ def check_max_logprobs(max_logprobs) -> None:
     _check_int("max_logprobs", max_logprobs, low=0)
 
 
-def check_logprobs_limit(params: SamplingParams, max_logprobs: int) -> None:
+def check_logprobs_limit(
+    params: SamplingParams,
+    max_logprobs: int,
+    remedy: str = "build it with a larger LLM(max_logprobs=...) to allow more",
+) -> None:
     """Raise a param_error about `logprobs` when `params` asks for more than `max_logprobs`.
 
     An engine-level limit, not a SamplingParams one: the same params may suit another engine.
+    `remedy`: how the caller's user can raise the limit (or why they cannot), in the message.
     """
     if params.logprobs is not None and params.logprobs > max_logprobs:
-        raise param_error("logprobs", f"logprobs must be <= {max_logprobs} (the engine's max_logprobs; build it "
-                                      f"with a larger LLM(max_logprobs=...) to allow more), got {params.logprobs}")
+        raise param_error("logprobs", f"logprobs must be <= {max_logprobs} (the engine's max_logprobs; {remedy}), "
+                                      f"got {params.logprobs}")
 
 
 def _check_int(name: str, value, low: int, what: str | None = None) -> None:

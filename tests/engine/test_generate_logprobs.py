@@ -94,7 +94,7 @@ def test_text_output_prints_a_table_after_the_answer(tiny, capsys):
 @pytest.mark.parametrize("value, message", [
     ("-1", "logprobs (--logprobs) must be an integer >= 0, got -1"),
     (str(DEFAULT_MAX_LOGPROBS + 1), f"logprobs (--logprobs) must be <= {DEFAULT_MAX_LOGPROBS} (the engine's "
-                                    f"max_logprobs, vLLM's default), got {DEFAULT_MAX_LOGPROBS + 1}"),
+                                    f"max_logprobs; vLLM's default, fixed for the CLI), got {DEFAULT_MAX_LOGPROBS + 1}"),
 ])
 def test_bad_values_are_refused_before_the_model_loads(value, message, capsys):
     assert main(["generate", "hi", "--model", "/nonexistent-model", "--logprobs", value]) == 2
