@@ -10,6 +10,8 @@ asked for) carries the sum.
 from __future__ import annotations
 
 import json
+import re
+from typing import Callable
 
 from blockdraft.engine.request import SpecStats
 
@@ -45,17 +47,104 @@ def spec_stats(stats: list[SpecStats]) -> dict:
 
 
 class TokenText:
-    """Text of single token ids (for logprobs), cached: the vocabulary is finite."""
+    """Text and raw bytes of single token ids (for logprobs), cached: the vocabulary is finite."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes_of: Callable[[int], bytes] | None = None  # built on first use (logprobs only)
+        self._bytes_cache: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
             text = self._cache[token_id] = self._tokenizer.decode([token_id])
         return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's raw UTF-8 bytes (ints 0..255), OpenAI's `bytes`: see `token_bytes_decoder`."""
+        raw = self._bytes_cache.get(token_id)
+        if raw is None:
+            if self._bytes_of is None:
+                self._bytes_of = token_bytes_decoder(self._tokenizer, self)
+            raw = self._bytes_cache[token_id] = self._bytes_of(token_id)
+        return list(raw)
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte fallback: one raw byte
+
+
+def token_bytes_decoder(tokenizer, text_of: Callable[[int], str] | None = None) -> Callable[[int], bytes]:
+    """`token_id -> the raw bytes that token adds to the output text`, for logprobs' `bytes`.
+
+    Concatenating the bytes of consecutive tokens gives the exact UTF-8 of their text, also where a
+    token holds only part of a character (byte-level BPE splits an emoji or CJK character across
+    tokens; decoding such a token alone gives U+FFFD, whose bytes are not the token's).
+    - Added / special tokens (e.g. <|im_end|>): the UTF-8 of their text.
+    - Byte-level BPE (GPT-2 style: the backend's decoder is ByteLevel, or a slow tokenizer with a
+      `byte_decoder`): each char of the token string is one byte, through the inverse of GPT-2's
+      `bytes_to_unicode` table (from transformers).
+    - Otherwise a token string `<0xNN>` (SentencePiece byte fallback) is that one byte, and any
+      other the UTF-8 of its piece with SentencePiece's "\u2581" read as a space.
+    - An id the tokenizer has no token string for (None), or a byte-level string with a char outside
+      the table: the UTF-8 of `text_of(token_id)` (default: the tokenizer's decode of that id alone).
+
+    Input: a tokenizer (transformers-style: `convert_ids_to_tokens`, `added_tokens_decoder`; any
+    object with `decode` works through the fallback). The scheme is worked out once, here; the
+    returned function does no caching of its own (TokenText caches per id).
+    Raises: nothing of its own; the tokenizer's errors (e.g. for a negative id) propagate.
+    """
+    if text_of is None:
+        text_of = lambda token_id: tokenizer.decode([token_id])  # noqa: E731
+    to_token = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if to_token is None:
+        return lambda token_id: text_of(token_id).encode("utf-8")
+    added = {i: t.content if hasattr(t, "content") else str(t)
+             for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+    byte_of = _byte_level_inverse(tokenizer)
+
+    def bytes_of(token_id: int) -> bytes:
+        if token_id in added:
+            return added[token_id].encode("utf-8")
+        piece = to_token(token_id)
+        if piece is None:
+            return text_of(token_id).encode("utf-8")
+        if byte_of is not None:
+            try:
+                return bytes(byte_of[c] for c in piece)
+            except KeyError:
+                return text_of(token_id).encode("utf-8")
+        m = _BYTE_TOKEN.fullmatch(piece)
+        if m is not None:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    return bytes_of
+
+
+def _byte_level_inverse(tokenizer) -> dict[str, int] | None:
+    """char -> byte of a byte-level BPE tokenizer's token strings; None if it is not byte-level."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is not None:
+        if not _has_byte_level(json.loads(decoder.__getstate__())):
+            return None
+        try:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+        except ImportError:  # older transformers keep it with GPT-2's tokenizer
+            from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+        return {c: b for b, c in bytes_to_unicode().items()}
+    byte_decoder = getattr(tokenizer, "byte_decoder", None)  # slow GPT-2-style tokenizers carry the table
+    return dict(byte_decoder) if isinstance(byte_decoder, dict) else None
+
+
+def _has_byte_level(state) -> bool:
+    """Whether a tokenizers component's JSON state is, or holds (a Sequence), a ByteLevel one."""
+    if isinstance(state, dict):
+        return state.get("type") == "ByteLevel" or any(_has_byte_level(v) for v in state.values())
+    if isinstance(state, list):
+        return any(_has_byte_level(v) for v in state)
+    return False
 
 
 def completion_logprobs(entries: list[dict], token_text: TokenText, text_offset: int) -> dict:
@@ -87,7 +176,7 @@ def chat_logprobs(entries: list[dict], token_text: TokenText, token_ids: bool = 
     def item(token_id: int, logprob: float) -> dict:
         text = token_text(token_id)
         return {**({"token_id": token_id} if token_ids else {}), "token": text, "logprob": logprob,
-                "bytes": list(text.encode("utf-8"))}
+                "bytes": token_text.bytes(token_id)}
 
     content = [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries]
     return {"content": content}
