@@ -22,6 +22,8 @@
 #      side by side with 11's; workstation before call 1:
 #      git archive REF blockdraft | tar -x -C D; rm D/blockdraft/drafters/*/model.int8
 #      tar czf parts/b19/old.tgz -C D blockdraft
+#   (optional) bash scripts/h200_validate.sh kernels: the skinny-GEMM shapes of stacked drafters and the 8B / 0.5B
+#      random-weight steps at batch 1, the earlier commit's code (staged as for `before`) beside this one
 #   Afterwards restore the tree: : > .git/info/exclude; git add blockdraft/drafters/*/model.int8 docs
 # Results land in $OUT (logs, JSON); copy them into docs/benchmarks/gpu-<date>-s<N>/.
 set -u
@@ -95,5 +97,28 @@ before) # the same load bench with the earlier code staged in /tmp/oldcode (ours
   cd /tmp/oldcode && PYTHONPATH=/tmp/site:/tmp/oldcode python3 -m blockdraft.cli bench "${DRAFT[@]}" --batch-sizes 32 \
     --num-prompts 128 --max-tokens 128 --engines ours --out "$OUT/sustained-before" > "$OUT/sustained-before.log" 2>&1
   echo "rc $?"; tail -14 "$OUT/sustained-before.log" ;;
-*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|cutblock|drafters|before" >&2; exit 2 ;;
+kernels) # per-linear times of the stacked drafter's shapes and the one-launch gate/up + activation (16 rows),
+  # a small tile sweep of the new shapes, then the 8B and 0.5B random-weight steps at batch 1 with the
+  # earlier code (/tmp/oldcode, phase `before`'s staging) and this code, side by side, and this code's profile
+  cd /tmp/tcode && python3 -m blockdraft.bench.skinny_gemm --rows 16 --models qwen3-8b qwen2.5-0.5b \
+    --linears gate_up draft_gate_up draft_ctx_kv --out "$OUT/swiglu16.json" > "$OUT/swiglu16.log" 2>&1
+  echo "skinny rc $?"; cat "$OUT/swiglu16.log"
+  python3 - "$OUT/sweep16_stacked.json" > "$OUT/sweep16_stacked.log" 2>&1 <<'PY'
+import sys
+from blockdraft.bench import skinny_gemm as b
+b.SWEEP_DOT = [("dot", bn, bk, 4, ns) for bn in (16, 32, 64) for bk in (128, 256) for ns in (4,)]
+b.SWEEP_SPLIT = [("dot", bn, bk, 4, 4, sp) for bn in (16, 32) for bk in (64, 128) for sp in (4,)]
+sys.exit(b.main(["--sweep", "--rows", "16", "--models", "qwen3-8b", "qwen2.5-0.5b", "--linears", "draft_gate_up",
+                 "draft_ctx_kv", "--out", sys.argv[1]]))
+PY
+  echo "sweep rc $?"; cat "$OUT/sweep16_stacked.log"
+  for shape in qwen3-8b qwen2.5-0.5b; do for code in oldcode tcode; do
+    cd /tmp/$code && PYTHONPATH=/tmp/site:/tmp/$code python3 -m blockdraft.cli bench --shape $shape --batch-sizes 1 \
+      --engines ours --draft-vocab-size 32768 --no-forced --max-tokens 64 --no-plot --out "$OUT/$shape-b1-$code" \
+      > "$OUT/$shape-b1-$code.log" 2>&1; echo "$shape $code rc $?"; grep -E "^ +1 ours|step / " "$OUT/$shape-b1-$code.log"
+  done; done
+  cd /tmp/tcode && python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
+    --draft-vocab-size 32768 --out "$OUT/profile-qwen3-8b-b1.json" > "$OUT/profile-qwen3-8b-b1.txt" 2>&1
+  echo "profile rc $?"; grep -E "^wall|^kernels|^GPU busy" "$OUT/profile-qwen3-8b-b1.txt" ;;
+*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|cutblock|drafters|before|kernels" >&2; exit 2 ;;
 esac

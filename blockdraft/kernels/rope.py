@@ -254,11 +254,18 @@ def qk_norm_rope(
 
 
 def norm_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`qk_norm_rope` for a single tensor (e.g. the DFlash drafter's context keys).
 
     x [rows, heads, head_dim] (strided rows / heads allowed) -> new contiguous
-    [rows, heads, head_dim]; weight [head_dim] or None. Raises ValueError like `qk_norm_rope`.
+    [rows, heads, head_dim]; weight [head_dim] or None. kv_write (v, k_cache, v_cache,
+    slot_mapping): also store the result and v in the paged cache, as `qk_norm_rope`'s. Raises
+    ValueError like `qk_norm_rope`.
     """
-    return _launch(None, x, cos, sin, None, weight, eps)[1]
+    return _launch(None, x, cos, sin, None, weight, eps, kv_write)[1]

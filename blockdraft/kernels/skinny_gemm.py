@@ -18,6 +18,10 @@ docs/benchmarks/gpu-2026-12-01-s14/skinny_gemm.json). Two kernels:
       the 16-row table uses them for narrow outputs (e.g. Qwen2.5-0.5B's down projection).
   Either kernel can form its input as silu(gate) * up (`up=`): a SwiGLU down projection in one
   launch (used for one row of the shapes where that measured faster, `fuses_swiglu`).
+  gate/up kernel (`_skinny_swiglu_kernel`, 2-16 rows): the dot kernel over a stacked gate_up
+      weight [2I, K] whose program multiplies by matching column blocks of the gate and the up
+      halves and stores silu(gate) * up [rows, I] (`skinny_swiglu`): a SwiGLU's gate/up projection
+      and activation in one launch, for the verify and draft-block rows (`swiglu_config_for`).
 
 Which shapes take a kernel, and with which tiles, is measured, not guessed (`config_for`): a
 table of the H200's best tiles per (K, N) for one row and for 16 rows; other one-row shapes up
@@ -95,6 +99,12 @@ _SM90_SIXTEEN_ROWS: dict[tuple[int, int], SkinnyConfig] = {
     (2688, 896): SkinnyConfig("dot", 32, 128, 4, 4, 4),  # drafter fc (3 target layers): 6.55 -> 5.48
     (4096, 1024): SkinnyConfig("dot", 32, 128, 4, 4, 4),  # Qwen3-8B drafter k/v: 7.14 -> 6.34
     (4096, 12288): SkinnyConfig("dot", 128, 128, 4, 4),  # its gate / up: 28.62 -> 27.14
+    # stacked drafter projections (DFlashDraftModel.stack_projections), session 26 (a 10-tiling sweep
+    # found nothing faster by more than 0.06 us): Qwen2.5-0.5B drafter gate_up 4.58 -> 4.26, its
+    # context k/v 4.16 -> 3.69; the Qwen3-8B drafter's context k/v 8.80 -> 7.58-8.01
+    (896, 2048): SkinnyConfig("dot", 32, 128, 4, 5),
+    (896, 256): SkinnyConfig("dot", 16, 64, 4, 4, 8),
+    (4096, 2048): SkinnyConfig("dot", 32, 128, 4, 4, 4),
 }
 # SwiGLU down projections that read gate and up themselves (`skinny_linear(..., up=...)`): one
 # row of these (K, N), where one launch measured faster than the activation kernel + the GEMM
@@ -110,6 +120,47 @@ def fuses_swiglu(rows: int, in_features: int, out_features: int) -> bool:
     form silu(gate) * up inside its skinny-GEMM launch (one row of a measured-faster shape; the
     kernel must also be chosen by `config_for`). Pure lookup, no errors."""
     return rows == 1 and (in_features, out_features) in _SM90_SWIGLU_ONE_ROW
+
+
+# Stacked gate_up weights [2I, K] whose 2-16-row SwiGLU runs as one `skinny_swiglu` launch, and its
+# tiles (block_n = columns of each half per program). Keys (K, 2I). us per call at 16 rows, the
+# gate_up GEMM + activation kernel -> one launch (session 26, `python -m blockdraft.bench.skinny_gemm
+# --rows 16 --linears gate_up draft_gate_up`, docs/benchmarks/gpu-2026-12-03-s26/). Unlisted shapes
+# whose 16-row gate_up GEMM has dot tiles without split-K take those tiles with half the block width
+# (the same weight rows per program); see `swiglu_config_for`.
+_SM90_SWIGLU_GATE_UP: dict[tuple[int, int], SkinnyConfig | None] = {
+    (4096, 24576): SkinnyConfig("dot", 32, 128, 4, 3),  # Qwen3-8B (and its drafter): 49.62 -> 48.62
+    (896, 9728): SkinnyConfig("dot", 64, 128, 4, 4),  # Qwen2.5-0.5B: 8.82 -> 7.21 (block_n 16: 9.32, 32: 7.65)
+    (896, 2048): SkinnyConfig("dot", 32, 128, 4, 5),  # its drafter (MLP 1,024): 5.75 -> 5.11 (16: 5.26)
+}
+
+
+def swiglu_config_for(rows: int, in_features: int, stacked_out: int, device: torch.device) -> SkinnyConfig | None:
+    """Tiles for `skinny_swiglu` of x [rows, in_features] with a gate_up weight [stacked_out, in_features].
+
+    Returns None (two launches: the gate_up GEMM as `config_for` picks it, then the activation
+    kernel) for one row (the one-row path fuses the activation into the down projection instead,
+    `fuses_swiglu`), more than MAX_ROWS rows, an odd stacked_out, a (K, 2I) listed as None in the
+    table, or an unlisted one whose 16-row gate_up GEMM has no dot tiles without split-K; else the
+    table's tiles or those GEMM tiles with block_n halved (at least 16). Off sm90 / switched off:
+    None, as `config_for`. Pure lookup, no errors.
+    """
+    if not 2 <= rows <= MAX_ROWS or stacked_out % 2:
+        return None
+    if config_for(rows, in_features, stacked_out, device) is None:  # sm90, switch, table membership
+        return None
+    return _swiglu_choice(in_features, stacked_out)
+
+
+@functools.lru_cache(maxsize=None)
+def _swiglu_choice(in_features: int, stacked_out: int) -> SkinnyConfig | None:
+    key = (in_features, stacked_out)
+    if key in _SM90_SWIGLU_GATE_UP:
+        return _SM90_SWIGLU_GATE_UP[key]
+    gemm = _SM90_SIXTEEN_ROWS.get(key)
+    if gemm is None or gemm.kernel != "dot" or gemm.split_k != 1:
+        return None
+    return gemm._replace(block_n=max(16, gemm.block_n // 2))
 
 
 # The one-row rule is used up to the sizes it was checked at (skinny_gemm.json: 1.02-2.76x over
@@ -259,6 +310,39 @@ def _skinny_dot_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _skinny_swiglu_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K, stride_x_row, stride_w_row, stride_y_row,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (cdiv(N, BLOCK_N),): y[:M, n-block] = silu(g) * u with g = x[:M] @ W[n-block].T and
+    u = x[:M] @ W[N + n-block].T (W = [gate; up], 2N rows), M <= BLOCK_M. g and u are rounded to
+    y's dtype first, as the gate_up GEMM's output is, then `_silu_mul_input` rounds as the
+    activation kernel does."""
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    gate_rows = w_ptr + n[:, None].to(tl.int64) * stride_w_row
+    up_rows = w_ptr + (n + N)[:, None].to(tl.int64) * stride_w_row
+    x_rows = x_ptr + m[:, None].to(tl.int64) * stride_x_row
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        acc_gate += tl.dot(x, tl.trans(tl.load(gate_rows + k[None, :], mask=w_mask, other=0.0)),
+                           input_precision=DOT_PRECISION)  # fmt: skip
+        acc_up += tl.dot(x, tl.trans(tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)),
+                         input_precision=DOT_PRECISION)  # fmt: skip
+    dtype = y_ptr.dtype.element_ty
+    y = _silu_mul_input(acc_gate.to(dtype), acc_up.to(dtype))
+    y_ptrs = y_ptr + m[:, None].to(tl.int64) * stride_y_row + n[None, :]
+    tl.store(y_ptrs, y, mask=m_ok[:, None] & n_ok[None, :])
+
+
 SPLIT_COUNTER_SLOTS = 8192  # n-blocks of one split-K launch; counters are shared by all launches
 _SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -369,3 +453,53 @@ def _launch(x, u, weight, b, y, rows, in_features, out_features, grid_n, config,
         weight.stride(0), y.stride(0), BLOCK_M=MAX_ROWS, SPLIT_K=config.split_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiles,
     )  # fmt: skip
+
+
+def skinny_swiglu(x: torch.Tensor, gate_up_weight: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
+    """SwiGLU's first half in one launch: silu(x @ W_gate.T) * (x @ W_up.T) for a stacked gate_up
+    weight [2I, in] (gate rows first, as `GatedMLP.gate_up_proj`), no bias.
+
+    Args:
+        x: [rows <= MAX_ROWS, in_features], unit column stride, on the weight's device and dtype
+            (float16 / bfloat16; float32 for tests, multiplying in IEEE float32).
+        gate_up_weight: [2I, in_features], contiguous.
+        config: a dot-kernel config without split-K (`swiglu_config_for`); block_n counts the
+            columns of each half that one program computes.
+    Returns:
+        [rows, I], new contiguous tensor in x's dtype: each projection accumulated in float32 and
+        rounded to the dtype, then the activation rounded as `blockdraft.kernels.activation.silu_mul`,
+        so it equals the activation kernel applied to the gate_up GEMM within that GEMM's
+        rounding (the same tl.dot sums; bit for bit where both use one block_k).
+    Raises:
+        ValueError: shapes, dtypes, devices or strides outside the above, an odd number of weight
+            rows, or a config that is not the dot kernel without split-K.
+    """
+    if config.kernel != "dot" or config.split_k != 1:
+        raise ValueError(f"skinny_swiglu needs a dot-kernel config without split-K, got {config}")
+    if x.dim() != 2 or gate_up_weight.dim() != 2 or x.shape[1] != gate_up_weight.shape[1]:
+        raise ValueError(f"x must be [rows, in] and gate_up_weight [2 * I, in], got {tuple(x.shape)} and "
+                         f"{tuple(gate_up_weight.shape)}")  # fmt: skip
+    if gate_up_weight.shape[0] % 2:
+        raise ValueError(f"gate_up_weight must stack gate and up (an even number of rows), got {gate_up_weight.shape[0]}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or gate_up_weight.dtype != x.dtype:
+        raise ValueError(f"x and gate_up_weight must share one of float16, bfloat16, float32, got {x.dtype} and "
+                         f"{gate_up_weight.dtype}")  # fmt: skip
+    if gate_up_weight.device != x.device:
+        raise ValueError(f"x and gate_up_weight must be on one device, got {x.device} and {gate_up_weight.device}")
+    if x.stride(1) != 1 or not gate_up_weight.is_contiguous():
+        raise ValueError(f"x needs unit column stride and gate_up_weight must be contiguous, got strides "
+                         f"{x.stride()} and {gate_up_weight.stride()}")  # fmt: skip
+    rows, in_features = x.shape
+    if rows > MAX_ROWS:
+        raise ValueError(f"skinny_swiglu takes at most {MAX_ROWS} rows, got {rows}")
+    half = gate_up_weight.shape[0] // 2
+    y = torch.empty((rows, half), dtype=x.dtype, device=x.device)
+    if rows == 0 or half == 0:
+        return y
+    _skinny_swiglu_kernel[(triton.cdiv(half, config.block_n),)](
+        x, gate_up_weight, y, rows, half, in_features, x.stride(0), gate_up_weight.stride(0), y.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return y

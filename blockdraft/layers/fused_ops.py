@@ -85,7 +85,8 @@ def _kernels() -> SimpleNamespace:
             qk_norm_rope=rope.qk_norm_rope, norm_rope=rope.norm_rope,
             silu_and_mul=activation.silu_and_mul, silu_mul=activation.silu_mul,
             skinny_config_for=skinny_gemm.config_for, skinny_linear=skinny_gemm.skinny_linear,
-            skinny_fuses_swiglu=skinny_gemm.fuses_swiglu,
+            skinny_fuses_swiglu=skinny_gemm.fuses_swiglu, skinny_swiglu=skinny_gemm.skinny_swiglu,
+            skinny_swiglu_config_for=skinny_gemm.swiglu_config_for,
         )  # fmt: skip
     return _KERNELS
 
@@ -237,6 +238,30 @@ def norm_rope(
     return norm_rope_ref(x, cos, sin, weight, eps)
 
 
+def norm_rope_write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+    fused: bool = True,
+) -> tuple[torch.Tensor, bool]:
+    """`norm_rope` of k, and where its kernel runs, the paged-cache write of (rotated k, v) in the
+    same launch (the DFlash drafter's context rows). Arguments as `qk_norm_rope_write_kv`'s.
+
+    Returns:
+        (k, written): written is True when the cache now holds (k, v); False when the torch twin
+        ran (or the cache's dtype or slot_mapping's device differ from k's) and the caller writes.
+    """
+    if (fused and (k.is_cuda or _CPU_KERNELS) and _one_dtype(k, v, cos, sin, weight, kv_cache[0], kv_cache[1])
+            and slot_mapping.device == k.device and not _needs_autograd(k, v, weight)):  # fmt: skip
+        return _kernels().norm_rope(k, cos, sin, weight, eps, kv_write=(v, kv_cache[0], kv_cache[1], slot_mapping)), True
+    return norm_rope(k, cos, sin, weight, eps, fused), False
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool = True) -> torch.Tensor:
     """x [rows, in] @ weight [out, in].T + bias [out] -> [rows, out] in x's dtype.
 
@@ -269,6 +294,29 @@ def silu_mul_linear(
         if config is not None:
             return _kernels().skinny_linear(gate, weight, bias, config, up=up)
     return linear(silu_mul(gate, up, fused), weight, bias, fused)
+
+
+def swiglu_mlp(
+    x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, fused: bool = True
+) -> torch.Tensor:
+    """SwiGLU feed-forward without biases: down(silu(x @ W_gate.T) * (x @ W_up.T)).
+
+    x [rows, H]; gate_up_weight [2I, H] (gate rows first); down_weight [H_out, I] -> [rows, H_out].
+    Launches, where the kernels run (`fused` and `linear`'s conditions):
+      2-16 rows of a shape `skinny_gemm.swiglu_config_for` lists: the gate/up projection and the
+          activation in one launch (`skinny_swiglu`), then the down projection;
+      otherwise the gate_up GEMM, then `silu_mul_linear` (one row of some shapes: the activation
+          inside the down projection's launch; else the activation kernel and the GEMM).
+    Where they do not (CPU, float32 on cuBLAS, autograd), the torch twins, as `linear` / `silu_mul`.
+    """
+    config = _skinny_config(fused, x, gate_up_weight, None)
+    if config is not None:
+        swiglu = _kernels().skinny_swiglu_config_for(x.shape[0], gate_up_weight.shape[1], gate_up_weight.shape[0],
+                                                     x.device)  # fmt: skip
+        if swiglu is not None:
+            return linear(_kernels().skinny_swiglu(x, gate_up_weight, swiglu), down_weight, None, fused)
+    gate, up = linear(x, gate_up_weight, None, fused).chunk(2, dim=-1)
+    return silu_mul_linear(gate, up, down_weight, None, fused)
 
 
 def _skinny_config(fused: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

@@ -95,10 +95,13 @@ def test_drafter_fused_matches_torch_path(dtype):
     torch.testing.assert_close(outs[1][1], outs[0][1], **tol)
 
 
-# Kernels per decoder layer with the fused ops, attention excluded (its backends count their own):
-# 2 fused add+RMSNorm, 1 q/k norm + RoPE, 1 silu*up (ours), and 4 GEMMs (qkv, o, gate_up, down),
-# each of which cuBLAS may split into a main kernel plus a split-K reduction or bias epilogue.
-OUR_KERNELS_PER_LAYER = {"_rms_norm_kernel": 2, "_qk_norm_rope_kernel": 1, "_silu_mul_kernel": 1}
+# Kernels per decoder layer with the fused ops, attention excluded (its backends count their own),
+# for the 4 rows of these decode steps on the H200: 2 fused add+RMSNorm, 1 q/k norm + RoPE, the
+# gate/up projection with silu*up in its launch (ours, 2-16 rows of these shapes), and 3 more GEMMs
+# (qkv, o, down), each of which cuBLAS may split into a main kernel plus a split-K reduction or bias
+# epilogue (bounded as 4 GEMMs of 2 kernels).
+OUR_KERNELS_PER_LAYER = {"_rms_norm_kernel": 2, "_qk_norm_rope_kernel": 1, "_skinny_swiglu_kernel": 1,
+                         "_silu_mul_kernel": 0}  # fmt: skip
 MAX_KERNELS_PER_LAYER = sum(OUR_KERNELS_PER_LAYER.values()) + 4 * 2
 
 
@@ -114,6 +117,8 @@ def _step_kernels(config, num_layers: int, fused: bool) -> list[str]:
 
 @pytest.mark.parametrize("preset", ["qwen3-8b", "qwen2.5-0.5b"])
 def test_decode_layer_kernel_count(preset):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the counts assume the sm90 skinny-GEMM tables (the gate/up + activation launch)")
     config = layer_ops.PRESETS[preset]
     one, two = _step_kernels(config, 1, True), _step_kernels(config, 2, True)
     per_layer = len(two) - len(one)

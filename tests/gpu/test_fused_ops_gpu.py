@@ -145,6 +145,14 @@ def test_qk_norm_rope_writes_the_kv_cache_like_write_kv(dtype, shape, with_norm)
     assert torch.equal(out_q, plain_q) and torch.equal(out_k, plain_k)
     write_kv_triton(*expected, plain_k, v, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    # norm_rope with kv_write (the drafter's context rows: k alone; its launch may round the fp32
+    # norm differently from the q + k launch) leaves the cache as write_kv_triton(norm_rope(k), v)
+    k_caches = [rand(4, 16, kv_heads, head_dim, dtype=dtype, seed=s) for s in (5, 6)]
+    expected = [c.clone() for c in k_caches]
+    alone = norm_rope(k, cos, sin, kw, 1e-6)
+    assert torch.equal(norm_rope(k, cos, sin, kw, 1e-6, kv_write=(v, *k_caches, slots)), alone)
+    write_kv_triton(*expected, alone, v, slots)
+    assert torch.equal(k_caches[0], expected[0]) and torch.equal(k_caches[1], expected[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -256,6 +264,35 @@ def test_skinny_swiglu_down_projection(k, n, rows):
     static.copy_(gate_up)
     graph.replay()
     assert torch.equal(graph_out, out)
+
+
+@pytest.mark.parametrize("k,n2", [(896, 9728), (4096, 24576), (896, 2048), (1536, 17920)])
+@pytest.mark.parametrize("rows", [2, 16])
+def test_skinny_swiglu_gate_up(k, n2, rows):
+    """The gate/up projection with the activation in its launch (`skinny_swiglu`, the tiles
+    `swiglu_config_for` picks, else a fixed dot config) == the activation kernel after F.linear
+    within bf16 rounding; == the activation after the dot GEMM with the same block_k (the same
+    sums) bit for bit; a graph replay follows new inputs; a row gives the same bits alone."""
+    from blockdraft.kernels.activation import silu_and_mul
+    from blockdraft.kernels.skinny_gemm import SkinnyConfig, skinny_linear, skinny_swiglu, swiglu_config_for
+
+    config = swiglu_config_for(rows, k, n2, torch.device("cuda")) or SkinnyConfig("dot", 32, 128, 4, 4)
+    x, w = rand(rows, k, dtype=torch.bfloat16), rand(n2, k, dtype=torch.bfloat16, scale=0.05, seed=1)
+    out = skinny_swiglu(x, w, config)
+    exact = fused_ops.silu_and_mul_ref(torch.nn.functional.linear(x.float(), w.float()))
+    torch.testing.assert_close(out.float(), exact, atol=2e-2, rtol=2e-2)
+    two_launches = silu_and_mul(skinny_linear(x, w, None, config))
+    mismatched = (out != two_launches).sum().item()
+    assert mismatched == 0, f"{mismatched} of {out.numel()} values differ from GEMM + activation with the same tiles"
+    static_x = torch.zeros_like(x)
+    skinny_swiglu(static_x, w, config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = skinny_swiglu(static_x, w, config)
+    static_x.copy_(x)
+    graph.replay()
+    assert torch.equal(graph_out, out)
+    assert torch.equal(skinny_swiglu(x[-1:], w, config)[0], out[-1])
 
 
 def test_linear_layers_take_the_skinny_kernel_on_sm90(monkeypatch):

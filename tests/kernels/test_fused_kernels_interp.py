@@ -133,6 +133,10 @@ def test_qk_norm_rope_writes_the_kv_cache_like_write_kv(dtype, with_norm):
     assert torch.equal(out_q, plain_q) and torch.equal(out_k, plain_k)
     write_kv(*expected, plain_k, v, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    # norm_rope (k alone, the drafter's context rows) writes the same
+    k_caches = [rand(5, block, kv_heads, head_dim, dtype=dtype, seed=s) for s in (22, 23)]
+    assert torch.equal(norm_rope(k, cos, sin, kw, 1e-6, kv_write=(v, *k_caches, slots)), plain_k)
+    assert torch.equal(k_caches[0], expected[0]) and torch.equal(k_caches[1], expected[1])
 
 
 def test_kv_write_refusals():

@@ -21,6 +21,8 @@ from blockdraft.kernels.skinny_gemm import (  # noqa: E402
     config_for,
     one_row_rule,
     skinny_linear,
+    skinny_swiglu,
+    swiglu_config_for,
 )
 from blockdraft.layers import fused_ops  # noqa: E402
 from blockdraft.layers.linear import Linear  # noqa: E402
@@ -234,7 +236,111 @@ def test_swiglu_down_projection_dispatch(monkeypatch):
         assert calls == [False, True]  # gate_up GEMM, then the gated down projection
         gate_up = fused_ops.linear(x.half(), mlp.gate_up_proj.weight, None)
         assert torch.equal(out, fused_ops.linear(silu_mul(*gate_up.chunk(2, dim=-1)), mlp.down_proj.weight, None))
-        mlp.down_proj.fused_ops = False  # cuBLAS for the down projection: activation, then F.linear
+        mlp.down_proj.fused_ops = False  # a projection off the kernels: the whole MLP on the torch twins
         calls.clear()
-        assert torch.equal(mlp(x.half()), F.linear(silu_mul(*gate_up.chunk(2, dim=-1)), mlp.down_proj.weight))
-        assert calls == [False]
+        gate_up = F.linear(x.half(), mlp.gate_up_proj.weight)
+        assert torch.equal(mlp(x.half()), F.linear(fused_ops.silu_and_mul_ref(gate_up), mlp.down_proj.weight))
+        assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("rows", [2, 5, 16])
+def test_swiglu_gate_up_equals_the_gemm_then_the_activation_kernel(dtype, rows):
+    """skinny_swiglu: silu(x W_gate^T) * (x W_up^T) in one launch == the dot GEMM of the stacked
+    weight, then the activation kernel, bit for bit (same tiles: the same sums, the same
+    roundings); == the torch twins within rounding. I = 37 leaves a partial column block, K = 40
+    a partial K tile, x is strided."""
+    x = rand(rows, 50, dtype=dtype, seed=21)[:, :40] * 2
+    w = rand(74, 40, dtype=dtype, seed=22) * 0.3
+    out = skinny_swiglu(x, w, DOT)
+    assert out.shape == (rows, 37) and out.dtype == dtype and out.is_contiguous()
+    assert torch.equal(out, silu_mul(*skinny_linear(x, w, None, DOT).chunk(2, dim=-1)))
+    expected = fused_ops.silu_and_mul_ref(F.linear(x.float(), w.float()).to(dtype))
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+def test_swiglu_gate_up_rows_depend_only_on_themselves():
+    x, other, w = rand(16, 40, seed=23), rand(16, 40, seed=24), rand(74, 40, seed=25) * 0.3
+    block = skinny_swiglu(x, w, DOT)
+    for row in (0, 9, 15):
+        mixed = other.clone()
+        mixed[row] = x[row]
+        assert torch.equal(skinny_swiglu(mixed, w, DOT)[row], block[row])
+
+
+def test_swiglu_gate_up_refusals():
+    x, w = rand(4, 8), rand(6, 8)
+    with pytest.raises(ValueError, match="without split-K"):
+        skinny_swiglu(x, w, DOT_SPLIT)
+    with pytest.raises(ValueError, match="without split-K"):
+        skinny_swiglu(x, w, ROW)
+    with pytest.raises(ValueError, match="even number of rows"):
+        skinny_swiglu(x, rand(7, 8), DOT)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        skinny_swiglu(rand(17, 8), w, DOT)
+    with pytest.raises(ValueError, match="share one of"):
+        skinny_swiglu(x.half(), w, DOT)
+    with pytest.raises(ValueError, match="unit column stride"):
+        skinny_swiglu(rand(8, 4).t(), w, DOT)
+    with pytest.raises(ValueError, match=r"\[2 \* I, in\]"):
+        skinny_swiglu(x, rand(6, 9), DOT)
+
+
+def test_swiglu_config_choice():
+    """2-16 rows of a gate_up shape with 16-row dot tiles (no split-K): those tiles at half the
+    block width; one row (the down projection fuses the activation there), unlisted shapes, odd
+    widths and other GPUs: None (two launches)."""
+    from blockdraft.kernels import skinny_gemm
+
+    gemm = config_for(16, 4096, 24576, CPU)  # Qwen3-8B gate_up (and its drafter's, stacked)
+    assert swiglu_config_for(16, 4096, 24576, CPU) == gemm._replace(block_n=gemm.block_n // 2)
+    assert swiglu_config_for(2, 896, 9728, CPU).block_n >= 16  # Qwen2.5-0.5B
+    assert swiglu_config_for(1, 4096, 24576, CPU) is None and swiglu_config_for(17, 4096, 24576, CPU) is None
+    assert swiglu_config_for(16, 100, 300, CPU) is None  # no 16-row tiles: cuBLAS GEMM + activation
+    assert swiglu_config_for(16, 4864, 896, CPU) is None  # split-K tiles: not a gate_up kernel
+    assert swiglu_config_for(16, 4096, 24577, CPU) is None
+    assert skinny_gemm._swiglu_choice(4096, 24576) is not None
+    cuda = torch.device("cuda", 0)
+    try:
+        skinny_gemm._is_sm90.cache_clear()
+        import unittest.mock as mock
+
+        with mock.patch.object(skinny_gemm, "_is_sm90", lambda index: False):
+            assert swiglu_config_for(16, 4096, 24576, cuda) is None
+    finally:
+        skinny_gemm._is_sm90.cache_clear()
+
+
+def test_gated_mlp_runs_gate_up_and_activation_in_one_launch_for_several_rows(monkeypatch):
+    """GatedMLP with 2-16 rows and a listed shape: skinny_swiglu, then the down projection (two
+    launches), equal bit for bit to the GEMM + activation + GEMM it replaces; one row keeps the
+    one-row path; fp32 keeps F.linear."""
+    from blockdraft.kernels import skinny_gemm
+    from blockdraft.layers.mlp import GatedMLP
+
+    monkeypatch.setattr(fused_ops, "_CPU_KERNELS", True)
+    monkeypatch.setattr(skinny_gemm, "_SM90_SIXTEEN_ROWS", {(24, 80): DOT, (40, 24): DOT})
+    skinny_gemm._choice.cache_clear()
+    skinny_gemm._swiglu_choice.cache_clear()
+    try:
+        swiglus = []
+        real = fused_ops._kernels().skinny_swiglu
+        monkeypatch.setattr(fused_ops._kernels(), "skinny_swiglu", lambda *a: swiglus.append(a[2]) or real(*a))
+        mlp = GatedMLP(24, 40)
+        with torch.no_grad():
+            mlp.gate_up_proj.weight.copy_(rand(80, 24, seed=26) * 0.3)
+            mlp.down_proj.weight.copy_(rand(24, 40, seed=27) * 0.2)
+            x = rand(5, 24, seed=28)
+            two_ops = F.linear(silu_mul(*F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)), mlp.down_proj.weight)
+            assert torch.equal(mlp(x), two_ops) and not swiglus  # fp32: F.linear, activation kernel, F.linear
+            mlp.half()
+            xh = x.half()
+            out = mlp(xh)
+            assert swiglus == [DOT._replace(block_n=16)]
+            gate_up = skinny_linear(xh, mlp.gate_up_proj.weight, None, DOT)
+            assert torch.equal(out, skinny_linear(silu_mul(*gate_up.chunk(2, dim=-1)), mlp.down_proj.weight, None, DOT))
+            mlp(xh[:1])
+            assert len(swiglus) == 1  # one row: the gate_up GEMM and the (gated) down projection
+    finally:
+        skinny_gemm._choice.cache_clear()
+        skinny_gemm._swiglu_choice.cache_clear()

@@ -31,13 +31,27 @@ def _qk_norm_rope_twin(q, k, cos, sin, q_weight, k_weight, eps, kv_write=None):
     return q, k
 
 
+def _norm_rope_twin(k, cos, sin, weight, eps, kv_write=None):
+    """The twin of kernels.rope.norm_rope: with kv_write, the torch cache write follows."""
+    from blockdraft.attention.torch_ref import write_kv
+
+    k = fused_ops.norm_rope_ref(k, cos, sin, weight, eps)
+    if kv_write is not None:
+        v, k_cache, v_cache, slot_mapping = kv_write
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return k
+
+
 TWINS = SimpleNamespace(
     rms_norm=fused_ops.rms_norm_ref, fused_add_rms_norm=fused_ops.add_rms_norm_ref,
-    qk_norm_rope=_qk_norm_rope_twin, norm_rope=fused_ops.norm_rope_ref,
+    qk_norm_rope=_qk_norm_rope_twin, norm_rope=_norm_rope_twin,
     silu_and_mul=fused_ops.silu_and_mul_ref, silu_mul=fused_ops.silu_mul_ref,
     # every shape "has" a skinny config, and its twin is F.linear (after silu(x) * up when gated)
     skinny_config_for=lambda rows, k, n, device: "twin", skinny_fuses_swiglu=lambda rows, k, n: True,
     skinny_linear=lambda x, w, b, config, up=None: F.linear(x if up is None else fused_ops.silu_mul_ref(x, up), w, b),
+    # 2-16 rows: the gate/up matmul and the activation in one launch; twin = F.linear, then the activation
+    skinny_swiglu_config_for=lambda rows, k, n, device: "twin" if 2 <= rows <= 16 else None,
+    skinny_swiglu=lambda x, w, config: fused_ops.silu_and_mul_ref(F.linear(x, w)),
 )  # fmt: skip
 
 

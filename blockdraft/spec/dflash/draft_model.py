@@ -22,7 +22,16 @@ from torch import nn
 
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.attention.metadata import AttentionMetadata
-from blockdraft.layers.fused_ops import UsesFusedOps, norm_rope, qk_norm_rope, silu_mul, use_kernels
+from blockdraft.layers.fused_ops import (
+    UsesFusedOps,
+    linear,
+    norm_rope,
+    norm_rope_write_kv,
+    qk_norm_rope,
+    silu_mul,
+    swiglu_mlp,
+    use_kernels,
+)
 from blockdraft.layers.linear import Linear, cpu_packing_supported
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
@@ -51,6 +60,31 @@ class DFlashAttention(UsesFusedOps, nn.Module):
         self.causal = config.layer_causal[layer_idx]
         self.sliding_window = config.layer_windows[layer_idx]
         self.backend = select_attention_backend("cpu").attention  # see DFlashDraftModel.set_attention_backend
+        self.write_kv = select_attention_backend("cpu").write_kv
+        self.qkv_weight: torch.Tensor | None = None  # [q; k; v] rows after `stack_`, else None
+
+    def stack_(self) -> None:
+        """Move q/k/v_proj's weights into one [q + 2 * kv, H] tensor (`qkv_weight`) whose row slices
+        the three parameters become, so a block runs one q/k/v matmul and context rows one k/v
+        matmul (its last 2 * kv rows); values, names and state_dict are unchanged."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        stacked = torch.cat([p.weight.detach() for p in projections])
+        for p, rows in zip(projections, stacked.split([p.out_features for p in projections])):
+            p.weight.data = rows
+        self.qkv_weight = stacked
+
+    def _project(self, x: torch.Tensor, with_q: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (q [T, heads, D] or None, k, v [T, kv_heads, D]); views of one matmul when stacked."""
+        rows, q_size, kv_size = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_weight is not None:
+            weight = self.qkv_weight if with_q else self.qkv_weight[q_size:]
+            out = linear(x, weight, None, self.q_proj.fused_ops)
+            q, k, v = out.split([q_size, kv_size, kv_size], dim=-1) if with_q else (None, *out.split(kv_size, dim=-1))
+        else:
+            q = self.q_proj(x) if with_q else None
+            k, v = self.k_proj(x), self.v_proj(x)
+        q = None if q is None else q.view(rows, self.num_heads, self.head_dim)
+        return q, k.view(rows, self.num_kv_heads, self.head_dim), v.view(rows, self.num_kv_heads, self.head_dim)
 
     def context_kv(self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """c [T, H] (already hidden_norm(fc(.))) -> K = RoPE(k_norm(W_k c)), V = W_v c, each [T, kv_heads, D].
@@ -58,17 +92,26 @@ class DFlashAttention(UsesFusedOps, nn.Module):
         No input_layernorm on c and no norm on V (DFLASH.md "KV injection"; z-lab applies k_norm
         to the concatenated [context, block] keys and leaves values raw).
         """
-        k = self.k_proj(c).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(c).view(-1, self.num_kv_heads, self.head_dim)
+        _, k, v = self._project(c, with_q=False)
         return norm_rope(k, cos, sin, self.k_norm.weight, self.k_norm.eps, self.fused_ops), v
+
+    def write_context(
+        self, c: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        """Cache `context_kv(c)` at slot_mapping (PADDING_SLOT rows write nothing). Where the kernels
+        run, the k norm + RoPE launch writes K and V itself (one launch less per layer); else the
+        attention backend's write_kv does."""
+        _, k, v = self._project(c, with_q=False)
+        k, written = norm_rope_write_kv(k, v, cos, sin, self.k_norm.weight, self.k_norm.eps, kv_cache, slot_mapping,
+                                        self.fused_ops)  # fmt: skip
+        if not written:
+            self.write_kv(kv_cache[0], kv_cache[1], k, v, slot_mapping)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Block rows x [R*Q, H] attend to their cached context and their own block -> [R*Q, H]."""
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x, with_q=True)
         q_w, k_w = self.q_norm.weight, self.k_norm.weight
         q, k = qk_norm_rope(q, k, cos, sin, q_w, k_w, self.q_norm.eps, self.fused_ops)
         k_cache, v_cache = kv_cache
@@ -79,7 +122,12 @@ class DFlashAttention(UsesFusedOps, nn.Module):
 
 
 class DFlashMLP(UsesFusedOps, nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), no biases (HF Qwen3MLP); silu * up is one kernel on CUDA."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), no biases (HF Qwen3MLP); silu * up is one kernel on CUDA.
+
+    After `stack_` the gate and up weights live in one [2I, H] tensor and the MLP runs as the
+    target's does (`blockdraft.layers.fused_ops.swiglu_mlp`: for 2-16 rows the gate/up matmul and
+    the activation in one launch).
+    """
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
@@ -87,8 +135,17 @@ class DFlashMLP(UsesFusedOps, nn.Module):
         self.gate_proj = Linear(h, i, bias=False)
         self.up_proj = Linear(h, i, bias=False)
         self.down_proj = Linear(i, h, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # [gate; up] rows after `stack_`, else None
+
+    def stack_(self) -> None:
+        """Move gate/up_proj's weights into one [2I, H] tensor whose halves the parameters become."""
+        stacked = torch.cat([self.gate_proj.weight.detach(), self.up_proj.weight.detach()])
+        self.gate_proj.weight.data, self.up_proj.weight.data = stacked.chunk(2)
+        self.gate_up_weight = stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None and self.fused_ops and self.down_proj.packed_weight is None:
+            return swiglu_mlp(x, self.gate_up_weight, self.down_proj.weight, self.down_proj.fused_ops)
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), self.fused_ops))
 
 
@@ -155,13 +212,16 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
         """Use `backend` for the block attention and the context K/V writes of every layer."""
         self.attention_backend = backend
         for layer in self.layers:
-            layer.self_attn.backend = backend.attention
+            layer.self_attn.backend, layer.self_attn.write_kv = backend.attention, backend.write_kv
 
     def _apply(self, fn, recurse: bool = True):
         # A dtype cast (model.to(bfloat16)) also casts the non-persistent inv_freq buffer; HF and
         # the target keep it in float32, so recompute it after every .to()/.cuda()/.half().
         super()._apply(fn, recurse)
         self.rotary_emb.reset_inv_freq()
+        # the parameters are new tensors now, no longer views of the stacked ones
+        for layer in getattr(self, "layers", ()):
+            layer.self_attn.qkv_weight = layer.mlp.gate_up_weight = None
         return self
 
     @property
@@ -177,6 +237,25 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
         """Whether `pack_for_cpu_inference` replaced the linears' dense weights."""
         return self.fc.packed_weight is not None
 
+    @property
+    def stacked(self) -> bool:
+        """Whether `stack_projections` holds each layer's q/k/v and gate/up weights in one tensor each."""
+        return bool(self.layers) and self.layers[0].self_attn.qkv_weight is not None
+
+    def stack_projections(self) -> bool:
+        """Hold each layer's q/k/v weights in one tensor and its gate/up weights in another, the
+        parameters becoming row slices of them (names, values and state_dict unchanged), so a draft
+        block runs 4 matmul launches per layer instead of 7 and context rows 1 instead of 2 (the
+        target's layers are stacked the same way). For inference on CUDA (DFlashSpeculator does it
+        there); a later .to() / dtype cast undoes it. Returns False (nothing changed) when the
+        weights are packed for the CPU or already stacked."""
+        if self.packed or self.stacked:
+            return False
+        for layer in self.layers:
+            layer.self_attn.stack_()
+            layer.mlp.stack_()
+        return True
+
     def pack_for_cpu_inference(self) -> bool:
         """Store every linear's weight in oneDNN's blocked layout (blockdraft.layers.linear), as the
         target's are on the CPU: the drafter's matmuls were ~8 % of a K = 2 DFlash run's CPU time
@@ -188,6 +267,8 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_()
+        for layer in self.layers:  # the packed copies replace the dense (stacked) weights
+            layer.self_attn.qkv_weight = layer.mlp.gate_up_weight = None
         return True
 
     def allocate_kv_caches(
@@ -223,9 +304,8 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
         """
         c = self.project_context(features)
         cos, sin = self.rotary_emb.cos_sin(positions, self.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            k, v = layer.self_attn.context_kv(c, cos, sin)
-            self.attention_backend.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            layer.self_attn.write_context(c, cos, sin, kv_cache, slot_mapping)
 
     @torch.no_grad()
     def forward(

@@ -74,6 +74,8 @@ class DFlashSpeculator:
         """
         k = drafter.config.block_size - 1 if num_speculative_tokens is None else num_speculative_tokens
         k = drafter.config.check_num_speculative_tokens(k)
+        if drafter.device.type == "cuda":  # one q/k/v and one gate/up matmul per draft layer
+            drafter.stack_projections()
         self.drafter = drafter
         self.target = target
         self.num_speculative_tokens = k
