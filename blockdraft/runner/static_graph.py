@@ -3,13 +3,20 @@
 Capture follows the PyTorch recipe: warm up on a side stream (Triton compiles, cuBLAS picks its
 kernels, the caching allocator settles), then capture into a memory pool that every graph of the
 engine shares (`torch.cuda.graph_pool_handle()`; graphs never run concurrently, and every graph's
-outputs stay referenced so no later capture reuses their memory). Eager mode calls the function
+outputs stay referenced so no later capture reuses their memory). Python's automatic garbage
+collection is paused during each capture: a collection there that frees another engine's CUDA
+graphs (a dropped engine in a reference cycle) destroys them mid-capture, which CUDA forbids and
+which invalidates the capture ("operation not permitted when stream is capturing (function reset)";
+recent torch's `torch.cuda.graph` collects before capturing only with
+`torch.compiler.config.force_cudagraph_gc`, checked in 2.13). Eager mode calls the function
 directly on the same buffers, so the padded static-shape path also runs (and is tested) on CPU.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import gc
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -42,7 +49,7 @@ class StaticGraph:
                 self.fn(*inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with _automatic_gc_paused(), torch.cuda.graph(self.graph, pool=pool):
             self.outputs = self.fn(*inputs)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
@@ -57,3 +64,16 @@ class StaticGraph:
             raise ValueError("a captured CUDA graph must be replayed with the tensors it was captured with")
         self.graph.replay()
         return self.outputs
+
+
+@contextlib.contextmanager
+def _automatic_gc_paused() -> Iterator[None]:
+    """Pause Python's automatic garbage collection in the block (restored after, also on errors);
+    the cycles it would have freed are collected later, outside the capture."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
