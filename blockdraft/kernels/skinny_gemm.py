@@ -5,7 +5,7 @@ draft block 16 rows: pure weight streaming, where cuBLAS's kernels for these sha
 of the HBM bandwidth (H200, CUDA-graph replays over rotating weights larger than L2, bf16:
 Qwen2.5-0.5B's q/k/v projection [896 -> 1152] 3.97 us for one row vs 2.33 us here, its o
 projection 4.85 vs 2.49, Qwen3-8B's down projection [12,288 -> 4,096] 28.9 vs 25.3;
-docs/benchmarks/gpu-2026-12-01-s14/skinny_gemm.json). Two kernels:
+docs/benchmarks/gpu-2026-12-01-s14/skinny_gemm.json). Three kernels:
 
   row kernel (`_gemv_kernel`, one row): program (column block, row) streams a [BLOCK_N, K] slice
       of W in [BLOCK_N, BLOCK_K] tiles, multiplies by the row on the CUDA cores and sums in
@@ -145,9 +145,7 @@ def swiglu_config_for(rows: int, in_features: int, stacked_out: int, device: tor
     table's tiles or those GEMM tiles with block_n halved (at least 16). Off sm90 / switched off:
     None, as `config_for`. Pure lookup, no errors.
     """
-    if not 2 <= rows <= MAX_ROWS or stacked_out % 2:
-        return None
-    if config_for(rows, in_features, stacked_out, device) is None:  # sm90, switch, table membership
+    if not 2 <= rows <= MAX_ROWS or stacked_out % 2 or not _kernels_allowed(device):
         return None
     return _swiglu_choice(in_features, stacked_out)
 
@@ -198,11 +196,16 @@ def config_for(rows: int, in_features: int, out_features: int, device: torch.dev
         was set when this module was imported. Called for every linear layer call: the
         environment and the GPU's capability are read once, the choice per shape is cached.
     """
-    if not ENABLED or not 1 <= rows <= MAX_ROWS:
-        return None
-    if device.type == "cuda" and not _is_sm90(device.index if device.index is not None else torch.cuda.current_device()):
+    if not 1 <= rows <= MAX_ROWS or not _kernels_allowed(device):
         return None
     return _choice(rows == 1, in_features, out_features)
+
+
+def _kernels_allowed(device: torch.device) -> bool:
+    """Not switched off (BLOCKDRAFT_SKINNY_GEMM=0) and, on CUDA, an sm90 GPU."""
+    if not ENABLED:
+        return False
+    return device.type != "cuda" or _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

@@ -87,3 +87,26 @@ def test_stacked_mlp_takes_the_swiglu_path_on_the_kernel_branch(monkeypatch, row
     assert calls == [torch.Size([2 * drafter.config.intermediate_size, 64])]
     expected = F.linear(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight), mlp.down_proj.weight)
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_weights_are_used_only_while_they_are_the_parameters_and_without_gradients():
+    """A deepcopy (its parameters no longer slices of its stacked copy) and training (gradients
+    wanted) take the per-projection path: same outputs, gradients reach every projection."""
+    import copy
+
+    drafter = _drafter()
+    drafter.stack_projections()
+    mlp, attn = drafter.layers[0].mlp, drafter.layers[0].self_attn
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    twin = copy.deepcopy(drafter)
+    with torch.no_grad():
+        twin.layers[0].mlp.up_proj.weight.mul_(2)  # the copy's parameter, not its stale stacked tensor
+        expected = F.linear(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, 2 * mlp.up_proj.weight),
+                            mlp.down_proj.weight)  # fmt: skip
+        torch.testing.assert_close(twin.layers[0].mlp(x), expected, rtol=1e-5, atol=1e-5)
+    drafter.requires_grad_(True)
+    mlp(x).sum().backward()
+    _, k, v = attn._project(x, with_q=False)
+    (k.sum() + v.sum()).backward()
+    grads = [mlp.gate_proj.weight.grad, mlp.up_proj.weight.grad, attn.k_proj.weight.grad, attn.v_proj.weight.grad]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)

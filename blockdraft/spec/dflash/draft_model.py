@@ -40,6 +40,14 @@ from blockdraft.spec.dflash.config import DFlashConfig
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache)
 
 
+def _stacked_usable(stacked: torch.Tensor | None, param: torch.Tensor) -> bool:
+    """Whether a layer may multiply by its stacked weights (`DFlashDraftModel.stack_projections`):
+    `param` is still a slice of them (a deepcopy or `load_state_dict(assign=True)` breaks that)
+    and no gradient is asked for (the stacked copy is detached)."""
+    return (stacked is not None and not (torch.is_grad_enabled() and param.requires_grad)
+            and param.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr())  # fmt: skip
+
+
 class DFlashAttention(UsesFusedOps, nn.Module):
     """Qwen3 attention (no biases, per-head q_norm/k_norm) with DFlash context injection.
 
@@ -76,7 +84,7 @@ class DFlashAttention(UsesFusedOps, nn.Module):
     def _project(self, x: torch.Tensor, with_q: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """x [T, H] -> (q [T, heads, D] or None, k, v [T, kv_heads, D]); views of one matmul when stacked."""
         rows, q_size, kv_size = x.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.qkv_weight is not None:
+        if _stacked_usable(self.qkv_weight, self.k_proj.weight):
             weight = self.qkv_weight if with_q else self.qkv_weight[q_size:]
             out = linear(x, weight, None, self.q_proj.fused_ops)
             q, k, v = out.split([q_size, kv_size, kv_size], dim=-1) if with_q else (None, *out.split(kv_size, dim=-1))
@@ -144,7 +152,8 @@ class DFlashMLP(UsesFusedOps, nn.Module):
         self.gate_up_weight = stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None and self.fused_ops and self.down_proj.packed_weight is None:
+        if (_stacked_usable(self.gate_up_weight, self.up_proj.weight) and self.fused_ops
+                and self.down_proj.packed_weight is None):  # fmt: skip
             return swiglu_mlp(x, self.gate_up_weight, self.down_proj.weight, self.down_proj.fused_ops)
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), self.fused_ops))
 
