@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._prefix_text = ""  # == decode(ids[prefix_offset:read_offset]), kept, not re-decoded
         self._num_decoded = 0  # ids the last decode saw (text held back for UTF-8 is not re-decoded per read)
+        self._held = ""  # complete characters decoded but held back with a trailing incomplete one
         self._stopped = False
 
     @property
@@ -50,6 +51,13 @@ class IncrementalDetokenizer:
         if self._num_decoded < len(self._ids) and not self._stopped:
             self._emit()
         return self._text
+
+    @property
+    def num_complete_chars(self) -> int:
+        """len(text) plus the characters held back before a trailing incomplete UTF-8 character
+        (e.g. b" \\xe6" gives " \\ufffd": the space counts), in characters: the length of the
+        decoded text with its trailing U+FFFD dropped. Reads `text` first (which may decode)."""
+        return len(self.text) + len(self._held)
 
     def append(self, token_id: int) -> str | None:
         """Add one token; return the stop string it completed (text is then cut before it), else None."""
@@ -61,7 +69,9 @@ class IncrementalDetokenizer:
         self._num_decoded = len(self._ids)
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) <= len(self._prefix_text) or full.endswith("\ufffd"):
+            self._held = full[len(self._prefix_text) :].rstrip("\ufffd")
             return None
+        self._held = ""
         new_text = full[len(self._prefix_text) :]
         read_before, self._read_offset = self._read_offset, len(self._ids)
         if self._read_offset - self._prefix_offset > self.WINDOW:
@@ -99,6 +109,7 @@ class IncrementalDetokenizer:
         if self._stopped:
             return
         full = self._decode(self._ids[self._prefix_offset :])
+        self._held = ""
         if len(full) > len(self._prefix_text):
             self._text += full[len(self._prefix_text) :]
             self._read_offset, self._prefix_text = len(self._ids), full

@@ -13,6 +13,7 @@ import json
 import re
 from typing import Callable
 
+from blockdraft.engine.detokenizer import IncrementalDetokenizer
 from blockdraft.engine.request import SpecStats
 
 
@@ -50,7 +51,7 @@ class TokenText:
     """Text and raw bytes of single token ids (for logprobs), cached: the vocabulary is finite."""
 
     def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
         self._cache: dict[int, str] = {}
         self._bytes_of: Callable[[int], bytes] | None = None  # built on first use (logprobs only)
         self._bytes_cache: dict[int, bytes] = {}
@@ -58,7 +59,7 @@ class TokenText:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._cache[token_id] = self._tokenizer.decode([token_id])
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
         return text
 
     def bytes(self, token_id: int) -> list[int]:
@@ -66,7 +67,7 @@ class TokenText:
         raw = self._bytes_cache.get(token_id)
         if raw is None:
             if self._bytes_of is None:
-                self._bytes_of = token_bytes_decoder(self._tokenizer, self)
+                self._bytes_of = token_bytes_decoder(self.tokenizer, self)
             raw = self._bytes_cache[token_id] = self._bytes_of(token_id)
         return list(raw)
 
@@ -147,22 +148,61 @@ def _has_byte_level(state) -> bool:
     return False
 
 
-def completion_logprobs(entries: list[dict], token_text: TokenText, text_offset: int) -> dict:
+class TextOffsets:
+    """Character offsets of one completion's tokens in its text (the /v1/completions `text_offset`).
+
+    Token i's offset is the length in characters (str indices) of the text of the tokens before
+    it, decoded as the engine decodes the completion text (the same IncrementalDetokenizer and
+    `token_decoder`, so `skip_special_tokens=True`: a special token adds no characters), counting
+    only complete characters: a trailing incomplete UTF-8 character (byte-level BPE splits emoji /
+    CJK characters across tokens) is left out until a later token completes it
+    (IncrementalDetokenizer.num_complete_chars). So offsets are non-decreasing, a token that is
+    only part of a character adds nothing, the token completing it adds the whole character, and
+    text[offset[i]:offset[i + 1]] is what token i added to the text.
+    Cost: one decode of a short window (at most IncrementalDetokenizer.WINDOW + 1 tokens, plus a
+    restart decode every WINDOW tokens) per token, not a decode of every prefix.
+    Stateful: feed one choice's tokens in order, over as many calls as there are stream chunks.
+    Use it on the thread that owns `tokenizer` (HF fast tokenizers are not thread-safe).
+    Raises: only the tokenizer's errors (e.g. for an id outside the vocabulary).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, [])
+
+    def __call__(self, token_ids: list[int]) -> list[int]:
+        """The offsets (characters) of these tokens, which follow the tokens of earlier calls."""
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(self._detok.num_complete_chars)  # no decode here: append decoded already
+            self._detok.append(token_id)
+        return offsets
+
+
+def completion_logprobs(entries: list[dict], token_text: TokenText, offsets: TextOffsets | None = None,
+                        text_len: int | None = None) -> dict:
     """The /v1/completions `logprobs` object for these tokens.
 
-    text_offset counts characters of the completion text from `text_offset`, adding each token's
-    own decoded text (exact for tokenizers whose tokens carry their spaces, as byte-level BPE does).
+    `tokens` and the keys of `top_logprobs` are each token's text decoded alone (OpenAI's format): a
+    token that is only part of a UTF-8 character reads "\ufffd" there, so several such alternatives
+    of one position collide on the key "\ufffd" and only the last one's logprob is kept (inherent
+    to a dict keyed by text; chat completions' `bytes` tell them apart).
+    `text_offset`: each token's start in the completion text, in characters (see TextOffsets; not
+    the summed lengths of the `tokens`, which drift after a split character or a special token).
+    offsets: a TextOffsets that has seen this choice's earlier tokens (streaming); None starts a
+    fresh one (entries are the whole completion). text_len: the returned text's length in
+    characters, when known; offsets are capped at it (a stop string cuts the text, not the tokens).
+    Echo is not supported (protocol.py refuses it), so offsets count from the completion's start.
     """
-    tokens, offsets = [], []
-    for e in entries:
-        offsets.append(text_offset)
-        tokens.append(token_text(e["token_id"]))
-        text_offset += len(tokens[-1])
+    if offsets is None:
+        offsets = TextOffsets(token_text.tokenizer)
+    starts = offsets([e["token_id"] for e in entries])
+    if text_len is not None:
+        starts = [min(o, text_len) for o in starts]
     return {
-        "tokens": tokens,
+        "tokens": [token_text(e["token_id"]) for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
         "top_logprobs": [{token_text(t): lp for t, lp in e["top"]} for e in entries],
-        "text_offset": offsets,
+        "text_offset": starts,
     }
 
 

@@ -61,7 +61,7 @@ class _Cursor:
         self.holdback = holdback
         self.chars = 0
         self.tokens = 0
-        self.token_chars = 0  # summed text length of the tokens sent (completions' text_offset)
+        self.text_offsets: R.TextOffsets | None = None  # completions' text_offset, built on first use
 
     def advance(self, out: RequestOutput) -> tuple[str, list[dict] | None]:
         """(new text, logprob entries of the new tokens) since the last call."""
@@ -83,7 +83,9 @@ class CompletionFormat:
         return completion_prompts(req, ctx.tokenizer, ctx.model)
 
     def choice(self, ctx: ServerContext, index: int, out: RequestOutput) -> dict:
-        logprobs = None if out.logprobs is None else R.completion_logprobs(out.logprobs, ctx.token_text, 0)
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = R.completion_logprobs(out.logprobs, ctx.token_text, text_len=len(out.text))
         return {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
     def first_chunk_choice(self, index: int) -> dict | None:
@@ -92,8 +94,11 @@ class CompletionFormat:
     def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None) -> dict:
         logprobs = None
         if entries is not None:
-            logprobs = R.completion_logprobs(entries, ctx.token_text, cursor.token_chars)
-            cursor.token_chars += sum(len(t) for t in logprobs["tokens"])
+            if cursor.text_offsets is None:
+                cursor.text_offsets = R.TextOffsets(ctx.token_text.tokenizer)
+            # the last chunk knows the final text (cursor.chars): cap offsets there, past a stop string
+            text_len = cursor.chars if finish is not None else None
+            logprobs = R.completion_logprobs(entries, ctx.token_text, cursor.text_offsets, text_len)
         return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
 
 

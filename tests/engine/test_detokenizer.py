@@ -72,6 +72,23 @@ def test_every_prefix_of_the_stream_is_a_prefix_of_the_text(tokenizer):
         assert TEXT.startswith(detok.text)
 
 
+def test_num_complete_chars_counts_what_is_held_before_an_incomplete_character(tokenizer):
+    """After each token: the length of the decoded text less its trailing U+FFFD (characters held
+    back with an incomplete one count, e.g. the space of a token " " + the first byte of 日);
+    also after a step of several tokens (lazy decode)."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    detok, lazy, held = IncrementalDetokenizer(tokenizer, []), IncrementalDetokenizer(tokenizer, []), 0
+    for i, t in enumerate(ids):
+        detok.append(t)
+        want = len(tokenizer.decode(ids[: i + 1]).rstrip("\ufffd"))
+        assert detok.num_complete_chars == want >= len(detok.text), i
+        held += detok.num_complete_chars > len(detok.text)
+        if i % 3 == 2:
+            lazy.extend(ids[i - 2 : i + 1])
+            assert lazy.num_complete_chars == want, i
+    assert held  # some complete text was held back with a split character
+
+
 def test_one_decode_call_per_token(tokenizer):
     ids = tokenizer.encode(TEXT * 3, add_special_tokens=False)
     counting = CountingTokenizer(tokenizer)
