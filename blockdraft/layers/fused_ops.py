@@ -309,8 +309,7 @@ def swiglu_mlp(
           inside the down projection's launch; else the activation kernel and the GEMM).
     Where they do not (CPU, float32 on cuBLAS, autograd), the torch twins, as `linear` / `silu_mul`.
     """
-    config = _skinny_config(fused, x, gate_up_weight, None)
-    if config is not None:
+    if _skinny_eligible(fused, x, gate_up_weight, None):
         swiglu = _kernels().skinny_swiglu_config_for(x.shape[0], gate_up_weight.shape[1], gate_up_weight.shape[0],
                                                      x.device)  # fmt: skip
         if swiglu is not None:
@@ -321,7 +320,14 @@ def swiglu_mlp(
 
 def _skinny_config(fused: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """The skinny-GEMM tiles for x @ weight.T + bias when `linear`'s conditions hold, else None."""
-    if (
+    if _skinny_eligible(fused, x, weight, bias):
+        return _kernels().skinny_config_for(x.shape[0], weight.shape[1], weight.shape[0], x.device)
+    return None
+
+
+def _skinny_eligible(fused: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """`linear`'s conditions for the skinny kernels, shape tables aside (see `linear`)."""
+    return bool(
         fused
         and (x.is_cuda or _CPU_KERNELS)
         and x.dim() == 2
@@ -332,9 +338,7 @@ def _skinny_config(fused: bool, x: torch.Tensor, weight: torch.Tensor, bias: tor
         and (bias is None or bias.is_contiguous())
         and not torch.is_autocast_enabled(x.device.type)
         and not _needs_autograd(x, weight, bias)
-    ):
-        return _kernels().skinny_config_for(x.shape[0], weight.shape[1], weight.shape[0], x.device)
-    return None
+    )
 
 
 def silu_and_mul(gate_up: torch.Tensor, fused: bool = True) -> torch.Tensor:
