@@ -311,3 +311,33 @@ def test_linear_layers_take_the_skinny_kernel_on_sm90(monkeypatch):
         layer(rand(17, 896, dtype=torch.bfloat16))  # cuBLAS
     assert calls == [skinny_gemm.config_for(1, 896, 1152, torch.device("cuda")),
                      skinny_gemm.config_for(16, 896, 1152, torch.device("cuda"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_rotary_table_gathers_the_angles_bit_for_bit(dtype):
+    """CUDA cos_sin gathers from the table (2 launches): == the per-call float32 angles bit for
+    bit, also in a graph replay with new positions; positions past the table read its last row;
+    a first call inside a capture computes the angles (no table is recorded into the graph)."""
+    from blockdraft.layers.rotary import TABLE_MARGIN
+
+    rope = RotaryEmbedding(128, 1e6, max_positions=40960).cuda()
+    positions = torch.tensor([0, 1, 17, 4095, 40959, 40960 + 15, 123, 123], device="cuda")
+    cos, sin = rope.cos_sin(positions, dtype)
+    ref_cos, ref_sin = rope._angles_cos_sin(positions, dtype)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin) and rope._tables
+    last = torch.tensor([40960 + TABLE_MARGIN - 1], device="cuda")
+    far = rope.cos_sin(torch.tensor([10**6], device="cuda"), dtype)
+    assert torch.equal(far[0], rope._angles_cos_sin(last, dtype)[0])
+    static = positions.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_cos, graph_sin = rope.cos_sin(static, dtype)
+    static.copy_(positions.flip(0) + 5)
+    graph.replay()
+    ref_cos, ref_sin = rope._angles_cos_sin(static, dtype)
+    assert torch.equal(graph_cos, ref_cos) and torch.equal(graph_sin, ref_sin)
+    fresh = RotaryEmbedding(128, 1e6, max_positions=40960).cuda()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fresh.cos_sin(static, dtype)
+    assert not fresh._tables

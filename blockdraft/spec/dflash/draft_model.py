@@ -214,7 +214,8 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                          max_positions=config.max_position_embeddings)
         self.attention_backend = select_attention_backend("cpu")
 
     def set_attention_backend(self, backend: AttentionBackendSpec) -> None:
