@@ -78,6 +78,8 @@ class RequestOutput:
     token_ids: output token ids.
     finish_reason: "stop" | "length" | "abort" | None. spec: speculative counters.
     ttft_s / latency_s: time to first token and total time, seconds from arrival.
+    logprobs: with SamplingParams.logprobs, one {"token_id", "logprob", "top": [(token_id,
+        logprob), ...]} per output token (an end-of-text token included), natural log; else None.
     """
 
     request_id: str
