@@ -216,7 +216,6 @@ def test_linear_dispatch(monkeypatch):
 def test_swiglu_down_projection_dispatch(monkeypatch):
     """GatedMLP / DFlashMLP: where the down projection takes the kernel, one launch reads gate and
     up (same bits as activation + GEMM); fp32 (cuBLAS) keeps the two ops, bit for bit as before."""
-    from blockdraft.layers.mlp import GatedMLP
 
     monkeypatch.setattr(fused_ops, "_CPU_KERNELS", True)
     calls = []
@@ -224,10 +223,8 @@ def test_swiglu_down_projection_dispatch(monkeypatch):
     monkeypatch.setattr(fused_ops._kernels(), "skinny_linear",
                         lambda *a, **kw: calls.append(kw.get("up") is not None) or real(*a, **kw))  # fmt: skip
     monkeypatch.setattr(fused_ops._kernels(), "skinny_fuses_swiglu", lambda rows, k, n: rows == 1 and (k, n) == (40, 24))
-    mlp = GatedMLP(24, 40)
+    mlp = _random_mlp(seed=15)
     with torch.no_grad():
-        mlp.gate_up_proj.weight.copy_(rand(80, 24, seed=15) * 0.3)
-        mlp.down_proj.weight.copy_(rand(24, 40, seed=16) * 0.2)
         x = rand(1, 24, seed=17)
         two_ops = F.linear(silu_mul(*F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)), mlp.down_proj.weight)
         assert torch.equal(mlp(x), two_ops) and not calls  # fp32: activation kernel, then F.linear
@@ -316,7 +313,6 @@ def test_gated_mlp_runs_gate_up_and_activation_in_one_launch_for_several_rows(mo
     launches), equal bit for bit to the GEMM + activation + GEMM it replaces; one row keeps the
     one-row path; fp32 keeps F.linear."""
     from blockdraft.kernels import skinny_gemm
-    from blockdraft.layers.mlp import GatedMLP
 
     monkeypatch.setattr(fused_ops, "_CPU_KERNELS", True)
     monkeypatch.setattr(skinny_gemm, "_SM90_SIXTEEN_ROWS", {(24, 80): DOT, (40, 24): DOT})
@@ -326,10 +322,8 @@ def test_gated_mlp_runs_gate_up_and_activation_in_one_launch_for_several_rows(mo
         swiglus = []
         real = fused_ops._kernels().skinny_swiglu
         monkeypatch.setattr(fused_ops._kernels(), "skinny_swiglu", lambda *a: swiglus.append(a[2]) or real(*a))
-        mlp = GatedMLP(24, 40)
+        mlp = _random_mlp(seed=26)
         with torch.no_grad():
-            mlp.gate_up_proj.weight.copy_(rand(80, 24, seed=26) * 0.3)
-            mlp.down_proj.weight.copy_(rand(24, 40, seed=27) * 0.2)
             x = rand(5, 24, seed=28)
             two_ops = F.linear(silu_mul(*F.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)), mlp.down_proj.weight)
             assert torch.equal(mlp(x), two_ops) and not swiglus  # fp32: F.linear, activation kernel, F.linear
@@ -344,3 +338,14 @@ def test_gated_mlp_runs_gate_up_and_activation_in_one_launch_for_several_rows(mo
     finally:
         skinny_gemm._choice.cache_clear()
         skinny_gemm._swiglu_choice.cache_clear()
+
+
+def _random_mlp(seed: int):
+    """A fp32 GatedMLP(24 -> 40 -> 24) with random weights (gate_up from `seed`, down from seed + 1)."""
+    from blockdraft.layers.mlp import GatedMLP
+
+    mlp = GatedMLP(24, 40)
+    with torch.no_grad():
+        mlp.gate_up_proj.weight.copy_(rand(80, 24, seed=seed) * 0.3)
+        mlp.down_proj.weight.copy_(rand(24, 40, seed=seed + 1) * 0.2)
+    return mlp

@@ -12,10 +12,12 @@ from blockdraft.spec.dflash.speculator import DFlashSpeculator
 from tests.conftest import make_llm, random_prompts, tiny_target
 
 
-def _dflash_llm(target, k, block_size=16, mask_token_id=None, full_block=True, **kw):
+def _dflash_llm(target, k, block_size=16, mask_token_id=None, full_block=True, stacked=False, **kw):
     drafter = random_drafter(
         target.config, num_layers=2, block_size=block_size, target_layer_ids=(0, 2), seed=k, init_std=0.1, mask_token_id=mask_token_id
     )
+    if stacked:  # the layout DFlashSpeculator gives a drafter on CUDA
+        assert drafter.stack_projections()
     kw.setdefault("num_kv_blocks", 256)
     kw.setdefault("kv_block_size", 4)
     spec = DFlashSpeculator(drafter, target.model, k, kw["num_kv_blocks"], kw["kv_block_size"], full_block=full_block)
@@ -34,6 +36,30 @@ def test_dflash_greedy_parity_batch_sizes_and_max_tokens(llama_target, k, full_b
     for bs in (1, 2, 3, 5, 8):
         assert [o.token_ids for o in llm.generate(prompts[:bs], params[:bs])] == plain[:bs]
     assert llm.engine.stats.spec.num_drafted_tokens > 0
+
+
+@pytest.mark.parametrize("k", [3, 15])
+def test_stacked_drafter_is_lossless_greedy_seeded_and_with_stops(llama_target, k):
+    """A drafter with stacked q/k/v and gate/up weights (stack_projections, as on CUDA) in the
+    engine: greedy at batch sizes 1-8, seeded T = 0.9 and stop ids met inside a draft block all give
+    plain decoding's tokens, while the drafter proposes and gets drafts accepted."""
+    prompts = random_prompts(8, seed=70 + k)
+    greedy = [SamplingParams(max_tokens=[1, k, k + 2, 40][i % 4], ignore_eos=True) for i in range(8)]
+    sampled = [SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True) for i in range(8)]
+    plain_llm = make_llm(llama_target)
+    plain_greedy = [o.token_ids for o in plain_llm.generate(prompts, greedy)]
+    plain_sampled = [o.token_ids for o in plain_llm.generate(prompts, sampled)]
+    # stop on a token each greedy answer emits at its 4th position or later (inside a verify block)
+    stops = [SamplingParams(max_tokens=40, stop_token_ids=[t[min(len(t) - 1, 5)]]) for t in plain_greedy]
+    plain_stops = [(o.token_ids, o.finish_reason) for o in plain_llm.generate(prompts, stops)]
+    llm = _dflash_llm(llama_target, k, stacked=True)
+    assert llm.speculator.drafter.stacked
+    for bs in (1, 3, 8):
+        assert [o.token_ids for o in llm.generate(prompts[:bs], greedy[:bs])] == plain_greedy[:bs]
+    assert [o.token_ids for o in llm.generate(prompts, sampled)] == plain_sampled
+    assert [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, stops)] == plain_stops
+    spec = llm.engine.stats.spec
+    assert spec.num_drafted_tokens > 0 and spec.num_accepted_tokens > 0
 
 
 def test_dflash_seeded_sampling_and_chunked_prefill_parity(llama_target):
