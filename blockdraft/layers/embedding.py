@@ -23,7 +23,15 @@ class VocabEmbedding(nn.Module):
         self.packed_head: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] int64 -> [T, hidden]."""
+        """input_ids [T] int64 -> [T, hidden] (the weight's rows, copied exactly).
+
+        On CUDA without autograd, indexing rather than F.embedding: the latter's index_select
+        takes a kernel whose threads loop over the ids one after another when there are at most
+        16, which cost 8.3 us for a 16-row verify or draft block at hidden size 4096 on the H200
+        (docs/benchmarks/gpu.md "Session 26"); indexing spreads the rows over all threads.
+        """
+        if input_ids.is_cuda and not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return self.weight[input_ids]
         return F.embedding(input_ids, self.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

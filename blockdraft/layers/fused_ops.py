@@ -78,7 +78,7 @@ def _kernels() -> SimpleNamespace:
     """The kernel functions, imported on first use (CPU-only runs never import triton)."""
     global _KERNELS
     if _KERNELS is None:
-        from blockdraft.kernels import activation, rms_norm, rope, skinny_gemm
+        from blockdraft.kernels import activation, argmax, rms_norm, rope, skinny_gemm
 
         _KERNELS = SimpleNamespace(
             rms_norm=rms_norm.rms_norm, fused_add_rms_norm=rms_norm.fused_add_rms_norm,
@@ -86,7 +86,7 @@ def _kernels() -> SimpleNamespace:
             silu_and_mul=activation.silu_and_mul, silu_mul=activation.silu_mul,
             skinny_config_for=skinny_gemm.config_for, skinny_linear=skinny_gemm.skinny_linear,
             skinny_fuses_swiglu=skinny_gemm.fuses_swiglu, skinny_swiglu=skinny_gemm.skinny_swiglu,
-            skinny_swiglu_config_for=skinny_gemm.swiglu_config_for,
+            skinny_swiglu_config_for=skinny_gemm.swiglu_config_for, argmax_rows=argmax.argmax_rows,
         )  # fmt: skip
     return _KERNELS
 
@@ -353,3 +353,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, fused: bool = True) -> torch.
     if fused and (gate.is_cuda or _CPU_KERNELS) and gate.dtype == up.dtype and not _needs_autograd(gate, up):
         return _kernels().silu_mul(gate, up)
     return silu_mul_ref(gate, up)
+
+
+def argmax(x: torch.Tensor, fused: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy ids: x [N, V] float logits -> [N] int64 (into `out` when given), == torch.argmax(x, -1)
+    (ties: lowest id). On CUDA with `fused`, the two-launch kernel (blockdraft.kernels.argmax);
+    other dtypes / layouts, CPU and autograd take torch.argmax."""
+    if (use_kernels(fused, x) and x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1
+            and x.dtype in (torch.float32, torch.float16, torch.bfloat16)):  # fmt: skip
+        return _kernels().argmax_rows(x, out)
+    if out is None:
+        return torch.argmax(x, dim=-1)
+    return torch.argmax(x, dim=-1, out=out)

@@ -197,5 +197,5 @@ class TargetGraphs:
         ids, positions = self.inputs.input_ids[:rows], self.inputs.positions[:rows]
         hidden, aux = self.model(ids, positions, self.kv_caches, meta, self.aux_layer_ids)
         logits = self.model.compute_logits(hidden, out=self.logits[:rows])
-        torch.argmax(logits, dim=-1, out=self.tokens[:rows])  # = sample() for greedy rows (ties: lowest id)
+        self.model.greedy_tokens(logits, out=self.tokens[:rows])  # = sample() for greedy rows (ties: lowest id)
         return logits, aux

@@ -136,7 +136,7 @@ class PrefillGraphs:
         hidden, aux = self.model(ids, positions, self.kv_caches, meta, self.aux_layer_ids)
         index = self.logits_index[:num_reqs]
         logits = self.model.compute_logits(hidden.index_select(0, index), out=self.logits[:num_reqs])
-        torch.argmax(logits, dim=-1, out=self.tokens[:num_reqs])
+        self.model.greedy_tokens(logits, out=self.tokens[:num_reqs])
         return logits, aux
 
     def _tail(self, num_reqs: int, num_rows: int, features: torch.Tensor | None) -> torch.Tensor:

@@ -341,3 +341,43 @@ def test_rotary_table_gathers_the_angles_bit_for_bit(dtype):
     with torch.cuda.graph(graph):
         fresh.cos_sin(static, dtype)
     assert not fresh._tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("rows, vocab", [(1, 151936), (16, 151936), (15, 32768), (512, 151936), (3, 49152), (2, 5)])
+def test_argmax_rows_equals_torch(dtype, rows, vocab):
+    """The two-launch row argmax == torch.argmax at vocabulary widths, with planted ties across
+    and inside pieces, +inf and NaN rows; also captured in a graph and replayed on new logits."""
+    from blockdraft.kernels.argmax import argmax_rows
+
+    g = torch.Generator(device="cuda").manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, device="cuda", generator=g).to(dtype)
+    if vocab > 5000:
+        top = x.max() + 1
+        x[0, [vocab - 1, 4097, 4095]] = top  # a tie across pieces: 4095 wins
+        x[-1, [1, 2]] = float("inf") if rows > 1 else top
+        if rows > 2:
+            x[1, [vocab // 2, 7]] = float("nan")
+    assert torch.equal(argmax_rows(x), torch.argmax(x, dim=-1))
+    out = torch.full((rows,), -1, dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        argmax_rows(x, out=out)
+    x.copy_(torch.randn(rows, vocab, device="cuda", generator=g).to(dtype))
+    graph.replay()
+    assert torch.equal(out, torch.argmax(x, dim=-1))
+
+
+def test_embedding_indexing_equals_f_embedding():
+    """VocabEmbedding on CUDA indexes the table: == F.embedding bit for bit, 1-512 ids, repeats."""
+    from torch.nn import functional as F
+
+    from blockdraft.layers.embedding import VocabEmbedding
+
+    emb = VocabEmbedding(151936, 4096).to("cuda", torch.bfloat16)
+    torch.nn.init.normal_(emb.weight)
+    for n in (1, 16, 17, 512):
+        ids = torch.randint(0, 151936, (n,), device="cuda")
+        ids[0] = ids[-1]
+        with torch.no_grad():
+            assert torch.equal(emb(ids), F.embedding(ids, emb.weight))

@@ -52,6 +52,7 @@ TWINS = SimpleNamespace(
     # 2-16 rows: the gate/up matmul and the activation in one launch; twin = F.linear, then the activation
     skinny_swiglu_config_for=lambda rows, k, n, device: "twin" if 2 <= rows <= 16 else None,
     skinny_swiglu=lambda x, w, config: fused_ops.silu_and_mul_ref(F.linear(x, w)),
+    argmax_rows=lambda x, out=None: torch.argmax(x, dim=-1) if out is None else torch.argmax(x, dim=-1, out=out),
 )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
+from blockdraft.layers import fused_ops
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
 from blockdraft.spec.draft_vocab import DraftHead
 
@@ -149,7 +150,8 @@ class DFlashSpeculator:
         if bonus_tokens.shape[0] == 0:  # a step of prefill chunks only: context, no drafts
             return torch.empty(0, self.num_speculative_tokens, dtype=torch.long, device=bonus_tokens.device)
         logits = self.draft_logits(bonus_tokens, bonus_positions, block_table, block_layout, upcast=False)
-        drafts = logits.argmax(dim=-1)
+        flat = logits.reshape(-1, logits.shape[-1])  # [R*K, V]: one row-argmax launch pair on CUDA
+        drafts = fused_ops.argmax(flat, self.drafter.fused_ops).view(logits.shape[:-1])
         if self.draft_head is not None:  # draft-vocab columns -> target ids: one gather, no sync
             drafts = self.draft_head.to_target_ids(drafts)
         return drafts
