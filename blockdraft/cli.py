@@ -153,9 +153,10 @@ def _add_serve_parser(sub, default_model: str) -> None:
                    help="KV pages in the pool (default: 1024 on CPU; on CUDA as many as --gpu-memory-utilization allows)")
     _add_device_flags(s)
     _add_async_scheduling_flag(s)
-    from blockdraft.engine.scheduler import add_mixed_prefill_flag
+    from blockdraft.engine.scheduler import add_admission_flags, add_mixed_prefill_flag
 
     add_mixed_prefill_flag(s)
+    add_admission_flags(s)
     _add_prefix_caching_flag(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step: prefill chunks + decode / verify rows (default: 512 on CPU, "

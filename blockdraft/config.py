@@ -160,6 +160,11 @@ def default_max_num_batched_tokens(device: str) -> int:
     return DEFAULT_MAX_NUM_BATCHED_TOKENS[device]
 
 
+# Admission batching (SchedulerConfig): the engine's defaults when LLM(...) is given None.
+DEFAULT_ADMISSION_BATCH_RATIO = 0.0
+DEFAULT_ADMISSION_MAX_WAIT_STEPS = 8
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits: tokens per step (prefill chunks + decode rows) and running requests.
@@ -178,6 +183,11 @@ class SchedulerConfig:
     num_speculative_tokens: K of the engine's speculator (0 without one; the engine sets it): the
     pages admissions leave free for the decoding requests count K drafts each, also for a request
     whose drafts a step trimmed to fit the token budget (its next step drafts K again).
+    admission_batch_ratio / admission_max_wait_steps: without mixed prefill, while requests run,
+    admit waiting ones only once at least max(1, ceil(ratio x running requests)) fit the free
+    sequence slots, or after admission_max_wait_steps decode steps of waiting (blockdraft.engine.
+    scheduler, "Admission batching"); ratio 0 admits as soon as a slot is free. Ignored with mixed
+    prefill, where an admission costs no step of its own.
     """
 
     max_num_batched_tokens: int = 512
@@ -186,6 +196,8 @@ class SchedulerConfig:
     max_prefill_tokens: int | None = None
     max_prefill_seqs: int | None = None
     num_speculative_tokens: int = 0
+    admission_batch_ratio: float = 0.0
+    admission_max_wait_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -197,6 +209,13 @@ class SchedulerConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise param_error("num_speculative_tokens", f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+        r = self.admission_batch_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise param_error("admission_batch_ratio", f"admission_batch_ratio must be a number in [0, 1], got {r!r}")
+        w = self.admission_max_wait_steps
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise param_error("admission_max_wait_steps",
+                              f"admission_max_wait_steps must be an integer >= 0, got {w!r}")
         for name in ("max_prefill_tokens", "max_prefill_seqs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -12,7 +12,13 @@ from pathlib import Path
 import torch
 
 from blockdraft.chat_messages import check_chat_messages
-from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig
+from blockdraft.config import (
+    DEFAULT_ADMISSION_BATCH_RATIO,
+    DEFAULT_ADMISSION_MAX_WAIT_STEPS,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from blockdraft.drafters import check_disable_by_batch_size
 from blockdraft.engine.gc_heap import frozen_gc_heap
 from blockdraft.engine.kv_cache_manager import KVCacheManager
@@ -139,6 +145,12 @@ class LLM:
             (docs/benchmarks/cpu.md). Eager steps only: needs graph mode "off" (on CUDA
             enforce_eager=True) and a drafter; ignored when draft="auto" decodes plainly. None
             (default): always speculate.
+        admission_batch_ratio / admission_max_wait_steps: without mixed prefill, while requests
+            run, admit waiting ones only once at least max(1, ceil(ratio x running)) fit the free
+            sequence slots, or after that many decode steps of waiting (fewer prefill steps pausing
+            the decoding requests, for a few steps more time to first token; blockdraft.engine.
+            scheduler "Admission batching"). Defaults: DEFAULT_ADMISSION_BATCH_RATIO /
+            DEFAULT_ADMISSION_MAX_WAIT_STEPS; ratio 0 admits as soon as a slot frees.
     Raises:
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
@@ -170,6 +182,8 @@ class LLM:
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         mixed_prefill: bool | None = None,
         speculative_disable_by_batch_size: int | None = None,
+        admission_batch_ratio: float | None = None,
+        admission_max_wait_steps: int | None = None,
     ) -> None:
         check_max_logprobs(max_logprobs)  # before any weights load, as preflight's checks
         disable_by_batch_size = check_disable_by_batch_size(speculative_disable_by_batch_size)
@@ -184,6 +198,12 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
         )
         device, cache = pre.device, pre.cache
+        sched = dataclasses.replace(  # checks the values before any weights load
+            pre.scheduler,
+            admission_batch_ratio=DEFAULT_ADMISSION_BATCH_RATIO if admission_batch_ratio is None else admission_batch_ratio,
+            admission_max_wait_steps=(DEFAULT_ADMISSION_MAX_WAIT_STEPS if admission_max_wait_steps is None
+                                      else admission_max_wait_steps),
+        )  # fmt: skip
         async_scheduling = resolve_async_scheduling(async_scheduling, device, enforce_eager, attention_backend, graph_mode)
         resolve_mixed_prefill(mixed_prefill, graphs_captured=False)  # checked before the weights load
         disable_by_batch_size = resolve_disable_by_batch_size(
@@ -197,7 +217,7 @@ class LLM:
         self.speculator = speculator
         options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode,
                        disable_by_batch_size=disable_by_batch_size)
-        self.engine = _build_engine(self.target, cache, pre.scheduler, speculator, device, async_scheduling,
+        self.engine = _build_engine(self.target, cache, sched, speculator, device, async_scheduling,
                                     max_logprobs, mixed_prefill, **options)
         self._ids = itertools.count()
 

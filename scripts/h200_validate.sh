@@ -13,6 +13,8 @@
 #   11. bash scripts/h200_validate.sh exclusive; bash scripts/h200_validate.sh load; bash scripts/h200_validate.sh bench
 #   (optional) bash scripts/h200_validate.sh ksweep [K ...]: the load bench per K, side by side
 #   (optional) bash scripts/h200_validate.sh ksweep1 [K ...]: batch 1 per K, 32 prompts one at a time
+#   (optional) bash scripts/h200_validate.sh admission [R ...]: the load bench (512 requests, 32 in flight) per
+#      --admission-batch-ratio R
 #   (optional) bash scripts/h200_validate.sh cutblock [K ...]: the load bench with draft blocks cut to K + 1
 #      rows (as before session 24), beside `ksweep K` (whole blocks)
 #   (optional) carry ["parts/prev"]: bash scripts/h200_validate.sh drafters: batch 1 over 32 prompts, one
@@ -77,6 +79,13 @@ drafters) # batch 1 over 32 HumanEval prompts, one at a time: one prompt does no
     name=$(basename "$d"); python3 -m blockdraft.cli bench --model "$MODEL" --draft "$d" --draft-vocab-size 32768 \
       --batch-sizes 1 --num-prompts 32 --max-tokens 128 --engines ours --no-plot --out "$OUT/b1-$name" > "$OUT/b1-$name.log" 2>&1
     echo "$name rc $?"; tail -6 "$OUT/b1-$name.log"; done ;;
+admission) # the load bench (K=..., default 5; N=... requests, default 512; 32 in flight) per admission batch
+  # ratio given after the phase (default 0 0.125 0.25; --admission-batch-ratio), plain decoding beside each
+  shift; cd /tmp/tcode && for r in ${@:-0 0.125 0.25}; do
+    python3 -m blockdraft.cli bench "${DRAFT[@]}" --num-speculative-tokens "${K:-5}" --batch-sizes 32 \
+      --num-prompts "${N:-512}" --max-tokens 128 --engines ours --no-plot --admission-batch-ratio "$r" \
+      --out "$OUT/load-r$r" > "$OUT/load-r$r.log" 2>&1
+    echo "ratio=$r rc $?"; grep -E "^ +32 ours" "$OUT/load-r$r.log"; done ;;
 ksweep1) # batch 1 per K over 32 HumanEval prompts one at a time, the shipped drafter (default 15 7 5 3)
   shift; cd /tmp/tcode && for k in ${@:-15 7 5 3}; do
     python3 -m blockdraft.cli bench "${DRAFT[@]}" --num-speculative-tokens "$k" --batch-sizes 1 --num-prompts 32 \
@@ -120,5 +129,5 @@ PY
   cd /tmp/tcode && python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
     --draft-vocab-size 32768 --out "$OUT/profile-qwen3-8b-b1.json" > "$OUT/profile-qwen3-8b-b1.txt" 2>&1
   echo "profile rc $?"; grep -E "^wall|^kernels|^GPU busy" "$OUT/profile-qwen3-8b-b1.txt" ;;
-*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|cutblock|drafters|before|kernels" >&2; exit 2 ;;
+*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|admission|cutblock|drafters|before|kernels" >&2; exit 2 ;;
 esac

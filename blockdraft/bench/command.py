@@ -106,9 +106,10 @@ def add_bench_parser(sub) -> None:
                         "and mixed prefill on")
     b.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="our LLM's async scheduling (default: on when CUDA graphs are captured)")
-    from blockdraft.engine.scheduler import add_mixed_prefill_flag
+    from blockdraft.engine.scheduler import add_admission_flags, add_mixed_prefill_flag
 
     add_mixed_prefill_flag(b)
+    add_admission_flags(b)
     b.add_argument("--attention-backend", default=None, choices=["torch", "dense", "triton"],
                    help="our attention backend (default: the device's, triton on CUDA)")
     b.add_argument("--out", default=None,
@@ -289,7 +290,9 @@ def run_bench(args) -> int:
     # Our KV pools are sized explicitly (PoolPlan) so that several engines and the HF model share
     # one GPU; gpu_memory_utilization (which sizes a pool to most of the GPU) is therefore not used.
     options = check_llm_options({"enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,
-                                 "async_scheduling": args.async_scheduling, "mixed_prefill": args.mixed_prefill})
+                                 "async_scheduling": args.async_scheduling, "mixed_prefill": args.mixed_prefill,
+                                 "admission_batch_ratio": args.admission_batch_ratio,
+                                 "admission_max_wait_steps": args.admission_max_wait_steps})
     forced = bool(args.shape) if args.forced is None else args.forced
     settings = Settings(parse_batch_sizes(args.batch_sizes), args.max_tokens, args.repeats, args.warmup, engines,
                         forced, args.num_speculative_tokens, options, args.num_prompts)

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.bench.workload import model_workload, resolve_device_dtype
     from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
     from blockdraft.drafters import AUTO, SHIPPED, add_draft_vocab_size_flag, resolve_draft
-    from blockdraft.engine.scheduler import add_mixed_prefill_flag
+    from blockdraft.engine.scheduler import add_admission_flags, add_mixed_prefill_flag
     from blockdraft.preflight import preflight
 
     p = argparse.ArgumentParser(prog="python -m blockdraft.bench.load_profile", description=__doc__,
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto (default): bf16 on CUDA, fp32 on the CPU")
     add_mixed_prefill_flag(p)
+    add_admission_flags(p)
     add_threads_flag(p)
     p.add_argument("--out", help="write the JSON document here")
     args = p.parse_args(argv)
@@ -222,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     k = pre.num_speculative_tokens  # the flag, else the drafter's K on this device type, else B - 1 (preflight)
     plan = PoolPlan(max_batch=args.batch_size, max_prompt_len=max(map(len, wl.prompts)), max_tokens=args.max_tokens,
                     lookahead=k + 1)
-    options = {} if args.mixed_prefill is None else {"mixed_prefill": args.mixed_prefill}
+    options = {name: getattr(args, name) for name in ("mixed_prefill", "admission_batch_ratio", "admission_max_wait_steps")
+               if getattr(args, name) is not None}
     results, mixed = {}, {}
     for mode in (PLAIN, DFLASH):
         spec = None if mode == PLAIN else dflash_speculator(wl.drafter, wl.target, plan, k, wl.draft_head)

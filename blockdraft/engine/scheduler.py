@@ -12,6 +12,15 @@ prompt joins a prefill step only whole and within SchedulerConfig.max_prefill_to
 max_prefill_seqs requests (the largest prefill graph), so a burst of arrivals prefills in graphed
 steps; the step's first prompt is chunked by the token budget alone.
 
+Admission batching (without mixed prefill): every prefill step pauses all decoding requests for a
+forward, and DFlash requests finish ~3x sooner than plain ones, so admitting each arrival at once
+makes nearly every other step a prefill under a steady load. With
+SchedulerConfig.admission_batch_ratio r > 0, while requests run, waiting requests are admitted
+only once at least max(1, ceil(r x running)) of them fit the free sequence slots, or once
+admission has been deferred for admission_max_wait_steps decode steps (as text-generation-
+inference's --waiting-served-ratio / --max-waiting-tokens trade a few steps of time to first token
+for fewer prefill pauses). With nothing running, a waiting request is admitted at once.
+
 Prefix caching (KVCacheManager(enable_prefix_caching=True)): a waiting request with nothing
 computed starts from its longest cached prefix of full pages (never its last token), so its first
 step is a prefill chunk at start_position > 0, as chunked prefill already runs. Pages are offered
@@ -22,6 +31,7 @@ to the cache by `cache_computed` after each committed step, and before they are 
 from __future__ import annotations
 
 import argparse
+import math
 from collections import deque
 from collections.abc import Collection
 
@@ -44,6 +54,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._decode_owed = False  # without mixed prefill: the last step computed a non-final prompt chunk
+        self._admission_wait = 0  # decode steps scheduled while admissible requests were held back
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError if it can never fit in the KV pool."""
@@ -77,7 +88,7 @@ class Scheduler:
         for r in self.running:  # one pass: this runs every step
             (prefilling if is_prefilling(r) else decoding).append(r)
         preempted: list[str] = []
-        can_admit = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        can_admit = self._admission_open()
         if (prefilling or can_admit) and not (self._decode_owed and decoding):
             so = self._schedule(prefilling, admit=True, reserve=self._decode_reserve(decoding), limit_prefill=True)
             if so.requests:
@@ -87,7 +98,32 @@ class Scheduler:
         self._decode_owed = False
         so = self._schedule([r for r in decoding if r.status is RequestStatus.RUNNING], admit=False)
         so.preempted_request_ids[:0] = preempted
+        if so.requests:
+            self._count_deferral()
         return so
+
+    def _admissible(self) -> int:
+        """Waiting requests the free sequence slots would take now (pages not considered)."""
+        return min(len(self.waiting), self.config.max_num_seqs - len(self.running))
+
+    def _admission_open(self) -> bool:
+        """Whether waiting requests may be admitted now (see the module docstring's admission
+        batching): a free slot and a waiting request, and with admission_batch_ratio r > 0 (no
+        mixed prefill) at least max(1, ceil(r x running)) admissible or the wait used up."""
+        n = self._admissible()
+        if n <= 0:
+            return False
+        cfg = self.config
+        if cfg.mixed_prefill or cfg.admission_batch_ratio == 0:
+            return True
+        return n >= max(1, math.ceil(cfg.admission_batch_ratio * len(self.running))) or (
+            self._admission_wait >= cfg.admission_max_wait_steps)
+
+    def _count_deferral(self) -> None:
+        """A decode step was scheduled: count it toward the admission wait if a request could
+        have been admitted instead."""
+        if self._admissible() > 0:
+            self._admission_wait += 1
 
     def _schedule(self, candidates: list[Request], admit: bool, reserve: int = 0,
                   limit_prefill: bool = False) -> SchedulerOutput:
@@ -132,13 +168,12 @@ class Scheduler:
                 stopped request's id may already belong to a newer request).
             max_model_len: the context limit in tokens.
         Returns None (nothing scheduled; pages may have grown, which later steps use) when the batch
-        would change otherwise: a waiting request could be admitted (a sequence slot is free), a
+        would change otherwise: waiting requests may be admitted (`_admission_open`), a
         running request is not in `so`, none of `so`'s requests is still running, `so` is not
         uniform, the longest outcome would not leave room for K drafts within `max_model_len`, or
         the pool is out of pages (no preemption here).
         """
-        admissible = self.waiting and len(self.running) < self.config.max_num_seqs
-        if admissible or not so.requests or not self.running:
+        if self._admission_open() or not so.requests or not self.running:
             return None
         q = len(so.requests[0].token_ids)
         scheduled, i = [], 0
@@ -165,6 +200,7 @@ class Scheduler:
             ))
         if i != len(self.running):
             return None
+        self._count_deferral()
         return SchedulerOutput(requests=scheduled)
 
     def schedule_join(self, so: SchedulerOutput, requests: list[Request], num_spec_tokens: int,
@@ -186,14 +222,13 @@ class Scheduler:
             so: the step in flight. requests: the Request of each of its rows (by object, as in
                 `schedule_continuation`). num_spec_tokens: K. max_model_len: the context limit.
         Returns None (nothing scheduled; pages may have grown, which later steps use) when nothing
-        is running, a waiting request could be admitted, a request of `so` verifies drafts or does
+        is running, waiting requests may be admitted (`_admission_open`), a request of `so` verifies drafts or does
         not sample, another running request is not ready as above, the step exceeds the token
         budget, a request of `so` would need its drafts trimmed to `max_model_len`, or the pool is
         out of pages (no preemption here).
         """
-        admissible = self.waiting and len(self.running) < self.config.max_num_seqs
         q = num_spec_tokens + 1
-        if admissible or not so.requests or len(self.running) * q > self.config.max_num_batched_tokens:
+        if self._admission_open() or not so.requests or len(self.running) * q > self.config.max_num_batched_tokens:
             return None
         in_flight = set()
         for sr, req in zip(so.requests, requests, strict=True):
@@ -218,7 +253,10 @@ class Scheduler:
             if not self.kv.allocate_slots(req, req.num_computed_tokens + q):
                 return None
             scheduled.append(self._scheduled(req, q))
-        return SchedulerOutput(requests=scheduled) if scheduled else None
+        if not scheduled:
+            return None
+        self._count_deferral()
+        return SchedulerOutput(requests=scheduled)
 
     def schedule_prefill_ahead(self, completing: Collection[Request] = ()) -> SchedulerOutput | None:
         """Without mixed prefill: the prefill step of the waiting requests, scheduled while the
@@ -233,7 +271,7 @@ class Scheduler:
         `completing` ones, whose prompts the step in flight computes to the end, or when nothing
         can be admitted.
         """
-        if self.config.mixed_prefill:
+        if self.config.mixed_prefill or not self._admission_open():
             return None
         done = {id(r) for r in completing}
         if any(is_prefilling(r) and id(r) not in done for r in self.running):
@@ -290,6 +328,7 @@ class Scheduler:
             if hit is not None:
                 self.kv.record_lookup(req.num_tokens, req.num_computed_tokens)
             self.waiting.popleft()
+            self._admission_wait = 0
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new))
@@ -354,6 +393,21 @@ def is_prefilling(req: Request) -> bool:
     computed than that (a prompt or recompute cut one token short by the budget)."""
     target = max(len(req.prompt_token_ids), req.num_recompute_tokens)
     return req.num_tokens - req.num_computed_tokens > 1 or req.num_computed_tokens < target
+
+
+def add_admission_flags(p) -> None:
+    """--admission-batch-ratio / --admission-max-wait-steps (LLM(admission_batch_ratio=...,
+    admission_max_wait_steps=...)), for serve, bench and load_profile."""
+    from blockdraft.config import DEFAULT_ADMISSION_BATCH_RATIO, DEFAULT_ADMISSION_MAX_WAIT_STEPS
+
+    p.add_argument("--admission-batch-ratio", type=float, default=None, metavar="R",
+                   help="without mixed prefill (CUDA graphs), while requests run, admit waiting requests only once "
+                        "at least max(1, ceil(R x running)) fit the free --max-num-seqs slots: fewer prefill steps "
+                        "pausing the running requests, for a few steps more time to first token (0 admits as soon "
+                        f"as a slot frees; default {DEFAULT_ADMISSION_BATCH_RATIO})")
+    p.add_argument("--admission-max-wait-steps", type=int, default=None, metavar="S",
+                   help="admit anyway after S decode steps of waiting (default "
+                        f"{DEFAULT_ADMISSION_MAX_WAIT_STEPS})")
 
 
 def add_mixed_prefill_flag(p) -> None:

@@ -93,6 +93,8 @@ def serve(args) -> int:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         mixed_prefill=args.mixed_prefill,
+        admission_batch_ratio=args.admission_batch_ratio,
+        admission_max_wait_steps=args.admission_max_wait_steps,
         enable_prefix_caching=args.enable_prefix_caching,
         max_logprobs=args.max_logprobs,  # the same limit as the server's: they agree
         # nothing to disable when --draft auto decodes plainly

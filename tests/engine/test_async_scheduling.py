@@ -460,3 +460,43 @@ def test_advanced_rows_of_the_requests_still_running_equal_the_host_built_batch(
         ids, pos, slots, seq_lens = advanced_rows(inputs, packed, torch.tensor(keep), Q, want.meta.block_table, PAGE)
         assert torch.equal(ids, want.input_ids) and torch.equal(pos, want.positions), trial
         assert torch.equal(slots, want.slot_mapping) and torch.equal(seq_lens, want.meta.seq_lens), trial
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
+def test_admission_batching_keeps_the_answers_and_prefills_newcomers_together(target, monkeypatch, k):
+    """A server's window (4 in flight, 20 requests, the next sent as one finishes) with
+    admission_batch_ratio 0.5: newcomers wait for a second free slot (or 3 decode steps), so
+    fewer prefill steps run, with the answers of plain decoding, sync and async alike."""
+    from blockdraft.runner.prefill_graphs import PrefillGraphs
+
+    prompts = random_prompts(20, seed=53)
+    params = [SamplingParams(max_tokens=[4, 11, 6, 15, 8][i % 5], ignore_eos=True, temperature=0.8 * (i % 2), seed=i)
+              for i in range(20)]  # fmt: skip
+    long = [SamplingParams(max_tokens=60, ignore_eos=True, temperature=q.temperature, seed=q.seed) for q in params]
+    sequences = [p + o.token_ids for p, o in zip(prompts, make_llm(target).generate(prompts, long))]
+    prefills, run = [], PrefillGraphs.run
+    monkeypatch.setattr(PrefillGraphs, "run", lambda self, batch: prefills.append(batch.num_rows) or run(self, batch))
+
+    def window(async_scheduling, ratio):
+        spec = None if k is None else _oracle_speculator(target, k, sequences)
+        engine = make_llm(target, speculator=spec, **dict(JOIN, max_num_seqs=4), async_scheduling=async_scheduling,
+                          admission_batch_ratio=ratio, admission_max_wait_steps=3).engine
+        prefills.clear()
+        sent, done = 4, {}
+        for i in range(4):
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.token_ids, out.finish_reason)
+                    if sent < len(prompts):
+                        engine.add_request(f"r{sent}", prompts[sent], params[sent])
+                        sent += 1
+        return done, len(prefills)
+
+    plain = make_llm(target).generate(prompts, params)
+    want = {f"r{i}": (o.token_ids, o.finish_reason) for i, o in enumerate(plain)}
+    results = {(a, ratio): window(a, ratio) for a in (False, True) for ratio in (0.0, 0.5)}
+    assert all(done == want for done, _ in results.values())
+    for a in (False, True):
+        assert results[(a, 0.5)][1] < results[(a, 0.0)][1], results

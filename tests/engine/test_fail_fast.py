@@ -113,6 +113,10 @@ def test_serve_refuses_bad_pool_and_scheduler_sizes_before_loading(tiny, capsys)
         (["--num-kv-blocks", "0"], "num_kv_blocks (--num-kv-blocks) must be >= 1, got 0"),
         (["--max-num-seqs", "0"], "max_num_seqs (--max-num-seqs) must be >= 1, got 0"),
         (["--max-num-batched-tokens", "0"], "max_num_batched_tokens (--max-num-batched-tokens) must be >= 1, got 0"),
+        (["--admission-batch-ratio", "1.5"],
+         "admission_batch_ratio (--admission-batch-ratio) must be a number in [0, 1], got 1.5"),
+        (["--admission-max-wait-steps", "-1"],
+         "admission_max_wait_steps (--admission-max-wait-steps) must be an integer >= 0, got -1"),
     ]:
         _refused(capsys, ["serve", "--model", str(model), *flags], expected)
 
@@ -161,6 +165,8 @@ def test_python_api_checks_before_loading(tiny, tmp_path):
     (dict(draft_vocab_size=-1, draft="auto"), "draft_vocab_size must be an integer >= 0"),
     (dict(draft_vocab_size=8), "draft_vocab_size 8 needs a drafter; give draft"),
     (dict(dtype="int4"), "dtype must be one of"),
+    (dict(admission_batch_ratio=-1.0), "admission_batch_ratio must be a number in [0, 1], got -1.0"),
+    (dict(admission_max_wait_steps=2.5), "admission_max_wait_steps must be an integer >= 0, got 2.5"),
 ])
 def test_python_api_errors_name_the_parameter_not_the_flag(tiny, tmp_path, kw, message):
     model, drafter = tiny

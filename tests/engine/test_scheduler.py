@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from blockdraft.config import SchedulerConfig
@@ -140,3 +142,74 @@ def test_join_places_the_in_flight_requests_rows_after_their_known_tokens():
     s.finish(a)
     s.add_request(_req("c", 2))
     assert s.schedule_join(prefill, [b], num_spec_tokens=2, max_model_len=64) is None
+
+
+def _batched(ratio, wait, running=4):
+    """A scheduler without mixed prefill whose `running` requests r0.. decode (admitted before
+    admission batching is switched on), then with admission_batch_ratio / _max_wait_steps set."""
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, mixed_prefill=False),
+                  KVCacheManager(64, 4))
+    reqs = [_decoding(s, f"r{i}", 3, [8, 9]) for i in range(running)]
+    s.config = dataclasses.replace(s.config, admission_batch_ratio=ratio, admission_max_wait_steps=wait)
+    return s, reqs
+
+
+def test_admission_batching_defers_until_enough_slots_or_the_wait_is_used_up():
+    """ratio 0.5 at 3 running: a lone waiting request is held back (decode steps go on) until 2
+    fit the free slots, or for at most `wait` decode steps; nothing running admits at once."""
+    s, reqs = _batched(0.5, wait=2)
+    assert [r.request_id for r in s.running] == ["r0", "r1", "r2", "r3"]
+    s.finish(reqs[0])
+    s.add_request(_req("new1", 5))
+    for _ in range(2):  # 1 admissible < ceil(0.5 x 3) = 2: decode steps, counted
+        step = s.schedule()
+        assert [sr.request_id for sr in step.requests] == ["r1", "r2", "r3"]
+    step = s.schedule()  # the wait is used up: the prefill step of new1
+    assert [sr.request_id for sr in step.requests] == ["new1"]
+    assert s._admission_wait == 0
+    # two free slots, two waiting: admitted together at once
+    s2, reqs = _batched(0.5, wait=100)
+    s2.finish(reqs[0])
+    s2.add_request(_req("a", 5))
+    assert [sr.request_id for sr in s2.schedule().requests] == ["r1", "r2", "r3"]
+    s2.finish(reqs[1])
+    s2.add_request(_req("b", 5))
+    assert [sr.request_id for sr in s2.schedule().requests] == ["a", "b"]
+    # nothing running: the first request is admitted at once whatever the ratio
+    s3, _ = _batched(1.0, wait=100, running=0)
+    s3.add_request(_req("x", 5))
+    assert [sr.request_id for sr in s3.schedule().requests] == ["x"]
+
+
+def test_admission_batching_off_or_with_mixed_prefill_admits_at_once():
+    for config in (SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, mixed_prefill=False),
+                   SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, admission_batch_ratio=1.0)):
+        s = Scheduler(config, KVCacheManager(64, 4))
+        reqs = [_decoding(s, f"r{i}", 3, []) for i in range(4)]
+        s.finish(reqs[0])
+        s.add_request(_req("new", 5))
+        assert "new" in [sr.request_id for sr in s.schedule().requests]
+
+
+def test_async_paths_respect_the_admission_gate():
+    """While admission is deferred, a decode step in flight continues (schedule_continuation),
+    no prefill is launched ahead and a join may go on; once open, the continuation yields."""
+    s, reqs = _batched(0.5, wait=1)
+    step = s.schedule()
+    s.finish(reqs[0])
+    s.add_request(_req("new", 5))
+    assert s.schedule_prefill_ahead() is None
+    nxt = s.schedule_continuation(step, reqs, max_model_len=64)
+    assert [sr.request_id for sr in nxt.requests] == ["r1", "r2", "r3"] and s._admission_wait == 1
+    assert s.schedule_continuation(nxt, reqs[1:], max_model_len=64) is None  # waited 1 step: admit now
+    ahead = s.schedule_prefill_ahead()
+    assert [sr.request_id for sr in ahead.requests] == ["new"] and s._admission_wait == 0
+
+
+@pytest.mark.parametrize("field, value", [("admission_batch_ratio", -0.1), ("admission_batch_ratio", 1.5),
+                                          ("admission_batch_ratio", True), ("admission_batch_ratio", "0.5"),
+                                          ("admission_max_wait_steps", -1), ("admission_max_wait_steps", 2.0)])
+def test_bad_admission_settings_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field) as info:
+        SchedulerConfig(**{field: value})
+    assert info.value.param == field
