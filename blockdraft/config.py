@@ -160,9 +160,19 @@ def default_max_num_batched_tokens(device: str) -> int:
     return DEFAULT_MAX_NUM_BATCHED_TOKENS[device]
 
 
-# Admission batching (SchedulerConfig): the engine's defaults when LLM(...) is given None.
-DEFAULT_ADMISSION_BATCH_RATIO = 0.0
+# Admission batching (SchedulerConfig): the engine's defaults when LLM(...) is given None. With a
+# drafter, 0.25: on the H200 (Qwen2.5-Coder-0.5B, K = 5, 512 requests with 32 in flight) DFlash
+# went 33,202 -> 37,270 tok/s (+12 %) while plain decoding, whose requests finish 3x less often
+# per step, lost 9 % (24,807 -> 22,464), so plain decoding keeps 0 (docs/benchmarks/gpu.md
+# "Session 27").
+DEFAULT_ADMISSION_BATCH_RATIO_SPECULATIVE = 0.25
+DEFAULT_ADMISSION_BATCH_RATIO_PLAIN = 0.0
 DEFAULT_ADMISSION_MAX_WAIT_STEPS = 8
+
+
+def default_admission_batch_ratio(speculative: bool) -> float:
+    """SchedulerConfig.admission_batch_ratio when none is given: with a drafter or without."""
+    return DEFAULT_ADMISSION_BATCH_RATIO_SPECULATIVE if speculative else DEFAULT_ADMISSION_BATCH_RATIO_PLAIN
 
 
 @dataclass(frozen=True)

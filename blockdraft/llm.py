@@ -13,11 +13,11 @@ import torch
 
 from blockdraft.chat_messages import check_chat_messages
 from blockdraft.config import (
-    DEFAULT_ADMISSION_BATCH_RATIO,
     DEFAULT_ADMISSION_MAX_WAIT_STEPS,
     CacheConfig,
     ModelConfig,
     SchedulerConfig,
+    default_admission_batch_ratio,
 )
 from blockdraft.drafters import check_disable_by_batch_size
 from blockdraft.engine.gc_heap import frozen_gc_heap
@@ -149,8 +149,9 @@ class LLM:
             run, admit waiting ones only once at least max(1, ceil(ratio x running)) fit the free
             sequence slots, or after that many decode steps of waiting (fewer prefill steps pausing
             the decoding requests, for a few steps more time to first token; blockdraft.engine.
-            scheduler "Admission batching"). Defaults: DEFAULT_ADMISSION_BATCH_RATIO /
-            DEFAULT_ADMISSION_MAX_WAIT_STEPS; ratio 0 admits as soon as a slot frees.
+            scheduler "Admission batching"). None: ratio 0.25 with a drafter (DFlash +12 % under a
+            steady load of 32 on the H200), 0 without (plain decoding lost 9 % with it), and 8
+            steps (blockdraft.config); ratio 0 admits as soon as a slot frees.
     Raises:
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
@@ -200,7 +201,8 @@ class LLM:
         device, cache = pre.device, pre.cache
         sched = dataclasses.replace(  # checks the values before any weights load
             pre.scheduler,
-            admission_batch_ratio=DEFAULT_ADMISSION_BATCH_RATIO if admission_batch_ratio is None else admission_batch_ratio,
+            admission_batch_ratio=(default_admission_batch_ratio(speculator is not None or pre.draft is not None)
+                                   if admission_batch_ratio is None else admission_batch_ratio),
             admission_max_wait_steps=(DEFAULT_ADMISSION_MAX_WAIT_STEPS if admission_max_wait_steps is None
                                       else admission_max_wait_steps),
         )  # fmt: skip

@@ -398,13 +398,18 @@ def is_prefilling(req: Request) -> bool:
 def add_admission_flags(p) -> None:
     """--admission-batch-ratio / --admission-max-wait-steps (LLM(admission_batch_ratio=...,
     admission_max_wait_steps=...)), for serve, bench and load_profile."""
-    from blockdraft.config import DEFAULT_ADMISSION_BATCH_RATIO, DEFAULT_ADMISSION_MAX_WAIT_STEPS
+    from blockdraft.config import (
+        DEFAULT_ADMISSION_BATCH_RATIO_PLAIN,
+        DEFAULT_ADMISSION_BATCH_RATIO_SPECULATIVE,
+        DEFAULT_ADMISSION_MAX_WAIT_STEPS,
+    )
 
     p.add_argument("--admission-batch-ratio", type=float, default=None, metavar="R",
                    help="without mixed prefill (CUDA graphs), while requests run, admit waiting requests only once "
                         "at least max(1, ceil(R x running)) fit the free --max-num-seqs slots: fewer prefill steps "
                         "pausing the running requests, for a few steps more time to first token (0 admits as soon "
-                        f"as a slot frees; default {DEFAULT_ADMISSION_BATCH_RATIO})")
+                        f"as a slot frees; default {DEFAULT_ADMISSION_BATCH_RATIO_SPECULATIVE} with a drafter, "
+                        f"{DEFAULT_ADMISSION_BATCH_RATIO_PLAIN} without)")
     p.add_argument("--admission-max-wait-steps", type=int, default=None, metavar="S",
                    help="admit anyway after S decode steps of waiting (default "
                         f"{DEFAULT_ADMISSION_MAX_WAIT_STEPS})")

@@ -500,3 +500,13 @@ def test_admission_batching_keeps_the_answers_and_prefills_newcomers_together(ta
     assert all(done == want for done, _ in results.values())
     for a in (False, True):
         assert results[(a, 0.5)][1] < results[(a, 0.0)][1], results
+
+
+def test_admission_batching_defaults_on_with_a_drafter_only(target):
+    spec = _oracle_speculator(target, 3, [])
+    assert make_llm(target, **JOIN).engine.scheduler.config.admission_batch_ratio == 0.0
+    config = make_llm(target, speculator=spec, **JOIN).engine.scheduler.config
+    assert (config.admission_batch_ratio, config.admission_max_wait_steps) == (0.25, 8)
+    config = make_llm(target, speculator=spec, **JOIN, admission_batch_ratio=0.0,
+                      admission_max_wait_steps=3).engine.scheduler.config
+    assert (config.admission_batch_ratio, config.admission_max_wait_steps) == (0.0, 3)
