@@ -16,7 +16,8 @@ Admission batching (without mixed prefill): every prefill step pauses all decodi
 forward, and DFlash requests finish ~3x sooner than plain ones, so admitting each arrival at once
 makes nearly every other step a prefill under a steady load. With
 SchedulerConfig.admission_batch_ratio r > 0, while requests run, waiting requests are admitted
-only once at least max(1, ceil(r x running)) of them fit the free sequence slots, or once
+only once at least max(1, ceil(r x running)) of them (at most max_prefill_seqs, what one prefill
+step takes) fit the free sequence slots, or once
 admission has been deferred for admission_max_wait_steps decode steps (as text-generation-
 inference's --waiting-served-ratio / --max-waiting-tokens trade a few steps of time to first token
 for fewer prefill pauses). With nothing running, a waiting request is admitted at once.
@@ -109,15 +110,18 @@ class Scheduler:
     def _admission_open(self) -> bool:
         """Whether waiting requests may be admitted now (see the module docstring's admission
         batching): a free slot and a waiting request, and with admission_batch_ratio r > 0 (no
-        mixed prefill) at least max(1, ceil(r x running)) admissible or the wait used up."""
+        mixed prefill) at least min(max(1, ceil(r x running)), max_prefill_seqs) admissible or the
+        wait used up."""
         n = self._admissible()
         if n <= 0:
             return False
         cfg = self.config
         if cfg.mixed_prefill or cfg.admission_batch_ratio == 0:
             return True
-        return n >= max(1, math.ceil(cfg.admission_batch_ratio * len(self.running))) or (
-            self._admission_wait >= cfg.admission_max_wait_steps)
+        need = max(1, math.ceil(cfg.admission_batch_ratio * len(self.running)))
+        if cfg.max_prefill_seqs is not None:  # no more than one prefill step (graph) takes
+            need = min(need, cfg.max_prefill_seqs)
+        return n >= need or self._admission_wait >= cfg.admission_max_wait_steps
 
     def _count_deferral(self) -> None:
         """A decode step was scheduled: count it toward the admission wait if a request could

@@ -213,3 +213,15 @@ def test_bad_admission_settings_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field) as info:
         SchedulerConfig(**{field: value})
     assert info.value.param == field
+
+
+def test_admission_batching_never_waits_for_more_than_one_prefill_step_takes():
+    """ratio 1.0 at 3 running asks for 3 admissible, but with max_prefill_seqs 2 two suffice."""
+    s, reqs = _batched(1.0, wait=100, running=3)
+    s.config = dataclasses.replace(s.config, max_num_seqs=5)
+    s.add_request(_req("a", 5))
+    assert [sr.request_id for sr in s.schedule().requests] == ["r0", "r1", "r2"]  # 1 admissible
+    s.add_request(_req("b", 5))
+    assert [sr.request_id for sr in s.schedule().requests] == ["r0", "r1", "r2"]  # 2 < 3, no cap
+    s.config = dataclasses.replace(s.config, max_prefill_seqs=2)
+    assert [sr.request_id for sr in s.schedule().requests] == ["a", "b"]
