@@ -410,7 +410,8 @@ def add_admission_flags(p) -> None:
 
     p.add_argument("--admission-batch-ratio", type=float, default=None, metavar="R",
                    help="without mixed prefill (CUDA graphs), while requests run, admit waiting requests only once "
-                        "at least max(1, ceil(R x running)) fit the free --max-num-seqs slots: fewer prefill steps "
+                        "at least max(1, ceil(R x running)) fit the free --max-num-seqs slots (at most what one "
+                        "prefill step takes, 8 with CUDA graphs): fewer prefill steps "
                         "pausing the running requests, for a few steps more time to first token (0 admits as soon "
                         f"as a slot frees; default {DEFAULT_ADMISSION_BATCH_RATIO_SPECULATIVE} with a drafter, "
                         f"{DEFAULT_ADMISSION_BATCH_RATIO_PLAIN} without)")
