@@ -225,11 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                     lookahead=k + 1)
     options = {name: getattr(args, name) for name in ("mixed_prefill", "admission_batch_ratio", "admission_max_wait_steps")
                if getattr(args, name) is not None}
-    results, mixed = {}, {}
+    results, mixed, admission = {}, {}, {}
     for mode in (PLAIN, DFLASH):
         spec = None if mode == PLAIN else dflash_speculator(wl.drafter, wl.target, plan, k, wl.draft_head)
         engine = OurEngine(wl.target, str(device), plan, spec, mode, options).llm.engine
         mixed[mode] = engine.scheduler.config.mixed_prefill
+        admission[mode] = engine.scheduler.config.admission_batch_ratio  # per engine: its default
         for how in HOWS:
             for r in range(args.repeats):
                 _log(f"{mode} {how}, run {r + 1}/{args.repeats}: {args.num_prompts} requests, {args.batch_size} "
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[f"{mode}/{how}"] = profile_load(engine, wl.prompts, args.max_tokens, args.batch_size, how,
                                                         device)
         del engine
-    settings = {**vars(args), "mixed_prefill": mixed, "draft": str(pre.draft), "draft_vocab_size": pre.draft_vocab_size,
+    settings = {**vars(args), "mixed_prefill": mixed, "admission_batch_ratio": admission, "draft": str(pre.draft), "draft_vocab_size": pre.draft_vocab_size,
                 "num_speculative_tokens": k}
     doc = {"schema": SCHEMA, "settings": settings, "device": str(device),
            "dtype": str(dtype).removeprefix("torch."), "results": results}

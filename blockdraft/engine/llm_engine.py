@@ -192,6 +192,7 @@ class LLMEngine:
                 launched_next = self.runner.launch_continuation(launched, nxt)
                 if launched_next is None:
                     return None
+                self.scheduler.count_decode_step()
                 return [r for r in reqs if not r.is_finished], launched_next  # stopped ones left out
             completing = []
         elif self.runner.can_join(launched):  # e.g. a prefill: the prompts it ends are not waiting on it
@@ -207,6 +208,7 @@ class LLMEngine:
         launched_join = None if join is None else self.runner.launch_join(launched, join)
         if launched_join is None:
             return None
+        self.scheduler.count_decode_step()
         return [self._requests[sr.request_id] for sr in join.requests], launched_join
 
     def _commit(self, sched_out: SchedulerOutput, reqs: list[Request], run_out: ModelRunnerOutput) -> None:

@@ -55,7 +55,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._decode_owed = False  # without mixed prefill: the last step computed a non-final prompt chunk
-        self._admission_wait = 0  # decode steps scheduled while admissible requests were held back
+        self._admission_wait = 0  # decode steps launched while admissible requests were held back
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError if it can never fit in the KV pool."""
@@ -100,7 +100,7 @@ class Scheduler:
         so = self._schedule([r for r in decoding if r.status is RequestStatus.RUNNING], admit=False)
         so.preempted_request_ids[:0] = preempted
         if so.requests:
-            self._count_deferral()
+            self.count_decode_step()
         return so
 
     def _admissible(self) -> int:
@@ -116,18 +116,19 @@ class Scheduler:
         if n <= 0:
             return False
         cfg = self.config
-        if cfg.mixed_prefill or cfg.admission_batch_ratio == 0:
+        # a preempted request at the head is a readmission: its KV is gone, do not hold it back
+        if cfg.mixed_prefill or cfg.admission_batch_ratio == 0 or self.waiting[0].num_preemptions:
             return True
         need = max(1, math.ceil(cfg.admission_batch_ratio * len(self.running)))
         if cfg.max_prefill_seqs is not None:  # no more than one prefill step (graph) takes
             need = min(need, cfg.max_prefill_seqs)
         return n >= need or self._admission_wait >= cfg.admission_max_wait_steps
 
-    def _count_deferral(self) -> None:
-        """A decode step was scheduled: count it toward the admission wait if a request could
-        have been admitted instead."""
-        if self._admissible() > 0:
-            self._admission_wait += 1
+    def count_decode_step(self) -> None:
+        """A decode step was launched (`schedule` counts its own; the engine counts the
+        continuations and joins it launches): one more step of admission wait if a request could
+        have been admitted instead, else the wait starts over."""
+        self._admission_wait = self._admission_wait + 1 if self._admissible() > 0 else 0
 
     def _schedule(self, candidates: list[Request], admit: bool, reserve: int = 0,
                   limit_prefill: bool = False) -> SchedulerOutput:
@@ -204,7 +205,6 @@ class Scheduler:
             ))
         if i != len(self.running):
             return None
-        self._count_deferral()
         return SchedulerOutput(requests=scheduled)
 
     def schedule_join(self, so: SchedulerOutput, requests: list[Request], num_spec_tokens: int,
@@ -257,10 +257,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, req.num_computed_tokens + q):
                 return None
             scheduled.append(self._scheduled(req, q))
-        if not scheduled:
-            return None
-        self._count_deferral()
-        return SchedulerOutput(requests=scheduled)
+        return SchedulerOutput(requests=scheduled) if scheduled else None
 
     def schedule_prefill_ahead(self, completing: Collection[Request] = ()) -> SchedulerOutput | None:
         """Without mixed prefill: the prefill step of the waiting requests, scheduled while the
@@ -311,6 +308,7 @@ class Scheduler:
         max_prefill_tokens is set, whole and within max_prefill_tokens rows."""
         max_rows, max_reqs = self.config.max_prefill_tokens, self.config.max_prefill_seqs
         rows = sum(len(sr.token_ids) for sr in scheduled)
+        admitted = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if limit_prefill and scheduled and max_reqs is not None and len(scheduled) >= max_reqs:
                 break
@@ -332,12 +330,14 @@ class Scheduler:
             if hit is not None:
                 self.kv.record_lookup(req.num_tokens, req.num_computed_tokens)
             self.waiting.popleft()
-            self._admission_wait = 0
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
             rows += num_new
+            admitted = True
+        if admitted:  # those a full prefill step left waiting stay admissible: the gate stays open
+            self._admission_wait = self.config.admission_max_wait_steps if self._admissible() > 0 else 0
         return budget
 
     def _take_prefix_hit(self, req: Request) -> int | None:

@@ -200,7 +200,9 @@ def test_async_paths_respect_the_admission_gate():
     s.add_request(_req("new", 5))
     assert s.schedule_prefill_ahead() is None
     nxt = s.schedule_continuation(step, reqs, max_model_len=64)
-    assert [sr.request_id for sr in nxt.requests] == ["r1", "r2", "r3"] and s._admission_wait == 1
+    assert [sr.request_id for sr in nxt.requests] == ["r1", "r2", "r3"]
+    assert s._admission_wait == 0  # counted by the engine once it launches the step
+    s.count_decode_step()
     assert s.schedule_continuation(nxt, reqs[1:], max_model_len=64) is None  # waited 1 step: admit now
     ahead = s.schedule_prefill_ahead()
     assert [sr.request_id for sr in ahead.requests] == ["new"] and s._admission_wait == 0
@@ -225,3 +227,80 @@ def test_admission_batching_never_waits_for_more_than_one_prefill_step_takes():
     assert [sr.request_id for sr in s.schedule().requests] == ["r0", "r1", "r2"]  # 2 < 3, no cap
     s.config = dataclasses.replace(s.config, max_prefill_seqs=2)
     assert [sr.request_id for sr in s.schedule().requests] == ["a", "b"]
+
+
+def _gated(seqs, blocks, running, ratio, wait, **cfg):
+    """`running` decoding requests r0.. (admitted with mixed prefill), then admission batching on."""
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=seqs, mixed_prefill=True),
+                  KVCacheManager(blocks, 4))
+    reqs = [_decoding(s, f"r{i}", 3, [8, 9]) for i in range(running)]
+    s.config = dataclasses.replace(s.config, mixed_prefill=False, admission_batch_ratio=ratio,
+                                   admission_max_wait_steps=wait, **cfg)
+    return s, reqs
+
+
+def _ids(so):
+    """The request ids of a scheduled step."""
+    return [sr.request_id for sr in so.requests]
+
+
+def test_admission_wait_bound_holds_per_request_when_a_prefill_step_is_full():
+    """max_prefill_seqs=1 (the prefill graphs' limit): once the wait expires, the requests a
+    full prefill step left waiting are admitted in the next steps, not after another wait."""
+    s, _ = _gated(seqs=8, blocks=64, running=4, ratio=1.0, wait=2, max_prefill_seqs=1)
+    for name in ("a", "b", "c"):
+        s.add_request(_req(name, 5))
+    decode_steps_before_b = 0
+    for _ in range(20):
+        so = s.schedule()
+        if "b" in _ids(so):
+            break
+        if all(sr.sample and sr.num_spec_tokens for sr in so.requests):  # a decode/verify step
+            decode_steps_before_b += 1
+        for sr in so.requests:  # commit prefills
+            r = next(x for x in s.running if x.request_id == sr.request_id)
+            if r.request_id in "abc":
+                r.num_computed_tokens, r.output_token_ids, r.spec_token_ids = 5, [7], [8, 9]
+    # b has been waiting since step 0; documented bound: admitted after <= 2 decode steps
+    assert decode_steps_before_b <= 2, decode_steps_before_b
+
+
+def test_a_preempted_request_is_readmitted_at_once():
+    """A request preempted for pages is a readmission: once pages and a slot are free it is
+    readmitted at once, with admission batching as without it."""
+    for ratio, expect_now in ((0.0, True), (0.5, True)):
+        s, reqs = _gated(seqs=6, blocks=11, running=6, ratio=ratio, wait=8)
+        so = s.schedule()  # decode step: r5 cannot get its 2nd page -> preempted
+        assert so.preempted_request_ids == ["r5"], so.preempted_request_ids
+        s.finish(reqs[0])  # pages and a slot free up
+        nxt = s.schedule()
+        assert ("r5" in _ids(nxt)) == expect_now, (ratio, _ids(nxt))
+
+
+def test_the_admission_wait_starts_over_after_the_queue_empties():
+    s, _ = _gated(seqs=8, blocks=64, running=4, ratio=1.0, wait=8)
+    a = _req("a", 5)
+    s.add_request(a)
+    for _ in range(7):
+        assert _ids(s.schedule()) == ["r0", "r1", "r2", "r3"]
+    s.finish(a)  # client disconnects while waiting
+    for _ in range(30):  # idle period: nothing waiting
+        s.schedule()
+    s.add_request(_req("b", 5))
+    waited = 0
+    while "b" not in _ids(s.schedule()):
+        waited += 1
+    # a fresh arrival should be held for admission_max_wait_steps = 8 decode steps like `a` was
+    assert waited == 8, f"b waited {waited} decode steps (stale counter from aborted a)"
+
+
+def test_only_launched_decode_steps_count_toward_the_admission_wait():
+    """LLMEngine._launch_next: a continuation that schedule_continuation built but the runner did
+    not launch is not counted; the engine's next schedule() counts the step that runs instead."""
+    s, reqs = _gated(seqs=8, blocks=64, running=4, ratio=1.0, wait=8)
+    s.add_request(_req("a", 5))
+    step = s.schedule()
+    assert s._admission_wait == 1
+    assert s.schedule_continuation(step, reqs, max_model_len=64) is not None  # launch_continuation -> None
+    s.schedule()  # the engine's fallback: the one decode step that actually runs next
+    assert s._admission_wait == 2, s._admission_wait
