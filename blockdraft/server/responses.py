@@ -178,7 +178,7 @@ class TextOffsets:
         return offsets
 
 
-def completion_logprobs(entries: list[dict], token_text: TokenText, offsets: TextOffsets | None = None,
+def completion_logprobs(entries: list[dict], token_text: TokenText, offsets: TextOffsets | list[int] | None = None,
                         text_len: int | None = None) -> dict:
     """The /v1/completions `logprobs` object for these tokens.
 
@@ -191,12 +191,14 @@ def completion_logprobs(entries: list[dict], token_text: TokenText, offsets: Tex
     offsets: a TextOffsets that has seen this choice's earlier tokens (streaming); None starts a
     fresh one (entries are the whole completion). text_len: the returned text's length in
     characters, when known; offsets are capped at it (a stop string cuts the text, not the tokens).
+    offsets may also be the tokens' precomputed starts (a list; streaming holds entries back, see
+    serving.CompletionFormat).
     Echo is not supported (protocol.py refuses it), so offsets count from the completion's start.
     `top_logprobs`: see `_completion_top`: the N alternatives plus the sampled token, as in vLLM.
     """
     if offsets is None:
         offsets = TextOffsets(token_text.tokenizer)
-    starts = offsets([e["token_id"] for e in entries])
+    starts = offsets if isinstance(offsets, list) else offsets([e["token_id"] for e in entries])
     if text_len is not None:
         starts = [min(o, text_len) for o in starts]
     return {
