@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+import unicodedata
 
 from blockdraft.cpu_threads import add_threads_flag, set_threads
 
@@ -378,12 +379,29 @@ def _generate(args) -> int:
 def _logprob_table(items: list[dict]) -> list[str]:
     """`generate --logprobs N`'s lines after the answer: a header, then one line per output token:
     its position, text (JSON-quoted: spaces and newlines show), id, logprob, and the N alternatives
-    as text=logprob, most likely first. `items`: the JSON output's "logprobs" list."""
+    as text=logprob, most likely first. `items`: the JSON output's "logprobs" list.
+    The token column is padded to 16 terminal columns (_display_width), not 16 code points, so the
+    columns after it line up also after CJK or emoji tokens."""
     lines = ["--- logprobs of the target model: #, token, id, logprob" + (", top alternatives" if any(e["top_logprobs"] for e in items) else "") + " ---"]
     for i, e in enumerate(items):
         top = "  ".join(f"{_quoted(t['token'])}={t['logprob']:.4f}" for t in e["top_logprobs"])
-        lines.append(f"{i:>4}  {_quoted(e['token']):<16} {e['token_id']:>7}  {e['logprob']:>9.4f}  {top}".rstrip())
+        token = _quoted(e["token"])
+        token += " " * max(0, 16 - _display_width(token))
+        lines.append(f"{i:>4}  {token} {e['token_id']:>7}  {e['logprob']:>9.4f}  {top}".rstrip())
     return lines
+
+
+def _display_width(text: str) -> int:
+    """Terminal columns `text` takes: 2 per East Asian wide or fullwidth character (CJK, most
+    emoji), 0 per combining mark or format character (accents, variation selectors, zero-width
+    joiner), else 1. An approximation of wcwidth with the standard library (no new dependency)."""
+
+    def width(c: str) -> int:
+        if unicodedata.combining(c) or unicodedata.category(c) in ("Mn", "Me", "Cf"):
+            return 0
+        return 2 if unicodedata.east_asian_width(c) in ("W", "F") else 1
+
+    return sum(width(c) for c in text)
 
 
 def _quoted(text: str) -> str:

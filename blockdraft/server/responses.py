@@ -178,7 +178,7 @@ class TextOffsets:
         return offsets
 
 
-def completion_logprobs(entries: list[dict], token_text: TokenText, offsets: TextOffsets | None = None,
+def completion_logprobs(entries: list[dict], token_text: TokenText, offsets: TextOffsets | list[int] | None = None,
                         text_len: int | None = None) -> dict:
     """The /v1/completions `logprobs` object for these tokens.
 
@@ -191,19 +191,34 @@ def completion_logprobs(entries: list[dict], token_text: TokenText, offsets: Tex
     offsets: a TextOffsets that has seen this choice's earlier tokens (streaming); None starts a
     fresh one (entries are the whole completion). text_len: the returned text's length in
     characters, when known; offsets are capped at it (a stop string cuts the text, not the tokens).
+    offsets may also be the tokens' precomputed starts (a list; streaming holds entries back, see
+    serving.CompletionFormat).
     Echo is not supported (protocol.py refuses it), so offsets count from the completion's start.
+    `top_logprobs`: see `_completion_top`: the N alternatives plus the sampled token, as in vLLM.
     """
     if offsets is None:
         offsets = TextOffsets(token_text.tokenizer)
-    starts = offsets([e["token_id"] for e in entries])
+    starts = offsets if isinstance(offsets, list) else offsets([e["token_id"] for e in entries])
     if text_len is not None:
         starts = [min(o, text_len) for o in starts]
     return {
         "tokens": [token_text(e["token_id"]) for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{token_text(t): lp for t, lp in e["top"]} for e in entries],
+        "top_logprobs": [_completion_top(e, token_text) for e in entries],
         "text_offset": starts,
     }
+
+
+def _completion_top(entry: dict, token_text: TokenText) -> dict[str, float]:
+    """One position's /v1/completions `top_logprobs` dict: the N most likely tokens (most likely
+    first), then the sampled token if it is not among them, as vLLM does: its completions dict
+    always holds the sampled token, so logprobs=0 gives {sampled: logprob} (not {}) and logprobs=N
+    up to N + 1 entries. The sampled token is written last, so where its text is also an
+    alternative's key (two tokens that decode alone to U+FFFD) its own logprob is the one kept.
+    Chat completions differ (OpenAI's top_logprobs 0 is an empty list): chat_logprobs adds nothing."""
+    top = {token_text(t): lp for t, lp in entry["top"]}
+    top[token_text(entry["token_id"])] = entry["logprob"]  # an existing key keeps its place
+    return top
 
 
 def chat_logprobs(entries: list[dict], token_text: TokenText, token_ids: bool = False) -> dict:

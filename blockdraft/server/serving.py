@@ -55,6 +55,8 @@ class _Cursor:
 
     While a choice runs, the last (longest stop string - 1) characters are held back: a stop string
     can begin in text already produced, and the engine cuts it from the text when it completes.
+    Completions also hold back the logprob entries of tokens whose text is not sent yet (`held`,
+    see CompletionFormat.chunk_choice).
     """
 
     def __init__(self, holdback: int) -> None:
@@ -62,6 +64,7 @@ class _Cursor:
         self.chars = 0
         self.tokens = 0
         self.text_offsets: R.TextOffsets | None = None  # completions' text_offset, built on first use
+        self.held: list[tuple[dict, int]] = []  # completions: (entry, text offset) not sent yet
 
     def advance(self, out: RequestOutput) -> tuple[str, list[dict] | None]:
         """(new text, logprob entries of the new tokens) since the last call."""
@@ -91,14 +94,29 @@ class CompletionFormat:
     def first_chunk_choice(self, index: int) -> dict | None:
         return None
 
-    def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None) -> dict:
+    def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None) -> dict | None:
+        """The choice of one stream chunk; None when there is nothing to send yet.
+
+        A token's logprob entry is sent only once the text sent so far (cursor.chars) reaches its
+        text_offset: the text of a token that may begin a stop string is held back (_Cursor), and
+        the stop string, once complete, cuts the text before that token, so its offset sent early
+        would point past the end of the returned text (so would a token after characters the
+        engine's text keeps back before an incomplete UTF-8 character). Held entries go out with the chunk that
+        sends their text, or with the last chunk, capped at the final text's length (as in the
+        non-streaming response). So every chunk's offsets index the text returned up to and
+        including that chunk, and the streamed offsets equal the non-streamed ones.
+        """
         logprobs = None
         if entries is not None:
             if cursor.text_offsets is None:
                 cursor.text_offsets = R.TextOffsets(ctx.token_text.tokenizer)
-            # the last chunk knows the final text (cursor.chars): cap offsets there, past a stop string
-            text_len = cursor.chars if finish is not None else None
-            logprobs = R.completion_logprobs(entries, ctx.token_text, cursor.text_offsets, text_len)
+            cursor.held += zip(entries, cursor.text_offsets([e["token_id"] for e in entries]))
+            # offsets never decrease: the entries to send are a prefix of the held ones
+            n = len(cursor.held) if finish is not None else sum(1 for _, o in cursor.held if o <= cursor.chars)
+            ready, cursor.held = cursor.held[:n], cursor.held[n:]
+            if not ready and not delta and finish is None:
+                return None  # only held-back tokens: no chunk
+            logprobs = R.completion_logprobs([e for e, _ in ready], ctx.token_text, [o for _, o in ready], cursor.chars)
         return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
@@ -224,6 +242,8 @@ class Serving:
         if not delta and not entries and not out.finished:
             return None
         choice = self.fmt.chunk_choice(self.ctx, index, cursor, delta, entries, out.finish_reason if out.finished else None)
+        if choice is None:
+            return None
         chunk = {**head, "choices": [choice]}
         if out.finished:
             chunk["spec_decode_stats"] = R.spec_stats([out.spec])

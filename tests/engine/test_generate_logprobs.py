@@ -108,3 +108,16 @@ def test_help_names_the_range_and_both_outputs():
     text = " ".join(_command(_parser(), "generate").format_help().split())  # one line: no wrapping breaks
     assert f"alternatives, 0 <= N <= {DEFAULT_MAX_LOGPROBS}" in text
     assert "a table after the answer (one line per token), or a 'logprobs' list with --json" in text
+
+
+def test_table_pads_the_token_column_by_display_width():
+    """Wide characters (CJK, emoji) take two terminal columns, combining marks none: the token
+    column is padded to 16 columns on screen, not 16 code points, so the id column lines up."""
+    from blockdraft.cli import _logprob_table
+
+    tokens = {"a": 3, "日本語": 8, "🙂x": 5, "e\u0301": 3, "ＡＢ": 6}  # token -> columns of its quoted text
+    items = [{"token_id": 10 + i, "token": t, "logprob": -0.5, "top_logprobs": [{"token": t, "logprob": -0.5}]}
+             for i, t in enumerate(tokens)]
+    rows = _logprob_table(items)[1:]
+    for i, (row, (t, width)) in enumerate(zip(rows, tokens.items())):
+        assert row == f'{i:>4}  "{t}"{" " * (16 - width)} {10 + i:>7}  {-0.5:>9.4f}  "{t}"=-0.5000'

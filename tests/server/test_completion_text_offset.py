@@ -169,3 +169,75 @@ def test_server_streamed_offsets_index_the_text(byte_level_server):
     _check_offsets(offsets, text, tokens)
     full = httpx.post(byte_level_server + "/v1/completions", json={**body, "stream": False}, timeout=60).json()
     assert full["choices"][0]["text"] == text and full["choices"][0]["logprobs"]["text_offset"] == offsets
+
+
+# --- streaming with stop strings: offsets never point past the text returned so far -------------
+
+
+def _sse_choices(frames: list[bytes]) -> list[dict]:
+    return [json.loads(f[6:])["choices"][0] for f in frames if f is not None]
+
+
+def _check_stream(choices: list[dict], text: str, whole: list[int], num_tokens: int) -> None:
+    """Every chunk's offsets index the text returned up to and including that chunk; together the
+    chunks return `text` and the non-streamed offsets `whole`, one per token."""
+    sent, offsets = "", []
+    for c in choices:
+        sent += c["text"]
+        if c["logprobs"] is not None:
+            assert all(o <= len(sent) for o in c["logprobs"]["text_offset"]), (sent, c["logprobs"]["text_offset"])
+            assert len(c["logprobs"]["tokens"]) == len(c["logprobs"]["text_offset"])
+            offsets += c["logprobs"]["text_offset"]
+    assert sent == text and offsets == whole and len(offsets) == num_tokens
+    _check_offsets(offsets, text, num_tokens)
+
+
+@pytest.mark.parametrize("stop", ["+ 2 =", "(ok)", "3", ", a 1 + 2 = 3 ("])
+def test_streamed_offsets_before_a_stop_string_stay_in_the_text(stop):
+    """The stream path (Serving._chunk) fed one token per engine update, as the engine reports
+    them (text cut before the first stop string, which finishes the choice). The tokens of a
+    multi-character stop string but its last arrive before the engine sees the stop string: their
+    offsets lie past the final text (the stop string is cut), and used to be sent uncapped."""
+    from types import SimpleNamespace
+
+    from blockdraft.engine.outputs import RequestOutput
+    from blockdraft.engine.request import SpecStats
+    from blockdraft.server.serving import CompletionFormat, Serving, _Cursor
+
+    tok = byte_level_tokenizer()
+    ids = tok.encode(TINY_ASCII, add_special_tokens=False)  # one token per character
+    token_text = TokenText(tok)
+    serving = Serving(SimpleNamespace(token_text=token_text), CompletionFormat())
+    cursor, frames = _Cursor(len(stop) - 1), []
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(ids[:k])
+        cut = text.find(stop)
+        finished = cut >= 0 or k == len(ids)
+        out = RequestOutput("r", [1], ids[:k], text[:cut] if cut >= 0 else text, finished,
+                            "stop" if finished else None, stop if cut >= 0 else None, SpecStats(),
+                            logprobs=_entries(ids[:k]))
+        frames.append(serving._chunk({}, 0, cursor, out))
+        if finished:
+            break
+    final = TINY_ASCII[: TINY_ASCII.find(stop)]
+    whole = completion_logprobs(_entries(ids[:k]), token_text, text_len=len(final))["text_offset"]
+    assert whole[-len(stop):] == [len(final)] * len(stop)  # the stop string's tokens start at the end
+    _check_stream(_sse_choices(frames), final, whole, k)
+
+
+def test_server_streamed_offsets_with_a_stop_string(byte_level_server):
+    """End to end: a stop string taken from the seeded completion (its first occurrence) cuts the
+    streamed text; every chunk's offsets stay within the text sent so far and equal the
+    non-streamed response's."""
+    body = {**BODY, "seed": 2, "prompt": "ab", "max_tokens": 60}
+    first = httpx.post(byte_level_server + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    start = next(i for i in range(4, len(first) - 4) if first[i:i + 4].isascii() and "\ufffd" not in first[i:i + 4]
+                 and first.find(first[i:i + 4]) == i)
+    stop = first[start:start + 4]
+    body = {**body, "stop": [stop]}
+    full = httpx.post(byte_level_server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert full["finish_reason"] == "stop" and full["text"] == first[:start]
+    with httpx.stream("POST", byte_level_server + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        choices = [c for line in r.iter_lines() if line.startswith("data: {") for c in json.loads(line[6:])["choices"]]
+    lp = full["logprobs"]
+    _check_stream(choices, full["text"], lp["text_offset"], len(lp["tokens"]))

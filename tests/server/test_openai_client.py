@@ -54,7 +54,10 @@ def test_completion_stream_equals_non_stream_and_usage_counts_tokens_sent(plain_
     assert usage.prompt_tokens == full.usage.prompt_tokens == 5
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     for c in full.choices:
-        assert len(c.logprobs.top_logprobs[0]) == 2 and all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        for token, lp, top in zip(c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs):
+            # the top 2, plus the sampled token when it is not among them (vLLM's format)
+            assert top[token] == lp and len(top) in (2, 3)
         assert c.finish_reason == "stop" or len(c.logprobs.tokens) == 20
 
 
