@@ -17,10 +17,11 @@ forward, and DFlash requests finish ~3x sooner than plain ones, so admitting eac
 makes nearly every other step a prefill under a steady load. With
 SchedulerConfig.admission_batch_ratio r > 0, while requests run, waiting requests are admitted
 only once at least max(1, ceil(r x running)) of them (at most max_prefill_seqs, what one prefill
-step takes) fit the free sequence slots, or once
-admission has been deferred for admission_max_wait_steps decode steps (as text-generation-
-inference's --waiting-served-ratio / --max-waiting-tokens trade a few steps of time to first token
-for fewer prefill pauses). With nothing running, a waiting request is admitted at once.
+step takes) fit the free sequence slots, or once admission has been deferred for
+admission_max_wait_steps launched decode steps (as text-generation-inference's
+--waiting-served-ratio / --max-waiting-tokens trade a few steps of time to first token for fewer
+prefill pauses). Admitted at once: anything with nothing running, a preempted request (its KV is
+gone), and those a full prefill step left waiting.
 
 Prefix caching (KVCacheManager(enable_prefix_caching=True)): a waiting request with nothing
 computed starts from its longest cached prefix of full pages (never its last token), so its first
@@ -226,10 +227,10 @@ class Scheduler:
             so: the step in flight. requests: the Request of each of its rows (by object, as in
                 `schedule_continuation`). num_spec_tokens: K. max_model_len: the context limit.
         Returns None (nothing scheduled; pages may have grown, which later steps use) when nothing
-        is running, waiting requests may be admitted (`_admission_open`), a request of `so` verifies drafts or does
-        not sample, another running request is not ready as above, the step exceeds the token
-        budget, a request of `so` would need its drafts trimmed to `max_model_len`, or the pool is
-        out of pages (no preemption here).
+        is running, waiting requests may be admitted (`_admission_open`), a request of `so`
+        verifies drafts or does not sample, another running request is not ready as above, the
+        step exceeds the token budget, a request of `so` would need its drafts trimmed to
+        `max_model_len`, or the pool is out of pages (no preemption here).
         """
         q = num_spec_tokens + 1
         if self._admission_open() or not so.requests or len(self.running) * q > self.config.max_num_batched_tokens:
