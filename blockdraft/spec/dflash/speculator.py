@@ -75,6 +75,7 @@ class DFlashSpeculator:
         """
         k = drafter.config.block_size - 1 if num_speculative_tokens is None else num_speculative_tokens
         k = drafter.config.check_num_speculative_tokens(k)
+        self.draft_head = _check_draft_head(draft_head, drafter)  # before touching the drafter
         if drafter.device.type == "cuda":  # one q/k/v and one gate/up matmul per draft layer
             drafter.stack_projections()
         self.drafter = drafter
@@ -83,7 +84,6 @@ class DFlashSpeculator:
         self.aux_layer_ids = drafter.config.target_layer_ids
         self.mask_token_id = drafter.config.mask_token_id
         self.kv_block_size = kv_block_size
-        self.draft_head = _check_draft_head(draft_head, drafter)
         self.full_block = bool(full_block)
         self.kv_caches: list = []
         if num_kv_blocks is not None:
