@@ -26,6 +26,7 @@ from blockdraft.engine.llm_engine import LLMEngine
 from blockdraft.engine.outputs import RequestOutput
 from blockdraft.engine.scheduler import Scheduler
 from blockdraft.errors import param_error
+from blockdraft.layers.linear import cpu_has_fast_bf16
 from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names used to live here)
     CPU_NUM_KV_BLOCKS,
     DEVICE_CHOICES,
@@ -61,7 +62,8 @@ def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir:
     """Resolve a catalog name / folder / .gguf, then build our model and load its weights.
 
     dtype: "auto" takes the checkpoint's dtype (bf16 for the catalog models; like vLLM's "auto"),
-    except that float32 checkpoints run in bfloat16 on CUDA; or one of float32 / bfloat16 / float16.
+    except that float32 checkpoints run in bfloat16 on CUDA, and bf16 / fp16 ones in float32 on a
+    CPU without native bf16 (AVX2 only: `cpu_has_fast_bf16`); or one of float32 / bfloat16 / float16.
     pack_weights: as `blockdraft.models.build_model` (None: packed for CPU inference where
     supported); False when gradients must flow through the target (drafter training: the frozen
     LM head).
@@ -107,7 +109,8 @@ class LLM:
             (its draft_vocab.json; FR-Spec, see blockdraft.spec.draft_vocab) instead of the
             whole vocabulary: a cheaper draft LM head, output unchanged (lossless). 0 = the full
             vocabulary; None = the size recorded in the folder's speculative.json, else 0.
-        dtype: "auto" (the checkpoint's dtype, bf16 for catalog models) | "float32" | "bfloat16" | "float16".
+        dtype: "auto" (the checkpoint's dtype, bf16 for catalog models; float32 on a CPU without
+            native bf16, e.g. AVX2-only) | "float32" | "bfloat16" | "float16".
         device: "cpu" | "cuda" | "auto" (CUDA when available). CUDA runs the Triton attention
             kernels, a sync-free step and CUDA graphs for uniform decode / verify steps.
         kv_block_size / num_kv_blocks: KV page size (tokens) and pool size (pages). num_kv_blocks
@@ -376,7 +379,13 @@ def _resolve_dtype(dtype: str, hf_config: dict, device: str = "cpu") -> torch.dt
     resolved = _DTYPES.get(str(stored).replace("torch.", ""), torch.float32)
     # On the GPU, fp32 weights would halve the speed for no accuracy users ask for (vLLM's "auto"
     # downcasts too); bf16 rather than fp16: same range as fp32, no overflow.
-    return torch.bfloat16 if resolved == torch.float32 and torch.device(device).type == "cuda" else resolved
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if resolved == torch.float32 else resolved
+    # A CPU without native bf16 (AVX2 only) would convert bf16 weights on every matmul and cannot
+    # pack them for oneDNN: fp32 there (as vLLM's CPU backend falls back from bf16).
+    if resolved in (torch.bfloat16, torch.float16) and not cpu_has_fast_bf16():
+        return torch.float32
+    return resolved
 
 
 def _build_speculator(pre: Preflight, target: LoadedTarget):

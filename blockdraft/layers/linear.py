@@ -31,13 +31,23 @@ _MIN_ROWS = 4
 
 
 def cpu_packing_supported(dtype: torch.dtype, device: str | torch.device) -> bool:
-    """True when weights of `dtype` on `device` can be packed for oneDNN (CPU, fp32 / bf16)."""
+    """True when weights of `dtype` on `device` can be packed for oneDNN (CPU, fp32 / bf16; bf16
+    only where the CPU has oneDNN's bf16 path: AVX512-BW/VL/DQ, AVX-NE-CONVERT or AMX; an
+    AVX2-only CPU refuses to pack bf16 weights)."""
     return (
         torch.device(device).type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and (dtype == torch.float32 or cpu_has_fast_bf16())
     )
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively through oneDNN (False on AVX2-only CPUs, where
+    bf16 weights are converted on every multiply and fp32 is the fast dtype)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
