@@ -282,8 +282,10 @@ def run_bench(args) -> int:
     from blockdraft.bench import report as rep
     from blockdraft.bench.engines.ours import check_llm_options
     from blockdraft.bench.suite import Settings, add_divergence_gaps, log, num_speculative_tokens, run_matrix
+    from blockdraft.engine.scheduler import check_admission_settings
 
     _check_source_flags(args)
+    check_admission_settings(args.admission_batch_ratio, args.admission_max_wait_steps)  # before any model loads
     if args.out:
         check_out_prefix(out_prefix(args.out))
     engines = tuple(e.strip().lower() for e in args.engines.split(",") if e.strip())

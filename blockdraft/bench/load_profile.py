@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.bench.workload import model_workload, resolve_device_dtype
     from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
     from blockdraft.drafters import AUTO, SHIPPED, add_draft_vocab_size_flag, resolve_draft
-    from blockdraft.engine.scheduler import add_admission_flags, add_mixed_prefill_flag
+    from blockdraft.engine.scheduler import add_admission_flags, add_mixed_prefill_flag, check_admission_settings
     from blockdraft.preflight import preflight
 
     p = argparse.ArgumentParser(prog="python -m blockdraft.bench.load_profile", description=__doc__,
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     refuse_unwritable(p, "--out", args.out)
     apply_threads_flag(p, args.threads)
     try:
+        check_admission_settings(args.admission_batch_ratio, args.admission_max_wait_steps)
         device, dtype = resolve_device_dtype(args.device, args.dtype)
         draft = resolve_draft(SHIPPED if args.draft == AUTO else args.draft, args.model)  # a profile of DFlash
         if draft is None:

@@ -400,6 +400,14 @@ def is_prefilling(req: Request) -> bool:
     return req.num_tokens - req.num_computed_tokens > 1 or req.num_computed_tokens < target
 
 
+def check_admission_settings(ratio: float | None, max_wait_steps: int | None) -> None:
+    """Raise ValueError (naming the parameter) for an admission_batch_ratio / _max_wait_steps that
+    SchedulerConfig would refuse; None means "the default". For tools that build engines late."""
+    given = {k: v for k, v in (("admission_batch_ratio", ratio), ("admission_max_wait_steps", max_wait_steps))
+             if v is not None}
+    SchedulerConfig(**given)
+
+
 def add_admission_flags(p) -> None:
     """--admission-batch-ratio / --admission-max-wait-steps (LLM(admission_batch_ratio=...,
     admission_max_wait_steps=...)), for serve, bench and load_profile."""

@@ -57,6 +57,16 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on --host {host!r} --port {port}: {e.strerror}") from None
 
 
+def _admission_note(sched) -> str:
+    """The start-up line's admission batching words: the effective setting, or why none applies."""
+    if sched.mixed_prefill:
+        return " (admissions join decode steps: no admission batching)"
+    if sched.admission_batch_ratio == 0:
+        return ", admission batching off"
+    return (f", admission batching ratio {sched.admission_batch_ratio:g} (wait at most "
+            f"{sched.admission_max_wait_steps} steps)")
+
+
 def serve(args) -> int:
     """Run the server in the foreground; returns the exit code.
 
@@ -111,8 +121,8 @@ def serve(args) -> int:
     graphs = engine.runner.graphs_captured
     sched = engine.scheduler.config  # the effective limits: the step budget's default depends on the device
     steps = (f"CUDA graphs {'on' if graphs else 'off'}, async scheduling {'on' if engine.async_scheduling else 'off'}, "
-             f"mixed prefill {'on' if sched.mixed_prefill else 'off'}, step budget {sched.max_num_batched_tokens} "
-             f"tokens, up to {sched.max_num_seqs} requests")
+             f"mixed prefill {'on' if sched.mixed_prefill else 'off'}{_admission_note(sched)}, step budget "
+             f"{sched.max_num_batched_tokens} tokens, up to {sched.max_num_seqs} requests")
     logger.info("serving %r (%s; %s) on http://%s:%d, %s", config.served_model_name, drafter, steps, config.host,
                 config.port, "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)")
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -187,3 +187,27 @@ def test_other_benchmarks_refuse_an_unwritable_output_before_running(module, wor
             module.main([*extra, flag, path])
         assert e.value.code == 2
         assert f"error: {flag} {path!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--admission-batch-ratio", "1.5"], "admission_batch_ratio (--admission-batch-ratio) must be a number in [0, 1], got 1.5"),
+    (["--admission-max-wait-steps", "-1"],
+     "admission_max_wait_steps (--admission-max-wait-steps) must be an integer >= 0, got -1"),
+])
+@pytest.mark.parametrize("command", ["bench", "load_profile"])
+def test_bad_admission_settings_are_refused_before_any_model_loads(command, flags, message, tiny, monkeypatch, capsys):
+    from blockdraft.bench import command as bench_command
+    from blockdraft.bench import load_profile
+    from blockdraft.cli import main as cli_main
+
+    monkeypatch.setattr(bench_command, "build_workload", _model_work)
+    monkeypatch.setattr(load_profile, "model_workload", _model_work, raising=False)
+    monkeypatch.setattr(blockdraft.llm, "load_target", _model_work)
+    if command == "bench":
+        code = cli_main(["bench", "--model", tiny[0], "--draft", tiny[1], "--device", "cpu", "--no-plot", *flags])
+    else:
+        with pytest.raises(SystemExit) as e:
+            load_profile.main(["--model", tiny[0], "--draft", tiny[1], "--device", "cpu", *flags])
+        code = e.value.code
+    assert code == 2
+    assert message in capsys.readouterr().err

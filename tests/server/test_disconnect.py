@@ -70,5 +70,15 @@ def test_start_up_log_names_how_steps_run(plain_server):
     """The start-up line says whether CUDA graphs, async scheduling and mixed prefill are on (CPU:
     eager steps, so prompts join the decode steps) and the limits in effect (the CPU's default
     step budget: 512 tokens; 8192 on CUDA)."""
-    assert ("CUDA graphs off, async scheduling off, mixed prefill on, step budget 512 tokens, up to 64 requests"
-            in plain_server.log.read_text())
+    assert ("CUDA graphs off, async scheduling off, mixed prefill on (admissions join decode steps: no admission "
+            "batching), step budget 512 tokens, up to 64 requests" in plain_server.log.read_text())
+
+
+def test_the_admission_note_says_what_applies():
+    from blockdraft.config import SchedulerConfig
+    from blockdraft.server.launch import _admission_note
+
+    assert "off" in _admission_note(SchedulerConfig(mixed_prefill=False))
+    assert _admission_note(SchedulerConfig(mixed_prefill=False, admission_batch_ratio=0.25)) == (
+        ", admission batching ratio 0.25 (wait at most 8 steps)")
+    assert "no admission batching" in _admission_note(SchedulerConfig(admission_batch_ratio=0.25))
