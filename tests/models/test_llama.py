@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockdraft.attention.metadata import PADDING_SLOT, build_metadata
-from blockdraft.layers.linear import cpu_packing_supported
+from blockdraft.layers.linear import cpu_has_fast_bf16, cpu_packing_supported
 from blockdraft.models import allocate_kv_caches, build_model
 from tests.models._hf_oracle import PagedRunner, hf_logits, hf_model, ours_from_hf, run_prefill
 
@@ -307,5 +307,6 @@ def test_build_model_packs_by_default_only_where_supported():
     _, config = hf_model("llama")
     supported = cpu_packing_supported(torch.float32, "cpu")
     assert build_model(config, torch.float32).pack_weights is supported
-    assert build_model(config, torch.bfloat16).pack_weights is supported
+    # bf16 only where oneDNN has a bf16 path on this CPU (not on AVX2-only ones)
+    assert build_model(config, torch.bfloat16).pack_weights is (supported and cpu_has_fast_bf16())
     assert build_model(config, torch.float16).pack_weights is False
