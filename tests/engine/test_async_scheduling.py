@@ -147,6 +147,22 @@ def test_async_after_a_graphed_single_request_prefill_equals_sync(target, monkey
 JOIN = dict(GRAPHS, max_num_seqs=3, mixed_prefill=False)  # prefill apart from decode, as on the GPU
 
 
+def _serve_window(engine, prompts, params, width: int) -> dict:
+    """A server's window: `width` requests at first, the next sent as one finishes -> {request id:
+    (token ids, finish reason)}."""
+    sent, done = width, {}
+    for i in range(width):
+        engine.add_request(f"r{i}", prompts[i], params[i])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.token_ids, out.finish_reason)
+                if sent < len(prompts):
+                    engine.add_request(f"r{sent}", prompts[sent], params[sent])
+                    sent += 1
+    return done
+
+
 def _window_params(plain_tokens: list[list[int]]) -> list[SamplingParams]:
     """Per request: max_tokens 1 (stops in its prefill step), a stop id equal to its first token,
     a stop string, EOS, long ones; greedy and seeded T > 0."""
@@ -212,17 +228,7 @@ def test_a_window_of_requests_prefills_newcomers_behind_a_prefill_in_flight(targ
     def window(async_scheduling):
         spec = None if k is None else _oracle_speculator(target, k, sequences)
         engine = make_llm(target, speculator=spec, **JOIN, async_scheduling=async_scheduling).engine
-        sent, done = 3, {}
-        for i in range(3):
-            engine.add_request(f"r{i}", prompts[i], params[i])
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = (out.token_ids, out.finish_reason)
-                    if sent < len(prompts):
-                        engine.add_request(f"r{sent}", prompts[sent], params[sent])
-                        sent += 1
-        return done
+        return _serve_window(engine, prompts, params, 3)
 
     want = window(False)
     plain = make_llm(target).generate(prompts, params)
@@ -466,7 +472,8 @@ def test_advanced_rows_of_the_requests_still_running_equal_the_host_built_batch(
 def test_admission_batching_keeps_the_answers_and_prefills_newcomers_together(target, monkeypatch, k):
     """A server's window (4 in flight, 20 requests, the next sent as one finishes) with
     admission_batch_ratio 0.5: newcomers wait for a second free slot (or 3 decode steps), so
-    fewer prefill steps run, with the answers of plain decoding, sync and async alike."""
+    fewer prefill steps run, with the answers of plain decoding, sync and async alike (greedy and
+    seeded T = 0.8, stop ids met inside a verify block)."""
     from blockdraft.runner.prefill_graphs import PrefillGraphs
 
     prompts = random_prompts(20, seed=53)
@@ -474,6 +481,8 @@ def test_admission_batching_keeps_the_answers_and_prefills_newcomers_together(ta
               for i in range(20)]  # fmt: skip
     long = [SamplingParams(max_tokens=60, ignore_eos=True, temperature=q.temperature, seed=q.seed) for q in params]
     sequences = [p + o.token_ids for p, o in zip(prompts, make_llm(target).generate(prompts, long))]
+    for i in range(0, 20, 4):  # greedy ones: a stop id met at their 3rd token, inside a verify block
+        params[i] = SamplingParams(max_tokens=15, ignore_eos=True, stop_token_ids=[sequences[i][len(prompts[i]) + 2]])
     prefills, run = [], PrefillGraphs.run
     monkeypatch.setattr(PrefillGraphs, "run", lambda self, batch: prefills.append(batch.num_rows) or run(self, batch))
 
@@ -482,20 +491,11 @@ def test_admission_batching_keeps_the_answers_and_prefills_newcomers_together(ta
         engine = make_llm(target, speculator=spec, **dict(JOIN, max_num_seqs=4), async_scheduling=async_scheduling,
                           admission_batch_ratio=ratio, admission_max_wait_steps=3).engine
         prefills.clear()
-        sent, done = 4, {}
-        for i in range(4):
-            engine.add_request(f"r{i}", prompts[i], params[i])
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = (out.token_ids, out.finish_reason)
-                    if sent < len(prompts):
-                        engine.add_request(f"r{sent}", prompts[sent], params[sent])
-                        sent += 1
-        return done, len(prefills)
+        return _serve_window(engine, prompts, params, 4), len(prefills)
 
     plain = make_llm(target).generate(prompts, params)
     want = {f"r{i}": (o.token_ids, o.finish_reason) for i, o in enumerate(plain)}
+    assert sum(reason == "stop" for _, reason in want.values()) >= 5
     results = {(a, ratio): window(a, ratio) for a in (False, True) for ratio in (0.0, 0.5)}
     assert all(done == want for done, _ in results.values())
     for a in (False, True):
