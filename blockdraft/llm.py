@@ -235,30 +235,40 @@ class LLM:
         """Generate for a batch, continuously batched; outputs come back in input order.
 
         prompts: a str, a list of token ids, a chat conversation (list of {"role", "content"}
-            dicts; chat template applied) or a list of any of these (str: raw text).
+            dicts; chat template applied) or a list of any of these (str: raw text). An empty
+            list (or tuple) returns [] without stepping the engine, as vLLM.
         sampling_params: one SamplingParams for every prompt or a list of them (one per prompt), as
             vLLM; None: SamplingParams().
+        Returns:
+            one finished RequestOutput per prompt, in input order.
         Raises:
             TypeError: sampling_params of another type (e.g. a dict: build SamplingParams(**d)).
-            ValueError: empty prompt, a prompt of another type or a token id that is not an integer
-                (naming the prompt's index and the value), a bad chat message (its index, value and
-                the allowed roles), a token id outside the vocabulary, prompt longer than the
-                context, mismatched params list, a SamplingParams field out of range (also one set
-                after construction), `logprobs` above `max_logprobs`; nothing of the batch is queued then.
+            ValueError: prompts of another type (e.g. None), an empty prompt, a prompt of another
+                type or a token id that is not an integer (naming the prompt's index and the
+                value), a bad chat message (its index, value and the allowed roles), a token id
+                outside the vocabulary, prompt longer than the context, mismatched params list, a
+                SamplingParams field out of range (also one set after construction), `logprobs`
+                above `max_logprobs`; nothing of the batch is queued then.
         """
         token_lists = self._tokenize_all(prompts)
         params = SamplingParams() if sampling_params is None else sampling_params
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
+        one_for_all = not isinstance(params, (list, tuple))
+        # checked before repeating it per prompt: a bad one is refused also for an empty batch
+        params = [params] if one_for_all else list(params)
         for i, p in enumerate(params):
             if not isinstance(p, SamplingParams):
                 where = f" (item {i} of the list)" if isinstance(sampling_params, (list, tuple)) else ""
                 hint = ": build one with SamplingParams(**params)" if isinstance(p, dict) else ""
                 raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
                                 f"{_shown(p)}{where}{hint}")
+        if one_for_all:
+            params = params * len(token_lists)
         if len(params) != len(token_lists):
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
         for toks, p in zip(token_lists, params):  # the whole batch first: a bad prompt queues nothing
             self.engine.check_request(toks, p)
+        if not token_lists:  # vLLM returns [] too; stepping would only advance others' requests
+            return []
         ids = [f"req-{next(self._ids)}" for _ in token_lists]
         for rid, toks, p in zip(ids, token_lists, params):
             self.engine.add_request(rid, toks, p)
@@ -300,13 +310,14 @@ class LLM:
     def _tokenize_all(self, prompts) -> list[list[int]]:
         """Token ids of each prompt (see `generate`).
 
+        An empty list or tuple gives [] (no prompts: `generate` returns []).
+
         Raises:
-            ValueError: no prompts, a prompt of another type (names its index and type), a token id
-                that is not an integer (names the prompt, the position and the value), an empty
+            ValueError: prompts that are neither a str nor a list / tuple (None included: names
+                the type and value), a prompt of another type (names its index and type), a token
+                id that is not an integer (names the prompt, the position and the value), an empty
                 string or a bad conversation.
         """
-        if prompts is None:
-            raise ValueError("no prompts given")
         one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
                                            and (isinstance(prompts[0], dict) or _is_token_id(prompts[0])))
         if one:  # one raw text, one conversation or one list of token ids
@@ -314,8 +325,6 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(f"prompts must be a str, a list of token ids, a conversation (a list of {{'role', "
                              f"'content'}} dicts) or a list of these, got {_shown(prompts)}")
-        if not prompts:
-            raise ValueError("no prompts given")
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):

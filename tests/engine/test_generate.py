@@ -152,6 +152,24 @@ def test_empty_and_too_long_prompts_are_refused(llama_target):
         llm.generate([[1] * 600], SamplingParams())
 
 
+def test_an_empty_prompt_list_gives_an_empty_list_without_stepping(llama_target, monkeypatch):
+    """vLLM's LLM.generate([]) returns []; so does ours, without running the engine (a request
+    queued on the engine by other code is left as it was). Wrong types are still refused."""
+    llm = make_llm(llama_target)
+    llm.engine.add_request("other", [1, 2, 3], SamplingParams(max_tokens=4))
+    monkeypatch.setattr(llm.engine, "step", lambda *a, **k: pytest.fail("the engine was stepped"))
+    assert llm.generate([]) == []
+    assert llm.generate((), SamplingParams(max_tokens=3)) == []
+    assert llm.generate([], []) == []
+    assert llm.engine.has_unfinished_requests()  # "other" is untouched
+    with pytest.raises(ValueError, match=r"prompts must be a str, .* got NoneType None"):
+        llm.generate(None)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams .* got dict"):
+        llm.generate([], {"max_tokens": 3})
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 0 prompts"):
+        llm.generate([], [SamplingParams()])
+
+
 def test_kv_pool_is_fully_free_after_generation_and_abort(llama_target):
     llm = make_llm(llama_target)
     llm.engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
