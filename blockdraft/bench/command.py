@@ -317,14 +317,20 @@ def run_bench(args) -> int:
                      "block_size": workload.drafter.config.block_size if workload.drafter else None,
                      "draft_layers": workload.drafter.config.num_hidden_layers if workload.drafter else None,
                      "draft_vocab_size": workload.draft_head.size if workload.draft_head is not None else 0,
-                     "llm_options": options},
+                     "llm_options": options,
+                     # the flag as given (None: each engine's default); the effective ratio of each
+                     # of our engines is filled in by `assemble` from the runs (as load_profile)
+                     "admission_batch_ratio_flag": args.admission_batch_ratio},
         "floor": floor_of(workload, args.hbm_bandwidth),
     }
     json_path = prefix.with_name(prefix.name + ".json")
 
     def assemble(cells, parity, skipped) -> dict:
         rows = rep.add_speedups([c.summary() for c in cells])
-        doc = {**base, "results": rows, "parity": parity, "skipped": skipped,
+        ours = [c for c in cells if c.engine == "ours"]  # the engines with our scheduler
+        effective = {"admission_batch_ratio": {c.mode: c.admission_batch_ratio for c in ours},
+                     "mixed_prefill": {c.mode: c.mixed_prefill for c in ours}}
+        doc = {**base, "settings": {**base["settings"], **effective}, "results": rows, "parity": parity, "skipped": skipped,
                "criteria": rep.criteria(rows, base["floor"], gpu=base["device"]["type"] == "cuda")}
         rep.validate_report(doc)
         return doc

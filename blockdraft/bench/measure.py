@@ -94,6 +94,9 @@ class Cell:
     status: "ok", "n/a" (the engine cannot run this batch size; `reason` says why) or "error"
     (it raised; `reason` holds the message). token_ids: outputs of the last full run (for parity;
     not written to JSON). deterministic: every full run gave the same tokens.
+    admission_batch_ratio / mixed_prefill: the scheduler settings our engine ran with (after its
+    per-engine defaults: blockdraft.config.default_admission_batch_ratio; the ratio is ignored with
+    mixed prefill); None for engines without our scheduler (HF, z-lab).
     """
 
     engine: str
@@ -106,6 +109,8 @@ class Cell:
     acceptance_length: float | None = None
     deterministic: bool | None = None
     token_ids: list[list[int]] | None = None
+    admission_batch_ratio: float | None = None
+    mixed_prefill: bool | None = None
 
     def median(self, metric: str) -> float | None:
         """Median over runs of a Run property (None if no run has it)."""
@@ -128,6 +133,8 @@ class Cell:
             "seconds": self.median("seconds"),
             "acceptance_length": self.acceptance_length,
             "deterministic": self.deterministic,
+            "admission_batch_ratio": self.admission_batch_ratio,
+            "mixed_prefill": self.mixed_prefill,
             "runs": [r.to_dict() for r in self.runs],
         }
 

@@ -4,11 +4,15 @@ and the printed table.
 Schema "blockdraft-bench/1" (top-level keys; `validate_report` checks them):
     schema, created, workload{name, ...}, device{type, name, torch, transformers, dflash}, dtype,
     settings{batch_sizes, max_tokens, repeats, warmup, engines, forced, num_speculative_tokens,
-             block_size, draft_layers, llm_options, num_prompts (since session 16; None = batch size)},
+             block_size, draft_layers, llm_options, num_prompts (since session 16; None = batch size),
+             admission_batch_ratio_flag (--admission-batch-ratio as given, None = each engine's default),
+             admission_batch_ratio / mixed_prefill ({mode: value} of our engines as they ran: the
+             effective values, as bench.load_profile records them)},
     floor{hbm_bytes_per_s, target_weight_bytes, plain_step_floor_ms, dflash_extra_bytes,
           dflash_step_floor_ms},
     results[ {engine, mode, batch_size, num_requests (since session 16), status, reason, tokens_per_s, decode_tokens_per_s,
-              ms_per_step, ttft_ms (since session 12), seconds, acceptance_length, deterministic, runs[...],
+              ms_per_step, ttft_ms (since session 12), seconds, acceptance_length, deterministic,
+              admission_batch_ratio, mixed_prefill (our engines' effective values; None for HF / z-lab), runs[...],
               speedup_vs_ours_plain, speedup_vs_hf, speedup_vs_zlab} ],
     parity[ {batch_size, candidate, reference, num_requests, mismatched_requests, first_mismatch,
              and for ours/dflash vs ours/plain: divergences[ {request, index, top2_gap, near_tie, ...} ],

@@ -188,6 +188,7 @@ def run_matrix(
             log(f"batch {batch}: {engine.engine} {engine.mode}")
             cell = measure(engine, prompts, settings.max_tokens, settings.repeats, settings.warmup, workload.device,
                            concurrency=batch)
+            cell.admission_batch_ratio, cell.mixed_prefill = scheduler_settings(engine)
             if cell.status == "ok":
                 log(f"batch {batch}: {engine.engine} {engine.mode} -> ok {_fmt(cell.median('tokens_per_s'))} tok/s, "
                     f"{_fmt(cell.median('ms_per_step'))} ms/step")
@@ -199,6 +200,17 @@ def run_matrix(
         if on_engine is not None:
             on_engine(*_collect(by_batch, reference), skipped)
     return (*_collect(by_batch, reference), skipped)
+
+
+def scheduler_settings(engine) -> tuple[float | None, bool | None]:
+    """(admission_batch_ratio, mixed_prefill) that `engine`'s scheduler runs with: the effective
+    values, after the per-engine defaults (a ratio of 0.25 with a drafter, 0 without, unless given),
+    as load_profile records them; (None, None) for an engine without our scheduler (HF, z-lab)."""
+    llm = getattr(engine, "llm", None)
+    if llm is None:
+        return None, None
+    config = llm.engine.scheduler.config
+    return config.admission_batch_ratio, config.mixed_prefill
 
 
 def _collect(by_batch: dict, reference: list[int] | None) -> tuple[list[Cell], list[dict]]:

@@ -84,6 +84,23 @@ def test_engine_subset_and_no_draft(tmp_path):
     assert not (tmp_path / "r.png").exists()
 
 
+@pytest.mark.parametrize("flag, plain, spec", [(None, 0.0, 0.25), ("0.5", 0.5, 0.5)])
+def test_json_records_the_admission_ratio_each_engine_ran_with(tmp_path, flag, plain, spec):
+    """Without --admission-batch-ratio each engine takes its own default (0.25 with a drafter, 0
+    without): the JSON records those, per engine as load_profile does, beside the flag as given."""
+    rc, doc, rows, _ = _run(tmp_path, "--shape", "tiny", "--batch-sizes", "1", "--max-tokens", "3", "--prompt-len",
+                            "6", "--engines", "ours", "--no-plot", "--warmup", "0",
+                            *(["--admission-batch-ratio", flag] if flag else []))
+    assert rc == 0
+    s = doc["settings"]
+    assert s["admission_batch_ratio_flag"] == (None if flag is None else float(flag))
+    assert s["admission_batch_ratio"] == {"plain": plain, "dflash": spec, "dflash-forced": spec}
+    assert rows[("ours", "plain", 1)]["admission_batch_ratio"] == plain
+    assert rows[("ours", "dflash", 1)]["admission_batch_ratio"] == spec
+    assert set(s["mixed_prefill"]) == {"plain", "dflash", "dflash-forced"}
+    assert all(isinstance(v, bool) for v in s["mixed_prefill"].values())
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
