@@ -201,7 +201,7 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--tiny", action="store_true",
                    help="smoke run in seconds, sized for the CPU: few prompts, tokens and steps")
     t.add_argument("--out", default="drafter-out", help="output folder (data/, checkpoint/, drafter/; default drafter-out); "
-                   "resumes if present, its data/ only for the same target, --dtype and data settings")
+                   "resumes if present, its data/ only for the same target, --dtype, data settings and --seed")
     t.add_argument("--data", default=None, help="dataset folder to use instead of OUT/data: reused when it holds data-*.safetensors, "
                         "else generated into it (default: OUT/data); when reused, it must be for --target and the "
                         "data flags given (--num-prompts, --max-new-tokens, ...; --dtype unless auto) must match the ones it "
@@ -252,9 +252,10 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "the range --draft-vocab-size allows")
     t.add_argument("--no-resume", action="store_true",
                    help="start the training over even if OUT holds a checkpoint; OUT/data is still reused, and "
-                        "refused if it was made for another target, --dtype or data flags (use a new --out, or "
+                        "refused if it was made for another target, --dtype, data flags or --seed (use a new --out, or "
                         "remove OUT/data to answer again)")
-    t.add_argument("--seed", type=int, default=0, help="seeds prompt choice, sampling, init, batches, anchors (default 0)")
+    t.add_argument("--seed", type=int, default=0, help="seeds prompt choice, sampling, init, batches, anchors (default 0); "
+                   "a reused --data folder keeps the prompts and answers of the seed it was made with")
     t.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the target answers and the drafter trains (default auto: cuda "
                         "when torch sees a GPU, else cpu)")

@@ -2,8 +2,8 @@
 
 Layout of `--out`:
     data/          the token dataset (see training/dataset.py), reused when present if it was made
-                   for the same target, target dtype and data settings (`reuse_dataset`), with
-                   --no-resume too (it starts the training over, not the answers)
+                   for the same target, target dtype, data settings and --seed (`reuse_dataset`),
+                   with --no-resume too (it starts the training over, not the answers)
     checkpoint/    resumable trainer state (training/trainer.py)
     train_log.jsonl
     drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors) and its
@@ -237,7 +237,12 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
     folder only when --dtype was given explicitly (`asked_dtype` not "auto"), an auto that
     resolves to another dtype being said on stderr. A dataset that records no dtype (made before
     train-drafter recorded it, or by training/gpu_run.py) is reused with a warning on stderr
-    naming the folder. Reuse is reported on stderr with the recorded settings.
+    naming the folder. The seed it was made with (info["seed"]: it chose the prompts and seeded
+    the sampled answers) must be args.seed for the run's own OUT/data; a --data folder is reused
+    with another, said on stderr (--seed then seeds the training only). The device it was
+    answered on is not compared: it acts through the dtype (--dtype auto resolves per device),
+    and kernels of one dtype on another device differ only at rare near-ties, as another
+    --max-num-seqs batch does in bfloat16. Reuse is reported on stderr with the recorded settings.
 
     Args:
         args: the run's arguments, args.dtype already resolved (resolve_target_dtype).
@@ -246,7 +251,8 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
             the --data rule above.
     Raises:
         ValueError: naming the folder, each recorded value against the requested one, and what to do
-            (a new --out, removing the folder, or the --dtype it was answered in when only that differs).
+            (a new --out, removing the folder, or the --dtype / --seed it was made with when only that
+            differs).
     """
     from blockdraft.llm import _catalog_name
     from blockdraft.training.dataset import SHARD_PATTERN, TokenDataset
@@ -268,6 +274,9 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
         given = args.data is None or getattr(args, name, None) is not None
         if given and name in made and made[name] != settings[name]:
             differ.append((f"--{name.replace('_', '-')}", made[name], settings[name]))
+    made_seed = info.get("seed")  # None: not recorded; it chose the prompts and seeded the sampled answers
+    if made_seed is not None and made_seed != args.seed and args.data is None:
+        differ.append(("--seed", made_seed, args.seed))
     dtype, asked_dtype = args.dtype, asked_dtype or args.dtype
     answered_in = info.get("dtype")  # None: not recorded (an older dataset, or gpu_run's)
     dtype_differs = answered_in is not None and answered_in != dtype
@@ -275,16 +284,23 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
         differ.append(("--dtype", answered_in, _dtype_flag(asked_dtype, dtype, device).removeprefix("--dtype ")))
     if differ:
         other = " (or another --data folder)" if args.data else ""
-        matching = (f", or pass --dtype {answered_in} to train on its answers" if [w for w, _, _ in differ] == ["--dtype"]
-                    else "")
+        only = [w for w, _, _ in differ]
+        matching = (f", or pass --dtype {answered_in} to train on its answers" if only == ["--dtype"] else
+                    # --seed also seeds the training: --data keeps the answers and trains with the new seed
+                    f", or pass --seed {made_seed} to train on its answers (or --data {folder} to train on them with "
+                    f"--seed {args.seed})" if only == ["--seed"] else "")
         raise ValueError(
             f"the dataset in {folder} was made with {', '.join(f'{w} {r}' for w, r, _ in differ)}; this run asks for "
             f"{', '.join(f'{w} {a}' for w, _, a in differ)}. A dataset is reused only for the same target, --dtype and "
             f"data settings: use a new --out{other}, or remove {folder} to generate it again{matching}")
-    shown = ", ".join(f"{k}={v}" for k, v in made.items()) or "settings not recorded"
+    shown = ", ".join(f"{k}={v}" for k, v in {**made, **({"seed": made_seed} if made_seed is not None else {})}.items()) \
+        or "settings not recorded"
     print(f"train-drafter: reusing the {len(data)} sequences in {folder} (target {info.get('target', 'not recorded')!r}, "
           f"dtype {answered_in or 'not recorded'}, {shown}); the data flags apply to a new dataset only (a new --out "
           f"or --data folder)", file=sys.stderr)
+    if made_seed is not None and made_seed != args.seed:  # a --data folder (OUT/data was refused above)
+        print(f"train-drafter: the prompts and sampled answers in {folder} were made with --seed {made_seed}; "
+              f"--seed {args.seed} seeds this run's training only", file=sys.stderr)
     if answered_in is None:
         made_by = f" (generator: {info['generator']!r})" if "generator" in info else ""
         print(f"train-drafter: warning: {folder} does not record the dtype its answers were made in{made_by}; "
@@ -476,7 +492,7 @@ def train_drafter(args) -> dict:
 
     Raises:
         ValueError: a flag's value (check_settings, check_against_target, ...), a dataset made with
-            other settings or answered in another target dtype (reuse_dataset; before any weights
+            other settings or --seed or answered in another target dtype (reuse_dataset; before any weights
             load, --no-resume or not), or a checkpoint in `out` of another target dtype
             (check_resume_dtype) or other training settings (Trainer.load_checkpoint).
     """

@@ -123,11 +123,11 @@ def _settings(**changes):
     return {**{k: TINY[k] for k in DATA_SETTINGS}, **changes}
 
 
-def _made_here(folder, dtype="float32", **changes):
+def _made_here(folder, dtype="float32", seed=None, **changes):
     """A dataset as `train-drafter --tiny` with `changes` records it for SmolLM2, answered in `dtype`
-    (None: not recorded, as in data made before it was)."""
+    with `seed` (None: not recorded, as in data made before it was)."""
     _dataset(folder, {"target": NAME, "vocab_size": 49152, "settings": _settings(**changes),
-                      **({"dtype": dtype} if dtype else {})})
+                      **({"dtype": dtype} if dtype else {}), **({"seed": seed} if seed is not None else {})})
 
 
 def test_data_made_for_another_target_is_refused_before_an_index_error(tmp_path, capsys, no_weights):
@@ -194,6 +194,49 @@ def test_the_runs_data_answered_in_another_dtype_is_refused_with_no_resume_too(t
             f"remove {data} to generate it again") in err and "or pass --dtype" not in err
     _made_here(data)
     assert _files(tmp_path) == before  # nothing written
+
+
+def test_the_runs_data_made_with_another_seed_is_refused(tmp_path, capsys, monkeypatch):
+    """--seed chose the prompts and seeded the sampled answers of OUT/data: a rerun with another
+    --seed (--no-resume or not) was silently trained on the old seed's data; now refused naming
+    both seeds and the ways on, before any weights load. The same seed reuses it."""
+    data = tmp_path / "data"
+    _made_here(data, seed=0)
+    before = _files(tmp_path)
+    with monkeypatch.context() as mp:
+        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        for flags in ([], ["--no-resume"]):
+            err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--seed", "5", *flags)
+            assert (f"the dataset in {data} was made with --seed 0; this run asks for --seed 5. A dataset is reused "
+                    f"only for the same target, --dtype and data settings: use a new --out, or remove {data} to "
+                    f"generate it again, or pass --seed 0 to train on its answers (or --data {data} to train on them "
+                    f"with --seed 5)") in err
+        # another difference too: --seed alone would not do, so it is not offered
+        err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--seed", "5", "--synth-prompts", "8")
+        assert "was made with --synth-prompts 0, --seed 0; this run asks for --synth-prompts 8, --seed 5." in err
+        assert "or pass --seed" not in err
+    assert _files(tmp_path) == before  # nothing written
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    with pytest.raises(_Loading):  # --seed 0 is the default
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert f"reusing the 2 sequences in {data} (target '{NAME}', dtype float32, " in err and "seed=0)" in err
+    assert "seeds this run's training only" not in err
+
+
+def test_a_data_folder_made_with_another_seed_is_reused_and_said(tmp_path, capsys, monkeypatch):
+    """A --data folder keeps its answers (sharing them across runs is what it is for): another
+    --seed then seeds only the training, said on stderr."""
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    data = tmp_path / "shared"
+    _made_here(data, seed=0)
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "run"), "--data", str(data),
+              "--device", "cpu", "--seed", "5"])
+    err = capsys.readouterr().err
+    assert f"reusing the 2 sequences in {data}" in err
+    assert (f"train-drafter: the prompts and sampled answers in {data} were made with --seed 0; --seed 5 seeds this "
+            f"run's training only") in err
 
 
 @pytest.mark.parametrize("flags", [["--dtype", "float32"], []])  # auto resolves to float32 on the CPU
