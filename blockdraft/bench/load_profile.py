@@ -239,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                 results[f"{mode}/{how}"] = profile_load(engine, wl.prompts, args.max_tokens, args.batch_size, how,
                                                         device)
         del engine
-    settings = {**vars(args), "mixed_prefill": mixed, "admission_batch_ratio": admission, "draft": str(pre.draft), "draft_vocab_size": pre.draft_vocab_size,
-                "num_speculative_tokens": k}
+    # the flags as given (None: each engine's default) beside the effective values per engine, as bench
+    settings = {**vars(args), "mixed_prefill_flag": args.mixed_prefill, "admission_batch_ratio_flag": args.admission_batch_ratio,
+                "mixed_prefill": mixed, "admission_batch_ratio": admission, "draft": str(pre.draft),
+                "draft_vocab_size": pre.draft_vocab_size, "num_speculative_tokens": k}
     doc = {"schema": SCHEMA, "settings": settings, "device": str(device),
            "dtype": str(dtype).removeprefix("torch."), "results": results}
     if args.out:

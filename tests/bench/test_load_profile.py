@@ -111,11 +111,17 @@ def test_default_k_is_the_drafters_recorded_k_on_this_device_and_the_flag_wins(t
     def run(*flags) -> int:
         assert main(["--model", str(model), "--draft", str(draft), "--device", "cpu", "--batch-size", "1",
                      "--num-prompts", "1", "--max-tokens", "3", "--repeats", "1", "--out", str(out), *flags]) == 0
-        return json.loads(out.read_text())["settings"]["num_speculative_tokens"]
+        settings = json.loads(out.read_text())["settings"]
+        # the admission flag as given (None: per-engine default) beside what each engine ran with
+        given = float(flags[flags.index("--admission-batch-ratio") + 1]) if "--admission-batch-ratio" in flags else None
+        assert settings["admission_batch_ratio_flag"] == given
+        assert settings["admission_batch_ratio"] == ({"plain": 0.0, "dflash": 0.25} if given is None
+                                                     else {"plain": given, "dflash": given})
+        return settings["num_speculative_tokens"]
 
     (draft / SPECULATIVE_FILE).write_text(json.dumps({"num_speculative_tokens": 2, "per_device": {
         "cpu": {"num_speculative_tokens": 3}, "cuda": {"num_speculative_tokens": 5}}}))
     assert run() == 3 and ks == [3]
-    assert run("--num-speculative-tokens", "1") == 1 and ks == [3, 1]
+    assert run("--num-speculative-tokens", "1", "--admission-batch-ratio", "0.5") == 1 and ks == [3, 1]
     (draft / SPECULATIVE_FILE).unlink()
     assert run() == 7 and ks == [3, 1, 7]
