@@ -14,13 +14,15 @@ pytestmark = pytest.mark.slow
 
 def test_bench_real_model_with_shipped_drafter(tmp_path):
     args = ["bench", "--model", "qwen2.5-coder-0.5b-instruct", "--draft", "shipped", "--device", "cpu",
-            "--dtype", "float32", "--batch-sizes", "1,2", "--max-tokens", "12", "--repeats", "1", "--warmup", "0",
+            "--dtype", "float32", "--batch-sizes", "2", "--max-tokens", "12", "--repeats", "1", "--warmup", "0",
             "--no-plot", "--out", str(tmp_path / "r")]
     assert main(args) == 0
     doc = json.loads((tmp_path / "r.json").read_text())
     validate_report(doc)
     parity = {(p["candidate"], p["batch_size"]): p["mismatched_requests"] for p in doc["parity"]}
-    assert parity[("ours/dflash", 1)] == 0 and parity[("ours/dflash", 2)] == 0
+    # batch 2 only: real-prompt lossless at batch 1 is pinned by test_real_dflash / test_real_demo /
+    # test_real_prefix_cache (and the bench's batch-1 rows by the tiny-model bench tests)
+    assert parity[("ours/dflash", 2)] == 0
     assert parity[("hf/plain", 2)] == 0
     rows = {(r["engine"], r["mode"], r["batch_size"]): r for r in doc["results"]}
     assert rows[("ours", "dflash", 2)]["acceptance_length"] >= 1.0

@@ -16,7 +16,7 @@ SYSTEM = ("You are a careful senior Python reviewer. Answer in short sentences, 
 QUESTIONS = ("Write a function that reverses a string.", "Write a function that checks for a palindrome.",
              "Write a function that sums a list of numbers.")
 CHATS = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
-PARAMS = SamplingParams(max_tokens=20)
+PARAMS = SamplingParams(max_tokens=12)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_real_drafter_with_prefix_hits_equals_plain(target):
 
 def test_real_batch_with_preemption_and_prefix_caching_equals_plain(target):
     plain = [o.token_ids for o in LLM(target=target, dtype="float32").generate(CHATS, PARAMS)]
-    # 6 pages of 16 tokens hold one chat (~90 tokens + drafts) but not three: preemption is certain
+    # 6 pages of 16 tokens hold one chat (prompt + 12 answer tokens + drafts) but not three: preemption is certain
     # (9 stopped preempting when the session-9 drafter accepted more per step)
     llm = LLM(target=target, draft="auto", dtype="float32", enable_prefix_caching=True, num_kv_blocks=6)
     preempted, orig = [], llm.engine.scheduler._preempt

@@ -20,6 +20,7 @@ PROMPTS = [[{"role": "user", "content": text}] for text in (
     "Explain what a Python list comprehension is, in two sentences.",
     "Write a haiku about the sea.",
 )]
+GREEDY = SamplingParams(max_tokens=32)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,15 @@ def engines():
     return spec, plain
 
 
-def _same(spec, plain, params):
-    s, p = spec.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+@pytest.fixture(scope="module")
+def plain_greedy(engines):
+    """Plain greedy decoding of PROMPTS, run once: the greedy check and the stops test both need it."""
+    return engines[1].generate(PROMPTS, GREEDY)
+
+
+def _same(spec, plain, params, p=None):
+    """Speculative == plain for `params`; `p`: plain's outputs for them when already at hand."""
+    s, p = spec.generate(PROMPTS, params), p if p is not None else plain.generate(PROMPTS, params)
     assert [o.token_ids for o in s] == [o.token_ids for o in p]
     assert [(o.text, o.finish_reason) for o in s] == [(o.text, o.finish_reason) for o in p]
     assert sum(o.spec.num_accepted_tokens for o in s) > 0  # drafts were accepted: not a plain path in disguise
@@ -42,16 +50,16 @@ def _same(spec, plain, params):
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=32),
+    GREEDY,
     SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=7),
 ], ids=["greedy", "seeded-T0.8"])
-def test_shipped_defaults_equal_plain_decoding(engines, params):
-    _same(*engines, params)
+def test_shipped_defaults_equal_plain_decoding(engines, params, request):
+    _same(*engines, params, request.getfixturevalue("plain_greedy") if params is GREEDY else None)
 
 
-def test_stops_inside_the_answers_equal_plain_decoding(engines):
+def test_stops_inside_the_answers_equal_plain_decoding(engines, plain_greedy):
     spec, plain = engines
-    full = plain.generate(PROMPTS, SamplingParams(max_tokens=32))
+    full = plain_greedy
     stop_id = full[0].token_ids[12]  # a token in the middle of answer 0
     stop_text = full[1].text[40:46]  # a piece of text in the middle of answer 1
     out = _same(spec, plain, SamplingParams(max_tokens=32, stop_token_ids=[stop_id], stop=[stop_text]))
