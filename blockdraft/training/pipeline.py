@@ -289,10 +289,12 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
                     # --seed also seeds the training: --data keeps the answers and trains with the new seed
                     f", or pass --seed {made_seed} to train on its answers (or --data {folder} to train on them with "
                     f"--seed {args.seed})" if only == ["--seed"] else "")
+        # the seed is compared for OUT/data only (a --data folder keeps its answers): named when it is the cause
+        rule = "target, --dtype, data settings and --seed" if "--seed" in only else "target, --dtype and data settings"
         raise ValueError(
             f"the dataset in {folder} was made with {', '.join(f'{w} {r}' for w, r, _ in differ)}; this run asks for "
-            f"{', '.join(f'{w} {a}' for w, _, a in differ)}. A dataset is reused only for the same target, --dtype and "
-            f"data settings: use a new --out{other}, or remove {folder} to generate it again{matching}")
+            f"{', '.join(f'{w} {a}' for w, _, a in differ)}. A dataset is reused only for the same {rule}: use a new "
+            f"--out{other}, or remove {folder} to generate it again{matching}")
     shown = ", ".join(f"{k}={v}" for k, v in {**made, **({"seed": made_seed} if made_seed is not None else {})}.items()) \
         or "settings not recorded"
     print(f"train-drafter: reusing the {len(data)} sequences in {folder} (target {info.get('target', 'not recorded')!r}, "

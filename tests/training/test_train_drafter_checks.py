@@ -208,7 +208,7 @@ def test_the_runs_data_made_with_another_seed_is_refused(tmp_path, capsys, monke
         for flags in ([], ["--no-resume"]):
             err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--seed", "5", *flags)
             assert (f"the dataset in {data} was made with --seed 0; this run asks for --seed 5. A dataset is reused "
-                    f"only for the same target, --dtype and data settings: use a new --out, or remove {data} to "
+                    f"only for the same target, --dtype, data settings and --seed: use a new --out, or remove {data} to "
                     f"generate it again, or pass --seed 0 to train on its answers (or --data {data} to train on them "
                     f"with --seed 5)") in err
         # another difference too: --seed alone would not do, so it is not offered
