@@ -281,7 +281,9 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """`generate` for one conversation or a list of conversations (chat template applied).
+        """`generate` for one conversation or a list of conversations (chat template applied). An
+        empty list is no conversations and gives [] (as vLLM's LLM.chat); [[]] is one empty
+        conversation and is refused.
 
         Raises:
             ValueError: as `generate`; a message whose role is not system / user / assistant or
@@ -291,7 +293,7 @@ class LLM:
             raise ValueError(f"LLM.chat takes a conversation (a list of {{'role', 'content'}} dicts) or a list of "
                              f"conversations, got {_shown(messages)}; raw text goes to LLM.generate")
         # a list whose first item is a list: several conversations; else one (its messages are checked)
-        convs = list(messages) if messages and isinstance(messages[0], list) else [messages]
+        convs = list(messages) if not messages or isinstance(messages[0], list) else [messages]
         return self.generate([self.encode_chat(c) for c in convs], sampling_params)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:

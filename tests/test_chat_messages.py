@@ -59,13 +59,20 @@ def test_server_uses_the_same_role_check():
         (["w05x w17x"], "chat message 0 must be a dict with 'role' and 'content', got 'w05x w17x'"),
         ([("user", "w05x")], r"chat message 0 must be a dict with 'role' and 'content', got \('user', 'w05x'\)"),
         ([[OK], "w05x"], "a chat conversation must be a list of .* got str 'w05x'"),
-        ([], "chat conversation is empty"),
+        ([[]], "chat conversation is empty"),
+        ([[OK], []], "chat conversation is empty"),
     ],
 )
 def test_chat_refuses_other_shapes_naming_the_value(llm, messages, match):
     with pytest.raises(ValueError, match=match):
         llm.chat(messages)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_of_no_conversations_gives_an_empty_list(llm, monkeypatch):
+    """vLLM's LLM.chat([]) returns [] (a list of no conversations); ours too, without stepping."""
+    monkeypatch.setattr(llm.engine, "step", lambda *a, **k: pytest.fail("the engine was stepped"))
+    assert llm.chat([]) == [] and llm.chat(()) == []
 
 
 @pytest.mark.parametrize(

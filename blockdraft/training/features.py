@@ -5,6 +5,10 @@ epoch. Recomputing them each step is most of a step's work (a 0.5B target forwar
 tokens against a 2-layer drafter), so a multi-epoch run computes them once per sequence instead:
 tokens x len(layer_ids) x hidden x 2 bytes in bf16 (Qwen2.5-0.5B, 3 layers, 1.7M tokens: 9.1 GB).
 Sequences are cut to the trainer's max_len exactly as `dataset.collate` cuts them.
+
+A cache larger than the GPU can hold splits in two (`FeatureCache.build(device_bytes=...)`): the
+first sequences on the GPU, the rest in pinned host memory, copied to the GPU per batch (a step of
+64 x ~400 tokens reads ~140 MB, a few ms over PCIe against ~145 ms of training on the H200).
 """
 
 from __future__ import annotations
@@ -15,14 +19,24 @@ from blockdraft.training.dataset import TokenDataset, collate
 
 
 class FeatureCache:
-    """Every sequence's target features, packed: `feats` [total_tokens, F], `offsets` [n + 1].
+    """Every sequence's target features, packed: `feats` [device_tokens, F] and, when the cache
+    was split, `host_feats` [total_tokens - device_tokens, F] (pinned CPU memory); `offsets` [n + 1].
 
-    Sequence i holds rows offsets[i]:offsets[i+1] (its first min(length, max_len) tokens), the
-    outputs of target layers `layer_ids` (what the Trainer checks against its drafter and config).
+    Sequence i holds rows offsets[i]:offsets[i+1] of the two tensors stacked (its first
+    min(length, max_len) tokens), the outputs of target layers `layer_ids` (what the Trainer checks
+    against its drafter and config). Sequences never straddle the split.
     """
 
-    def __init__(self, feats: torch.Tensor, offsets: torch.Tensor, max_len: int, layer_ids: tuple[int, ...]) -> None:
+    def __init__(self, feats: torch.Tensor, offsets: torch.Tensor, max_len: int, layer_ids: tuple[int, ...],
+                 host_feats: torch.Tensor | None = None) -> None:
         self.feats, self.offsets, self.max_len, self.layer_ids = feats, offsets.tolist(), max_len, tuple(layer_ids)
+        self.host_feats = host_feats
+        self.device_rows = feats.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens cached, on the device and on the host."""
+        return self.offsets[-1]
 
     def __len__(self) -> int:
         """Number of sequences."""
@@ -31,7 +45,8 @@ class FeatureCache:
     @classmethod
     @torch.no_grad()
     def build(cls, target, data: TokenDataset, layer_ids: tuple[int, ...], max_len: int, device,
-              dtype: torch.dtype | None = None, batch_size: int = 16, progress: bool = False) -> "FeatureCache":
+              dtype: torch.dtype | None = None, batch_size: int = 16, progress: bool = False,
+              device_bytes: int | None = None) -> "FeatureCache":
         """Run the target over every sequence once (length-sorted batches of `batch_size`).
 
         Args:
@@ -39,6 +54,9 @@ class FeatureCache:
             max_len: tokens kept per sequence (the trainer's TrainConfig.max_len).
             device: where the cache lives (the trainer's device). dtype: storage dtype (default: the
                 target's feature dtype, bf16 for a bf16 target).
+            device_bytes: at most this many bytes of the cache on `device` (None: all of it): the
+                first sequences (by index) that fit stay there, the rest go to host memory (pinned
+                when CUDA is available).
         Raises:
             ValueError: the cache does not fit in the free memory of a CUDA `device` (the message
                 gives the bytes needed and free; train without the cache then); token ids outside
@@ -60,22 +78,48 @@ class FeatureCache:
             f = target.features(batch.input_ids, batch.lengths, tuple(layer_ids))
             if feats is None:
                 dtype = dtype or f.dtype
-                _check_fits(int(offsets[-1]) * f.shape[-1] * torch.empty((), dtype=dtype).element_size(), device)
-                feats = torch.empty(int(offsets[-1]), f.shape[-1], dtype=dtype, device=device)
+                row_bytes = f.shape[-1] * torch.empty((), dtype=dtype).element_size()
+                split = device_split(offsets, row_bytes, device_bytes)
+                _check_fits(split * row_bytes, device)
+                feats = torch.empty(split, f.shape[-1], dtype=dtype, device=device)
+                host = None
+                if split < int(offsets[-1]):
+                    host = torch.empty(int(offsets[-1]) - split, f.shape[-1], dtype=dtype,
+                                       pin_memory=torch.cuda.is_available())
             for r, i in enumerate(idx):
-                feats[int(offsets[i]) : int(offsets[i + 1])] = f[r, : int(lengths[i])]
+                lo, hi = int(offsets[i]), int(offsets[i + 1])
+                if hi <= split:
+                    feats[lo:hi] = f[r, : hi - lo]
+                else:
+                    host[lo - split : hi - split] = f[r, : hi - lo]
             bar.update(len(idx))
         bar.close()
-        return cls(feats, offsets, max_len, layer_ids)
+        return cls(feats, offsets, max_len, layer_ids, host_feats=host)
 
     def batch(self, indices: list[int], t: int) -> torch.Tensor:
         """Right-padded features [len(indices), t, F] of sequences `indices` (the rows of
-        `collate(data, indices, max_len)`; padding rows are zero). t >= every kept length."""
+        `collate(data, indices, max_len)`; padding rows are zero), on the cache's device. t >=
+        every kept length."""
         out = self.feats.new_zeros(len(indices), t, self.feats.shape[1])
+        split = self.device_rows
         for r, i in enumerate(indices):
             lo, hi = self.offsets[i], self.offsets[i + 1]
-            out[r, : hi - lo] = self.feats[lo:hi]
+            if hi <= split:
+                out[r, : hi - lo] = self.feats[lo:hi]
+            else:  # from pinned host memory: an asynchronous copy on the current stream
+                out[r, : hi - lo].copy_(self.host_feats[lo - split : hi - split], non_blocking=True)
         return out
+
+
+def device_split(offsets: torch.Tensor, row_bytes: int, device_bytes: int | None) -> int:
+    """Rows of a cache with sequence boundaries `offsets` [n + 1] that stay on the device: all of
+    them when `device_bytes` is None or enough, else up to the last sequence boundary within
+    `device_bytes` (rows of `row_bytes` bytes each)."""
+    total = int(offsets[-1])
+    if device_bytes is None or total * row_bytes <= device_bytes:
+        return total
+    fit = device_bytes // row_bytes
+    return int(offsets[int(torch.searchsorted(offsets, torch.tensor(fit), right=True)) - 1])
 
 
 def sequences_that_fit(data: TokenDataset, max_len: int, bytes_per_token: int, budget_bytes: int,

@@ -214,10 +214,12 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
                 _log(f"{spec['name']}: layers {grown} new (zero output projections) on {spec['init_from']}")
         if args.cache_features and features is None:  # one cache: drafters trained together share layer ids
             t0 = time.time()
-            train_data = _cacheable(args, data, hf, d.config.target_layer_ids, cfg.max_len)
+            train_data, device_bytes = _cacheable(args, data, hf, d.config.target_layer_ids, cfg.max_len)
             features = FeatureCache.build(target, train_data, d.config.target_layer_ids, cfg.max_len, args.device,
-                                          batch_size=args.batch_size)
-            _log(f"target features cached: {tuple(features.feats.shape)} ({time.time() - t0:.0f} s)")
+                                          batch_size=args.batch_size, device_bytes=device_bytes)
+            host = 0 if features.host_feats is None else features.host_feats.shape[0]
+            _log(f"target features cached: {tuple(features.feats.shape)} on the GPU, {host} tokens in host memory "
+                 f"({time.time() - t0:.0f} s)")
         trainers[spec["name"]] = Trainer(d, target, train_data, cfg, work / spec["name"], features=features,
                                          draft_vocab=draft_vocab)
         results["drafters"][spec["name"]] = {"spec": spec, "params": num_parameters(d)}
@@ -228,7 +230,9 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
     t0 = time.time()
     if torch.device(args.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(torch.device(args.device))
-    last = fit_together(list(trainers.values()), progress=True, deadline=t0 + args.train_seconds * 1.1)
+    # without --steps the schedule is re-planned from the measured pace to end at --train-seconds
+    last = fit_together(list(trainers.values()), progress=True, deadline=t0 + args.train_seconds * 1.1,
+                        budget_seconds=None if args.steps else args.train_seconds)
     if torch.device(args.device).type == "cuda":  # what --cache-reserve-gib must leave for training
         peak = torch.cuda.max_memory_allocated(torch.device(args.device))
         cached = 0 if features is None else features.feats.numel() * features.feats.element_size()
@@ -238,27 +242,32 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         export_drafter(tr.drafter, work / name / "export")
         write_dataset_draft_vocab(work / name / "export", data, target_cfg.vocab_size, eos_ids,
                                   f"gpu_run training data {work / 'data'} (response tokens)")
-        results["drafters"][name].update(final=summary, steps=tr.step, train_seconds=round(time.time() - t0, 1))
+        results["drafters"][name].update(final=summary, steps=tr.step, planned_steps=steps,
+                                         train_seconds=round(time.time() - t0, 1))
         _log(f"{name}: {json.dumps(summary)}")
     return trainers
 
 
 def _cacheable(args, data, hf, layer_ids: tuple[int, ...], max_len: int):
-    """`data`, or the seeded random part of it whose feature cache fits in the GPU memory left
-    after --cache-reserve-gib for training (logged; the rest of the data is not trained on)."""
+    """(`data` or the seeded random part of it whose feature cache fits, the cache's bytes on the
+    GPU or None for all of it): the GPU memory left after --cache-reserve-gib for training, plus
+    --cache-host-gib of pinned host memory (logged; the rest of the data is not trained on)."""
     from blockdraft.training.features import sequences_that_fit
 
     if torch.device(args.device).type != "cuda":
-        return data
+        return data, None
     free, _ = torch.cuda.mem_get_info(torch.device(args.device))
-    budget = int(free - args.cache_reserve_gib * 2**30)
+    on_gpu = max(int(free - args.cache_reserve_gib * 2**30), 0)
+    budget = on_gpu + int(args.cache_host_gib * 2**30)
     per_token = len(layer_ids) * hf.config.hidden_size * torch.empty((), dtype=hf.dtype).element_size()
-    keep = sequences_that_fit(data, max_len, per_token, max(budget, 0), args.seed)
+    device_bytes = on_gpu if args.cache_host_gib > 0 else None
+    keep = sequences_that_fit(data, max_len, per_token, budget, args.seed)
     if keep is None:
-        return data
+        return data, device_bytes
     _log(f"feature cache: {len(keep)} of {len(data)} sequences fit in {budget / 2**30:.1f} GiB "
-         f"(free {free / 2**30:.1f} GiB - reserve {args.cache_reserve_gib} GiB); training on those")
-    return data.select(keep)
+         f"(free {free / 2**30:.1f} GiB - reserve {args.cache_reserve_gib} GiB + host {args.cache_host_gib} GiB); "
+         f"training on those")
+    return data.select(keep), device_bytes
 
 
 def _plan_steps(trainers: list, seconds: float) -> int:
@@ -413,8 +422,13 @@ def main(argv=None) -> int:
     r.add_argument("--cache-reserve-gib", type=float, default=64.0,
                    help="GPU memory (GiB) kept free for training beside the feature cache; data beyond what "
                         "fits is left out (a seeded random part is kept)")
+    r.add_argument("--cache-host-gib", type=float, default=0.0,
+                   help="with --cache-features: pinned host memory (GiB) for the part of the feature cache the GPU "
+                        "cannot hold (copied to the GPU per batch); 0: the GPU's part only")
     r.add_argument("--train-vocab-size", type=int, default=0, help="loss over the N most frequent answer tokens (0: all)")
     args = p.parse_args(argv)
+    if args.cmd == "run" and args.cache_host_gib < 0:
+        p.error(f"--cache-host-gib must be >= 0 GiB, got {args.cache_host_gib:g}")
     if args.cmd == "run" and args.synth_samples and not args.gen_engine:
         p.error("--synth-samples needs --gen-engine (the requests are sampled by our engine)")
     if args.cmd == "prep":

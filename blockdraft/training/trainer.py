@@ -20,7 +20,7 @@ import contextlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,7 +40,9 @@ class TrainConfig:
 
     steps: optimizer steps. batch_size: sequences per step; max_len: tokens kept per sequence.
     num_anchors: blocks per sequence (paper: 512 on long sequences). lr: peak AdamW lr;
-    warmup_frac: linear warmup share of the steps; min_lr_ratio: cosine floor (x lr).
+    warmup_frac: linear warmup share of the steps; warmup_steps: the warmup's length in steps
+    instead (None: warmup_frac x steps; fit_together's re-plan fixes it, so that a longer schedule
+    does not restart the warmup). min_lr_ratio: cosine floor (x lr).
     gamma: loss decay (None: default_gamma(B)). grad_clip: max global grad norm (0 = off).
     pad_multiple: batch width rounded up to a multiple of this (dataset.collate; the same loss,
     few distinct shapes: on an H200 a 16-sequence step ran 140-170 ms on new shapes, 22 ms warm).
@@ -53,6 +55,7 @@ class TrainConfig:
     num_anchors: int = 64
     lr: float = 6e-4
     warmup_frac: float = 0.04
+    warmup_steps: int | None = None
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
@@ -69,6 +72,9 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool)
+                                              or not isinstance(self.warmup_steps, int) or self.warmup_steps < 1):
+            raise ValueError(f"warmup_steps must be None or an integer >= 1, got {self.warmup_steps!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         for name in ("warmup_frac", "min_lr_ratio"):
@@ -78,9 +84,14 @@ class TrainConfig:
             raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay!r}, {self.grad_clip!r}")
 
 
+def warmup_length(cfg: TrainConfig) -> int:
+    """Warmup steps of `cfg`'s schedule: cfg.warmup_steps, else warmup_frac x steps (at least 1)."""
+    return cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(cfg.warmup_frac * cfg.steps))
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr_ratio."""
-    warmup = max(1, round(cfg.warmup_frac * cfg.steps))
+    warmup = warmup_length(cfg)
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
@@ -396,14 +407,38 @@ def checkpoint_differences(state: dict, cfg: TrainConfig, train_vocab_size: int)
             if k not in ("ckpt_every", "log_every") and k in saved and _as_json(saved[k]) != _as_json(asked[k])]
 
 
+# fit_together's re-plan under a time budget: the pace is measured from REPLAN_WARM_STEPS steps in
+# (new batch shapes and the CUDA allocator's growth slow the first ones), over REPLAN_FIRST steps
+# first, then again at half way of the new plan.
+REPLAN_WARM_STEPS = 20
+REPLAN_FIRST = 100
+_clock = time.perf_counter  # seconds; the re-plan's clock (tests step it by hand)
+
+
+def replan_steps(step: int, elapsed_s: float, pace_s: float, budget_s: float) -> int:
+    """Total steps of a schedule that should end `budget_s` seconds after its start, now at step
+    `step` after `elapsed_s` seconds, at `pace_s` seconds per step; at least step + 1."""
+    if not pace_s > 0:
+        raise ValueError(f"pace_s must be > 0 seconds per step, got {pace_s!r}")
+    return max(step + 1, step + int((budget_s - elapsed_s) / pace_s))
+
+
 def fit_together(
-    trainers: list[Trainer], progress: bool = True, deadline: float | None = None, until: int | None = None
+    trainers: list[Trainer], progress: bool = True, deadline: float | None = None, until: int | None = None,
+    budget_seconds: float | None = None,
 ) -> list[dict]:
     """Train several drafters in lockstep on the same batches: the target features, anchors and
     labels of each step are computed once (by trainers[0]) and shared. Stops at the first
     trainer's cfg.steps, at step `until` (an interruption: the schedule still spans cfg.steps) or
     at `deadline` (time.time() seconds); checkpoints every trainer at the end. Returns each
     trainer's last logged summary.
+
+    budget_seconds: the schedule should end this many seconds after the call. cfg.steps is then a
+    first estimate: after REPLAN_WARM_STEPS + REPLAN_FIRST steps, and again half way through the
+    new plan, every trainer's cfg.steps is re-set from the pace measured since step
+    REPLAN_WARM_STEPS (`replan_steps`), the warmup length kept (cfg.warmup_steps). The step count
+    then follows the machine's pace; each step's batch and anchors stay a function of the seed.
+    Session 29's H200 run planned 2,064 steps for 480 s from 8 timed passes and was done after 264 s.
 
     Raises:
         ValueError: the trainers do not share data, target, seed, batch settings, block size,
@@ -417,6 +452,8 @@ def fit_together(
     windows, last = [StepStats() for _ in trainers], [{} for _ in trainers]
     t0 = time.perf_counter()
     stop = lead.cfg.steps if until is None else min(until, lead.cfg.steps)
+    start, mark, clock0 = lead.step, None, _clock()
+    next_replan = start + REPLAN_WARM_STEPS + REPLAN_FIRST if budget_seconds is not None else None
     while lead.step < stop:
         prep = lead.prepare(lead.step)
         for i, tr in enumerate(trainers):
@@ -424,6 +461,22 @@ def fit_together(
         del prep
         bar.update(1)
         step = lead.step
+        if next_replan is not None and step == start + REPLAN_WARM_STEPS:
+            mark = (step, _clock())
+        if next_replan is not None and step == next_replan and mark is not None:
+            now = _clock()
+            total = replan_steps(step, now - clock0, (now - mark[1]) / (step - mark[0]), budget_seconds)
+            warmup = warmup_length(lead.cfg)
+            for tr in trainers:
+                tr.cfg = replace(tr.cfg, steps=total, warmup_steps=warmup)
+            stop = total if until is None else min(until, total)
+            bar.total = total
+            bar.refresh()
+            if progress:
+                bar.write(f"train: {total} steps fit the {budget_seconds:.0f} s budget at the pace of steps "
+                          f"{mark[0]}-{step}: schedule re-planned (warmup unchanged: {warmup} steps)")
+            first = next_replan == start + REPLAN_WARM_STEPS + REPLAN_FIRST
+            next_replan = step + (total - step) // 2 if first and total - step >= 2 else None
         if step % lead.cfg.log_every == 0 or step == lead.cfg.steps:
             for i, tr in enumerate(trainers):
                 last[i], windows[i] = tr._log(windows[i], time.perf_counter() - t0), StepStats()

@@ -49,6 +49,24 @@ def test_cached_features_equal_the_targets_per_batch(tiny, tmp_path):
             assert not got[r, n:].any()  # padding rows are zero
 
 
+def test_a_cache_split_between_device_and_host_gives_the_same_batches(tiny, tmp_path):
+    """device_bytes keeps the first sequences that fit on the device, the rest in host memory; a
+    batch mixing both equals the unsplit cache's."""
+    tr = _trainer(tiny, tmp_path)
+    layers = tr.drafter.config.target_layer_ids
+    whole = FeatureCache.build(tr.target, tr.data, layers, 40, "cpu", batch_size=5)
+    row_bytes = whole.feats.shape[1] * whole.feats.element_size()
+    budget = (whole.num_tokens // 2) * row_bytes
+    split = FeatureCache.build(tr.target, tr.data, layers, 40, "cpu", batch_size=5, device_bytes=budget)
+    assert whole.host_feats is None and split.host_feats is not None
+    assert 0 < split.device_rows <= whole.num_tokens // 2 and split.device_rows in split.offsets  # at a boundary
+    assert split.device_rows + split.host_feats.shape[0] == whole.num_tokens
+    everyone = list(range(len(tr.data)))
+    torch.testing.assert_close(split.batch(everyone, 40), whole.batch(everyone, 40), atol=0, rtol=0)
+    assert FeatureCache.build(tr.target, tr.data, layers, 40, "cpu", device_bytes=whole.num_tokens * row_bytes
+                              ).host_feats is None  # enough room: nothing on the host
+
+
 def test_training_on_cached_features_matches_training_without(tiny, tmp_path):
     plain = _trainer(tiny, tmp_path / "a")
     cache = FeatureCache.build(plain.target, plain.data, plain.drafter.config.target_layer_ids, 40, "cpu")

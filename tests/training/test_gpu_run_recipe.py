@@ -156,3 +156,10 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
     assert all(torch.equal(evaluated[0][k], v.to(torch.bfloat16).float()) for k, v in trained.items())
     assert all(torch.equal(evaluated[4][k], v.to(torch.bfloat16).float()) for k, v in init.items())
     assert not all(torch.equal(evaluated[0][k], evaluated[4][k]) for k in init)  # training moved the weights
+
+
+def test_gpu_run_refuses_a_negative_host_cache_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
+                      "--cache-host-gib", "-1"])
+    assert "--cache-host-gib must be >= 0 GiB, got -1" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import torch
 from blockdraft.training.build import new_drafter
 from blockdraft.training.loss import block_labels, default_gamma, slot_weights, weighted_block_loss
 from blockdraft.training.target import EngineTarget
-from blockdraft.training.trainer import StepStats, TrainConfig, Trainer, lr_at
+from blockdraft.training.trainer import StepStats, TrainConfig, Trainer, lr_at, replan_steps
 from tests.training._tiny import MASK_ID, tiny_data
 
 
@@ -57,6 +57,48 @@ def _trainer(tiny, out, steps, **kw):
     d = new_drafter(target.config, 1, block_size=4, intermediate_size=64, num_feature_layers=2, mask_token_id=MASK_ID, seed=0)
     cfg = TrainConfig(steps=steps, batch_size=4, num_anchors=6, lr=3e-3, log_every=2, **kw)
     return Trainer(d, EngineTarget(target.model, kv_block_size=4), data, cfg, out)
+
+
+def test_a_fixed_warmup_length_overrides_the_fraction():
+    cfg = TrainConfig(steps=200, lr=1.0, warmup_frac=0.5, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(4, cfg) == pytest.approx(0.5) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(199, cfg) == pytest.approx(0.1, abs=1e-3)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"warmup_steps must be None or an integer >= 1, got {bad!r}"):
+            TrainConfig(warmup_steps=bad)
+
+
+def test_replan_steps_fills_the_budget_at_the_measured_pace():
+    assert replan_steps(step=120, elapsed_s=12.0, pace_s=0.1, budget_s=60.0) == 600
+    assert replan_steps(step=120, elapsed_s=70.0, pace_s=0.1, budget_s=60.0) == 121  # past the budget
+    with pytest.raises(ValueError, match="pace_s must be > 0 seconds per step, got 0.0"):
+        replan_steps(1, 1.0, 0.0, 10.0)
+
+
+@pytest.mark.parametrize("budget, planned, final", [(20.0, 6, 20), (5.0, 50, 5)])
+def test_a_time_budget_replans_the_schedule_from_the_pace(tiny, tmp_path, monkeypatch, budget, planned, final):
+    """Each step takes 1 s on the re-plan's clock: a plan made too short grows to the budget, one
+    made too long shrinks to it; the warmup length of the first plan is kept."""
+    import blockdraft.training.trainer as trainer_mod
+
+    clock = [0.0]
+    monkeypatch.setattr(trainer_mod, "_clock", lambda: clock[0])
+    monkeypatch.setattr(trainer_mod, "REPLAN_WARM_STEPS", 1)
+    monkeypatch.setattr(trainer_mod, "REPLAN_FIRST", 2)
+    tr = _trainer(tiny, tmp_path, steps=planned, warmup_frac=0.5)
+    warmup = max(1, round(0.5 * planned))
+    step = tr.train_step
+    monkeypatch.setattr(tr, "train_step", lambda prep=None: (clock.__setitem__(0, clock[0] + 1.0), step(prep))[1])
+    trainer_mod.fit_together([tr], progress=False, budget_seconds=budget)
+    assert tr.step == final and tr.cfg.steps == final and tr.cfg.warmup_steps == warmup
+    saved = json.loads((tmp_path / "checkpoint" / "state.json").read_text())["train_config"]
+    assert saved["steps"] == final and saved["warmup_steps"] == warmup
+
+
+def test_without_a_budget_the_plan_stands(tiny, tmp_path):
+    tr = _trainer(tiny, tmp_path, steps=5)
+    tr.fit(progress=False)
+    assert tr.step == 5 and tr.cfg.steps == 5 and tr.cfg.warmup_steps is None
 
 
 def test_loss_decreases_on_a_fixed_batch(tiny, tmp_path):
