@@ -13,6 +13,9 @@ first sequences on the GPU, the rest in pinned host memory, copied to the GPU pe
 
 from __future__ import annotations
 
+import os
+import weakref
+
 import torch
 
 from blockdraft.training.dataset import TokenDataset, collate
@@ -24,13 +27,16 @@ class FeatureCache:
 
     Sequence i holds rows offsets[i]:offsets[i+1] of the two tensors stacked (its first
     min(length, max_len) tokens), the outputs of target layers `layer_ids` (what the Trainer checks
-    against its drafter and config). Sequences never straddle the split.
+    against its drafter and config). Sequences never straddle the split: `device_rows` of them are
+    in `feats`, the rest in `host_feats`. `greedy` [total_tokens]
+    int32 on the device (built with greedy=True, else None): the target's argmax next token after
+    each cached position, for TrainConfig.greedy_labels.
     """
 
     def __init__(self, feats: torch.Tensor, offsets: torch.Tensor, max_len: int, layer_ids: tuple[int, ...],
-                 host_feats: torch.Tensor | None = None) -> None:
+                 host_feats: torch.Tensor | None = None, greedy: torch.Tensor | None = None) -> None:
         self.feats, self.offsets, self.max_len, self.layer_ids = feats, offsets.tolist(), max_len, tuple(layer_ids)
-        self.host_feats = host_feats
+        self.host_feats, self.greedy = host_feats, greedy
         self.device_rows = feats.shape[0]
 
     @property
@@ -46,7 +52,7 @@ class FeatureCache:
     @torch.no_grad()
     def build(cls, target, data: TokenDataset, layer_ids: tuple[int, ...], max_len: int, device,
               dtype: torch.dtype | None = None, batch_size: int = 16, progress: bool = False,
-              device_bytes: int | None = None) -> "FeatureCache":
+              device_bytes: int | None = None, greedy: bool = False) -> "FeatureCache":
         """Run the target over every sequence once (length-sorted batches of `batch_size`).
 
         Args:
@@ -57,6 +63,8 @@ class FeatureCache:
             device_bytes: at most this many bytes of the cache on `device` (None: all of it): the
                 first sequences (by index) that fit stay there, the rest go to host memory (pinned
                 when CUDA is available).
+            greedy: also keep the target's argmax next token at every position (4 bytes per token,
+                on `device`; TrainTarget.features_and_greedy).
         Raises:
             ValueError: the cache does not fit in the free memory of a CUDA `device` (the message
                 gives the bytes needed and free; train without the cache then); token ids outside
@@ -70,12 +78,17 @@ class FeatureCache:
         offsets = torch.zeros(len(data) + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(lengths, 0)
         order = sorted(range(len(data)), key=lambda i: int(lengths[i]))
-        feats = None
+        feats, best = None, None
+        if greedy:
+            best = torch.zeros(int(offsets[-1]), dtype=torch.int32, device=device)
         bar = tqdm(total=len(data), desc="target features", unit="seq", disable=not progress)
         for lo in range(0, len(order), batch_size):
             idx = order[lo : lo + batch_size]
             batch = collate(data, idx, max_len).to(device)
-            f = target.features(batch.input_ids, batch.lengths, tuple(layer_ids))
+            if greedy:
+                f, g = target.features_and_greedy(batch.input_ids, batch.lengths, tuple(layer_ids))
+            else:
+                f = target.features(batch.input_ids, batch.lengths, tuple(layer_ids))
             if feats is None:
                 dtype = dtype or f.dtype
                 row_bytes = f.shape[-1] * torch.empty((), dtype=dtype).element_size()
@@ -84,17 +97,18 @@ class FeatureCache:
                 feats = torch.empty(split, f.shape[-1], dtype=dtype, device=device)
                 host = None
                 if split < int(offsets[-1]):
-                    host = torch.empty(int(offsets[-1]) - split, f.shape[-1], dtype=dtype,
-                                       pin_memory=torch.cuda.is_available())
+                    host = host_buffer(int(offsets[-1]) - split, f.shape[-1], dtype)
             for r, i in enumerate(idx):
                 lo, hi = int(offsets[i]), int(offsets[i + 1])
+                if greedy:
+                    best[lo:hi] = g[r, : hi - lo].to(torch.int32)
                 if hi <= split:
                     feats[lo:hi] = f[r, : hi - lo]
                 else:
                     host[lo - split : hi - split] = f[r, : hi - lo]
             bar.update(len(idx))
         bar.close()
-        return cls(feats, offsets, max_len, layer_ids, host_feats=host)
+        return cls(feats, offsets, max_len, layer_ids, host_feats=host, greedy=best)
 
     def batch(self, indices: list[int], t: int) -> torch.Tensor:
         """Right-padded features [len(indices), t, F] of sequences `indices` (the rows of
@@ -111,10 +125,30 @@ class FeatureCache:
         return out
 
 
+    def greedy_batch(self, indices: list[int], t: int) -> torch.Tensor:
+        """Right-padded greedy next tokens [len(indices), t] int64 of sequences `indices` (padding 0).
+
+        Raises:
+            ValueError: the cache was built without greedy=True."""
+        if self.greedy is None:
+            raise ValueError("this feature cache holds no greedy tokens: build it with greedy=True")
+        out = torch.zeros(len(indices), t, dtype=torch.long, device=self.greedy.device)
+        for r, i in enumerate(indices):
+            lo, hi = self.offsets[i], self.offsets[i + 1]
+            out[r, : hi - lo] = self.greedy[lo:hi]
+        return out
+
+
 def device_split(offsets: torch.Tensor, row_bytes: int, device_bytes: int | None) -> int:
     """Rows of a cache with sequence boundaries `offsets` [n + 1] that stay on the device: all of
     them when `device_bytes` is None or enough, else up to the last sequence boundary within
-    `device_bytes` (rows of `row_bytes` bytes each)."""
+    `device_bytes` (rows of `row_bytes` bytes each).
+
+    Raises:
+        ValueError: device_bytes < 0.
+    """
+    if device_bytes is not None and device_bytes < 0:
+        raise ValueError(f"device_bytes must be >= 0 bytes or None, got {device_bytes}")
     total = int(offsets[-1])
     if device_bytes is None or total * row_bytes <= device_bytes:
         return total
@@ -140,6 +174,29 @@ def sequences_that_fit(data: TokenDataset, max_len: int, bytes_per_token: int, b
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
     keep = torch.cumsum(lengths[order], 0) * bytes_per_token <= budget_bytes
     return sorted(order[keep].tolist())
+
+
+def host_buffer(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised [rows, cols] tensor in host memory, page-locked where CUDA is available so
+    that copies to the GPU run asynchronously. Registered as allocated: torch's pin_memory=True
+    rounds each allocation up to a power of two (48 GiB would lock 64).
+
+    Raises:
+        ValueError: it needs more than 90 % of the host memory available now (names both).
+    """
+    nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if nbytes > 0.9 * available:
+        raise ValueError(f"the host part of the feature cache needs {nbytes / 2**30:.1f} GiB but only "
+                         f"{available / 2**30:.1f} GiB of host memory is available: lower --cache-host-gib")
+    t = torch.empty(rows, cols, dtype=dtype)
+    if torch.cuda.is_available() and nbytes:
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 1))  # 1: cudaHostRegisterPortable
+        if err:
+            raise RuntimeError(f"page-locking {nbytes / 2**30:.1f} GiB of host memory failed (cudaError {err})")
+        weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 def _check_fits(nbytes: int, device: torch.device) -> None:

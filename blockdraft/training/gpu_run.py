@@ -195,7 +195,8 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
     features, train_data = None, data
     specs = json.loads(args.drafters)
     cfg = TrainConfig(steps=10**9, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors,
-                      lr=args.lr, warmup_frac=args.warmup_frac, seed=args.seed, log_every=25, ckpt_every=args.ckpt_every)
+                      lr=args.lr, warmup_frac=args.warmup_frac, seed=args.seed, log_every=25, ckpt_every=args.ckpt_every,
+                      greedy_labels=args.greedy_labels)
     trainers = {}
     for spec in specs:
         d = new_drafter(target_cfg, spec["num_layers"], args.block_size, spec.get("intermediate_size"),
@@ -216,7 +217,8 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
             t0 = time.time()
             train_data, device_bytes = _cacheable(args, data, hf, d.config.target_layer_ids, cfg.max_len)
             features = FeatureCache.build(target, train_data, d.config.target_layer_ids, cfg.max_len, args.device,
-                                          batch_size=args.batch_size, device_bytes=device_bytes)
+                                          batch_size=args.batch_size, device_bytes=device_bytes,
+                                          greedy=args.greedy_labels)
             host = 0 if features.host_feats is None else features.host_feats.shape[0]
             _log(f"target features cached: {tuple(features.feats.shape)} on the GPU, {host} tokens in host memory "
                  f"({time.time() - t0:.0f} s)")
@@ -243,6 +245,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         write_dataset_draft_vocab(work / name / "export", data, target_cfg.vocab_size, eos_ids,
                                   f"gpu_run training data {work / 'data'} (response tokens)")
         results["drafters"][name].update(final=summary, steps=tr.step, planned_steps=steps,
+                                         schedule_steps=tr.cfg.steps,
                                          train_seconds=round(time.time() - t0, 1))
         _log(f"{name}: {json.dumps(summary)}")
     return trainers
@@ -425,10 +428,16 @@ def main(argv=None) -> int:
     r.add_argument("--cache-host-gib", type=float, default=0.0,
                    help="with --cache-features: pinned host memory (GiB) for the part of the feature cache the GPU "
                         "cannot hold (copied to the GPU per batch); 0: the GPU's part only")
+    r.add_argument("--greedy-labels", action="store_true",
+                   help="label each draft slot with the target's argmax next token there (computed with the "
+                        "features) instead of the answer's token: the same for greedy answers, what verification "
+                        "accepts for sampled ones (TrainConfig.greedy_labels)")
     r.add_argument("--train-vocab-size", type=int, default=0, help="loss over the N most frequent answer tokens (0: all)")
     args = p.parse_args(argv)
-    if args.cmd == "run" and args.cache_host_gib < 0:
-        p.error(f"--cache-host-gib must be >= 0 GiB, got {args.cache_host_gib:g}")
+    if args.cmd == "run" and not 0 <= args.cache_host_gib < float("inf"):
+        p.error(f"--cache-host-gib must be a number >= 0 (GiB), got {args.cache_host_gib:g}")
+    if args.cmd == "run" and args.cache_host_gib and not args.cache_features:
+        p.error("--cache-host-gib holds part of the feature cache: it needs --cache-features")
     if args.cmd == "run" and args.synth_samples and not args.gen_engine:
         p.error("--synth-samples needs --gen-engine (the requests are sampled by our engine)")
     if args.cmd == "prep":

@@ -115,6 +115,7 @@ SYNTH_MAX_TOKENS=${SYNTH_MAX_TOKENS:-256}  # session 8: 8,037 of 16,384 synthesi
 LAYERS=${LAYERS:-2}  # session 7: 4, grown from the 2-layer drafter, shipped as an int8 pack (INT8=1)
 INT8=${INT8:-}
 CACHE_RESERVE=${CACHE_RESERVE:-64}  # GiB kept free beside the feature cache (gpu_run --cache-reserve-gib)
+GREEDY=${GREEDY:-}  # session 29, non-empty: gpu_run --greedy-labels (labels = the target's argmax next tokens)
 CACHE_HOST=${CACHE_HOST:-0}  # session 29: GiB of pinned host memory for the cache's overflow (gpu_run --cache-host-gib)
 GPU_TESTS=${GPU_TESTS-tests/gpu}  # session 6: the runner tests only (the async continuation changed); empty: none
 TEST_WORKERS=${TEST_WORKERS:-8}
@@ -153,7 +154,7 @@ train_fast() {
   local drafters='[{"name":"A","num_layers":'$LAYERS',"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"'${INT8:+',"int8":true'}'}]'
   local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
       --drafters '$drafters' --gen-seconds $GEN_SECONDS --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
-      --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE --cache-host-gib $CACHE_HOST \
+      --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE --cache-host-gib $CACHE_HOST ${GREEDY:+--greedy-labels} \
       --ckpt-every 500 --train-seconds $TRAIN --lr $LR --seed $SEED ${EVAL:+--eval-sequences $W/eval_sequences.safetensors}"
   # The GGUF is converted once, before the GPU tests and the engine (gpu_run --gen-engine) read it.
   # If the engine-answered run fails, the same run with transformers generate follows.

@@ -527,7 +527,7 @@ def train_drafter(args) -> dict:
         check_resume_dtype(Path(args.out), args.dtype, asked_dtype, device)
     cfg = TrainConfig(steps=settings["steps"], batch_size=settings["batch_size"], max_len=args.max_len,
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
-                      ckpt_every=args.ckpt_every, log_every=settings["log_every"])
+                      ckpt_every=args.ckpt_every, log_every=settings["log_every"], greedy_labels=args.greedy_labels)
     path, _, target_config = read_target_config(args.target, args.cache_dir)
     if init:  # before building on its target_layer_ids: a drafter of another target is named as such
         from blockdraft.spec.dflash.checkpoint import check_drafter_fits
@@ -569,7 +569,7 @@ def train_drafter(args) -> dict:
     features = None
     if args.cache_features:
         features = FeatureCache.build(train_target, data, drafter.config.target_layer_ids, cfg.max_len, device,
-                                      progress=True)
+                                      progress=True, greedy=args.greedy_labels)
     draft_vocab = None
     if args.train_vocab_size:
         draft_vocab = rank_dataset(data, target_config.vocab_size, eos_token_ids(target), args.train_vocab_size)[0]
@@ -592,7 +592,7 @@ def train_drafter(args) -> dict:
     summary = {"target": args.target, "settings": run, "drafter": str(out / "drafter"), "device": device,
                "dtype": args.dtype, "resumed": resumed,
                "params": num_parameters(drafter), "train_vocab_size": args.train_vocab_size,
-               "cache_features": args.cache_features, "data": data.info, "final": final,
+               "cache_features": args.cache_features, "greedy_labels": args.greedy_labels, "data": data.info, "final": final,
                "init_from": str(init[0]) if init else None, "new_layers": grown}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -47,6 +47,11 @@ class TrainConfig:
     pad_multiple: batch width rounded up to a multiple of this (dataset.collate; the same loss,
     few distinct shapes: on an H200 a 16-sequence step ran 140-170 ms on new shapes, 22 ms warm).
     ckpt_every: steps between checkpoints (0 = only at the end). log_every: steps per log line.
+    greedy_labels: label each block slot with the target's argmax next token at that position
+    (`TrainTarget.features_and_greedy`) instead of the token the answer holds there. The same for
+    answers decoded greedily; for sampled ones it trains the drafter on what verification accepts
+    (a draft is accepted when it equals the target's greedy token at T = 0, and the target's
+    most likely token is the draft most often accepted by exact-match sampling at T > 0).
     """
 
     steps: int = 1000
@@ -65,6 +70,7 @@ class TrainConfig:
     ckpt_every: int = 0
     log_every: int = 10
     pad_multiple: int = 64
+    greedy_labels: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("batch_size", 1), ("max_len", 2), ("num_anchors", 1), ("ckpt_every", 0),
@@ -72,6 +78,8 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.greedy_labels, bool):
+            raise ValueError(f"greedy_labels must be True or False, got {self.greedy_labels!r}")
         if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool)
                                               or not isinstance(self.warmup_steps, int) or self.warmup_steps < 1):
             raise ValueError(f"warmup_steps must be None or an integer >= 1, got {self.warmup_steps!r}")
@@ -82,6 +90,15 @@ class TrainConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
         if not self.weight_decay >= 0 or not self.grad_clip >= 0:
             raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay!r}, {self.grad_clip!r}")
+
+
+def greedy_label_ids(input_ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """Token ids whose position p >= 1 holds the target's greedy choice there, greedy[:, p - 1]
+    (input_ids, greedy: [b, T] int64); position 0 keeps its token (never a label). What
+    `block_labels` reads for TrainConfig.greedy_labels."""
+    out = input_ids.clone()
+    out[:, 1:] = greedy[:, :-1]
+    return out
 
 
 def warmup_length(cfg: TrainConfig) -> int:
@@ -193,6 +210,9 @@ class Trainer:
             raise ValueError(f"the feature cache holds layers {got[0]}, max_len {got[1]}, {got[2]} sequences; this "
                              f"trainer needs layers {want[0]}, max_len {want[1]}, {want[2]} sequences: build it "
                              f"for this drafter, config and dataset")
+        if self.cfg.greedy_labels and cache.greedy is None:
+            raise ValueError("greedy_labels needs the target's greedy tokens in the feature cache: build it with "
+                             "FeatureCache.build(..., greedy=True)")
 
     def _draft_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(LM-head rows [N, H], label map [V] int64: target id -> draft column, -1 outside)."""
@@ -232,8 +252,13 @@ class Trainer:
         dcfg = self.drafter.config
         indices = self.batch_indices(step)
         batch = collate(self.data, indices, self.cfg.max_len, self.cfg.pad_multiple).to(self.device)
+        greedy = None
         if self.features is not None:
             feats = self.features.batch(indices, batch.input_ids.shape[1])
+            if self.cfg.greedy_labels:
+                greedy = self.features.greedy_batch(indices, batch.input_ids.shape[1]).to(self.device)
+        elif self.cfg.greedy_labels:
+            feats, greedy = self.target.features_and_greedy(batch.input_ids, batch.lengths, dcfg.target_layer_ids)
         else:
             feats = self.target.features(batch.input_ids, batch.lengths, dcfg.target_layer_ids)
         gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
@@ -244,7 +269,8 @@ class Trainer:
         embeds = self.target.embed(block_ids.view(b, a * bs))
         if dcfg.input_embedding_scale != 1.0:
             embeds = embeds * dcfg.input_embedding_scale
-        labels, keep = block_labels(batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, bs)
+        label_ids = batch.input_ids if greedy is None else greedy_label_ids(batch.input_ids, greedy)
+        labels, keep = block_labels(label_ids, batch.loss_mask, batch.lengths, anchors, valid, bs)
         return {"feats": feats, "anchors": anchors, "valid": valid, "embeds": embeds, "labels": labels, "keep": keep}
 
     def loss_on(self, prep: dict) -> tuple[torch.Tensor, dict]:
@@ -417,7 +443,11 @@ _clock = time.perf_counter  # seconds; the re-plan's clock (tests step it by han
 
 def replan_steps(step: int, elapsed_s: float, pace_s: float, budget_s: float) -> int:
     """Total steps of a schedule that should end `budget_s` seconds after its start, now at step
-    `step` after `elapsed_s` seconds, at `pace_s` seconds per step; at least step + 1."""
+    `step` after `elapsed_s` seconds, at `pace_s` seconds per step; at least step + 1.
+
+    Raises:
+        ValueError: pace_s is not > 0.
+    """
     if not pace_s > 0:
         raise ValueError(f"pace_s must be > 0 seconds per step, got {pace_s!r}")
     return max(step + 1, step + int((budget_s - elapsed_s) / pace_s))
@@ -434,15 +464,16 @@ def fit_together(
     trainer's last logged summary.
 
     budget_seconds: the schedule should end this many seconds after the call. cfg.steps is then a
-    first estimate: after REPLAN_WARM_STEPS + REPLAN_FIRST steps, and again half way through the
-    new plan, every trainer's cfg.steps is re-set from the pace measured since step
-    REPLAN_WARM_STEPS (`replan_steps`), the warmup length kept (cfg.warmup_steps). The step count
+    first estimate: after REPLAN_WARM_STEPS + REPLAN_FIRST steps (sooner in a shorter first plan),
+    and again half way through the steps the new plan has left, every trainer's cfg.steps is re-set
+    from the pace measured since step REPLAN_WARM_STEPS (`replan_steps`), each trainer's warmup
+    length kept in cfg.warmup_steps (cut to the new plan's length - 1 if longer). The step count
     then follows the machine's pace; each step's batch and anchors stay a function of the seed.
     Session 29's H200 run planned 2,064 steps for 480 s from 8 timed passes and was done after 264 s.
 
     Raises:
-        ValueError: the trainers do not share data, target, seed, batch settings, block size,
-            mask token and target_layer_ids (their prepared steps would differ).
+        ValueError: the trainers do not share data, target, seed, batch settings, greedy_labels,
+            block size, mask token and target_layer_ids (their prepared steps would differ).
     """
     from tqdm.auto import tqdm
 
@@ -452,8 +483,13 @@ def fit_together(
     windows, last = [StepStats() for _ in trainers], [{} for _ in trainers]
     t0 = time.perf_counter()
     stop = lead.cfg.steps if until is None else min(until, lead.cfg.steps)
-    start, mark, clock0 = lead.step, None, _clock()
-    next_replan = start + REPLAN_WARM_STEPS + REPLAN_FIRST if budget_seconds is not None else None
+    start, clock0 = lead.step, _clock()
+    # the first re-plan (and where its pace measurement starts) comes sooner in a short first plan
+    next_replan = min(start + REPLAN_WARM_STEPS + REPLAN_FIRST, stop - 1) if budget_seconds is not None else None
+    if next_replan is not None and next_replan <= start:
+        next_replan = None  # one step planned: nothing to re-plan
+    mark_at = None if next_replan is None else min(start + REPLAN_WARM_STEPS, (start + next_replan) // 2)
+    mark, first = ((start, clock0) if mark_at == start else None), True
     while lead.step < stop:
         prep = lead.prepare(lead.step)
         for i, tr in enumerate(trainers):
@@ -461,22 +497,22 @@ def fit_together(
         del prep
         bar.update(1)
         step = lead.step
-        if next_replan is not None and step == start + REPLAN_WARM_STEPS:
+        if next_replan is not None and step == mark_at:
             mark = (step, _clock())
         if next_replan is not None and step == next_replan and mark is not None:
             now = _clock()
             total = replan_steps(step, now - clock0, (now - mark[1]) / (step - mark[0]), budget_seconds)
-            warmup = warmup_length(lead.cfg)
-            for tr in trainers:
-                tr.cfg = replace(tr.cfg, steps=total, warmup_steps=warmup)
+            for tr in trainers:  # each keeps its warmup, cut only where it would outlast the new plan
+                tr.cfg = replace(tr.cfg, steps=total, warmup_steps=min(warmup_length(tr.cfg), max(1, total - 1)))
+            warmup = lead.cfg.warmup_steps
             stop = total if until is None else min(until, total)
             bar.total = total
             bar.refresh()
             if progress:
                 bar.write(f"train: {total} steps fit the {budget_seconds:.0f} s budget at the pace of steps "
-                          f"{mark[0]}-{step}: schedule re-planned (warmup unchanged: {warmup} steps)")
-            first = next_replan == start + REPLAN_WARM_STEPS + REPLAN_FIRST
+                          f"{mark[0]}-{step}: schedule re-planned (warmup {warmup} steps)")
             next_replan = step + (total - step) // 2 if first and total - step >= 2 else None
+            first = False
         if step % lead.cfg.log_every == 0 or step == lead.cfg.steps:
             for i, tr in enumerate(trainers):
                 last[i], windows[i] = tr._log(windows[i], time.perf_counter() - t0), StepStats()
@@ -506,13 +542,14 @@ def _check_shareable(trainers: list[Trainer]) -> None:
     lead = trainers[0]
     key = lambda t: (  # noqa: E731
         id(t.data), id(t.target), t.cfg.seed, t.cfg.batch_size, t.cfg.max_len, t.cfg.num_anchors, t.step,
+        t.cfg.greedy_labels,
         t.drafter.config.block_size, t.drafter.config.mask_token_id, t.drafter.config.target_layer_ids,
         t.drafter.config.input_embedding_scale,
     )
     for t in trainers[1:]:
         if key(t) != key(lead):
             raise ValueError("drafters trained together must share data, target, seed, batch settings, step, "
-                             "block size, mask token and target_layer_ids")
+                             "greedy_labels, block size, mask token and target_layer_ids")
 
 
 def _as_json(value):

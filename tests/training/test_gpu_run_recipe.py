@@ -162,4 +162,12 @@ def test_gpu_run_refuses_a_negative_host_cache_naming_it(capsys):
     with pytest.raises(SystemExit):
         gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
                       "--cache-host-gib", "-1"])
-    assert "--cache-host-gib must be >= 0 GiB, got -1" in capsys.readouterr().err
+    assert "--cache-host-gib must be a number >= 0 (GiB), got -1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
+                      "--cache-host-gib", "nan", "--cache-features"])
+    assert "--cache-host-gib must be a number >= 0 (GiB), got nan" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
+                      "--cache-host-gib", "8"])
+    assert "--cache-host-gib holds part of the feature cache: it needs --cache-features" in capsys.readouterr().err

@@ -81,12 +81,16 @@ def test_sequences_that_fit_keep_a_seeded_random_part_within_the_budget():
 def test_the_gpu_run_trains_on_what_fits_beside_the_reserve(monkeypatch):
     data = _data([10] * 40)  # 400 tokens
     hf = SimpleNamespace(config=SimpleNamespace(hidden_size=8), dtype=torch.bfloat16)  # 2 layers: 32 bytes/token
-    args = SimpleNamespace(device="cuda", cache_reserve_gib=1.0, seed=0)
+    args = SimpleNamespace(device="cuda", cache_reserve_gib=1.0, cache_host_gib=0.0, seed=0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30 + 6400, 2**34))
-    part = gpu_run._cacheable(args, data, hf, (1, 2), 1024)
-    assert len(part) == 20 and part.info["num_tokens"] == 200  # 6400 bytes / 32 per token
+    part, on_gpu = gpu_run._cacheable(args, data, hf, (1, 2), 1024)
+    assert len(part) == 20 and part.info["num_tokens"] == 200 and on_gpu is None  # 6400 bytes / 32 per token
+    # --cache-host-gib: host memory holds what the GPU cannot; the GPU part is what is left beside the reserve
+    args.cache_host_gib = 3200 / 2**30
+    part, on_gpu = gpu_run._cacheable(args, data, hf, (1, 2), 1024)
+    assert len(part) == 30 and on_gpu == 6400
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**31, 2**34))
-    assert gpu_run._cacheable(args, data, hf, (1, 2), 1024) is data
+    assert gpu_run._cacheable(args, data, hf, (1, 2), 1024) == (data, 2**30)
 
 
 def test_the_feature_cache_refuses_data_made_for_another_target(tiny):

@@ -75,24 +75,50 @@ def test_replan_steps_fills_the_budget_at_the_measured_pace():
         replan_steps(1, 1.0, 0.0, 10.0)
 
 
-@pytest.mark.parametrize("budget, planned, final", [(20.0, 6, 20), (5.0, 50, 5)])
-def test_a_time_budget_replans_the_schedule_from_the_pace(tiny, tmp_path, monkeypatch, budget, planned, final):
-    """Each step takes 1 s on the re-plan's clock: a plan made too short grows to the budget, one
-    made too long shrinks to it; the warmup length of the first plan is kept."""
+def _timed(monkeypatch, tr, seconds_of_step):
+    """Step `tr` on a fake re-plan clock: optimizer step s (1-based) takes seconds_of_step(s)."""
     import blockdraft.training.trainer as trainer_mod
 
     clock = [0.0]
     monkeypatch.setattr(trainer_mod, "_clock", lambda: clock[0])
     monkeypatch.setattr(trainer_mod, "REPLAN_WARM_STEPS", 1)
     monkeypatch.setattr(trainer_mod, "REPLAN_FIRST", 2)
-    tr = _trainer(tiny, tmp_path, steps=planned, warmup_frac=0.5)
-    warmup = max(1, round(0.5 * planned))
     step = tr.train_step
-    monkeypatch.setattr(tr, "train_step", lambda prep=None: (clock.__setitem__(0, clock[0] + 1.0), step(prep))[1])
-    trainer_mod.fit_together([tr], progress=False, budget_seconds=budget)
+
+    def timed_step(prep=None):
+        clock[0] += seconds_of_step(tr.step + 1)
+        return step(prep)
+
+    monkeypatch.setattr(tr, "train_step", timed_step)
+
+
+@pytest.mark.parametrize("budget, planned, cost, final, warmup", [
+    (30.0, 6, lambda s: 5.0 if s == 1 else 1.0, 26, 3),  # too short; the slow first step is not the pace
+    (30.0, 6, lambda s: 5.0 if s == 1 else 1.0 if s <= 3 else 2.0, 15, 3),  # slower later: the second re-plan
+    (5.0, 50, lambda s: 1.0, 5, 4),  # too long: shrinks, and the warmup (25) is cut to fit
+    (20.0, 2, lambda s: 1.0, 20, 1),  # a plan shorter than the re-plan point is re-planned too
+])
+def test_a_time_budget_replans_the_schedule_from_the_pace(tiny, tmp_path, monkeypatch, budget, planned, cost,
+                                                          final, warmup):
+    """A plan made too short grows to the budget, one made too long shrinks to it, at the pace measured
+    after the warm-up steps; the first plan's warmup length is kept (up to the new length - 1)."""
+    from blockdraft.training.trainer import fit_together
+
+    tr = _trainer(tiny, tmp_path, steps=planned, warmup_frac=0.5)
+    _timed(monkeypatch, tr, cost)
+    fit_together([tr], progress=False, budget_seconds=budget)
     assert tr.step == final and tr.cfg.steps == final and tr.cfg.warmup_steps == warmup
     saved = json.loads((tmp_path / "checkpoint" / "state.json").read_text())["train_config"]
     assert saved["steps"] == final and saved["warmup_steps"] == warmup
+
+
+def test_a_replanned_run_still_stops_at_until(tiny, tmp_path, monkeypatch):
+    from blockdraft.training.trainer import fit_together
+
+    tr = _trainer(tiny, tmp_path, steps=6)
+    _timed(monkeypatch, tr, lambda s: 1.0)
+    fit_together([tr], progress=False, budget_seconds=20.0, until=5)
+    assert tr.step == 5 and tr.cfg.steps == 20  # interrupted: the schedule spans the re-planned 20
 
 
 def test_without_a_budget_the_plan_stands(tiny, tmp_path):

@@ -107,12 +107,16 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     assert [o.token_ids for o in sliced.generate(prompts, params)] == [o.token_ids for o in plain]
 
 
-    # Again on the same answers, with the target features cached and the loss over the 256 ids.
+    # Again on the same answers, with the target features cached, the loss over the 256 ids and the
+    # target's greedy tokens as labels.
     args = ["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "fast"), "--data", str(out / "data"),
-            "--steps", "2", "--cache-features", "--train-vocab-size", "256"]
+            "--steps", "2", "--cache-features", "--train-vocab-size", "256", "--greedy-labels"]
     assert main(args) == 0
     fast = json.loads(capsys.readouterr().out)
     assert fast["cache_features"] and fast["train_vocab_size"] == 256 and fast["final"]["step"] == 2
+    assert fast["greedy_labels"]
+    saved = json.loads((tmp_path / "fast" / "checkpoint" / "state.json").read_text())["train_config"]
+    assert saved["greedy_labels"] is True
     assert load_draft_vocab(tmp_path / "fast" / "drafter", 256, target.config.vocab_size).tolist() == ids.tolist()
     # and it decodes over the 256 ids it was trained on without being told (speculative.json)
     trained = LLM(target=target, draft=str(tmp_path / "fast" / "drafter"), dtype="float32")
