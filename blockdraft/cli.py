@@ -247,9 +247,10 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "step: same result, much faster over several epochs")
     t.add_argument("--greedy-labels", action="store_true",
                    help="label each draft slot with the target's greedy (argmax) next token at that position "
-                        "instead of the answer's token: the same for answers decoded at T=0, and for the sampled "
-                        "ones (--sampled-fraction) the token verification accepts; one LM-head pass per training "
-                        "sequence on top of its features (with --cache-features: once)")
+                        "instead of the answer's token: the same for answers decoded at T=0; in the sampled ones "
+                        "(--sampled-fraction) each block learns the target's greedy continuation from its start "
+                        "(what verification accepts) and slots past a token that left it are not trained; one "
+                        "LM-head pass per training sequence on top of its features (with --cache-features: once)")
     t.add_argument("--train-vocab-size", type=int, default=0,
                    help="train the loss over the LM-head rows of the N most frequent answer tokens (EOS first), "
                         "the draft vocabulary that decoding with --draft-vocab-size N uses; N/V of the LM-head "

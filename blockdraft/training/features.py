@@ -27,10 +27,10 @@ class FeatureCache:
 
     Sequence i holds rows offsets[i]:offsets[i+1] of the two tensors stacked (its first
     min(length, max_len) tokens), the outputs of target layers `layer_ids` (what the Trainer checks
-    against its drafter and config). Sequences never straddle the split: `device_rows` of them are
-    in `feats`, the rest in `host_feats`. `greedy` [total_tokens]
-    int32 on the device (built with greedy=True, else None): the target's argmax next token after
-    each cached position, for TrainConfig.greedy_labels.
+    against its drafter and config). Sequences never straddle the split: the first `device_rows`
+    rows are in `feats`, the rest in `host_feats`. `greedy` [total_tokens] int32 on the device
+    (built with greedy=True, else None): the target's argmax next token after each cached
+    position, for TrainConfig.greedy_labels.
     """
 
     def __init__(self, feats: torch.Tensor, offsets: torch.Tensor, max_len: int, layer_ids: tuple[int, ...],
@@ -124,12 +124,12 @@ class FeatureCache:
                 out[r, : hi - lo].copy_(self.host_feats[lo - split : hi - split], non_blocking=True)
         return out
 
-
     def greedy_batch(self, indices: list[int], t: int) -> torch.Tensor:
         """Right-padded greedy next tokens [len(indices), t] int64 of sequences `indices` (padding 0).
 
         Raises:
-            ValueError: the cache was built without greedy=True."""
+            ValueError: the cache was built without greedy=True.
+        """
         if self.greedy is None:
             raise ValueError("this feature cache holds no greedy tokens: build it with greedy=True")
         out = torch.zeros(len(indices), t, dtype=torch.long, device=self.greedy.device)
@@ -185,7 +185,7 @@ def host_buffer(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
         ValueError: it needs more than 90 % of the host memory available now (names both).
     """
     nbytes = rows * cols * torch.empty((), dtype=dtype).element_size()
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = available_host_bytes()
     if nbytes > 0.9 * available:
         raise ValueError(f"the host part of the feature cache needs {nbytes / 2**30:.1f} GiB but only "
                          f"{available / 2**30:.1f} GiB of host memory is available: lower --cache-host-gib")
@@ -197,6 +197,19 @@ def host_buffer(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
             raise RuntimeError(f"page-locking {nbytes / 2**30:.1f} GiB of host memory failed (cudaError {err})")
         weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return t
+
+
+def available_host_bytes() -> int:
+    """Host memory available to a new allocation (bytes): /proc/meminfo's MemAvailable (free memory
+    plus reclaimable page cache), else the free pages sysconf counts."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _check_fits(nbytes: int, device: torch.device) -> None:

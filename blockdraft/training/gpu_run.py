@@ -429,9 +429,9 @@ def main(argv=None) -> int:
                    help="with --cache-features: pinned host memory (GiB) for the part of the feature cache the GPU "
                         "cannot hold (copied to the GPU per batch); 0: the GPU's part only")
     r.add_argument("--greedy-labels", action="store_true",
-                   help="label each draft slot with the target's argmax next token there (computed with the "
-                        "features) instead of the answer's token: the same for greedy answers, what verification "
-                        "accepts for sampled ones (TrainConfig.greedy_labels)")
+                   help="label each draft slot with the target's greedy continuation from the block's start "
+                        "(argmax next tokens, computed with the features) instead of the answer's tokens: the same "
+                        "for greedy answers, what verification accepts for sampled ones (TrainConfig.greedy_labels)")
     r.add_argument("--train-vocab-size", type=int, default=0, help="loss over the N most frequent answer tokens (0: all)")
     args = p.parse_args(argv)
     if args.cmd == "run" and not 0 <= args.cache_host_gib < float("inf"):

@@ -136,15 +136,17 @@ class HFTarget:
         Raises:
             ValueError: a layer id >= L - 1 (HF's last hidden state is after the final norm).
         """
-        if max(layer_ids) >= self.num_hidden_layers - 1:
-            raise ValueError(f"layer ids {layer_ids}: HF features support ids < {self.num_hidden_layers - 1}")
         return self.features_and_greedy(input_ids, lengths, layer_ids, greedy=False)[0]
 
     @torch.no_grad()
     def features_and_greedy(self, input_ids: torch.Tensor, lengths: torch.Tensor, layer_ids: tuple[int, ...],
                             greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`features` and the argmax of the LM head over the final-normed last hidden state at
-        every position (TrainTarget; greedy=False: None instead)."""
+        every position (TrainTarget; greedy=False: None instead).
+
+        Raises:
+            ValueError: a layer id >= L - 1 (as `features`).
+        """
         if max(layer_ids) >= self.num_hidden_layers - 1:
             raise ValueError(f"layer ids {layer_ids}: HF features support ids < {self.num_hidden_layers - 1}")
         out = self.model.model(input_ids=input_ids, output_hidden_states=True, use_cache=False)

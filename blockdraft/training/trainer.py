@@ -47,11 +47,12 @@ class TrainConfig:
     pad_multiple: batch width rounded up to a multiple of this (dataset.collate; the same loss,
     few distinct shapes: on an H200 a 16-sequence step ran 140-170 ms on new shapes, 22 ms warm).
     ckpt_every: steps between checkpoints (0 = only at the end). log_every: steps per log line.
-    greedy_labels: label each block slot with the target's argmax next token at that position
-    (`TrainTarget.features_and_greedy`) instead of the token the answer holds there. The same for
-    answers decoded greedily; for sampled ones it trains the drafter on what verification accepts
-    (a draft is accepted when it equals the target's greedy token at T = 0, and the target's
-    most likely token is the draft most often accepted by exact-match sampling at T > 0).
+    greedy_labels: label each block slot with the target's greedy continuation from the block's
+    anchor: the argmax next token after the answer's tokens (`TrainTarget.features_and_greedy`),
+    kept only while the answer's tokens before it in the block are the greedy ones
+    (`on_greedy_chain`). The same labels for answers decoded greedily; for sampled ones, what
+    verification accepts (a draft is accepted when it equals the target's greedy token at T = 0,
+    and the most likely token is the draft exact-match sampling at T > 0 accepts most often).
     """
 
     steps: int = 1000
@@ -99,6 +100,24 @@ def greedy_label_ids(input_ids: torch.Tensor, greedy: torch.Tensor) -> torch.Ten
     out = input_ids.clone()
     out[:, 1:] = greedy[:, :-1]
     return out
+
+
+def on_greedy_chain(input_ids: torch.Tensor, label_ids: torch.Tensor, anchors: torch.Tensor,
+                    block_size: int) -> torch.Tensor:
+    """[b, A, B-1] bool: slot k of the block at each anchor a sits on the target's greedy chain from
+    a, i.e. the answer's tokens at a+1 .. a+k-1 are the greedy ones (input_ids == label_ids there;
+    input_ids, label_ids [b, T] int64 from `greedy_label_ids`; anchors [b, A]). The drafter drafts
+    all slots from the context up to a, and verification reaches slot k only through drafts equal
+    to the greedy tokens before it: past a sampled token that left the chain, the argmax after the
+    answer's tokens is not a label of that chain. Positions past T read the last column (their
+    slots are dropped by block_labels' length mask anyway)."""
+    t = input_ids.shape[1]
+    pos = (anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)).clamp(max=t - 1)
+    flat = pos.reshape(pos.shape[0], -1)
+    greedy_here = (input_ids.gather(1, flat) == label_ids.gather(1, flat)).view_as(pos)
+    ok = torch.ones_like(greedy_here)
+    ok[..., 1:] = greedy_here[..., :-1].long().cumprod(-1).bool()  # every earlier slot's token greedy
+    return ok
 
 
 def warmup_length(cfg: TrainConfig) -> int:
@@ -271,6 +290,9 @@ class Trainer:
             embeds = embeds * dcfg.input_embedding_scale
         label_ids = batch.input_ids if greedy is None else greedy_label_ids(batch.input_ids, greedy)
         labels, keep = block_labels(label_ids, batch.loss_mask, batch.lengths, anchors, valid, bs)
+        if greedy is not None:  # a slot counts only on the greedy chain from its anchor
+            keep &= on_greedy_chain(batch.input_ids, label_ids, anchors, bs)
+            labels = torch.where(keep, labels, torch.zeros_like(labels))
         return {"feats": feats, "anchors": anchors, "valid": valid, "embeds": embeds, "labels": labels, "keep": keep}
 
     def loss_on(self, prep: dict) -> tuple[torch.Tensor, dict]:
@@ -427,7 +449,9 @@ def checkpoint_differences(state: dict, cfg: TrainConfig, train_vocab_size: int)
     """The settings a checkpoint's `state` was trained with that differ from `cfg` / `train_vocab_size`,
     as "name=saved (now asked)"; every TrainConfig field counts but ckpt_every and log_every (they
     change neither the batches, anchors, schedule nor loss)."""
-    saved = {**state.get("train_config", {}), "train_vocab_size": state.get("train_vocab_size", 0)}
+    # fields added after checkpoints were first written: absent means the behaviour before them
+    saved = {"warmup_steps": None, "greedy_labels": False, **state.get("train_config", {}),
+             "train_vocab_size": state.get("train_vocab_size", 0)}
     asked = {**asdict(cfg), "train_vocab_size": train_vocab_size}
     return [f"{k}={saved[k]!r} (now {asked[k]!r})" for k in asked
             if k not in ("ckpt_every", "log_every") and k in saved and _as_json(saved[k]) != _as_json(asked[k])]

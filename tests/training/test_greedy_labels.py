@@ -8,7 +8,8 @@ import torch
 from blockdraft.training.build import new_drafter
 from blockdraft.training.features import FeatureCache
 from blockdraft.training.target import EngineTarget, HFTarget, greedy_ids
-from blockdraft.training.trainer import TrainConfig, Trainer, fit_together, greedy_label_ids
+from blockdraft.training.trainer import (TrainConfig, Trainer, checkpoint_differences, fit_together,
+                                         greedy_label_ids, on_greedy_chain)
 from tests.training._tiny import MASK_ID, tiny_data
 
 
@@ -30,6 +31,36 @@ def test_greedy_label_ids_shift_the_argmax_by_one():
     ids = torch.tensor([[5, 6, 7, 8]])
     greedy = torch.tensor([[16, 17, 18, 19]])
     assert greedy_label_ids(ids, greedy).tolist() == [[5, 16, 17, 18]]
+
+
+def test_only_slots_on_the_greedy_chain_from_the_anchor_count():
+    """Block at anchor 1 (B = 4): slots 1..3 are positions 2..4. The answer's token at 3 is not the
+    greedy one, so slot 3 (position 4), reached only through position 3, is dropped; slot 2 is kept."""
+    ids = torch.tensor([[1, 2, 3, 9, 5, 6]])
+    labels = torch.tensor([[1, 2, 3, 4, 5, 6]])  # greedy_label_ids: position 3's greedy token is 4
+    assert on_greedy_chain(ids, labels, torch.tensor([[1]]), 4).tolist() == [[[True, True, False]]]
+    assert on_greedy_chain(labels, labels, torch.tensor([[1]]), 4).tolist() == [[[True, True, True]]]
+
+
+def test_greedy_labels_change_nothing_for_greedy_answers(tiny, tmp_path):
+    """Unsampled (greedy) answers: the same labels and kept slots as the answers' own tokens; sampled
+    ones: a subset of the slots, slot 1 always kept."""
+    greedy, plain = _trainer(tiny, tmp_path / "a"), _trainer(tiny, tmp_path / "b", greedy_labels=False)
+    sampled = torch.tensor(tiny[4])
+    dropped = 0
+    for step in range(4):
+        g, p = greedy.prepare(step), plain.prepare(step)
+        rows = ~sampled[greedy.batch_indices(step)]
+        assert torch.equal(g["keep"][rows], p["keep"][rows]) and torch.equal(g["labels"][rows], p["labels"][rows])
+        assert not (g["keep"] & ~p["keep"]).any() and torch.equal(g["keep"][..., 0], p["keep"][..., 0])
+        dropped += int((p["keep"] & ~g["keep"]).sum())
+    assert dropped > 0
+
+
+def test_a_checkpoint_from_before_greedy_labels_counts_as_trained_without_them():
+    old = {"train_config": {k: v for k, v in TrainConfig().__dict__.items() if k not in ("greedy_labels", "warmup_steps")}}
+    assert checkpoint_differences(old, TrainConfig(), 0) == []
+    assert checkpoint_differences(old, TrainConfig(greedy_labels=True), 0) == ["greedy_labels=False (now True)"]
 
 
 def test_greedy_answers_keep_their_labels_and_sampled_ones_take_the_argmax(tiny):
@@ -60,9 +91,8 @@ def test_cached_and_per_step_greedy_labels_agree(tiny, tmp_path):
     moved = 0
     for step in range(4):
         a, b, c = per_step.prepare(step), cached.prepare(step), plain.prepare(step)
-        assert torch.equal(a["keep"], b["keep"]) and torch.equal(a["keep"], c["keep"])
-        assert torch.equal(a["labels"], b["labels"])
-        moved += int((a["labels"] != c["labels"]).sum())
+        assert torch.equal(a["keep"], b["keep"]) and torch.equal(a["labels"], b["labels"])
+        moved += int((a["labels"] != c["labels"])[a["keep"]].sum())
     assert moved > 0  # the sampled answers' labels changed
     for _ in range(3):
         la, _ = per_step.train_step()
