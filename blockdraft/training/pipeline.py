@@ -466,6 +466,36 @@ def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: i
     return json.loads(summary.read_text())
 
 
+# train-drafter's flag for each TrainConfig field a checkpoint records (others by their own name)
+RESUME_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "max_len": "--max-len", "num_anchors": "--num-anchors",
+                "lr": "--lr", "seed": "--seed", "greedy_labels": "--greedy-labels",
+                "train_vocab_size": "--train-vocab-size"}
+
+
+def check_resume_settings(out: Path, cfg, train_vocab_size: int) -> None:
+    """Refuse, before anything loads, to resume the checkpoint in `out` with other training settings
+    (the check Trainer.load_checkpoint makes once the target, answers and features are ready),
+    naming each flag as given then and now.
+
+    Raises:
+        ValueError: a setting differs (the message says how to go on).
+    """
+    from blockdraft.training.trainer import checkpoint_difference_items, read_checkpoint_state
+
+    state = read_checkpoint_state(out)
+    items = [] if state is None else checkpoint_difference_items(state, cfg, train_vocab_size)
+    if not items:
+        return
+
+    def shown(value) -> str:
+        return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+    differ = ", ".join(f"{RESUME_FLAGS.get(k, k)} {shown(v)} (now {shown(now)})" for k, v, now in items)
+    raise ValueError(f"the run in {out} (its checkpoint, step {state['step']}) was trained with {differ}: rerun with "
+                     f"those to resume it (or to see it is finished), or start over with --no-resume or in another "
+                     f"--out")
+
+
 def check_resume_dtype(out: Path, dtype: str, asked: str, device: str) -> None:
     """A run resumed from the checkpoint in `out` keeps the target dtype it started with: its
     features so far (and its data/) came from the target in that dtype, and a resume in another one
@@ -549,6 +579,8 @@ def train_drafter(args) -> dict:
     finished = None if args.no_resume else finished_run(out, folder, cfg, drafter.config, args.train_vocab_size, asked)
     if finished is not None:
         return finished
+    if not args.no_resume:  # before the answers and features are made, not after
+        check_resume_settings(out, cfg, args.train_vocab_size)
     # The dataset is checked (its target, dtype and data settings) before any weights load.
     data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size, asked_dtype, device)
     grown = None

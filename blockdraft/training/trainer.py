@@ -445,16 +445,21 @@ def read_checkpoint_state(out_dir: str | Path) -> dict | None:
     return json.loads(file.read_text()) if file.is_file() else None
 
 
-def checkpoint_differences(state: dict, cfg: TrainConfig, train_vocab_size: int) -> list[str]:
-    """The settings a checkpoint's `state` was trained with that differ from `cfg` / `train_vocab_size`,
-    as "name=saved (now asked)"; every TrainConfig field counts but ckpt_every and log_every (they
+def checkpoint_difference_items(state: dict, cfg: TrainConfig, train_vocab_size: int) -> list[tuple[str, object, object]]:
+    """(name, saved, asked) of each setting a checkpoint's `state` was trained with that differs from
+    `cfg` / `train_vocab_size`; every TrainConfig field counts but ckpt_every and log_every (they
     change neither the batches, anchors, schedule nor loss)."""
     # fields added after checkpoints were first written: absent means the behaviour before them
     saved = {"warmup_steps": None, "greedy_labels": False, **state.get("train_config", {}),
              "train_vocab_size": state.get("train_vocab_size", 0)}
     asked = {**asdict(cfg), "train_vocab_size": train_vocab_size}
-    return [f"{k}={saved[k]!r} (now {asked[k]!r})" for k in asked
+    return [(k, saved[k], asked[k]) for k in asked
             if k not in ("ckpt_every", "log_every") and k in saved and _as_json(saved[k]) != _as_json(asked[k])]
+
+
+def checkpoint_differences(state: dict, cfg: TrainConfig, train_vocab_size: int) -> list[str]:
+    """`checkpoint_difference_items` as "name=saved (now asked)"."""
+    return [f"{k}={s!r} (now {a!r})" for k, s, a in checkpoint_difference_items(state, cfg, train_vocab_size)]
 
 
 # fit_together's re-plan under a time budget: the pace is measured from REPLAN_WARM_STEPS steps in

@@ -63,8 +63,13 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
         # other data flags are not ignored by the finished run: its dataset refuses them by name
         assert main([*args, "--num-prompts", "3"]) == 2
         assert "was made with --num-prompts 4; this run asks for --num-prompts 3" in capsys.readouterr().err
-        with pytest.raises(Loading):  # more steps: not finished, resumed (and refused: the schedule differs)
-            main([*args, "--steps", "4"])
+        # more steps or other labels: refused before anything loads (the schedule / the loss differ)
+        assert main([*args, "--steps", "4"]) == 2
+        assert (f"the run in {out} (its checkpoint, step 3) was trained with --steps 3 (now 4): rerun with those to "
+                f"resume it (or to see it is finished), or start over with --no-resume or in another --out") in \
+            capsys.readouterr().err
+        assert main([*args, "--greedy-labels"]) == 2
+        assert "was trained with --greedy-labels off (now on): rerun with those" in capsys.readouterr().err
         with pytest.raises(Loading):  # --no-resume starts over
             main([*args, "--no-resume"])
     assert "already holds a finished run" not in capsys.readouterr().err
