@@ -67,11 +67,13 @@ class FeatureCache:
                 on `device`; TrainTarget.features_and_greedy).
         Raises:
             ValueError: the cache does not fit in the free memory of a CUDA `device` (the message
-                gives the bytes needed and free; train without the cache then); token ids outside
+                gives the bytes needed and free; train without the cache then); no sequences; token ids outside
                 the target's vocabulary (TokenDataset.check_token_ids).
         """
         from tqdm.auto import tqdm
 
+        if len(data) == 0:
+            raise ValueError("the feature cache needs at least one sequence, got an empty dataset")
         data.check_token_ids(target.vocab_size)
         device = torch.device(device)
         lengths = data.lengths().clamp(max=max_len)

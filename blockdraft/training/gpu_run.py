@@ -267,6 +267,11 @@ def _cacheable(args, data, hf, layer_ids: tuple[int, ...], max_len: int):
     keep = sequences_that_fit(data, max_len, per_token, budget, args.seed)
     if keep is None:
         return data, device_bytes
+    if not keep:
+        raise ValueError(f"no training sequence fits the feature cache's {budget / 2**30:.2f} GiB (free "
+                         f"{free / 2**30:.1f} GiB - --cache-reserve-gib {args.cache_reserve_gib:g} + --cache-host-gib "
+                         f"{args.cache_host_gib:g}): lower the reserve, add host memory or train without "
+                         f"--cache-features")
     _log(f"feature cache: {len(keep)} of {len(data)} sequences fit in {budget / 2**30:.1f} GiB "
          f"(free {free / 2**30:.1f} GiB - reserve {args.cache_reserve_gib} GiB + host {args.cache_host_gib} GiB); "
          f"training on those")

@@ -91,6 +91,10 @@ def test_the_gpu_run_trains_on_what_fits_beside_the_reserve(monkeypatch):
     assert len(part) == 30 and on_gpu == 6400
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**31, 2**34))
     assert gpu_run._cacheable(args, data, hf, (1, 2), 1024) == (data, 2**30)
+    args.cache_host_gib = 0.0  # room for no sequence at all: said, not an empty cache
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30 + 100, 2**34))
+    with pytest.raises(ValueError, match=r"no training sequence fits the feature cache's 0\.00 GiB .*--cache-reserve-gib 1"):
+        gpu_run._cacheable(args, data, hf, (1, 2), 1024)
 
 
 def test_the_feature_cache_refuses_data_made_for_another_target(tiny):
@@ -100,3 +104,5 @@ def test_the_feature_cache_refuses_data_made_for_another_target(tiny):
     data = TokenDataset.from_pairs([([1, 2], [3, target.vocab_size])], [False], {"target": "other"})
     with pytest.raises(ValueError, match=rf"token ids 1..{target.vocab_size}, outside .* \(recorded: 'other'\)"):
         FeatureCache.build(target, data, (0,), 16, "cpu")
+    with pytest.raises(ValueError, match="the feature cache needs at least one sequence, got an empty dataset"):
+        FeatureCache.build(target, data.select([]), (0,), 16, "cpu")
