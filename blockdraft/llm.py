@@ -318,7 +318,7 @@ class LLM:
             ValueError: prompts that are neither a str nor a list / tuple (None included: names
                 the type and value), a prompt of another type (names its index and type), a token
                 id that is not an integer (names the prompt, the position and the value), an empty
-                string or a bad conversation.
+                string or list of token ids (names its index) or a bad conversation.
         """
         one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
                                            and (isinstance(prompts[0], dict) or _is_token_id(prompts[0])))
@@ -331,11 +331,13 @@ class LLM:
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 if not p:
-                    raise ValueError("prompt is empty: give a non-empty string")
+                    raise ValueError(f"prompt {i} is empty: give a non-empty string")
                 out.append(self.tokenizer.encode(p))
             elif isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
                 out.append(self.encode_chat(p))
             elif isinstance(p, (list, tuple)):
+                if not p:
+                    raise ValueError(f"prompt {i} is empty: give at least one token id")
                 for j, t in enumerate(p):
                     if not _is_token_id(t):
                         raise ValueError(f"prompt {i}: token {j} must be an integer token id, got {_shown(t)}")

@@ -86,6 +86,9 @@ def test_chat_of_no_conversations_gives_an_empty_list(llm, monkeypatch):
         ([[3, "w05x"]], "prompt 0: token 1 must be an integer token id, got str 'w05x'"),
         ([[3, True]], "prompt 0: token 1 must be an integer token id, got bool True"),
         ([[OK], [1.0]], "prompt 1: token 0 must be an integer token id, got float 1.0"),
+        ("", "prompt 0 is empty: give a non-empty string"),
+        (["w05x", ""], "prompt 1 is empty: give a non-empty string"),
+        ([[5], []], "prompt 1 is empty: give at least one token id"),
     ],
 )
 def test_generate_refuses_other_prompt_shapes_naming_the_value(llm, prompts, match):
