@@ -63,11 +63,14 @@ def synthesize(llm, args, seed: int, deadline: float) -> tuple[list[list[int]], 
     """--synth-samples user requests written by the target (synth.py), chat-encoded; and their stats."""
     from blockdraft.training import corpora
     from blockdraft.training.generate import encode_prompts
-    from blockdraft.training.synth import synthesize_prompts
+    from blockdraft.training.synth import GENERAL_OPENERS, synthesize_prompts
 
     t0 = time.time()
+    openers = GENERAL_OPENERS if args.synth_openers == "general" else ("",)
     texts, stats = synthesize_prompts(llm, args.synth_samples, corpora.all_eval_texts(), seed=seed,
-                                      max_tokens=args.synth_max_tokens, deadline=deadline, progress=True)
+                                      max_tokens=args.synth_max_tokens, deadline=deadline, progress=True,
+                                      openers=openers)
+    stats["openers"] = len(openers)
     ids, _ = encode_prompts(llm.tokenizer, texts, args.max_prompt_tokens)
     stats.update(encoded=len(ids), seconds=round(time.time() - t0, 1))
     log(f"synthesized prompts: {json.dumps(stats)}")

@@ -408,6 +408,10 @@ def main(argv=None) -> int:
                    help="with --extend-seconds and --gen-engine: sample this many user requests from the target's "
                         "pre-query template (Magpie; training/synth.py), filter them like ShareGPT prompts and "
                         "answer them after the prompts not answered yet")
+    r.add_argument("--synth-openers", choices=("none", "general"), default="none",
+                   help="--synth-samples: 'general' starts the requests with generic English openers in turn "
+                        "('Write', 'Explain', 'Imagine you are', ...; training/synth.py GENERAL_OPENERS) to steer a "
+                        "coder target towards other kinds of requests; 'none': the bare template (Magpie)")
     r.add_argument("--synth-seconds", type=float, default=60, help="time limit of the request sampling")
     r.add_argument("--synth-max-tokens", type=int, default=256, help="longest synthesized request (tokens)")
     r.add_argument("--max-prompt-tokens", type=int, default=512, help="synthesized requests longer than this "
@@ -445,6 +449,8 @@ def main(argv=None) -> int:
         p.error("--cache-host-gib holds part of the feature cache: it needs --cache-features")
     if args.cmd == "run" and args.synth_samples and not args.gen_engine:
         p.error("--synth-samples needs --gen-engine (the requests are sampled by our engine)")
+    if args.cmd == "run" and args.synth_openers != "none" and not args.synth_samples:
+        p.error(f"--synth-openers {args.synth_openers} steers synthesized requests: it needs --synth-samples N")
     if args.cmd == "prep":
         print(json.dumps(prep(args.target, Path(args.out), args.num_prompts, args.max_prompt_tokens, args.seed,
                               later_turns=args.later_turns)))

@@ -117,6 +117,7 @@ INT8=${INT8:-}
 CACHE_RESERVE=${CACHE_RESERVE:-64}  # GiB kept free beside the feature cache (gpu_run --cache-reserve-gib)
 GREEDY=${GREEDY:-}  # session 29, non-empty: gpu_run --greedy-labels (labels = the target's argmax next tokens)
 CACHE_HOST=${CACHE_HOST:-0}  # session 29: GiB of pinned host memory for the cache's overflow (gpu_run --cache-host-gib)
+OPENERS=${OPENERS:-}  # session 30, non-empty: gpu_run --synth-openers general (synthesized requests start with generic openers)
 GPU_TESTS=${GPU_TESTS-tests/gpu}  # session 6: the runner tests only (the async continuation changed); empty: none
 TEST_WORKERS=${TEST_WORKERS:-8}
 PROFILE=${PROFILE:-1}  # empty: no 8B profile after the bench
@@ -171,7 +172,7 @@ train_fast() {
     python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/qwen.gguf\"))' || exit 1
     [ -z \"$GPU_TESTS\" ] || (cd /tmp/tcode && PYTHONPATH=/tmp/site:/tmp/tcode setsid nohup bash -c \"python3 -m pytest -q -n $TEST_WORKERS \
       -p xdist $GPU_TESTS; echo GPU-TESTS-DONE\" > /tmp/gputests.log 2>&1 < /dev/null &)
-    { ${ENGINE:+$run --gen-engine --synth-samples $SYNTH --synth-seconds $SYNTH_SECONDS --synth-max-tokens $SYNTH_MAX_TOKENS || } $run ; } &&
+    { ${ENGINE:+$run --gen-engine --synth-samples $SYNTH --synth-seconds $SYNTH_SECONDS --synth-max-tokens $SYNTH_MAX_TOKENS ${OPENERS:+--synth-openers general} || } $run ; } &&
     python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
       --draft-vocab-size 32768 --batch-sizes $BENCH_BATCHES --max-tokens 128 --out $W/bench-real ;
     ${PROFILE:+python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \

@@ -16,6 +16,15 @@ from blockdraft.training.prompts import select_prompts
 
 _MARKER = "\u2063BLOCKDRAFT_USER_CONTENT\u2063"
 
+# Request openers (gpu_run --synth-openers general): from the bare pre-query template a coder model
+# writes mostly coding requests, and in session 30 a quarter of Qwen2.5-Coder's were dropped by the
+# ASCII filter; a first English word or two steers the samples towards the other kinds of chat turn
+# (writing, explaining, role play, math, extraction). Generic openers, none taken from the eval sets;
+# "" keeps a share of bare samples.
+GENERAL_OPENERS = ("", "Write", "Explain", "How do", "What is", "Can you", "Compose", "Imagine you are",
+                   "Describe", "Solve", "Summarize", "Extract", "Compare", "Suggest", "Why", "Give me",
+                   "Rewrite", "Plan", "Help me", "Tell me")
+
 
 def pre_query_ids(tokenizer) -> list[int]:
     """Token ids of the chat template up to where the first user message's content begins (the
@@ -35,6 +44,7 @@ def pre_query_ids(tokenizer) -> list[int]:
 def synthesize_prompts(
     llm, num_samples: int, eval_texts: list[str], seed: int = 0, temperature: float = 1.0,
     max_tokens: int = 256, deadline: float | None = None, progress: bool = False,
+    openers: tuple[str, ...] | list[str] = ("",),
 ) -> tuple[list[str], dict]:
     """User requests written by `llm`'s target from its pre-query template, filtered.
 
@@ -44,17 +54,27 @@ def synthesize_prompts(
         eval_texts: evaluation prompts a training prompt must not overlap (corpora.all_eval_texts).
         max_tokens: samples that reach this length without ending their turn are dropped.
         deadline: wall-clock time (time.time() seconds) after which sampling stops (generate_with_engine).
+        openers: sample i starts its request with openers[i % len(openers)] (written after the
+            pre-query template, kept in the request's text); ("",): plain Magpie. GENERAL_OPENERS
+            steers a coder model towards other kinds of requests.
     Returns:
         (texts, stats): the kept requests (deduplicated, eval-free, shuffled with `seed`) and counts:
         sampled; unfinished (no end of turn) = out_of_time (not done by the deadline) + too_long
         (reached max_tokens); then the select_prompts filters.
+
+    Raises:
+        ValueError: openers is empty or holds something other than strings (names it).
     """
+    if isinstance(openers, str) or not openers or not all(isinstance(o, str) for o in openers):
+        raise ValueError(f"openers must be a non-empty list of strings ('' for none), got {openers!r}")
     tok = llm.tokenizer
     eos = set(llm.engine.eos_token_ids)
     pre = pre_query_ids(tok)
-    outs = generate_with_engine(llm, [pre] * num_samples, max_tokens, [True] * num_samples, temperature, seed,
+    starts = [tok.encode(o, add_special_tokens=False) if o else [] for o in openers]
+    first = [starts[i % len(starts)] for i in range(num_samples)]
+    outs = generate_with_engine(llm, [pre + s for s in first], max_tokens, [True] * num_samples, temperature, seed,
                                 progress=progress, deadline=deadline)
-    texts = [tok.decode(o[:-1]) for o in outs if o and o[-1] in eos]
+    texts = [tok.decode(s + o[:-1]) for s, o in zip(first, outs) if o and o[-1] in eos]
     out_of_time = sum(o is None for o in outs)
     kept, stats = select_prompts(texts, eval_texts, num_samples, seed=seed)
     return kept, {"sampled": num_samples, "unfinished": num_samples - len(texts), "out_of_time": out_of_time,

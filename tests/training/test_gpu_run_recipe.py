@@ -171,3 +171,14 @@ def test_gpu_run_refuses_a_negative_host_cache_naming_it(capsys):
         gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
                       "--cache-host-gib", "8"])
     assert "--cache-host-gib holds part of the feature cache: it needs --cache-features" in capsys.readouterr().err
+
+
+def test_gpu_run_refuses_synth_openers_without_synthesized_requests(capsys):
+    with pytest.raises(SystemExit):
+        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
+                      "--synth-openers", "general"])
+    assert "--synth-openers general steers synthesized requests: it needs --synth-samples N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
+                      "--synth-openers", "code"])
+    assert "invalid choice: 'code'" in capsys.readouterr().err

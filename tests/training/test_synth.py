@@ -35,6 +35,33 @@ def test_synthesized_prompts_are_finished_filtered_and_keep_eval_prompts_out(llm
     assert sorted(again) == sorted(t for t in texts if t != texts[0])
 
 
+def test_openers_start_each_request_in_turn(llm, monkeypatch):
+    """Sample i's request begins with openers[i % len(openers)], written after the pre-query
+    template and kept in the text; "" leaves the sample bare."""
+    import blockdraft.training.synth as synth
+
+    seen = []
+    real = synth.generate_with_engine
+    monkeypatch.setattr(synth, "generate_with_engine", lambda llm_, prompts, *a, **k: seen.append(prompts) or real(llm_, prompts, *a, **k))
+    openers = ("Write", "", "Explain why")
+    texts, stats = synthesize_prompts(llm, 6, [], seed=5, max_tokens=48, openers=openers)
+    pre, tok = pre_query_ids(llm.tokenizer), llm.tokenizer
+    assert [p[len(pre):] for p in seen[0]] == [tok.encode(openers[i % 3], add_special_tokens=False) for i in range(6)]
+    assert all(p[: len(pre)] == pre for p in seen[0])
+    assert stats["sampled"] == 6 and stats["kept"] == len(texts) >= 1
+    # every kept request is one sample's opener plus its continuation
+    bare, _ = synthesize_prompts(llm, 6, [], seed=5, max_tokens=48)
+    assert any(t.startswith(("Write", "Explain why")) for t in texts)
+    assert set(texts) != set(bare)
+
+
+@pytest.mark.parametrize("bad", [(), "Write", ["Write", 3], None])
+def test_openers_must_be_a_list_of_strings(llm, bad):
+    with pytest.raises(ValueError, match=r"openers must be a non-empty list of strings \('' for none\), got"):
+        synthesize_prompts(llm, 2, [], openers=bad)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_deadline_in_the_past_answers_nothing(llm):
     texts, stats = synthesize_prompts(llm, 4, [], seed=1, max_tokens=8, deadline=0.0)
     assert texts == [] and stats["unfinished"] == stats["out_of_time"] == 4 and stats["too_long"] == 0
