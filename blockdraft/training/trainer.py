@@ -482,6 +482,21 @@ def replan_steps(step: int, elapsed_s: float, pace_s: float, budget_s: float) ->
     return max(step + 1, step + int((budget_s - elapsed_s) / pace_s))
 
 
+def replanned_warmup(cfg: TrainConfig, step: int, total: int) -> int:
+    """Warmup steps of `cfg`'s schedule re-planned at step `step` to `total` steps (fit_together).
+
+    A warmup already done, or still ending within the new plan at its old share of the plan, is
+    kept. One that a shrunken plan would make too long ends at that share of the new plan instead,
+    but not before the next step (the rate never steps back down) and always at least one step
+    before the end, so that the cosine decay still runs.
+    """
+    warmup = warmup_length(cfg)
+    if warmup <= step:
+        return warmup
+    share = round(warmup * total / cfg.steps) if total < cfg.steps else warmup
+    return max(1, min(warmup, max(step + 1, share), total - 1))
+
+
 def fit_together(
     trainers: list[Trainer], progress: bool = True, deadline: float | None = None, until: int | None = None,
     budget_seconds: float | None = None,
@@ -496,7 +511,7 @@ def fit_together(
     first estimate: after REPLAN_WARM_STEPS + REPLAN_FIRST steps (sooner in a shorter first plan),
     and again half way through the steps the new plan has left, every trainer's cfg.steps is re-set
     from the pace measured since step REPLAN_WARM_STEPS (`replan_steps`), each trainer's warmup
-    length kept in cfg.warmup_steps (cut to the new plan's length - 1 if longer). The step count
+    length kept in cfg.warmup_steps (`replanned_warmup`: shortened with a shrunken plan). The step count
     then follows the machine's pace; each step's batch and anchors stay a function of the seed.
     Session 29's H200 run planned 2,064 steps for 480 s from 8 timed passes and was done after 264 s.
 
@@ -531,8 +546,8 @@ def fit_together(
         if next_replan is not None and step == next_replan and mark is not None:
             now = _clock()
             total = replan_steps(step, now - clock0, (now - mark[1]) / (step - mark[0]), budget_seconds)
-            for tr in trainers:  # each keeps its warmup, cut only where it would outlast the new plan
-                tr.cfg = replace(tr.cfg, steps=total, warmup_steps=min(warmup_length(tr.cfg), max(1, total - 1)))
+            for tr in trainers:  # each keeps its warmup, shortened only where it would outlast the new plan
+                tr.cfg = replace(tr.cfg, steps=total, warmup_steps=replanned_warmup(tr.cfg, step, total))
             warmup = lead.cfg.warmup_steps
             stop = total if until is None else min(until, total)
             bar.total = total

@@ -235,3 +235,25 @@ def test_logs_are_strict_json_when_slots_see_no_label(tiny, tmp_path):
     for line in (tmp_path / "train_log.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=refuse)
     json.loads((tmp_path / "checkpoint" / "state.json").read_text(), parse_constant=refuse)
+
+
+@pytest.mark.parametrize("steps, step, total, want", [
+    (100, 50, 60, 10),  # warmup done: kept
+    (100, 5, 400, 10),  # a longer plan keeps it
+    (100, 3, 50, 5),  # a plan half as long: half the warmup
+    (25000, 120, 1000, 121),  # 25x shorter (warmup 1000): ends at the next step, the decay runs
+    (50, 3, 4, 3),  # the plan ends at once: at least one step before the end
+])
+def test_a_replanned_warmup_shrinks_with_the_plan_and_leaves_room_to_decay(steps, step, total, want):
+    from dataclasses import replace
+
+    from blockdraft.training.trainer import replanned_warmup, warmup_length
+
+    cfg = TrainConfig(steps=steps, lr=1.0, warmup_frac=0.04 if steps == 25000 else 0.1 if steps == 100 else 0.5,
+                      min_lr_ratio=0.1)
+    warmup = replanned_warmup(cfg, step, total)
+    assert warmup == want
+    new = replace(cfg, steps=total, warmup_steps=warmup)
+    assert lr_at(total - 1, new) < 0.5 * cfg.lr or total - step <= 1  # decayed by the end
+    if warmup_length(cfg) > step and step + 1 < total:  # cut mid-warmup: the rate does not step back down
+        assert lr_at(step + 1, new) >= lr_at(step, cfg) - 1e-12
