@@ -130,7 +130,7 @@ prepare4() {
     [ ! -f "$d/config.json" ] || [ -f "$d/model.int8" ] || [ -f "$d/model.safetensors" ] || missing="$missing $d"
   done
   if [ -n "$missing" ]; then
-    echo "prepare4: no drafter weights in$missing: call it with the whole tree, before model.int8 leaves the index"
+    echo "prepare4: no drafter weights in$missing: call it with the whole tree, before model.int8 leaves the index" >&2
     exit 1
   fi
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
@@ -148,6 +148,12 @@ train_fast() {
   # DATA and EVAL may be empty strings: no kept answers (all answered in this run) / eval answers
   # made by this run (session 10: parts/ did not survive a new checkout)
   local W=$1 INIT=$2 DATA=$3 EVAL=$4
+  # gpu_run would refuse OPENERS without synthesized requests, and the fallback below would then
+  # answer with transformers and no synthesis: refuse here instead
+  if [ -n "$OPENERS" ] && { [ -z "$ENGINE" ] || [ "$SYNTH" -le 0 ]; }; then
+    echo "train_fast: OPENERS=1 needs ENGINE=1 and SYNTH > 0 (got ENGINE='$ENGINE' SYNTH=$SYNTH)" >&2
+    exit 1
+  fi
   mkdir -p "$W/qwen" || exit 1
   cat /tmp/blobs/blob.* > /tmp/bdc/gguf/qwen.gguf || exit 1
   echo "$QWEN_SHA  /tmp/bdc/gguf/qwen.gguf" | sha256sum -c || exit 1

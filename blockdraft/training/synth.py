@@ -19,8 +19,9 @@ _MARKER = "\u2063BLOCKDRAFT_USER_CONTENT\u2063"
 # Request openers (gpu_run --synth-openers general): from the bare pre-query template a coder model
 # writes mostly coding requests, and in session 30 a quarter of Qwen2.5-Coder's were dropped by the
 # ASCII filter; a first English word or two steers the samples towards the other kinds of chat turn
-# (writing, explaining, role play, math, extraction). Generic openers, none taken from the eval sets;
-# "" keeps a share of bare samples.
+# (writing, explaining, role play, math, extraction). Chosen to cover the kinds of request MT-bench
+# asks, so many of its prompts begin with one of these words too (read an MT-bench gain with that
+# in mind); the requests still pass the eval-overlap filter. "" keeps a share of bare samples.
 GENERAL_OPENERS = ("", "Write", "Explain", "How do", "What is", "Can you", "Compose", "Imagine you are",
                    "Describe", "Solve", "Summarize", "Extract", "Compare", "Suggest", "Why", "Give me",
                    "Rewrite", "Plan", "Help me", "Tell me")
@@ -63,10 +64,19 @@ def synthesize_prompts(
         (reached max_tokens); then the select_prompts filters.
 
     Raises:
-        ValueError: openers is empty or holds something other than strings (names it).
+        ValueError: openers is not a non-empty list or tuple, or one of them is not a string or ends
+            in whitespace (it would end on a lone space token, which the target rarely writes;
+            names its index and value).
     """
-    if isinstance(openers, str) or not openers or not all(isinstance(o, str) for o in openers):
-        raise ValueError(f"openers must be a non-empty list of strings ('' for none), got {openers!r}")
+    if not isinstance(openers, (list, tuple)) or not openers:
+        raise ValueError(f"openers must be a non-empty list of strings ('' for none), got {type(openers).__name__} "
+                         f"{str(openers)[:80]!r}")
+    for i, o in enumerate(openers):
+        if not isinstance(o, str):
+            raise ValueError(f"openers[{i}] must be a str, got {type(o).__name__} {str(o)[:80]!r}")
+        if o != o.rstrip():
+            raise ValueError(f"openers[{i}] ends in whitespace: {o[:80]!r}; give it without (the target writes "
+                             "the space before its next word itself)")
     tok = llm.tokenizer
     eos = set(llm.engine.eos_token_ids)
     pre = pre_query_ids(tok)

@@ -91,15 +91,19 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
     assert results["data"]["shards"][-1]["sampled_fraction"] == 1.0
 
     # --gen-engine answers with our engine; --synth-samples queues requests the target wrote itself
-    # after the unanswered prompts (none left) and before the resampled ones.
+    # after the unanswered prompts (none left) and before the resampled ones; --synth-openers general
+    # starts them with GENERAL_OPENERS in turn.
+    from blockdraft.training.synth import GENERAL_OPENERS
+
     n_before = len(answered)
     engine_args = third + ["--resample", "--gen-engine", "--gen-max-seqs", "4", "--synth-samples", "16",
-                           "--synth-max-tokens", "48"]
+                           "--synth-max-tokens", "48", "--synth-openers", "general"]
     results, answered = run_and_load(engine_args, 4)
     shard = results["data"]["shards"][-1]
     stats = shard["synthesized_prompts"]
     assert shard["generator"].startswith("blockdraft engine")
     assert stats["sampled"] == 16 and stats["unfinished"] + stats["input"] == 16 and stats["encoded"] >= 1
+    assert stats["openers"] == len(GENERAL_OPENERS) == 20
     assert shard["queued"] == {"fresh": 0, "synthesized": stats["encoded"], "resampled": len(prompts)}
     new = answered[n_before:]
     synthesized = [p for p in new if p not in set(prompts)]

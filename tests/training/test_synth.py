@@ -40,24 +40,37 @@ def test_openers_start_each_request_in_turn(llm, monkeypatch):
     template and kept in the text; "" leaves the sample bare."""
     import blockdraft.training.synth as synth
 
-    seen = []
+    seen = []  # (prompts, outputs) of each sampling call
     real = synth.generate_with_engine
-    monkeypatch.setattr(synth, "generate_with_engine", lambda llm_, prompts, *a, **k: seen.append(prompts) or real(llm_, prompts, *a, **k))
+
+    def spy(llm_, prompts, *a, **k):
+        outs = real(llm_, prompts, *a, **k)
+        seen.append((prompts, outs))
+        return outs
+
+    monkeypatch.setattr(synth, "generate_with_engine", spy)
     openers = ("Write", "", "Explain why")
     texts, stats = synthesize_prompts(llm, 6, [], seed=5, max_tokens=48, openers=openers)
     pre, tok = pre_query_ids(llm.tokenizer), llm.tokenizer
-    assert [p[len(pre):] for p in seen[0]] == [tok.encode(openers[i % 3], add_special_tokens=False) for i in range(6)]
-    assert all(p[: len(pre)] == pre for p in seen[0])
+    prompts, outs = seen[0]
+    firsts = [tok.encode(openers[i % 3], add_special_tokens=False) for i in range(6)]
+    assert prompts == [pre + f for f in firsts]
     assert stats["sampled"] == 6 and stats["kept"] == len(texts) >= 1
-    # every kept request is one sample's opener plus its continuation
-    bare, _ = synthesize_prompts(llm, 6, [], seed=5, max_tokens=48)
+    # each kept request is one sample's opener followed by what the target wrote after it
+    finished = {tok.decode(f + o[:-1]) for f, o in zip(firsts, outs) if o and o[-1] in llm.engine.eos_token_ids}
+    assert {t.strip() for t in texts} <= {t.strip() for t in finished}
     assert any(t.startswith(("Write", "Explain why")) for t in texts)
-    assert set(texts) != set(bare)
 
 
-@pytest.mark.parametrize("bad", [(), "Write", ["Write", 3], None])
-def test_openers_must_be_a_list_of_strings(llm, bad):
-    with pytest.raises(ValueError, match=r"openers must be a non-empty list of strings \('' for none\), got"):
+@pytest.mark.parametrize("bad, match", [
+    ((), r"openers must be a non-empty list of strings \('' for none\), got tuple '\(\)'"),
+    ("Write", r"openers must be a non-empty list of strings .* got str 'Write'"),
+    (None, r"openers must be a non-empty list of strings .* got NoneType 'None'"),
+    (["Write", 3], r"openers\[1\] must be a str, got int '3'"),
+    (["Write "], r"openers\[0\] ends in whitespace: 'Write '; give it without"),
+])
+def test_openers_must_be_a_list_of_strings(llm, bad, match):
+    with pytest.raises(ValueError, match=match):
         synthesize_prompts(llm, 2, [], openers=bad)
     assert not llm.engine.has_unfinished_requests()
 
