@@ -162,27 +162,14 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
     assert not all(torch.equal(evaluated[0][k], evaluated[4][k]) for k in init)  # training moved the weights
 
 
-def test_gpu_run_refuses_a_negative_host_cache_naming_it(capsys):
+@pytest.mark.parametrize("flags, message", [
+    (["--cache-host-gib", "-1"], "--cache-host-gib must be a number >= 0 (GiB), got -1"),
+    (["--cache-host-gib", "nan", "--cache-features"], "--cache-host-gib must be a number >= 0 (GiB), got nan"),
+    (["--cache-host-gib", "8"], "--cache-host-gib holds part of the feature cache: it needs --cache-features"),
+    (["--synth-openers", "general"], "--synth-openers general steers synthesized requests: it needs --synth-samples N"),
+    (["--synth-openers", "code"], "invalid choice: 'code'"),
+])
+def test_gpu_run_refuses_bad_flags_naming_them(capsys, flags, message):
     with pytest.raises(SystemExit):
-        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
-                      "--cache-host-gib", "-1"])
-    assert "--cache-host-gib must be a number >= 0 (GiB), got -1" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
-                      "--cache-host-gib", "nan", "--cache-features"])
-    assert "--cache-host-gib must be a number >= 0 (GiB), got nan" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
-                      "--cache-host-gib", "8"])
-    assert "--cache-host-gib holds part of the feature cache: it needs --cache-features" in capsys.readouterr().err
-
-
-def test_gpu_run_refuses_synth_openers_without_synthesized_requests(capsys):
-    with pytest.raises(SystemExit):
-        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
-                      "--synth-openers", "general"])
-    assert "--synth-openers general steers synthesized requests: it needs --synth-samples N" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]",
-                      "--synth-openers", "code"])
-    assert "invalid choice: 'code'" in capsys.readouterr().err
+        gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]", *flags])
+    assert message in capsys.readouterr().err
