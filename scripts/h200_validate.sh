@@ -13,6 +13,9 @@
 #   11. bash scripts/h200_validate.sh exclusive; bash scripts/h200_validate.sh load; bash scripts/h200_validate.sh bench
 #   (optional) bash scripts/h200_validate.sh ksweep [K ...]: the load bench per K, side by side
 #   (optional) bash scripts/h200_validate.sh ksweep1 [K ...]: batch 1 per K, 32 prompts one at a time
+#      (CODE=oldcode: the earlier commit's code, staged as for `before`)
+#   (optional) bash scripts/h200_validate.sh steps: the 0.5B and 8B random-weight batch-1 steps, the earlier
+#      commit's code (staged as for `before`) beside this one, and this code's 0.5B batch-1 profile
 #   (optional) bash scripts/h200_validate.sh admission [R ...]: the load bench (512 requests, 32 in flight) per
 #      --admission-batch-ratio R
 #   (optional) bash scripts/h200_validate.sh cutblock [K ...]: the load bench with draft blocks cut to K + 1
@@ -86,11 +89,23 @@ admission) # the load bench (K=..., default 5; N=... requests, default 512; 32 i
       --num-prompts "${N:-512}" --max-tokens 128 --engines ours --no-plot --admission-batch-ratio "$r" \
       --out "$OUT/load-r$r" > "$OUT/load-r$r.log" 2>&1
     echo "ratio=$r rc $?"; grep -E "^ +32 ours" "$OUT/load-r$r.log"; done ;;
-ksweep1) # batch 1 per K over 32 HumanEval prompts one at a time, the shipped drafter (default 15 7 5 3)
-  shift; cd /tmp/tcode && for k in ${@:-15 7 5 3}; do
-    python3 -m blockdraft.cli bench "${DRAFT[@]}" --num-speculative-tokens "$k" --batch-sizes 1 --num-prompts 32 \
-      --max-tokens 128 --engines ours --no-plot --out "$OUT/b1-k$k" > "$OUT/b1-k$k.log" 2>&1
-    echo "K=$k rc $?"; tail -5 "$OUT/b1-k$k.log"; done ;;
+ksweep1) # batch 1 per K over 32 HumanEval prompts one at a time, the shipped drafter (default 15 7 5 3);
+  # CODE=oldcode runs the earlier commit's code (staged as for `before`), files named b1-k<K>-oldcode
+  shift; code=${CODE:-tcode}; tag=${CODE:+-$CODE}; cd "/tmp/$code" && for k in ${@:-15 7 5 3}; do
+    PYTHONPATH=/tmp/site:/tmp/$code python3 -m blockdraft.cli bench "${DRAFT[@]}" --num-speculative-tokens "$k" \
+      --batch-sizes 1 --num-prompts 32 --max-tokens 128 --engines ours --no-plot --out "$OUT/b1-k$k$tag" \
+      > "$OUT/b1-k$k$tag.log" 2>&1
+    echo "K=$k $code rc $?"; tail -5 "$OUT/b1-k$k$tag.log"; done ;;
+steps) # batch-1 steps of the 0.5B and 8B random-weight shapes (K = 15, B = 16, 5 draft layers), the earlier
+  # commit's code (/tmp/oldcode, staged as for `before`) and this code side by side, then this code's 0.5B profile
+  for shape in qwen2.5-0.5b qwen3-8b; do for code in oldcode tcode; do
+    cd /tmp/$code && PYTHONPATH=/tmp/site:/tmp/$code python3 -m blockdraft.cli bench --shape $shape --batch-sizes 1 \
+      --engines ours --draft-vocab-size 32768 --no-forced --max-tokens 64 --no-plot --out "$OUT/$shape-b1-$code" \
+      > "$OUT/$shape-b1-$code.log" 2>&1; echo "$shape $code rc $?"; grep -E "^ +1 ours|step / " "$OUT/$shape-b1-$code.log"
+  done; done
+  cd /tmp/tcode && python3 -m blockdraft.bench.profile_step --shape qwen2.5-0.5b --batch-size 1 --steps 20 --mode both \
+    --draft-vocab-size 32768 --out "$OUT/profile-qwen2.5-0.5b-b1.json" > "$OUT/profile-qwen2.5-0.5b-b1.txt" 2>&1
+  echo "profile rc $?"; grep -E "^wall|^kernels|^GPU busy" "$OUT/profile-qwen2.5-0.5b-b1.txt" ;;
 cutblock) # the load bench per K with draft blocks cut to K + 1 rows (z-lab's loop; the default drafts whole
   # blocks since session 24), side by side with `ksweep K`
   shift; rm -rf /tmp/tcode_cut && cp -r /tmp/tcode /tmp/tcode_cut || exit 1
@@ -129,5 +144,5 @@ PY
   cd /tmp/tcode && python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
     --draft-vocab-size 32768 --out "$OUT/profile-qwen3-8b-b1.json" > "$OUT/profile-qwen3-8b-b1.txt" 2>&1
   echo "profile rc $?"; grep -E "^wall|^kernels|^GPU busy" "$OUT/profile-qwen3-8b-b1.txt" ;;
-*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|admission|cutblock|drafters|before|kernels" >&2; exit 2 ;;
+*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|steps|admission|cutblock|drafters|before|kernels" >&2; exit 2 ;;
 esac

@@ -17,7 +17,7 @@ from blockdraft.spec.dflash.speculator import DFlashSpeculator
 
 
 class ForcedAcceptanceSpeculator(DFlashSpeculator):
-    """A DFlashSpeculator whose `propose` returns oracle drafts after running the real proposal.
+    """A DFlashSpeculator whose proposals are oracle drafts, after running the real proposal.
 
     A subclass (not a wrapper) so the engine treats it exactly like DFlash: same backend, same
     KV pool sizing, same CUDA graphs, into which the oracle lookup is captured too.
@@ -42,13 +42,14 @@ class ForcedAcceptanceSpeculator(DFlashSpeculator):
         self._offsets = torch.arange(1, self.num_speculative_tokens + 1, device=sequence.device)
 
     @torch.no_grad()
-    def propose(self, features, positions, slot_mapping, bonus_tokens, bonus_positions, block_table, **kwargs):
-        """Run DFlashSpeculator.propose (context write + draft block + LM head), discard its
-        tokens and return [R, K] int64 oracle drafts. Tensor ops only: no host sync, so it is
-        captured into the step's tail CUDA graph like the real proposal."""
-        drafts = super().propose(features, positions, slot_mapping, bonus_tokens, bonus_positions, block_table,
-                                 **kwargs)
+    def propose_block(self, features, positions, slot_mapping, block, block_table):
+        """Run DFlashSpeculator.propose_block (context write + draft block + LM head; `propose`
+        and the CUDA-graph step both come here), discard its tokens and return [R, K] int64 oracle
+        drafts. Tensor ops only: no host sync, so it is captured into the step's tail CUDA graph
+        like the real proposal."""
+        drafts = super().propose_block(features, positions, slot_mapping, block, block_table)
         if drafts.shape[0] == 0:
             return drafts
-        index = (bonus_positions.long()[:, None] + self._offsets[None, :]).clamp(max=self.sequence.numel() - 1)
+        # block.seq_lens holds each request's bonus position P
+        index = (block.seq_lens.long()[:, None] + self._offsets[None, :]).clamp(max=self.sequence.numel() - 1)
         return self.sequence[index].to(drafts.dtype)

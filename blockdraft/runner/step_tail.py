@@ -23,8 +23,8 @@ from blockdraft.runner.static_graph import StaticGraph
 from blockdraft.runner.step_output import pack_step
 from blockdraft.spec.verify import verify_drafts
 
-# (num_reqs, features [R_b*Q, n*H], target [R_b, Q], num_accepted [R_b]) -> next drafts [R_b, K]
-DraftStepFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (num_reqs, features [R_b*Q, n*H], target [R_b, Q]) -> (num_accepted [R_b], next drafts [R_b, K])
+DraftStepFn = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class StepTailGraphs:
@@ -33,7 +33,7 @@ class StepTailGraphs:
     Args:
         target_graphs: the uniform-step target graphs (Q = rows_per_req rows per request; every
             request carries Q - 1 drafts).
-        draft_step: the drafter step (DFlash), or None for plain decoding (Q = 1).
+        draft_step: the drafter step (DFlash: it verifies too), or None for plain decoding (Q = 1).
         capture / pool: as TargetGraphs (capture after the target graph of the same bucket).
     """
 
@@ -42,7 +42,7 @@ class StepTailGraphs:
         self.capture, self.pool = capture, pool
         q, max_reqs = target_graphs.rows_per_req, target_graphs.buckets[-1]
         device = target_graphs.logits.device
-        self.num_drafts = torch.full((max_reqs,), q - 1, dtype=torch.long, device=device)
+        self.num_drafts = torch.full((max_reqs,), q - 1, dtype=torch.long, device=device)  # plain decoding
         self.graphs: dict[int, StaticGraph] = {}
 
     def capture_bucket(self, num_reqs: int) -> None:
@@ -73,7 +73,8 @@ class StepTailGraphs:
         tg, q = self.target_graphs, self.target_graphs.rows_per_req
         rows = num_reqs * q
         target = tg.tokens[:rows].view(num_reqs, q)
-        drafts = tg.inputs.input_ids[:rows].view(num_reqs, q)[:, 1:]  # the drafts verified this step
-        num_accepted = verify_drafts(target, drafts, self.num_drafts[:num_reqs])
-        next_drafts = None if self.draft_step is None else self.draft_step(num_reqs, features, target, num_accepted)
-        return pack_step(target, num_accepted, next_drafts)
+        if self.draft_step is not None:  # verifies and drafts (one preparation launch on the GPU)
+            num_accepted, next_drafts = self.draft_step(num_reqs, features, target)
+            return pack_step(target, num_accepted, next_drafts)
+        drafts = tg.inputs.input_ids[:rows].view(num_reqs, q)[:, 1:]
+        return pack_step(target, verify_drafts(target, drafts, self.num_drafts[:num_reqs]), None)

@@ -109,7 +109,7 @@ def test_id_tokenizer():
 
 
 def test_forced_speculator_goes_through_the_static_graph_step_path(monkeypatch):
-    """The tail graphs call the speculator's propose: the oracle lookup must live there too.
+    """The tail graphs call the speculator's propose_block: the oracle lookup must live there too.
     Runs the CUDA-graph code path without capturing (graph mode "eager", dense attention, CPU)."""
     import blockdraft.runner.setup as setup
     from blockdraft.bench.engines.ours import OurEngine, PoolPlan, forced_speculator

@@ -54,3 +54,45 @@ def test_cuda_graph_replay(fn):
             dst.copy_(src)
         graph.replay()
         assert_same(DraftInputs(*(x.cpu() for x in vars(out).values())), prepare_draft_inputs(*case.args(), MASK))
+
+
+# The uniform step's one-launch preparation (spec.dflash.draft_block): verification, context slots
+# and the draft block, against its torch twin on the CPU.
+from blockdraft.spec.dflash.draft_block import uniform_step_inputs  # noqa: E402
+from blockdraft.spec.dflash.draft_block_triton import uniform_step_inputs_triton  # noqa: E402
+from tests.spec.uniform_cases import block_fields, random_uniform_step  # noqa: E402
+
+
+def assert_same_uniform(got, want) -> None:
+    (accepted, context, block), (want_accepted, want_context, want_block) = got, want
+    assert torch.equal(accepted.cpu(), want_accepted) and torch.equal(context.cpu(), want_context)
+    fields, want_fields = block_fields(block), block_fields(want_block)
+    assert fields.keys() == want_fields.keys()
+    for name, value in want_fields.items():
+        assert fields[name].dtype == value.dtype and torch.equal(fields[name], value), name
+
+
+@pytest.mark.parametrize("fn", [uniform_step_inputs_triton, uniform_step_inputs], ids=["triton", "twin"])
+@pytest.mark.parametrize("q,b", [(16, 16), (6, 16), (4, 4)])
+def test_uniform_step_matches_cpu_twin(fn, q, b):
+    for seed in range(20):
+        case = random_uniform_step(seed, num_real=1 + seed % 9, num_padding=seed % 3, q=q)
+        want = uniform_step_inputs(*case.args(), b, MASK)
+        poison_allocator()
+        assert_same_uniform(fn(*case.to("cuda").args(), b, MASK), want)
+
+
+@pytest.mark.parametrize("fn", [uniform_step_inputs_triton, uniform_step_inputs], ids=["triton", "twin"])
+def test_uniform_step_no_host_sync_and_graph_replay(fn):
+    """No host sync; captured once, a replay follows new step contents of the same bucket."""
+    static = random_uniform_step(0, num_real=6, num_padding=2, q=6).to("cuda")
+    fn(*static.args(), 16, MASK)
+    with no_host_sync():
+        fn(*static.args(), 16, MASK)
+    graph, out = capture(lambda: fn(*static.args(), 16, MASK))
+    for seed in range(1, 12):
+        case = random_uniform_step(seed, num_real=1 + seed % 8, num_padding=8 - (1 + seed % 8), q=6)
+        for dst, src in zip(static.args(), case.to("cuda").args()):
+            dst.copy_(src)
+        graph.replay()
+        assert_same_uniform(out, uniform_step_inputs(*case.args(), 16, MASK))

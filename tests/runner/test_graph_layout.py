@@ -88,25 +88,19 @@ def test_one_packed_tensor_carries_tokens_accepted_counts_and_drafts():
 
 
 def test_draft_block_layout_widens_each_request_of_a_padded_step():
-    """DraftStep's draft-block layout with whole blocks (B = 16) over a padded K = 3 step: each real
+    """The draft-block layout with whole blocks (B = 16) over a padded K = 3 step: each real
     request owns 16 rows in order, padding requests stay empty and their rows -1; with B = Q the
     target's own layout is passed through."""
-    from types import SimpleNamespace
-
-    from blockdraft.spec.dflash.cuda_graph import DraftStep
+    from blockdraft.spec.dflash.draft_block import widen_layout
 
     so = SchedulerOutput([_req("a", 4, 5, 3, [7, 2]), _req("b", 4, 9, 3, [4, 5, 6])])
     b = build_input_batch(so, 4, "cpu", host_metadata=False, padding=BatchPadding(4, 16, 5))
-    step = DraftStep.__new__(DraftStep)  # the layout needs only the buffers and the two widths
-    step.target_graphs = SimpleNamespace(inputs=b.meta)
-    step.speculator = SimpleNamespace(num_query_tokens=4, num_block_tokens=16)
-    qsl, row_req = step._block_layout(4)
+    qsl, row_req = widen_layout(b.meta.query_start_loc[:5], b.meta.row_req[:16], 4, 16)
     assert qsl.tolist() == [0, 16, 32, 32, 32] and qsl.dtype == torch.int32
     assert row_req.tolist() == [0] * 16 + [1] * 16 + [-1] * 32 and row_req.dtype == b.meta.row_req.dtype
     # one request: a fresh contiguous copy, not a stride-0 view of the static buffer (kernels read
     # row_req[row]; the view read past the request's first row on the H200, session 24)
-    qsl, row_req = step._block_layout(1)
+    qsl, row_req = widen_layout(b.meta.query_start_loc[:2], b.meta.row_req[:4], 4, 16)
     assert qsl.tolist() == [0, 16] and row_req.tolist() == [0] * 16 and row_req.is_contiguous()
-    step.speculator = SimpleNamespace(num_query_tokens=4, num_block_tokens=4)
-    qsl, row_req = step._block_layout(4)
+    qsl, row_req = widen_layout(b.meta.query_start_loc[:5], b.meta.row_req[:16], 4, 4)
     assert qsl is not None and qsl.data_ptr() == b.meta.query_start_loc.data_ptr() and row_req.numel() == 16

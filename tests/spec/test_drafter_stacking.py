@@ -56,13 +56,33 @@ def test_weights_loaded_after_stacking_land_in_the_stacked_tensors():
     assert torch.equal(attn.qkv_weight, expected)
     gate_up = torch.cat([source.state_dict()[f"layers.1.mlp.{n}_proj.weight"] for n in ("gate", "up")])
     assert torch.equal(drafter.layers[1].mlp.gate_up_weight, gate_up)
+    # the all-layer context k/v copy follows the load (write_context's one matmul)
+    kv = torch.cat([source.state_dict()[f"layers.{i}.self_attn.{n}_proj.weight"] for i in (0, 1) for n in "kv"])
+    assert torch.equal(drafter.context_kv_weight, kv)
+    (out, caches), (want, want_caches) = _run(drafter), _run(source)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(caches, want_caches):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_context_rows_of_every_layer_take_one_matmul_when_stacked(monkeypatch):
+    weights = []
+    real = fused_ops.linear
+    monkeypatch.setattr("blockdraft.spec.dflash.draft_model.linear",
+                        lambda x, w, b, fused=True: weights.append(w) or real(x, w, b, fused))  # fmt: skip
+    drafter = _drafter()
+    drafter.stack_projections()
+    _run(drafter)
+    assert sum(w is drafter.context_kv_weight for w in weights) == 1  # both layers' k/v rows, once
+    per_layer_kv = {layer.self_attn.k_proj.weight.data_ptr() for layer in drafter.layers}
+    assert not any(w.data_ptr() in per_layer_kv for w in weights)  # no per-layer context matmul
 
 
 def test_a_cast_or_packing_undoes_the_stacking():
     drafter = _drafter()
     drafter.stack_projections()
     drafter.to(torch.float64)  # new parameter tensors: the stacked ones would be stale
-    assert not drafter.stacked and drafter.layers[0].mlp.gate_up_weight is None
+    assert not drafter.stacked and drafter.layers[0].mlp.gate_up_weight is None and drafter.context_kv_weight is None
     drafter.to(torch.float32).stack_projections()
     if drafter.pack_for_cpu_inference():
         assert not drafter.stacked and drafter.packed

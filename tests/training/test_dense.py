@@ -5,7 +5,7 @@ import torch
 
 from blockdraft.attention.metadata import build_metadata
 from blockdraft.spec.dflash.checkpoint import random_drafter
-from blockdraft.spec.dflash.speculator import block_metadata
+from blockdraft.spec.dflash.draft_block import build_draft_block
 from blockdraft.training.dense import dense_block_forward
 from blockdraft.training.masks import sample_anchors
 from tests.conftest import tiny_config
@@ -21,7 +21,8 @@ def _inference_hidden(drafter, feats, embeds, anchor):
     pages = list(range(n_pages))
     meta = build_metadata([anchor], [anchor], [pages], KV_BLOCK)
     drafter.write_context(feats[:anchor], torch.arange(anchor), caches, meta.slot_mapping)
-    bmeta = block_metadata(torch.tensor([anchor]), meta.block_table, B, KV_BLOCK)
+    block = build_draft_block(torch.tensor([0]), torch.tensor([anchor]), B, mask_token_id=0)
+    bmeta = block.attention_metadata(meta.block_table, KV_BLOCK, host_lists=True)
     return drafter(embeds, torch.arange(anchor, anchor + B), caches, bmeta)
 
 

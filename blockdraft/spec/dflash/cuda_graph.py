@@ -3,11 +3,11 @@
 `DraftStep` serves the uniform decode / verify steps; `draft_after_prefill` the prefill steps of
 a few requests (runner.prefill_graphs).
 
-It runs inside the step's tail graph (runner.step_tail), after verification: prepare the
+It runs inside the step's tail graph (runner.step_tail): verify the drafts and prepare the
 drafter's inputs from the verified tokens (context slots with rejected and padding rows set to
-PADDING_SLOT, bonus tokens and positions), write the draft context K/V of the committed rows, then
-the fixed [bonus, MASK x (B - 1)] block forward + the LM head on the K draft rows + argmax
-(DFLASH.md "One decode step", steps 3-5). It reads the target graphs' static buffers (positions,
+PADDING_SLOT, the [bonus, MASK x (B - 1)] block at the bonus positions; one launch on the Triton
+backend, spec.dflash.draft_block), write the draft context K/V of the committed rows, then the
+block forward + the LM head on the K draft rows + argmax (DFLASH.md "One decode step", steps 2-5). It reads the target graphs' static buffers (positions,
 slots, block table, and the block layout, which for a uniform step is the target's: Q rows per
 request, padding requests empty, widened to B rows per request when K + 1 < B) and the aux
 features the target graph of the same bucket wrote.
@@ -18,12 +18,13 @@ from __future__ import annotations
 import torch
 
 from blockdraft.runner.cuda_graphs import TargetGraphs
-from blockdraft.spec.dflash.prepare_inputs import draft_input_preparer
+from blockdraft.spec.dflash.draft_block import uniform_step_preparer
 from blockdraft.spec.dflash.speculator import DFlashSpeculator
 
 
 class DraftStep:
-    """The drafter part of a padded uniform step (no graph of its own; the tail graph captures it).
+    """Verification and the drafter part of a padded uniform step (no graph of its own; the tail
+    graph captures it).
 
     Args:
         speculator: the DFlash speculator (its backend must read device metadata only).
@@ -40,54 +41,30 @@ class DraftStep:
                 f"K + 1 = {speculator.num_query_tokens}"
             )
         self.speculator, self.target_graphs = speculator, target_graphs
-        self.prepare = draft_input_preparer(speculator.drafter.attention_backend.name)
-        max_rows = target_graphs.buckets[-1] * speculator.num_query_tokens
-        # a uniform step's logits rows are its forward rows in order: logits_indices = 0..rows-1
-        self.row_index = torch.arange(max_rows, dtype=torch.long, device=target_graphs.logits.device)
+        self.prepare = uniform_step_preparer(speculator.drafter.attention_backend.name)
 
-    def __call__(
-        self, num_reqs: int, features: torch.Tensor, target: torch.Tensor, num_accepted: torch.Tensor
-    ) -> torch.Tensor:
-        """Draft the next block of every request of bucket `num_reqs` -> [R_b, K] int64.
+    def __call__(self, num_reqs: int, features: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify this step's drafts and draft the next block of every request of bucket `num_reqs`.
 
         Args:
             num_reqs: the bucket R_b (padding requests included).
             features: [R_b*Q, n*H] the target graph's aux output for this bucket.
             target: [R_b, Q] int64 the target's tokens at each verified row.
-            num_accepted: [R_b] int64 accepted drafts per request (verify_drafts).
-        Rows of padding requests (row_req == -1) are inert: bonus MASK at position 0, no context
-        written (their slots are PADDING_SLOT already), empty query range; their drafts are junk.
+        Returns:
+            (num_accepted [R_b] int64, next drafts [R_b, K] int64). Padding requests (row_req ==
+            -1) are inert: bonus MASK at position 0, no context written (their slots are
+            PADDING_SLOT already), empty query range; their counts and drafts are junk.
         """
-        tg, q = self.target_graphs.inputs, self.speculator.num_query_tokens
-        rows = num_reqs * q
-        index = self.row_index[:rows]
-        logits_rows = torch.where(tg.row_req[:rows].view(num_reqs, q) >= 0, index.view(num_reqs, q), -1)
-        prepared = self.prepare(
-            logits_rows, index, num_accepted, target, tg.positions[:rows], tg.slot_mapping[:rows],
-            self.speculator.mask_token_id,
-        )  # fmt: skip
-        return self.speculator.propose(
-            features,
-            tg.positions[:rows],
-            prepared.context_slot_mapping,
-            prepared.bonus_tokens,
-            prepared.bonus_positions,
-            tg.block_table[:num_reqs],
-            block_layout=self._block_layout(num_reqs),
-        )
-
-    def _block_layout(self, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query_start_loc [R_b + 1] int32, row_req [R_b*B] int32) of the draft block: the target's
-        layout (Q rows per request, padding requests empty) with every request's range B rows wide.
-        Device ops on the static buffers only, so a graph capture replays them."""
         tg, q, b = self.target_graphs.inputs, self.speculator.num_query_tokens, self.speculator.num_block_tokens
-        qsl, row_req = tg.query_start_loc[: num_reqs + 1], tg.row_req[: num_reqs * q]
-        if b == q:
-            return qsl, row_req
-        # a uniform step's ranges start at multiples of Q; a request's first row names it (or -1).
-        # contiguous: for one request the expanded rows reshape to a stride-0 view, which kernels
-        # indexing row_req[row] read past (stale rows, an illegal address on the H200, session 24)
-        return qsl // q * b, row_req.view(num_reqs, q)[:, :1].expand(num_reqs, b).contiguous().view(-1)
+        rows = num_reqs * q
+        num_accepted, context_slots, block = self.prepare(
+            target, tg.input_ids[:rows], tg.row_req[:rows], tg.positions[:rows], tg.slot_mapping[:rows],
+            tg.query_start_loc[: num_reqs + 1], b, self.speculator.mask_token_id,
+        )  # fmt: skip
+        drafts = self.speculator.propose_block(
+            features, tg.positions[:rows], context_slots, block, tg.block_table[:num_reqs]
+        )
+        return num_accepted, drafts
 
 
 def draft_after_prefill(

@@ -21,8 +21,8 @@ from typing import Protocol
 
 import torch
 
-from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
 from blockdraft.layers import fused_ops
+from blockdraft.spec.dflash.draft_block import DraftBlock, build_draft_block
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
 from blockdraft.spec.draft_vocab import DraftHead
 
@@ -146,10 +146,25 @@ class DFlashSpeculator:
             [R, K] int64 greedy drafts (target token ids, also with a draft head); column k-1 is the
             token proposed for position P + k.
         """
+        block = build_draft_block(bonus_tokens, bonus_positions, self.num_block_tokens, self.mask_token_id, block_layout)
+        return self.propose_block(features, positions, slot_mapping, block, block_table)
+
+    @torch.no_grad()
+    def propose_block(
+        self,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block: DraftBlock,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor:
+        """`propose` with the draft block laid out already (spec.dflash.draft_block: B =
+        `num_block_tokens` rows per request) -> [R, K] int64 greedy drafts. Other arguments as
+        `propose`'s."""
         self.write_context(features, positions, slot_mapping)
-        if bonus_tokens.shape[0] == 0:  # a step of prefill chunks only: context, no drafts
-            return torch.empty(0, self.num_speculative_tokens, dtype=torch.long, device=bonus_tokens.device)
-        logits = self.draft_logits(bonus_tokens, bonus_positions, block_table, block_layout, upcast=False)
+        if block.num_reqs == 0:  # a step of prefill chunks only: context, no drafts
+            return torch.empty(0, self.num_speculative_tokens, dtype=torch.long, device=block.token_ids.device)
+        logits = self.block_logits(block, block_table, upcast=False)
         flat = logits.reshape(-1, logits.shape[-1])  # [R*K, V]: one row-argmax launch pair on CUDA
         drafts = fused_ops.argmax(flat, self.drafter.fused_ops).view(logits.shape[:-1])
         if self.draft_head is not None:  # draft-vocab columns -> target ids: one gather, no sync
@@ -172,18 +187,20 @@ class DFlashSpeculator:
         With a draft head the last dimension is its N draft-vocabulary columns instead, in
         draft-vocab order (column j scores target token `draft_head.token_ids[j]`): [R, K, N].
         """
-        num_reqs, q, k = bonus_tokens.shape[0], self.num_block_tokens, self.num_speculative_tokens
-        ids = torch.full((num_reqs, q), self.mask_token_id, dtype=torch.long, device=bonus_tokens.device)
-        ids[:, 0] = bonus_tokens
-        offsets = torch.arange(q, device=bonus_positions.device)
-        block_positions = (bonus_positions.long()[:, None] + offsets[None, :]).reshape(-1)  # [R*B]
-        embeds = self.target.embed(ids.reshape(-1))
+        block = build_draft_block(bonus_tokens, bonus_positions, self.num_block_tokens, self.mask_token_id, block_layout)
+        return self.block_logits(block, block_table, upcast)
+
+    @torch.no_grad()
+    def block_logits(self, block: DraftBlock, block_table: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """`draft_logits` of a laid-out draft block (B = `num_block_tokens` rows per request)."""
+        num_reqs, q, k = block.num_reqs, self.num_block_tokens, self.num_speculative_tokens
+        embeds = self.target.embed(block.token_ids)
         scale = self.drafter.config.input_embedding_scale
         if scale != 1.0:
             embeds = embeds * scale
         host_lists = self.drafter.attention_backend.host_metadata
-        meta = block_metadata(bonus_positions, block_table, q, self.kv_block_size, host_lists, block_layout)
-        hidden = self.drafter(embeds, block_positions, self.kv_caches, meta)  # [R*B, H]
+        meta = block.attention_metadata(block_table, self.kv_block_size, host_lists)
+        hidden = self.drafter(embeds, block.positions, self.kv_caches, meta)  # [R*B, H]
         # Slot 0 (the anchor) predicts nothing (sample_from_anchor=false); slot j predicts P + j.
         drafts_hidden = hidden.view(num_reqs, q, -1)[:, 1 : k + 1].reshape(num_reqs * k, -1)
         if self.draft_head is not None:
@@ -205,38 +222,3 @@ def _check_draft_head(head: DraftHead | None, drafter: DFlashDraftModel) -> Draf
         raise ValueError(f"draft head holds id {int(head.token_ids.max())}, outside the vocabulary [0, {cfg.vocab_size})")
     return head
 
-
-def block_metadata(
-    bonus_positions: torch.Tensor,
-    block_table: torch.Tensor,
-    num_block_tokens: int,
-    kv_block_size: int,
-    host_lists: bool = True,
-    block_layout: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> AttentionMetadata:
-    """Block-mode metadata: R requests x Q uncached block rows over seq_lens = P cached tokens.
-
-    slot_mapping is all PADDING_SLOT: the block's own K/V must never enter the cache (the next
-    step re-injects these positions from target features instead).
-    host_lists: also fill query_start_loc_host / seq_lens_host (for the torch reference backend;
-        this reads bonus_positions back to the host). False on the sync-free GPU path.
-    block_layout: (query_start_loc [R + 1] int32, row_req [R*Q] int32) to use as they are (padded
-        CUDA-graph layouts); None = request i owns rows i*Q..(i+1)*Q-1, built on the device.
-    """
-    num_reqs, device = bonus_positions.shape[0], bonus_positions.device
-    if block_layout is None:
-        qsl = torch.arange(num_reqs + 1, dtype=torch.int32, device=device) * num_block_tokens
-        row_req = torch.arange(num_reqs, dtype=torch.int32, device=device).repeat_interleave(num_block_tokens)
-    else:
-        qsl, row_req = block_layout
-    return AttentionMetadata(
-        query_start_loc=qsl,
-        seq_lens=bonus_positions.to(torch.int32),
-        block_table=block_table,
-        slot_mapping=torch.full((num_reqs * num_block_tokens,), PADDING_SLOT, dtype=torch.int64, device=device),
-        kv_block_size=kv_block_size,
-        query_start_loc_host=qsl.tolist() if host_lists else None,
-        seq_lens_host=[int(p) for p in bonus_positions.tolist()] if host_lists else None,
-        num_block_tokens=num_block_tokens,
-        row_req=row_req,
-    )
