@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Workstation: rebuild PARTS (default parts/, git-ignored), the files that travel to the H200 for
 # h200_run.sh (prepare4 / stash / train_fast) and for device bench runs, from PyPI alone.
-# parts/ does not survive a new checkout (session 10 found it empty, and with it the answers kept
-# since session 6), so a session starts with this (a few minutes; ~550 MB of downloads on first use):
+# parts/ does not survive a new checkout (sessions 10 and 31 found it empty, and with it the answers
+# kept since sessions 6 and 28), so a session starts with this (a few minutes; ~550 MB of downloads on first use):
 #
 #   bash blockdraft/training/stage_parts.sh [PARTS]
 #
