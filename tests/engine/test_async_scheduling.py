@@ -34,11 +34,12 @@ def _oracle_speculator(target, k: int, sequences: list[list[int]], seed: int = 0
     bonus token at the bonus position (a wrong or corrupted draft only lowers acceptance)."""
     drafter = random_drafter(target.config, num_layers=1, block_size=k + 1, target_layer_ids=(0, 2), seed=1)
     spec = DFlashSpeculator(drafter, target.model, k, None, 4)
-    propose = spec.propose
+    propose_block = spec.propose_block  # `propose` and the graph step's DraftStep both come here
 
-    def oracle(features, positions, slots, bonus_tokens, bonus_positions, block_table, block_layout=None):
-        drafts = propose(features, positions, slots, bonus_tokens, bonus_positions, block_table, block_layout)
-        for r, (tok, pos) in enumerate(zip(bonus_tokens.tolist(), bonus_positions.tolist())):
+    def oracle(features, positions, slots, block, block_table):
+        drafts = propose_block(features, positions, slots, block, block_table)
+        bonus_tokens = block.token_ids.view(-1, block.num_block_tokens)[:, 0]
+        for r, (tok, pos) in enumerate(zip(bonus_tokens.tolist(), block.seq_lens.tolist())):
             seq = next((s for s in sequences if pos < len(s) and s[pos] == tok), None)
             if seq is None:
                 continue
@@ -49,7 +50,7 @@ def _oracle_speculator(target, k: int, sequences: list[list[int]], seed: int = 0
             drafts[r] = torch.tensor(guess)
         return drafts
 
-    spec.propose = oracle
+    spec.propose_block = oracle
     return spec
 
 

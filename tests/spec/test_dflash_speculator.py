@@ -133,3 +133,12 @@ def test_full_vocabulary_proposals_skip_the_float32_copy_of_the_target_head():
     slots = torch.full((2,), PADDING_SLOT, dtype=torch.long)
     drafts = spec.propose(_features(2, 1).to(torch.bfloat16), torch.arange(2), slots, bonus, bonus_pos, table)
     assert torch.equal(drafts, full.argmax(-1))
+
+
+def test_a_block_of_another_width_is_refused():
+    from blockdraft.spec.dflash.draft_block import build_draft_block
+
+    spec, table = _setup(k=2)
+    block = build_draft_block(torch.tensor([3]), torch.tensor([0]), spec.num_block_tokens + 1, spec.mask_token_id)
+    with pytest.raises(ValueError, match=f"draft block has {spec.num_block_tokens + 1} rows per request"):
+        spec.block_logits(block, table[:1])

@@ -130,3 +130,19 @@ def test_stacked_weights_are_used_only_while_they_are_the_parameters_and_without
     (k.sum() + v.sum()).backward()
     grads = [mlp.gate_proj.weight.grad, mlp.up_proj.weight.grad, attn.k_proj.weight.grad, attn.v_proj.weight.grad]
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_the_all_layer_context_copy_is_not_used_once_a_k_or_v_weight_changes_in_place():
+    """A copy into a k/v parameter after stacking that bypasses load_weights (load_state_dict, an
+    optimizer step) makes the copy stale: write_context falls back to the per-layer matmuls."""
+    source, drafter = random_drafter(tiny_target_config(), 2, 4, seed=5, init_std=0.1), _drafter()
+    drafter.stack_projections()
+    drafter.load_state_dict(source.state_dict())  # in place, not through load_weights
+    assert drafter._usable_context_kv_weight() is None
+    (out, caches), (want, want_caches) = _run(drafter), _run(source)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(caches, want_caches):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    address = drafter.context_kv_weight.data_ptr()
+    drafter.load_weights(source.state_dict())  # refreshed in place (captured graphs keep reading it)
+    assert drafter._usable_context_kv_weight() is not None and drafter.context_kv_weight.data_ptr() == address

@@ -7,10 +7,11 @@ It runs inside the step's tail graph (runner.step_tail): verify the drafts and p
 drafter's inputs from the verified tokens (context slots with rejected and padding rows set to
 PADDING_SLOT, the [bonus, MASK x (B - 1)] block at the bonus positions; one launch on the Triton
 backend, spec.dflash.draft_block), write the draft context K/V of the committed rows, then the
-block forward + the LM head on the K draft rows + argmax (DFLASH.md "One decode step", steps 2-5). It reads the target graphs' static buffers (positions,
-slots, block table, and the block layout, which for a uniform step is the target's: Q rows per
-request, padding requests empty, widened to B rows per request when K + 1 < B) and the aux
-features the target graph of the same bucket wrote.
+block forward + the LM head on the K draft rows + argmax (DFLASH.md "One decode step", steps
+2-5). It reads the target graphs' static buffers (input_ids, positions, slots, row_req, block
+table, and the query layout, which for a uniform step is Q rows per request with padding requests
+empty, widened to B rows per request when K + 1 < B), the target's tokens and the aux features
+the target graph of the same bucket wrote.
 """
 
 from __future__ import annotations

@@ -230,6 +230,7 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
         self.attention_backend = select_attention_backend("cpu")
         # every layer's [W_k; W_v] rows in one [L * 2 * kv, H] copy (`stack_projections`), else None
         self.context_kv_weight: torch.Tensor | None = None
+        self._context_kv_versions: tuple[int, ...] = ()
 
     def set_attention_backend(self, backend: AttentionBackendSpec) -> None:
         """Use `backend` for the block attention and the context K/V writes of every layer."""
@@ -291,7 +292,26 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
             self.context_kv_weight = None
             return
         q_size = attns[0].num_heads * attns[0].head_dim
-        self.context_kv_weight = torch.cat([a.qkv_weight[q_size:] for a in attns])
+        stacked = torch.cat([a.qkv_weight[q_size:] for a in attns])
+        if self.context_kv_weight is not None and self.context_kv_weight.shape == stacked.shape:
+            self.context_kv_weight.copy_(stacked)  # in place: captured CUDA graphs read this address
+        else:
+            self.context_kv_weight = stacked
+        self._context_kv_versions = self._kv_versions()
+
+    def _kv_versions(self) -> tuple[int, ...]:
+        """The k/v parameters' in-place version counters: any copy into them, optimizer step or
+        load_state_dict after `_stack_context_kv` changes one, and the copy is stale."""
+        return tuple(p._version for layer in self.layers for p in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight))
+
+    def _usable_context_kv_weight(self) -> torch.Tensor | None:
+        """`context_kv_weight` while it still equals the layers' k/v weights (else None: the
+        per-layer matmuls, always current)."""
+        if self.context_kv_weight is None or self._context_kv_versions != self._kv_versions():
+            return None
+        if not all(_stacked_usable(layer.self_attn.qkv_weight, layer.self_attn.k_proj.weight) for layer in self.layers):
+            return None
+        return self.context_kv_weight
 
     def pack_for_cpu_inference(self) -> bool:
         """Store every linear's weight in oneDNN's blocked layout (blockdraft.layers.linear), as the
@@ -342,11 +362,9 @@ class DFlashDraftModel(UsesFusedOps, nn.Module):
         """
         c = self.project_context(features)
         cos, sin = self.rotary_emb.cos_sin(positions, self.dtype)
-        projected = None
-        if self.context_kv_weight is not None and all(
-            _stacked_usable(layer.self_attn.qkv_weight, layer.self_attn.k_proj.weight) for layer in self.layers
-        ):  # every layer's context K/V in one matmul
-            projected = linear(c, self.context_kv_weight, None, self.fc.fused_ops).chunk(len(self.layers), dim=-1)
+        projected, weight = None, self._usable_context_kv_weight()
+        if weight is not None:  # every layer's context K/V in one matmul
+            projected = linear(c, weight, None, self.fc.fused_ops).chunk(len(self.layers), dim=-1)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             layer.self_attn.write_context(c, cos, sin, kv_cache, slot_mapping, None if projected is None else projected[i])
 

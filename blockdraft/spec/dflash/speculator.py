@@ -192,8 +192,14 @@ class DFlashSpeculator:
 
     @torch.no_grad()
     def block_logits(self, block: DraftBlock, block_table: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        """`draft_logits` of a laid-out draft block (B = `num_block_tokens` rows per request)."""
+        """`draft_logits` of a laid-out draft block (B = `num_block_tokens` rows per request).
+
+        Raises:
+            ValueError: the block has another number of rows per request.
+        """
         num_reqs, q, k = block.num_reqs, self.num_block_tokens, self.num_speculative_tokens
+        if block.num_block_tokens != q:
+            raise ValueError(f"draft block has {block.num_block_tokens} rows per request, this drafter drafts {q}")
         embeds = self.target.embed(block.token_ids)
         scale = self.drafter.config.input_embedding_scale
         if scale != 1.0:
