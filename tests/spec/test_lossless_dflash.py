@@ -38,11 +38,13 @@ def test_dflash_greedy_parity_batch_sizes_and_max_tokens(llama_target, k, full_b
     assert llm.engine.stats.spec.num_drafted_tokens > 0
 
 
-@pytest.mark.parametrize("k", [3, 15])
-def test_stacked_drafter_is_lossless_greedy_seeded_and_with_stops(llama_target, k):
-    """A drafter with stacked q/k/v and gate/up weights (stack_projections, as on CUDA) in the
-    engine: greedy at batch sizes 1-8, seeded T = 0.9 and stop ids met inside a draft block all give
-    plain decoding's tokens, while the drafter proposes and gets drafts accepted."""
+@pytest.mark.parametrize("k, graphs", [(3, False), (15, False), (3, True), (7, True)])
+def test_stacked_drafter_is_lossless_greedy_seeded_and_with_stops(llama_target, k, graphs):
+    """A drafter with stacked q/k/v and gate/up weights (stack_projections, as on CUDA; its context
+    K/V of every layer in one matmul) in the engine: greedy at batch sizes 1-8, seeded T = 0.9 and
+    stop ids met inside a draft block all give plain decoding's tokens, while the drafter proposes
+    and gets drafts accepted. graphs: the CUDA-graph step code run eagerly (DraftStep: verification,
+    input preparation and the 16-row draft block in `uniform_step_inputs`, padded buckets)."""
     prompts = random_prompts(8, seed=70 + k)
     greedy = [SamplingParams(max_tokens=[1, k, k + 2, 40][i % 4], ignore_eos=True) for i in range(8)]
     sampled = [SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True) for i in range(8)]
@@ -52,8 +54,10 @@ def test_stacked_drafter_is_lossless_greedy_seeded_and_with_stops(llama_target, 
     # stop on a token each greedy answer emits at its 4th position or later (inside a verify block)
     stops = [SamplingParams(max_tokens=40, stop_token_ids=[t[min(len(t) - 1, 5)]]) for t in plain_greedy]
     plain_stops = [(o.token_ids, o.finish_reason) for o in plain_llm.generate(prompts, stops)]
-    llm = _dflash_llm(llama_target, k, stacked=True)
-    assert llm.speculator.drafter.stacked
+    graph_kw = dict(attention_backend="dense", graph_mode="eager", max_num_seqs=8) if graphs else {}
+    llm = _dflash_llm(llama_target, k, stacked=True, **graph_kw)
+    assert llm.speculator.drafter.stacked and llm.speculator.drafter.context_kv_weight is not None
+    assert (llm.engine.runner.graphs is not None and llm.engine.runner.graphs.draft is not None) == graphs
     for bs in (1, 3, 8):
         assert [o.token_ids for o in llm.generate(prompts[:bs], greedy[:bs])] == plain_greedy[:bs]
     assert [o.token_ids for o in llm.generate(prompts, sampled)] == plain_sampled
