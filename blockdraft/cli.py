@@ -211,7 +211,7 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     what = {"num-prompts": "ShareGPT prompts the target answers", "max-prompt-tokens": "longest prompt kept, tokens",
             "max-new-tokens": "tokens per answer", "steps": "optimizer steps", "batch-size": "sequences per step",
             "num-anchors": "draft blocks per sequence per step", "num-layers": "drafter layers",
-            "intermediate-size": "drafter MLP width (default: the target's)",
+            "intermediate-size": "drafter MLP width (default: the target's, or the --init-from drafter's)",
             "num-feature-layers": "target layers the drafter reads", "log-every": "steps per log line"}
     for name, text in what.items():
         key = name.replace("-", "_")
@@ -222,8 +222,9 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     t.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from this drafter instead of random weights: a DFlash folder (config.json + "
                         "*.safetensors or model.int8) or 'shipped' (the one shipped for --target); its shape (MLP width, "
-                        "feature layers, block size, mask token) is kept, --num-layers may add layers, which "
-                        "start as identity (zero output projections) so training starts from its acceptance")
+                        "feature layers, block size, mask token) is kept, --num-layers may add layers and "
+                        "--intermediate-size widen the MLP; new layers and MLP units start silent (zero output "
+                        "projections) so training starts from its acceptance")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="id fed in the draft slots (default: an unused id of the target's vocabulary)")
     t.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence (default 1024)")

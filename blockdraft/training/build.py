@@ -81,31 +81,60 @@ def num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# MLP weights that may be wider in the drafter than in `state` (widening: rows / columns appended).
+_MLP_ROWS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")  # [intermediate, hidden]
+_MLP_COLS = ("mlp.down_proj.weight",)  # [hidden, intermediate]
+
+
 @torch.no_grad()
 def init_from(drafter: DFlashDraftModel, state: dict[str, torch.Tensor]) -> list[int]:
-    """Start `drafter` from an earlier drafter's weights `state` (z-lab names), possibly shallower.
+    """Start `drafter` from an earlier drafter's weights `state` (z-lab names), possibly shallower
+    or with a narrower MLP.
 
     Every tensor of `state` is copied into the same-named parameter. Draft layers that `state`
     lacks (growing an N-layer drafter into a deeper one) keep their random weights except their
     output projections (`self_attn.o_proj`, `mlp.down_proj`), which are zeroed: such a layer adds
     nothing to the residual stream, so the grown drafter computes exactly what `state`'s drafter
     did and training starts from there (zero-initialised residual branches, as in ReZero /
-    Fixup). Returns the indices of the new layers.
+    Fixup). Likewise a wider MLP (intermediate size I' > I): `gate_proj` / `up_proj` [I, H] fill
+    the first I rows of the new [I', H] (the rest keep their random init), `down_proj` [H, I] the
+    first I columns of [H, I'] and its new columns are zeroed, so the new hidden units contribute
+    nothing until trained (function-preserving widening, as in Net2Net's zero-output variant).
+    Returns the indices of the new layers.
 
     Raises:
-        ValueError: a tensor of `state` the drafter does not have, or one of another shape.
+        ValueError: a tensor of `state` the drafter does not have, or one of another shape (other
+            than a narrower MLP; an MLP wider than the drafter's is refused too).
     """
     own = drafter.state_dict()
     for name, t in state.items():
         if name not in own:
             raise ValueError(f"init weights: {name!r} is not a parameter of this drafter "
                              f"({drafter.config.num_hidden_layers} layers)")
-        if tuple(t.shape) != tuple(own[name].shape):
+        dst = _widened_slice(name, own[name], t)
+        if dst is None:
             raise ValueError(f"init weights: {name!r} has shape {tuple(t.shape)}, the drafter's is "
-                             f"{tuple(own[name].shape)} (same hidden size, MLP width and feature layers needed)")
-        own[name].copy_(t)
+                             f"{tuple(own[name].shape)} (same hidden size and feature layers needed; the MLP "
+                             f"may only grow)")
+        dst.copy_(t)
+        if dst.shape != own[name].shape and name.endswith(_MLP_COLS):
+            own[name][:, t.shape[1]:].zero_()  # new hidden units add nothing until trained
     new = [i for i in range(drafter.config.num_hidden_layers) if not any(k.startswith(f"layers.{i}.") for k in state)]
     for i in new:
         own[f"layers.{i}.self_attn.o_proj.weight"].zero_()
         own[f"layers.{i}.mlp.down_proj.weight"].zero_()
     return new
+
+
+def _widened_slice(name: str, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
+    """The part of parameter `dst` that `src` fills: all of it for equal shapes, the leading rows
+    (gate / up) or columns (down) for a narrower MLP; None when `src` does not fit."""
+    if tuple(src.shape) == tuple(dst.shape):
+        return dst
+    if src.dim() != 2 or dst.dim() != 2:
+        return None
+    if name.endswith(_MLP_ROWS) and src.shape[1] == dst.shape[1] and src.shape[0] < dst.shape[0]:
+        return dst[: src.shape[0]]
+    if name.endswith(_MLP_COLS) and src.shape[0] == dst.shape[0] and src.shape[1] < dst.shape[1]:
+        return dst[:, : src.shape[1]]
+    return None

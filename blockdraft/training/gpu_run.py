@@ -305,7 +305,8 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
     """Greedy (T=0) and sampled (T=1) target answers to the eval prompts, then offline acceptance of
     every exported drafter (and of its int8 round trip when the spec asks for it); for each drafter
     in `inits` (name -> init_from state) also of the weights it started from (variant "init") and,
-    when they have the same depth, of the 0.5 / 0.5 average of the trained and init weights ("avg")."""
+    when they have the same shape (not grown deeper or wider), of the 0.5 / 0.5 average of the
+    trained and init weights ("avg")."""
     from safetensors.torch import save_file
 
     from blockdraft.drafters.average import weighted_mean
@@ -344,7 +345,8 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
             variants["init"] = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
             init_from(variants["init"], inits[name])  # grown layers add nothing: the init's drafts
             trained = tr.drafter.state_dict()
-            if set(inits[name]) == set(trained):  # same depth: also their 0.5 / 0.5 weight average
+            shapes = lambda state: {k: tuple(v.shape) for k, v in state.items()}  # noqa: E731
+            if shapes(inits[name]) == shapes(trained):  # same depth and width: also their 0.5 / 0.5 average
                 variants["avg"] = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
                 variants["avg"].load_weights(weighted_mean([trained, inits[name]], [0.5, 0.5], ["trained", "init"]))
         if spec.get("int8"):

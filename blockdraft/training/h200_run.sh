@@ -118,6 +118,7 @@ CACHE_RESERVE=${CACHE_RESERVE:-64}  # GiB kept free beside the feature cache (gp
 GREEDY=${GREEDY:-}  # session 29, non-empty: gpu_run --greedy-labels (labels = the target's argmax next tokens)
 CACHE_HOST=${CACHE_HOST:-0}  # session 29: GiB of pinned host memory for the cache's overflow (gpu_run --cache-host-gib)
 OPENERS=${OPENERS:-}  # session 30, non-empty: gpu_run --synth-openers general (synthesized requests start with generic openers)
+WIDE=${WIDE:-}  # session 32, an MLP width > 1024: also train drafter B, INIT widened to it (new units silent), beside A
 GPU_TESTS=${GPU_TESTS-tests/gpu}  # session 6: the runner tests only (the async continuation changed); empty: none
 TEST_WORKERS=${TEST_WORKERS:-8}
 PROFILE=${PROFILE:-1}  # empty: no 8B profile after the bench
@@ -167,7 +168,9 @@ train_fast() {
   export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
   cd "$W/code" || exit 1
   # LAYERS > the init's depth grows it (new layers start as identity); INT8 also evaluates the 8-bit pack
-  local drafters='[{"name":"A","num_layers":'$LAYERS',"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"'${INT8:+',"int8":true'}'}]'
+  local drafters='[{"name":"A","num_layers":'$LAYERS',"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"'${INT8:+',"int8":true'}'}'
+  [ -z "$WIDE" ] || drafters=$drafters',{"name":"B","num_layers":'$LAYERS',"intermediate_size":'$WIDE',"num_feature_layers":3,"init_from":"'$W'/init.safetensors"'${INT8:+',"int8":true'}'}'
+  drafters=$drafters']'
   local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
       --drafters '$drafters' --gen-seconds $GEN_SECONDS --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
       --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE --cache-host-gib $CACHE_HOST ${GREEDY:+--greedy-labels} \
@@ -202,7 +205,8 @@ pack4() {
 # <= 16 MB files (the device returns 8 files per call). Session 22: a call returns at most ~64 MiB in
 # all, so pack6 cuts everything once (results with the eval sequences first, then the int8 pack, then
 # the fp32 master weights) and each call moves the next <= 60 MB into OUT: call it until it says
-# "pack6: all sent". Reassemble with `cat A-fp32.? > drafter.safetensors`, `cat A-int8.? > model.int8`.
+# "pack6: all sent". Reassemble with `cat A-fp32.? > drafter.safetensors`, `cat A-int8.? > model.int8`
+# (WIDE: `cat B-int8.? > model.int8`, `cat B-bf16.tar.? | tar x` for B's export folder).
 pack6() {
   local W=$1 OUT=$2 PARTS=/tmp/pack6-parts
   mkdir -p "$OUT"
@@ -213,7 +217,10 @@ pack6() {
       qwen/eval_sequences.safetensors qwen/A/train_log.jsonl qwen/A/export/config.json qwen/A/export/draft_vocab.json \
       bench-real.* profile-qwen3-8b-b1.* 2>/dev/null)
     [ ! -f "$W/qwen/A/model.int8" ] || split -b 16000000 -d -a 1 "$W/qwen/A/model.int8" "$PARTS/1-A-int8."
-    split -b 16000000 -d -a 1 "$W/qwen/A/checkpoint/drafter.safetensors" "$PARTS/2-A-fp32."
+    [ ! -f "$W/qwen/B/model.int8" ] || split -b 16000000 -d -a 1 "$W/qwen/B/model.int8" "$PARTS/2-B-int8."
+    [ ! -d "$W/qwen/B/export" ] || tar cf - -C "$W/qwen/B/export" config.json draft_vocab.json model.safetensors |
+      split -b 16000000 -d -a 1 - "$PARTS/3-B-bf16.tar."
+    split -b 16000000 -d -a 1 "$W/qwen/A/checkpoint/drafter.safetensors" "$PARTS/4-A-fp32."
   fi
   local part sent=0 size
   for part in $(ls "$PARTS" | sort); do

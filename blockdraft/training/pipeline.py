@@ -176,10 +176,11 @@ def apply_init_shape(args, settings: dict):
 
     Its shape fills the shape flags left out (`settings` num_layers / intermediate_size /
     num_feature_layers, `args.block_size` / `args.mask_token_id`, both updated in place); a deeper
-    --num-layers grows it (training.build.init_from). Reads its config.json only, no weights.
+    --num-layers or a wider --intermediate-size grows it (training.build.init_from). Reads its
+    config.json only, no weights.
     Raises:
-        ValueError: a shape flag given with another value than the drafter's, or --num-layers
-            below its depth (names the flag, both values and the folder); 'shipped' for a target
+        ValueError: a shape flag given with another value than the drafter's, or --num-layers /
+            --intermediate-size below its own (names the flag, both values and the folder); 'shipped' for a target
             with none; FileNotFoundError: no drafter folder there (the message lists what
             --init-from takes: a folder or 'shipped'; 'auto' is not one).
     """
@@ -193,8 +194,10 @@ def apply_init_shape(args, settings: dict):
     if not folder.is_dir():  # read_drafter_config's message is --draft's, which also takes 'auto'
         raise FileNotFoundError(_init_from_not_a_folder(folder))
     config = read_drafter_config(folder)
-    kept = {"--intermediate-size": (args.intermediate_size, config.intermediate_size),
-            "--num-feature-layers": (args.num_feature_layers, len(config.target_layer_ids)),
+    if args.intermediate_size is not None and args.intermediate_size < config.intermediate_size:
+        raise ValueError(f"--intermediate-size {args.intermediate_size} is below the --init-from drafter's "
+                         f"{config.intermediate_size} ({folder}): an MLP can be widened, not cut")
+    kept = {"--num-feature-layers": (args.num_feature_layers, len(config.target_layer_ids)),
             "--block-size": (args.block_size, config.block_size),
             "--mask-token-id": (args.mask_token_id, config.mask_token_id)}
     for flag, (given, own) in kept.items():
@@ -204,7 +207,8 @@ def apply_init_shape(args, settings: dict):
     if args.num_layers is not None and args.num_layers < config.num_hidden_layers:
         raise ValueError(f"--num-layers {args.num_layers} is below the --init-from drafter's {config.num_hidden_layers} "
                          f"layers ({folder}): a drafter can be grown, not cut")
-    settings.update(num_layers=args.num_layers or config.num_hidden_layers, intermediate_size=config.intermediate_size,
+    settings.update(num_layers=args.num_layers or config.num_hidden_layers,
+                    intermediate_size=args.intermediate_size or config.intermediate_size,
                     num_feature_layers=len(config.target_layer_ids))
     args.block_size, args.mask_token_id = config.block_size, config.mask_token_id
     return folder, config

@@ -111,11 +111,13 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
     assert sorted(new[len(synthesized) :]) == sorted(prompts)
 
 
-def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("width", [64, 96])
+def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, capsys, monkeypatch, width):
     """A run on an empty --work with --extend-seconds answers its prompts (shard 0), then extends
     right away (shard 1: here --resample's sampled re-answers): one GPU call needs no kept data.
     A drafter with init_from is also evaluated as it started ("init") and averaged with it ("avg"),
-    on the same sequences."""
+    on the same sequences; one whose MLP was widened from the init's (width 96 from 64) has no
+    average, and its "init" variant is the init's weights with the new units silent."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -136,7 +138,7 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
         return real(drafter, *a, **kw)
 
     monkeypatch.setattr(acceptance, "offline_acceptance", spy)
-    drafters = json.dumps([{"name": "A", "num_layers": 1, "intermediate_size": 64, "num_feature_layers": 2,
+    drafters = json.dumps([{"name": "A", "num_layers": 1, "intermediate_size": width, "num_feature_layers": 2,
                             "init_from": str(tmp_path / "init.safetensors")}])
     capsys.readouterr()
     assert gpu_run.main(["run", "--gguf", str(cache_root() / "gguf" / f"{NAME}.gguf"), "--prep", str(tmp_path / "prep"),
@@ -153,6 +155,12 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
             assert results["eval"][f"A/init/{ds}/T{t}"]["acceptance_length"] >= 1.0
     # 4 evaluations per variant (2 datasets x T 0/1): the trained export's, the init's, their average
     trained = load_file(str(tmp_path / "w" / "A" / "export" / "model.safetensors"))
+    if width != 64:  # widened: no average; the init variant holds the init's weights, new units silent
+        assert len(evaluated) == 8 and not any("/avg/" in k for k in results["eval"])
+        down = "layers.0.mlp.down_proj.weight"
+        assert torch.equal(evaluated[4][down][:, :64], init[down].to(torch.bfloat16).float())
+        assert not evaluated[4][down][:, 64:].any()
+        return
     assert len(evaluated) == 12 and results["eval"]["A/avg/mtbench/T1"]["acceptance_length"] >= 1.0
     fp32 = load_file(str(tmp_path / "w" / "A" / "checkpoint" / "drafter.safetensors"))
     assert all(torch.equal(evaluated[8][k], (0.5 * v + 0.5 * init[k]).to(torch.bfloat16).float())

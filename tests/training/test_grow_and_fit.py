@@ -21,9 +21,9 @@ def tiny():
     return tiny_data()
 
 
-def _trainer(tiny, out, layers):
+def _trainer(tiny, out, layers, intermediate_size=64):
     target, data = tiny[0], tiny[1]
-    d = new_drafter(target.config, layers, block_size=4, intermediate_size=64, num_feature_layers=2,
+    d = new_drafter(target.config, layers, block_size=4, intermediate_size=intermediate_size, num_feature_layers=2,
                     mask_token_id=MASK_ID, seed=layers)
     cfg = TrainConfig(steps=8, batch_size=4, num_anchors=6, lr=3e-3, log_every=2, max_len=40)
     return Trainer(d, EngineTarget(target.model, kv_block_size=4), data, cfg, out)
@@ -43,11 +43,27 @@ def test_a_grown_drafter_starts_with_the_smaller_drafters_loss_and_then_trains(t
     assert not torch.equal(before, grown.drafter.layers[2].self_attn.o_proj.weight)  # the new layers learn
 
 
+def test_a_widened_drafter_starts_with_the_narrower_drafters_loss_and_its_new_units_learn(tiny, tmp_path):
+    small = _trainer(tiny, tmp_path / "a", 1)
+    small.train_step()
+    wide = _trainer(tiny, tmp_path / "b", 2, intermediate_size=96)  # wider MLP and one more layer at once
+    assert init_from(wide.drafter, small.drafter.state_dict()) == [1]
+    down = wide.drafter.layers[0].mlp.down_proj.weight
+    assert torch.equal(down[:, :64], small.drafter.layers[0].mlp.down_proj.weight) and not down[:, 64:].any()
+    gate = wide.drafter.layers[0].mlp.gate_proj.weight
+    assert torch.equal(gate[:64], small.drafter.layers[0].mlp.gate_proj.weight) and gate[64:].abs().sum() > 0
+    for step in range(2):
+        batch = small.prepare(step)
+        torch.testing.assert_close(wide.loss_on(batch)[0], small.loss_on(batch)[0], rtol=1e-5, atol=1e-6)
+    wide.train_step()
+    assert down[:, 64:].abs().sum() > 0  # the new hidden units get gradient through their zero outputs
+
+
 def test_init_from_names_a_tensor_that_does_not_fit(tiny):
     d = new_drafter(tiny[0].config, 1, block_size=4, intermediate_size=64, num_feature_layers=2, mask_token_id=MASK_ID)
     wide = new_drafter(tiny[0].config, 1, block_size=4, intermediate_size=96, num_feature_layers=2, mask_token_id=MASK_ID)
-    with pytest.raises(ValueError, match=r"'layers\.0\.mlp\.\w+_proj\.weight' has shape"):
-        init_from(d, wide.state_dict())
+    with pytest.raises(ValueError, match=r"'layers\.0\.mlp\.\w+_proj\.weight' has shape .* the MLP may only grow"):
+        init_from(d, wide.state_dict())  # a narrower MLP than the init's: refused, never cut
     deep = new_drafter(tiny[0].config, 2, block_size=4, intermediate_size=64, num_feature_layers=2, mask_token_id=MASK_ID)
     with pytest.raises(ValueError, match=r"'layers\.1\..*' is not a parameter of this drafter \(1 layers\)"):
         init_from(d, deep.state_dict())

@@ -40,7 +40,7 @@ def _error(capsys, *flags) -> str:
                                 "(chat markers, end of sequence); pick an id that never occurs in the data, or "
                                 "leave the flag out (this target's default: 16)")),
     (["--init-from", "shipped", "--intermediate-size", "256"],
-     "--intermediate-size 256 differs from the --init-from drafter's 1536"),
+     "--intermediate-size 256 is below the --init-from drafter's 1536"),
     (["--init-from", "shipped", "--block-size", "8"], "--block-size 8 differs from the --init-from drafter's 16"),
     (["--init-from", "shipped", "--num-layers", "2"], "--num-layers 2 is below the --init-from drafter's 3 layers"),
     (["--init-from", "/nonexistent/drafter"], "drafter folder '/nonexistent/drafter' does not exist"),

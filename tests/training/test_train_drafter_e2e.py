@@ -197,3 +197,11 @@ def test_init_from_a_trained_drafter_grows_it_and_keeps_its_shape(tmp_path, caps
     small, big = load_drafter(first / "drafter", target.config), load_drafter(grown / "drafter", target.config)
     assert big.config.target_layer_ids == small.config.target_layer_ids and big.config.mask_token_id == small.config.mask_token_id
     assert big.config.num_hidden_layers == 3
+    # --intermediate-size above the init's widens its MLP (new units start silent), shape kept otherwise
+    wide = tmp_path / "wide"
+    assert main([*common, "--out", str(wide), "--data", str(first / "data"), "--steps", "2",
+                 "--init-from", str(first / "drafter"), "--intermediate-size", "96", "--no-resume"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["settings"]["intermediate_size"] == 96 and summary["new_layers"] == []
+    widened = load_drafter(wide / "drafter", target.config)
+    assert widened.config.intermediate_size == 96 and widened.config.num_hidden_layers == 1
