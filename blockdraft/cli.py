@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # e.g. --cache-dir / $BLOCKDRAFT_CACHE naming a file, a folder not writable
         return _os_error(e)
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's SIGINT status, not a traceback
+        print(f"\nblockdraft {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _runs_on_cuda(args) -> bool:
@@ -75,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off; -1 also means off, as in vLLM)")
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models)")
+                   help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models; float32 on a CPU "
+                        "without native bf16, e.g. AVX2 only)")
     add_cache_dir_flag(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
@@ -148,7 +152,8 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--max-pending", type=int, default=1024,
                    help="requests in flight before new ones get 429 (default %(default)s)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models)")
+                   help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models; float32 on a CPU "
+                        "without native bf16, e.g. AVX2 only)")
     s.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV page (default %(default)s)")
     s.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pages in the pool (default: 1024 on CPU; on CUDA as many as --gpu-memory-utilization allows)")
@@ -211,7 +216,7 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
     what = {"num-prompts": "ShareGPT prompts the target answers", "max-prompt-tokens": "longest prompt kept, tokens",
             "max-new-tokens": "tokens per answer", "steps": "optimizer steps", "batch-size": "sequences per step",
             "num-anchors": "draft blocks per sequence per step", "num-layers": "drafter layers",
-            "intermediate-size": "drafter MLP width (default: the target's, or the --init-from drafter's)",
+            "intermediate-size": "drafter MLP width (default: the target's)",
             "num-feature-layers": "target layers the drafter reads", "log-every": "steps per log line"}
     for name, text in what.items():
         key = name.replace("-", "_")

@@ -33,3 +33,16 @@ def test_an_os_file_not_found_is_one_line_naming_the_flags(monkeypatch, capsys):
 def test_our_own_file_not_found_messages_still_name_the_flag(capsys):
     assert main(["generate", "hi", "--draft", "/nonexistent/drafter", "--max-tokens", "1"]) == 2
     assert capsys.readouterr().err.startswith("error: drafter folder '/nonexistent/drafter' does not exist")
+
+
+def test_ctrl_c_is_one_line_and_the_sigint_status(monkeypatch, capsys):
+    """Ctrl-C while a command runs: `blockdraft generate: interrupted` and exit 130 (128 + SIGINT, as
+    shells report it), not a traceback."""
+    import blockdraft.llm
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(blockdraft.llm.LLM, "__init__", interrupted)
+    assert main(["generate", "hi", "--max-tokens", "1"]) == 130
+    assert capsys.readouterr().err == "\nblockdraft generate: interrupted\n"
