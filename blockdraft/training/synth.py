@@ -16,9 +16,10 @@ from blockdraft.training.prompts import select_prompts
 
 _MARKER = "\u2063BLOCKDRAFT_USER_CONTENT\u2063"
 
-# Request openers (gpu_run --synth-openers general): from the bare pre-query template a coder model
-# writes mostly coding requests, and in session 30 a quarter of Qwen2.5-Coder's were dropped by the
-# ASCII filter; a first English word or two steers the samples towards the other kinds of chat turn
+# Request openers (gpu_run --synth-openers general; train-drafter's --synth-openers, general by
+# default): from the bare pre-query template a coder model writes mostly coding requests, and in
+# session 30 a quarter of Qwen2.5-Coder's were dropped by the ASCII filter; a first English word or
+# two steers the samples towards the other kinds of chat turn
 # (writing, explaining, role play, math, extraction). Chosen to cover the kinds of request MT-bench
 # asks, so many of its prompts begin with one of these words too (read an MT-bench gain with that
 # in mind); the requests still pass the eval-overlap filter. "" keeps a share of bare samples.

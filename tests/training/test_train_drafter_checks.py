@@ -48,6 +48,8 @@ def _error(capsys, *flags) -> str:
      "drafter hidden_size 896 != target hidden_size 576; a DFlash drafter works only with the target"),
     (["--num-feature-layers", "30"], "--num-feature-layers must be at most 29 (distinct layers below the last of "
                                      "this target's 30), got 30"),
+    (["--synth-openers", "general"], "--synth-openers general steers the requests --synth-prompts N has the target "
+                                     "write: it needs --synth-prompts N > 0 (got 0; leave --synth-openers out"),
 ])
 def test_bad_values_name_the_flag(flags, message, tmp_path, capsys, no_weights):
     err = _error(capsys, "--out", str(tmp_path), *flags)
@@ -161,7 +163,8 @@ def test_the_same_runs_data_is_reused(tmp_path, capsys, monkeypatch):
         main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--num-prompts", "4",
               "--steps", "9", "--lr", "1e-3"])  # training settings may change
     assert (f"train-drafter: reusing the 2 sequences in {tmp_path / 'data'} (target '{NAME}', dtype float32, "
-            f"num_prompts=4, max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, sampled_fraction=0.25)") in \
+            f"num_prompts=4, max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, synth_openers=general, "
+            f"sampled_fraction=0.25)") in \
         capsys.readouterr().err
 
 
@@ -297,6 +300,91 @@ def test_a_data_folder_keeps_its_settings_unless_a_flag_asks_for_others(tmp_path
     assert (f"was made with --max-new-tokens 8; this run asks for --max-new-tokens 32. A dataset is reused only for "
             f"the same target, --dtype and data settings: use a new --out (or another --data folder), or remove {data}") in \
         _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data), "--max-new-tokens", "32")
+
+
+def test_a_bad_synth_openers_gets_argparses_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["train-drafter", "--target", NAME, "--tiny", "--synth-openers", "chat"])
+    assert exited.value.code == 2
+    assert "argument --synth-openers: invalid choice: 'chat' (choose from 'none', 'general')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("asked, openers", [([], "general"), (["--synth-openers", "none"], "none")])
+def test_synth_openers_reach_the_synthesis_and_the_dataset_records_them(asked, openers, tmp_path, monkeypatch):
+    """The requests --synth-prompts samples start with GENERAL_OPENERS by default, bare with none;
+    the value is a data setting of the dataset (no model: the engine and the sampling are faked)."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from blockdraft.cli import _parser
+    from blockdraft.training import generate, synth
+    from blockdraft.training.dataset import TokenDataset
+    from blockdraft.training.pipeline import build_dataset, resolve_settings
+
+    args = _parser().parse_args(["train-drafter", "--tiny", "--out", str(tmp_path), "--synth-prompts", "2", *asked])
+    settings = resolve_settings(args)
+    seen = {}
+
+    def fake_synthesize(llm, num_samples, eval_texts, **kw):
+        seen.update(num_samples=num_samples, openers=kw.get("openers", ("",)))
+        return [], {"sampled": num_samples}
+
+    monkeypatch.setattr(blockdraft.llm, "LLM", lambda **kw: object())
+    monkeypatch.setattr(synth, "synthesize_prompts", fake_synthesize)
+    monkeypatch.setattr(generate, "generate_with_engine", lambda llm, prompts, *a, **kw: [[3, 4]] * len(prompts))
+    target = SimpleNamespace(tokenizer=None, config=SimpleNamespace(vocab_size=49152))
+    build_dataset(target, settings, Namespace(target=NAME, dtype="float32", seed=0, max_num_seqs=None),
+                  tmp_path / "data", "path", ([[1, 2]], {}, []))
+    assert seen == {"num_samples": 2, "openers": synth.GENERAL_OPENERS if openers == "general" else ("",)}
+    info = TokenDataset.load(tmp_path / "data").info
+    assert info["settings"]["synth_openers"] == openers
+    assert info["prompt_stats"]["synthesized"]["openers"] == len(seen["openers"])
+
+
+@pytest.mark.parametrize("recorded", ["none", None])  # None: made before --synth-openers (its requests were bare)
+def test_data_synthesized_with_other_openers_is_refused_by_name(recorded, tmp_path, capsys, monkeypatch):
+    made = _settings(synth_prompts=8, synth_openers=recorded)
+    if recorded is None:
+        del made["synth_openers"]
+    _dataset(tmp_path / "data", {"target": NAME, "vocab_size": 49152, "settings": made, "dtype": "float32"})
+    with monkeypatch.context() as mp:
+        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--synth-prompts", "8")
+    assert (f"the dataset in {tmp_path / 'data'} was made with --synth-openers none; this run asks for --synth-openers "
+            f"general. A dataset is reused only for the same target, --dtype and data settings") in err
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    with pytest.raises(_Loading):  # the openers it was made with
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu",
+              "--synth-prompts", "8", "--synth-openers", "none"])
+    assert f"reusing the 2 sequences in {tmp_path / 'data'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recorded", ["none", None])
+def test_data_without_synthesized_requests_is_reused_whatever_the_openers(recorded, tmp_path, capsys, monkeypatch):
+    """synth_prompts 0 in the dataset and in the run: the openers steered nothing, so the default
+    (general) reuses a dataset made with none, or made before the flag (no synth_openers recorded)."""
+    made = _settings(synth_openers=recorded)
+    if recorded is None:
+        del made["synth_openers"]
+    _dataset(tmp_path / "data", {"target": NAME, "vocab_size": 49152, "settings": made, "dtype": "float32"})
+    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu"])
+    assert f"reusing the 2 sequences in {tmp_path / 'data'}" in capsys.readouterr().err
+
+
+def test_data_settings_differences_reads_old_datasets_as_bare_openers():
+    from blockdraft.training.pipeline import data_settings_differences as differences
+
+    old = {"synth_prompts": 8, "num_prompts": 4}  # made before --synth-openers
+    assert differences(old, {"synth_prompts": 8, "synth_openers": "general"}) == [("synth_openers", "none", "general")]
+    assert differences(old, {"synth_prompts": 8, "synth_openers": "none"}) == []
+    assert differences({"synth_prompts": 0}, {"synth_prompts": 0, "synth_openers": "general"}) == []
+    assert differences({"synth_prompts": 0}, {"synth_openers": "general"}) == []  # --data: its 0 stands
+    made = {"synth_prompts": 0, "synth_openers": "none"}
+    assert differences(made, {"synth_prompts": 4, "synth_openers": "general"}) == [
+        ("synth_prompts", 0, 4), ("synth_openers", "none", "general")]
+    assert differences({}, {"synth_openers": "general"}) == []  # nothing recorded: nothing compared
 
 
 def test_a_max_prompt_tokens_that_keeps_no_prompt_is_named(tmp_path, capsys, no_weights):

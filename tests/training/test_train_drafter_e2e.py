@@ -151,6 +151,8 @@ def test_synth_prompts_adds_requests_the_target_wrote(tmp_path, capsys):
     assert synth["encoded"] >= 1  # SmolLM2 ends most of its short requests within 64 tokens
     assert summary["data"]["num_sequences"] == 3 + synth["encoded"]
     assert summary["settings"]["synth_prompts"] == 8 and summary["settings"]["sampled_fraction"] == 0.25
+    # the default --synth-openers general: its 20 openers in turn, recorded as a data setting
+    assert synth["openers"] == 20 and summary["data"]["settings"]["synth_openers"] == "general"
     assert synth["encoded"] + synth["over_max_prompt_tokens"] == synth["kept"]  # dropped for length: counted
     assert summary["data"]["prompt_stats"]["used"] == 3
 
