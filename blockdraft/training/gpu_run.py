@@ -20,6 +20,7 @@ exactly.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -131,6 +132,41 @@ def load_hf_target(gguf_path: Path, config_dir: Path, device: str):
     return model.eval().requires_grad_(False)
 
 
+# Keys of a --drafters entry: the drafter's shape and start, and (OPTIM_KEYS) optimizer settings
+# that may differ between drafters trained together: fit_together shares the batches, not the
+# optimizer, so one run can compare learning rates or loss decays side by side.
+SPEC_KEYS = ("name", "num_layers", "intermediate_size", "num_feature_layers", "int8", "norm_from_target", "init_from")
+OPTIM_KEYS = ("lr", "gamma", "warmup_frac", "min_lr_ratio", "weight_decay", "grad_clip")
+
+
+def drafter_specs(text: str) -> list[dict]:
+    """--drafters parsed and checked: a JSON list of objects, each with a unique "name" and
+    "num_layers", and only SPEC_KEYS / OPTIM_KEYS (an OPTIM_KEYS value overrides --lr and the
+    TrainConfig defaults for that drafter alone).
+
+    Raises:
+        ValueError: not such a list, a missing or repeated name, no num_layers, or an unknown key
+            (the message names it and the keys allowed).
+    """
+    try:
+        specs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--drafters is not JSON ({e}); expected a list of objects") from e
+    if not isinstance(specs, list) or not specs or not all(isinstance(s, dict) for s in specs):
+        raise ValueError(f"--drafters must be a non-empty JSON list of objects, got {text[:80]!r}")
+    names = [s.get("name") for s in specs]
+    if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"--drafters: every entry needs a unique non-empty \"name\", got {names}")
+    for spec in specs:
+        unknown = sorted(set(spec) - set(SPEC_KEYS) - set(OPTIM_KEYS))
+        if unknown:
+            raise ValueError(f"--drafters entry {spec['name']!r}: unknown keys {unknown}; allowed: "
+                             f"{list(SPEC_KEYS)} and the optimizer settings {list(OPTIM_KEYS)}")
+        if "num_layers" not in spec:
+            raise ValueError(f"--drafters entry {spec['name']!r} has no \"num_layers\"")
+    return specs
+
+
 def run(args) -> dict:
     """Generate -> train (all drafters in lockstep) -> export -> offline acceptance; returns results."""
     from safetensors import safe_open
@@ -139,6 +175,7 @@ def run(args) -> dict:
     from blockdraft.training.dataset import TokenDataset
 
     t_start = time.time()
+    drafter_specs(args.drafters)  # a bad --drafters fails here, not after the answering
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     prep_dir = Path(args.prep)
@@ -193,7 +230,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
     if args.train_vocab_size:  # the same ranking the export writes to draft_vocab.json
         draft_vocab = rank_dataset(data, target_cfg.vocab_size, eos_ids, args.train_vocab_size)[0]
     features, train_data = None, data
-    specs = json.loads(args.drafters)
+    specs = drafter_specs(args.drafters)
     cfg = TrainConfig(steps=10**9, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors,
                       lr=args.lr, warmup_frac=args.warmup_frac, seed=args.seed, log_every=25, ckpt_every=args.ckpt_every,
                       greedy_labels=args.greedy_labels)
@@ -222,12 +259,14 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
             host = 0 if features.host_feats is None else features.host_feats.shape[0]
             _log(f"target features cached: {tuple(features.feats.shape)} on the GPU, {host} tokens in host memory "
                  f"({time.time() - t0:.0f} s)")
-        trainers[spec["name"]] = Trainer(d, target, train_data, cfg, work / spec["name"], features=features,
+        own = dataclasses.replace(cfg, **{k: spec[k] for k in OPTIM_KEYS if k in spec})  # this drafter's optimizer
+        trainers[spec["name"]] = Trainer(d, target, train_data, own, work / spec["name"], features=features,
                                          draft_vocab=draft_vocab)
-        results["drafters"][spec["name"]] = {"spec": spec, "params": num_parameters(d)}
+        results["drafters"][spec["name"]] = {"spec": spec, "params": num_parameters(d),
+                                             "optim": {k: getattr(own, k) for k in OPTIM_KEYS}}
     steps = args.steps or _plan_steps(list(trainers.values()), args.train_seconds)
     for tr in trainers.values():
-        tr.cfg = TrainConfig(**{**cfg.__dict__, "steps": steps})
+        tr.cfg = dataclasses.replace(tr.cfg, steps=steps)
     _log(f"training {list(trainers)} for {steps} steps")
     t0 = time.time()
     if torch.device(args.device).type == "cuda":
@@ -340,7 +379,7 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
     for name, tr in trainers.items():
         export = work / name / "export"
         variants = {"bf16": load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)}
-        spec = next(s for s in json.loads(args.drafters) if s["name"] == name)
+        spec = next(s for s in drafter_specs(args.drafters) if s["name"] == name)
         if inits and name in inits:  # the starting point on the same sequences: the gain side by side
             variants["init"] = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
             init_from(variants["init"], inits[name])  # grown layers add nothing: the init's drafts
@@ -387,7 +426,9 @@ def main(argv=None) -> int:
     r.add_argument("--work", required=True)
     r.add_argument("--drafters", required=True, help='JSON list of {"name", "num_layers", "intermediate_size", '
                    '"num_feature_layers", "int8" (also evaluate the 8-bit pack), "norm_from_target" (final norm '
-                   'starts as the target\'s), "init_from" (fp32 drafter.safetensors to continue from)}')
+                   'starts as the target\'s), "init_from" (fp32 drafter.safetensors to continue from, possibly '
+                   'shallower or narrower), and optimizer settings of that drafter alone: "lr", "gamma", '
+                   '"warmup_frac", "min_lr_ratio", "weight_decay", "grad_clip"}; all train in lockstep on the same batches')
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     r.add_argument("--num-prompts", type=int, default=100000)
     r.add_argument("--sampled-fraction", type=float, default=0.25)

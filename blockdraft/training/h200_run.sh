@@ -118,7 +118,9 @@ CACHE_RESERVE=${CACHE_RESERVE:-64}  # GiB kept free beside the feature cache (gp
 GREEDY=${GREEDY:-}  # session 29, non-empty: gpu_run --greedy-labels (labels = the target's argmax next tokens)
 CACHE_HOST=${CACHE_HOST:-0}  # session 29: GiB of pinned host memory for the cache's overflow (gpu_run --cache-host-gib)
 OPENERS=${OPENERS:-}  # session 30, non-empty: gpu_run --synth-openers general (synthesized requests start with generic openers)
-WIDE=${WIDE:-}  # session 32, an MLP width > 1024: also train drafter B, INIT widened to it (new units silent), beside A
+B=${B:-}  # session 32, a JSON object: also train drafter B = A's entry with these keys changed (gpu_run --drafters),
+# in lockstep on A's batches: '{"intermediate_size":1376}' (INIT widened, new units silent; session 32), '{"lr":1.2e-3}'
+# (drafter_specs: the optimizer keys lr / gamma / warmup_frac / min_lr_ratio / weight_decay / grad_clip)
 GPU_TESTS=${GPU_TESTS-tests/gpu}  # session 6: the runner tests only (the async continuation changed); empty: none
 TEST_WORKERS=${TEST_WORKERS:-8}
 PROFILE=${PROFILE:-1}  # empty: no 8B profile after the bench
@@ -168,9 +170,13 @@ train_fast() {
   export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
   cd "$W/code" || exit 1
   # LAYERS > the init's depth grows it (new layers start as identity); INT8 also evaluates the 8-bit pack
-  local drafters='[{"name":"A","num_layers":'$LAYERS',"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"'${INT8:+',"int8":true'}'}'
-  [ -z "$WIDE" ] || drafters=$drafters',{"name":"B","num_layers":'$LAYERS',"intermediate_size":'$WIDE',"num_feature_layers":3,"init_from":"'$W'/init.safetensors"'${INT8:+',"int8":true'}'}'
-  drafters=$drafters']'
+  local drafters
+  drafters=$(python3 -c '
+import json, sys
+w, layers, int8, b = sys.argv[1:]
+a = {"name": "A", "num_layers": int(layers), "intermediate_size": 1024, "num_feature_layers": 3,
+     "init_from": w + "/init.safetensors", **({"int8": True} if int8 else {})}
+print(json.dumps([a] + ([{**a, **json.loads(b), "name": "B"}] if b else []), separators=(",", ":")))' "$W" "$LAYERS" "$INT8" "$B") || exit 1
   local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
       --drafters '$drafters' --gen-seconds $GEN_SECONDS --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
       --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE --cache-host-gib $CACHE_HOST ${GREEDY:+--greedy-labels} \
@@ -206,7 +212,7 @@ pack4() {
 # all, so pack6 cuts everything once (results with the eval sequences first, then the int8 pack, then
 # the fp32 master weights) and each call moves the next <= 60 MB into OUT: call it until it says
 # "pack6: all sent". Reassemble with `cat A-fp32.? > drafter.safetensors`, `cat A-int8.? > model.int8`
-# (WIDE: `cat B-int8.? > model.int8`, `cat B-bf16.tar.? | tar x` for B's export folder).
+# (with B: `cat B-int8.? > model.int8`, `cat B-bf16.tar.? | tar x` for B's export folder).
 pack6() {
   local W=$1 OUT=$2 PARTS=/tmp/pack6-parts
   mkdir -p "$OUT"

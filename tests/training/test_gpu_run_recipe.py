@@ -138,8 +138,10 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
         return real(drafter, *a, **kw)
 
     monkeypatch.setattr(acceptance, "offline_acceptance", spy)
+    # the widened drafter also takes its own loss decay and learning rate (drafter_specs' OPTIM_KEYS)
+    own = {} if width == 64 else {"gamma": 3.0, "lr": 2e-3}
     drafters = json.dumps([{"name": "A", "num_layers": 1, "intermediate_size": width, "num_feature_layers": 2,
-                            "init_from": str(tmp_path / "init.safetensors")}])
+                            "init_from": str(tmp_path / "init.safetensors"), **own}])
     capsys.readouterr()
     assert gpu_run.main(["run", "--gguf", str(cache_root() / "gguf" / f"{NAME}.gguf"), "--prep", str(tmp_path / "prep"),
                          "--work", str(tmp_path / "w"), "--drafters", drafters, "--max-new-tokens", "4",
@@ -147,6 +149,8 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
                          "--eval-prompts", "1", "--eval-max-tokens", "4", "--extend-seconds", "600", "--resample",
                          "--device", "cpu"]) == 0
     results = json.loads(capsys.readouterr().out)
+    optim = results["drafters"]["A"]["optim"]
+    assert (optim["lr"], optim["gamma"]) == ((0.01, None) if width == 64 else (2e-3, 3.0))
     assert [s["num_sequences"] for s in results["data"]["shards"]] == [3, 3]
     answered = answering.answered_prompts(TokenDataset.load(tmp_path / "w" / "data"))
     assert len(answered) == 6 and sorted(answered[3:]) == sorted(answered[:3])
@@ -181,3 +185,21 @@ def test_gpu_run_refuses_bad_flags_naming_them(capsys, flags, message):
     with pytest.raises(SystemExit):
         gpu_run.main(["run", "--gguf", "m.gguf", "--prep", "p", "--work", "w", "--drafters", "[]", *flags])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[{", "--drafters is not JSON"),
+    ("{}", "--drafters must be a non-empty JSON list of objects"),
+    ('[{"name": "A", "num_layers": 1}, {"name": "A", "num_layers": 2}]', r"unique non-empty \"name\", got \['A', 'A'\]"),
+    ('[{"name": "A"}]', r"entry 'A' has no \"num_layers\""),
+    ('[{"name": "A", "num_layers": 1, "learning_rate": 1e-3}]',
+     r"entry 'A': unknown keys \['learning_rate'\]; allowed: .*'init_from'\] and the optimizer settings \['lr', 'gamma'"),
+])
+def test_a_bad_drafters_list_is_refused_before_any_work(text, message):
+    with pytest.raises(ValueError, match=message):
+        gpu_run.drafter_specs(text)
+
+
+def test_drafters_keep_their_entries_in_order():
+    specs = gpu_run.drafter_specs('[{"name": "A", "num_layers": 4}, {"name": "B", "num_layers": 4, "lr": 1e-3}]')
+    assert [s["name"] for s in specs] == ["A", "B"] and specs[1]["lr"] == 1e-3
