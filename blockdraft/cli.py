@@ -226,10 +226,10 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                    help="B = 1 anchor + B-1 drafts (default 16, or the --init-from drafter's)")
     t.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from this drafter instead of random weights: a DFlash folder (config.json + "
-                        "*.safetensors or model.int8) or 'shipped' (the one shipped for --target); its shape (MLP width, "
-                        "feature layers, block size, mask token) is kept, --num-layers may add layers and "
-                        "--intermediate-size widen the MLP; new layers and MLP units start silent (zero output "
-                        "projections) so training starts from its acceptance")
+                        "*.safetensors or model.int8) or 'shipped' (the one shipped for --target); its feature layers, "
+                        "block size and mask token are kept, and so are its depth and MLP width unless --num-layers / "
+                        "--intermediate-size ask for more (never fewer); new layers and MLP units start silent (zero "
+                        "output projections) so training starts from its acceptance")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="id fed in the draft slots (default: an unused id of the target's vocabulary)")
     t.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence (default 1024)")
@@ -241,12 +241,12 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "duplicates, no overlap with HumanEval / MT-bench) and answered after them: prompts in the "
                         "target's own domain (default 0)")
     t.add_argument("--synth-openers", choices=SYNTH_OPENERS, default=None,
-                   help="what the --synth-prompts requests start with: 'general' starts them with generic English "
-                        "openers in turn ('Write', 'Explain', 'Imagine you are', ...; training/synth.py "
-                        "GENERAL_OPENERS, one in 20 bare) to steer the target's self-written requests from mostly "
-                        "coding toward general chat requests; 'none' leaves them bare, plain Magpie "
-                        f"(default {DEFAULTS['synth_openers']}; a data setting like --synth-prompts; an explicit "
-                        "'general' needs --synth-prompts N)")
+                   help="how the --synth-prompts requests begin (used only with --synth-prompts N > 0): 'general' "
+                        "starts each with a generic English opener in turn ('Write', 'Explain', 'Imagine you are', "
+                        "...; every 20th left bare), steering a coding model toward general chat requests; 'none' "
+                        f"leaves them all bare (plain Magpie). Default {DEFAULTS['synth_openers']}; recorded with "
+                        "the data like --synth-prompts; given as 'general' without --synth-prompts it is refused "
+                        "(a forgotten --synth-prompts)")
     t.add_argument("--max-num-seqs", type=int, default=None,
                    help="prompts the target answers at once while making the data (default 512 on CUDA, 32 on "
                         "the CPU, at most the number of prompts); the answering engine's KV pool holds that many "

@@ -46,3 +46,10 @@ def test_ctrl_c_is_one_line_and_the_sigint_status(monkeypatch, capsys):
     monkeypatch.setattr(blockdraft.llm.LLM, "__init__", interrupted)
     assert main(["generate", "hi", "--max-tokens", "1"]) == 130
     assert capsys.readouterr().err == "\nblockdraft generate: interrupted\n"
+
+
+def test_draft_none_points_to_no_draft(capsys):
+    """`--draft none` is a natural guess for "no drafter": the error says how to ask for that."""
+    assert main(["generate", "hi", "--draft", "none", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: drafter folder 'none' does not exist") and "to decode without a drafter: --no-draft (Python: draft=None)" in err

@@ -56,8 +56,11 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
     path = Path(path)
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
+        # "none" / "off" read as "no drafter": say how to ask for that (the CLI's --no-draft, draft=None)
+        off = "; to decode without a drafter: --no-draft (Python: draft=None)" if str(path).lower() in (
+            "none", "off", "no", "false") else ""
         raise param_error("draft", f"drafter folder {str(path)!r} {what}; draft takes a DFlash checkpoint folder "
-                                   "(config.json + *.safetensors or model.int8), 'shipped' or 'auto'",
+                                   f"(config.json + *.safetensors or model.int8), 'shipped' or 'auto'{off}",
                           FileNotFoundError)
     config_file = path / "config.json"
     if not config_file.is_file():
