@@ -273,7 +273,8 @@ def _disturbed_note(speedup: float | None, acceptance_length: float | None, inde
 
 def format_summary(report: DemoReport) -> str:
     """The last line: pooled over all prompts; then warning lines when the pooled speedup exceeds
-    the pooled acceptance length (_disturbed_note) or plain speed swung across runs (_busy_note)."""
+    the pooled acceptance length (_disturbed_note), plain speed swung across runs (_busy_note) or
+    some run got far less CPU time than the others (_starved_note)."""
     s = report.summary()
     tau = "n/a" if s["acceptance_length"] is None else f"{s['acceptance_length']:.2f}"
     return (
@@ -281,7 +282,8 @@ def format_summary(report: DemoReport) -> str:
         f"{s['num_output_tokens']} tokens | acceptance length {tau} | "
         f"plain {s['plain_tokens_per_s']:.1f} tok/s | DFlash {s['dflash_tokens_per_s']:.1f} tok/s | "
         f"speedup {s['speedup']:.2f}x"
-    ) + _disturbed_note(s["speedup"], s["acceptance_length"]) + _busy_note(report) + _disturbed_prompts_note(report)
+    ) + (_disturbed_note(s["speedup"], s["acceptance_length"]) + _busy_note(report) + _disturbed_prompts_note(report)
+         + _starved_note(report))
 
 
 def _disturbed_prompts_note(report: DemoReport) -> str:
@@ -313,6 +315,33 @@ def _busy_note(report: DemoReport) -> str:
         f"({max(rates) / min(rates):.1f}x apart): the machine was busy, so these timings are unreliable; "
         f"rerun when it is idle, with --repeats 3 (or --threads 1 on a shared machine)"
     )
+
+
+# A run whose CPU time per wall second is below this share of the demo's best run's was starved:
+# other processes took the cores. Undisturbed runs of one demo agree closely (on 2 cores, the 0.5B
+# model: 1.98-1.99 CPU seconds per wall second, plain and DFlash alike). The share understates the
+# slowdown (torch's threads spin while a sibling waits for a core: three busy processes made a run
+# 10x slower at 40 % of the best share), hence a threshold close to 1.
+STARVED_SHARE = 0.7
+
+
+def _starved_note(report: DemoReport) -> str:
+    """A note line naming the runs that got less than STARVED_SHARE of the CPU time per wall second
+    of the demo's best run (plain or DFlash: a slowed DFlash run is what _busy_note, which looks at
+    plain speed, misses), else ''. Their timings, and the speedups built on them, are unreliable."""
+    runs = [(i + 1, label, cpu / wall) for i, p in enumerate(report.prompts)
+            for label, walls, cpus in (("plain", p.plain_seconds, p.plain_cpu_seconds),
+                                       ("DFlash", p.dflash_seconds, p.dflash_cpu_seconds))
+            for wall, cpu in zip(walls, cpus) if wall > 0]
+    best = max((share for *_, share in runs), default=0.0)
+    starved = sorted({(i, label) for i, label, share in runs if share < STARVED_SHARE * best})
+    if best <= 0 or not starved:
+        return ""
+    worst = min(share for *_, share in runs)
+    which = ", ".join(f"prompt {i} {label}" for i, label in starved)
+    return (f"\nnote: {which} got as little as {worst / best:.0%} of the CPU time per second of the best run: "
+            f"other processes took the cores, so those timings and the speedup are unreliable; rerun on a quiet "
+            f"machine, with --repeats 3 (or --threads 1 on a shared machine)")
 
 
 def _sampling_words(temperature: float, seed: int | None) -> str:

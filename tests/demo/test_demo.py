@@ -242,3 +242,21 @@ def test_demo_summary_warns_when_plain_speed_swings():
     busy = DemoReport("m", "d", "bfloat16", 4, 96, 2, 0.0, None, 2, prompts=[row([0.5, 0.5]), row([5.0, 0.5])])
     note = format_summary(busy).splitlines()[-1]
     assert note.startswith("note: plain decoding ran at 2.0 to 20.0 tok/s across runs (10.0x apart)")
+
+
+def test_demo_summary_names_runs_that_got_far_less_cpu_time():
+    """A DFlash run slowed by other processes (plain speed steady, so the swing check stays quiet):
+    its CPU time per wall second falls far below the other runs', and the summary names it."""
+    from blockdraft.demo import DemoReport, PromptResult, format_summary
+
+    def row(dflash_wall, dflash_cpu):
+        return PromptResult("p", "t", [1] * 10, "length", True, None, True, 10, 2.0, [0.5], 4, 8, 2,
+                            [1.0], [dflash_wall], [2.0], [dflash_cpu], 10.0, 10.0 / dflash_wall, 1.0 / dflash_wall)
+
+    calm = DemoReport("m", "d", "bfloat16", 4, 96, 1, 0.0, None, 2, prompts=[row(0.6, 1.19), row(0.7, 1.4)])
+    assert "note:" not in format_summary(calm)
+    starved = DemoReport("m", "d", "bfloat16", 4, 96, 1, 0.0, None, 2, prompts=[row(0.6, 1.19), row(5.0, 2.0)])
+    assert format_summary(starved).splitlines()[-1] == (
+        "note: prompt 2 DFlash got as little as 20% of the CPU time per second of the best run: other processes "
+        "took the cores, so those timings and the speedup are unreliable; rerun on a quiet machine, with "
+        "--repeats 3 (or --threads 1 on a shared machine)")
