@@ -666,7 +666,10 @@ def train_drafter(args) -> dict:
                "dtype": args.dtype, "resumed": resumed,
                "params": num_parameters(drafter), "train_vocab_size": args.train_vocab_size,
                "cache_features": args.cache_features, "greedy_labels": args.greedy_labels, "data": data.info, "final": final,
-               "init_from": str(init[0]) if init else None, "new_layers": grown}
+               "init_from": str(init[0]) if init else None, "new_layers": grown,
+               # the init's own depth and MLP width: settings hold the (possibly grown) ones trained
+               "init_shape": {"num_layers": init[1].num_hidden_layers, "intermediate_size": init[1].intermediate_size}
+               if init else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -205,5 +205,6 @@ def test_init_from_a_trained_drafter_grows_it_and_keeps_its_shape(tmp_path, caps
                  "--init-from", str(first / "drafter"), "--intermediate-size", "96", "--no-resume"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["settings"]["intermediate_size"] == 96 and summary["new_layers"] == []
+    assert summary["init_shape"] == {"num_layers": 1, "intermediate_size": 64}
     widened = load_drafter(wide / "drafter", target.config)
     assert widened.config.intermediate_size == 96 and widened.config.num_hidden_layers == 1
