@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                         "without native bf16, e.g. AVX2 only)")
     add_cache_dir_flag(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="print the answer as it is decoded, step by step (default: on when stdout is a terminal "
+                        "and --json is not given); the same tokens either way")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="also show the target model's log-probability of each output token and its N most likely "
                         f"alternatives, 0 <= N <= {DEFAULT_MAX_LOGPROBS} (vLLM's SamplingParams(logprobs=N)): a "
@@ -345,6 +348,9 @@ def _generate(args) -> int:
     check_logprobs_limit(params, DEFAULT_MAX_LOGPROBS, remedy="vLLM's default, fixed for the CLI")
     if not args.prompt.strip():
         raise ValueError("prompt is empty: give a non-empty prompt")
+    if args.stream and args.json:
+        raise ValueError("--stream prints the answer as it grows, --json one object at the end: give one of them")
+    stream = args.stream if args.stream is not None else (sys.stdout.isatty() and not args.json)
     from blockdraft.drafters import check_draft_flags, resolve_draft
     from blockdraft.preflight import resolve_device
 
@@ -370,7 +376,15 @@ def _generate(args) -> int:
     )
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     t0 = time.perf_counter()
-    out = llm.generate(prompt, params)[0]
+    if stream:  # the text so far after each step; cumulative, and only growing (no stop strings here)
+        shown = 0
+        for out in llm.generate_stream(prompt, params):
+            sys.stdout.write(out.text[shown:])
+            sys.stdout.flush()
+            shown = len(out.text)
+        sys.stdout.write("\n")
+    else:
+        out = llm.generate(prompt, params)[0]
     seconds = time.perf_counter() - t0
     result = _result_dict(out, seconds)
     stats = llm.engine.stats
@@ -389,7 +403,8 @@ def _generate(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(out.text)
+        if not stream:
+            print(out.text)
         if out.logprobs is not None:
             print("\n".join(_logprob_table(result["logprobs"])))
         print(_summary_line(result), file=sys.stderr)

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import operator
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,6 +274,45 @@ class LLM:
         for rid, toks, p in zip(ids, token_lists, params):
             self.engine.add_request(rid, toks, p)
         return self._run(ids, use_tqdm)
+
+    def generate_stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """One prompt, its output as it grows: a RequestOutput after every engine step that gave the
+        request tokens (cumulative `text` / `token_ids`; the last one `finished`). The same tokens
+        as `generate` (tested). The prompt is checked and queued before this returns; closing the
+        iterator early (break, an exception in the loop) aborts the request and frees its pages.
+        With `stop` strings, a step's text may end in the start of a stop string that a later step
+        cuts away: hold back the last (longest stop string - 1) characters, as the server's stream
+        does (server/serving.py).
+
+        prompt: a str (raw text), a list of token ids or a chat conversation, as one `generate` prompt.
+        Raises:
+            TypeError: sampling_params that is not a SamplingParams.
+            ValueError: as `generate`, and a batch of prompts (streaming takes one).
+        """
+        token_lists = self._tokenize_all(prompt)
+        if len(token_lists) != 1:
+            raise ValueError(f"generate_stream takes one prompt (a str, a list of token ids or a conversation), got "
+                             f"{len(token_lists)}; use generate for a batch")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {_shown(params)}")
+        self.engine.check_request(token_lists[0], params)
+        rid = f"req-{next(self._ids)}"
+        self.engine.add_request(rid, token_lists[0], params)
+        return self._stream(rid)
+
+    def _stream(self, rid: str) -> Iterator[RequestOutput]:
+        finished = False
+        try:
+            with frozen_gc_heap():  # as _run: no full collection over the model's heap mid-run
+                while not finished and self.engine.has_unfinished_requests():
+                    for out in self.engine.step(stream=True):
+                        if out.request_id == rid:
+                            finished = out.finished
+                            yield out
+        finally:
+            if not finished:
+                self.engine.abort_request(rid)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's `LLM.reset_prefix_cache` (e.g. to time a cold

@@ -1,0 +1,73 @@
+"""`LLM.generate_stream` and `blockdraft generate --stream`: the answer step by step, the same
+tokens as `generate` (plain and DFlash, greedy and seeded sampling); closing early aborts the
+request; bad input refused before anything is queued."""
+
+from __future__ import annotations
+
+import pytest
+
+import blockdraft.llm
+from blockdraft.cli import main
+from blockdraft.llm import LLM
+from blockdraft.sampling_params import SamplingParams
+from tests.server.tiny_model import word, write_tiny_drafter, write_tiny_model
+
+# Greedy from this raw prompt the tiny model emits a run the tiny drafter proposes: drafts accepted.
+PROMPT = word(17)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    model = write_tiny_model(root / "model")
+    return model, write_tiny_drafter(root / "drafter", model)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_the_stream_grows_step_by_step_to_what_generate_gives(tiny, with_draft, temperature):
+    model, drafter = tiny
+    llm = LLM(model=str(model), draft=str(drafter) if with_draft else None)
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=5, ignore_eos=True)
+    want = llm.generate(PROMPT, params)[0]
+    outs = list(llm.generate_stream(PROMPT, params))
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert outs[-1].token_ids == want.token_ids and outs[-1].text == want.text
+    assert len(outs) > 1 and not llm.engine.has_unfinished_requests()
+    for before, after in zip(outs, outs[1:]):  # cumulative: each output extends the one before
+        assert after.token_ids[: len(before.token_ids)] == before.token_ids and after.text.startswith(before.text)
+        assert len(after.token_ids) > len(before.token_ids)
+    if with_draft and temperature == 0.0:  # several tokens in one step: the verify step's accepted drafts
+        assert outs[-1].spec.num_accepted_tokens > 0 and len(outs) < len(want.token_ids)
+
+
+def test_closing_the_stream_early_aborts_the_request(tiny):
+    llm = LLM(model=str(tiny[0]))
+    stream = llm.generate_stream(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    first = next(stream)
+    stream.close()
+    assert not first.finished and not llm.engine.has_unfinished_requests()
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=4))[0].finished  # the engine goes on
+
+
+def test_bad_stream_input_is_refused_before_anything_is_queued(tiny):
+    llm = LLM(model=str(tiny[0]))
+    with pytest.raises(ValueError, match=r"generate_stream takes one prompt .* got 2; use generate for a batch"):
+        llm.generate_stream([PROMPT, PROMPT])
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams, got dict"):
+        llm.generate_stream(PROMPT, {"max_tokens": 3})
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate_stream("")
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_cli_stream_prints_the_same_answer(tiny, capsys, monkeypatch):
+    model, drafter = tiny
+    base = ["generate", PROMPT, "--raw", "--model", str(model), "--draft", str(drafter), "--max-tokens", "16"]
+    assert main([*base, "--no-stream"]) == 0
+    whole = capsys.readouterr().out
+    monkeypatch.setattr(blockdraft.llm.LLM, "generate", lambda *a, **k: pytest.fail("--stream called generate"))
+    assert main([*base, "--stream"]) == 0
+    assert capsys.readouterr().out == whole and whole.strip()
+    assert main([*base, "--stream", "--json"]) == 2
+    assert "--stream prints the answer as it grows, --json one object at the end" in capsys.readouterr().err
