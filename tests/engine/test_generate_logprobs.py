@@ -10,7 +10,7 @@ import pytest
 
 from blockdraft.cli import main
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
-from tests.server.tiny_model import word, write_tiny_drafter, write_tiny_model
+from tests.server.tiny_model import word, write_tiny_model_and_drafter
 
 # Greedy from this raw prompt the tiny model emits a run of the token the tiny drafter proposes
 # (w45x), so drafts get accepted and logprobs come from verify rows, not only from one-row steps.
@@ -19,9 +19,7 @@ PROMPT = word(17)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    model = write_tiny_model(root / "model")
-    return model, write_tiny_drafter(root / "drafter", model)
+    return write_tiny_model_and_drafter(tmp_path_factory.mktemp("tiny"))
 
 
 def _generate(capsys, model, *flags) -> tuple[int, str, str]:

@@ -10,7 +10,7 @@ import blockdraft.llm
 from blockdraft.cli import main
 from blockdraft.llm import LLM
 from blockdraft.sampling_params import SamplingParams
-from tests.server.tiny_model import word, write_tiny_drafter, write_tiny_model
+from tests.server.tiny_model import word, write_tiny_model_and_drafter
 
 # Greedy from this raw prompt the tiny model emits a run the tiny drafter proposes: drafts accepted.
 PROMPT = word(17)
@@ -18,9 +18,7 @@ PROMPT = word(17)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    model = write_tiny_model(root / "model")
-    return model, write_tiny_drafter(root / "drafter", model)
+    return write_tiny_model_and_drafter(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

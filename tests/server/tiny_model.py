@@ -106,3 +106,9 @@ def write_tiny_drafter(folder: str | Path, model_folder: str | Path, block_size:
     )
     export_drafter(drafter, folder)
     return Path(folder)
+
+
+def write_tiny_model_and_drafter(root: str | Path) -> tuple[Path, Path]:
+    """The tiny model in `root`/model and its 1-layer drafter in `root`/drafter (write_tiny_drafter)."""
+    model = write_tiny_model(Path(root) / "model")
+    return model, write_tiny_drafter(Path(root) / "drafter", model)
