@@ -69,3 +69,22 @@ def test_cli_stream_prints_the_same_answer(tiny, capsys, monkeypatch):
     assert capsys.readouterr().out == whole and whole.strip()
     assert main([*base, "--stream", "--json"]) == 2
     assert "--stream prints the answer as it grows, --json one object at the end" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_the_stream_under_async_scheduling(tiny, with_draft):
+    """The CUDA path's step pipelining (run here eagerly on the CPU): a step launched ahead while
+    the last is read back changes neither the tokens nor the abort on an early close."""
+    model, drafter = tiny
+    llm = LLM(model=str(model), draft=str(drafter) if with_draft else None, attention_backend="dense",
+              graph_mode="eager", max_num_seqs=8, async_scheduling=True)
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True)
+    want = llm.generate(PROMPT, params)[0]
+    outs = list(llm.generate_stream(PROMPT, params))
+    assert outs[-1].finished and outs[-1].token_ids == want.token_ids and len(outs) > 1
+    assert llm.engine.stats.num_async_steps > 0  # steps were pipelined
+    stream = llm.generate_stream(PROMPT, params)
+    next(stream), next(stream)
+    stream.close()  # a step may be in flight: aborted with the request
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate(PROMPT, params)[0].token_ids == want.token_ids
