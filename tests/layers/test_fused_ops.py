@@ -243,3 +243,21 @@ def test_dflash_equals_plain_with_the_kv_write_in_the_rope_launch(kernel_path_wi
     for bs in (1, 2, 4):
         assert [(o.token_ids, o.finish_reason) for o in llm.generate(prompts[:bs], params[:bs])] == plain[:bs]
     assert written and all(written) and llm.engine.stats.spec.num_drafted_tokens > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_half_logits_take_a_float32_argmax_with_the_same_ids(dtype, monkeypatch):
+    """On the CPU, bf16 / fp16 logits are upcast before torch.argmax (faster there; exact, so the
+    same ids, ties at the lowest id included)."""
+    x = torch.randn(6, 3000, generator=torch.Generator().manual_seed(7)).to(dtype)
+    x[2, 10] = x[2, 20] = x[2].max() + 1  # a tie: the lowest id wins
+    x[3] = 0.5  # all equal: id 0
+    want = torch.argmax(x, dim=-1)
+    assert want[2] == 10 and want[3] == 0
+    seen = []
+    real = torch.argmax
+    monkeypatch.setattr(torch, "argmax", lambda t, *a, **k: seen.append(t.dtype) or real(t, *a, **k))
+    assert torch.equal(fused_ops.argmax(x, False), want)
+    out = torch.empty(6, dtype=torch.int64)
+    assert torch.equal(fused_ops.argmax(x, True, out=out), want) and torch.equal(out, want)
+    assert seen == [torch.float32, torch.float32]
