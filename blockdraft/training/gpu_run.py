@@ -376,10 +376,11 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
     save_file({f"{ds}_T{int(t)}_{i}": s.to(torch.int32) for (ds, t), (ss, _) in seqs.items() for i, s in enumerate(ss)},
               str(work / "eval_sequences.safetensors"))
     out = {}
+    specs = {s["name"]: s for s in drafter_specs(args.drafters)}
     for name, tr in trainers.items():
         export = work / name / "export"
         variants = {"bf16": load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)}
-        spec = next(s for s in drafter_specs(args.drafters) if s["name"] == name)
+        spec = specs[name]
         if inits and name in inits:  # the starting point on the same sequences: the gain side by side
             variants["init"] = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
             init_from(variants["init"], inits[name])  # grown layers add nothing: the init's drafts

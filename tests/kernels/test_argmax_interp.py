@@ -96,4 +96,3 @@ def test_fused_ops_argmax_dispatch(monkeypatch):
     assert torch.equal(fused_ops.argmax(x, False), torch.argmax(x, dim=-1)) and len(calls) == 1
     xt = torch.randn(50, 3).t()  # non-unit column stride: the twin, not an error
     assert torch.equal(fused_ops.argmax(xt, True), torch.argmax(xt, dim=-1)) and len(calls) == 1
-
