@@ -10,8 +10,8 @@ is untouched, so the output is still exactly the target's; only drafts outside t
 File `draft_vocab.json` in a drafter folder (plain JSON, not a `*.safetensors` file: vLLM and
 SGLang load every `*.safetensors` of a folder without an index as weights):
     "format"     "blockdraft-draft-vocab/1"
-    "token_ids"  [N_max] target token ids, most frequent first (the always-included ids, e.g. EOS,
-                 lead); every prefix is a draft vocabulary
+    "token_ids"  [N_max] target token ids, most frequent first (the always-included ids lead:
+                 `leading_ids`, the EOS ids then the pad id); every prefix is a draft vocabulary
     "counts"     [N_max] how often each id occurred among the counted (response) tokens
     "metadata"   {"source": str, "num_tokens": counted tokens, ...}
 
@@ -30,6 +30,25 @@ from blockdraft.errors import param_error
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 _FORMAT = "blockdraft-draft-vocab/1"
+
+
+def leading_ids(eos_ids: Iterable[int], pad_id: int | None) -> tuple[int, ...]:
+    """The ids a draft vocabulary puts first whatever their counts: the target's EOS ids (sorted),
+    then its pad id unless it is one of them (None: none added).
+
+    The pad id is included because some targets also stop on it: Qwen2.5's `<|endoftext|>` (151643)
+    is the tokenizer's pad token and an EOS id in its generation_config.json, but not the
+    config.json / tokenizer EOS (`<|im_end|>`, 151645), and rarely or never occurs in the training
+    answers, so a frequency ranking alone could leave it out of the slice.
+    Args:
+        eos_ids: the target's stop ids (any order, duplicates allowed). pad_id: its pad id or None.
+    Returns:
+        The ids, deduplicated: sorted EOS ids, then the pad id if new.
+    """
+    lead = sorted({int(i) for i in eos_ids})
+    if pad_id is not None and int(pad_id) not in lead:
+        lead.append(int(pad_id))
+    return tuple(lead)
 
 
 def rank_tokens(
@@ -95,7 +114,8 @@ def write_dataset_draft_vocab(
     max_size: int = EXPORT_MAX_IDS,
 ) -> Path:
     """Rank a TokenDataset's response tokens (`rank_dataset`) with `always_include` (the target's
-    EOS ids) in front and write the first min(max_size, V) ids to `<folder>/draft_vocab.json`.
+    `leading_ids`: EOS ids, then pad) in front and write the first min(max_size, V) ids to
+    `<folder>/draft_vocab.json`.
 
     Returns the file. Raises: ValueError as `rank_tokens`.
     """

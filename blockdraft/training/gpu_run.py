@@ -206,7 +206,7 @@ def run(args) -> dict:
     _log(f"data: {json.dumps(data.info)}")
     results = {"data": data.info, "drafters": {}}
     inits = {}  # each drafter's starting weights, read before training can overwrite the file
-    trainers = _train(args, hf, target_cfg, data, work, results, eos, inits)
+    trainers = _train(args, hf, target_cfg, data, work, results, eos, pad, inits)
     results["eval"] = _evaluate(args, hf, target_cfg, lists, eos, pad, trainers, work, inits)
     results["wall_seconds"] = round(time.time() - t_start, 1)
     (work / "results.json").write_text(json.dumps(results, indent=1))
@@ -214,21 +214,23 @@ def run(args) -> dict:
 
 
 def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple[int, ...] = (),
-           inits: dict | None = None) -> dict:
+           pad_id: int | None = None, inits: dict | None = None) -> dict:
     """Train every drafter of --drafters in lockstep; export each (z-lab files + a draft vocabulary
-    ranked from `data`'s response tokens with `eos_ids` first) to `work/<name>/export`. `inits`, if
-    given, receives the init_from weights of each drafter that has them (name -> state dict)."""
+    ranked from `data`'s response tokens with `leading_ids(eos_ids, pad_id)` first) to
+    `work/<name>/export`. `inits`, if given, receives the init_from weights of each drafter that has
+    them (name -> state dict)."""
     from blockdraft.spec.dflash.checkpoint import export_drafter
-    from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
+    from blockdraft.spec.draft_vocab import leading_ids, rank_dataset, write_dataset_draft_vocab
     from blockdraft.training.build import init_from, new_drafter, num_parameters
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import HFTarget
     from blockdraft.training.trainer import TrainConfig, Trainer, fit_together
 
     target = HFTarget(hf)
+    lead = leading_ids(eos_ids, pad_id)  # one lead for the trained slice and the exported file
     draft_vocab = None
     if args.train_vocab_size:  # the same ranking the export writes to draft_vocab.json
-        draft_vocab = rank_dataset(data, target_cfg.vocab_size, eos_ids, args.train_vocab_size)[0]
+        draft_vocab = rank_dataset(data, target_cfg.vocab_size, lead, args.train_vocab_size)[0]
     features, train_data = None, data
     specs = drafter_specs(args.drafters)
     cfg = TrainConfig(steps=10**9, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors,
@@ -281,7 +283,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         _log(f"training peak GPU memory {peak / 2**30:.1f} GiB, of which the feature cache {cached / 2**30:.1f} GiB")
     for (name, tr), summary in zip(trainers.items(), last):
         export_drafter(tr.drafter, work / name / "export")
-        write_dataset_draft_vocab(work / name / "export", data, target_cfg.vocab_size, eos_ids,
+        write_dataset_draft_vocab(work / name / "export", data, target_cfg.vocab_size, lead,
                                   f"gpu_run training data {work / 'data'} (response tokens)")
         results["drafters"][name].update(final=summary, steps=tr.step, planned_steps=steps,
                                          schedule_steps=tr.cfg.steps,

@@ -8,7 +8,7 @@ Layout of `--out`:
     train_log.jsonl
     drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors) and its
                    draft vocabulary (draft_vocab.json: the training answers' tokens ranked
-                   by frequency, the target's EOS ids first; see blockdraft.spec.draft_vocab)
+                   by frequency, the target's EOS ids and pad id first; see blockdraft.spec.draft_vocab)
     summary.json   device, settings, data counts, final loss / per-slot accuracy
 
 This is the engine path (CPU or GPU, any catalog target). The GPU runs behind the shipped drafters
@@ -575,7 +575,7 @@ def train_drafter(args) -> dict:
     from blockdraft.preflight import read_target_config, resolve_device
     from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter, load_drafter
     from blockdraft.spec.dflash.config import DEFAULT_BLOCK_SIZE
-    from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
+    from blockdraft.spec.draft_vocab import leading_ids, rank_dataset, write_dataset_draft_vocab
     from blockdraft.training.build import init_from, new_drafter, num_parameters
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import EngineTarget
@@ -643,9 +643,11 @@ def train_drafter(args) -> dict:
     if args.cache_features:
         features = FeatureCache.build(train_target, data, drafter.config.target_layer_ids, cfg.max_len, device,
                                       progress=True, greedy=args.greedy_labels)
+    # one lead (EOS ids, then the pad id) for the trained slice and the exported draft_vocab.json
+    lead = leading_ids(eos_token_ids(target), getattr(target.tokenizer, "pad_token_id", None))
     draft_vocab = None
     if args.train_vocab_size:
-        draft_vocab = rank_dataset(data, target_config.vocab_size, eos_token_ids(target), args.train_vocab_size)[0]
+        draft_vocab = rank_dataset(data, target_config.vocab_size, lead, args.train_vocab_size)[0]
     trainer = Trainer(drafter, train_target, data, cfg, out, features=features, draft_vocab=draft_vocab,
                       target_dtype=args.dtype)
     resumed = trainer.load_checkpoint() if not args.no_resume else False
@@ -656,7 +658,7 @@ def train_drafter(args) -> dict:
         (out / "train_log.jsonl").unlink(missing_ok=True)
     final = trainer.fit(progress=True)
     export_drafter(drafter, out / "drafter")
-    write_dataset_draft_vocab(out / "drafter", data, target_config.vocab_size, eos_token_ids(target),
+    write_dataset_draft_vocab(out / "drafter", data, target_config.vocab_size, lead,
                               f"train-drafter data {args.data or out / 'data'} (response tokens)")
     if args.train_vocab_size:  # decode over the vocabulary it was trained on unless told otherwise
         (out / "drafter" / SPECULATIVE_FILE).write_text(json.dumps(

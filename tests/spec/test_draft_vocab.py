@@ -17,10 +17,13 @@ from blockdraft.spec.draft_vocab import (
     DraftHead,
     check_draft_vocab_size,
     draft_vocab_capacity,
+    leading_ids,
     load_draft_vocab,
+    rank_dataset,
     rank_tokens,
     read_draft_vocab_metadata,
     save_draft_vocab,
+    write_dataset_draft_vocab,
 )
 from tests.conftest import tiny_config
 from tests.spec._dflash_util import TinyTarget, shuffled_block_table, slots_for, tiny_target_config
@@ -62,6 +65,31 @@ def test_rank_refuses_out_of_vocab_and_mismatched_sequences():
         rank_tokens([_seq([1, 12], [1, 1])], 10)
     with pytest.raises(ValueError, match="sequence 1: token ids"):
         rank_tokens([_seq([1], [1]), (torch.tensor([1, 2]), torch.tensor([True]))], 10)
+
+
+def test_leading_ids_are_the_sorted_eos_ids_then_the_pad_id_once():
+    assert leading_ids([151645], 151643) == (151645, 151643)  # Qwen2.5: <|im_end|>, then <|endoftext|> (pad)
+    assert leading_ids((7, 3, 7), 5) == (3, 7, 5)  # EOS sorted and deduplicated, the pad after them
+    assert leading_ids([2], 2) == (2,)  # a pad that is an EOS id (SmolLM2) is not repeated
+    assert leading_ids([4, 1], None) == (1, 4)  # no pad token: nothing added
+    assert leading_ids([], 3) == (3,)
+
+
+def test_the_written_draft_vocab_keeps_a_pad_id_the_answers_never_hold_right_after_the_eos_ids(tmp_path):
+    from blockdraft.training.dataset import TokenDataset
+
+    eos, pad, vocab = 6, 9, 10
+    # pad (9) occurs only in a prompt (not counted); the EOS (6) ends each answer
+    data = TokenDataset.from_pairs([([9, 1], [4, 4, 5, 6]), ([9, 2], [5, 3, 4, 6])], [False, False])
+    lead = leading_ids([eos], pad)
+    write_dataset_draft_vocab(tmp_path, data, vocab, lead, "test")
+    written = load_draft_vocab(tmp_path, vocab, vocab_size=vocab)
+    assert written[:2].tolist() == [eos, pad]
+    assert written.tolist() == [6, 9, 4, 5, 3, 0, 1, 2, 7, 8]  # then by count, ties by id
+    assert read_draft_vocab_metadata(tmp_path)["always_included"] == [eos, pad]
+    # the slice trained on (--train-vocab-size 4) is the file's first 4 ids, pad included
+    assert rank_dataset(data, vocab, lead, 4)[0].tolist() == written[:4].tolist()
+    assert pad not in rank_dataset(data, vocab, (eos,), 4)[0].tolist()  # EOS alone would drop it
 
 
 def _write(folder: Path, n: int = 6) -> torch.Tensor:

@@ -96,16 +96,16 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert all(o.spec.num_steps > 0 for o in spec)
 
-    # The draft vocabulary ranked from the run's own answers, the target's EOS ids in front.
+    # The draft vocabulary ranked from the run's own answers, the target's EOS ids (and pad id) in front.
     from blockdraft.llm import eos_token_ids
-    from blockdraft.spec.draft_vocab import load_draft_vocab, rank_dataset, read_draft_vocab_metadata
+    from blockdraft.spec.draft_vocab import leading_ids, load_draft_vocab, rank_dataset, read_draft_vocab_metadata
     from blockdraft.training.dataset import TokenDataset
 
     data = TokenDataset.load(out / "data")
-    eos = eos_token_ids(target)
+    lead = leading_ids(eos_token_ids(target), target.tokenizer.pad_token_id)
     ids = load_draft_vocab(out / "drafter", 256, target.config.vocab_size)
-    assert ids[: len(eos)].tolist() == list(eos)
-    assert ids.tolist() == rank_dataset(data, target.config.vocab_size, eos, 256)[0].tolist()
+    assert ids[: len(lead)].tolist() == list(lead)
+    assert ids.tolist() == rank_dataset(data, target.config.vocab_size, lead, 256)[0].tolist()
     assert read_draft_vocab_metadata(out / "drafter")["num_tokens"] == data.num_response_tokens()
     sliced = LLM(target=target, draft=str(out / "drafter"), dtype="float32", draft_vocab_size=256)
     assert sliced.speculator.draft_head.size == 256
