@@ -224,7 +224,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
     from blockdraft.training.build import init_from, new_drafter, num_parameters
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import HFTarget
-    from blockdraft.training.trainer import TrainConfig, Trainer, fit_together
+    from blockdraft.training.trainer import TrainConfig, Trainer, epoch_cap_steps, fit_together
 
     target = HFTarget(hf)
     lead = leading_ids(eos_ids, pad_id)  # one lead for the trained slice and the exported file
@@ -267,6 +267,13 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         results["drafters"][spec["name"]] = {"spec": spec, "params": num_parameters(d),
                                              "optim": {k: getattr(own, k) for k in OPTIM_KEYS}}
     steps = args.steps or _plan_steps(list(trainers.values()), args.train_seconds)
+    cap = None if args.steps or not args.max_epochs else epoch_cap_steps(len(train_data), cfg.batch_size,
+                                                                          args.max_epochs)
+    if cap is not None and steps > cap:
+        _log(f"{steps} steps would fit --train-seconds {args.train_seconds:g}, but --max-epochs {args.max_epochs:g} "
+             f"over {len(train_data)} sequences allows {cap}: training {cap}")
+        steps = cap
+    results["epoch_cap_steps"] = cap
     for tr in trainers.values():
         tr.cfg = dataclasses.replace(tr.cfg, steps=steps)
     _log(f"training {list(trainers)} for {steps} steps")
@@ -275,7 +282,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         torch.cuda.reset_peak_memory_stats(torch.device(args.device))
     # without --steps the schedule is re-planned from the measured pace to end at --train-seconds
     last = fit_together(list(trainers.values()), progress=True, deadline=t0 + args.train_seconds * 1.1,
-                        budget_seconds=None if args.steps else args.train_seconds)
+                        budget_seconds=None if args.steps else args.train_seconds, max_steps=cap)
     if torch.device(args.device).type == "cuda":  # what --cache-reserve-gib must leave for training
         peak = torch.cuda.max_memory_allocated(torch.device(args.device))
         cached = 0 if features is None else features.feats.numel() * features.feats.element_size()
@@ -286,6 +293,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         write_dataset_draft_vocab(work / name / "export", data, target_cfg.vocab_size, lead,
                                   f"gpu_run training data {work / 'data'} (response tokens)")
         results["drafters"][name].update(final=summary, steps=tr.step, planned_steps=steps,
+                                         epochs=round(tr.step * cfg.batch_size / len(train_data), 2),
                                          schedule_steps=tr.cfg.steps,
                                          train_seconds=round(time.time() - t0, 1))
         _log(f"{name}: {json.dumps(summary)}")
@@ -413,6 +421,8 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
 
 
 def main(argv=None) -> int:
+    from blockdraft.training.trainer import DEFAULT_MAX_EPOCHS
+
     p = argparse.ArgumentParser(prog="python -m blockdraft.training.gpu_run", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("prep")
@@ -463,7 +473,12 @@ def main(argv=None) -> int:
     r.add_argument("--max-prompt-tokens", type=int, default=512, help="synthesized requests longer than this "
                    "once chat-encoded are dropped (as prep drops long ShareGPT prompts)")
     r.add_argument("--train-seconds", type=float, default=420)
-    r.add_argument("--steps", type=int, default=None, help="optimizer steps (default: as many as fit --train-seconds)")
+    r.add_argument("--steps", type=int, default=None, help="optimizer steps (default: as many as fit --train-seconds "
+                   "and --max-epochs)")
+    r.add_argument("--max-epochs", type=float, default=DEFAULT_MAX_EPOCHS,
+                   help="without --steps: train at most this many passes over the training sequences, even when "
+                        "--train-seconds would allow more (0: no cap; trainer.epoch_cap_steps says why: 11.4 passes "
+                        "over too little data lost held-out acceptance in session 33)")
     r.add_argument("--block-size", type=int, default=16)
     r.add_argument("--batch-size", type=int, default=16)
     r.add_argument("--max-len", type=int, default=1024)
@@ -493,6 +508,8 @@ def main(argv=None) -> int:
         p.error(f"--cache-host-gib must be a number >= 0 (GiB), got {args.cache_host_gib:g}")
     if args.cmd == "run" and args.cache_host_gib and not args.cache_features:
         p.error("--cache-host-gib holds part of the feature cache: it needs --cache-features")
+    if args.cmd == "run" and not 0 <= args.max_epochs < float("inf"):
+        p.error(f"--max-epochs must be a number >= 0 (passes over the data; 0: no cap), got {args.max_epochs:g}")
     if args.cmd == "run" and args.synth_samples and not args.gen_engine:
         p.error("--synth-samples needs --gen-engine (the requests are sampled by our engine)")
     if args.cmd == "run" and args.synth_openers != "none" and not args.synth_samples:

@@ -579,7 +579,7 @@ def train_drafter(args) -> dict:
     from blockdraft.training.build import init_from, new_drafter, num_parameters
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import EngineTarget
-    from blockdraft.training.trainer import TrainConfig, Trainer
+    from blockdraft.training.trainer import DEFAULT_MAX_EPOCHS, TrainConfig, Trainer
     from blockdraft.weights.loader import load_tokenizer
 
     settings = resolve_settings(args)
@@ -638,6 +638,12 @@ def train_drafter(args) -> dict:
     if cfg.batch_size > len(data):  # not an error (each step takes all of them), but not what was asked
         print(f"train-drafter: --batch-size {cfg.batch_size} is more than the {len(data)} training sequences; "
               f"each step uses all {len(data)}", file=sys.stderr, flush=True)
+    epochs = cfg.steps * min(cfg.batch_size, len(data)) / len(data)  # passes over the training sequences
+    if init and epochs > DEFAULT_MAX_EPOCHS:
+        print(f"train-drafter: --steps {cfg.steps} x --batch-size {cfg.batch_size} is {epochs:.1f} passes over the "
+              f"{len(data)} training sequences; continuing a trained drafter for 11.4 passes lost held-out "
+              f"acceptance on the H200 (trainer.epoch_cap_steps): more prompts (--num-prompts, --synth-prompts) "
+              f"or fewer --steps", file=sys.stderr, flush=True)
     train_target = EngineTarget(target.model)
     features = None
     if args.cache_features:
@@ -665,7 +671,7 @@ def train_drafter(args) -> dict:
             {"draft_vocab_size": args.train_vocab_size, "source": "train-drafter --train-vocab-size"}, indent=1))
     run = {**settings, "block_size": args.block_size, "max_len": args.max_len, "lr": args.lr, "seed": args.seed}
     summary = {"target": args.target, "settings": run, "drafter": str(out / "drafter"), "device": device,
-               "dtype": args.dtype, "resumed": resumed,
+               "dtype": args.dtype, "resumed": resumed, "epochs": round(epochs, 2),
                "params": num_parameters(drafter), "train_vocab_size": args.train_vocab_size,
                "cache_features": args.cache_features, "greedy_labels": args.greedy_labels, "data": data.info, "final": final,
                "init_from": str(init[0]) if init else None, "new_layers": grown,

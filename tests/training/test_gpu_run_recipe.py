@@ -31,12 +31,15 @@ def test_prep_then_run_trains_exports_and_evaluates(tmp_path, capsys):
     drafters = '[{"name": "A", "num_layers": 1, "intermediate_size": 128, "num_feature_layers": 2}]'
     args = ["run", "--gguf", str(cache_root() / "gguf" / f"{NAME}.gguf"), "--prep", str(tmp_path / "prep"),
             "--work", str(tmp_path / "w"), "--drafters", drafters, "--num-prompts", "4", "--max-new-tokens", "6",
-            "--steps", "2", "--batch-size", "4", "--num-anchors", "4", "--eval-prompts", "1", "--eval-max-tokens", "6",
+            "--train-seconds", "600", "--max-epochs", "2", "--batch-size", "4", "--num-anchors", "4",
+            "--eval-prompts", "1", "--eval-max-tokens", "6",
             "--cache-features", "--train-vocab-size", "256", "--device", "cpu"]
     capsys.readouterr()
     assert gpu_run.main(args) == 0
     results = json.loads(capsys.readouterr().out)
+    # 600 s would allow far more steps: two passes over the 4 answers (batch 4) cap the run at 2
     assert results["data"]["num_sequences"] == 4 and results["drafters"]["A"]["steps"] == 2
+    assert results["epoch_cap_steps"] == 2 and results["drafters"]["A"]["epochs"] == 2.0
     assert (tmp_path / "w" / "A" / "export" / "model.safetensors").is_file()
     assert (tmp_path / "w" / "A" / "export" / "draft_vocab.json").is_file()
     for variant in ("bf16", "bf16-dv256"):
@@ -180,6 +183,7 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
     (["--cache-host-gib", "8"], "--cache-host-gib holds part of the feature cache: it needs --cache-features"),
     (["--synth-openers", "general"], "--synth-openers general steers synthesized requests: it needs --synth-samples N"),
     (["--synth-openers", "code"], "invalid choice: 'code'"),
+    (["--max-epochs", "-1"], "--max-epochs must be a number >= 0 (passes over the data; 0: no cap), got -1"),
 ])
 def test_gpu_run_refuses_bad_flags_naming_them(capsys, flags, message):
     with pytest.raises(SystemExit):

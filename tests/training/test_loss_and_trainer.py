@@ -112,6 +112,27 @@ def test_a_time_budget_replans_the_schedule_from_the_pace(tiny, tmp_path, monkey
     assert saved["steps"] == final and saved["warmup_steps"] == warmup
 
 
+def test_a_replan_never_passes_max_steps(tiny, tmp_path, monkeypatch):
+    """The budget would allow 20 steps; the epoch cap (max_steps 8) wins, and the schedule ends there."""
+    from blockdraft.training.trainer import fit_together
+
+    tr = _trainer(tiny, tmp_path, steps=6)
+    _timed(monkeypatch, tr, lambda s: 1.0)
+    fit_together([tr], progress=False, budget_seconds=20.0, max_steps=8)
+    assert tr.step == 8 and tr.cfg.steps == 8
+
+
+def test_epoch_cap_steps_counts_passes_over_the_data():
+    from blockdraft.training.trainer import epoch_cap_steps
+
+    assert epoch_cap_steps(1000, 64, 3.0) == 47  # ceil(3000 / 64)
+    assert epoch_cap_steps(10, 64, 0.5) == 1
+    with pytest.raises(ValueError, match="max_epochs must be > 0, got 0.0"):
+        epoch_cap_steps(10, 4, 0.0)
+    with pytest.raises(ValueError, match="num_sequences and batch_size must be >= 1, got 0, 4"):
+        epoch_cap_steps(0, 4, 1.0)
+
+
 def test_a_replanned_run_still_stops_at_until(tiny, tmp_path, monkeypatch):
     from blockdraft.training.trainer import fit_together
 

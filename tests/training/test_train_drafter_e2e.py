@@ -187,8 +187,10 @@ def test_init_from_a_trained_drafter_grows_it_and_keeps_its_shape(tmp_path, caps
     grown = tmp_path / "grown"
     assert main([*common, "--out", str(grown), "--data", str(first / "data"), "--steps", "2",
                  "--init-from", str(first / "drafter"), "--num-layers", "3", "--no-resume"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
     assert summary["init_from"] == str(first / "drafter") and summary["new_layers"] == [1, 2]
+    assert "passes over the" not in err  # 2 steps: at most 2 passes, no notice
     # --no-resume into a used --out starts the log over too (it appended to the old run's lines)
     assert main([*common, "--out", str(grown), "--data", str(first / "data"), "--steps", "2",
                  "--init-from", str(first / "drafter"), "--num-layers", "3", "--no-resume"]) == 0
@@ -200,10 +202,15 @@ def test_init_from_a_trained_drafter_grows_it_and_keeps_its_shape(tmp_path, caps
     assert big.config.target_layer_ids == small.config.target_layer_ids and big.config.mask_token_id == small.config.mask_token_id
     assert big.config.num_hidden_layers == 3
     # --intermediate-size above the init's widens its MLP (new units start silent), shape kept otherwise
+    # (and 8 steps of 4 sequences over the 4 answers: passes past DEFAULT_MAX_EPOCHS get a notice)
     wide = tmp_path / "wide"
-    assert main([*common, "--out", str(wide), "--data", str(first / "data"), "--steps", "2",
+    assert main([*common, "--out", str(wide), "--data", str(first / "data"), "--steps", "8",
                  "--init-from", str(first / "drafter"), "--intermediate-size", "96", "--no-resume"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    n = summary["data"]["num_sequences"]
+    assert summary["epochs"] == round(8 * min(4, n) / n, 2) > 3.0
+    assert f"--steps 8 x --batch-size 4 is {summary['epochs']:.1f} passes over the {n} training sequences" in err
     assert summary["settings"]["intermediate_size"] == 96 and summary["new_layers"] == []
     assert summary["init_shape"] == {"num_layers": 1, "intermediate_size": 64}
     widened = load_drafter(wide / "drafter", target.config)
