@@ -504,7 +504,7 @@ def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: i
           f"--init-from {out / 'drafter'} --out NEW_FOLDER (with --data {data} to reuse its answers); a larger "
           f"--steps in this --out is refused (the learning-rate schedule was set for {cfg.steps}), --no-resume "
           f"trains this --out again from scratch", file=sys.stderr)
-    return json.loads(summary.read_text())
+    return {**json.loads(summary.read_text()), "drafter": str(out / "drafter")}  # where it is now (moved runs)
 
 
 # train-drafter's flag for each TrainConfig field a checkpoint records (others by their own name)
@@ -513,18 +513,29 @@ RESUME_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "max_len": "--
                 "train_vocab_size": "--train-vocab-size"}
 
 
-def check_resume_settings(out: Path, cfg, train_vocab_size: int) -> None:
+# train-drafter's flag for each drafter config entry a checkpoint's shape check compares
+SHAPE_FLAGS = {"num_hidden_layers": "--num-layers", "intermediate_size": "--intermediate-size",
+               "block_size": "--block-size", "mask_token_id": "--mask-token-id",
+               "target_layer_ids": "--num-feature-layers (target_layer_ids)"}
+
+
+def check_resume_settings(out: Path, cfg, train_vocab_size: int, drafter_config=None) -> None:
     """Refuse, before anything loads, to resume the checkpoint in `out` with other training settings
-    (the check Trainer.load_checkpoint makes once the target, answers and features are ready),
-    naming each flag as given then and now.
+    or another drafter shape (`drafter_config`, a DFlashConfig; the checks Trainer.load_checkpoint
+    makes once the target, answers and features are ready), naming each flag as given then and now.
 
     Raises:
         ValueError: a setting differs (the message says how to go on).
     """
-    from blockdraft.training.trainer import checkpoint_difference_items, read_checkpoint_state
+    from blockdraft.training.trainer import (checkpoint_difference_items, drafter_config_differences,
+                                             read_checkpoint_state)
 
     state = read_checkpoint_state(out)
     items = [] if state is None else checkpoint_difference_items(state, cfg, train_vocab_size)
+    if state is not None and drafter_config is not None:
+        shape = drafter_config_differences(state["drafter_config"], drafter_config.to_hf_dict())
+        named = [item for item in shape if item[0] in SHAPE_FLAGS]  # entries that follow from them left out
+        items += [(SHAPE_FLAGS.get(k, k), v, now) for k, v, now in (named or shape)]
     if not items:
         return
 
@@ -621,7 +632,7 @@ def train_drafter(args) -> dict:
     if finished is not None:
         return finished
     if not args.no_resume:  # before the answers and features are made, not after
-        check_resume_settings(out, cfg, args.train_vocab_size)
+        check_resume_settings(out, cfg, args.train_vocab_size, drafter.config)
     # The dataset is checked (its target, dtype and data settings) before any weights load.
     data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size, asked_dtype, device)
     grown = None
@@ -660,7 +671,7 @@ def train_drafter(args) -> dict:
     if resumed:
         print(f"train-drafter: resuming the run in {out} at step {trainer.step} of {cfg.steps} (its checkpoint; "
               f"--no-resume starts over)", file=sys.stderr, flush=True)
-    elif args.no_resume:  # the log of the run being replaced would mix with this one's
+    else:  # a run from step 0 (--no-resume, or no checkpoint: one interrupted before its first) logs anew
         (out / "train_log.jsonl").unlink(missing_ok=True)
     final = trainer.fit(progress=True)
     export_drafter(drafter, out / "drafter")
@@ -687,5 +698,8 @@ def main(args) -> int:
     summary = train_drafter(args)
     print(json.dumps(summary, indent=1))
     print(f"train-drafter: the drafter is {summary['drafter']}; decode with it: blockdraft generate "
-          f"--model {args.target} --draft {summary['drafter']} PROMPT", file=sys.stderr)
+          f"--model {args.target} --draft {summary['drafter']} PROMPT (it drafts the whole block, K = block size "
+          f"- 1, unless --num-speculative-tokens K; `python -m blockdraft.bench.spec_k --model {args.target} "
+          f"--draft {summary['drafter']}` measures the fastest K), and measure its acceptance: blockdraft "
+          f"eval-drafter --model {args.target} --draft {summary['drafter']}", file=sys.stderr)
     return 0

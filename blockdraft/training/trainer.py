@@ -398,8 +398,11 @@ class Trainer:
         state = read_checkpoint_state(self.out_dir)
         if state is None:
             return False
-        if state["drafter_config"] != self.drafter.config.to_hf_dict():
-            raise ValueError(f"checkpoint in {d} is for a different drafter config; use another --out")
+        shape = drafter_config_differences(state["drafter_config"], self.drafter.config.to_hf_dict())
+        if shape:
+            differ = ", ".join(f"{k}={v!r} (now {now!r})" for k, v, now in shape)
+            raise ValueError(f"checkpoint in {d} is for another drafter shape: {differ}; resume with the same "
+                             f"shape, or start over (train-drafter --no-resume) or in another --out")
         differ = checkpoint_differences(state, self.cfg, self._train_vocab_size())
         if differ:
             raise ValueError(f"checkpoint in {d} was trained with {', '.join(differ)}: resume with the same settings, "
@@ -441,9 +444,35 @@ class Trainer:
 
 def read_checkpoint_state(out_dir: str | Path) -> dict | None:
     """`<out_dir>/checkpoint/state.json` (step, train_config, drafter_config, target_dtype, ...), None
-    without one."""
+    without one.
+
+    Raises:
+        ValueError: the file is not a JSON object (names the file and how to go on).
+    """
     file = Path(out_dir) / "checkpoint" / "state.json"
-    return json.loads(file.read_text()) if file.is_file() else None
+    if not file.is_file():
+        return None
+    try:
+        state = json.loads(file.read_text())
+    except ValueError as e:
+        state = e
+    if not isinstance(state, dict) or not {"step", "drafter_config"} <= state.keys():
+        why = f"not valid JSON ({state})" if isinstance(state, ValueError) else "not a checkpoint's state"
+        raise ValueError(f"{file} is {why}: the checkpoint is damaged; start over with --no-resume or use "
+                         f"another --out")
+    return state
+
+
+def drafter_config_differences(saved: dict, asked: dict) -> list[tuple[str, object, object]]:
+    """(key, saved, asked) of each drafter config entry (`DFlashConfig.to_hf_dict()`, the nested
+    "dflash_config" entries by their own names) that differs between a checkpoint and this run."""
+    def flat(d: dict) -> dict:
+        out = {k: v for k, v in d.items() if k != "dflash_config"}
+        out.update(d.get("dflash_config") or {})
+        return out
+
+    a, b = flat(saved), flat(asked)
+    return [(k, a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if _as_json(a.get(k)) != _as_json(b.get(k))]
 
 
 def checkpoint_difference_items(state: dict, cfg: TrainConfig, train_vocab_size: int) -> list[tuple[str, object, object]]:

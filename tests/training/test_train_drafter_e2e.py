@@ -70,14 +70,32 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
             capsys.readouterr().err
         assert main([*args, "--greedy-labels"]) == 2
         assert "was trained with --greedy-labels off (now on): rerun with those" in capsys.readouterr().err
+        # another drafter shape too, by its flag (was: a nameless "different drafter config" after loading)
+        assert main([*args, "--num-layers", "2"]) == 2
+        assert "was trained with --num-layers 1 (now 2): rerun with those" in capsys.readouterr().err
+        # a moved run is found finished and points at its drafter where it is now
+        moved = tmp_path / "moved"
+        shutil.copytree(out, moved)
+        assert main([*args[:5], str(moved), *args[6:]]) == 0
+        again = capsys.readouterr()
+        assert json.loads(again.out)["drafter"] == str(moved / "drafter")
+        assert f"the drafter is {moved / 'drafter'}; decode with it" in again.err
+        # a damaged checkpoint state is named, not a bare JSON error
+        (moved / "checkpoint" / "state.json").write_text("{\n")
+        assert main([*args[:5], str(moved), *args[6:]]) == 2
+        assert f"{moved / 'checkpoint' / 'state.json'} is not valid JSON (" in capsys.readouterr().err
         with pytest.raises(Loading):  # --no-resume starts over
             main([*args, "--no-resume"])
     assert "already holds a finished run" not in capsys.readouterr().err
 
-    # a batch larger than the data is said, not silently shrunk
+    # a batch larger than the data is said, not silently shrunk; and a run from step 0 in a folder
+    # with an old log (a run interrupted before its first checkpoint) logs anew instead of appending
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "train_log.jsonl").write_text("".join(json.dumps({"step": i}) + "\n" for i in (1, 2, 3)))
     assert main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "big"), "--data", str(out / "data"),
                  "--num-prompts", "4", "--max-new-tokens", "8", "--steps", "1", "--batch-size", "9"]) == 0
     assert "--batch-size 9 is more than the 4 training sequences; each step uses all 4" in capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in (tmp_path / "big" / "train_log.jsonl").read_text().splitlines()] == [1]
 
     # the drafter folder removed after a finished run: a rerun exports it again from the checkpoint
     exported = (out / "drafter" / "model.safetensors").read_bytes()
