@@ -273,6 +273,15 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "the draft vocabulary that decoding with --draft-vocab-size N uses; N/V of the LM-head "
                         "cost; 0 (the default) = the full vocabulary, else 256 <= N <= V (1/16 of V under 4096 ids), "
                         "the range --draft-vocab-size allows")
+    t.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                   help="hold out this share of the answers (0 <= F < 1; seeded by --seed, at least 1 and at most "
+                        "512 answers) and report the drafter's loss, per-slot top-1 accuracy and tau proxy on them "
+                        "as training goes (train_log.jsonl lines with \"split\": \"val\", summary.json \"val\"): "
+                        "training accuracy rising while these fall is overfitting. The held-out answers are not "
+                        "trained on; a resume must keep F (default 0: no validation)")
+    t.add_argument("--val-every", type=int, default=None, metavar="N",
+                   help="with --val-fraction: validate every N steps, before the first and after the last "
+                        "(default 10 x --log-every); may change on resume")
     t.add_argument("--no-resume", action="store_true",
                    help="start the training over even if OUT holds a checkpoint; OUT/data is still reused, and "
                         "refused if it was made for another target, --dtype, data flags or --seed (use a new --out, or "

@@ -93,3 +93,14 @@ def test_version(capsys):
     # the package metadata's version (pyproject.toml) and blockdraft.__version__ are one
     version = re.search(r'^version = "([^"]+)"', (Path(__file__).parents[1] / "pyproject.toml").read_text(), re.M)[1]
     assert blockdraft.__version__ == version
+
+
+def test_val_fraction_help_names_the_cap_and_the_default_cadence():
+    from blockdraft.training.dataset import MAX_VAL_SEQUENCES
+    from blockdraft.training.pipeline import VAL_EVERY_LOGS
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.option_strings[0]: a.help for a in sub.choices["train-drafter"]._actions if a.option_strings}
+    assert f"at least 1 and at most {MAX_VAL_SEQUENCES} answers" in helps["--val-fraction"]
+    assert f"(default {VAL_EVERY_LOGS} x --log-every)" in helps["--val-every"]

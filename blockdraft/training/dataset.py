@@ -166,6 +166,49 @@ class TokenDataset:
         return out
 
 
+# split_validation holds out at most this many sequences: validation runs the target and the drafter
+# over all of them (no backward) every TrainConfig.val_every steps, so its cost must not grow with
+# the data. 512 answers x 64 anchors x 15 slots measure the per-slot accuracies to about +-0.1 %;
+# on the H200 (0.5B target, batch 16) a pass is ~32 batches, ~2 s against ~36 s for 250 steps.
+MAX_VAL_SEQUENCES = 512
+VAL_SPLIT_SEED = 2**40  # + seed: the split's generator (epoch_batches and the anchors use other streams)
+
+
+def split_validation(data: TokenDataset, fraction: float, seed: int, max_sequences: int = MAX_VAL_SEQUENCES,
+                     name: str = "the validation fraction") -> tuple[TokenDataset, TokenDataset | None]:
+    """(training part, held-out validation part) of `data`, by whole sequence.
+
+    The validation part is round(fraction x n) sequences (at least 1 when fraction > 0, at most
+    `max_sequences`: the rest stays in training), drawn by a seeded permutation: a pure function of
+    (len(data), fraction, seed, max_sequences), so a resumed run holds out the same sequences. Both
+    parts keep the sequences in their order in `data` (TokenDataset.select: info copied, counts of
+    each part). fraction 0 returns (data, None), `data` itself. `name`: the fraction in messages
+    (a command passes its flag, "--val-fraction").
+
+    Raises:
+        ValueError: fraction not a number in [0, 1); max_sequences < 1; fraction > 0 leaving no
+            sequence to train on (fewer than 2 sequences, or round(fraction x n) = n; the message
+            names the fraction and the sequence count).
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1), got {fraction!r}")
+    if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 1:
+        raise ValueError(f"max_sequences must be an integer >= 1, got {max_sequences!r}")
+    if fraction == 0:
+        return data, None
+    n = len(data)
+    n_val = max(1, round(fraction * n))
+    if n_val >= n:
+        raise ValueError(f"{name} {fraction:g} holds out {n_val} of the {n} sequences, leaving none to train on: "
+                         f"lower it, or use more data (at least one sequence each side)")
+    n_val = min(n_val, max_sequences)
+    # its own stream: not the permutations of epoch_batches or sequences_that_fit for the same seed
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(VAL_SPLIT_SEED + seed)).tolist()
+    val = sorted(order[:n_val])
+    held = set(val)
+    return data.select([i for i in range(n) if i not in held]), data.select(val)
+
+
 @dataclass
 class Batch:
     """A right-padded batch: input_ids / loss_mask [b, T], lengths [b] (pad id 0, mask 0)."""

@@ -132,6 +132,9 @@ def load_hf_target(gguf_path: Path, config_dir: Path, device: str):
     return model.eval().requires_grad_(False)
 
 
+LOG_EVERY = 25  # steps per train_log.jsonl line
+VAL_EVERY_LOGS = 10  # --val-every's default: this many log lines' steps (250)
+
 # Keys of a --drafters entry: the drafter's shape and start, and (OPTIM_KEYS) optimizer settings
 # that may differ between drafters trained together: fit_together shares the batches, not the
 # optimizer, so one run can compare learning rates or loss decays side by side.
@@ -218,15 +221,31 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
     """Train every drafter of --drafters in lockstep; export each (z-lab files + a draft vocabulary
     ranked from `data`'s response tokens with `leading_ids(eos_ids, pad_id)` first) to
     `work/<name>/export`. `inits`, if given, receives the init_from weights of each drafter that has
-    them (name -> state dict)."""
+    them (name -> state dict).
+
+    --val-fraction F holds out that share of `data` first (dataset.split_validation, seeded by
+    --seed, at most MAX_VAL_SEQUENCES): not trained on, not cached, not ranked into the draft
+    vocabulary; every drafter is validated on it every --val-every steps (fit_together), its curve
+    in results["drafters"][name]["val"] ([{step, loss, tau_proxy, acc_mean}]) and the split in
+    results["val_split"]."""
     from blockdraft.spec.dflash.checkpoint import export_drafter
     from blockdraft.spec.draft_vocab import leading_ids, rank_dataset, write_dataset_draft_vocab
     from blockdraft.training.build import init_from, new_drafter, num_parameters
+    from blockdraft.training.dataset import split_validation
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import HFTarget
     from blockdraft.training.trainer import TrainConfig, Trainer, epoch_cap_steps, fit_together
 
     target = HFTarget(hf)
+    fraction = getattr(args, "val_fraction", 0.0)
+    # `data` is the training part from here on
+    data, val_data = split_validation(data, fraction, args.seed, name="--val-fraction")
+    val_every = (getattr(args, "val_every", None) or VAL_EVERY_LOGS * LOG_EVERY) if val_data is not None else 0
+    results["val_split"] = {"fraction": fraction, "every": val_every,
+                            "sequences": 0 if val_data is None else len(val_data), "train_sequences": len(data)}
+    if val_data is not None:
+        _log(f"validation: {len(val_data)} of {len(data) + len(val_data)} sequences held out (--val-fraction "
+             f"{fraction:g}), validated every {val_every} steps")
     lead = leading_ids(eos_ids, pad_id)  # one lead for the trained slice and the exported file
     draft_vocab = None
     if args.train_vocab_size:  # the same ranking the export writes to draft_vocab.json
@@ -234,8 +253,9 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
     features, train_data = None, data
     specs = drafter_specs(args.drafters)
     cfg = TrainConfig(steps=10**9, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors,
-                      lr=args.lr, warmup_frac=args.warmup_frac, seed=args.seed, log_every=25, ckpt_every=args.ckpt_every,
-                      greedy_labels=args.greedy_labels)
+                      lr=args.lr, warmup_frac=args.warmup_frac, seed=args.seed, log_every=LOG_EVERY,
+                      ckpt_every=args.ckpt_every, greedy_labels=args.greedy_labels, val_every=val_every,
+                      val_fraction=fraction)
     trainers = {}
     for spec in specs:
         d = new_drafter(target_cfg, spec["num_layers"], args.block_size, spec.get("intermediate_size"),
@@ -263,7 +283,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
                  f"({time.time() - t0:.0f} s)")
         own = dataclasses.replace(cfg, **{k: spec[k] for k in OPTIM_KEYS if k in spec})  # this drafter's optimizer
         trainers[spec["name"]] = Trainer(d, target, train_data, own, work / spec["name"], features=features,
-                                         draft_vocab=draft_vocab)
+                                         draft_vocab=draft_vocab, val_data=val_data)
         results["drafters"][spec["name"]] = {"spec": spec, "params": num_parameters(d),
                                              "optim": {k: getattr(own, k) for k in OPTIM_KEYS}}
     steps = args.steps or _plan_steps(list(trainers.values()), args.train_seconds)
@@ -295,7 +315,9 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
         results["drafters"][name].update(final=summary, steps=tr.step, planned_steps=steps,
                                          epochs=round(tr.step * cfg.batch_size / len(train_data), 2),
                                          schedule_steps=tr.cfg.steps,
-                                         train_seconds=round(time.time() - t0, 1))
+                                         train_seconds=round(time.time() - t0, 1),
+                                         val=[{k: v[k] for k in ("step", "loss", "tau_proxy", "acc_mean")}
+                                              for v in tr.val_history])
         _log(f"{name}: {json.dumps(summary)}")
     return trainers
 
@@ -503,6 +525,13 @@ def main(argv=None) -> int:
                         "(argmax next tokens, computed with the features) instead of the answer's tokens: the same "
                         "for greedy answers, what verification accepts for sampled ones (TrainConfig.greedy_labels)")
     r.add_argument("--train-vocab-size", type=int, default=0, help="loss over the N most frequent answer tokens (0: all)")
+    r.add_argument("--val-fraction", type=float, default=0.0,
+                   help="hold out this share of the answers (seeded by --seed; at least 1, at most 512 sequences), "
+                        "not trained on, and validate every drafter on them during training: results' "
+                        "drafters.NAME.val curve and train_log.jsonl lines with \"split\": \"val\" (0: off)")
+    r.add_argument("--val-every", type=int, default=None,
+                   help=f"with --val-fraction: steps between validations, also one before the first step and one "
+                        f"after the last (default {VAL_EVERY_LOGS * LOG_EVERY}: every {VAL_EVERY_LOGS}th log line)")
     args = p.parse_args(argv)
     if args.cmd == "run" and not 0 <= args.cache_host_gib < float("inf"):
         p.error(f"--cache-host-gib must be a number >= 0 (GiB), got {args.cache_host_gib:g}")
@@ -510,6 +539,14 @@ def main(argv=None) -> int:
         p.error("--cache-host-gib holds part of the feature cache: it needs --cache-features")
     if args.cmd == "run" and not 0 <= args.max_epochs < float("inf"):
         p.error(f"--max-epochs must be a number >= 0 (passes over the data; 0: no cap), got {args.max_epochs:g}")
+    if args.cmd == "run" and not 0 <= args.val_fraction < 1:
+        p.error(f"--val-fraction must be a number in [0, 1) (the share of the answers held out; 0: none), "
+                f"got {args.val_fraction:g}")
+    if args.cmd == "run" and args.val_every is not None and args.val_every < 1:
+        p.error(f"--val-every must be an integer >= 1 (steps), got {args.val_every}")
+    if args.cmd == "run" and args.val_every is not None and not args.val_fraction:
+        p.error(f"--val-every {args.val_every} validates on the answers --val-fraction F holds out: it needs "
+                f"--val-fraction F > 0")
     if args.cmd == "run" and args.synth_samples and not args.gen_engine:
         p.error("--synth-samples needs --gen-engine (the requests are sampled by our engine)")
     if args.cmd == "run" and args.synth_openers != "none" and not args.synth_samples:

@@ -5,11 +5,13 @@ Layout of `--out`:
                    for the same target, target dtype, data settings and --seed (`reuse_dataset`),
                    with --no-resume too (it starts the training over, not the answers)
     checkpoint/    resumable trainer state (training/trainer.py)
-    train_log.jsonl
+    train_log.jsonl one line per --log-every steps; with --val-fraction also validation lines
+                   ("split": "val": loss and per-slot accuracy on the held-out answers)
     drafter/       the exported z-lab DFlash checkpoint (config.json + model.safetensors) and its
                    draft vocabulary (draft_vocab.json: the training answers' tokens ranked
                    by frequency, the target's EOS ids and pad id first; see blockdraft.spec.draft_vocab)
-    summary.json   device, settings, data counts, final loss / per-slot accuracy
+    summary.json   device, settings, data counts, final loss / per-slot accuracy, the last
+                   validation ("val", null without --val-fraction)
 
 This is the engine path (CPU or GPU, any catalog target). The GPU runs behind the shipped drafters
 use training/gpu_run.py (made for a lent accelerator: pre-tokenized prompts, time budgets, data
@@ -116,6 +118,15 @@ def check_settings(settings: dict, args) -> None:
         raise ValueError(f"--sampled-fraction must be in [0, 1], got {settings['sampled_fraction']}")
     if getattr(args, "max_num_seqs", None) is not None:
         _check_int("--max-num-seqs", args.max_num_seqs, 1)
+    fraction = getattr(args, "val_fraction", 0.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+        raise ValueError(f"--val-fraction must be a number in [0, 1) (the share of the answers held out for "
+                         f"validation; 0: none), got {fraction!r}")
+    if getattr(args, "val_every", None) is not None:
+        _check_int("--val-every", args.val_every, 1)
+        if not fraction:  # as --synth-openers without --synth-prompts: a forgotten --val-fraction
+            raise ValueError(f"--val-every {args.val_every} validates on the answers --val-fraction F holds out: it "
+                             f"needs --val-fraction F > 0 (got 0)")
     if isinstance(args.train_vocab_size, bool) or not isinstance(args.train_vocab_size, int) or args.train_vocab_size < 0:
         raise ValueError(f"--train-vocab-size must be an integer >= 0 (0: full vocabulary), got {args.train_vocab_size!r}")
     if args.data and Path(args.data).is_file():
@@ -507,10 +518,35 @@ def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: i
     return {**json.loads(summary.read_text()), "drafter": str(out / "drafter")}  # where it is now (moved runs)
 
 
-# train-drafter's flag for each TrainConfig field a checkpoint records (others by their own name)
+# train-drafter's flag for each TrainConfig field a checkpoint records (others by their own name);
+# --val-fraction decides which answers are trained on (split_validation), so it is one of them;
+# --val-every, like --log-every and --ckpt-every, may change on resume (trainer.RESUMABLE_CHANGES)
 RESUME_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "max_len": "--max-len", "num_anchors": "--num-anchors",
                 "lr": "--lr", "seed": "--seed", "greedy_labels": "--greedy-labels",
-                "train_vocab_size": "--train-vocab-size"}
+                "train_vocab_size": "--train-vocab-size", "val_fraction": "--val-fraction"}
+
+VAL_EVERY_LOGS = 10  # --val-every's default: this many --log-every intervals
+
+
+def resolve_val_every(args, settings: dict) -> int:
+    """Steps between validations: --val-every, else VAL_EVERY_LOGS x --log-every; 0 without
+    --val-fraction (nothing held out)."""
+    if not getattr(args, "val_fraction", 0.0):
+        return 0
+    given = getattr(args, "val_every", None)
+    return given if given is not None else VAL_EVERY_LOGS * settings["log_every"]
+
+
+def split_answers(data, args):
+    """(training part, validation part or None) of the answers: dataset.split_validation with
+    --val-fraction and --seed (the same split whenever the same data is reused or resumed).
+
+    Raises:
+        ValueError: the fraction leaves no answer to train on (named as --val-fraction).
+    """
+    from blockdraft.training.dataset import split_validation
+
+    return split_validation(data, getattr(args, "val_fraction", 0.0), args.seed, name="--val-fraction")
 
 
 # train-drafter's flag for each drafter config entry a checkpoint's shape check compares
@@ -574,8 +610,14 @@ def train_drafter(args) -> dict:
     """The whole command; returns the summary (also written to `out/summary.json`), or the recorded
     one of a run already finished in `out` (finished_run: said on stderr, nothing trained).
 
+    With --val-fraction F, split_answers holds out that share of the answers (seeded by --seed; at most
+    dataset.MAX_VAL_SEQUENCES): the rest is trained on (and ranked into the draft vocabulary), the
+    held-out part validated every --val-every steps (train_log.jsonl lines with "split": "val";
+    summary["val"]: the last).
+
     Raises:
-        ValueError: a flag's value (check_settings, check_against_target, ...), a dataset made with
+        ValueError: a flag's value (check_settings, check_against_target, ...), a --val-fraction that
+            leaves no answer to train on, a dataset made with
             other settings or --seed or answered in another target dtype (reuse_dataset; before any weights
             load, --no-resume or not), or a checkpoint in `out` of another target dtype
             (check_resume_dtype) or other training settings (Trainer.load_checkpoint).
@@ -609,7 +651,8 @@ def train_drafter(args) -> dict:
         check_resume_dtype(Path(args.out), args.dtype, asked_dtype, device)
     cfg = TrainConfig(steps=settings["steps"], batch_size=settings["batch_size"], max_len=args.max_len,
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
-                      ckpt_every=args.ckpt_every, log_every=settings["log_every"], greedy_labels=args.greedy_labels)
+                      ckpt_every=args.ckpt_every, log_every=settings["log_every"], greedy_labels=args.greedy_labels,
+                      val_every=resolve_val_every(args, settings), val_fraction=getattr(args, "val_fraction", 0.0))
     path, _, target_config = read_target_config(args.target, args.cache_dir)
     if init:  # before building on its target_layer_ids: a drafter of another target is named as such
         from blockdraft.spec.dflash.checkpoint import check_drafter_fits
@@ -635,6 +678,8 @@ def train_drafter(args) -> dict:
         check_resume_settings(out, cfg, args.train_vocab_size, drafter.config)
     # The dataset is checked (its target, dtype and data settings) before any weights load.
     data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size, asked_dtype, device)
+    if data is not None:  # a reused dataset too small for --val-fraction is refused before any weights load
+        split_answers(data, args)
     grown = None
     if init:  # weights after every check: the init drafter must fit this target too
         grown = init_from(drafter, {k: v.float() for k, v in load_drafter(init[0], target_config, torch.float32)
@@ -646,27 +691,33 @@ def train_drafter(args) -> dict:
     target = load_target(str(path), args.dtype, device, args.cache_dir, pack_weights=False)
     if data is None:
         data = build_dataset(target, settings, args, folder, str(path), chosen, device)
-    if cfg.batch_size > len(data):  # not an error (each step takes all of them), but not what was asked
-        print(f"train-drafter: --batch-size {cfg.batch_size} is more than the {len(data)} training sequences; "
-              f"each step uses all {len(data)}", file=sys.stderr, flush=True)
-    epochs = cfg.steps * min(cfg.batch_size, len(data)) / len(data)  # passes over the training sequences
+    # The held-out answers (--val-fraction) are neither trained on nor ranked into the draft vocabulary.
+    train_data, val_data = split_answers(data, args)
+    if val_data is not None:
+        print(f"train-drafter: {len(val_data)} of the {len(data)} answers held out for validation every "
+              f"{cfg.val_every} steps (--val-fraction {args.val_fraction:g}); training on {len(train_data)}",
+              file=sys.stderr, flush=True)
+    if cfg.batch_size > len(train_data):  # not an error (each step takes all of them), but not what was asked
+        print(f"train-drafter: --batch-size {cfg.batch_size} is more than the {len(train_data)} training sequences; "
+              f"each step uses all {len(train_data)}", file=sys.stderr, flush=True)
+    epochs = cfg.steps * min(cfg.batch_size, len(train_data)) / len(train_data)  # passes over the training sequences
     if init and epochs > DEFAULT_MAX_EPOCHS:
         print(f"train-drafter: --steps {cfg.steps} x --batch-size {cfg.batch_size} is {epochs:.1f} passes over the "
-              f"{len(data)} training sequences; continuing a trained drafter for 11.4 passes lost held-out "
+              f"{len(train_data)} training sequences; continuing a trained drafter for 11.4 passes lost held-out "
               f"acceptance on the H200 (trainer.epoch_cap_steps): more prompts (--num-prompts, --synth-prompts) "
               f"or fewer --steps", file=sys.stderr, flush=True)
     train_target = EngineTarget(target.model)
     features = None
     if args.cache_features:
-        features = FeatureCache.build(train_target, data, drafter.config.target_layer_ids, cfg.max_len, device,
+        features = FeatureCache.build(train_target, train_data, drafter.config.target_layer_ids, cfg.max_len, device,
                                       progress=True, greedy=args.greedy_labels)
     # one lead (EOS ids, then the pad id) for the trained slice and the exported draft_vocab.json
     lead = leading_ids(eos_token_ids(target), getattr(target.tokenizer, "pad_token_id", None))
     draft_vocab = None
     if args.train_vocab_size:
-        draft_vocab = rank_dataset(data, target_config.vocab_size, lead, args.train_vocab_size)[0]
-    trainer = Trainer(drafter, train_target, data, cfg, out, features=features, draft_vocab=draft_vocab,
-                      target_dtype=args.dtype)
+        draft_vocab = rank_dataset(train_data, target_config.vocab_size, lead, args.train_vocab_size)[0]
+    trainer = Trainer(drafter, train_target, train_data, cfg, out, features=features, draft_vocab=draft_vocab,
+                      target_dtype=args.dtype, val_data=val_data)
     resumed = trainer.load_checkpoint() if not args.no_resume else False
     if resumed:
         print(f"train-drafter: resuming the run in {out} at step {trainer.step} of {cfg.steps} (its checkpoint; "
@@ -675,16 +726,20 @@ def train_drafter(args) -> dict:
         (out / "train_log.jsonl").unlink(missing_ok=True)
     final = trainer.fit(progress=True)
     export_drafter(drafter, out / "drafter")
-    write_dataset_draft_vocab(out / "drafter", data, target_config.vocab_size, lead,
-                              f"train-drafter data {args.data or out / 'data'} (response tokens)")
+    write_dataset_draft_vocab(out / "drafter", train_data, target_config.vocab_size, lead,
+                              f"train-drafter data {args.data or out / 'data'} (response tokens"
+                              + (")" if val_data is None else f"; the {len(val_data)} held out for validation left out)"))
     if args.train_vocab_size:  # decode over the vocabulary it was trained on unless told otherwise
         (out / "drafter" / SPECULATIVE_FILE).write_text(json.dumps(
             {"draft_vocab_size": args.train_vocab_size, "source": "train-drafter --train-vocab-size"}, indent=1))
-    run = {**settings, "block_size": args.block_size, "max_len": args.max_len, "lr": args.lr, "seed": args.seed}
+    run = {**settings, "block_size": args.block_size, "max_len": args.max_len, "lr": args.lr, "seed": args.seed,
+           "val_fraction": cfg.val_fraction, "val_every": cfg.val_every}
     summary = {"target": args.target, "settings": run, "drafter": str(out / "drafter"), "device": device,
                "dtype": args.dtype, "resumed": resumed, "epochs": round(epochs, 2),
                "params": num_parameters(drafter), "train_vocab_size": args.train_vocab_size,
                "cache_features": args.cache_features, "greedy_labels": args.greedy_labels, "data": data.info, "final": final,
+               # the last validation (Trainer.validate: held-out loss, per-slot accuracy, tau proxy), None without
+               "val": trainer.val_history[-1] if trainer.val_history else None,
                "init_from": str(init[0]) if init else None, "new_layers": grown,
                # the init's own depth and MLP width: settings hold the (possibly grown) ones trained
                "init_shape": {"num_layers": init[1].num_hidden_layers, "intermediate_size": init[1].intermediate_size}

@@ -8,6 +8,9 @@ bf16 autocast on CUDA (fp32 master weights), fp32 on CPU.
 
 Determinism: batch order is a pure function of (seed, epoch) and anchors of (seed, step), so a
 resumed run replays exactly the batches and anchors of an uninterrupted one.
+Validation (optional: Trainer.val_data, TrainConfig.val_every): the same loss and per-slot accuracy
+on held-out sequences (dataset.split_validation), on fixed batches and anchors, without gradients;
+it changes neither the weights nor any state training reads, so a run validates or not alike.
 Checkpoints (`<out>/checkpoint/`): drafter.safetensors (fp32 master weights, z-lab names),
 optimizer.safetensors (AdamW moments by parameter name), state.json (step, config, target dtype,
 metrics).
@@ -54,6 +57,12 @@ class TrainConfig:
     (`on_greedy_chain`). The same labels for answers decoded greedily; for sampled ones, what
     verification accepts (a draft is accepted when it equals the target's greedy token at T = 0,
     and the most likely token is the draft exact-match sampling at T > 0 accepts most often).
+    val_every: steps between validations on the Trainer's val_data (0 = off); when on, fit /
+    fit_together also validate before the first step of a fresh run (the starting weights) and
+    after the last. Like ckpt_every / log_every, it may change on resume.
+    val_fraction: the share of the dataset held out as val_data (dataset.split_validation). The
+    Trainer does not split (it is given data and val_data): the value is recorded in the checkpoint
+    so that resuming with another split, i.e. another training set, is refused.
     """
 
     steps: int = 1000
@@ -73,10 +82,12 @@ class TrainConfig:
     log_every: int = 10
     pad_multiple: int = 64
     greedy_labels: bool = False
+    val_every: int = 0
+    val_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("batch_size", 1), ("max_len", 2), ("num_anchors", 1), ("ckpt_every", 0),
-                          ("log_every", 1), ("seed", 0), ("pad_multiple", 1)):
+                          ("log_every", 1), ("seed", 0), ("pad_multiple", 1), ("val_every", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -90,8 +101,16 @@ class TrainConfig:
         for name in ("warmup_frac", "min_lr_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
+        if (isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float))
+                or not 0.0 <= self.val_fraction < 1.0):
+            raise ValueError(f"val_fraction must be a number in [0, 1), got {self.val_fraction!r}")
         if not self.weight_decay >= 0 or not self.grad_clip >= 0:
             raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay!r}, {self.grad_clip!r}")
+
+
+# + seed x 100,003 + batch: the generator of validation batch i's anchors (prepare_val); training's are
+# seed x 7,919 + step
+VAL_ANCHOR_SEED = 2**41
 
 
 def greedy_label_ids(input_ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -186,6 +205,14 @@ class Trainer:
             other layer ids, another max_len or another dataset size.
         target_dtype: the target's dtype ("float32" | "bfloat16"), recorded in the checkpoint's
             state.json (train-drafter refuses to resume a run in another; None: not recorded).
+        val_data: held-out sequences (dataset.split_validation) for `validate`, or None. Validation
+            never reads `features` (its row indices are those of `data`): it runs the target on
+            each validation batch, ceil(len(val_data) / cfg.batch_size) target + drafter forwards
+            per validation, no backward and no memory beyond a step's (split_validation caps the
+            set at MAX_VAL_SEQUENCES sequences, so the cost stays bounded whatever the data size).
+    Raises (also):
+        ValueError: cfg.val_every > 0 without val_data; val_data empty, with token ids outside the
+            target's vocabulary or without a response token to anchor within cfg.max_len.
     """
 
     drafter: DFlashDraftModel
@@ -198,6 +225,8 @@ class Trainer:
     features: FeatureCache | None = None
     draft_vocab: torch.Tensor | None = None
     target_dtype: str | None = None
+    val_data: TokenDataset | None = None
+    val_history: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -222,6 +251,22 @@ class Trainer:
         self._draft = None if self.draft_vocab is None else self._draft_rows(self.draft_vocab)
         if self.features is not None:
             self._check_features(self.features)
+        self._check_val_data()
+
+    def _check_val_data(self) -> None:
+        if self.val_data is None:
+            if self.cfg.val_every:
+                raise ValueError(f"val_every {self.cfg.val_every} validates on held-out sequences: give the Trainer "
+                                 f"val_data (dataset.split_validation), or val_every 0")
+            return
+        if len(self.val_data) == 0:
+            raise ValueError("val_data holds no sequence: give None to train without validation")
+        self.val_data.check_token_ids(self.target.vocab_size)
+        if self.val_data.num_anchor_positions(self.cfg.max_len) == 0:
+            raise ValueError(f"max_len (--max-len) {self.cfg.max_len} keeps no response token in any of the "
+                             f"{len(self.val_data)} validation sequences (the shortest prompt has "
+                             f"{self.val_data.shortest_prompt()} tokens): validation would measure nothing; raise "
+                             f"--max-len or hold out more sequences")
 
     def _check_features(self, cache: FeatureCache) -> None:
         want = (tuple(self.drafter.config.target_layer_ids), self.cfg.max_len, len(self.data))
@@ -269,19 +314,24 @@ class Trainer:
         """Everything of step `step` that does not depend on the drafter's weights: the batch,
         target features, anchors, block embeddings and labels (shareable between drafters with
         the same target_layer_ids, block size, mask token and seed: see `fit_together`)."""
+        gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
+        return self._prepare(self.data, self.batch_indices(step), self.features, gen)
+
+    def _prepare(self, data: TokenDataset, indices: list[int], features: FeatureCache | None,
+                 gen: torch.Generator) -> dict:
+        """`prepare` of sequences `indices` of `data` (features from `features`, a cache of `data`,
+        or from the target when None), anchors drawn with `gen`."""
         dcfg = self.drafter.config
-        indices = self.batch_indices(step)
-        batch = collate(self.data, indices, self.cfg.max_len, self.cfg.pad_multiple).to(self.device)
+        batch = collate(data, indices, self.cfg.max_len, self.cfg.pad_multiple).to(self.device)
         greedy = None
-        if self.features is not None:
-            feats = self.features.batch(indices, batch.input_ids.shape[1])
+        if features is not None:
+            feats = features.batch(indices, batch.input_ids.shape[1])
             if self.cfg.greedy_labels:
-                greedy = self.features.greedy_batch(indices, batch.input_ids.shape[1]).to(self.device)
+                greedy = features.greedy_batch(indices, batch.input_ids.shape[1]).to(self.device)
         elif self.cfg.greedy_labels:
             feats, greedy = self.target.features_and_greedy(batch.input_ids, batch.lengths, dcfg.target_layer_ids)
         else:
             feats = self.target.features(batch.input_ids, batch.lengths, dcfg.target_layer_ids)
-        gen = torch.Generator().manual_seed(self.cfg.seed * 7_919 + step)
         anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, self.cfg.num_anchors, gen)
         b, a, bs = anchors.shape[0], anchors.shape[1], self.block_size
         block_ids = torch.full((b, a, bs), dcfg.mask_token_id, dtype=torch.long, device=self.device)
@@ -330,12 +380,52 @@ class Trainer:
         self.step += 1
         return float(loss.detach()), stats
 
+    # ---- validation ----------------------------------------------------------------------------
+
+    def val_batches(self) -> list[list[int]]:
+        """Sequence indices of val_data's batches: sorted by length (less padding; ties by index)
+        and cut into batches of cfg.batch_size, the last one partial. The same every time.
+
+        Raises:
+            ValueError: no val_data.
+        """
+        if self.val_data is None:
+            raise ValueError("this trainer has no val_data to validate on")
+        lengths = self.val_data.lengths().tolist()
+        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+        return [order[j : j + self.cfg.batch_size] for j in range(0, len(order), self.cfg.batch_size)]
+
+    def prepare_val(self, i: int, indices: list[int]) -> dict:
+        """`prepare` of validation batch `i` (sequences `indices` of val_data, from val_batches):
+        features from the target (never from the training cache), anchors from a generator seeded
+        by (cfg.seed, i) alone, not by the training step, so that every validation sees the same
+        blocks and labels."""
+        gen = torch.Generator().manual_seed(VAL_ANCHOR_SEED + self.cfg.seed * 100_003 + i)
+        return self._prepare(self.val_data, indices, None, gen)
+
+    def validate(self) -> dict:
+        """Loss and per-slot top-1 accuracy of the drafter on all of val_data (`validate_together`
+        with this trainer alone): {"split": "val", "step", "loss", "acc", "acc_mean", "tau_proxy",
+        "sequences", "val_seconds"}; the same values as long as the weights are the same."""
+        return validate_together([self])[0]
+
+    def _log_val(self, summary: dict, seconds: float) -> dict:
+        """Record a validation summary (val_history, and a line of train_log.jsonl marked
+        "split": "val"; `seconds` since the fit began, as the training lines')."""
+        s = {**summary, "seconds": round(seconds, 1)}
+        self.val_history.append(s)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "train_log.jsonl", "a") as f:
+            f.write(json.dumps(s) + "\n")
+        return s
+
     # ---- loop ----------------------------------------------------------------------------------
 
     def fit(self, progress: bool = True, deadline: float | None = None, until: int | None = None) -> dict:
         """Train until cfg.steps (or step `until`, or the wall-clock `deadline`, time.time()
-        seconds), checkpointing every cfg.ckpt_every steps and at the end. Returns the last logged
-        summary."""
+        seconds), checkpointing every cfg.ckpt_every steps and at the end, validating every
+        cfg.val_every steps (see fit_together). Returns the last logged training summary (the
+        validations: val_history)."""
         return fit_together([self], progress, deadline, until)[0]
 
     def _log(self, window: "StepStats", seconds: float) -> dict:
@@ -365,7 +455,7 @@ class Trainer:
         _atomic(d / "optimizer.safetensors", lambda p: save_file(self._optimizer_tensors(), str(p)))
         state = {"step": self.step, "train_config": asdict(self.cfg), "train_vocab_size": self._train_vocab_size(),
                  "drafter_config": self.drafter.config.to_hf_dict(), "target_dtype": self.target_dtype,
-                 "history": self.history}
+                 "history": self.history, "val_history": self.val_history}
         _atomic(d / "state.json", lambda p: p.write_text(json.dumps(state, indent=1)))
         return d
 
@@ -384,12 +474,14 @@ class Trainer:
         return out
 
     def load_checkpoint(self) -> bool:
-        """Resume from `<out>/checkpoint/` if present: weights, AdamW moments, step, history.
+        """Resume from `<out>/checkpoint/` if present: weights, AdamW moments, step, history and
+        val_history.
 
         Returns False when there is no checkpoint. Raises ValueError when the checkpoint's drafter
         config differs from this drafter's (resuming into a different shape), or when a setting
         that decides the batches, anchors, schedule or loss differs (every TrainConfig field but
-        ckpt_every / log_every, and the draft vocabulary's size): the resumed run would not be
+        ckpt_every / log_every / val_every, and the draft vocabulary's size; val_fraction counts: it
+        decides the training set): the resumed run would not be
         the run the checkpoint belongs to. The message names each differing setting.
         """
         from safetensors.torch import load_file
@@ -420,13 +512,14 @@ class Trainer:
                     "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(p.device),
                 }
         self.step, self.history = int(state["step"]), list(state.get("history", []))
+        self.val_history = list(state.get("val_history", []))
         self._drop_log_lines_after(self.step)
         return True
 
     def _drop_log_lines_after(self, step: int) -> None:
         """Remove from train_log.jsonl the lines of steps past `step`, the checkpoint a resumed run
-        starts from (an interrupted run logged them, the resumed one redoes and logs them again), and
-        a line cut short by the interruption."""
+        starts from (an interrupted run logged them, the resumed one redoes and logs them again;
+        validation lines too), and a line cut short by the interruption."""
         log = self.out_dir / "train_log.jsonl"
         if not log.is_file():
             return
@@ -477,14 +570,18 @@ def drafter_config_differences(saved: dict, asked: dict) -> list[tuple[str, obje
 
 def checkpoint_difference_items(state: dict, cfg: TrainConfig, train_vocab_size: int) -> list[tuple[str, object, object]]:
     """(name, saved, asked) of each setting a checkpoint's `state` was trained with that differs from
-    `cfg` / `train_vocab_size`; every TrainConfig field counts but ckpt_every and log_every (they
-    change neither the batches, anchors, schedule nor loss)."""
+    `cfg` / `train_vocab_size`; every TrainConfig field counts but RESUMABLE_CHANGES (they change
+    neither the batches, anchors, schedule nor loss)."""
     # fields added after checkpoints were first written: absent means the behaviour before them
-    saved = {"warmup_steps": None, "greedy_labels": False, **state.get("train_config", {}),
+    saved = {"warmup_steps": None, "greedy_labels": False, "val_fraction": 0.0, **state.get("train_config", {}),
              "train_vocab_size": state.get("train_vocab_size", 0)}
     asked = {**asdict(cfg), "train_vocab_size": train_vocab_size}
     return [(k, saved[k], asked[k]) for k in asked
-            if k not in ("ckpt_every", "log_every") and k in saved and _as_json(saved[k]) != _as_json(asked[k])]
+            if k not in RESUMABLE_CHANGES and k in saved and _as_json(saved[k]) != _as_json(asked[k])]
+
+
+# TrainConfig fields a resumed run may change: how often it checkpoints, logs and validates
+RESUMABLE_CHANGES = ("ckpt_every", "log_every", "val_every")
 
 
 def checkpoint_differences(state: dict, cfg: TrainConfig, train_vocab_size: int) -> list[str]:
@@ -549,6 +646,49 @@ def replanned_warmup(cfg: TrainConfig, step: int, total: int) -> int:
     return max(1, min(warmup, max(step + 1, share), total - 1))
 
 
+def validate_together(trainers: list[Trainer]) -> list[dict]:
+    """Validate several drafters on the same batches (each batch's target features, anchors and
+    labels prepared once, by trainers[0]): the loss and per-slot top-1 accuracy of `Trainer.loss_on`,
+    as training computes them, over every sequence of val_data (Trainer.val_batches, fixed anchors:
+    prepare_val).
+
+    No gradients; each drafter is put in eval mode and back in the mode it was in; torch's global
+    RNG states (CPU and the trainers' CUDA device) are restored after, so neither the weights nor
+    anything the next training step reads change. Nothing is logged (fit_together logs).
+
+    Returns one summary per trainer, as StepStats.summary: {"split": "val", "step", "loss" (mean
+    of the per-batch losses), "acc" (per slot, pooled over all batches), "acc_mean", "tau_proxy",
+    "sequences" (len(val_data)), "val_seconds" (wall time of this call)}.
+    Raises:
+        ValueError: a trainer without val_data, or trainers not sharing the same val_data (and what
+            _check_shareable checks).
+    """
+    lead = trainers[0]
+    if any(tr.val_data is None for tr in trainers):
+        raise ValueError("validation needs val_data in every trainer")
+    _check_shareable(trainers)
+    t0 = time.perf_counter()
+    windows = [StepStats() for _ in trainers]
+    modes = [tr.drafter.training for tr in trainers]
+    cuda = [lead.device] if lead.device.type == "cuda" else []
+    try:
+        for tr in trainers:
+            tr.drafter.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            for i, indices in enumerate(lead.val_batches()):
+                prep = lead.prepare_val(i, indices)
+                for window, tr in zip(windows, trainers):
+                    loss, stats = tr.loss_on(prep)
+                    window.add(float(loss), stats)
+                del prep
+    finally:
+        for tr, mode in zip(trainers, modes):
+            tr.drafter.train(mode)
+    seconds = round(time.perf_counter() - t0, 2)
+    return [{"split": "val", "step": tr.step, **w.summary(), "sequences": len(tr.val_data), "val_seconds": seconds}
+            for w, tr in zip(windows, trainers)]
+
+
 def fit_together(
     trainers: list[Trainer], progress: bool = True, deadline: float | None = None, until: int | None = None,
     budget_seconds: float | None = None, max_steps: int | None = None,
@@ -569,6 +709,15 @@ def fit_together(
     max_steps: a re-plan never sets more steps than this (an epoch cap: `epoch_cap_steps`); the
     first plan, cfg.steps, must respect it already.
 
+    Validation (trainers[0].cfg.val_every > 0; every trainer then has the same val_data):
+    `validate_together` before the first step of a run at step 0 (the starting weights: a
+    continued drafter's baseline), after every val_every-th step and after the last (unless that
+    step was validated already, also when stopped by `until` or `deadline`); each trainer appends
+    it to its val_history and to train_log.jsonl as a line with "split": "val" (training lines
+    are unchanged). Its time counts in the re-plan's pace (it recurs with the steps) and may run
+    past `deadline` once, at the end. The bar's postfix shows the last validation's tau proxy
+    ("val_tau").
+
     Raises:
         ValueError: the trainers do not share data, target, seed, batch settings, greedy_labels,
             block size, mask token and target_layer_ids (their prepared steps would differ).
@@ -580,6 +729,17 @@ def fit_together(
     bar = tqdm(total=lead.cfg.steps, initial=lead.step, desc="train", unit="step", disable=not progress)
     windows, last = [StepStats() for _ in trainers], [{} for _ in trainers]
     t0 = time.perf_counter()
+    val_every, val_post = lead.cfg.val_every, {}
+
+    def validate() -> None:
+        nonlocal val_post
+        for tr, summary in zip(trainers, validate_together(trainers)):
+            tr._log_val(summary, time.perf_counter() - t0)
+        val_post = {"val_tau": f"{trainers[0].val_history[-1]['tau_proxy']:.2f}"}
+        bar.set_postfix({**(_postfix(last[0]) if last[0] else {}), **val_post})
+
+    if val_every and lead.step == 0:
+        validate()
     stop = lead.cfg.steps if until is None else min(until, lead.cfg.steps)
     start, clock0 = lead.step, _clock()
     # the first re-plan (and where its pace measurement starts) comes sooner in a short first plan
@@ -616,7 +776,9 @@ def fit_together(
         if step % lead.cfg.log_every == 0 or step == lead.cfg.steps:
             for i, tr in enumerate(trainers):
                 last[i], windows[i] = tr._log(windows[i], time.perf_counter() - t0), StepStats()
-            bar.set_postfix(_postfix(last[0]))
+            bar.set_postfix({**_postfix(last[0]), **val_post})
+        if val_every and step % val_every == 0:
+            validate()
         if lead.cfg.ckpt_every and step % lead.cfg.ckpt_every == 0:
             for tr in trainers:
                 tr.save_checkpoint()
@@ -625,6 +787,9 @@ def fit_together(
     for i, tr in enumerate(trainers):
         if windows[i].steps:
             last[i] = tr._log(windows[i], time.perf_counter() - t0)
+    if val_every and (not lead.val_history or lead.val_history[-1]["step"] != lead.step):
+        validate()  # the last weights (not validated yet: a resumed run may have validated this step)
+    for tr in trainers:
         tr.save_checkpoint()
     bar.close()
     return last
@@ -642,14 +807,14 @@ def _check_shareable(trainers: list[Trainer]) -> None:
     lead = trainers[0]
     key = lambda t: (  # noqa: E731
         id(t.data), id(t.target), t.cfg.seed, t.cfg.batch_size, t.cfg.max_len, t.cfg.num_anchors, t.step,
-        t.cfg.greedy_labels,
+        t.cfg.greedy_labels, id(t.val_data), t.cfg.val_every,
         t.drafter.config.block_size, t.drafter.config.mask_token_id, t.drafter.config.target_layer_ids,
         t.drafter.config.input_embedding_scale,
     )
     for t in trainers[1:]:
         if key(t) != key(lead):
             raise ValueError("drafters trained together must share data, target, seed, batch settings, step, "
-                             "greedy_labels, block size, mask token and target_layer_ids")
+                             "greedy_labels, val_data, val_every, block size, mask token and target_layer_ids")
 
 
 def _as_json(value):

@@ -150,8 +150,16 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
                          "--work", str(tmp_path / "w"), "--drafters", drafters, "--max-new-tokens", "4",
                          "--steps", "2", "--batch-size", "2", "--num-anchors", "2", "--lr", "1e-2",
                          "--eval-prompts", "1", "--eval-max-tokens", "4", "--extend-seconds", "600", "--resample",
-                         "--device", "cpu"]) == 0
+                         "--device", "cpu", "--val-fraction", "0.25", "--val-every", "1"]) == 0
     results = json.loads(capsys.readouterr().out)
+    # --val-fraction 0.25 of the 6 answers: 2 held out, validated before step 1, after each step
+    assert results["val_split"] == {"fraction": 0.25, "every": 1, "sequences": 2, "train_sequences": 4}
+    curve = results["drafters"]["A"]["val"]
+    assert [v["step"] for v in curve] == [0, 1, 2] and all(set(v) == {"step", "loss", "tau_proxy", "acc_mean"}
+                                                            for v in curve)
+    logged = [json.loads(x) for x in (tmp_path / "w" / "A" / "train_log.jsonl").read_text().splitlines()]
+    assert [x["loss"] for x in logged if x.get("split") == "val"] == [v["loss"] for v in curve]
+    assert results["drafters"]["A"]["epochs"] == 1.0  # 2 steps of 2 over the 4 trained on
     optim = results["drafters"]["A"]["optim"]
     assert (optim["lr"], optim["gamma"]) == ((0.01, None) if width == 64 else (2e-3, 3.0))
     assert [s["num_sequences"] for s in results["data"]["shards"]] == [3, 3]
@@ -184,6 +192,11 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
     (["--synth-openers", "general"], "--synth-openers general steers synthesized requests: it needs --synth-samples N"),
     (["--synth-openers", "code"], "invalid choice: 'code'"),
     (["--max-epochs", "-1"], "--max-epochs must be a number >= 0 (passes over the data; 0: no cap), got -1"),
+    (["--val-fraction", "1"], "--val-fraction must be a number in [0, 1) (the share of the answers held out; 0: none), got 1"),
+    (["--val-fraction", "-0.5"], "--val-fraction must be a number in [0, 1) (the share of the answers held out; 0: none), "
+                                 "got -0.5"),
+    (["--val-fraction", "0.1", "--val-every", "0"], "--val-every must be an integer >= 1 (steps), got 0"),
+    (["--val-every", "10"], "--val-every 10 validates on the answers --val-fraction F holds out: it needs --val-fraction F > 0"),
 ])
 def test_gpu_run_refuses_bad_flags_naming_them(capsys, flags, message):
     with pytest.raises(SystemExit):

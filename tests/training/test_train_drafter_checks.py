@@ -50,6 +50,13 @@ def _error(capsys, *flags) -> str:
                                      "this target's 30), got 30"),
     (["--synth-openers", "general"], "--synth-openers general steers the requests --synth-prompts N has the target "
                                      "write: it needs --synth-prompts N > 0 (got 0; leave --synth-openers out"),
+    (["--val-fraction", "-0.1"], "--val-fraction must be a number in [0, 1) (the share of the answers held out for "
+                                 "validation; 0: none), got -0.1"),
+    (["--val-fraction", "1"], "--val-fraction must be a number in [0, 1) (the share of the answers held out for "
+                              "validation; 0: none), got 1.0"),
+    (["--val-fraction", "0.2", "--val-every", "0"], "--val-every must be an integer >= 1, got 0"),
+    (["--val-every", "5"], "--val-every 5 validates on the answers --val-fraction F holds out: it needs "
+                           "--val-fraction F > 0 (got 0)"),
 ])
 def test_bad_values_name_the_flag(flags, message, tmp_path, capsys, no_weights):
     err = _error(capsys, "--out", str(tmp_path), *flags)

@@ -41,6 +41,8 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     assert f"train-drafter: the drafter is {out / 'drafter'}; decode with it: blockdraft generate" in first.err
     assert "more than the" not in first.err  # --tiny's batch of 4 = the 4 sequences
     assert summary["data"]["num_sequences"] == 4 and summary["final"]["step"] == 3
+    assert summary["val"] is None and summary["settings"]["val_fraction"] == 0.0  # no --val-fraction: none
+    assert not any("split" in line for line in (out / "train_log.jsonl").read_text().splitlines())
     assert summary["device"] == resolve_device("auto")  # the default, resolved (cpu without CUDA)
     assert summary["dtype"] == TARGET_DTYPE_AUTO[summary["device"]]  # --dtype auto, resolved (float32 on cpu)
     assert (out / "checkpoint" / "state.json").is_file() and (out / "data" / "data-00000.safetensors").is_file()
@@ -145,6 +147,46 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     trained = LLM(target=target, draft=str(tmp_path / "fast" / "drafter"), dtype="float32")
     assert trained.speculator.draft_head.size == 256
     assert [o.token_ids for o in trained.generate(prompts, params)] == [o.token_ids for o in plain]
+
+
+def test_val_fraction_holds_out_answers_and_validates_on_them(tmp_path, capsys):
+    from argparse import Namespace
+
+    from blockdraft.spec.draft_vocab import read_draft_vocab_metadata
+    from blockdraft.training.pipeline import resolve_val_every
+
+    out = tmp_path / "val"
+    args = ["train-drafter", "--target", NAME, "--tiny", "--out", str(out), "--num-prompts", "4",
+            "--max-new-tokens", "8", "--steps", "3", "--val-fraction", "0.25", "--val-every", "2"]
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    summary = json.loads(printed.out)
+    assert ("train-drafter: 1 of the 4 answers held out for validation every 2 steps (--val-fraction 0.25); "
+            "training on 3") in printed.err
+    lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    val = [x for x in lines if x.get("split") == "val"]
+    assert [x["step"] for x in val] == [0, 2, 3]  # before the first step, every 2, after the last
+    assert [x["step"] for x in lines if "split" not in x] == [1, 2, 3]  # the training lines as without
+    assert summary["val"] == val[-1] and summary["val"]["sequences"] == 1 and summary["val"]["tau_proxy"] >= 1.0
+    assert summary["settings"]["val_fraction"] == 0.25 and summary["settings"]["val_every"] == 2
+    assert summary["epochs"] == 3.0 and summary["data"]["num_sequences"] == 4  # 3 steps over the 3 trained on
+    # the held-out answer is not ranked into the draft vocabulary either
+    assert read_draft_vocab_metadata(out / "drafter")["num_sequences"] == 3
+    # --val-every may change (the finished run is recognised); another --val-fraction is another training set
+    assert main([*args[:-1], "5"]) == 0
+    assert "already holds a finished run" in capsys.readouterr().err
+    assert main([*args[:-3], "0.5"]) == 2
+    assert (f"the run in {out} (its checkpoint, step 3) was trained with --val-fraction 0.25 (now 0.5)"
+            in capsys.readouterr().err)
+    # a fraction that leaves nothing to train on: refused on the reused answers, before the weights load
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        assert main([*args[:-4], "--val-fraction", "0.9", "--no-resume"]) == 2
+        assert ("--val-fraction 0.9 holds out 4 of the 4 sequences, leaving none to train on"
+                in capsys.readouterr().err)
+    # without --val-fraction: no validation and "val": null (the first test's runs); the default cadence
+    assert resolve_val_every(Namespace(val_fraction=0.1, val_every=None), {"log_every": 10}) == 100
+    assert resolve_val_every(Namespace(val_fraction=0.0, val_every=None), {"log_every": 10}) == 0
 
 
 def test_train_vocab_size_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
