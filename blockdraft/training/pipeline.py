@@ -21,9 +21,12 @@ kept across runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -724,7 +727,12 @@ def train_drafter(args) -> dict:
               f"--no-resume starts over)", file=sys.stderr, flush=True)
     else:  # a run from step 0 (--no-resume, or no checkpoint: one interrupted before its first) logs anew
         (out / "train_log.jsonl").unlink(missing_ok=True)
-    final = trainer.fit(progress=True)
+    with deferred_sigint() as sigint:
+        final = trainer.fit(progress=True, should_stop=lambda: sigint.hit)
+    if sigint.hit and trainer.step < trainer.cfg.steps:
+        print(f"train-drafter: stopped at step {trainer.step} of {trainer.cfg.steps}; checkpoint saved in "
+              f"{out / 'checkpoint'}: the same command resumes it", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
     export_drafter(drafter, out / "drafter")
     write_dataset_draft_vocab(out / "drafter", train_data, target_config.vocab_size, lead,
                               f"train-drafter data {args.data or out / 'data'} (response tokens"
@@ -746,6 +754,36 @@ def train_drafter(args) -> dict:
                if init else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+class _Flag:
+    hit = False
+
+
+@contextlib.contextmanager
+def deferred_sigint():
+    """While the block runs, the first Ctrl-C (SIGINT) sets the yielded flag's `hit` instead of
+    raising, so that training stops at the end of its step and checkpoints (an interrupt inside an
+    optimizer step would leave half-updated weights); a second one raises KeyboardInterrupt at once.
+    Off the main thread (where signal handlers cannot be set) the flag just stays False."""
+    flag = _Flag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum, frame):
+        if flag.hit:
+            raise KeyboardInterrupt
+        flag.hit = True
+        print("\ntrain-drafter: stopping after this step and saving a checkpoint (Ctrl-C again: stop now, unsaved)",
+              file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def main(args) -> int:

@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -421,12 +422,13 @@ class Trainer:
 
     # ---- loop ----------------------------------------------------------------------------------
 
-    def fit(self, progress: bool = True, deadline: float | None = None, until: int | None = None) -> dict:
+    def fit(self, progress: bool = True, deadline: float | None = None, until: int | None = None,
+            should_stop: Callable[[], bool] | None = None) -> dict:
         """Train until cfg.steps (or step `until`, or the wall-clock `deadline`, time.time()
-        seconds), checkpointing every cfg.ckpt_every steps and at the end, validating every
-        cfg.val_every steps (see fit_together). Returns the last logged training summary (the
-        validations: val_history)."""
-        return fit_together([self], progress, deadline, until)[0]
+        seconds, or `should_stop()` after a step), checkpointing every cfg.ckpt_every steps and at
+        the end, validating every cfg.val_every steps (see fit_together). Returns the last logged
+        training summary (the validations: val_history)."""
+        return fit_together([self], progress, deadline, until, should_stop=should_stop)[0]
 
     def _log(self, window: "StepStats", seconds: float) -> dict:
         s = window.summary()
@@ -692,6 +694,7 @@ def validate_together(trainers: list[Trainer]) -> list[dict]:
 def fit_together(
     trainers: list[Trainer], progress: bool = True, deadline: float | None = None, until: int | None = None,
     budget_seconds: float | None = None, max_steps: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[dict]:
     """Train several drafters in lockstep on the same batches: the target features, anchors and
     labels of each step are computed once (by trainers[0]) and shared. Stops at the first
@@ -708,6 +711,8 @@ def fit_together(
     Session 29's H200 run planned 2,064 steps for 480 s from 8 timed passes and was done after 264 s.
     max_steps: a re-plan never sets more steps than this (an epoch cap: `epoch_cap_steps`); the
     first plan, cfg.steps, must respect it already.
+    should_stop: called after every step; True stops there as `until` would (a Ctrl-C deferred to
+    the end of a step: train-drafter's `deferred_sigint`), without the final validation.
 
     Validation (trainers[0].cfg.val_every > 0; every trainer then has the same val_data):
     `validate_together` before the first step of a run at step 0 (the starting weights: a
@@ -740,6 +745,7 @@ def fit_together(
 
     if val_every and lead.step == 0:
         validate()
+    interrupted = False
     stop = lead.cfg.steps if until is None else min(until, lead.cfg.steps)
     start, clock0 = lead.step, _clock()
     # the first re-plan (and where its pace measurement starts) comes sooner in a short first plan
@@ -784,10 +790,13 @@ def fit_together(
                 tr.save_checkpoint()
         if deadline is not None and time.time() > deadline:
             break
+        if should_stop is not None and should_stop():
+            interrupted = True
+            break
     for i, tr in enumerate(trainers):
         if windows[i].steps:
             last[i] = tr._log(windows[i], time.perf_counter() - t0)
-    if val_every and (not lead.val_history or lead.val_history[-1]["step"] != lead.step):
+    if val_every and not interrupted and (not lead.val_history or lead.val_history[-1]["step"] != lead.step):
         validate()  # the last weights (not validated yet: a resumed run may have validated this step)
     for tr in trainers:
         tr.save_checkpoint()

@@ -275,3 +275,34 @@ def test_init_from_a_trained_drafter_grows_it_and_keeps_its_shape(tmp_path, caps
     assert summary["init_shape"] == {"num_layers": 1, "intermediate_size": 64}
     widened = load_drafter(wide / "drafter", target.config)
     assert widened.config.intermediate_size == 96 and widened.config.num_hidden_layers == 1
+
+
+def test_ctrl_c_stops_after_the_step_saves_a_checkpoint_and_the_rerun_resumes(tmp_path, capsys, monkeypatch):
+    """A real SIGINT during step 2 of 4: the step finishes, a checkpoint of step 2 is written, the
+    command exits 130 saying so; the same command resumes at step 2 (was: an interrupt lost the run)."""
+    import os
+    import signal
+
+    from blockdraft.training.trainer import Trainer
+
+    out = tmp_path / "run"
+    args = ["train-drafter", "--target", NAME, "--tiny", "--out", str(out), "--num-prompts", "4",
+            "--max-new-tokens", "8", "--steps", "4"]
+    step = Trainer.train_step
+
+    def interrupted_step(self, prep=None):
+        if self.step == 1:  # during the second step
+            os.kill(os.getpid(), signal.SIGINT)
+        return step(self, prep)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Trainer, "train_step", interrupted_step)
+        assert main(args) == 130
+    err = capsys.readouterr().err
+    assert f"train-drafter: stopped at step 2 of 4; checkpoint saved in {out / 'checkpoint'}: the same command resumes it" in err
+    assert "blockdraft train-drafter: interrupted" in err
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert main(args) == 0
+    assert f"resuming the run in {out} at step 2 of 4" in capsys.readouterr().err
+    assert [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
