@@ -38,6 +38,7 @@ class EvalResult:
     draft_vocab_size: int = 0  # draft LM-head columns (0: the full vocabulary)
     num_speculative_tokens: int | None = None  # K drafts per step
     device: str = "cpu"  # where the engines ran: "cpu" or "cuda"
+    dtype: str = "float32"  # the target's (and drafter's) weights as run, --dtype auto resolved
 
     @property
     def acceptance_length(self) -> float | None:
@@ -111,7 +112,8 @@ def evaluate_drafter(
     stats = spec.engine.stats.spec
     result = EvalResult(dataset, temperature, len(convs), max_tokens, stats.num_steps, stats.num_accepted_tokens,
                         sum(len(o.token_ids) for o in outs), seconds, list(stats.accepted_per_position),
-                        draft_vocab_size=pre.draft_vocab_size, num_speculative_tokens=k, device=pre.device)
+                        draft_vocab_size=pre.draft_vocab_size, num_speculative_tokens=k, device=pre.device,
+                        dtype=str(loaded.dtype).removeprefix("torch."))
     if compare_plain:
         # On CUDA each engine sizes its KV pool from the free memory: free the speculative one first.
         del spec
@@ -243,5 +245,6 @@ def main(args) -> int:
     if args.plot:
         tau = "n/a" if result.acceptance_length is None else f"{result.acceptance_length:.2f}"
         label = f"{args.dataset} T={args.temperature:g} (tau {tau})"
-        plot_per_position({label: result.per_position}, args.plot, f"{args.target} + drafter {Path(draft).name}")
+        shown = "/".join(Path(draft).parts[-2:])  # a train-drafter run's folder is OUT/drafter: name OUT too
+        plot_per_position({label: result.per_position}, args.plot, f"{args.target} + drafter {shown}")
     return 0

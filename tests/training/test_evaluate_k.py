@@ -58,7 +58,13 @@ def test_cli_runs_on_the_device_asked_for(tiny, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "cpu" and out["identical_to_plain"]
     assert main(base) == 0  # default: auto, as generate
-    assert json.loads(capsys.readouterr().out)["device"] == resolve_device("auto")
+    out = json.loads(capsys.readouterr().out)
+    assert out["device"] == resolve_device("auto") and out["dtype"] == "float32"  # the default dtype, recorded
+    # --model as generate spells it; --dtype as run is recorded (auto: the checkpoint's, here float32)
+    assert main(["eval-drafter", "--model", str(model), *base[3:], "--dtype", "bfloat16", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
+    assert main([*base, "--dtype", "auto", "--device", "cpu"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
 
 
 def test_no_verify_step_gives_null_not_nan(tiny, capsys):
