@@ -124,6 +124,7 @@ B=${B:-}  # session 32, a JSON object: also train drafter B = A's entry with the
 GPU_TESTS=${GPU_TESTS-tests/gpu}  # session 6: the runner tests only (the async continuation changed); empty: none
 # (session 33: the whole suite beside the answering cut this run's answers from session 32's 61K to 26K)
 MAX_EPOCHS=${MAX_EPOCHS:-}  # session 33, non-empty: gpu_run --max-epochs (its default caps a run at 3 passes over the data)
+VAL=${VAL:-}  # session 33, non-empty: gpu_run --val-fraction VAL (held-out validation every 250 steps, at most 512 answers)
 TEST_WORKERS=${TEST_WORKERS:-8}
 PROFILE=${PROFILE:-1}  # empty: no 8B profile after the bench
 BENCH_BATCHES=${BENCH_BATCHES:-1,8,32}  # the bench of the trained drafter on the real model
@@ -182,7 +183,7 @@ print(json.dumps([a] + ([{**a, **json.loads(b), "name": "B"}] if b else []), sep
   local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
       --drafters '$drafters' --gen-seconds $GEN_SECONDS --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
       --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE --cache-host-gib $CACHE_HOST ${GREEDY:+--greedy-labels} \
-      --ckpt-every 500 --train-seconds $TRAIN --lr $LR --seed $SEED ${MAX_EPOCHS:+--max-epochs $MAX_EPOCHS} \
+      --ckpt-every 500 --train-seconds $TRAIN --lr $LR --seed $SEED ${MAX_EPOCHS:+--max-epochs $MAX_EPOCHS} ${VAL:+--val-fraction $VAL} \
       ${EVAL:+--eval-sequences $W/eval_sequences.safetensors}"
   # The GGUF is converted once, before the GPU tests and the engine (gpu_run --gen-engine) read it.
   # If the engine-answered run fails, the same run with transformers generate follows.
