@@ -56,3 +56,21 @@ def test_train_drafter_on_cuda_frees_the_answering_pool_before_training(tmp_path
     assert summary["data"]["dtype"] == "bfloat16" and summary["data"]["device"] == "cuda"
     assert all(ref() is None for ref in refs)
     assert at_fit[0] <= with_engine - pool  # the pool's memory went back before training
+
+
+def test_train_drafter_on_cuda_validates_on_held_out_answers(tmp_path, monkeypatch, capsys):
+    """--val-fraction on CUDA: validation runs under the bf16 autocast and the CUDA RNG fork, at step 0,
+    every --val-every steps and at the end, and summary.json carries the last one."""
+    prompts = [[5 + i, 17, 33, 40 + i] for i in range(6)]
+    monkeypatch.setattr("blockdraft.training.pipeline.select_training_prompts",
+                        lambda tokenizer, settings, args: ([list(p) for p in prompts], {"used": len(prompts)}, []))
+    model = write_tiny_model(tmp_path / "model")
+    out = tmp_path / "run"
+    argv = ["train-drafter", "--target", str(model), "--tiny", "--out", str(out), "--device", "cuda",
+            "--num-prompts", "6", "--steps", "3", "--val-fraction", "0.34", "--val-every", "2"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    val = [r for r in lines if r.get("split") == "val"]
+    assert [r["step"] for r in val] == [0, 2, 3] and all(r["sequences"] == 2 for r in val)
+    assert summary["val"]["step"] == 3 and 1.0 <= summary["val"]["tau_proxy"] <= 16.0
