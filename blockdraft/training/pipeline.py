@@ -707,8 +707,8 @@ def train_drafter(args) -> dict:
     if init and epochs > DEFAULT_MAX_EPOCHS:
         print(f"train-drafter: --steps {cfg.steps} x --batch-size {cfg.batch_size} is {epochs:.1f} passes over the "
               f"{len(train_data)} training sequences; continuing a trained drafter for 11.4 passes lost held-out "
-              f"acceptance on the H200 (trainer.epoch_cap_steps): more prompts (--num-prompts, --synth-prompts) "
-              f"or fewer --steps", file=sys.stderr, flush=True)
+              f"acceptance on an H200: more prompts (--num-prompts, --synth-prompts) or fewer --steps, and "
+              f"--val-fraction to watch held-out accuracy", file=sys.stderr, flush=True)
     train_target = EngineTarget(target.model)
     features = None
     if args.cache_features:
@@ -727,19 +727,20 @@ def train_drafter(args) -> dict:
               f"--no-resume starts over)", file=sys.stderr, flush=True)
     else:  # a run from step 0 (--no-resume, or no checkpoint: one interrupted before its first) logs anew
         (out / "train_log.jsonl").unlink(missing_ok=True)
-    with deferred_sigint() as sigint:
-        final = trainer.fit(progress=True, should_stop=lambda: sigint.hit)
-    if sigint.hit and trainer.step < trainer.cfg.steps:
-        print(f"train-drafter: stopped at step {trainer.step} of {trainer.cfg.steps}; checkpoint saved in "
-              f"{out / 'checkpoint'}: the same command resumes it", file=sys.stderr, flush=True)
-        raise KeyboardInterrupt
-    export_drafter(drafter, out / "drafter")
+    with deferred_interrupt() as stop:
+        final = trainer.fit(progress=True, should_stop=lambda: stop.hit)
+    export_drafter(drafter, out / "drafter")  # also when stopped early: the drafter as trained so far
     write_dataset_draft_vocab(out / "drafter", train_data, target_config.vocab_size, lead,
                               f"train-drafter data {args.data or out / 'data'} (response tokens"
                               + (")" if val_data is None else f"; the {len(val_data)} held out for validation left out)"))
     if args.train_vocab_size:  # decode over the vocabulary it was trained on unless told otherwise
         (out / "drafter" / SPECULATIVE_FILE).write_text(json.dumps(
             {"draft_vocab_size": args.train_vocab_size, "source": "train-drafter --train-vocab-size"}, indent=1))
+    if stop.hit and trainer.step < trainer.cfg.steps:
+        print(f"train-drafter: stopped at step {trainer.step} of {trainer.cfg.steps}; checkpoint saved in "
+              f"{out / 'checkpoint'} (the same command resumes it) and the drafter as trained so far exported to "
+              f"{out / 'drafter'} (--draft takes it)", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
     run = {**settings, "block_size": args.block_size, "max_len": args.max_len, "lr": args.lr, "seed": args.seed,
            "val_fraction": cfg.val_fraction, "val_every": cfg.val_every}
     summary = {"target": args.target, "settings": run, "drafter": str(out / "drafter"), "device": device,
@@ -760,30 +761,36 @@ class _Flag:
     hit = False
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what kill / timeout / job schedulers send
+
+
 @contextlib.contextmanager
-def deferred_sigint():
-    """While the block runs, the first Ctrl-C (SIGINT) sets the yielded flag's `hit` instead of
-    raising, so that training stops at the end of its step and checkpoints (an interrupt inside an
-    optimizer step would leave half-updated weights); a second one raises KeyboardInterrupt at once.
-    Off the main thread (where signal handlers cannot be set) the flag just stays False."""
+def deferred_interrupt():
+    """While the block runs, the first Ctrl-C (SIGINT) or SIGTERM sets the yielded flag's `hit`
+    instead of ending the process, so that training stops at the end of its step, checkpoints and
+    exports (an interrupt inside an optimizer step would leave half-updated weights); a second one
+    raises KeyboardInterrupt at once. Off the main thread (where signal handlers cannot be set) the
+    flag just stays False."""
     flag = _Flag()
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
-    def on_sigint(signum, frame):
+    def on_signal(signum, frame):
         if flag.hit:
             raise KeyboardInterrupt
         flag.hit = True
-        print("\ntrain-drafter: stopping after this step and saving a checkpoint (Ctrl-C again: stop now, unsaved)",
-              file=sys.stderr, flush=True)
+        print(f"\ntrain-drafter: {signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+              f"(again: stop now, unsaved)", file=sys.stderr, flush=True)
 
-    signal.signal(signal.SIGINT, on_sigint)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(args) -> int:

@@ -712,7 +712,7 @@ def fit_together(
     max_steps: a re-plan never sets more steps than this (an epoch cap: `epoch_cap_steps`); the
     first plan, cfg.steps, must respect it already.
     should_stop: called after every step; True stops there as `until` would (a Ctrl-C deferred to
-    the end of a step: train-drafter's `deferred_sigint`), without the final validation.
+    the end of a step: train-drafter's `deferred_interrupt`), without the final validation.
 
     Validation (trainers[0].cfg.val_every > 0; every trainer then has the same val_data):
     `validate_together` before the first step of a run at step 0 (the starting weights: a

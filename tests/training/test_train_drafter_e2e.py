@@ -277,12 +277,15 @@ def test_init_from_a_trained_drafter_grows_it_and_keeps_its_shape(tmp_path, caps
     assert widened.config.intermediate_size == 96 and widened.config.num_hidden_layers == 1
 
 
-def test_ctrl_c_stops_after_the_step_saves_a_checkpoint_and_the_rerun_resumes(tmp_path, capsys, monkeypatch):
-    """A real SIGINT during step 2 of 4: the step finishes, a checkpoint of step 2 is written, the
-    command exits 130 saying so; the same command resumes at step 2 (was: an interrupt lost the run)."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_after_the_step_saves_a_checkpoint_and_the_rerun_resumes(tmp_path, capsys, monkeypatch, signame):
+    """A real SIGINT (Ctrl-C) or SIGTERM (kill, timeout, job schedulers) during step 2 of 4: the step
+    finishes, a checkpoint of step 2 is written and the drafter so far exported, the command exits 130
+    saying so; the same command resumes at step 2 (was: an interrupt lost the run)."""
     import os
     import signal
 
+    from blockdraft.spec.dflash.checkpoint import load_drafter as load
     from blockdraft.training.trainer import Trainer
 
     out = tmp_path / "run"
@@ -292,17 +295,21 @@ def test_ctrl_c_stops_after_the_step_saves_a_checkpoint_and_the_rerun_resumes(tm
 
     def interrupted_step(self, prep=None):
         if self.step == 1:  # during the second step
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), getattr(signal, signame))
         return step(self, prep)
 
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with monkeypatch.context() as mp:
         mp.setattr(Trainer, "train_step", interrupted_step)
         assert main(args) == 130
     err = capsys.readouterr().err
-    assert f"train-drafter: stopped at step 2 of 4; checkpoint saved in {out / 'checkpoint'}: the same command resumes it" in err
+    assert f"train-drafter: {signame}: stopping after this step" in err
+    assert (f"train-drafter: stopped at step 2 of 4; checkpoint saved in {out / 'checkpoint'} (the same command "
+            f"resumes it) and the drafter as trained so far exported to {out / 'drafter'}") in err
     assert "blockdraft train-drafter: interrupted" in err
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 2
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    assert load(out / "drafter", load_target(NAME, "float32").config).config.num_hidden_layers == 1
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # the handlers are put back
     assert main(args) == 0
     assert f"resuming the run in {out} at step 2 of 4" in capsys.readouterr().err
     assert [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
