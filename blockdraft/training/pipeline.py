@@ -729,6 +729,8 @@ def train_drafter(args) -> dict:
         (out / "train_log.jsonl").unlink(missing_ok=True)
     with deferred_interrupt() as stop:
         final = trainer.fit(progress=True, should_stop=lambda: stop.hit)
+    if not final and trainer.history:  # nothing left to train (a finished run re-exported): its last log
+        final = trainer.history[-1]
     export_drafter(drafter, out / "drafter")  # also when stopped early: the drafter as trained so far
     write_dataset_draft_vocab(out / "drafter", train_data, target_config.vocab_size, lead,
                               f"train-drafter data {args.data or out / 'data'} (response tokens"

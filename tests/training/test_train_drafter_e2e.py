@@ -103,8 +103,10 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     exported = (out / "drafter" / "model.safetensors").read_bytes()
     shutil.rmtree(out / "drafter")
     assert main(args) == 0
-    assert "already holds a finished run" not in capsys.readouterr().err
+    rerun = capsys.readouterr()
+    assert "already holds a finished run" not in rerun.err
     assert (out / "drafter" / "model.safetensors").read_bytes() == exported
+    assert json.loads(rerun.out)["final"] == summary["final"]  # the run's last log, not {} (nothing trained)
 
     target = load_target(NAME, "float32")
     drafter = load_drafter(out / "drafter", target.config)
