@@ -278,8 +278,10 @@ class LLM:
     def generate_stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """One prompt, its output as it grows: a RequestOutput after every engine step that gave the
         request tokens (cumulative `text` / `token_ids`; the last one `finished`). The same tokens
-        as `generate` (tested). The prompt is checked and queued before this returns; closing the
-        iterator early (break, an exception in the loop) aborts the request and frees its pages.
+        as `generate` (tested). The prompt is checked before this returns and queued at the first
+        `next()` (a stream never iterated leaves nothing in the engine); closing the iterator early
+        (break, an exception in the loop) aborts the request and frees its pages. One stream at a
+        time: the engine steps every queued request, and outputs of other requests are dropped.
         With `stop` strings, a step's text may end in the start of a stop string that a later step
         cuts away: hold back the last (longest stop string - 1) characters, as the server's stream
         does (server/serving.py).
@@ -297,11 +299,10 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {_shown(params)}")
         self.engine.check_request(token_lists[0], params)
-        rid = f"req-{next(self._ids)}"
-        self.engine.add_request(rid, token_lists[0], params)
-        return self._stream(rid)
+        return self._stream(f"req-{next(self._ids)}", token_lists[0], params)
 
-    def _stream(self, rid: str) -> Iterator[RequestOutput]:
+    def _stream(self, rid: str, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        self.engine.add_request(rid, prompt_token_ids, params)  # in the generator: queued at the first next()
         finished = False
         try:
             with frozen_gc_heap():  # as _run: no full collection over the model's heap mid-run

@@ -48,6 +48,16 @@ def test_closing_the_stream_early_aborts_the_request(tiny):
     assert llm.generate(PROMPT, SamplingParams(max_tokens=4))[0].finished  # the engine goes on
 
 
+def test_a_stream_never_iterated_queues_nothing(tiny):
+    """A generate_stream result dropped unread (never next()) left its request queued: the next
+    generate ran it too. Now the request is added at the first next()."""
+    llm = LLM(model=str(tiny[0]))
+    stream = llm.generate_stream(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    assert not llm.engine.has_unfinished_requests()
+    del stream
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_bad_stream_input_is_refused_before_anything_is_queued(tiny):
     llm = LLM(model=str(tiny[0]))
     with pytest.raises(ValueError, match=r"generate_stream takes one prompt .* got 2; use generate for a batch"):
