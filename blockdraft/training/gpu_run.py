@@ -31,6 +31,7 @@ import torch
 from blockdraft.training import answering
 from blockdraft.training.answering import log as _log
 from blockdraft.training.generate import sampling_plan
+from blockdraft.training.pipeline import VAL_EVERY_LOGS  # --val-every's default: this many log lines' steps
 
 # ---------------------------------------------------------------- prep (workstation)
 
@@ -133,7 +134,6 @@ def load_hf_target(gguf_path: Path, config_dir: Path, device: str):
 
 
 LOG_EVERY = 25  # steps per train_log.jsonl line
-VAL_EVERY_LOGS = 10  # --val-every's default: this many log lines' steps (250)
 
 # Keys of a --drafters entry: the drafter's shape and start, and (OPTIM_KEYS) optimizer settings
 # that may differ between drafters trained together: fit_together shares the batches, not the

@@ -528,7 +528,7 @@ RESUME_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "max_len": "--
                 "lr": "--lr", "seed": "--seed", "greedy_labels": "--greedy-labels",
                 "train_vocab_size": "--train-vocab-size", "val_fraction": "--val-fraction"}
 
-VAL_EVERY_LOGS = 10  # --val-every's default: this many --log-every intervals
+VAL_EVERY_LOGS = 10  # --val-every's default (train-drafter and gpu_run): this many --log-every intervals
 
 
 def resolve_val_every(args, settings: dict) -> int:
