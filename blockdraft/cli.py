@@ -58,12 +58,22 @@ def _command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentPar
     return sub.choices[name]
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that takes only whole flag names (allow_abbrev=False): argparse's prefix
+    matching would silently read `serve --max-tokens 32` as `--max-tokens-limit 32`. The
+    subcommand parsers are of this class too (add_subparsers makes them of the parent's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
     from blockdraft import __version__
     from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
     from blockdraft.weights.catalog import DEFAULT_MODEL, add_cache_dir_flag
 
-    p = argparse.ArgumentParser(prog="blockdraft", description="LLM inference with DFlash speculative decoding.")
+    p = _Parser(prog="blockdraft", description="LLM inference with DFlash speculative decoding.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
