@@ -17,6 +17,8 @@ def config_from_args(args) -> ServerConfig:
     Raises:
         ValueError: an empty --api-key (e.g. `--api-key "$KEY"` with KEY unset), which would
             otherwise serve without authentication; an empty $BLOCKDRAFT_API_KEY counts as unset.
+            An empty or blank --served-model-name (ServerConfig), which would otherwise become
+            the --model value unnoticed.
     """
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty (an unset shell variable?): give the key, or leave --api-key out "
@@ -25,7 +27,8 @@ def config_from_args(args) -> ServerConfig:
         host=args.host,
         port=args.port,
         api_key=args.api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None,
-        served_model_name=args.served_model_name or args.model,
+        # only a name not given defaults to --model: an empty one (an unset variable?) is refused
+        served_model_name=args.model if args.served_model_name is None else args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         max_tokens_limit=args.max_tokens_limit,
         max_n=args.max_n,

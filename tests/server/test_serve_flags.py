@@ -44,3 +44,17 @@ def test_serve_refuses_an_empty_api_key_instead_of_serving_without_one(capsys, m
     assert config_from_args(_parser().parse_args(["serve"])).api_key is None
     monkeypatch.setenv("BLOCKDRAFT_API_KEY", "s3cret")
     assert config_from_args(_parser().parse_args(["serve"])).api_key == "s3cret"
+
+
+def test_serve_refuses_an_empty_served_model_name_instead_of_using_the_model(capsys):
+    """`--served-model-name ''` (an unset shell variable?) was replaced by --model unnoticed."""
+    from blockdraft.cli import main, _parser
+    from blockdraft.server.launch import config_from_args
+
+    for name in ("", "   "):
+        assert main(["serve", "--model", "/nonexistent-model", "--served-model-name", name]) == 2
+        err = capsys.readouterr().err
+        assert (f"served_model_name (--served-model-name) must be a non-empty model id (the 'model' clients send), "
+                f"got {name!r}") in err and "nonexistent" not in err and err.count("\n") == 1, err
+    assert config_from_args(_parser().parse_args(["serve", "--model", "m"])).served_model_name == "m"
+    assert config_from_args(_parser().parse_args(["serve", "--served-model-name", "x"])).served_model_name == "x"
