@@ -152,7 +152,8 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--model", default=default_model, help=f"catalog name, HF folder or .gguf (default {default_model})")
     _add_draft_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--port", type=int, default=8000,
+                   help="TCP port (default 8000; 0: a free port the OS picks, printed in the start-up line)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or set $BLOCKDRAFT_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: the --model value)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 from blockdraft.server.config import ServerConfig
 
@@ -126,7 +127,35 @@ def serve(args) -> int:
     steps = (f"CUDA graphs {'on' if graphs else 'off'}, async scheduling {'on' if engine.async_scheduling else 'off'}, "
              f"mixed prefill {'on' if sched.mixed_prefill else 'off'}{_admission_note(sched)}, step budget "
              f"{sched.max_num_batched_tokens} tokens, up to {sched.max_num_seqs} requests")
-    logger.info("serving %r (%s; %s) on http://%s:%d, %s", config.served_model_name, drafter, steps, config.host,
-                config.port, "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)")
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    auth = "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)"
+
+    def started(ports: list[int]) -> None:  # after the bind: the port the OS chose for --port 0
+        urls = " and ".join(_url(config.host, port) for port in ports)
+        logger.info("serving %r (%s; %s) on %s, %s", config.served_model_name, drafter, steps, urls, auth)
+
+    server = _uvicorn_server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+                                            timeout_graceful_shutdown=5), started)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised SIGINT (as uvicorn.run)
+        pass
+    return 0 if server.started else 3  # 3: uvicorn's exit status when it could not start
+
+
+def _url(host: str, port: int) -> str:
+    """http://HOST:PORT, the host in brackets when it is an IPv6 address."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _uvicorn_server(config, on_started: Callable[[list[int]], None]):
+    """A uvicorn.Server that calls `on_started(ports)` once its sockets are bound and listening,
+    with their ports (the OS picks one for port 0; a host with several addresses may get one each)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)  # binds, or exits with uvicorn's message
+            ports = sorted({sock.getsockname()[1] for server in self.servers for sock in server.sockets})
+            on_started(ports)
+
+    return Server(config)
