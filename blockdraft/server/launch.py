@@ -61,6 +61,53 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on --host {host!r} --port {port}: {e.strerror}") from None
 
 
+# Tokens of context `serve` needs at least, unless --max-model-len asks for less on purpose: a
+# chat template with a short question and room to answer (a pool of 1 page left every chat
+# request failing after a normal start).
+MIN_SERVE_CONTEXT = 256
+
+
+def check_pool_can_serve(args) -> None:
+    """Refuse, before any weights load, a --num-kv-blocks pool that would cap the context below
+    MIN_SERVE_CONTEXT tokens when --max-model-len is not given (with it, LLM checks that the pool
+    holds that many). A model whose own context is shorter than the pool is not refused.
+
+    Raises:
+        ValueError: naming --num-kv-blocks, the pool's tokens and the pages needed.
+    """
+    blocks, page = args.num_kv_blocks, args.kv_block_size
+    if args.max_model_len is not None or blocks is None or blocks < 1 or page < 1:
+        return  # default pools hold far more (1024 pages on the CPU, the model's context on CUDA); < 1: CacheConfig
+    pool = blocks * page
+    if pool >= MIN_SERVE_CONTEXT:
+        return
+    from blockdraft.preflight import read_target_config
+
+    _, _, target = read_target_config(args.model, args.cache_dir)  # config.json only (fetched if need be)
+    if pool >= target.max_position_embeddings:
+        return  # the model's own context is the limit, not the pool
+    raise ValueError(
+        f"--num-kv-blocks {blocks} x --kv-block-size {page} is a KV pool of {pool} tokens, which would cap the "
+        f"context at {pool} tokens (the model's is {target.max_position_embeddings}): too few to serve, a chat "
+        f"template alone takes tens of tokens. Give --num-kv-blocks {-(-MIN_SERVE_CONTEXT // page)} or more "
+        f"({MIN_SERVE_CONTEXT} tokens), or --max-model-len {pool} to serve so short a context on purpose"
+    )
+
+
+def _context_note(max_model_len: int, model_len: int, kv, explicit: bool) -> str:
+    """The start-up line's context words: the length in effect (what /v1/models reports) and what set it.
+
+    max_model_len: the engine's; model_len: the model's max_position_embeddings; kv: the engine's
+    KVCacheManager (num_blocks, kv_block_size); explicit: --max-model-len was given.
+    """
+    if explicit:
+        return f"context {max_model_len} tokens (--max-model-len; the model's is {model_len})"
+    if max_model_len < model_len:  # the pool capped it: say so, it is not the model's
+        return (f"context {max_model_len} tokens (capped by the KV pool of {kv.num_blocks} pages x {kv.kv_block_size} "
+                f"tokens; the model's is {model_len}: raise --num-kv-blocks for more)")
+    return f"context {max_model_len} tokens (the model's)"
+
+
 def _admission_note(sched) -> str:
     """The start-up line's admission batching words: the effective setting, or why none applies."""
     if sched.mixed_prefill:
@@ -75,7 +122,9 @@ def serve(args) -> int:
     """Run the server in the foreground; returns the exit code.
 
     Raises:
-        ValueError / FileNotFoundError: bad settings, unknown model, bad drafter (from the loaders).
+        ValueError / FileNotFoundError: bad settings, unknown model, bad drafter (from the loaders),
+            a --max-model-len the model or the KV pool cannot hold, a pool too small to serve
+            (check_pool_can_serve).
     """
     import uvicorn
 
@@ -88,6 +137,7 @@ def serve(args) -> int:
                       args.speculative_disable_by_batch_size)
     config = config_from_args(args)
     check_address(config.host, config.port)  # before a minute of loading, not after
+    check_pool_can_serve(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens,
                           resolve_device(args.device), args.draft_vocab_size)  # may log why auto decodes plainly
@@ -110,6 +160,7 @@ def serve(args) -> int:
         admission_batch_ratio=args.admission_batch_ratio,
         admission_max_wait_steps=args.admission_max_wait_steps,
         enable_prefix_caching=args.enable_prefix_caching,
+        max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs,  # the same limit as the server's: they agree
         # nothing to disable when --draft auto decodes plainly
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if draft is not None else None,
@@ -127,11 +178,13 @@ def serve(args) -> int:
     steps = (f"CUDA graphs {'on' if graphs else 'off'}, async scheduling {'on' if engine.async_scheduling else 'off'}, "
              f"mixed prefill {'on' if sched.mixed_prefill else 'off'}{_admission_note(sched)}, step budget "
              f"{sched.max_num_batched_tokens} tokens, up to {sched.max_num_seqs} requests")
+    context = _context_note(engine.max_model_len, llm.target.config.max_position_embeddings, engine.scheduler.kv,
+                            args.max_model_len is not None)
     auth = "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)"
 
     def started(ports: list[int]) -> None:  # after the bind: the port the OS chose for --port 0
         urls = " and ".join(_url(config.host, port) for port in ports)
-        logger.info("serving %r (%s; %s) on %s, %s", config.served_model_name, drafter, steps, urls, auth)
+        logger.info("serving %r (%s; %s) on %s, %s, %s", config.served_model_name, drafter, steps, urls, context, auth)
 
     server = _uvicorn_server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
                                             timeout_graceful_shutdown=5), started)
