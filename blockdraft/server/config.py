@@ -61,9 +61,11 @@ class ServerConfig:
 class ModelInfo:
     """Facts about the served model that requests are checked against.
 
-    vocab_size: valid token ids are [0, vocab_size). max_model_len: prompt + output tokens at most.
-    kv_capacity_tokens: tokens the whole KV pool holds (a request larger than that could never run).
-    num_speculative_tokens: drafts per step K (0 without a drafter); a request's KV also holds them.
+    vocab_size: valid token ids are [0, vocab_size). max_model_len: prompt + output tokens at most,
+    the engine's context (all of it usable: drafts that would pass its end are dropped).
+    kv_capacity_tokens: tokens the whole KV pool holds (a request larger than that could never run;
+    the engine's max_model_len is never more).
+    num_speculative_tokens: drafts per step K (0 without a drafter).
     max_logprobs: the engine's largest logprobs (LLMEngine.max_logprobs).
     created: Unix time the server started (reported by /v1/models).
     """
