@@ -58,12 +58,22 @@ def _command(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentPar
     return sub.choices[name]
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that takes only whole flag names (allow_abbrev=False): argparse's prefix
+    matching would silently read `serve --max-tokens 32` as `--max-tokens-limit 32`. The
+    subcommand parsers are of this class too (add_subparsers makes them of the parent's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
     from blockdraft import __version__
     from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
     from blockdraft.weights.catalog import DEFAULT_MODEL, add_cache_dir_flag
 
-    p = argparse.ArgumentParser(prog="blockdraft", description="LLM inference with DFlash speculative decoding.")
+    p = _Parser(prog="blockdraft", description="LLM inference with DFlash speculative decoding.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -73,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     _add_draft_flags(g)
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most (default 256)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="context length in tokens, prompt + output at most (vLLM's --max-model-len; default: the "
+                        "model's max_position_embeddings, capped by the KV pool: 16384 tokens on the CPU, whose pool "
+                        "grows to hold a larger N); above the model's max_position_embeddings is refused")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off; -1 also means off, as in vLLM)")
@@ -142,7 +156,8 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--model", default=default_model, help=f"catalog name, HF folder or .gguf (default {default_model})")
     _add_draft_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--port", type=int, default=8000,
+                   help="TCP port (default 8000; 0: a free port the OS picks, printed in the start-up line)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or set $BLOCKDRAFT_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: the --model value)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
@@ -160,6 +175,12 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV page (default %(default)s)")
     s.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pages in the pool (default: 1024 on CPU; on CUDA as many as --gpu-memory-utilization allows)")
+    s.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="context length in tokens, prompt + output of one request at most (vLLM's --max-model-len; "
+                        "/v1/models reports it). Default: the model's max_position_embeddings, capped by the KV pool "
+                        "(--num-kv-blocks x --kv-block-size tokens; on CUDA the pool holds the model's); the start-up "
+                        "line prints the value in effect. Refused at start: above max_position_embeddings, or more "
+                        "than the pool holds (on the CPU without --num-kv-blocks the pool grows to hold it)")
     _add_device_flags(s)
     _add_async_scheduling_flag(s)
     from blockdraft.engine.scheduler import add_admission_flags, add_mixed_prefill_flag
@@ -387,6 +408,7 @@ def _generate(args) -> int:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
+        max_model_len=args.max_model_len,
         max_logprobs=DEFAULT_MAX_LOGPROBS,
         # nothing to disable when --draft auto decodes plainly
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if draft is not None else None,

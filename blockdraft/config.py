@@ -160,6 +160,36 @@ def default_max_num_batched_tokens(device: str) -> int:
     return DEFAULT_MAX_NUM_BATCHED_TOKENS[device]
 
 
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int, num_kv_blocks: int | None,
+                          kv_block_size: int, pool_from_memory: bool = False) -> int:
+    """The context length in tokens (prompt + output of one request at most).
+
+    requested: SchedulerConfig.max_model_len; None: the model's `max_position_embeddings` capped by
+    the KV pool of `num_kv_blocks` pages of `kv_block_size` tokens (a request must fit the pool on
+    its own, or preempting the others could never make room for it). num_kv_blocks None: the pool
+    is not sized yet (from GPU memory, later): only the model's limit applies. pool_from_memory:
+    the pool was sized from gpu_memory_utilization (the knob to name when it is too small).
+    Raises:
+        ValueError: `requested` above max_position_embeddings, or more tokens than the pool holds
+            (naming the values, the limit and the knobs: num_kv_blocks / gpu_memory_utilization).
+    """
+    pool = None if num_kv_blocks is None else num_kv_blocks * kv_block_size
+    if requested is None:
+        return max_position_embeddings if pool is None else min(max_position_embeddings, pool)
+    if requested > max_position_embeddings:
+        raise param_error("max_model_len", f"max_model_len {requested} is above the model's context of "
+                          f"{max_position_embeddings} tokens (max_position_embeddings in its config.json): give at "
+                          f"most {max_position_embeddings}, or leave it out to use the model's")
+    if pool is not None and requested > pool:
+        need = -(-requested // kv_block_size)
+        knob = ("raise gpu_memory_utilization (--gpu-memory-utilization), which sized it" if pool_from_memory
+                else f"raise num_kv_blocks (--num-kv-blocks) to at least {need}")
+        raise param_error("max_model_len", f"max_model_len {requested} does not fit the KV pool of {num_kv_blocks} "
+                          f"pages x {kv_block_size} tokens = {pool} tokens, and one request must fit it: {knob}, "
+                          f"or lower max_model_len")
+    return requested
+
+
 # Admission batching (SchedulerConfig): the engine's defaults when LLM(...) is given None. With a
 # drafter, 0.25: on the H200 (Qwen2.5-Coder-0.5B, K = 5, 512 requests with 32 in flight) DFlash
 # went 33,202 -> 37,270 tok/s (+12 %) while plain decoding, whose requests finish 3x less often
@@ -198,6 +228,9 @@ class SchedulerConfig:
     sequence slots, or after admission_max_wait_steps decode steps of waiting (blockdraft.engine.
     scheduler, "Admission batching"); ratio 0 admits as soon as a slot is free. Ignored with mixed
     prefill, where an admission costs no step of its own.
+    max_model_len: the context length in tokens, prompt + output of one request at most (vLLM's
+    max_model_len); None: the model's max_position_embeddings capped by the KV pool
+    (resolve_max_model_len).
     """
 
     max_num_batched_tokens: int = 512
@@ -208,8 +241,12 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     admission_batch_ratio: float = 0.0
     admission_max_wait_steps: int = 8
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
+        n = self.max_model_len
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise param_error("max_model_len", f"max_model_len must be None or an integer >= 1 (tokens), got {n!r}")
         if self.max_num_batched_tokens < 1:
             raise param_error("max_num_batched_tokens", f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:

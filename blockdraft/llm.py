@@ -115,7 +115,15 @@ class LLM:
         device: "cpu" | "cuda" | "auto" (CUDA when available). CUDA runs the Triton attention
             kernels, a sync-free step and CUDA graphs for uniform decode / verify steps.
         kv_block_size / num_kv_blocks: KV page size (tokens) and pool size (pages). num_kv_blocks
-            None: 1024 on CPU; on CUDA sized from `gpu_memory_utilization` after a profile step.
+            None: 1024 on CPU (or as many as max_model_len needs); on CUDA sized from
+            `gpu_memory_utilization` after a profile step, to hold one request of max_model_len
+            (else of the model's max_position_embeddings).
+        max_model_len: the context length in tokens, prompt + output of one request at most
+            (vLLM's max_model_len); `engine.max_model_len` holds the value in effect. None: the
+            model's max_position_embeddings, capped by the KV pool (e.g. Qwen2.5's 32768 on the
+            CPU's default pool of 1024 x 16 = 16384 tokens). A value above max_position_embeddings
+            or above what the pool holds raises ValueError naming num_kv_blocks /
+            gpu_memory_utilization.
         gpu_memory_utilization: fraction of the GPU the engine may use, in (0, 1] (CUDA, when
             num_kv_blocks is None).
         enforce_eager: CUDA: never capture CUDA graphs.
@@ -189,6 +197,7 @@ class LLM:
         speculative_disable_by_batch_size: int | None = None,
         admission_batch_ratio: float | None = None,
         admission_max_wait_steps: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         check_max_logprobs(max_logprobs)  # before any weights load, as preflight's checks
         disable_by_batch_size = check_disable_by_batch_size(speculative_disable_by_batch_size)
@@ -200,7 +209,7 @@ class LLM:
             num_kv_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, cache_dir,
             target_config=target.config if target is not None else None,
             draft_vocab_size=draft_vocab_size if speculator is None else None,
-            enable_prefix_caching=enable_prefix_caching,
+            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
         )
         device, cache = pre.device, pre.cache
         sched = dataclasses.replace(  # checks the values before any weights load

@@ -6,8 +6,9 @@ must not wait for it. `preflight` resolves and checks, in order:
 1. the argument values alone: device, dtype, KV cache and scheduler sizes, the K type;
 2. the drafter folder (`auto` / `shipped` resolved) and its config.json, K against its block size,
    and the draft vocabulary size against its draft_vocab.json;
-3. the target's config.json (a catalog model is fetched first if not cached), and the drafter
-   against it (hidden size, vocab, target layer ids; the draft vocabulary's ids).
+3. the target's config.json (a catalog model is fetched first if not cached), the drafter
+   against it (hidden size, vocab, target layer ids; the draft vocabulary's ids), and max_model_len
+   against its max_position_embeddings and a pool of known size.
 
 `LLM` calls it before `load_target`; the CLI commands call it (through `LLM` or directly) before
 any other expensive step. Each check itself lives with the thing it checks (CacheConfig,
@@ -16,18 +17,19 @@ DFlashConfig, ...); this module only makes sure they all run first.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from blockdraft.config import (CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
-                               default_max_num_batched_tokens)
+                               default_max_num_batched_tokens, resolve_max_model_len)
 from blockdraft.errors import param_error
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 DEVICE_CHOICES = ("cpu", "cuda", "auto")
-CPU_NUM_KV_BLOCKS = 1024  # the CPU pool when num_kv_blocks is not given
+CPU_NUM_KV_BLOCKS = 1024  # the CPU pool when num_kv_blocks is not given (more if max_model_len needs it)
 
 
 def resolve_device(device: str) -> str:
@@ -114,6 +116,7 @@ def preflight(
     target_config: ModelConfig | None = None,
     draft_vocab_size: int | None = None,
     enable_prefix_caching: bool = False,
+    max_model_len: int | None = None,
 ) -> Preflight:
     """Check the settings of an `LLM` (same argument meanings) without loading any weights.
 
@@ -122,6 +125,8 @@ def preflight(
     its config.json read. `draft`: a folder, "auto", "shipped" or None (plain).
     `draft_vocab_size`: 0 = full vocabulary, N = the drafter folder's N most frequent ids, None =
     the size recorded in its speculative.json, else 0 (resolve_draft_vocab_size).
+    `max_model_len`: the context length in tokens (None: the model's, capped by the pool); on the
+    CPU without num_kv_blocks the pool has CPU_NUM_KV_BLOCKS pages, or as many as it takes.
     Raises:
         ValueError / FileNotFoundError: the first bad setting, naming the value and what is allowed.
     """
@@ -133,12 +138,18 @@ def preflight(
         raise param_error("model", f"model must be a catalog name or a path (str), got {type(model).__name__} {model!r:.40}")
     device = resolve_device(device)
     check_dtype(dtype)
-    if num_kv_blocks is None and device != "cuda":
-        num_kv_blocks = CPU_NUM_KV_BLOCKS
-    cache = CacheConfig(kv_block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching)
+    SchedulerConfig(max_model_len=max_model_len)  # its type, before the pool size uses it
+    cpu_default_pool = num_kv_blocks is None and device != "cuda"
+    cache = CacheConfig(kv_block_size, CPU_NUM_KV_BLOCKS if cpu_default_pool else num_kv_blocks,
+                        gpu_memory_utilization, enable_prefix_caching)
+    if cpu_default_pool and max_model_len is not None:
+        # an explicit context gets a default pool that holds it (`generate` has no pool size flag)
+        pages = max(CPU_NUM_KV_BLOCKS, -(-max_model_len // kv_block_size))
+        cache = dataclasses.replace(cache, num_kv_blocks=pages)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_max_num_batched_tokens(device)
-    sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    sched = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                            max_model_len=max_model_len)
     if draft is not None and not isinstance(draft, (str, os.PathLike)):
         raise param_error("draft", f"draft must be a drafter folder, 'auto', 'shipped' or None, got {draft!r}",
                           TypeError)
@@ -178,6 +189,9 @@ def preflight(
         path, _, target_config = read_target_config(model, cache_dir)
     if drafter_config is not None:
         check_drafter_fits(drafter_config, draft, target_config)
+    if max_model_len is not None:  # against a pool sized from GPU memory: build_runner, after profiling
+        resolve_max_model_len(max_model_len, target_config.max_position_embeddings, cache.num_kv_blocks,
+                              cache.kv_block_size)
     if vocab_n:
         from blockdraft.spec.draft_vocab import load_draft_vocab
 

@@ -26,7 +26,7 @@ from blockdraft.spec.dflash.speculator import DFlashSpeculator
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--k", type=int, default=4, help="drafts per step K (default 4)")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default: the drafter's recorded one")

@@ -80,7 +80,7 @@ def _start_own(tmp: Path, args) -> Server:
 
 
 def _args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--url", default=None, help="an already running server on this machine (default: start the tiny one)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model-name", default="tiny", help="model id to send (the served name)")

@@ -53,7 +53,7 @@ def eval_answers(path: str, prefix: str) -> torch.Tensor:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--data", required=True, help="TokenDataset folder of target-generated training answers")
     ap.add_argument("--eval", required=True, help="eval_sequences.safetensors (held-out target answers)")
     ap.add_argument("--out", required=True, help="drafter folder to write draft_vocab.json into")

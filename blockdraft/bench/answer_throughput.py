@@ -109,7 +109,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m blockdraft.bench.answer_throughput",
+    p = argparse.ArgumentParser(prog="python -m blockdraft.bench.answer_throughput", allow_abbrev=False,
                                 description="Throughput of our engine answering many requests at once, sampler compiled vs eager.")
     p.add_argument("--shape", default="qwen2.5-0.5b", help="model shape (blockdraft.bench.shapes; default qwen2.5-0.5b)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],

@@ -188,7 +188,7 @@ HEADER = (f"{'model':<14}{'scenario':<8}{'ctx':>6}{'batch':>6}{'rows':>6}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--device", default="cuda", help="cuda (all three backends) or cpu (no Triton column)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes / contexts / batches: a smoke test")

@@ -77,7 +77,7 @@ def _run_child(engine: str, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])

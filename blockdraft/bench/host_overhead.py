@@ -283,7 +283,7 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """`python -m blockdraft.bench.host_overhead`: print the table (us per engine step), write JSON
     with --out; returns the exit code."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     p.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--max-tokens", type=int, default=128)

@@ -209,7 +209,8 @@ def _print_row(row: dict, floor_ms: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-8b", help="model shape (default qwen3-8b)")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count (0 = the preset's)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode rows per step (default 1 8)")

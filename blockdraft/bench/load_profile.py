@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.preflight import preflight
 
     p = argparse.ArgumentParser(prog="python -m blockdraft.bench.load_profile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name or HF folder (default %(default)s)")
     p.add_argument("--draft", default="shipped", help="DFlash drafter folder, or 'shipped' (default) for --model's")
     add_draft_vocab_size_flag(p)

@@ -201,7 +201,7 @@ def format_row(model: str, name: str, rec: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES),
                    help="model shapes to time (default: all)")
     linears = sorted({name for shapes in SHAPES.values() for name, _, _ in shapes})

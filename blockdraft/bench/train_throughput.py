@@ -129,7 +129,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m blockdraft.bench.train_throughput", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__, allow_abbrev=False)
     p.add_argument("--shape", default="qwen2.5-0.5b", help="target shape (blockdraft.bench.shapes)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--batch-sizes", type=_positive_ints, default=[16, 64], help="sequences per step, e.g. 16,64")

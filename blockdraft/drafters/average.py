@@ -108,7 +108,8 @@ def write_average(out: str | Path, folders: list[str | Path], weights: list[floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m blockdraft.drafters.average", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m blockdraft.drafters.average", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--draft", action="append", required=True, metavar="FOLDER",
                    help="a drafter folder (config.json + *.safetensors or model.int8); give two or more")
     p.add_argument("--weights", default=None, help="comma-separated, one per --draft, summing to 1 (default: equal)")

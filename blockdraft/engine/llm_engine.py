@@ -119,8 +119,8 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens but the engine's context is {self.max_model_len} "
-                f"tokens (the smaller of the model's max positions and the KV pool; at most "
-                f"{self.max_model_len - 1} prompt tokens leave room for one output token)"
+                f"tokens (max_model_len; by default the smaller of the model's max positions and the KV pool; "
+                f"at most {self.max_model_len - 1} prompt tokens leave room for one output token)"
             )
 
     def abort_request(self, request_id: str) -> None:

@@ -41,8 +41,8 @@ def num_kv_blocks_from_memory(
         bytes_per_page: kv_bytes_per_page(...).
         gpu_memory_utilization: fraction of the device the engine may use, in (0, 1].
         kv_block_size: tokens per page.
-        min_tokens: the pool must hold at least one request of this many tokens (the model's
-            context length).
+        min_tokens: the pool must hold at least one request of this many tokens (the context
+            length: max_model_len, else the model's max_position_embeddings).
     Raises:
         ValueError: utilization outside (0, 1]; or the budget leaves room for fewer than
             `min_tokens` tokens (the message names the knobs to turn).
@@ -60,6 +60,7 @@ def num_kv_blocks_from_memory(
             f"({need} pages of {bytes_per_page} bytes): the device has {total_bytes / gib:.1f} GiB, "
             f"{used_bytes / gib:.1f} GiB are in use (weights, other processes) and activations need "
             f"{activation_bytes / gib:.1f} GiB. Raise --gpu-memory-utilization, lower "
-            f"--max-num-batched-tokens / --max-num-seqs, or set --num-kv-blocks to accept a shorter context."
+            f"--max-num-batched-tokens / --max-num-seqs, or accept a shorter context: --max-model-len (or "
+            f"--num-kv-blocks, which sets the pool and so caps the context)."
         )
     return pages

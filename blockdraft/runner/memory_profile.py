@@ -34,6 +34,7 @@ def num_kv_blocks_for_gpu(
     gpu_memory_utilization: float,
     cuda_graphs: bool,
     device: torch.device,
+    min_tokens: int | None = None,
 ) -> int:
     """KV pages that fit on `device` (see blockdraft.runner.kv_budget for the formula).
 
@@ -41,6 +42,8 @@ def num_kv_blocks_for_gpu(
         model / config: the loaded target (CausalLM) and its ModelConfig.
         speculator: None or a DFlashSpeculator whose caches are not allocated yet.
         cuda_graphs: graphs will be captured (their pool doubles the activation reserve).
+        min_tokens: the pool must hold one request of this many tokens (max_model_len; None: the
+            model's max_position_embeddings).
     Raises:
         ValueError: from num_kv_blocks_from_memory (utilization out of range, too little memory).
     """
@@ -56,7 +59,8 @@ def num_kv_blocks_for_gpu(
         per_page += speculator.kv_bytes_per_block()
     reserve = activation * (2 if cuda_graphs else 1)
     pages = num_kv_blocks_from_memory(
-        total, total - free, reserve, per_page, gpu_memory_utilization, kv_block_size, config.max_position_embeddings
+        total, total - free, reserve, per_page, gpu_memory_utilization, kv_block_size,
+        config.max_position_embeddings if min_tokens is None else min_tokens,
     )
     logger.info(
         "KV pool: %d pages x %d tokens (%.2f GiB); activation reserve %.2f GiB",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
-from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig
+from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_max_model_len
 from blockdraft.models import allocate_kv_caches
 from blockdraft.runner.kv_budget import kv_bytes_per_page
 from blockdraft.runner.model_runner import ModelRunner
@@ -51,7 +51,10 @@ def build_runner(
         model / config: the target CausalLM (weights loaded, on `device`) and its config.
         speculator: None, or a speculator; a DFlash drafter gets the same backend and its caches
             are (re)allocated to the pool's page count.
-        cache: num_kv_blocks None sizes the pool from GPU memory (CUDA only).
+        cache: num_kv_blocks None sizes the pool from GPU memory (CUDA only), to hold at least
+            one request of sched.max_model_len tokens (else of the model's max_position_embeddings).
+        sched: the step limits, and max_model_len (None: the model's context, capped by the pool;
+            blockdraft.config.resolve_max_model_len).
         enforce_eager: never capture CUDA graphs (vLLM's --enforce-eager).
         attention_backend: "torch" | "dense" | "triton" | None (the device's default), or a
             ready AttentionBackendSpec (tests run the Triton kernels under the interpreter on CPU).
@@ -64,7 +67,8 @@ def build_runner(
     Raises:
         ValueError: weights on another device, an unknown graph mode or one the backend / device
             cannot do, num_kv_blocks None on a CPU device, a GPU memory budget that cannot hold
-            one request, or a KV pool the device's memory cannot allocate (names the pool's size).
+            one request, a KV pool the device's memory cannot allocate (names the pool's size), or
+            a max_model_len above the model's positions or the pool (resolve_max_model_len).
     """
     device = torch.device(device)
     weights_device = next(model.parameters()).device
@@ -78,9 +82,13 @@ def build_runner(
     drafter = getattr(speculator, "drafter", None)
     if drafter is not None:
         drafter.set_attention_backend(backend)
+    resolve_max_model_len(sched.max_model_len, config.max_position_embeddings, None, cache.kv_block_size)
     num_kv_blocks = cache.num_kv_blocks
     if num_kv_blocks is None:
         num_kv_blocks = _pool_from_memory(model, config, speculator, cache, sched, device, mode == "capture")
+    # A request must always fit the pool on its own, or preempting it could never make room.
+    max_model_len = resolve_max_model_len(sched.max_model_len, config.max_position_embeddings, num_kv_blocks,
+                                          cache.kv_block_size, pool_from_memory=cache.num_kv_blocks is None)
     dtype = next(model.parameters()).dtype
     try:
         if drafter is not None and _num_pages(speculator.kv_caches) != num_kv_blocks:
@@ -99,8 +107,6 @@ def build_runner(
             f"num_kv_blocks (--num-kv-blocks) or the concurrent requests it is sized for "
             f"(--max-num-seqs; bench: --batch-sizes, --max-tokens)"
         ) from None
-    # A request must always fit the pool on its own, or preempting it could never make room.
-    max_model_len = min(config.max_position_embeddings, num_kv_blocks * cache.kv_block_size)
     # torch.compile'd sampling where CUDA graphs are captured (so never with enforce_eager, as vLLM),
     # compiled here, before the capture, rather than inside the first sampled step
     if mode == "capture":
@@ -154,7 +160,7 @@ def _pool_from_memory(model, config, speculator, cache, sched, device, cuda_grap
 
     return num_kv_blocks_for_gpu(
         model, config, speculator, cache.kv_block_size, sched.max_num_batched_tokens, sched.max_num_seqs,
-        cache.gpu_memory_utilization, cuda_graphs, device,
+        cache.gpu_memory_utilization, cuda_graphs, device, min_tokens=sched.max_model_len,
     )
 
 

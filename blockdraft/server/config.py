@@ -14,6 +14,7 @@ class ServerConfig:
 
     host / port: bind address (127.0.0.1 by default: reachable from this machine only).
     api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (401 otherwise).
+    served_model_name: the model id clients send and /v1/models lists; not empty or blank.
     max_body_bytes: request bodies above this are refused with 413.
     max_tokens_limit: largest `max_tokens` a request may ask for (400 above it).
     max_n: largest `n`; max_choices: prompts x n per request; max_stop: stop strings per request;
@@ -46,8 +47,9 @@ class ServerConfig:
             raise param_error("port", f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise param_error("api_key", "api_key must be a non-empty string (or unset)")
-        if not self.served_model_name:
-            raise param_error("served_model_name", "served_model_name must be non-empty")
+        if not self.served_model_name.strip():  # clients could never name it
+            raise param_error("served_model_name", f"served_model_name must be a non-empty model id (the 'model' "
+                              f"clients send), got {self.served_model_name!r}")
         for name in ("max_body_bytes", "max_tokens_limit", "max_n", "max_choices", "max_stop", "max_stop_chars", "max_pending"):
             if getattr(self, name) < 1:
                 raise param_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
@@ -59,9 +61,11 @@ class ServerConfig:
 class ModelInfo:
     """Facts about the served model that requests are checked against.
 
-    vocab_size: valid token ids are [0, vocab_size). max_model_len: prompt + output tokens at most.
-    kv_capacity_tokens: tokens the whole KV pool holds (a request larger than that could never run).
-    num_speculative_tokens: drafts per step K (0 without a drafter); a request's KV also holds them.
+    vocab_size: valid token ids are [0, vocab_size). max_model_len: prompt + output tokens at most,
+    the engine's context (all of it usable: drafts that would pass its end are dropped).
+    kv_capacity_tokens: tokens the whole KV pool holds (a request larger than that could never run;
+    the engine's max_model_len is never more).
+    num_speculative_tokens: drafts per step K (0 without a drafter).
     max_logprobs: the engine's largest logprobs (LLMEngine.max_logprobs).
     created: Unix time the server started (reported by /v1/models).
     """

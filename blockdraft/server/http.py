@@ -13,7 +13,7 @@ import json
 import logging
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
-    """The client closed the connection before the response was ready."""
+    """The client closed the connection before the response was ready (no response can reach it)."""
 
 
 async def read_json_object(request: Request, max_bytes: int) -> dict:
@@ -34,6 +34,8 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
         APIError(413): the body is larger than `max_bytes` (checked before and while reading).
         APIError(400): a bad Content-Length, invalid UTF-8, invalid JSON, NaN/Infinity, nesting
             too deep, lone surrogate escapes, or a JSON value that is not an object.
+        ClientDisconnected: the client closed the connection before sending the whole body; its
+            message says how many bytes came (of the Content-Length, when one was sent).
     """
     body = await _read_body(request, max_bytes)
     try:
@@ -66,11 +68,15 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
         if int(length) > max_bytes:
             raise _too_large(max_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:  # chunked bodies carry no Content-Length: count while reading
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:  # chunked bodies carry no Content-Length: count while reading
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:  # starlette's: the client left mid-body, as one that leaves mid-answer
+        of = f" of {length}" if length is not None else ""
+        raise ClientDisconnected(f"while sending the request body ({size}{of} bytes received)") from None
     if size == 0:
         raise APIError(400, "request body is empty; send a JSON object")
     return b"".join(chunks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 from blockdraft.server.config import ServerConfig
 
@@ -17,6 +18,8 @@ def config_from_args(args) -> ServerConfig:
     Raises:
         ValueError: an empty --api-key (e.g. `--api-key "$KEY"` with KEY unset), which would
             otherwise serve without authentication; an empty $BLOCKDRAFT_API_KEY counts as unset.
+            An empty or blank --served-model-name (ServerConfig), which would otherwise become
+            the --model value unnoticed.
     """
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty (an unset shell variable?): give the key, or leave --api-key out "
@@ -25,7 +28,8 @@ def config_from_args(args) -> ServerConfig:
         host=args.host,
         port=args.port,
         api_key=args.api_key or os.environ.get("BLOCKDRAFT_API_KEY") or None,
-        served_model_name=args.served_model_name or args.model,
+        # only a name not given defaults to --model: an empty one (an unset variable?) is refused
+        served_model_name=args.model if args.served_model_name is None else args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         max_tokens_limit=args.max_tokens_limit,
         max_n=args.max_n,
@@ -57,6 +61,53 @@ def check_address(host: str, port: int) -> None:
             raise ValueError(f"cannot listen on --host {host!r} --port {port}: {e.strerror}") from None
 
 
+# Tokens of context `serve` needs at least, unless --max-model-len asks for less on purpose: a
+# chat template with a short question and room to answer (a pool of 1 page left every chat
+# request failing after a normal start).
+MIN_SERVE_CONTEXT = 256
+
+
+def check_pool_can_serve(args) -> None:
+    """Refuse, before any weights load, a --num-kv-blocks pool that would cap the context below
+    MIN_SERVE_CONTEXT tokens when --max-model-len is not given (with it, LLM checks that the pool
+    holds that many). A model whose own context is shorter than the pool is not refused.
+
+    Raises:
+        ValueError: naming --num-kv-blocks, the pool's tokens and the pages needed.
+    """
+    blocks, page = args.num_kv_blocks, args.kv_block_size
+    if args.max_model_len is not None or blocks is None or blocks < 1 or page < 1:
+        return  # default pools hold far more (1024 pages on the CPU, the model's context on CUDA); < 1: CacheConfig
+    pool = blocks * page
+    if pool >= MIN_SERVE_CONTEXT:
+        return
+    from blockdraft.preflight import read_target_config
+
+    _, _, target = read_target_config(args.model, args.cache_dir)  # config.json only (fetched if need be)
+    if pool >= target.max_position_embeddings:
+        return  # the model's own context is the limit, not the pool
+    raise ValueError(
+        f"--num-kv-blocks {blocks} x --kv-block-size {page} is a KV pool of {pool} tokens, which would cap the "
+        f"context at {pool} tokens (the model's is {target.max_position_embeddings}): too few to serve, a chat "
+        f"template alone takes tens of tokens. Give --num-kv-blocks {-(-MIN_SERVE_CONTEXT // page)} or more "
+        f"({MIN_SERVE_CONTEXT} tokens), or --max-model-len {pool} to serve so short a context on purpose"
+    )
+
+
+def _context_note(max_model_len: int, model_len: int, kv, explicit: bool) -> str:
+    """The start-up line's context words: the length in effect (what /v1/models reports) and what set it.
+
+    max_model_len: the engine's; model_len: the model's max_position_embeddings; kv: the engine's
+    KVCacheManager (num_blocks, kv_block_size); explicit: --max-model-len was given.
+    """
+    if explicit:
+        return f"context {max_model_len} tokens (--max-model-len; the model's is {model_len})"
+    if max_model_len < model_len:  # the pool capped it: say so, it is not the model's
+        return (f"context {max_model_len} tokens (capped by the KV pool of {kv.num_blocks} pages x {kv.kv_block_size} "
+                f"tokens; the model's is {model_len}: raise --num-kv-blocks for more)")
+    return f"context {max_model_len} tokens (the model's)"
+
+
 def _admission_note(sched) -> str:
     """The start-up line's admission batching words: the effective setting, or why none applies."""
     if sched.mixed_prefill:
@@ -71,7 +122,9 @@ def serve(args) -> int:
     """Run the server in the foreground; returns the exit code.
 
     Raises:
-        ValueError / FileNotFoundError: bad settings, unknown model, bad drafter (from the loaders).
+        ValueError / FileNotFoundError: bad settings, unknown model, bad drafter (from the loaders),
+            a --max-model-len the model or the KV pool cannot hold, a pool too small to serve
+            (check_pool_can_serve).
     """
     import uvicorn
 
@@ -84,6 +137,7 @@ def serve(args) -> int:
                       args.speculative_disable_by_batch_size)
     config = config_from_args(args)
     check_address(config.host, config.port)  # before a minute of loading, not after
+    check_pool_can_serve(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens,
                           resolve_device(args.device), args.draft_vocab_size)  # may log why auto decodes plainly
@@ -106,6 +160,7 @@ def serve(args) -> int:
         admission_batch_ratio=args.admission_batch_ratio,
         admission_max_wait_steps=args.admission_max_wait_steps,
         enable_prefix_caching=args.enable_prefix_caching,
+        max_model_len=args.max_model_len,
         max_logprobs=args.max_logprobs,  # the same limit as the server's: they agree
         # nothing to disable when --draft auto decodes plainly
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if draft is not None else None,
@@ -123,7 +178,37 @@ def serve(args) -> int:
     steps = (f"CUDA graphs {'on' if graphs else 'off'}, async scheduling {'on' if engine.async_scheduling else 'off'}, "
              f"mixed prefill {'on' if sched.mixed_prefill else 'off'}{_admission_note(sched)}, step budget "
              f"{sched.max_num_batched_tokens} tokens, up to {sched.max_num_seqs} requests")
-    logger.info("serving %r (%s; %s) on http://%s:%d, %s", config.served_model_name, drafter, steps, config.host,
-                config.port, "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)")
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
-    return 0
+    context = _context_note(engine.max_model_len, llm.target.config.max_position_embeddings, engine.scheduler.kv,
+                            args.max_model_len is not None)
+    auth = "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)"
+
+    def started(ports: list[int]) -> None:  # after the bind: the port the OS chose for --port 0
+        urls = " and ".join(_url(config.host, port) for port in ports)
+        logger.info("serving %r (%s; %s) on %s, %s, %s", config.served_model_name, drafter, steps, urls, context, auth)
+
+    server = _uvicorn_server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+                                            timeout_graceful_shutdown=5), started)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised SIGINT (as uvicorn.run)
+        pass
+    return 0 if server.started else 3  # 3: uvicorn's exit status when it could not start
+
+
+def _url(host: str, port: int) -> str:
+    """http://HOST:PORT, the host in brackets when it is an IPv6 address."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _uvicorn_server(config, on_started: Callable[[list[int]], None]):
+    """A uvicorn.Server that calls `on_started(ports)` once its sockets are bound and listening,
+    with their ports (the OS picks one for port 0; a host with several addresses may get one each)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)  # binds, or exits with uvicorn's message
+            ports = sorted({sock.getsockname()[1] for server in self.servers for sock in server.sockets})
+            on_started(ports)
+
+    return Server(config)

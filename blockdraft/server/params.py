@@ -127,13 +127,16 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
         if asked is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
         asked, name = req.max_completion_tokens, "max_completion_tokens"
-    # The whole request (and the drafts of its last step) must fit the context and the KV pool.
-    room = min(model.max_model_len, model.kv_capacity_tokens - model.num_speculative_tokens - 1) - prompt_len
+    # Prompt + output must fit the context, which /v1/models reports as max_model_len (the engine
+    # keeps it within the KV pool). Drafts take none of it: the engine drops those that would pass
+    # the context's end, so a request may use all max_model_len tokens, as in vLLM.
+    context = min(model.max_model_len, model.kv_capacity_tokens)
+    room = context - prompt_len
     if room < 1:
         raise APIError(
             400,
-            f"prompt {index} has {prompt_len} tokens; this model takes at most {prompt_len + room - 1} prompt tokens "
-            f"(context {model.max_model_len} tokens)",
+            f"prompt {index} has {prompt_len} tokens; this model's context is {context} tokens (max_model_len in "
+            f"/v1/models), so at most {context - 1} prompt tokens leave room for one output token",
             param="prompt" if isinstance(req, CompletionRequest) else "messages",
         )
     if asked is None:
@@ -146,8 +149,8 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
     if asked > room:
         raise APIError(
             400,
-            f"prompt {index} has {prompt_len} tokens and {name} is {asked}, but at most {prompt_len + room} tokens fit "
-            f"(context {model.max_model_len}); lower {name}",
+            f"prompt {index} has {prompt_len} tokens and {name} is {asked}: {prompt_len + asked} tokens, more than "
+            f"this model's context of {context} tokens (max_model_len in /v1/models); lower {name} to at most {room}",
             param=name,
         )
     return asked

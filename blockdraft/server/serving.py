@@ -152,11 +152,25 @@ class Serving:
         self.fmt = fmt
 
     async def handle(self, request: Request) -> Response:
-        """Answer one request (JSON or an SSE stream). Raises APIError for every refused request."""
+        """Answer one request (JSON or an SSE stream). Raises APIError for every refused request.
+
+        A client that disconnects (while sending its body, or before its answer is complete) gets
+        no answer: its engine requests are aborted, a line is logged (with request logs on) and no
+        error status is counted in the metrics.
+        """
         arrival = now()
         ctx = self.ctx
         check_api_key(request, ctx.config.api_key)
-        req = parse_request(self.fmt.request_cls, await read_json_object(request, ctx.config.max_body_bytes))
+        try:
+            body = await read_json_object(request, ctx.config.max_body_bytes)
+        except ClientDisconnected as e:
+            # Nobody to answer and nothing went wrong here: a log line, no error counted, as when the
+            # client leaves while its answer is computed (499 is what a proxy logs for it).
+            if ctx.config.log_requests:
+                logger.info("%s %s: client disconnected %s, %.3f s after it arrived", request.method,
+                            request.url.path[:200], e, now() - arrival)
+            return Response(status_code=499)
+        req = parse_request(self.fmt.request_cls, body)
         self._check_model(req)
         prompts = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, self.fmt.prompts, ctx, req)
         plan = build_plan(req, prompts, ctx.config, ctx.model)

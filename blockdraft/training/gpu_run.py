@@ -445,9 +445,10 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
 def main(argv=None) -> int:
     from blockdraft.training.trainer import DEFAULT_MAX_EPOCHS
 
-    p = argparse.ArgumentParser(prog="python -m blockdraft.training.gpu_run", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m blockdraft.training.gpu_run", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("prep")
+    a = sub.add_parser("prep", allow_abbrev=False)
     a.add_argument("--target", required=True)
     a.add_argument("--out", required=True)
     a.add_argument("--num-prompts", type=int, default=100000)
@@ -455,7 +456,7 @@ def main(argv=None) -> int:
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--later-turns", type=int, default=0,
                    help="also this many multi-turn prompts (ShareGPT prefixes ending in a later user turn)")
-    r = sub.add_parser("run")
+    r = sub.add_parser("run", allow_abbrev=False)
     r.add_argument("--gguf", required=True)
     r.add_argument("--prep", required=True, help="folder written by `prep`")
     r.add_argument("--work", required=True)

@@ -78,7 +78,7 @@ def replay(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--gguf", required=True, help="the target's GGUF file (as for gpu_run run)")
     p.add_argument("--prep", required=True, help="the `gpu_run prep` folder (prompts.safetensors, config.json)")
     p.add_argument("--eval-sequences", required=True, help="a run's <work>/eval_sequences.safetensors")

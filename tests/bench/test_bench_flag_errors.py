@@ -106,7 +106,7 @@ def test_spec_k_write_default_into_an_unwritable_drafter_folder_fails_before_the
 
 @pytest.mark.parametrize("flags, message", [
     (["--draft", "/nonexistent"], "error: drafter folder '/nonexistent' does not exist"),
-    (["--draft-vocab-size", "10"], "error: draft_vocab_size 10 needs the drafter's ranked vocabulary"),
+    (["--draft-vocab-sizes", "10"], "error: draft_vocab_size 10 needs the drafter's ranked vocabulary"),
 ])
 def test_spec_k_library_errors_are_one_error_line(flags, message, tiny, monkeypatch, capsys):
     monkeypatch.setattr(blockdraft.llm, "load_target", _model_work)

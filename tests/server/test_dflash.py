@@ -2,6 +2,10 @@
 
 import concurrent.futures
 
+import httpx
+import openai
+import pytest
+
 from tests.server.conftest import MODEL_NAME, openai_client
 from tests.server.tiny_model import word
 
@@ -85,3 +89,19 @@ def test_dflash_outputs_equal_plain_and_metrics_equal_summed_response_stats(plai
     assert total["num_draft_tokens"] > 0
     assert total["num_accepted_tokens"] > 0, "the tiny drafter no longer gets drafts accepted (see DRAFT_MASK_TOKEN)"
     assert sum(1 for c in total["pos"].values() if c) >= 2  # accepted at more than one position
+
+
+def test_a_request_may_use_the_whole_context_v1_models_reports(dflash_server):
+    """/v1/models' max_model_len is what prompt + max_tokens may reach with a drafter too (requests
+    were refused past max_model_len - (K + 1) when the KV pool capped the context); the engine
+    drops the drafts that would pass its end."""
+    assert httpx.get(dflash_server.v1 + "/models").json()["data"][0]["max_model_len"] == 384  # 96 x 4: the pool's
+    client = openai_client(dflash_server)
+    kw = dict(model=MODEL_NAME, prompt=[5] * 10, temperature=0.0, extra_body={"ignore_eos": True})
+    out = client.completions.create(max_tokens=374, **kw)
+    assert out.choices[0].finish_reason == "length" and out.usage.total_tokens == 384
+    assert out.model_extra["spec_decode_stats"]["num_drafts"] > 0
+    with pytest.raises(openai.BadRequestError, match=r"prompt 0 has 10 tokens and max_tokens is 375: 385 tokens, more "
+                                                     r"than this model's context of 384 tokens \(max_model_len in "
+                                                     r"/v1/models\); lower max_tokens to at most 374"):
+        client.completions.create(max_tokens=375, **kw)

@@ -1,12 +1,14 @@
 """A client that leaves (streaming or not) aborts its request and frees its KV pages at once;
 request logs never contain prompt text."""
 
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
-from tests.server.conftest import MODEL_NAME
+from tests.server.conftest import API_KEY, MODEL_NAME
 from tests.server.load import wait_idle
 
 ABORTS = 'blockdraft_requests_total{finish_reason="abort"}'
@@ -46,6 +48,27 @@ def test_streaming_client_that_leaves_aborts_its_request(plain_server):
                     _wait_running(plain_server)
                     break
     _assert_aborted_and_freed(plain_server, before)
+
+
+def test_client_that_leaves_while_sending_the_body_is_one_log_line_not_a_500(plain_server):
+    """The fresh-user trial's repro: headers and half the body, then close. Was logged as `ERROR
+    internal error: ClientDisconnect()` with a traceback and counted as http_errors_total{status="500"}."""
+    def errors():
+        return {k: v for k, v in plain_server.metrics().items() if k.startswith("blockdraft_http_errors_total")}
+
+    before = errors()
+    address = urlsplit(plain_server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=30) as s:
+        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"prompt\": \"hi".encode())
+    line = "POST /v1/completions: client disconnected while sending the request body (14 of 1000 bytes received)"
+    deadline = time.monotonic() + 30
+    while line not in plain_server.log.read_text():
+        assert time.monotonic() < deadline, plain_server.log_tail()
+        time.sleep(0.1)
+    log = plain_server.log.read_text()
+    assert "ClientDisconnect" not in log and "Traceback" not in log, plain_server.log_tail()
+    assert errors() == before
 
 
 def test_request_log_has_no_prompt_text(plain_server):
