@@ -8,9 +8,10 @@ bf16 autocast on CUDA (fp32 master weights), fp32 on CPU.
 
 Determinism: batch order is a pure function of (seed, epoch) and anchors of (seed, step), so a
 resumed run replays exactly the batches and anchors of an uninterrupted one.
-Validation (optional: Trainer.val_data, TrainConfig.val_every): the same loss and per-slot accuracy
-on held-out sequences (dataset.split_validation), on fixed batches and anchors, without gradients;
-it changes neither the weights nor any state training reads, so a run validates or not alike.
+Validation (optional: Trainer.val_data, TrainConfig.val_every; training/validation.py): the same
+loss and per-slot accuracy on held-out sequences (dataset.split_validation), on fixed batches and
+anchors, without gradients; it changes neither the weights nor any state training reads, so a run
+validates or not alike.
 Checkpoints (`<out>/checkpoint/`): drafter.safetensors (fp32 master weights, z-lab names),
 optimizer.safetensors (AdamW moments by parameter name), state.json (step, config, target dtype,
 metrics).
@@ -35,7 +36,8 @@ from blockdraft.spec.dflash.draft_model import DFlashDraftModel
 from blockdraft.training.dataset import TokenDataset, collate, epoch_batches
 from blockdraft.training.dense import dense_block_forward
 from blockdraft.training.features import FeatureCache
-from blockdraft.training.loss import block_labels, default_gamma, expected_acceptance, slot_weights, weighted_block_loss
+from blockdraft.training import validation
+from blockdraft.training.loss import StepStats, block_labels, default_gamma, slot_weights, weighted_block_loss
 from blockdraft.training.masks import sample_anchors
 
 
@@ -109,11 +111,6 @@ class TrainConfig:
             raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay!r}, {self.grad_clip!r}")
 
 
-# + seed x 100,003 + batch: the generator of validation batch i's anchors (prepare_val); training's are
-# seed x 7,919 + step
-VAL_ANCHOR_SEED = 2**41
-
-
 def greedy_label_ids(input_ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """Token ids whose position p >= 1 holds the target's greedy choice there, greedy[:, p - 1]
     (input_ids, greedy: [b, T] int64); position 0 keeps its token (never a label). What
@@ -154,33 +151,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
     floor = cfg.min_lr_ratio
     return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-@dataclass
-class StepStats:
-    """Running sums over logged steps: loss, and per-slot correct / counted top-1 predictions."""
-
-    loss_sum: float = 0.0
-    steps: int = 0
-    correct: torch.Tensor | None = None
-    count: torch.Tensor | None = None
-
-    def add(self, loss: float, stats: dict) -> None:
-        self.loss_sum += loss
-        self.steps += 1
-        c, n = stats["correct"].float().cpu(), stats["count"].float().cpu()
-        self.correct = c if self.correct is None else self.correct + c
-        self.count = n if self.count is None else self.count + n
-
-    def summary(self) -> dict:
-        """{"loss", "acc": per-slot top-1 accuracy list (slot 1 first), "acc_mean", "tau_proxy"}; None
-        for a slot no label reached (and for acc_mean without any), so the logs are strict JSON."""
-        acc = (self.correct / self.count.clamp(min=1)).tolist() if self.count is not None else []
-        acc = [a if n > 0 else None for a, n in zip(acc, self.count.tolist())] if acc else []
-        total = float(self.count.sum()) if self.count is not None else 0.0
-        mean = float(self.correct.sum()) / total if total else None
-        return {"loss": self.loss_sum / max(1, self.steps), "acc": acc, "acc_mean": mean,
-                "tau_proxy": expected_acceptance(acc)}
 
 
 @dataclass
@@ -252,22 +222,7 @@ class Trainer:
         self._draft = None if self.draft_vocab is None else self._draft_rows(self.draft_vocab)
         if self.features is not None:
             self._check_features(self.features)
-        self._check_val_data()
-
-    def _check_val_data(self) -> None:
-        if self.val_data is None:
-            if self.cfg.val_every:
-                raise ValueError(f"val_every {self.cfg.val_every} validates on held-out sequences: give the Trainer "
-                                 f"val_data (dataset.split_validation), or val_every 0")
-            return
-        if len(self.val_data) == 0:
-            raise ValueError("val_data holds no sequence: give None to train without validation")
-        self.val_data.check_token_ids(self.target.vocab_size)
-        if self.val_data.num_anchor_positions(self.cfg.max_len) == 0:
-            raise ValueError(f"max_len (--max-len) {self.cfg.max_len} keeps no response token in any of the "
-                             f"{len(self.val_data)} validation sequences (the shortest prompt has "
-                             f"{self.val_data.shortest_prompt()} tokens): validation would measure nothing; raise "
-                             f"--max-len or hold out more sequences")
+        validation.check_val_data(self.val_data, self.cfg.val_every, self.target.vocab_size, self.cfg.max_len)
 
     def _check_features(self, cache: FeatureCache) -> None:
         want = (tuple(self.drafter.config.target_layer_ids), self.cfg.max_len, len(self.data))
@@ -381,43 +336,33 @@ class Trainer:
         self.step += 1
         return float(loss.detach()), stats
 
-    # ---- validation ----------------------------------------------------------------------------
+    # ---- validation (training/validation.py) ---------------------------------------------------
 
     def val_batches(self) -> list[list[int]]:
-        """Sequence indices of val_data's batches: sorted by length (less padding; ties by index)
-        and cut into batches of cfg.batch_size, the last one partial. The same every time.
-
-        Raises:
-            ValueError: no val_data.
-        """
-        if self.val_data is None:
-            raise ValueError("this trainer has no val_data to validate on")
-        lengths = self.val_data.lengths().tolist()
-        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-        return [order[j : j + self.cfg.batch_size] for j in range(0, len(order), self.cfg.batch_size)]
+        """Sequence indices of val_data's batches of cfg.batch_size (validation.val_batches: the same
+        every time). Raises ValueError without val_data."""
+        return validation.val_batches(self.val_data, self.cfg.batch_size)
 
     def prepare_val(self, i: int, indices: list[int]) -> dict:
         """`prepare` of validation batch `i` (sequences `indices` of val_data, from val_batches):
-        features from the target (never from the training cache), anchors from a generator seeded
-        by (cfg.seed, i) alone, not by the training step, so that every validation sees the same
+        features from the target (never from the training cache, whose rows are `data`'s), anchors
+        from validation.val_anchor_generator(cfg.seed, i), so that every validation sees the same
         blocks and labels."""
-        gen = torch.Generator().manual_seed(VAL_ANCHOR_SEED + self.cfg.seed * 100_003 + i)
-        return self._prepare(self.val_data, indices, None, gen)
+        return self._prepare(self.val_data, indices, None, validation.val_anchor_generator(self.cfg.seed, i))
 
     def validate(self) -> dict:
-        """Loss and per-slot top-1 accuracy of the drafter on all of val_data (`validate_together`
-        with this trainer alone): {"split": "val", "step", "loss", "acc", "acc_mean", "tau_proxy",
-        "sequences", "val_seconds"}; the same values as long as the weights are the same."""
-        return validate_together([self])[0]
+        """Loss and per-slot top-1 accuracy of the drafter on all of val_data
+        (validation.validate_together with this trainer alone): {"split": "val", "step", "loss",
+        "acc", "acc_mean", "tau_proxy", "sequences", "val_seconds"}; the same values as long as the
+        weights are the same."""
+        return validation.validate_together([self])[0]
 
     def _log_val(self, summary: dict, seconds: float) -> dict:
         """Record a validation summary (val_history, and a line of train_log.jsonl marked
         "split": "val"; `seconds` since the fit began, as the training lines')."""
         s = {**summary, "seconds": round(seconds, 1)}
         self.val_history.append(s)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.out_dir / "train_log.jsonl", "a") as f:
-            f.write(json.dumps(s) + "\n")
+        self._append_log(s)
         return s
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -434,10 +379,14 @@ class Trainer:
         s = window.summary()
         s.update(step=self.step, lr=lr_at(max(0, self.step - 1), self.cfg), seconds=round(seconds, 1))
         self.history.append(s)
+        self._append_log(s)
+        return s
+
+    def _append_log(self, line: dict) -> None:
+        """One line of `<out>/train_log.jsonl` (training and validation lines alike)."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / "train_log.jsonl", "a") as f:
-            f.write(json.dumps(s) + "\n")
-        return s
+            f.write(json.dumps(line) + "\n")
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
@@ -648,49 +597,6 @@ def replanned_warmup(cfg: TrainConfig, step: int, total: int) -> int:
     return max(1, min(warmup, max(step + 1, share), total - 1))
 
 
-def validate_together(trainers: list[Trainer]) -> list[dict]:
-    """Validate several drafters on the same batches (each batch's target features, anchors and
-    labels prepared once, by trainers[0]): the loss and per-slot top-1 accuracy of `Trainer.loss_on`,
-    as training computes them, over every sequence of val_data (Trainer.val_batches, fixed anchors:
-    prepare_val).
-
-    No gradients; each drafter is put in eval mode and back in the mode it was in; torch's global
-    RNG states (CPU and the trainers' CUDA device) are restored after, so neither the weights nor
-    anything the next training step reads change. Nothing is logged (fit_together logs).
-
-    Returns one summary per trainer, as StepStats.summary: {"split": "val", "step", "loss" (mean
-    of the per-batch losses), "acc" (per slot, pooled over all batches), "acc_mean", "tau_proxy",
-    "sequences" (len(val_data)), "val_seconds" (wall time of this call)}.
-    Raises:
-        ValueError: a trainer without val_data, or trainers not sharing the same val_data (and what
-            _check_shareable checks).
-    """
-    lead = trainers[0]
-    if any(tr.val_data is None for tr in trainers):
-        raise ValueError("validation needs val_data in every trainer")
-    _check_shareable(trainers)
-    t0 = time.perf_counter()
-    windows = [StepStats() for _ in trainers]
-    modes = [tr.drafter.training for tr in trainers]
-    cuda = [lead.device] if lead.device.type == "cuda" else []
-    try:
-        for tr in trainers:
-            tr.drafter.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            for i, indices in enumerate(lead.val_batches()):
-                prep = lead.prepare_val(i, indices)
-                for window, tr in zip(windows, trainers):
-                    loss, stats = tr.loss_on(prep)
-                    window.add(float(loss), stats)
-                del prep
-    finally:
-        for tr, mode in zip(trainers, modes):
-            tr.drafter.train(mode)
-    seconds = round(time.perf_counter() - t0, 2)
-    return [{"split": "val", "step": tr.step, **w.summary(), "sequences": len(tr.val_data), "val_seconds": seconds}
-            for w, tr in zip(windows, trainers)]
-
-
 def fit_together(
     trainers: list[Trainer], progress: bool = True, deadline: float | None = None, until: int | None = None,
     budget_seconds: float | None = None, max_steps: int | None = None,
@@ -715,7 +621,7 @@ def fit_together(
     the end of a step: train-drafter's `deferred_interrupt`), without the final validation.
 
     Validation (trainers[0].cfg.val_every > 0; every trainer then has the same val_data):
-    `validate_together` before the first step of a run at step 0 (the starting weights: a
+    `validation.validate_together` before the first step of a run at step 0 (the starting weights: a
     continued drafter's baseline), after every val_every-th step and after the last (unless that
     step was validated already, also when stopped by `until` or `deadline`); each trainer appends
     it to its val_history and to train_log.jsonl as a line with "split": "val" (training lines
@@ -738,7 +644,7 @@ def fit_together(
 
     def validate() -> None:
         nonlocal val_post
-        for tr, summary in zip(trainers, validate_together(trainers)):
+        for tr, summary in zip(trainers, validation.validate_together(trainers)):
             tr._log_val(summary, time.perf_counter() - t0)
         val_post = {"val_tau": f"{trainers[0].val_history[-1]['tau_proxy']:.2f}"}
         bar.set_postfix({**(_postfix(last[0]) if last[0] else {}), **val_post})

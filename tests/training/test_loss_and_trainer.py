@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from blockdraft.training.build import new_drafter
-from blockdraft.training.loss import block_labels, default_gamma, slot_weights, weighted_block_loss
+from blockdraft.training.loss import StepStats, block_labels, default_gamma, slot_weights, weighted_block_loss
 from blockdraft.training.target import EngineTarget
-from blockdraft.training.trainer import StepStats, TrainConfig, Trainer, lr_at, replan_steps
+from blockdraft.training.trainer import TrainConfig, Trainer, lr_at, replan_steps
 from tests.training._tiny import MASK_ID, tiny_data
 
 
