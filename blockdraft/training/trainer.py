@@ -104,9 +104,7 @@ class TrainConfig:
         for name in ("warmup_frac", "min_lr_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        if (isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float))
-                or not 0.0 <= self.val_fraction < 1.0):
-            raise ValueError(f"val_fraction must be a number in [0, 1), got {self.val_fraction!r}")
+        validation.check_val_settings(self.val_fraction, fraction_name="val_fraction")
         if not self.weight_decay >= 0 or not self.grad_clip >= 0:
             raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay!r}, {self.grad_clip!r}")
 

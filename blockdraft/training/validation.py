@@ -1,5 +1,8 @@
 """Held-out validation of drafters in training (Trainer.val_data, TrainConfig.val_every).
 
+`check_val_settings` owns the rule for the held-out share and the cadence (--val-fraction,
+--val-every) wherever they are given.
+
 The same loss and per-slot top-1 accuracy as training (Trainer.loss_on), measured on sequences
 held out of the training set (dataset.split_validation), on fixed batches (`val_batches`) and
 fixed anchors (`val_anchor_generator`), without gradients: it changes neither the weights nor any
@@ -41,6 +44,34 @@ class Validated(Protocol):
     def prepare_val(self, i: int, indices: list[int]) -> dict: ...
 
     def loss_on(self, prep: dict) -> tuple[torch.Tensor, dict]: ...
+
+
+def check_val_settings(fraction, every=None, fraction_name: str = "--val-fraction",
+                       every_name: str = "--val-every") -> None:
+    """The one rule for the held-out share and the validation cadence, and its messages: train-drafter's
+    and gpu_run's --val-fraction / --val-every, TrainConfig.val_fraction and dataset.split_validation
+    call it, each naming the value as its user spells it (`fraction_name`, `every_name`).
+
+    Args:
+        fraction: the share of the sequences (answers) held out for validation: a number in [0, 1)
+            (0: none held out, no validation).
+        every: steps between validations as given (an integer >= 1), or None when not given (then
+            neither its range nor the pairing is checked: a default cadence applies).
+    Raises:
+        ValueError: fraction not a number in [0, 1) (a bool or NaN included); every not an integer
+            >= 1; every given with fraction 0 (validation with nothing held out: a forgotten
+            --val-fraction). Each message names the value, the flag and what is allowed.
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
+        raise ValueError(f"{fraction_name} must be a number in [0, 1) (the share of the answers held out for "
+                         f"validation; 0: none), got {fraction!r}")
+    if every is None:
+        return
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"{every_name} must be an integer >= 1 (steps between validations), got {every!r}")
+    if not fraction:
+        raise ValueError(f"{every_name} {every} validates on the answers {fraction_name} F holds out: it needs "
+                         f"{fraction_name} F > 0 (got {fraction!r})")
 
 
 def val_batches(val_data, batch_size: int) -> list[list[int]]:
