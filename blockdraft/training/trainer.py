@@ -47,9 +47,10 @@ class TrainConfig:
 
     steps: optimizer steps. batch_size: sequences per step; max_len: tokens kept per sequence.
     num_anchors: blocks per sequence (paper: 512 on long sequences). lr: peak AdamW lr;
-    warmup_frac: linear warmup share of the steps; warmup_steps: the warmup's length in steps
-    instead (None: warmup_frac x steps; fit_together's re-plan fixes it, so that a longer schedule
-    does not restart the warmup). min_lr_ratio: cosine floor (x lr).
+    warmup_frac: linear warmup share of the steps (> 0: at least one step below the peak, see
+    warmup_length); warmup_steps: the warmup's length in steps instead (None: from warmup_frac;
+    fit_together's re-plan fixes it, so that a longer schedule does not restart the warmup).
+    min_lr_ratio: cosine floor (x lr).
     gamma: loss decay (None: default_gamma(B)). grad_clip: max global grad norm (0 = off).
     pad_multiple: batch width rounded up to a multiple of this (dataset.collate; the same loss,
     few distinct shapes: on an H200 a 16-sequence step ran 140-170 ms on new shapes, 22 ms warm).
@@ -137,8 +138,19 @@ def on_greedy_chain(input_ids: torch.Tensor, label_ids: torch.Tensor, anchors: t
 
 
 def warmup_length(cfg: TrainConfig) -> int:
-    """Warmup steps of `cfg`'s schedule: cfg.warmup_steps, else warmup_frac x steps (at least 1)."""
-    return cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(cfg.warmup_frac * cfg.steps))
+    """Warmup length W of `cfg`'s schedule in steps: cfg.warmup_steps, else round(warmup_frac x
+    steps), at least 1, and at least 2 when warmup_frac > 0 and steps > 1.
+
+    lr_at ramps step s < W to lr x (s + 1) / W, so W counts the steps up to the first one at the
+    peak: W = 1 is no warmup (step 0 at the peak, right for warmup_frac 0). A short run rounded a
+    warmup share to W = 1 (4 steps x 0.04 = 0.16) and took its first step at the peak lr: continuing
+    a shipped drafter that way lost acceptance. So a warmup share > 0 always buys at least one step
+    below the peak (step 0 at lr / 2). An explicit warmup_steps is taken as given.
+    """
+    if cfg.warmup_steps is not None:
+        return cfg.warmup_steps
+    least = 2 if cfg.warmup_frac > 0 and cfg.steps > 1 else 1
+    return max(least, round(cfg.warmup_frac * cfg.steps))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

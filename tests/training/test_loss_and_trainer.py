@@ -52,6 +52,18 @@ def test_lr_warmup_then_cosine_to_floor():
     assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 99))
 
 
+def test_a_short_run_still_warms_up():
+    """A warmup share that rounds below one step (4 x 0.04 = 0.16) still starts below the peak lr:
+    a short run from a trained drafter must not take its first step at the peak."""
+    for steps in (2, 4, 12):
+        cfg = TrainConfig(steps=steps, lr=1.0, warmup_frac=0.04, min_lr_ratio=0.1)
+        assert lr_at(0, cfg) == pytest.approx(0.5) and lr_at(1, cfg) == pytest.approx(1.0), steps
+    assert lr_at(0, TrainConfig(steps=100, lr=1.0, warmup_frac=0.04)) == pytest.approx(0.25)  # 4 steps: as before
+    assert lr_at(0, TrainConfig(steps=4, lr=1.0, warmup_frac=0.0)) == 1.0  # no warmup asked: none
+    assert lr_at(0, TrainConfig(steps=1, lr=1.0, warmup_frac=0.04)) == 1.0  # one step: it is the peak
+    assert lr_at(0, TrainConfig(steps=4, lr=1.0, warmup_frac=0.04, warmup_steps=1)) == 1.0  # explicit: as given
+
+
 def _trainer(tiny, out, steps, **kw):
     target, data = tiny[0], tiny[1]
     d = new_drafter(target.config, 1, block_size=4, intermediate_size=64, num_feature_layers=2, mask_token_id=MASK_ID, seed=0)
@@ -96,7 +108,8 @@ def _timed(monkeypatch, tr, seconds_of_step):
     (30.0, 6, lambda s: 5.0 if s == 1 else 1.0, 26, 3),  # too short; the slow first step is not the pace
     (30.0, 6, lambda s: 5.0 if s == 1 else 1.0 if s <= 3 else 2.0, 15, 3),  # slower later: the second re-plan
     (5.0, 50, lambda s: 1.0, 5, 4),  # too long: shrinks, and the warmup (25) is cut to fit
-    (20.0, 2, lambda s: 1.0, 20, 1),  # a plan shorter than the re-plan point is re-planned too
+    (20.0, 2, lambda s: 1.0, 20, 2),  # a plan shorter than the re-plan point is re-planned too (warmup: 2 x 0.5,
+    # at least one step below the peak)
 ])
 def test_a_time_budget_replans_the_schedule_from_the_pace(tiny, tmp_path, monkeypatch, budget, planned, cost,
                                                           final, warmup):
