@@ -14,7 +14,9 @@ anchors, without gradients; it changes neither the weights nor any state trainin
 validates or not alike.
 Checkpoints (`<out>/checkpoint/`): drafter.safetensors (fp32 master weights, z-lab names),
 optimizer.safetensors (AdamW moments by parameter name), state.json (step, config, target dtype,
-metrics).
+metrics, the other files' sizes; written last). The set is replaced as one (written into
+`<out>/checkpoint.new/`, then swapped in: training/atomic_folder.py), so an interruption mid-save
+leaves the previous checkpoint or the new one, never a mix.
 No pickles are written or read. The result is exported in the z-lab format (export_drafter).
 """
 
@@ -33,10 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
+from blockdraft.training import validation
+from blockdraft.training.atomic_folder import current_folder, replace_folder, settle_folder, write_synced
 from blockdraft.training.dataset import TokenDataset, collate, epoch_batches
 from blockdraft.training.dense import dense_block_forward
 from blockdraft.training.features import FeatureCache
-from blockdraft.training import validation
 from blockdraft.training.loss import StepStats, block_labels, default_gamma, slot_weights, weighted_block_loss
 from blockdraft.training.masks import sample_anchors
 
@@ -402,23 +405,30 @@ class Trainer:
 
     @property
     def ckpt_dir(self) -> Path:
+        """`<out>/checkpoint`: where the checkpoint is (save_checkpoint writes beside it first)."""
         return self.out_dir / "checkpoint"
 
     def save_checkpoint(self) -> Path:
-        """Write drafter + AdamW state (safetensors) and state.json into `<out>/checkpoint/` atomically
-        per file (write then rename)."""
+        """Write drafter + AdamW state (safetensors) and state.json (last, with the other files'
+        sizes in "files") as one set: into `<out>/checkpoint.new/`, fsynced, then swapped in for
+        `<out>/checkpoint/` (atomic_folder.replace_folder). An interruption anywhere leaves either
+        the previous checkpoint or this one whole. Returns `<out>/checkpoint`."""
         from safetensors.torch import save_file
 
-        d = self.ckpt_dir
-        d.mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().float().cpu().contiguous() for k, v in self.drafter.state_dict().items()}
-        _atomic(d / "drafter.safetensors", lambda p: save_file(weights, str(p)))
-        _atomic(d / "optimizer.safetensors", lambda p: save_file(self._optimizer_tensors(), str(p)))
-        state = {"step": self.step, "train_config": asdict(self.cfg), "train_vocab_size": self._train_vocab_size(),
-                 "drafter_config": self.drafter.config.to_hf_dict(), "target_dtype": self.target_dtype,
-                 "history": self.history, "val_history": self.val_history}
-        _atomic(d / "state.json", lambda p: p.write_text(json.dumps(state, indent=1)))
-        return d
+
+        def fill(d: Path) -> None:
+            files = {"drafter.safetensors": write_synced(d / "drafter.safetensors",
+                                                         lambda p: save_file(weights, str(p))),
+                     "optimizer.safetensors": write_synced(d / "optimizer.safetensors",
+                                                           lambda p: save_file(self._optimizer_tensors(), str(p)))}
+            state = {"step": self.step, "train_config": asdict(self.cfg), "train_vocab_size": self._train_vocab_size(),
+                     "drafter_config": self.drafter.config.to_hf_dict(), "target_dtype": self.target_dtype,
+                     "history": self.history, "val_history": self.val_history, "files": files}
+            write_synced(d / STATE_FILE, lambda p: p.write_text(json.dumps(state, indent=1)))
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        return replace_folder(self.ckpt_dir, fill, STATE_FILE)
 
     def _train_vocab_size(self) -> int:
         """Columns of the loss's LM head: the draft vocabulary's size, 0 for the full vocabulary."""
@@ -438,12 +448,17 @@ class Trainer:
         """Resume from `<out>/checkpoint/` if present: weights, AdamW moments, step, history and
         val_history.
 
+        A save an interruption cut short is settled first (atomic_folder.settle_folder): the
+        complete checkpoint it left, the previous or the new one, becomes `<out>/checkpoint/`.
+
         Returns False when there is no checkpoint. Raises ValueError when the checkpoint's drafter
         config differs from this drafter's (resuming into a different shape), or when a setting
         that decides the batches, anchors, schedule or loss differs (every TrainConfig field but
         ckpt_every / log_every / val_every, and the draft vocabulary's size; val_fraction counts: it
         decides the training set): the resumed run would not be
-        the run the checkpoint belongs to. The message names each differing setting.
+        the run the checkpoint belongs to. The message names each differing setting. Also when a
+        file's size is not the one state.json recorded (a copy cut short; checkpoints written
+        before the sizes were recorded are not checked), naming the folder and the file.
         """
         from safetensors.torch import load_file
 
@@ -451,6 +466,8 @@ class Trainer:
         state = read_checkpoint_state(self.out_dir)
         if state is None:
             return False
+        settle_folder(d, STATE_FILE)
+        check_checkpoint_files(d, state)
         shape = drafter_config_differences(state["drafter_config"], self.drafter.config.to_hf_dict())
         if shape:
             differ = ", ".join(f"{k}={v!r} (now {now!r})" for k, v, now in shape)
@@ -496,16 +513,22 @@ class Trainer:
             _atomic(log, lambda p: p.write_text("".join(kept)))
 
 
+STATE_FILE = "state.json"  # a checkpoint's last file: its presence marks the folder complete
+
+
 def read_checkpoint_state(out_dir: str | Path) -> dict | None:
-    """`<out_dir>/checkpoint/state.json` (step, train_config, drafter_config, target_dtype, ...), None
-    without one.
+    """`<out_dir>/checkpoint/state.json` (step, train_config, drafter_config, target_dtype, files,
+    ...), None without one. Reads only: after an interrupted save, the complete checkpoint it left
+    (`<out_dir>/checkpoint.new/` or `.old/`: atomic_folder.current_folder), which
+    Trainer.load_checkpoint then renames into place.
 
     Raises:
         ValueError: the file is not a JSON object (names the file and how to go on).
     """
-    file = Path(out_dir) / "checkpoint" / "state.json"
-    if not file.is_file():
+    folder = current_folder(Path(out_dir) / "checkpoint", STATE_FILE)
+    if folder is None:
         return None
+    file = folder / STATE_FILE
     try:
         state = json.loads(file.read_text())
     except ValueError as e:
@@ -515,6 +538,23 @@ def read_checkpoint_state(out_dir: str | Path) -> dict | None:
         raise ValueError(f"{file} is {why}: the checkpoint is damaged; start over with --no-resume or use "
                          f"another --out")
     return state
+
+
+def check_checkpoint_files(folder: Path, state: dict) -> None:
+    """Each file state["files"] records ({name: size in bytes}) is in `folder` with that size.
+    A state without "files" (a checkpoint written before they were recorded) is not checked.
+
+    Raises:
+        ValueError: a file missing or of another size (names the folder, the file, both sizes and
+            how to go on).
+    """
+    for name, size in (state.get("files") or {}).items():
+        file = Path(folder) / name
+        have = file.stat().st_size if file.is_file() else None
+        if have != size:
+            found = "is missing" if have is None else f"has {have} bytes"
+            raise ValueError(f"checkpoint in {folder} is damaged: {name} {found}, its state.json recorded {size} "
+                             f"bytes (a copy cut short?); start over with --no-resume or use another --out")
 
 
 def drafter_config_differences(saved: dict, asked: dict) -> list[tuple[str, object, object]]:

@@ -185,6 +185,81 @@ def test_resume_replays_an_uninterrupted_run_exactly(tiny, tmp_path):
     assert files == ["drafter.safetensors", "optimizer.safetensors", "state.json"]  # no pickles
 
 
+def _cut_on_call(monkeypatch, module, name: str, call: int) -> None:
+    """`module.name` raises KeyboardInterrupt (a second Ctrl-C) on its `call`-th call, before doing it."""
+    real, calls = getattr(module, name), []
+
+    def cut(*args, **kw):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, cut)
+
+
+@pytest.mark.parametrize("where, left", [
+    ("second file", 2),  # the new weights written, the optimizer state not: the step-2 set stays whole
+    ("second rename", 4),  # checkpoint/ moved aside, checkpoint.new/ not yet in place: the new set is whole
+])
+def test_an_interrupted_save_leaves_one_whole_checkpoint_that_resumes_exactly(tiny, tmp_path, monkeypatch, where, left):
+    """A checkpoint is several files; a save cut short anywhere leaves the previous set or the new
+    one, never the weights of one step beside the state of another, and the resume replays the
+    uninterrupted run bit for bit."""
+    import safetensors.torch
+
+    import blockdraft.training.atomic_folder as atomic_folder
+    from blockdraft.training.trainer import read_checkpoint_state
+
+    straight = _trainer(tiny, tmp_path / "a", steps=6)
+    straight.fit(progress=False)
+    out = tmp_path / "b"
+    part = _trainer(tiny, out, steps=6)
+    part.fit(progress=False, until=2)  # a checkpoint at step 2
+    at_2 = (out / "checkpoint" / "drafter.safetensors").read_bytes()
+    part.train_step()
+    part.train_step()  # step 4, then its save is cut short
+    if where == "second file":
+        _cut_on_call(monkeypatch, safetensors.torch, "save_file", 2)
+    else:
+        _cut_on_call(monkeypatch, atomic_folder, "_rename", 2)
+    with pytest.raises(KeyboardInterrupt):
+        part.save_checkpoint()
+    monkeypatch.undo()
+    if where == "second file":
+        assert (out / "checkpoint.new" / "drafter.safetensors").is_file()  # step 4's weights, set aside
+        assert (out / "checkpoint" / "drafter.safetensors").read_bytes() == at_2
+    else:
+        assert not (out / "checkpoint").exists() and (out / "checkpoint.old").is_dir()
+    assert read_checkpoint_state(out)["step"] == left  # found without changing anything
+    resumed = _trainer(tiny, out, steps=6)
+    assert resumed.load_checkpoint() and resumed.step == left
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]  # settled
+    resumed.fit(progress=False)
+    for (k, a), b in zip(straight.drafter.state_dict().items(), resumed.drafter.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_a_checkpoint_file_of_another_size_is_refused_and_an_older_checkpoint_loads(tiny, tmp_path):
+    out = tmp_path / "run"
+    _trainer(tiny, out, steps=4).fit(progress=False, until=2)
+    state_file = out / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    optimizer = out / "checkpoint" / "optimizer.safetensors"
+    assert state["files"] == {"drafter.safetensors": (out / "checkpoint" / "drafter.safetensors").stat().st_size,
+                              "optimizer.safetensors": optimizer.stat().st_size}
+    whole = optimizer.read_bytes()
+    optimizer.write_bytes(whole[:100])  # a copy cut short
+    with pytest.raises(ValueError, match=rf"checkpoint in {out / 'checkpoint'} is damaged: optimizer.safetensors has "
+                                         rf"100 bytes, its state.json recorded {len(whole)} bytes .*--no-resume"):
+        _trainer(tiny, out, steps=4).load_checkpoint()
+    optimizer.write_bytes(whole)
+    del state["files"]  # as written before the sizes were recorded: loads unchecked
+    state_file.write_text(json.dumps(state))
+    old = _trainer(tiny, out, steps=4)
+    assert old.load_checkpoint() and old.step == 2
+
+
 def _logged_steps(out) -> list[int]:
     return [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
 
