@@ -232,6 +232,8 @@ class Trainer:
                 f"--max-prompt-tokens")
         self._lengths = self.data.lengths()
         self._epoch_cache: tuple[int, list] | None = None
+        # seconds(): training seconds before the current fit (a resumed checkpoint's), the current one's start
+        self._seconds_before, self._fit_started = 0.0, None
         self._draft = None if self.draft_vocab is None else self._draft_rows(self.draft_vocab)
         if self.features is not None:
             self._check_features(self.features)
@@ -372,7 +374,7 @@ class Trainer:
 
     def _log_val(self, summary: dict, seconds: float) -> dict:
         """Record a validation summary (val_history, and a line of train_log.jsonl marked
-        "split": "val"; `seconds` since the fit began, as the training lines')."""
+        "split": "val"; `seconds`: Trainer.seconds(), as the training lines')."""
         s = {**summary, "seconds": round(seconds, 1)}
         self.val_history.append(s)
         self._append_log(s)
@@ -387,6 +389,18 @@ class Trainer:
         the end, validating every cfg.val_every steps (see fit_together). Returns the last logged
         training summary (the validations: val_history)."""
         return fit_together([self], progress, deadline, until, should_stop=should_stop)[0]
+
+    def seconds(self) -> float:
+        """Seconds this run has trained (float, wall time on trainer._clock): the time of its fits
+        since step 0, those before a resume included (state.json's "seconds"), not the time between
+        an interruption and the resume. What train_log.jsonl's "seconds" holds, so that a resumed
+        run's log goes on monotonically where the checkpoint left it."""
+        running = 0.0 if self._fit_started is None else _clock() - self._fit_started
+        return self._seconds_before + running
+
+    def _run_clock(self, running: bool) -> None:
+        """Start (a fit begins) or stop (it ended) counting time into `seconds`."""
+        self._seconds_before, self._fit_started = self.seconds(), (_clock() if running else None)
 
     def _log(self, window: "StepStats", seconds: float) -> dict:
         s = window.summary()
@@ -424,7 +438,8 @@ class Trainer:
                                                            lambda p: save_file(self._optimizer_tensors(), str(p)))}
             state = {"step": self.step, "train_config": asdict(self.cfg), "train_vocab_size": self._train_vocab_size(),
                      "drafter_config": self.drafter.config.to_hf_dict(), "target_dtype": self.target_dtype,
-                     "history": self.history, "val_history": self.val_history, "files": files}
+                     "seconds": self.seconds(), "history": self.history, "val_history": self.val_history,
+                     "files": files}
             write_synced(d / STATE_FILE, lambda p: p.write_text(json.dumps(state, indent=1)))
 
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -445,8 +460,8 @@ class Trainer:
         return out
 
     def load_checkpoint(self) -> bool:
-        """Resume from `<out>/checkpoint/` if present: weights, AdamW moments, step, history and
-        val_history.
+        """Resume from `<out>/checkpoint/` if present: weights, AdamW moments, step, history,
+        val_history and the seconds trained so far (`seconds`: the log's seconds run on).
 
         A save an interruption cut short is settled first (atomic_folder.settle_folder): the
         complete checkpoint it left, the previous or the new one, becomes `<out>/checkpoint/`.
@@ -491,6 +506,9 @@ class Trainer:
                 }
         self.step, self.history = int(state["step"]), list(state.get("history", []))
         self.val_history = list(state.get("val_history", []))
+        # a checkpoint from before "seconds" was recorded: its last logged line's, the nearest it knows
+        logged = [line.get("seconds", 0.0) for line in self.history + self.val_history]
+        self._seconds_before, self._fit_started = float(state.get("seconds", max(logged, default=0.0))), None
         self._drop_log_lines_after(self.step)
         return True
 
@@ -595,7 +613,7 @@ def checkpoint_differences(state: dict, cfg: TrainConfig, train_vocab_size: int)
 # first, then again at half way of the new plan.
 REPLAN_WARM_STEPS = 20
 REPLAN_FIRST = 100
-_clock = time.perf_counter  # seconds; the re-plan's clock (tests step it by hand)
+_clock = time.perf_counter  # seconds; the re-plan's and the logs' clock (tests step it by hand)
 
 
 def replan_steps(step: int, elapsed_s: float, pace_s: float, budget_s: float) -> int:
@@ -656,7 +674,8 @@ def fit_together(
     labels of each step are computed once (by trainers[0]) and shared. Stops at the first
     trainer's cfg.steps, at step `until` (an interruption: the schedule still spans cfg.steps) or
     at `deadline` (time.time() seconds); checkpoints every trainer at the end. Returns each
-    trainer's last logged summary.
+    trainer's last logged summary. The log lines' "seconds" are Trainer.seconds (the run's training
+    time, going on from a resumed checkpoint's).
 
     budget_seconds: the schedule should end this many seconds after the call. cfg.steps is then a
     first estimate: after REPLAN_WARM_STEPS + REPLAN_FIRST steps (sooner in a shorter first plan),
@@ -689,13 +708,14 @@ def fit_together(
     _check_shareable(trainers)
     bar = tqdm(total=lead.cfg.steps, initial=lead.step, desc="train", unit="step", disable=not progress)
     windows, last = [StepStats() for _ in trainers], [{} for _ in trainers]
-    t0 = time.perf_counter()
+    for tr in trainers:  # the logs' seconds run on from the run's earlier fits (a resumed checkpoint's)
+        tr._run_clock(True)
     val_every, val_post = lead.cfg.val_every, {}
 
     def validate() -> None:
         nonlocal val_post
         for tr, summary in zip(trainers, validation.validate_together(trainers)):
-            tr._log_val(summary, time.perf_counter() - t0)
+            tr._log_val(summary, tr.seconds())
         val_post = {"val_tau": f"{trainers[0].val_history[-1]['tau_proxy']:.2f}"}
         bar.set_postfix({**(_postfix(last[0]) if last[0] else {}), **val_post})
 
@@ -737,7 +757,7 @@ def fit_together(
             first = False
         if step % lead.cfg.log_every == 0 or step == lead.cfg.steps:
             for i, tr in enumerate(trainers):
-                last[i], windows[i] = tr._log(windows[i], time.perf_counter() - t0), StepStats()
+                last[i], windows[i] = tr._log(windows[i], tr.seconds()), StepStats()
             bar.set_postfix({**_postfix(last[0]), **val_post})
         if val_every and step % val_every == 0:
             validate()
@@ -751,11 +771,12 @@ def fit_together(
             break
     for i, tr in enumerate(trainers):
         if windows[i].steps:
-            last[i] = tr._log(windows[i], time.perf_counter() - t0)
+            last[i] = tr._log(windows[i], tr.seconds())
     if val_every and not interrupted and (not lead.val_history or lead.val_history[-1]["step"] != lead.step):
         validate()  # the last weights (not validated yet: a resumed run may have validated this step)
     for tr in trainers:
         tr.save_checkpoint()
+        tr._run_clock(False)
     bar.close()
     return last
 

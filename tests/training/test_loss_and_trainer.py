@@ -278,6 +278,43 @@ def test_a_resumed_run_logs_each_step_once(tiny, tmp_path):
     assert _logged_steps(out) == [2, 4, 6, 8]
 
 
+@pytest.mark.parametrize("recorded", [True, False])
+def test_log_seconds_run_on_across_a_resume(tiny, tmp_path, monkeypatch, recorded):
+    """train_log.jsonl's seconds go on from the checkpoint's training time after a resume (on a fake
+    clock: 1 s a step), instead of restarting at 0; a checkpoint from before state.json recorded
+    "seconds" goes on from its last logged line's."""
+    import blockdraft.training.trainer as trainer_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(trainer_mod, "_clock", lambda: clock[0])
+
+    def timed(tr):
+        step = tr.train_step
+
+        def one_second_step(prep=None):
+            clock[0] += 1.0
+            return step(prep)
+
+        tr.train_step = one_second_step
+        return tr
+
+    out = tmp_path / "run"
+    timed(_trainer(tiny, out, steps=8)).fit(progress=False, until=5)  # logs steps 2, 4, 5; checkpoint at 5
+    state_file = out / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["seconds"] == 5.0
+    if not recorded:
+        del state["seconds"]
+        state_file.write_text(json.dumps(state))
+    clock[0] = 7000.0  # a new process: another origin, and the time until the resume does not count
+    resumed = timed(_trainer(tiny, out, steps=8))
+    assert resumed.load_checkpoint() and resumed.seconds() == 5.0
+    resumed.fit(progress=False)
+    lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["seconds"]) for x in lines] == [(2, 2.0), (4, 4.0), (5, 5.0), (6, 6.0), (8, 8.0)]
+    assert json.loads(state_file.read_text())["seconds"] == 8.0
+
+
 def test_max_len_that_keeps_no_response_token_is_refused(tiny, tmp_path):
     """Sequences cut before their answers leave nothing to train on: refused naming max_len and the
     shortest prompt, instead of steps of loss 0 and NaN accuracies."""
