@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.training.validation import check_val_settings
+
 SHARD_PATTERN = "data-*.safetensors"
 
 
@@ -186,12 +188,11 @@ def split_validation(data: TokenDataset, fraction: float, seed: int, max_sequenc
     (a command passes its flag, "--val-fraction").
 
     Raises:
-        ValueError: fraction not a number in [0, 1); max_sequences < 1; fraction > 0 leaving no
-            sequence to train on (fewer than 2 sequences, or round(fraction x n) = n; the message
+        ValueError: fraction not a number in [0, 1) (validation.check_val_settings); max_sequences
+            < 1; fraction > 0 leaving no sequence to train on (fewer than 2 sequences, or round(fraction x n) = n; the message
             names the fraction and the sequence count).
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1), got {fraction!r}")
+    check_val_settings(fraction, fraction_name=name)
     if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 1:
         raise ValueError(f"max_sequences must be an integer >= 1, got {max_sequences!r}")
     if fraction == 0:

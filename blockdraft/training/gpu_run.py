@@ -32,6 +32,7 @@ from blockdraft.training import answering
 from blockdraft.training.answering import log as _log
 from blockdraft.training.generate import sampling_plan
 from blockdraft.training.pipeline import VAL_EVERY_LOGS  # --val-every's default: this many log lines' steps
+from blockdraft.training.validation import check_val_settings
 
 # ---------------------------------------------------------------- prep (workstation)
 
@@ -540,14 +541,11 @@ def main(argv=None) -> int:
         p.error("--cache-host-gib holds part of the feature cache: it needs --cache-features")
     if args.cmd == "run" and not 0 <= args.max_epochs < float("inf"):
         p.error(f"--max-epochs must be a number >= 0 (passes over the data; 0: no cap), got {args.max_epochs:g}")
-    if args.cmd == "run" and not 0 <= args.val_fraction < 1:
-        p.error(f"--val-fraction must be a number in [0, 1) (the share of the answers held out; 0: none), "
-                f"got {args.val_fraction:g}")
-    if args.cmd == "run" and args.val_every is not None and args.val_every < 1:
-        p.error(f"--val-every must be an integer >= 1 (steps), got {args.val_every}")
-    if args.cmd == "run" and args.val_every is not None and not args.val_fraction:
-        p.error(f"--val-every {args.val_every} validates on the answers --val-fraction F holds out: it needs "
-                f"--val-fraction F > 0")
+    if args.cmd == "run":
+        try:
+            check_val_settings(args.val_fraction, args.val_every)
+        except ValueError as e:
+            p.error(str(e))
     if args.cmd == "run" and args.synth_samples and not args.gen_engine:
         p.error("--synth-samples needs --gen-engine (the requests are sampled by our engine)")
     if args.cmd == "run" and args.synth_openers != "none" and not args.synth_samples:

@@ -9,6 +9,7 @@ SpecForge `core/dflash.py` `loss_decay_gamma`). Only response tokens are labels.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -87,3 +88,32 @@ def expected_acceptance(slot_accuracy: list[float | None]) -> float:
         run *= acc
         total += run
     return total
+
+
+@dataclass
+class StepStats:
+    """Running sums over logged steps (or validation batches): loss, and per-slot correct / counted
+    top-1 predictions ([B-1] float32 on the CPU, summed from `weighted_block_loss`'s stats)."""
+
+    loss_sum: float = 0.0
+    steps: int = 0
+    correct: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+
+    def add(self, loss: float, stats: dict) -> None:
+        """Add one step's loss and its `weighted_block_loss` stats ({"correct", "count"}: [B-1])."""
+        self.loss_sum += loss
+        self.steps += 1
+        c, n = stats["correct"].float().cpu(), stats["count"].float().cpu()
+        self.correct = c if self.correct is None else self.correct + c
+        self.count = n if self.count is None else self.count + n
+
+    def summary(self) -> dict:
+        """{"loss", "acc": per-slot top-1 accuracy list (slot 1 first), "acc_mean", "tau_proxy"}; None
+        for a slot no label reached (and for acc_mean without any), so the logs are strict JSON."""
+        acc = (self.correct / self.count.clamp(min=1)).tolist() if self.count is not None else []
+        acc = [a if n > 0 else None for a, n in zip(acc, self.count.tolist())] if acc else []
+        total = float(self.count.sum()) if self.count is not None else 0.0
+        mean = float(self.correct.sum()) / total if total else None
+        return {"loss": self.loss_sum / max(1, self.steps), "acc": acc, "acc_mean": mean,
+                "tau_proxy": expected_acceptance(acc)}

@@ -121,15 +121,9 @@ def check_settings(settings: dict, args) -> None:
         raise ValueError(f"--sampled-fraction must be in [0, 1], got {settings['sampled_fraction']}")
     if getattr(args, "max_num_seqs", None) is not None:
         _check_int("--max-num-seqs", args.max_num_seqs, 1)
-    fraction = getattr(args, "val_fraction", 0.0)
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction < 1.0:
-        raise ValueError(f"--val-fraction must be a number in [0, 1) (the share of the answers held out for "
-                         f"validation; 0: none), got {fraction!r}")
-    if getattr(args, "val_every", None) is not None:
-        _check_int("--val-every", args.val_every, 1)
-        if not fraction:  # as --synth-openers without --synth-prompts: a forgotten --val-fraction
-            raise ValueError(f"--val-every {args.val_every} validates on the answers --val-fraction F holds out: it "
-                             f"needs --val-fraction F > 0 (got 0)")
+    from blockdraft.training.validation import check_val_settings
+
+    check_val_settings(getattr(args, "val_fraction", 0.0), getattr(args, "val_every", None))
     if isinstance(args.train_vocab_size, bool) or not isinstance(args.train_vocab_size, int) or args.train_vocab_size < 0:
         raise ValueError(f"--train-vocab-size must be an integer >= 0 (0: full vocabulary), got {args.train_vocab_size!r}")
     if args.data and Path(args.data).is_file():

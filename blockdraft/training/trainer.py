@@ -8,12 +8,15 @@ bf16 autocast on CUDA (fp32 master weights), fp32 on CPU.
 
 Determinism: batch order is a pure function of (seed, epoch) and anchors of (seed, step), so a
 resumed run replays exactly the batches and anchors of an uninterrupted one.
-Validation (optional: Trainer.val_data, TrainConfig.val_every): the same loss and per-slot accuracy
-on held-out sequences (dataset.split_validation), on fixed batches and anchors, without gradients;
-it changes neither the weights nor any state training reads, so a run validates or not alike.
+Validation (optional: Trainer.val_data, TrainConfig.val_every; training/validation.py): the same
+loss and per-slot accuracy on held-out sequences (dataset.split_validation), on fixed batches and
+anchors, without gradients; it changes neither the weights nor any state training reads, so a run
+validates or not alike.
 Checkpoints (`<out>/checkpoint/`): drafter.safetensors (fp32 master weights, z-lab names),
 optimizer.safetensors (AdamW moments by parameter name), state.json (step, config, target dtype,
-metrics).
+metrics, the other files' sizes; written last). The set is replaced as one (written into
+`<out>/checkpoint.new/`, then swapped in: training/atomic_folder.py), so an interruption mid-save
+leaves the previous checkpoint or the new one, never a mix.
 No pickles are written or read. The result is exported in the z-lab format (export_drafter).
 """
 
@@ -32,10 +35,12 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
+from blockdraft.training import validation
+from blockdraft.training.atomic_folder import current_folder, replace_folder, settle_folder, write_synced
 from blockdraft.training.dataset import TokenDataset, collate, epoch_batches
 from blockdraft.training.dense import dense_block_forward
 from blockdraft.training.features import FeatureCache
-from blockdraft.training.loss import block_labels, default_gamma, expected_acceptance, slot_weights, weighted_block_loss
+from blockdraft.training.loss import StepStats, block_labels, default_gamma, slot_weights, weighted_block_loss
 from blockdraft.training.masks import sample_anchors
 
 
@@ -45,9 +50,10 @@ class TrainConfig:
 
     steps: optimizer steps. batch_size: sequences per step; max_len: tokens kept per sequence.
     num_anchors: blocks per sequence (paper: 512 on long sequences). lr: peak AdamW lr;
-    warmup_frac: linear warmup share of the steps; warmup_steps: the warmup's length in steps
-    instead (None: warmup_frac x steps; fit_together's re-plan fixes it, so that a longer schedule
-    does not restart the warmup). min_lr_ratio: cosine floor (x lr).
+    warmup_frac: linear warmup share of the steps (> 0: at least one step below the peak, see
+    warmup_length); warmup_steps: the warmup's length in steps instead (None: from warmup_frac;
+    fit_together's re-plan fixes it, so that a longer schedule does not restart the warmup).
+    min_lr_ratio: cosine floor (x lr).
     gamma: loss decay (None: default_gamma(B)). grad_clip: max global grad norm (0 = off).
     pad_multiple: batch width rounded up to a multiple of this (dataset.collate; the same loss,
     few distinct shapes: on an H200 a 16-sequence step ran 140-170 ms on new shapes, 22 ms warm).
@@ -102,16 +108,9 @@ class TrainConfig:
         for name in ("warmup_frac", "min_lr_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        if (isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float))
-                or not 0.0 <= self.val_fraction < 1.0):
-            raise ValueError(f"val_fraction must be a number in [0, 1), got {self.val_fraction!r}")
+        validation.check_val_settings(self.val_fraction, fraction_name="val_fraction")
         if not self.weight_decay >= 0 or not self.grad_clip >= 0:
             raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay!r}, {self.grad_clip!r}")
-
-
-# + seed x 100,003 + batch: the generator of validation batch i's anchors (prepare_val); training's are
-# seed x 7,919 + step
-VAL_ANCHOR_SEED = 2**41
 
 
 def greedy_label_ids(input_ids: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
@@ -142,8 +141,19 @@ def on_greedy_chain(input_ids: torch.Tensor, label_ids: torch.Tensor, anchors: t
 
 
 def warmup_length(cfg: TrainConfig) -> int:
-    """Warmup steps of `cfg`'s schedule: cfg.warmup_steps, else warmup_frac x steps (at least 1)."""
-    return cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(cfg.warmup_frac * cfg.steps))
+    """Warmup length W of `cfg`'s schedule in steps: cfg.warmup_steps, else round(warmup_frac x
+    steps), at least 1, and at least 2 when warmup_frac > 0 and steps > 1.
+
+    lr_at ramps step s < W to lr x (s + 1) / W, so W counts the steps up to the first one at the
+    peak: W = 1 is no warmup (step 0 at the peak, right for warmup_frac 0). A short run rounded a
+    warmup share to W = 1 (4 steps x 0.04 = 0.16) and took its first step at the peak lr: continuing
+    a shipped drafter that way lost acceptance. So a warmup share > 0 always buys at least one step
+    below the peak (step 0 at lr / 2). An explicit warmup_steps is taken as given.
+    """
+    if cfg.warmup_steps is not None:
+        return cfg.warmup_steps
+    least = 2 if cfg.warmup_frac > 0 and cfg.steps > 1 else 1
+    return max(least, round(cfg.warmup_frac * cfg.steps))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -154,33 +164,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = min(1.0, (step - warmup) / max(1, cfg.steps - warmup))
     floor = cfg.min_lr_ratio
     return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-@dataclass
-class StepStats:
-    """Running sums over logged steps: loss, and per-slot correct / counted top-1 predictions."""
-
-    loss_sum: float = 0.0
-    steps: int = 0
-    correct: torch.Tensor | None = None
-    count: torch.Tensor | None = None
-
-    def add(self, loss: float, stats: dict) -> None:
-        self.loss_sum += loss
-        self.steps += 1
-        c, n = stats["correct"].float().cpu(), stats["count"].float().cpu()
-        self.correct = c if self.correct is None else self.correct + c
-        self.count = n if self.count is None else self.count + n
-
-    def summary(self) -> dict:
-        """{"loss", "acc": per-slot top-1 accuracy list (slot 1 first), "acc_mean", "tau_proxy"}; None
-        for a slot no label reached (and for acc_mean without any), so the logs are strict JSON."""
-        acc = (self.correct / self.count.clamp(min=1)).tolist() if self.count is not None else []
-        acc = [a if n > 0 else None for a, n in zip(acc, self.count.tolist())] if acc else []
-        total = float(self.count.sum()) if self.count is not None else 0.0
-        mean = float(self.correct.sum()) / total if total else None
-        return {"loss": self.loss_sum / max(1, self.steps), "acc": acc, "acc_mean": mean,
-                "tau_proxy": expected_acceptance(acc)}
 
 
 @dataclass
@@ -249,25 +232,12 @@ class Trainer:
                 f"--max-prompt-tokens")
         self._lengths = self.data.lengths()
         self._epoch_cache: tuple[int, list] | None = None
+        # seconds(): training seconds before the current fit (a resumed checkpoint's), the current one's start
+        self._seconds_before, self._fit_started = 0.0, None
         self._draft = None if self.draft_vocab is None else self._draft_rows(self.draft_vocab)
         if self.features is not None:
             self._check_features(self.features)
-        self._check_val_data()
-
-    def _check_val_data(self) -> None:
-        if self.val_data is None:
-            if self.cfg.val_every:
-                raise ValueError(f"val_every {self.cfg.val_every} validates on held-out sequences: give the Trainer "
-                                 f"val_data (dataset.split_validation), or val_every 0")
-            return
-        if len(self.val_data) == 0:
-            raise ValueError("val_data holds no sequence: give None to train without validation")
-        self.val_data.check_token_ids(self.target.vocab_size)
-        if self.val_data.num_anchor_positions(self.cfg.max_len) == 0:
-            raise ValueError(f"max_len (--max-len) {self.cfg.max_len} keeps no response token in any of the "
-                             f"{len(self.val_data)} validation sequences (the shortest prompt has "
-                             f"{self.val_data.shortest_prompt()} tokens): validation would measure nothing; raise "
-                             f"--max-len or hold out more sequences")
+        validation.check_val_data(self.val_data, self.cfg.val_every, self.target.vocab_size, self.cfg.max_len)
 
     def _check_features(self, cache: FeatureCache) -> None:
         want = (tuple(self.drafter.config.target_layer_ids), self.cfg.max_len, len(self.data))
@@ -381,43 +351,33 @@ class Trainer:
         self.step += 1
         return float(loss.detach()), stats
 
-    # ---- validation ----------------------------------------------------------------------------
+    # ---- validation (training/validation.py) ---------------------------------------------------
 
     def val_batches(self) -> list[list[int]]:
-        """Sequence indices of val_data's batches: sorted by length (less padding; ties by index)
-        and cut into batches of cfg.batch_size, the last one partial. The same every time.
-
-        Raises:
-            ValueError: no val_data.
-        """
-        if self.val_data is None:
-            raise ValueError("this trainer has no val_data to validate on")
-        lengths = self.val_data.lengths().tolist()
-        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-        return [order[j : j + self.cfg.batch_size] for j in range(0, len(order), self.cfg.batch_size)]
+        """Sequence indices of val_data's batches of cfg.batch_size (validation.val_batches: the same
+        every time). Raises ValueError without val_data."""
+        return validation.val_batches(self.val_data, self.cfg.batch_size)
 
     def prepare_val(self, i: int, indices: list[int]) -> dict:
         """`prepare` of validation batch `i` (sequences `indices` of val_data, from val_batches):
-        features from the target (never from the training cache), anchors from a generator seeded
-        by (cfg.seed, i) alone, not by the training step, so that every validation sees the same
+        features from the target (never from the training cache, whose rows are `data`'s), anchors
+        from validation.val_anchor_generator(cfg.seed, i), so that every validation sees the same
         blocks and labels."""
-        gen = torch.Generator().manual_seed(VAL_ANCHOR_SEED + self.cfg.seed * 100_003 + i)
-        return self._prepare(self.val_data, indices, None, gen)
+        return self._prepare(self.val_data, indices, None, validation.val_anchor_generator(self.cfg.seed, i))
 
     def validate(self) -> dict:
-        """Loss and per-slot top-1 accuracy of the drafter on all of val_data (`validate_together`
-        with this trainer alone): {"split": "val", "step", "loss", "acc", "acc_mean", "tau_proxy",
-        "sequences", "val_seconds"}; the same values as long as the weights are the same."""
-        return validate_together([self])[0]
+        """Loss and per-slot top-1 accuracy of the drafter on all of val_data
+        (validation.validate_together with this trainer alone): {"split": "val", "step", "loss",
+        "acc", "acc_mean", "tau_proxy", "sequences", "val_seconds"}; the same values as long as the
+        weights are the same."""
+        return validation.validate_together([self])[0]
 
     def _log_val(self, summary: dict, seconds: float) -> dict:
         """Record a validation summary (val_history, and a line of train_log.jsonl marked
-        "split": "val"; `seconds` since the fit began, as the training lines')."""
+        "split": "val"; `seconds`: Trainer.seconds(), as the training lines')."""
         s = {**summary, "seconds": round(seconds, 1)}
         self.val_history.append(s)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.out_dir / "train_log.jsonl", "a") as f:
-            f.write(json.dumps(s) + "\n")
+        self._append_log(s)
         return s
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -430,36 +390,60 @@ class Trainer:
         training summary (the validations: val_history)."""
         return fit_together([self], progress, deadline, until, should_stop=should_stop)[0]
 
+    def seconds(self) -> float:
+        """Seconds this run has trained (float, wall time on trainer._clock): the time of its fits
+        since step 0, those before a resume included (state.json's "seconds"), not the time between
+        an interruption and the resume. What train_log.jsonl's "seconds" holds, so that a resumed
+        run's log goes on monotonically where the checkpoint left it."""
+        running = 0.0 if self._fit_started is None else _clock() - self._fit_started
+        return self._seconds_before + running
+
+    def _run_clock(self, running: bool) -> None:
+        """Start (a fit begins) or stop (it ended) counting time into `seconds`."""
+        self._seconds_before, self._fit_started = self.seconds(), (_clock() if running else None)
+
     def _log(self, window: "StepStats", seconds: float) -> dict:
         s = window.summary()
         s.update(step=self.step, lr=lr_at(max(0, self.step - 1), self.cfg), seconds=round(seconds, 1))
         self.history.append(s)
+        self._append_log(s)
+        return s
+
+    def _append_log(self, line: dict) -> None:
+        """One line of `<out>/train_log.jsonl` (training and validation lines alike)."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / "train_log.jsonl", "a") as f:
-            f.write(json.dumps(s) + "\n")
-        return s
+            f.write(json.dumps(line) + "\n")
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
     @property
     def ckpt_dir(self) -> Path:
+        """`<out>/checkpoint`: where the checkpoint is (save_checkpoint writes beside it first)."""
         return self.out_dir / "checkpoint"
 
     def save_checkpoint(self) -> Path:
-        """Write drafter + AdamW state (safetensors) and state.json into `<out>/checkpoint/` atomically
-        per file (write then rename)."""
+        """Write drafter + AdamW state (safetensors) and state.json (last, with the other files'
+        sizes in "files") as one set: into `<out>/checkpoint.new/`, fsynced, then swapped in for
+        `<out>/checkpoint/` (atomic_folder.replace_folder). An interruption anywhere leaves either
+        the previous checkpoint or this one whole. Returns `<out>/checkpoint`."""
         from safetensors.torch import save_file
 
-        d = self.ckpt_dir
-        d.mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().float().cpu().contiguous() for k, v in self.drafter.state_dict().items()}
-        _atomic(d / "drafter.safetensors", lambda p: save_file(weights, str(p)))
-        _atomic(d / "optimizer.safetensors", lambda p: save_file(self._optimizer_tensors(), str(p)))
-        state = {"step": self.step, "train_config": asdict(self.cfg), "train_vocab_size": self._train_vocab_size(),
-                 "drafter_config": self.drafter.config.to_hf_dict(), "target_dtype": self.target_dtype,
-                 "history": self.history, "val_history": self.val_history}
-        _atomic(d / "state.json", lambda p: p.write_text(json.dumps(state, indent=1)))
-        return d
+
+        def fill(d: Path) -> None:
+            files = {"drafter.safetensors": write_synced(d / "drafter.safetensors",
+                                                         lambda p: save_file(weights, str(p))),
+                     "optimizer.safetensors": write_synced(d / "optimizer.safetensors",
+                                                           lambda p: save_file(self._optimizer_tensors(), str(p)))}
+            state = {"step": self.step, "train_config": asdict(self.cfg), "train_vocab_size": self._train_vocab_size(),
+                     "drafter_config": self.drafter.config.to_hf_dict(), "target_dtype": self.target_dtype,
+                     "seconds": self.seconds(), "history": self.history, "val_history": self.val_history,
+                     "files": files}
+            write_synced(d / STATE_FILE, lambda p: p.write_text(json.dumps(state, indent=1)))
+
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        return replace_folder(self.ckpt_dir, fill, STATE_FILE)
 
     def _train_vocab_size(self) -> int:
         """Columns of the loss's LM head: the draft vocabulary's size, 0 for the full vocabulary."""
@@ -476,15 +460,20 @@ class Trainer:
         return out
 
     def load_checkpoint(self) -> bool:
-        """Resume from `<out>/checkpoint/` if present: weights, AdamW moments, step, history and
-        val_history.
+        """Resume from `<out>/checkpoint/` if present: weights, AdamW moments, step, history,
+        val_history and the seconds trained so far (`seconds`: the log's seconds run on).
+
+        A save an interruption cut short is settled first (atomic_folder.settle_folder): the
+        complete checkpoint it left, the previous or the new one, becomes `<out>/checkpoint/`.
 
         Returns False when there is no checkpoint. Raises ValueError when the checkpoint's drafter
         config differs from this drafter's (resuming into a different shape), or when a setting
         that decides the batches, anchors, schedule or loss differs (every TrainConfig field but
         ckpt_every / log_every / val_every, and the draft vocabulary's size; val_fraction counts: it
         decides the training set): the resumed run would not be
-        the run the checkpoint belongs to. The message names each differing setting.
+        the run the checkpoint belongs to. The message names each differing setting. Also when a
+        file's size is not the one state.json recorded (a copy cut short; checkpoints written
+        before the sizes were recorded are not checked), naming the folder and the file.
         """
         from safetensors.torch import load_file
 
@@ -492,6 +481,8 @@ class Trainer:
         state = read_checkpoint_state(self.out_dir)
         if state is None:
             return False
+        settle_folder(d, STATE_FILE)
+        check_checkpoint_files(d, state)
         shape = drafter_config_differences(state["drafter_config"], self.drafter.config.to_hf_dict())
         if shape:
             differ = ", ".join(f"{k}={v!r} (now {now!r})" for k, v, now in shape)
@@ -515,6 +506,9 @@ class Trainer:
                 }
         self.step, self.history = int(state["step"]), list(state.get("history", []))
         self.val_history = list(state.get("val_history", []))
+        # a checkpoint from before "seconds" was recorded: its last logged line's, the nearest it knows
+        logged = [line.get("seconds", 0.0) for line in self.history + self.val_history]
+        self._seconds_before, self._fit_started = float(state.get("seconds", max(logged, default=0.0))), None
         self._drop_log_lines_after(self.step)
         return True
 
@@ -537,16 +531,22 @@ class Trainer:
             _atomic(log, lambda p: p.write_text("".join(kept)))
 
 
+STATE_FILE = "state.json"  # a checkpoint's last file: its presence marks the folder complete
+
+
 def read_checkpoint_state(out_dir: str | Path) -> dict | None:
-    """`<out_dir>/checkpoint/state.json` (step, train_config, drafter_config, target_dtype, ...), None
-    without one.
+    """`<out_dir>/checkpoint/state.json` (step, train_config, drafter_config, target_dtype, files,
+    ...), None without one. Reads only: after an interrupted save, the complete checkpoint it left
+    (`<out_dir>/checkpoint.new/` or `.old/`: atomic_folder.current_folder), which
+    Trainer.load_checkpoint then renames into place.
 
     Raises:
         ValueError: the file is not a JSON object (names the file and how to go on).
     """
-    file = Path(out_dir) / "checkpoint" / "state.json"
-    if not file.is_file():
+    folder = current_folder(Path(out_dir) / "checkpoint", STATE_FILE)
+    if folder is None:
         return None
+    file = folder / STATE_FILE
     try:
         state = json.loads(file.read_text())
     except ValueError as e:
@@ -556,6 +556,23 @@ def read_checkpoint_state(out_dir: str | Path) -> dict | None:
         raise ValueError(f"{file} is {why}: the checkpoint is damaged; start over with --no-resume or use "
                          f"another --out")
     return state
+
+
+def check_checkpoint_files(folder: Path, state: dict) -> None:
+    """Each file state["files"] records ({name: size in bytes}) is in `folder` with that size.
+    A state without "files" (a checkpoint written before they were recorded) is not checked.
+
+    Raises:
+        ValueError: a file missing or of another size (names the folder, the file, both sizes and
+            how to go on).
+    """
+    for name, size in (state.get("files") or {}).items():
+        file = Path(folder) / name
+        have = file.stat().st_size if file.is_file() else None
+        if have != size:
+            found = "is missing" if have is None else f"has {have} bytes"
+            raise ValueError(f"checkpoint in {folder} is damaged: {name} {found}, its state.json recorded {size} "
+                             f"bytes (a copy cut short?); start over with --no-resume or use another --out")
 
 
 def drafter_config_differences(saved: dict, asked: dict) -> list[tuple[str, object, object]]:
@@ -596,7 +613,7 @@ def checkpoint_differences(state: dict, cfg: TrainConfig, train_vocab_size: int)
 # first, then again at half way of the new plan.
 REPLAN_WARM_STEPS = 20
 REPLAN_FIRST = 100
-_clock = time.perf_counter  # seconds; the re-plan's clock (tests step it by hand)
+_clock = time.perf_counter  # seconds; the re-plan's and the logs' clock (tests step it by hand)
 
 
 def replan_steps(step: int, elapsed_s: float, pace_s: float, budget_s: float) -> int:
@@ -648,49 +665,6 @@ def replanned_warmup(cfg: TrainConfig, step: int, total: int) -> int:
     return max(1, min(warmup, max(step + 1, share), total - 1))
 
 
-def validate_together(trainers: list[Trainer]) -> list[dict]:
-    """Validate several drafters on the same batches (each batch's target features, anchors and
-    labels prepared once, by trainers[0]): the loss and per-slot top-1 accuracy of `Trainer.loss_on`,
-    as training computes them, over every sequence of val_data (Trainer.val_batches, fixed anchors:
-    prepare_val).
-
-    No gradients; each drafter is put in eval mode and back in the mode it was in; torch's global
-    RNG states (CPU and the trainers' CUDA device) are restored after, so neither the weights nor
-    anything the next training step reads change. Nothing is logged (fit_together logs).
-
-    Returns one summary per trainer, as StepStats.summary: {"split": "val", "step", "loss" (mean
-    of the per-batch losses), "acc" (per slot, pooled over all batches), "acc_mean", "tau_proxy",
-    "sequences" (len(val_data)), "val_seconds" (wall time of this call)}.
-    Raises:
-        ValueError: a trainer without val_data, or trainers not sharing the same val_data (and what
-            _check_shareable checks).
-    """
-    lead = trainers[0]
-    if any(tr.val_data is None for tr in trainers):
-        raise ValueError("validation needs val_data in every trainer")
-    _check_shareable(trainers)
-    t0 = time.perf_counter()
-    windows = [StepStats() for _ in trainers]
-    modes = [tr.drafter.training for tr in trainers]
-    cuda = [lead.device] if lead.device.type == "cuda" else []
-    try:
-        for tr in trainers:
-            tr.drafter.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            for i, indices in enumerate(lead.val_batches()):
-                prep = lead.prepare_val(i, indices)
-                for window, tr in zip(windows, trainers):
-                    loss, stats = tr.loss_on(prep)
-                    window.add(float(loss), stats)
-                del prep
-    finally:
-        for tr, mode in zip(trainers, modes):
-            tr.drafter.train(mode)
-    seconds = round(time.perf_counter() - t0, 2)
-    return [{"split": "val", "step": tr.step, **w.summary(), "sequences": len(tr.val_data), "val_seconds": seconds}
-            for w, tr in zip(windows, trainers)]
-
-
 def fit_together(
     trainers: list[Trainer], progress: bool = True, deadline: float | None = None, until: int | None = None,
     budget_seconds: float | None = None, max_steps: int | None = None,
@@ -700,7 +674,8 @@ def fit_together(
     labels of each step are computed once (by trainers[0]) and shared. Stops at the first
     trainer's cfg.steps, at step `until` (an interruption: the schedule still spans cfg.steps) or
     at `deadline` (time.time() seconds); checkpoints every trainer at the end. Returns each
-    trainer's last logged summary.
+    trainer's last logged summary. The log lines' "seconds" are Trainer.seconds (the run's training
+    time, going on from a resumed checkpoint's).
 
     budget_seconds: the schedule should end this many seconds after the call. cfg.steps is then a
     first estimate: after REPLAN_WARM_STEPS + REPLAN_FIRST steps (sooner in a shorter first plan),
@@ -715,7 +690,7 @@ def fit_together(
     the end of a step: train-drafter's `deferred_interrupt`), without the final validation.
 
     Validation (trainers[0].cfg.val_every > 0; every trainer then has the same val_data):
-    `validate_together` before the first step of a run at step 0 (the starting weights: a
+    `validation.validate_together` before the first step of a run at step 0 (the starting weights: a
     continued drafter's baseline), after every val_every-th step and after the last (unless that
     step was validated already, also when stopped by `until` or `deadline`); each trainer appends
     it to its val_history and to train_log.jsonl as a line with "split": "val" (training lines
@@ -733,13 +708,14 @@ def fit_together(
     _check_shareable(trainers)
     bar = tqdm(total=lead.cfg.steps, initial=lead.step, desc="train", unit="step", disable=not progress)
     windows, last = [StepStats() for _ in trainers], [{} for _ in trainers]
-    t0 = time.perf_counter()
+    for tr in trainers:  # the logs' seconds run on from the run's earlier fits (a resumed checkpoint's)
+        tr._run_clock(True)
     val_every, val_post = lead.cfg.val_every, {}
 
     def validate() -> None:
         nonlocal val_post
-        for tr, summary in zip(trainers, validate_together(trainers)):
-            tr._log_val(summary, time.perf_counter() - t0)
+        for tr, summary in zip(trainers, validation.validate_together(trainers)):
+            tr._log_val(summary, tr.seconds())
         val_post = {"val_tau": f"{trainers[0].val_history[-1]['tau_proxy']:.2f}"}
         bar.set_postfix({**(_postfix(last[0]) if last[0] else {}), **val_post})
 
@@ -781,7 +757,7 @@ def fit_together(
             first = False
         if step % lead.cfg.log_every == 0 or step == lead.cfg.steps:
             for i, tr in enumerate(trainers):
-                last[i], windows[i] = tr._log(windows[i], time.perf_counter() - t0), StepStats()
+                last[i], windows[i] = tr._log(windows[i], tr.seconds()), StepStats()
             bar.set_postfix({**_postfix(last[0]), **val_post})
         if val_every and step % val_every == 0:
             validate()
@@ -795,11 +771,12 @@ def fit_together(
             break
     for i, tr in enumerate(trainers):
         if windows[i].steps:
-            last[i] = tr._log(windows[i], time.perf_counter() - t0)
+            last[i] = tr._log(windows[i], tr.seconds())
     if val_every and not interrupted and (not lead.val_history or lead.val_history[-1]["step"] != lead.step):
         validate()  # the last weights (not validated yet: a resumed run may have validated this step)
     for tr in trainers:
         tr.save_checkpoint()
+        tr._run_clock(False)
     bar.close()
     return last
 

@@ -192,11 +192,14 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
     (["--synth-openers", "general"], "--synth-openers general steers synthesized requests: it needs --synth-samples N"),
     (["--synth-openers", "code"], "invalid choice: 'code'"),
     (["--max-epochs", "-1"], "--max-epochs must be a number >= 0 (passes over the data; 0: no cap), got -1"),
-    (["--val-fraction", "1"], "--val-fraction must be a number in [0, 1) (the share of the answers held out; 0: none), got 1"),
-    (["--val-fraction", "-0.5"], "--val-fraction must be a number in [0, 1) (the share of the answers held out; 0: none), "
-                                 "got -0.5"),
-    (["--val-fraction", "0.1", "--val-every", "0"], "--val-every must be an integer >= 1 (steps), got 0"),
-    (["--val-every", "10"], "--val-every 10 validates on the answers --val-fraction F holds out: it needs --val-fraction F > 0"),
+    (["--val-fraction", "1"], "--val-fraction must be a number in [0, 1) (the share of the answers held out for "
+                              "validation; 0: none), got 1.0"),
+    (["--val-fraction", "-0.5"], "--val-fraction must be a number in [0, 1) (the share of the answers held out for "
+                                 "validation; 0: none), got -0.5"),
+    (["--val-fraction", "0.1", "--val-every", "0"], "--val-every must be an integer >= 1 (steps between validations), "
+                                                    "got 0"),
+    (["--val-every", "10"], "--val-every 10 validates on the answers --val-fraction F holds out: it needs "
+                            "--val-fraction F > 0 (got 0.0)"),
 ])
 def test_gpu_run_refuses_bad_flags_naming_them(capsys, flags, message):
     with pytest.raises(SystemExit):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from blockdraft.training.build import new_drafter
-from blockdraft.training.loss import block_labels, default_gamma, slot_weights, weighted_block_loss
+from blockdraft.training.loss import StepStats, block_labels, default_gamma, slot_weights, weighted_block_loss
 from blockdraft.training.target import EngineTarget
-from blockdraft.training.trainer import StepStats, TrainConfig, Trainer, lr_at, replan_steps
+from blockdraft.training.trainer import TrainConfig, Trainer, lr_at, replan_steps
 from tests.training._tiny import MASK_ID, tiny_data
 
 
@@ -50,6 +50,18 @@ def test_lr_warmup_then_cosine_to_floor():
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(99, cfg) == pytest.approx(0.1, abs=1e-3)
     assert all(lr_at(s, cfg) >= lr_at(s + 1, cfg) for s in range(10, 99))
+
+
+def test_a_short_run_still_warms_up():
+    """A warmup share that rounds below one step (4 x 0.04 = 0.16) still starts below the peak lr:
+    a short run from a trained drafter must not take its first step at the peak."""
+    for steps in (2, 4, 12):
+        cfg = TrainConfig(steps=steps, lr=1.0, warmup_frac=0.04, min_lr_ratio=0.1)
+        assert lr_at(0, cfg) == pytest.approx(0.5) and lr_at(1, cfg) == pytest.approx(1.0), steps
+    assert lr_at(0, TrainConfig(steps=100, lr=1.0, warmup_frac=0.04)) == pytest.approx(0.25)  # 4 steps: as before
+    assert lr_at(0, TrainConfig(steps=4, lr=1.0, warmup_frac=0.0)) == 1.0  # no warmup asked: none
+    assert lr_at(0, TrainConfig(steps=1, lr=1.0, warmup_frac=0.04)) == 1.0  # one step: it is the peak
+    assert lr_at(0, TrainConfig(steps=4, lr=1.0, warmup_frac=0.04, warmup_steps=1)) == 1.0  # explicit: as given
 
 
 def _trainer(tiny, out, steps, **kw):
@@ -96,7 +108,8 @@ def _timed(monkeypatch, tr, seconds_of_step):
     (30.0, 6, lambda s: 5.0 if s == 1 else 1.0, 26, 3),  # too short; the slow first step is not the pace
     (30.0, 6, lambda s: 5.0 if s == 1 else 1.0 if s <= 3 else 2.0, 15, 3),  # slower later: the second re-plan
     (5.0, 50, lambda s: 1.0, 5, 4),  # too long: shrinks, and the warmup (25) is cut to fit
-    (20.0, 2, lambda s: 1.0, 20, 1),  # a plan shorter than the re-plan point is re-planned too
+    (20.0, 2, lambda s: 1.0, 20, 2),  # a plan shorter than the re-plan point is re-planned too (warmup: 2 x 0.5,
+    # at least one step below the peak)
 ])
 def test_a_time_budget_replans_the_schedule_from_the_pace(tiny, tmp_path, monkeypatch, budget, planned, cost,
                                                           final, warmup):
@@ -172,6 +185,81 @@ def test_resume_replays_an_uninterrupted_run_exactly(tiny, tmp_path):
     assert files == ["drafter.safetensors", "optimizer.safetensors", "state.json"]  # no pickles
 
 
+def _cut_on_call(monkeypatch, module, name: str, call: int) -> None:
+    """`module.name` raises KeyboardInterrupt (a second Ctrl-C) on its `call`-th call, before doing it."""
+    real, calls = getattr(module, name), []
+
+    def cut(*args, **kw):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, cut)
+
+
+@pytest.mark.parametrize("where, left", [
+    ("second file", 2),  # the new weights written, the optimizer state not: the step-2 set stays whole
+    ("second rename", 4),  # checkpoint/ moved aside, checkpoint.new/ not yet in place: the new set is whole
+])
+def test_an_interrupted_save_leaves_one_whole_checkpoint_that_resumes_exactly(tiny, tmp_path, monkeypatch, where, left):
+    """A checkpoint is several files; a save cut short anywhere leaves the previous set or the new
+    one, never the weights of one step beside the state of another, and the resume replays the
+    uninterrupted run bit for bit."""
+    import safetensors.torch
+
+    import blockdraft.training.atomic_folder as atomic_folder
+    from blockdraft.training.trainer import read_checkpoint_state
+
+    straight = _trainer(tiny, tmp_path / "a", steps=6)
+    straight.fit(progress=False)
+    out = tmp_path / "b"
+    part = _trainer(tiny, out, steps=6)
+    part.fit(progress=False, until=2)  # a checkpoint at step 2
+    at_2 = (out / "checkpoint" / "drafter.safetensors").read_bytes()
+    part.train_step()
+    part.train_step()  # step 4, then its save is cut short
+    if where == "second file":
+        _cut_on_call(monkeypatch, safetensors.torch, "save_file", 2)
+    else:
+        _cut_on_call(monkeypatch, atomic_folder, "_rename", 2)
+    with pytest.raises(KeyboardInterrupt):
+        part.save_checkpoint()
+    monkeypatch.undo()
+    if where == "second file":
+        assert (out / "checkpoint.new" / "drafter.safetensors").is_file()  # step 4's weights, set aside
+        assert (out / "checkpoint" / "drafter.safetensors").read_bytes() == at_2
+    else:
+        assert not (out / "checkpoint").exists() and (out / "checkpoint.old").is_dir()
+    assert read_checkpoint_state(out)["step"] == left  # found without changing anything
+    resumed = _trainer(tiny, out, steps=6)
+    assert resumed.load_checkpoint() and resumed.step == left
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]  # settled
+    resumed.fit(progress=False)
+    for (k, a), b in zip(straight.drafter.state_dict().items(), resumed.drafter.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_a_checkpoint_file_of_another_size_is_refused_and_an_older_checkpoint_loads(tiny, tmp_path):
+    out = tmp_path / "run"
+    _trainer(tiny, out, steps=4).fit(progress=False, until=2)
+    state_file = out / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    optimizer = out / "checkpoint" / "optimizer.safetensors"
+    assert state["files"] == {"drafter.safetensors": (out / "checkpoint" / "drafter.safetensors").stat().st_size,
+                              "optimizer.safetensors": optimizer.stat().st_size}
+    whole = optimizer.read_bytes()
+    optimizer.write_bytes(whole[:100])  # a copy cut short
+    with pytest.raises(ValueError, match=rf"checkpoint in {out / 'checkpoint'} is damaged: optimizer.safetensors has "
+                                         rf"100 bytes, its state.json recorded {len(whole)} bytes .*--no-resume"):
+        _trainer(tiny, out, steps=4).load_checkpoint()
+    optimizer.write_bytes(whole)
+    del state["files"]  # as written before the sizes were recorded: loads unchecked
+    state_file.write_text(json.dumps(state))
+    old = _trainer(tiny, out, steps=4)
+    assert old.load_checkpoint() and old.step == 2
+
+
 def _logged_steps(out) -> list[int]:
     return [json.loads(line)["step"] for line in (out / "train_log.jsonl").read_text().splitlines()]
 
@@ -188,6 +276,43 @@ def test_a_resumed_run_logs_each_step_once(tiny, tmp_path):
     assert _logged_steps(out) == [2, 4]
     resumed.fit(progress=False)
     assert _logged_steps(out) == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_log_seconds_run_on_across_a_resume(tiny, tmp_path, monkeypatch, recorded):
+    """train_log.jsonl's seconds go on from the checkpoint's training time after a resume (on a fake
+    clock: 1 s a step), instead of restarting at 0; a checkpoint from before state.json recorded
+    "seconds" goes on from its last logged line's."""
+    import blockdraft.training.trainer as trainer_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(trainer_mod, "_clock", lambda: clock[0])
+
+    def timed(tr):
+        step = tr.train_step
+
+        def one_second_step(prep=None):
+            clock[0] += 1.0
+            return step(prep)
+
+        tr.train_step = one_second_step
+        return tr
+
+    out = tmp_path / "run"
+    timed(_trainer(tiny, out, steps=8)).fit(progress=False, until=5)  # logs steps 2, 4, 5; checkpoint at 5
+    state_file = out / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text())
+    assert state["seconds"] == 5.0
+    if not recorded:
+        del state["seconds"]
+        state_file.write_text(json.dumps(state))
+    clock[0] = 7000.0  # a new process: another origin, and the time until the resume does not count
+    resumed = timed(_trainer(tiny, out, steps=8))
+    assert resumed.load_checkpoint() and resumed.seconds() == 5.0
+    resumed.fit(progress=False)
+    lines = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["seconds"]) for x in lines] == [(2, 2.0), (4, 4.0), (5, 5.0), (6, 6.0), (8, 8.0)]
+    assert json.loads(state_file.read_text())["seconds"] == 8.0
 
 
 def test_max_len_that_keeps_no_response_token_is_refused(tiny, tmp_path):

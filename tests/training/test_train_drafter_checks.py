@@ -54,9 +54,10 @@ def _error(capsys, *flags) -> str:
                                  "validation; 0: none), got -0.1"),
     (["--val-fraction", "1"], "--val-fraction must be a number in [0, 1) (the share of the answers held out for "
                               "validation; 0: none), got 1.0"),
-    (["--val-fraction", "0.2", "--val-every", "0"], "--val-every must be an integer >= 1, got 0"),
+    (["--val-fraction", "0.2", "--val-every", "0"], "--val-every must be an integer >= 1 (steps between validations), "
+                                                    "got 0"),
     (["--val-every", "5"], "--val-every 5 validates on the answers --val-fraction F holds out: it needs "
-                           "--val-fraction F > 0 (got 0)"),
+                           "--val-fraction F > 0 (got 0.0)"),
 ])
 def test_bad_values_name_the_flag(flags, message, tmp_path, capsys, no_weights):
     err = _error(capsys, "--out", str(tmp_path), *flags)

@@ -2,6 +2,7 @@
 anchors, no side effect on training), its lines in train_log.jsonl, and resuming with val settings."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from blockdraft.training.build import new_drafter
 from blockdraft.training.dataset import MAX_VAL_SEQUENCES, TokenDataset, split_validation
 from blockdraft.training.target import EngineTarget
 from blockdraft.training.trainer import TrainConfig, Trainer, checkpoint_differences, fit_together
+from blockdraft.training.validation import check_val_settings
 from tests.training._tiny import MASK_ID, tiny_data
 
 
@@ -45,10 +47,13 @@ def test_the_split_is_seeded_disjoint_and_sized():
     assert MAX_VAL_SEQUENCES == 512  # train-drafter's and gpu_run's --val-fraction help say so
 
 
+RANGE = "must be a number in [0, 1) (the share of the answers held out for validation; 0: none), got"
+
+
 @pytest.mark.parametrize("n, fraction, message", [
-    (40, -0.1, "the validation fraction must be a number in [0, 1), got -0.1"),
-    (40, 1.0, "the validation fraction must be a number in [0, 1), got 1.0"),
-    (40, float("nan"), "the validation fraction must be a number in [0, 1), got nan"),
+    (40, -0.1, f"the validation fraction {RANGE} -0.1"),
+    (40, 1.0, f"the validation fraction {RANGE} 1.0"),
+    (40, float("nan"), f"the validation fraction {RANGE} nan"),
     (1, 0.2, "the validation fraction 0.2 holds out 1 of the 1 sequences, leaving none to train on"),
     (2, 0.9, "the validation fraction 0.9 holds out 2 of the 2 sequences, leaving none to train on"),
 ])
@@ -139,13 +144,33 @@ def test_val_settings_are_checked(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"val_every 2 validates on held-out sequences: give the Trainer val_data"):
         _trainer(tiny, tmp_path, val_every=2, val=False)
     for bad in (-0.5, 1.0, True):
-        with pytest.raises(ValueError, match=rf"val_fraction must be a number in \[0, 1\), got {bad!r}"):
+        with pytest.raises(ValueError, match=re.escape(f"val_fraction {RANGE} {bad!r}")):
             TrainConfig(val_fraction=bad)
     with pytest.raises(ValueError, match="val_every must be an integer >= 0, got -1"):
         TrainConfig(val_every=-1)
     tr = _trainer(tiny, tmp_path, val=False)
     with pytest.raises(ValueError, match="this trainer has no val_data to validate on"):
         tr.val_batches()
+
+
+def test_one_rule_checks_the_val_settings_naming_each_callers_flag():
+    """check_val_settings owns the range and the pairing: TrainConfig, split_validation and the two
+    commands (tests of train-drafter's and gpu_run's flags) give its messages, named their way."""
+    for fraction in (-0.5, 1.0, float("nan"), True, "0.1"):
+        for name, refuse in (("val_fraction", lambda f: TrainConfig(val_fraction=f)),
+                             ("--val-fraction", lambda f: split_validation(_pairs(4), f, 0, name="--val-fraction")),
+                             ("--val-fraction", lambda f: check_val_settings(f, 5))):  # the range before the pairing
+            with pytest.raises(ValueError, match="^" + re.escape(f"{name} {RANGE} {fraction!r}") + "$"):
+                refuse(fraction)
+    for every in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="^" + re.escape(f"--val-every must be an integer >= 1 (steps between "
+                                                             f"validations), got {every!r}") + "$"):
+            check_val_settings(0.1, every)
+    with pytest.raises(ValueError, match="^" + re.escape("--val-every 5 validates on the answers --val-fraction F "
+                                                         "holds out: it needs --val-fraction F > 0 (got 0.0)") + "$"):
+        check_val_settings(0.0, 5)
+    check_val_settings(0.0)  # no cadence given: nothing held out is fine
+    check_val_settings(0.25, 1)
 
 
 def test_drafters_trained_together_validate_on_the_same_batches(tiny, tmp_path):
