@@ -261,8 +261,9 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                    help="prompts the target answers at once while making the data (default 512 on CUDA, 32 on "
                         "the CPU, at most the number of prompts); the answering engine's KV pool holds that many "
                         "prompts of --max-prompt-tokens + --max-new-tokens and is freed before training (lower it "
-                        "if the pool does not fit the GPU). Same answers whatever the value in float32; in "
-                        "bfloat16 another batch can flip a near-tie. Unused when the data is reused")
+                        "if the pool does not fit the GPU). Another value changes the logits in their last bits "
+                        "(float32) or more (bfloat16), enough to flip a near-tie; a resumed answering keeps the "
+                        "value it started with. Unused when the data is reused")
     t.add_argument("--ckpt-every", type=int, default=0, help="steps between checkpoints (default 0: only at the end)")
     t.add_argument("--cache-features", action="store_true",
                    help="compute the target's features of every training sequence once and keep them in memory "
