@@ -26,6 +26,7 @@ def feed_requests(
     in_flight: int,
     *,
     deadline: float | None = None,
+    should_stop: Callable[[], bool] | None = None,
     id_prefix: str = "feed",
     on_finished: Callable[[RequestOutput], None] | None = None,
 ) -> list[RequestOutput | None]:
@@ -45,10 +46,13 @@ def feed_requests(
         in_flight: requests of this call unfinished in the engine at most (running + waiting), >= 1.
         deadline: `time.time()` seconds; once past it no further step starts, the unfinished
             requests are aborted and their entries are None. None = run to the end.
+        should_stop: checked before each step; once it returns True the run stops as at the
+            deadline (train-drafter's Ctrl-C while answering). None = never.
         id_prefix: request ids are f"{id_prefix}-{call}-{index}".
         on_finished: called with each final output as it arrives (progress bars).
     Returns:
-        The final RequestOutput of each prompt, in input order (None: cut by the deadline).
+        The final RequestOutput of each prompt, in input order (None: cut by the deadline or
+        should_stop).
     Raises:
         ValueError: in_flight < 1, a params list of another length than prompts, or a prompt the
             engine refuses (engine.check_request; nothing queued then).
@@ -68,7 +72,7 @@ def feed_requests(
     try:
         with frozen_gc_heap():
             while fed < len(prompts) or index:
-                if deadline is not None and time.time() > deadline:
+                if (deadline is not None and time.time() > deadline) or (should_stop is not None and should_stop()):
                     break
                 while fed < len(prompts) and len(index) < in_flight:
                     rid = f"{id_prefix}-{call}-{fed}"
@@ -87,7 +91,7 @@ def feed_requests(
         for rid in index:  # stopped and their pages freed at once
             engine.abort_request(rid)
         raise
-    if index:  # past the deadline
+    if index:  # past the deadline, or told to stop
         for rid in index:
             engine.abort_request(rid)
         if not engine.has_unfinished_requests():

@@ -15,6 +15,7 @@ training/gpu_run.py (which names it in "generator" only), has no "dtype" (unknow
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,14 +99,13 @@ class TokenDataset:
         return int(first.min()) if len(self) else 0
 
     def save(self, folder: str | Path, shard: int = 0) -> Path:
-        """Write this dataset as shard `shard` of `folder` (created); returns the file path."""
-        from safetensors.torch import save_file
-
+        """Write this dataset as shard `shard` of `folder` (created), whole or not at all
+        (save_safetensors_atomic); returns the file path."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"data-{shard:05d}.safetensors"
         tensors = {"input_ids": self.input_ids, "loss_mask": self.loss_mask, "offsets": self.offsets, "sampled": self.sampled}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"info": json.dumps(self.info)})
+        save_safetensors_atomic(tensors, path, {"info": json.dumps(self.info)})
         return path
 
     @classmethod
@@ -166,6 +166,21 @@ class TokenDataset:
         out.info.update(num_sequences=len(out), num_tokens=int(out.offsets[-1]),
                         num_response_tokens=out.num_response_tokens(), num_sampled=int(out.sampled.sum()))
         return out
+
+
+def save_safetensors_atomic(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write `tensors` to the safetensors file `path` so that `path` only ever holds a whole file:
+    written to `path`.tmp, flushed to disk, then renamed over `path` (os.replace). An interrupt
+    (a second Ctrl-C, a kill) midway leaves the previous file or none, and at most a stray .tmp,
+    never a half file that a later run would read back as data."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:  # renamed only once its bytes are on disk (a crash keeps the old file, not a hole)
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 # split_validation holds out at most this many sequences: validation runs the target and the drafter

@@ -13,6 +13,7 @@ per-batch (HF) seed; the rest greedily.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -45,13 +46,16 @@ def sampling_plan(n: int, sampled_fraction: float, seed: int) -> list[bool]:
 def generate_with_engine(
     llm, prompt_ids: list[list[int]], max_new_tokens: int, sampled: list[bool], temperature: float = 0.7,
     seed: int = 0, progress: bool = False, deadline: float | None = None,
+    should_stop: Callable[[], bool] | None = None, on_finished: Callable[[], None] | None = None,
 ) -> list[list[int] | None]:
     """Responses from our engine: greedy, or sampled at `temperature` with seed `seed + i` for prompt i.
 
     Each response is the generated token ids, EOS included when the target stopped. With a
-    wall-clock `deadline` (time.time() seconds) prompts are fed to the engine in order, a few
-    more than it runs at once, and when the deadline passes the unfinished ones are aborted:
-    their entries are None (as `generate_with_hf`). Without one, every prompt is answered
+    wall-clock `deadline` (time.time() seconds) or a `should_stop` callable (checked before each
+    engine step), prompts are fed to the engine in order, a few more than it runs at once, and
+    when the deadline passes or should_stop() returns True the unfinished ones are aborted: their
+    entries are None (as `generate_with_hf`). `on_finished` (no argument) is called as each prompt
+    is answered, on that path too. Without any of the three, every prompt is answered
     (`LLM.generate`).
     """
     from blockdraft.sampling_params import SamplingParams
@@ -62,25 +66,32 @@ def generate_with_engine(
         )
         for i, s in enumerate(sampled)
     ]
-    if deadline is None:
+    if deadline is None and should_stop is None and on_finished is None:
         outs = llm.generate(prompt_ids, params, use_tqdm=progress)
         return [list(o.token_ids) for o in outs]
-    return _generate_until(llm.engine, prompt_ids, params, deadline, progress)
+    return _generate_until(llm.engine, prompt_ids, params, deadline, progress, should_stop, on_finished)
 
 
-def _generate_until(engine, prompt_ids: list[list[int]], params: list, deadline: float,
-                    progress: bool) -> list[list[int] | None]:
-    """Drive `engine` over the prompts until all are answered or `deadline` passes (see
-    generate_with_engine). The waiting queue is kept short (2x max_num_seqs in flight) so that
-    aborting at the deadline touches few requests."""
+def _generate_until(engine, prompt_ids: list[list[int]], params: list, deadline: float | None, progress: bool,
+                    should_stop: Callable[[], bool] | None = None,
+                    on_finished: Callable[[], None] | None = None) -> list[list[int] | None]:
+    """Drive `engine` over the prompts until all are answered, `deadline` passes or should_stop()
+    (see generate_with_engine). The waiting queue is kept short (2x max_num_seqs in flight) so that
+    aborting touches few requests."""
     from tqdm.auto import tqdm
 
     from blockdraft.engine.feed import feed_requests
 
     bar = tqdm(total=len(prompt_ids), desc="generate", unit="req", disable=not progress)
+
+    def finished(_) -> None:
+        bar.update(1)
+        if on_finished is not None:
+            on_finished()
+
     try:
         outs = feed_requests(engine, prompt_ids, params, 2 * engine.scheduler.config.max_num_seqs, deadline=deadline,
-                             id_prefix="answer", on_finished=lambda _: bar.update(1))
+                             should_stop=should_stop, id_prefix="answer", on_finished=finished)
     finally:
         bar.close()
     return [None if o is None else list(o.token_ids) for o in outs]

@@ -4,6 +4,8 @@ Layout of `--out`:
     data/          the token dataset (see training/dataset.py), reused when present if it was made
                    for the same target, target dtype, data settings and --seed (`reuse_dataset`),
                    with --no-resume too (it starts the training over, not the answers)
+    data/partial/  while answering: the answers saved so far, wave by wave (training/answer_journal.py),
+                   which the same command continues after an interrupt; removed once data/ is saved
     checkpoint/    resumable trainer state (training/trainer.py)
     train_log.jsonl one line per --log-every steps; with --val-fraction also validation lines
                    ("split": "val": loss and per-slot accuracy on the held-out answers)
@@ -27,7 +29,6 @@ import math
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
 # `--tiny`: a smoke run in seconds on the CPU (CI); any option given explicitly still wins.
@@ -56,7 +57,8 @@ SYNTH_OPENERS = ("none", "general")
 ANSWER_MAX_NUM_SEQS = {"cpu": 32, "cuda": 512}
 
 # --dtype auto: bf16 on the GPU (the recipe behind the shipped drafters answers and trains in bf16),
-# fp32 on the CPU, where bf16 matmuls are slower and fp32 answers do not depend on the batch.
+# fp32 on the CPU, where bf16 matmuls are slower and another batch changes fp32 logits only in their
+# last bits (up to 1.2e-5 in log-probabilities measured: answer_journal.py), flipping only near-ties.
 TARGET_DTYPE_AUTO = {"cpu": "float32", "cuda": "bfloat16"}
 TARGET_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -426,24 +428,54 @@ def answering_engine_kwargs(device: str, max_num_seqs: int | None, num_requests:
             "num_kv_blocks": max(1024, max_num_seqs * per_request)}
 
 
+def answering_setup(settings: dict, args, target_path: str, vocab_size: int, num_prompts: int,
+                    device: str) -> tuple[dict, dict]:
+    """(engine keyword arguments, journal header) of the answering of `num_prompts` chosen prompts
+    (plus --synth-prompts): answering_engine_kwargs and answer_journal.answering_header."""
+    from blockdraft.training.answer_journal import answering_header
+
+    engine = answering_engine_kwargs(device, getattr(args, "max_num_seqs", None), num_prompts + settings["synth_prompts"],
+                                     settings["max_prompt_tokens"], settings["max_new_tokens"])
+    header = answering_header(args.target, target_path, vocab_size, {k: settings[k] for k in DATA_SETTINGS}, args.seed,
+                              args.dtype, engine["max_num_seqs"])
+    return engine, header
+
+
+def _other_data(args) -> str:
+    """What a message adds to "use a new --out" when the data folder is a --data one."""
+    return " (or another --data folder)" if getattr(args, "data", None) else ""
+
+
 def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
-                  chosen: tuple[list[list[int]], dict, list[str]], device: str = "cpu"):
+                  chosen: tuple[list[list[int]], dict, list[str]], device: str = "cpu",
+                  should_stop=None):
     """Generate the dataset into `folder` with our engine on `device`: the target answers the `chosen`
     prompts (select_training_prompts) and, with --synth-prompts, requests it writes itself (starting
     with GENERAL_OPENERS in turn for --synth-openers general, bare for none); at most
     --max-num-seqs at once (answering_engine_kwargs). The engine (its KV pool, its CUDA graphs) is
     freed before returning, so training gets the memory.
 
-    Returns the TokenDataset (also saved to `folder`; its info records device, dtype, max_num_seqs).
+    Both are answered in waves saved as they complete to `folder`/partial (training/answer_journal.py),
+    which a later call with the same settings continues (the requests and waves saved are read back,
+    said on stderr; --synth-prompts are not written again): the dataset comes out the same as an
+    uninterrupted call's. `should_stop` (a callable, checked between engine steps): once it returns
+    True the wave in progress is dropped, one line on stderr says how many of how many requests are
+    saved and that the same command resumes, and KeyboardInterrupt is raised.
+
+    Returns the TokenDataset (also saved to `folder`, then the journal removed; its info records
+    device, dtype, max_num_seqs, wave_size; gen_seconds sums the waves of every run that made them).
     Raises:
-        ValueError: the answering engine's KV pool does not fit the GPU (names --max-num-seqs).
+        ValueError: the answering engine's KV pool does not fit the GPU (names --max-num-seqs); a
+            journal in `folder` made with other settings (answer_journal.check_journal).
+        KeyboardInterrupt: stopped by `should_stop` (above).
     """
     import gc
 
     import torch
 
     from blockdraft.llm import LLM
-    from blockdraft.training.generate import encode_prompts, generate_with_engine, sampling_plan, to_dataset
+    from blockdraft.training.answer_journal import AnswerJournal, AnsweringStopped, answer_in_waves, check_journal
+    from blockdraft.training.generate import encode_prompts, sampling_plan, to_dataset
 
     prompts, stats, eval_texts = chosen
     engine = answering_engine_kwargs(device, getattr(args, "max_num_seqs", None), len(prompts) + settings["synth_prompts"],
@@ -454,31 +486,55 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
         raise ValueError(f"--max-num-seqs {engine['max_num_seqs']}: the answering engine's KV pool of "
                          f"{engine['num_kv_blocks']} pages (that many prompts of --max-prompt-tokens + "
                          f"--max-new-tokens) does not fit in the GPU's memory; lower --max-num-seqs") from e
-    t0 = time.perf_counter()
-    if settings["synth_prompts"]:  # requests the target writes itself, after the ShareGPT ones (training/synth.py)
-        from blockdraft.training.synth import GENERAL_OPENERS, synthesize_prompts
+    journal = AnswerJournal(folder)
+    try:
+        _, header = answering_setup(settings, args, target_path, target.config.vocab_size, len(prompts), device)
+        check_journal(journal, header, _other_data(args))  # train_drafter checked it before loading; other callers
+        journal.start(header)
+        wave = header["wave_size"]
+        saved = journal.requests()
+        if saved is not None:  # chosen and synthesized by the run that was interrupted
+            prompts, sampled, stats = saved
+        else:
+            prompts, stats = list(prompts), dict(stats)
+            if settings["synth_prompts"]:  # requests the target writes itself, after the ShareGPT ones (training/synth.py)
+                from blockdraft.training.synth import GENERAL_OPENERS, synthesize_prompts
 
-        openers = GENERAL_OPENERS if settings["synth_openers"] == "general" else ("",)  # --synth-openers
-        synth, stats["synthesized"] = synthesize_prompts(llm, settings["synth_prompts"], eval_texts, seed=args.seed,
-                                                         max_tokens=settings["max_prompt_tokens"], progress=True,
-                                                         openers=openers)
-        stats["synthesized"]["openers"] = len(openers)  # as gpu_run records them (training/answering.py)
-        synth_ids, _ = encode_prompts(target.tokenizer, synth, settings["max_prompt_tokens"])
-        stats["synthesized"].update(encoded=len(synth_ids), over_max_prompt_tokens=len(synth) - len(synth_ids))
-        prompts += synth_ids
-    sampled = sampling_plan(len(prompts), settings["sampled_fraction"], args.seed)
-    responses = generate_with_engine(llm, prompts, settings["max_new_tokens"], sampled, 0.7, args.seed, progress=True)
+                def journaled(prompt_ids, max_tokens, sampled, temperature, seed):
+                    return answer_in_waves(journal, "synth", llm, prompt_ids, sampled, max_tokens, temperature, seed,
+                                           wave, should_stop, progress=True)
+
+                openers = GENERAL_OPENERS if settings["synth_openers"] == "general" else ("",)  # --synth-openers
+                synth, stats["synthesized"] = synthesize_prompts(llm, settings["synth_prompts"], eval_texts,
+                                                                 seed=args.seed, max_tokens=settings["max_prompt_tokens"],
+                                                                 progress=True, openers=openers, generate=journaled)
+                stats["synthesized"]["openers"] = len(openers)  # as gpu_run records them (training/answering.py)
+                synth_ids, _ = encode_prompts(target.tokenizer, synth, settings["max_prompt_tokens"])
+                stats["synthesized"].update(encoded=len(synth_ids), over_max_prompt_tokens=len(synth) - len(synth_ids))
+                prompts += synth_ids
+            sampled = sampling_plan(len(prompts), settings["sampled_fraction"], args.seed)
+            journal.save_requests(prompts, sampled, stats)
+        responses = answer_in_waves(journal, "answers", llm, prompts, sampled, settings["max_new_tokens"], 0.7,
+                                    args.seed, wave, should_stop, progress=True)
+    except AnsweringStopped as e:
+        what = ("prompts answered" if e.stage == "answers" else
+                "--synth-prompts requests written (the prompts are answered after them)")
+        print(f"train-drafter: stopped answering: {e.done} of {e.total} {what} and saved in {journal.folder}; the "
+              f"same command resumes from there", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt from None
+    finally:
+        del llm
+        gc.collect()  # CUDA graphs keep closures over their owners (cycles); collect them so empty_cache frees the pool
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     info = {"target": args.target, "target_path": target_path, "vocab_size": target.config.vocab_size,
             "settings": {k: settings[k] for k in DATA_SETTINGS}, "generator": "blockdraft engine",
-            "device": device, "dtype": args.dtype, "max_num_seqs": engine["max_num_seqs"],
+            "device": device, "dtype": args.dtype, "max_num_seqs": engine["max_num_seqs"], "wave_size": wave,
             "sampled_temperature": 0.7, "seed": args.seed, "prompt_stats": stats,
-            "gen_seconds": round(time.perf_counter() - t0, 1)}
+            "gen_seconds": round(journal.seconds(), 1)}
     data = to_dataset(prompts, responses, sampled, info)
     data.save(folder)
-    del llm
-    gc.collect()  # CUDA graphs keep closures over their owners (cycles); collect them so empty_cache frees the pool
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    journal.remove()  # after the dataset is whole on disk: a kill in between keeps both, and the dataset is reused
     return data
 
 
@@ -617,7 +673,11 @@ def train_drafter(args) -> dict:
             leaves no answer to train on, a dataset made with
             other settings or --seed or answered in another target dtype (reuse_dataset; before any weights
             load, --no-resume or not), or a checkpoint in `out` of another target dtype
-            (check_resume_dtype) or other training settings (Trainer.load_checkpoint).
+            (check_resume_dtype) or other training settings (Trainer.load_checkpoint), or an
+            interrupted answering saved in the data folder with other settings
+            (answer_journal.check_journal; before any weights load).
+        KeyboardInterrupt: after a first Ctrl-C / SIGTERM, once what was done is saved (the answers
+            so far, build_dataset; or a checkpoint and the drafter so far), or at once on a second.
     """
     import torch
 
@@ -626,6 +686,7 @@ def train_drafter(args) -> dict:
     from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter, load_drafter
     from blockdraft.spec.dflash.config import DEFAULT_BLOCK_SIZE
     from blockdraft.spec.draft_vocab import leading_ids, rank_dataset, write_dataset_draft_vocab
+    from blockdraft.training.answer_journal import AnswerJournal, check_journal
     from blockdraft.training.build import init_from, new_drafter, num_parameters
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import EngineTarget
@@ -682,12 +743,20 @@ def train_drafter(args) -> dict:
         grown = init_from(drafter, {k: v.float() for k, v in load_drafter(init[0], target_config, torch.float32)
                                     .state_dict().items()})
     chosen = None if data is not None else select_training_prompts(load_tokenizer(path), settings, args)
+    if chosen is not None:  # an interrupted answering's journal (answer_journal.py) is checked before loading too
+        check_journal(AnswerJournal(folder), answering_setup(settings, args, str(path), target_config.vocab_size,
+                                                             len(chosen[0]), device)[1], _other_data(args))
     out.mkdir(parents=True, exist_ok=True)
     # Unpacked: the loss back-propagates through the frozen LM head into the drafter (packed CPU
     # weights are inference-only; an untied LM head, as Qwen's, is one).
     target = load_target(str(path), args.dtype, device, args.cache_dir, pack_weights=False)
     if data is None:
-        data = build_dataset(target, settings, args, folder, str(path), chosen, device)
+        with deferred_interrupt(ANSWERING_STOP) as stop:
+            data = build_dataset(target, settings, args, folder, str(path), chosen, device, should_stop=lambda: stop.hit)
+        if stop.hit:  # the signal came as the last wave finished: the answers are all saved, nothing trained yet
+            print(f"train-drafter: stopped after answering: the dataset is saved in {folder}; the same command "
+                  f"trains on it", file=sys.stderr, flush=True)
+            raise KeyboardInterrupt
     # The held-out answers (--val-fraction) are neither trained on nor ranked into the draft vocabulary.
     train_data, val_data = split_answers(data, args)
     if val_data is not None:
@@ -760,13 +829,19 @@ class _Flag:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what kill / timeout / job schedulers send
 
 
+TRAINING_STOP = "stopping after this step and saving a checkpoint (again: stop now, unsaved)"
+ANSWERING_STOP = ("stopping the answering now, keeping the answers saved so far (again: stop at once; what is saved "
+                  "stays)")
+
+
 @contextlib.contextmanager
-def deferred_interrupt():
+def deferred_interrupt(note: str = TRAINING_STOP):
     """While the block runs, the first Ctrl-C (SIGINT) or SIGTERM sets the yielded flag's `hit`
     instead of ending the process, so that training stops at the end of its step, checkpoints and
-    exports (an interrupt inside an optimizer step would leave half-updated weights); a second one
-    raises KeyboardInterrupt at once. Off the main thread (where signal handlers cannot be set) the
-    flag just stays False."""
+    exports (an interrupt inside an optimizer step would leave half-updated weights), or the
+    answering stops between engine steps keeping its saved waves; `note` says which on stderr
+    after the signal's name. A second one raises KeyboardInterrupt at once. Off the main thread
+    (where signal handlers cannot be set) the flag just stays False."""
     flag = _Flag()
     if threading.current_thread() is not threading.main_thread():
         yield flag
@@ -777,8 +852,7 @@ def deferred_interrupt():
         if flag.hit:
             raise KeyboardInterrupt
         flag.hit = True
-        print(f"\ntrain-drafter: {signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-              f"(again: stop now, unsaved)", file=sys.stderr, flush=True)
+        print(f"\ntrain-drafter: {signal.Signals(signum).name}: {note}", file=sys.stderr, flush=True)
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)

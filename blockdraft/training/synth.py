@@ -46,7 +46,7 @@ def pre_query_ids(tokenizer) -> list[int]:
 def synthesize_prompts(
     llm, num_samples: int, eval_texts: list[str], seed: int = 0, temperature: float = 1.0,
     max_tokens: int = 256, deadline: float | None = None, progress: bool = False,
-    openers: tuple[str, ...] | list[str] = ("",),
+    openers: tuple[str, ...] | list[str] = ("",), generate=None,
 ) -> tuple[list[str], dict]:
     """User requests written by `llm`'s target from its pre-query template, filtered.
 
@@ -59,6 +59,10 @@ def synthesize_prompts(
         openers: sample i starts its request with openers[i % len(openers)] (written after the
             pre-query template, kept in the request's text); ("",): plain Magpie. GENERAL_OPENERS
             steers a coder model towards other kinds of requests.
+        generate: samples the requests instead of generate_with_engine(llm, ..., deadline=deadline):
+            called as generate(prompt_ids, max_tokens, sampled, temperature, seed), it returns one
+            token id list (or None: not done) per prompt, the sample of prompt i seeded `seed + i`
+            (train-drafter's journaled, interruptible answering: training/answer_journal.py).
     Returns:
         (texts, stats): the kept requests (deduplicated, eval-free, shuffled with `seed`) and counts:
         sampled; unfinished (no end of turn) = out_of_time (not done by the deadline) + too_long
@@ -83,8 +87,11 @@ def synthesize_prompts(
     pre = pre_query_ids(tok)
     starts = [tok.encode(o, add_special_tokens=False) if o else [] for o in openers]
     first = [starts[i % len(starts)] for i in range(num_samples)]
-    outs = generate_with_engine(llm, [pre + s for s in first], max_tokens, [True] * num_samples, temperature, seed,
-                                progress=progress, deadline=deadline)
+    if generate is None:
+        def generate(prompt_ids, max_new_tokens, sampled, temp, first_seed):
+            return generate_with_engine(llm, prompt_ids, max_new_tokens, sampled, temp, first_seed, progress=progress,
+                                        deadline=deadline)
+    outs = generate([pre + s for s in first], max_tokens, [True] * num_samples, temperature, seed)
     texts = [tok.decode(s + o[:-1]) for s, o in zip(first, outs) if o and o[-1] in eos]
     out_of_time = sum(o is None for o in outs)
     kept, stats = select_prompts(texts, eval_texts, num_samples, seed=seed)
