@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.training.dataset import save_safetensors_atomic
+from blockdraft.training.dataset import data_settings_differences, save_safetensors_atomic
 
 JOURNAL_DIR = "partial"  # not data-*.safetensors: reuse_dataset never takes it for a finished dataset
 FORMAT = 1
@@ -173,8 +173,6 @@ def journal_differences(recorded: dict, now: dict) -> list[tuple[str, object, ob
     """(flag, recorded, now) for each way the journal header `recorded` differs from `now` (both
     answering_header dicts), in flag order. The target counts as the same when its name or its
     resolved folder matches (a catalog name then its folder is the same model)."""
-    from blockdraft.training.pipeline import data_settings_differences
-
     differ = []
     if recorded.get("format") != now["format"]:
         differ.append(("journal format", recorded.get("format"), now["format"]))

@@ -270,3 +270,20 @@ def epoch_batches(lengths: torch.Tensor, batch_size: int, seed: int, epoch: int)
         batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
     perm = torch.randperm(len(batches), generator=g).tolist()
     return [batches[p] for p in perm]
+
+
+def data_settings_differences(made: dict, asked: dict) -> list[tuple[str, object, object]]:
+    """(name, recorded, asked) for each data setting in `asked` that a dataset's info["settings"]
+    (`made`) records with another value, in the order of `asked`; settings it does not record are
+    not compared.
+
+    A dataset that records synth_prompts but no synth_openers was made before --synth-openers, when
+    the requests started bare: it counts as "none". synth_openers is not compared when the dataset
+    holds no synthesized request and none is asked for (synth_prompts 0 on both sides; when
+    `asked` has no synth_prompts, the dataset's stands): the openers then changed nothing.
+    """
+    if "synth_prompts" in made:
+        made = {"synth_openers": "none", **made}
+        if made["synth_prompts"] == 0 and asked.get("synth_prompts", 0) == 0:  # absent: the dataset's 0
+            asked = {k: v for k, v in asked.items() if k != "synth_openers"}
+    return [(name, made[name], value) for name, value in asked.items() if name in made and made[name] != value]

@@ -260,7 +260,7 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
     It is reused only when made for this target (its recorded name or folder), with token ids
     inside the target's vocabulary, and with the data settings asked for: all of DATA_SETTINGS
     for the run's own OUT/data, those given explicitly for a --data folder (whose recorded ones
-    otherwise stand), as data_settings_differences compares them (a dataset that records no
+    otherwise stand), as dataset.data_settings_differences compares them (a dataset that records no
     synth_openers counts as made with "none"; the openers are not compared when neither it nor the
     run synthesizes requests). Likewise the target dtype its answers were made in (info["dtype"]; greedy
     answers differ at near-ties between float32 and bfloat16): it must be `args.dtype` (the
@@ -286,7 +286,7 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
             differs).
     """
     from blockdraft.llm import _catalog_name
-    from blockdraft.training.dataset import SHARD_PATTERN, TokenDataset
+    from blockdraft.training.dataset import SHARD_PATTERN, TokenDataset, data_settings_differences
 
     if not any(folder.glob(SHARD_PATTERN)):
         return None
@@ -343,23 +343,6 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
               f"run trains it in {dtype} (--dtype {asked_dtype} on {device}): pass --dtype {answered_in} to "
               f"train in the dtype that answered", file=sys.stderr)
     return data
-
-
-def data_settings_differences(made: dict, asked: dict) -> list[tuple[str, object, object]]:
-    """(name, recorded, asked) for each data setting in `asked` that a dataset's info["settings"]
-    (`made`) records with another value, in the order of `asked`; settings it does not record are
-    not compared.
-
-    A dataset that records synth_prompts but no synth_openers was made before --synth-openers, when
-    the requests started bare: it counts as "none". synth_openers is not compared when the dataset
-    holds no synthesized request and none is asked for (synth_prompts 0 on both sides; when
-    `asked` has no synth_prompts, the dataset's stands): the openers then changed nothing.
-    """
-    if "synth_prompts" in made:
-        made = {"synth_openers": "none", **made}
-        if made["synth_prompts"] == 0 and asked.get("synth_prompts", 0) == 0:  # absent: the dataset's 0
-            asked = {k: v for k, v in asked.items() if k != "synth_openers"}
-    return [(name, made[name], value) for name, value in asked.items() if name in made and made[name] != value]
 
 
 def _dtype_flag(asked: str, dtype: str, device: str) -> str:
@@ -551,6 +534,7 @@ def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: i
     one that differs from the finished run's dataset makes this None too, so that the dataset
     check (reuse_dataset) refuses it by name instead of the rerun ignoring it.
     """
+    from blockdraft.training.dataset import data_settings_differences
     from blockdraft.training.trainer import checkpoint_differences, read_checkpoint_state
 
     state = read_checkpoint_state(out)

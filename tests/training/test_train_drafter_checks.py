@@ -382,7 +382,7 @@ def test_data_without_synthesized_requests_is_reused_whatever_the_openers(record
 
 
 def test_data_settings_differences_reads_old_datasets_as_bare_openers():
-    from blockdraft.training.pipeline import data_settings_differences as differences
+    from blockdraft.training.dataset import data_settings_differences as differences
 
     old = {"synth_prompts": 8, "num_prompts": 4}  # made before --synth-openers
     assert differences(old, {"synth_prompts": 8, "synth_openers": "general"}) == [("synth_openers", "none", "general")]
