@@ -4,18 +4,21 @@
 from __future__ import annotations
 
 CHAT_ROLES = ("system", "user", "assistant")
+# The server also takes OpenAI's `developer` role, given to the chat template as `system`
+# (blockdraft.server.protocol.ChatMessage.template_message).
+SERVER_CHAT_ROLES = (*CHAT_ROLES, "developer")
 
 
-def check_role(role) -> str:
-    """Return `role` when it is one of CHAT_ROLES.
+def check_role(role, allowed: tuple[str, ...] = CHAT_ROLES) -> str:
+    """Return `role` when it is one of `allowed` (default CHAT_ROLES).
 
     Raises:
         ValueError: any other value; names it (its first 32 characters: it may come from an HTTP
             body) and the allowed roles.
     """
-    if not isinstance(role, str) or role not in CHAT_ROLES:
+    if not isinstance(role, str) or role not in allowed:
         shown = role[:32] if isinstance(role, str) else role
-        raise ValueError(f"role {shown!r} is not supported; allowed roles: {', '.join(map(repr, CHAT_ROLES))}")
+        raise ValueError(f"role {shown!r} is not supported; allowed roles: {', '.join(map(repr, allowed))}")
     return role
 
 

@@ -57,13 +57,16 @@ def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> l
 def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
     """Token ids of the conversation through the tokenizer's chat template (with the assistant cue).
 
+    Messages reach the template as ChatMessage.template_message() gives them: developer as system,
+    `name` passed on when given.
+
     Raises:
         APIError(400): the model has no chat template, or the template refused the conversation
             (e.g. roles that must alternate).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions with a plain prompt", param="messages")
-    messages = [{"role": m.role, "content": m.text} for m in req.messages]
+    messages = [m.template_message() for m in req.messages]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # jinja2 TemplateError, or raise_exception() inside the template

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from blockdraft.chat_messages import check_role
+from blockdraft.chat_messages import SERVER_CHAT_ROLES, check_role
 from blockdraft.server.errors import APIError
 
 # field -> its neutral values (accepted because they change nothing; null is always neutral).
@@ -118,11 +118,16 @@ class TextPart(_Strict):
     text: str
 
 
+MAX_NAME_CHARS = 256
+
+
 class ChatMessage(_Strict):
-    """One chat message. Roles: system, user, assistant. Content: a string or text parts."""
+    """One chat message. Roles: system, developer (rendered as system), user, assistant. Content: a
+    string or text parts. name: OpenAI's optional participant name, passed on to the chat template."""
 
     role: str
     content: str | list[TextPart]
+    name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -139,13 +144,25 @@ class ChatMessage(_Strict):
     @field_validator("role")
     @classmethod
     def _known_role(cls, v: str) -> str:
-        return check_role(v)
+        return check_role(v, SERVER_CHAT_ROLES)
 
     @property
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
         return "\n".join(p.text for p in self.content)
+
+    def template_message(self) -> dict:
+        """The message as the chat template gets it: {"role", "content"} plus "name" when given.
+
+        OpenAI documents `developer` messages as taking the place of `system` messages (for newer
+        models); chat templates know only `system`, so a developer message is given as a system one
+        and renders exactly as it. Templates that do not use `name` ignore it (as with vLLM).
+        """
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_SamplingRequest):

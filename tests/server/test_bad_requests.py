@@ -89,7 +89,9 @@ CASES = [
     ("chat-content-int", CHAT, _chat(messages=[{"role": "user", "content": 5}]), {}, 400, "messages[0].content"),
     ("chat-missing-content", CHAT, _chat(messages=[{"role": "user"}]), {}, 400, "messages[0].content"),
     ("chat-image-part", CHAT, _chat(messages=[{"role": "user", "content": [IMAGE_PART]}]), {}, 400, "'image_url' is not supported"),
-    ("chat-message-extra-field", CHAT, _chat(messages=[{"role": "user", "content": "w05x", "name": "bob"}]), {}, 400, "messages[0].name"),
+    ("chat-message-extra-field", CHAT, _chat(messages=[{"role": "user", "content": "w05x", "speaker": "bob"}]), {}, 400, "messages[0].speaker"),
+    ("chat-message-name-not-string", CHAT, _chat(messages=[{"role": "user", "content": "w05x", "name": 5}]), {}, 400, "messages[0].name"),
+    ("chat-message-name-too-long", CHAT, _chat(messages=[{"role": "user", "content": "w05x", "name": "b" * 300}]), {}, 400, "messages[0].name"),
     ("chat-top-logprobs-without-logprobs", CHAT, _chat(top_logprobs=2), {}, 400, "top_logprobs"),
     ("chat-both-max-tokens", CHAT, _chat(max_completion_tokens=4), {}, 400, "max_completion_tokens"),
     ("chat-tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), {}, 400, "tools"),
@@ -155,6 +157,18 @@ def test_errors_name_the_field(http):
     assert r.json()["error"]["param"] == "stop" and "--" not in r.json()["error"]["message"]
     r = http.post(CHAT, json=_chat(messages=[{"role": "user", "content": "w05x"}, {"role": "bot", "content": "w05x"}]))
     assert r.json()["error"]["param"] == "messages[1].role"
+
+
+def test_message_name_and_developer_role_are_accepted_as_in_vllm(http):
+    """`messages[i].name` is accepted (the tiny template ignores it) and a developer message is
+    answered as the same system message: same greedy choice, same prompt tokens."""
+    system = [{"role": "system", "content": "w09x"}, {"role": "user", "content": "w05x"}]
+    developer = [{"role": "developer", "content": "w09x", "name": "planner"}, {"role": "user", "content": "w05x", "name": "bob"}]
+    answers = [http.post(CHAT, json=_chat(messages=m, temperature=0)) for m in (system, developer)]
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+    a, b = (r.json() for r in answers)
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
 
 
 def test_neutral_values_of_unsupported_fields_are_accepted(http):
