@@ -91,16 +91,22 @@ def test_dflash_outputs_equal_plain_and_metrics_equal_summed_response_stats(plai
     assert sum(1 for c in total["pos"].values() if c) >= 2  # accepted at more than one position
 
 
-def test_a_request_may_use_the_whole_context_v1_models_reports(dflash_server):
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
+def test_a_request_may_use_the_whole_context_v1_models_reports(plain_server, dflash_server, sampling):
     """/v1/models' max_model_len is what prompt + max_tokens may reach with a drafter too (requests
     were refused past max_model_len - (K + 1) when the KV pool capped the context); the engine
-    drops the drafts that would pass its end."""
+    drops the drafts that would pass its end, and the output up to the last token is plain decoding's
+    (the plain server's larger pool runs the same request uncut)."""
     assert httpx.get(dflash_server.v1 + "/models").json()["data"][0]["max_model_len"] == 384  # 96 x 4: the pool's
+    assert httpx.get(plain_server.v1 + "/models", headers={"Authorization": f"Bearer {plain_server.api_key}"}
+                     ).json()["data"][0]["max_model_len"] > 384
     client = openai_client(dflash_server)
-    kw = dict(model=MODEL_NAME, prompt=[5] * 10, temperature=0.0, extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL_NAME, prompt=[5] * 10, extra_body={"ignore_eos": True}, **sampling)
     out = client.completions.create(max_tokens=374, **kw)
     assert out.choices[0].finish_reason == "length" and out.usage.total_tokens == 384
     assert out.model_extra["spec_decode_stats"]["num_drafts"] > 0
+    plain = openai_client(plain_server).completions.create(max_tokens=374, **kw)
+    assert out.choices[0].text == plain.choices[0].text
     with pytest.raises(openai.BadRequestError, match=r"prompt 0 has 10 tokens and max_tokens is 375: 385 tokens, more "
                                                      r"than this model's context of 384 tokens \(max_model_len in "
                                                      r"/v1/models\); lower max_tokens to at most 374"):
