@@ -156,6 +156,7 @@ class AnswerJournal:
         return sum(s for stage in STAGES for _, _, s in self.waves(stage).values())
 
     def remove(self) -> None:
+        """Delete the journal folder and everything in it (no error when it is absent)."""
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
