@@ -91,6 +91,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off; -1 also means off, as in vLLM)")
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2], subtracted once from the logit of each token already in the output (default 0: off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2], subtracted from each token's logit once per time it is in the output "
+                        "(default 0: off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0; logits of tokens in the prompt or the output are divided by it when positive, "
+                        "multiplied when negative (default 1: off; vLLM's and transformers' repetition_penalty)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models; float32 on a CPU "
                         "without native bf16, e.g. AVX2 only)")
@@ -383,7 +391,8 @@ def _generate(args) -> int:
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        logprobs=args.logprobs,
+        logprobs=args.logprobs, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )
     # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)
     check_logprobs_limit(params, DEFAULT_MAX_LOGPROBS, remedy="vLLM's default, fixed for the CLI")

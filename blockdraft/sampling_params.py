@@ -26,6 +26,12 @@ class SamplingParams:
     20, `LLM(max_logprobs=...)`; checked when the engine takes the request). detokenize: build the output text (default);
     False leaves `text` empty and skips decoding each new token (token ids only, e.g. training
     data; vLLM's `detokenize`), so it cannot be combined with stop strings.
+    presence_penalty / frequency_penalty: in [-2, 2] (OpenAI's range), subtracted from the logit of
+    every token already in the output: presence once, frequency once per occurrence (0 = off).
+    repetition_penalty: > 0 (1 = off); the logit of every token in the prompt or the output is
+    divided by it when positive and multiplied by it otherwise (CTRL, Keskar et al. 2019, section
+    4.1, as vLLM and transformers apply it). Penalties act on the logits before temperature, top-k
+    and top-p, greedy rows included; logprobs stay those of the raw model (vLLM's default).
 
     Raises:
         ValueError: naming the offending field and the allowed range (at construction, and again
@@ -42,6 +48,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     detokenize: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +89,14 @@ class SamplingParams:
         for flag in ("ignore_eos", "detokenize"):
             if not isinstance(getattr(self, flag), bool):
                 raise param_error(flag, f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise param_error(name, f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp < float("inf"):
+            raise param_error("repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), "
+                                                    f"got {rp!r}")
         if self.stop and not self.detokenize:
             raise param_error("stop", f"stop strings {self.stop!r} need the output text: drop them or keep "
                                       f"detokenize=True")
@@ -88,6 +105,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request decodes with argmax (temperature == 0)."""
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty changes the logits."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def resolved_seed(self) -> int:

@@ -30,6 +30,9 @@ class ScheduledRequest:
     previous step's tokens reach the host: its token_ids are PLACEHOLDER_TOKEN (-1) and its
     start_position -1; the runner builds both on the device from the previous step's output. A join
     step (Scheduler.schedule_join) has placeholder tokens at known positions.
+    penalty_history: (prompt token ids, committed output token ids) of a sampling request whose
+    params have penalties (blockdraft.sample.penalties), else None; the lists are the request's own
+    (read-only here), so a step that samples never copies them.
     """
 
     request_id: str
@@ -39,6 +42,7 @@ class ScheduledRequest:
     sample: bool
     block_ids: list[int]
     sampling_params: SamplingParams
+    penalty_history: tuple[list[int], list[int]] | None = None
 
 
 @dataclass

@@ -379,6 +379,8 @@ class Scheduler:
             sample=reaches_end,
             block_ids=list(req.block_ids),
             sampling_params=req.sampling_params,
+            penalty_history=(req.prompt_token_ids, req.output_token_ids)
+            if reaches_end and req.sampling_params.has_penalties else None,
         )
 
     def finish(self, req: Request) -> None:

@@ -21,6 +21,7 @@ from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
 from blockdraft.engine.outputs import SchedulerOutput
 from blockdraft.host_tensor import host_tensor
 from blockdraft.runner.staging import stage_to_device
+from blockdraft.sample.penalties import PENALTY_FIELDS, PenaltyEntries, penalty_entries
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
 
@@ -83,6 +84,7 @@ def build_input_batch(
     device = torch.device(device)
     ids, pos, qsl, seq_lens, sample_req, num_drafts = [], [], [0], [], [], []
     params: list[SamplingParams] = []  # one per sampling request (its 1 + k logits rows share it)
+    histories = []  # per sampling request: (prompt, output) when it has penalties, else None
     end = 0
     for i, sr in enumerate(so.requests):
         n, start = len(sr.token_ids), sr.start_position
@@ -95,6 +97,7 @@ def build_input_batch(
             sample_req.append(i)
             num_drafts.append(sr.num_spec_tokens)
             params.append(sr.sampling_params)
+            histories.append(sr.penalty_history)
     num_reqs, num_rows = len(so.requests), end
     width = max((len(sr.block_ids) for sr in so.requests), default=1)
     if padding is not None:
@@ -110,6 +113,7 @@ def build_input_batch(
     slot_mapping = _slot_mapping(block_table, layout.row_req, ids_pos[1], kv_block_size)
     kmax = max(num_drafts, default=0)
     sampling = SamplingTensors.from_params(params, "cpu", repeats=[k + 1 for k in num_drafts])
+    penalties = _penalties(so, sample_req, histories, params)
     host = {
         "input_ids": ids_pos[0],
         "positions": ids_pos[1],
@@ -123,6 +127,7 @@ def build_input_batch(
         "sample_req_index": layout.sample_req_index,
         "sample_num_drafts": layout.sample_num_drafts,
         **{f"sampling.{f}": getattr(sampling, f) for f in ("temperature", "top_k", "top_p", "seeds")},
+        **({f"penalties.{f}": getattr(penalties, f) for f in PENALTY_FIELDS} if penalties is not None else {}),
     }
     dev = stage_to_device(host, device)
     meta = AttentionMetadata(
@@ -147,11 +152,26 @@ def build_input_batch(
         sample_num_drafts=dev["sample_num_drafts"],
         kmax=kmax,
         sampling=dataclasses.replace(
-            sampling, **{f: dev[f"sampling.{f}"] for f in ("temperature", "top_k", "top_p", "seeds")}
+            sampling, **{f: dev[f"sampling.{f}"] for f in ("temperature", "top_k", "top_p", "seeds")},
+            penalties=None if penalties is None else PenaltyEntries(**{f: dev[f"penalties.{f}"] for f in PENALTY_FIELDS}),
         ),
         num_reqs=num_reqs,
         num_rows=num_rows,
     )
+
+
+def _penalties(so: SchedulerOutput, sample_req: list[int], histories: list, params: list[SamplingParams]):
+    """PenaltyEntries (host) of the step's sampling requests, or None when none has penalties.
+
+    A request's drafts are the last num_spec_tokens of its token_ids (what its verify rows follow).
+    """
+    if all(h is None for h in histories):
+        return None
+    drafts = []
+    for i in sample_req:
+        sr = so.requests[i]
+        drafts.append(sr.token_ids[len(sr.token_ids) - sr.num_spec_tokens:])
+    return penalty_entries(histories, drafts, params)
 
 
 class _Layout(NamedTuple):

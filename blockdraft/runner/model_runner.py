@@ -137,11 +137,11 @@ class ModelRunner:
     def can_continue(self, step: LaunchedStep) -> bool:
         """Whether `launch_continuation` can follow `step`: a graphed uniform step without
         log-probabilities (their logits live in the graph's output buffer, which the next replay
-        overwrites before `finish` reads them). False without continuation graphs (async
-        scheduling off)."""
+        overwrites before `finish` reads them) or penalties (`_continuable`). False without
+        continuation graphs (async scheduling off)."""
         if not step.graphed or self.graphs.continuation is None:
             return False
-        return all(sr.sampling_params.logprobs is None for sr in step.so.requests)
+        return all(_continuable(sr.sampling_params) for sr in step.so.requests)
 
     @torch.inference_mode()
     def launch_continuation(self, prev: LaunchedStep, so: SchedulerOutput) -> LaunchedStep | None:
@@ -213,12 +213,12 @@ class ModelRunner:
         """Whether `launch_join` can follow `step`: uniform-step graphs with async scheduling
         (continuation graphs built), every request of `step` samples one token without drafts to
         verify, and none asks for log-probabilities (the join's replay would overwrite the logits
-        before `finish` reads them)."""
+        before `finish` reads them) or has penalties (`_continuable`)."""
         if self.graphs is None or self.graphs.continuation is None or step.batch.kmax:
             return False
         if len(step.batch.sample_req) != len(step.so.requests):
             return False
-        return all(sr.sampling_params.logprobs is None for sr in step.so.requests)
+        return all(_continuable(sr.sampling_params) for sr in step.so.requests)
 
     @torch.inference_mode()
     def launch_join(self, prev: LaunchedStep, so: SchedulerOutput) -> LaunchedStep | None:
@@ -293,7 +293,7 @@ class ModelRunner:
         """
         logits, aux = self.graphs.target.run(batch, load=not loaded)
         logits = logits[: batch.num_rows]  # uniform: logits_indices = every real row, in order
-        sampled = None if batch.sampling.all_greedy else _sample(batch, logits, self.compiled_sampling)
+        sampled = None if batch.sampling.argmax_only else _sample(batch, logits, self.compiled_sampling)
         packed = self._timed_tail(timer, lambda: self.graphs.tail.run(batch.meta.num_reqs, aux, sampled))
         return logits, packed
 
@@ -303,7 +303,7 @@ class ModelRunner:
         prefill = self.graphs.prefill
         logits, aux = prefill.run(batch)
         logits = logits[: len(batch.sample_req)]  # the real requests' rows (every request samples)
-        sampled = None if batch.sampling.all_greedy else _sample(batch, logits, self.compiled_sampling)
+        sampled = None if batch.sampling.argmax_only else _sample(batch, logits, self.compiled_sampling)
         tail = lambda: prefill.run_tail(batch.meta.num_reqs, batch.input_ids.shape[0], aux, sampled)  # noqa: E731
         packed = self._timed_tail(timer, tail)
         return LaunchedStep(so, batch, packed, start_fetch(packed[: len(batch.sample_req)]), logits, timer,
@@ -346,9 +346,16 @@ class ModelRunner:
         return spec.propose(aux, batch.positions, slots, bonus, bonus_positions, block_table)
 
 
+def _continuable(params) -> bool:
+    """Whether a request may take part in a step launched before its previous step is read back:
+    not when it asks for log-probabilities (its logits must be read first) or has penalties (they
+    count its output tokens, which the host does not have yet)."""
+    return params.logprobs is None and not params.has_penalties
+
+
 def _sample(batch: InputBatch, logits: torch.Tensor, compiled: bool = False) -> torch.Tensor:
     """[L] int64 token per logits row."""
-    if batch.sampling.all_greedy:  # what sample() returns for all-greedy rows, without the key positions
+    if batch.sampling.argmax_only:  # what sample() returns for all-greedy rows, without the key positions
         return fused_argmax(logits, fused=False)  # torch.argmax (on the CPU over float32: faster, same ids)
     # the token sampled from row r sits at position r + 1: that position keys its noise
     return batch.sampling.sample(logits, batch.positions[batch.logits_indices] + 1, compiled=compiled)

@@ -38,6 +38,7 @@ import torch
 
 from blockdraft.host_tensor import host_tensor
 from blockdraft.layers.fused_ops import argmax as fused_argmax
+from blockdraft.sample.penalties import PenaltyEntries, apply_penalties
 from blockdraft.sampling_params import SamplingParams
 
 __all__ = [
@@ -373,6 +374,9 @@ class SamplingTensors:
     seeds: [N] int64 (params.resolved_seed, reduced mod 2**64 to int64).
     all_greedy: every row greedy. any_top_k / any_top_p: some non-greedy row uses top-k / top-p.
     max_top_k: max top_k over non-greedy rows when all of them use top-k, else None.
+    penalties: presence / frequency / repetition penalty entries over these rows
+    (blockdraft.sample.penalties; None: no row has penalties), applied before sampling, greedy
+    rows included. `from_params` leaves it None: the runner builds it from the requests' histories.
     """
 
     temperature: torch.Tensor
@@ -383,6 +387,12 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
     max_top_k: int | None
+    penalties: PenaltyEntries | None = None
+
+    @property
+    def argmax_only(self) -> bool:
+        """Every row's token is the argmax of its raw logits: all greedy and no penalties."""
+        return self.all_greedy and self.penalties is None
 
     @classmethod
     def from_params(
@@ -425,7 +435,11 @@ class SamplingTensors:
 
         A tensor `repeats` ([N] int64) makes torch sync once for the output size; pass an int or
         index with `select` to stay sync-free.
+
+        Raises:
+            ValueError: with penalties (their entries name rows of the original layout).
         """
+        self._check_no_penalties("repeat_interleave")
         return SamplingTensors(
             temperature=self.temperature.repeat_interleave(repeats, dim=0),
             top_k=self.top_k.repeat_interleave(repeats, dim=0),
@@ -438,7 +452,12 @@ class SamplingTensors:
         )
 
     def select(self, index: torch.Tensor) -> "SamplingTensors":
-        """Rows by index ([M] int64, any order, repeats allowed); hints stay valid (conservative)."""
+        """Rows by index ([M] int64, any order, repeats allowed); hints stay valid (conservative).
+
+        Raises:
+            ValueError: with penalties (their entries name rows of the original layout).
+        """
+        self._check_no_penalties("select")
         return SamplingTensors(
             temperature=self.temperature.index_select(0, index),
             top_k=self.top_k.index_select(0, index),
@@ -450,8 +469,19 @@ class SamplingTensors:
             max_top_k=self.max_top_k,
         )
 
+    def _check_no_penalties(self, method: str) -> None:
+        if self.penalties is not None:
+            raise ValueError(f"SamplingTensors.{method} cannot move rows with penalties: their entries index the "
+                             f"original rows")
+
     def sample(self, logits: torch.Tensor, positions: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-        """sample() with these rows' parameters and hints. logits [N, V], positions [N] -> [N] int64."""
+        """sample() with these rows' parameters and hints, after their penalties (if any).
+
+        logits [N, V], positions [N] -> [N] int64. With penalties the rows are sampled from a
+        penalised float32 copy (blockdraft.sample.penalties.apply_penalties); `logits` is unchanged.
+        """
+        if self.penalties is not None:
+            logits = apply_penalties(logits, self.penalties)
         return sample(
             logits,
             self.temperature,

@@ -118,6 +118,9 @@ def _sampling_params(
             stop_token_ids=req.stop_token_ids,
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         )
     except ValueError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None

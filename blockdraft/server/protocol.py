@@ -2,7 +2,7 @@
 
 Strict: no type coercion ("5" is not an int, true is not a number); unknown fields are refused.
 OpenAI fields this server does not implement are refused with a message naming the field unless
-they carry their neutral value (e.g. `presence_penalty: 0`, `echo: false`, or null), which changes
+they carry their neutral value (e.g. `logit_bias: {}`, `echo: false`, or null), which changes
 nothing. Range checks that depend on the server's limits or the model live in params.py.
 """
 
@@ -18,9 +18,6 @@ from blockdraft.server.errors import APIError
 
 # field -> its neutral values (accepted because they change nothing; null is always neutral).
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
     "logit_bias": ({},),
     "echo": (False,),
     "suffix": ("",),
@@ -64,6 +61,9 @@ class _SamplingRequest(_Strict):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM): 0 or -1 disables
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # extension (vLLM): 1 disables
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)

@@ -99,6 +99,9 @@ def test_generate_and_serve_refuse_a_bad_drafter_before_loading_the_target(tiny,
         (["--temperature", "-1"], "temperature (--temperature) must be a finite number >= 0, got -1.0"),
         (["--temperature", "inf"], "temperature (--temperature) must be a finite number >= 0, got inf"),
         (["--max-tokens", "0"], "max_tokens (--max-tokens) must be an integer >= 1, got 0"),
+        (["--presence-penalty", "3"], "presence_penalty (--presence-penalty) must be a number in [-2, 2] (0 = off), got 3.0"),
+        (["--repetition-penalty", "0"],
+         "repetition_penalty (--repetition-penalty) must be a finite number > 0 (1 = off), got 0.0"),
     ],
 )
 def test_generate_refuses_bad_values_before_loading(tiny, capsys, flags, expected):

@@ -70,6 +70,21 @@ def test_speculative_equals_plain_greedy_fp32(k):
     assert draft_runs and llm.engine.stats.spec.num_drafted_tokens > 0
 
 
+@pytest.mark.parametrize("k", [None, 7], ids=["plain", "k7"])
+def test_penalised_requests_on_graphs_equal_enforce_eager_and_plain_fp32(k):
+    """Penalties (sparse entries staged with the batch, the sampler between the target and tail
+    graphs even for greedy rows; no async continuation for those requests) on graphed steps give
+    the eager engine's tokens, and the speculative ones plain decoding's."""
+    target = cuda_tiny_target(torch.float32, seed=4)
+    prompts = random_prompts(7, seed=8)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8 * (i % 2), seed=i,
+                             repetition_penalty=1.4, presence_penalty=0.5 * (i % 3 != 2)) for i in range(7)]  # fmt: skip
+    want = _tokens(cuda_llm(target, None, enforce_eager=True), prompts, params)
+    with graph_runs() as (target_runs, _):
+        assert _tokens(cuda_llm(target, k), prompts, params) == want
+    assert target_runs
+
+
 def test_chunked_prefill_and_mixed_steps_run_eagerly_between_replays():
     target = cuda_tiny_target(torch.float32, seed=4)
     prompts, params = random_prompts(12, seed=4, low=10, high=40), _params(12, 24)

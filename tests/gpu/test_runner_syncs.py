@@ -37,6 +37,20 @@ def test_at_most_one_host_sync_per_step(k, enforce_eager):
     assert bool(target_runs) != enforce_eager
 
 
+@pytest.mark.parametrize("k", [None, 5], ids=["plain", "k5"])
+def test_penalties_add_no_host_sync(k):
+    llm = cuda_llm(cuda_tiny_target(torch.bfloat16), k)
+    llm.generate(random_prompts(2, seed=6), SamplingParams(max_tokens=4, repetition_penalty=1.2))  # warm-up
+    for i, prompt in enumerate(random_prompts(4, seed=11, low=20, high=60)):
+        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7 * (i % 2), seed=i,
+                                repetition_penalty=1.3, frequency_penalty=0.4)  # fmt: skip
+        llm.engine.add_request(f"r{i}", prompt, params)
+    counts = []
+    while llm.engine.has_unfinished_requests():
+        counts.append(count_host_syncs(llm.engine.step))
+    assert len(counts) > 5 and max(counts) <= 1, counts
+
+
 def test_logprobs_work_and_are_the_documented_sync_exception():
     llm = cuda_llm(cuda_tiny_target(torch.float32), enforce_eager=True)
     llm.engine.add_request("r", random_prompts(1, seed=7)[0], SamplingParams(max_tokens=3, logprobs=2))

@@ -18,6 +18,9 @@ REQUESTS = [
     ("completions", dict(prompt=PROMPTS[3], max_tokens=40, temperature=0.6, top_p=0.9, seed=9, logprobs=1)),
     ("chat", dict(messages=CHAT, max_tokens=48, temperature=0.0)),
     ("chat", dict(messages=CHAT, max_tokens=40, temperature=1.0, seed=2, n=3, extra_body={"ignore_eos": True})),
+    ("completions", dict(prompt=PROMPTS[2], max_tokens=40, temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5,
+                         extra_body={"ignore_eos": True, "repetition_penalty": 1.3})),
+    ("chat", dict(messages=CHAT, max_tokens=40, temperature=0.7, seed=4, frequency_penalty=1.5)),
 ]
 SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
@@ -89,6 +92,15 @@ def test_dflash_outputs_equal_plain_and_metrics_equal_summed_response_stats(plai
     assert total["num_draft_tokens"] > 0
     assert total["num_accepted_tokens"] > 0, "the tiny drafter no longer gets drafts accepted (see DRAFT_MASK_TOKEN)"
     assert sum(1 for c in total["pos"].values() if c) >= 2  # accepted at more than one position
+
+
+def test_penalties_change_the_answer(plain_server):
+    """The penalised requests above are not the unpenalised ones in disguise."""
+    client = openai_client(plain_server)
+    kw = dict(prompt=PROMPTS[2], max_tokens=40, temperature=0.0, extra_body={"ignore_eos": True})
+    bare = _texts(_create(client, "completions", kw))
+    penalised = _texts(_create(client, "completions", REQUESTS[5][1]))
+    assert bare != penalised and penalised[0]
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=3)], ids=["greedy", "sampled"])

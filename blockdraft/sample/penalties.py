@@ -1,0 +1,131 @@
+"""Presence, frequency and repetition penalties over a step's logits rows, drafts included.
+
+Semantics (vLLM's `apply_penalties`, OpenAI's parameter definitions; repetition penalty from CTRL,
+Keskar et al. 2019, section 4.1): for the logits row that predicts output position q of a request,
+with c(t) the number of times token t occurs in the output before q,
+
+    x_t <- x_t / r   if t is in the prompt or c(t) > 0, and x_t > 0
+    x_t <- x_t * r   if t is in the prompt or c(t) > 0, and x_t <= 0
+    x_t <- x_t - frequency * c(t) - presence * [c(t) > 0]
+
+What makes this lossless under speculative decoding: the verify row that follows drafts
+d_1..d_j counts them as output, exactly what plain decoding would have counted had it emitted
+them; and a row is only used when every draft before it was accepted (DFLASH.md, "One decode
+step", step 2). So each row is penalised as plain decoding penalises the same position.
+
+The work is sparse: only tokens in the prompt (repetition penalty only) or in the output or the
+drafts change, so the host lists (row, token, count) entries and the device updates those logits
+with one gather and one scatter, no [rows, V] count tensor and no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from blockdraft.sampling_params import SamplingParams
+
+__all__ = ["PENALTY_FIELDS", "PenaltyEntries", "apply_penalties", "penalty_entries"]
+
+
+@dataclass
+class PenaltyEntries:
+    """The logits a step's penalties change, one entry per (logits row, token).
+
+    rows: [E] int64 logits row. token_ids: [E] int64, a token in the prompt (listed only when the
+    repetition penalty is on) or in the output before that row's position (drafts before it
+    included); (row, token) pairs are unique. counts: [E] float32 occurrences of the token in that
+    output. presence, frequency, repetition: [E] float32, the row's request's penalties.
+    """
+
+    rows: torch.Tensor
+    token_ids: torch.Tensor
+    counts: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+
+
+PENALTY_FIELDS = ("rows", "token_ids", "counts", "presence", "frequency", "repetition")  # PenaltyEntries' tensors
+
+
+def penalty_entries(
+    histories: Sequence[tuple[Sequence[int], Sequence[int]] | None],
+    drafts: Sequence[Sequence[int]],
+    params: Sequence[SamplingParams],
+) -> PenaltyEntries | None:
+    """Host-side entries for the logits rows of one step (sampling requests in row order).
+
+    Args:
+        histories: per sampling request, (prompt token ids, committed output token ids), or None
+            when it has no penalties (its rows get no entries).
+        drafts: per sampling request, the draft tokens its step verifies (k of them: it owns
+            k + 1 consecutive logits rows, in the order of `histories`).
+        params: per sampling request, its SamplingParams.
+    Returns:
+        PenaltyEntries on the CPU, or None when no request has penalties.
+    Raises:
+        ValueError: the three sequences differ in length.
+    """
+    if not len(histories) == len(drafts) == len(params):
+        raise ValueError(f"got {len(histories)} histories, {len(drafts)} draft lists and {len(params)} params")
+    parts: list[list[torch.Tensor]] = []
+    row0 = 0
+    for history, d, p in zip(histories, drafts, params):
+        if history is not None and p.has_penalties:
+            parts.append(_request_entries(history[0], history[1], d, p, row0))
+        row0 += len(d) + 1
+    if not parts:
+        return None
+    return PenaltyEntries(*(torch.cat(column) for column in zip(*parts)))
+
+
+def _request_entries(prompt, output, drafts, p: SamplingParams, row0: int) -> list[torch.Tensor]:
+    """One request's entries for its len(drafts) + 1 rows starting at logits row `row0`."""
+    with_prompt = p.repetition_penalty != 1.0
+    prompt_t = torch.tensor(list(prompt) if with_prompt else [], dtype=torch.long)
+    output_t = torch.tensor(list(output), dtype=torch.long)
+    drafts_t = torch.tensor(list(drafts), dtype=torch.long)
+    tokens = torch.unique(torch.cat([prompt_t, output_t, drafts_t]))  # sorted
+    u, k = tokens.shape[0], drafts_t.shape[0]
+    base = torch.bincount(torch.searchsorted(tokens, output_t), minlength=u)
+    # counts[j] = output counts + drafts d_1..d_j (row j follows j drafts)
+    step = torch.zeros(k + 1, u, dtype=torch.long)
+    if k:
+        step[torch.arange(1, k + 1), torch.searchsorted(tokens, drafts_t)] = 1
+    counts = base[None, :] + step.cumsum(0)
+    repeated = counts > 0
+    if with_prompt:
+        repeated |= torch.isin(tokens, prompt_t)[None, :]
+    keep = repeated.flatten()  # a token neither in the prompt nor yet in the output is untouched
+    rows = (row0 + torch.arange(k + 1)).repeat_interleave(u)[keep]
+    n = rows.shape[0]  # every entry has the repetition penalty applied: in the prompt or counted
+    return [
+        rows,
+        tokens.repeat(k + 1)[keep],
+        counts.flatten()[keep].to(torch.float32),
+        torch.full((n,), float(p.presence_penalty), dtype=torch.float32),
+        torch.full((n,), float(p.frequency_penalty), dtype=torch.float32),
+        torch.full((n,), float(p.repetition_penalty), dtype=torch.float32),
+    ]
+
+
+def apply_penalties(logits: torch.Tensor, entries: PenaltyEntries) -> torch.Tensor:
+    """Penalised float32 copy of `logits` (the input is left as is: logprobs read the raw logits).
+
+    Args:
+        logits: [L, V] any float dtype, the step's logits rows.
+        entries: PenaltyEntries on logits.device whose rows index `logits`.
+    Returns:
+        [L, V] float32. Entries are (row, token) unique, so the scatter has no write conflicts.
+    """
+    x = logits.to(torch.float32, copy=True)
+    vals = x[entries.rows, entries.token_ids]
+    r = entries.repetition
+    vals = torch.where(vals > 0, vals / r, vals * r)
+    vals = vals - entries.frequency * entries.counts
+    vals = vals - entries.presence * (entries.counts > 0).to(torch.float32)
+    x[entries.rows, entries.token_ids] = vals
+    return x

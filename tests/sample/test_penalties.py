@@ -1,0 +1,82 @@
+"""Presence / frequency / repetition penalties: the sparse entries equal a dense rewrite of the
+formula, drafts count for the rows after them, and bad values are refused by name."""
+
+import pytest
+import torch
+
+from blockdraft.sample.penalties import apply_penalties, penalty_entries
+from blockdraft.sample.sampler import SamplingTensors
+from blockdraft.sampling_params import SamplingParams
+
+
+def _dense(logits_row, prompt, output, p: SamplingParams):
+    """The formula over the whole vocabulary, one row (vLLM's apply_penalties, written densely)."""
+    v = logits_row.shape[0]
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=v).float()
+    seen = (counts > 0) | (torch.bincount(torch.tensor(prompt, dtype=torch.long), minlength=v) > 0)
+    r = torch.where(seen, torch.tensor(p.repetition_penalty), torch.tensor(1.0))
+    x = torch.where(logits_row > 0, logits_row / r, logits_row * r)
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+
+
+@pytest.mark.parametrize("pres, freq, rep", [(0.5, 0.3, 1.5), (0.0, 0.0, 0.7), (-1.0, 2.0, 1.0), (0.0, 0.4, 1.0)])
+def test_entries_equal_the_dense_formula_row_by_row_with_drafts(pres, freq, rep):
+    g = torch.Generator().manual_seed(0)
+    vocab = 50
+    reqs = [  # (prompt, output, drafts, params)
+        ([1, 2, 3, 3], [3, 4, 4], [5, 4, 6], SamplingParams(presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep)),
+        ([7, 8], [], [9, 9], SamplingParams()),  # no penalties: its rows stay raw
+        ([10, 11, 12], [], [], SamplingParams(presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep)),
+        ([1], [20, 21, 20], [20, 21, 22, 20], SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2)),
+    ]
+    rows = sum(len(d) + 1 for _, _, d, _ in reqs)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    histories = [(pr, out) if p.has_penalties else None for pr, out, _, p in reqs]
+    entries = penalty_entries(histories, [d for _, _, d, _ in reqs], [p for *_, p in reqs])
+    got = apply_penalties(logits.to(torch.bfloat16), entries)
+    assert got.dtype == torch.float32
+    r = 0
+    for prompt, output, drafts, p in reqs:
+        for j in range(len(drafts) + 1):
+            raw = logits[r].to(torch.bfloat16).float()
+            want = _dense(raw, prompt, output + drafts[:j], p) if p.has_penalties else raw
+            torch.testing.assert_close(got[r], want, rtol=0, atol=1e-6, msg=f"row {r}")
+            r += 1
+    assert r == rows
+
+
+def test_no_penalties_no_entries_and_the_input_stays_raw():
+    assert penalty_entries([None, None], [[1], []], [SamplingParams(), SamplingParams()]) is None
+    logits = torch.randn(2, 10)
+    before = logits.clone()
+    e = penalty_entries([([1, 2], [3])], [[4]], [SamplingParams(repetition_penalty=2.0)])
+    out = apply_penalties(logits, e)
+    assert torch.equal(logits, before) and not torch.equal(out, before)
+
+
+def test_greedy_rows_take_the_argmax_of_the_penalised_logits():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
+    p = SamplingParams(repetition_penalty=2.0)  # token 1 was in the prompt: 5 / 2 < 4
+    st = SamplingTensors.from_params([p])
+    assert st.sample(logits, torch.zeros(1, dtype=torch.long)).item() == 1
+    st.penalties = penalty_entries([([1], [])], [[]], [p])
+    assert not st.argmax_only
+    assert st.sample(logits, torch.zeros(1, dtype=torch.long)).item() == 2
+    with pytest.raises(ValueError, match="penalties"):
+        st.select(torch.tensor([0]))
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("presence_penalty", 2.5, r"\[-2, 2\]"), ("frequency_penalty", -3, r"\[-2, 2\]"),
+    ("frequency_penalty", float("nan"), r"\[-2, 2\]"), ("presence_penalty", "1", r"\[-2, 2\]"),
+    ("repetition_penalty", 0.0, "> 0"), ("repetition_penalty", float("inf"), "> 0"), ("repetition_penalty", True, "> 0"),
+])  # fmt: skip
+def test_bad_penalties_are_refused_by_name(field, value, allowed):
+    with pytest.raises(ValueError, match=f"{field} must .*{allowed}.*got {value!r}"[:200]) as e:
+        SamplingParams(**{field: value})
+    assert field in str(e.value)
+
+
+def test_has_penalties():
+    assert not SamplingParams().has_penalties
+    assert SamplingParams(presence_penalty=-0.1).has_penalties and SamplingParams(repetition_penalty=1.01).has_penalties

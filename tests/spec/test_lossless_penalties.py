@@ -1,0 +1,129 @@
+"""Presence / frequency / repetition penalties in the engine: plain decoding equals a step-by-step
+reference (full forward, dense formula), and speculative decoding equals plain decoding token for
+token, greedy and seeded, with drafts accepted (each verify row counts the drafts before it)."""
+
+import pytest
+import torch
+
+from blockdraft.sample.sampler import SamplingTensors
+from blockdraft.sampling_params import SamplingParams
+from tests.conftest import VOCAB, make_llm, random_prompts
+from tests.models._hf_oracle import run_prefill
+from tests.spec.doubles import KnownAnswerSpeculator
+from tests.spec.test_lossless_dflash import _dflash_llm
+
+PENALTIES = [
+    dict(repetition_penalty=1.6),
+    dict(presence_penalty=1.5, frequency_penalty=0.5),
+    dict(presence_penalty=-0.5, frequency_penalty=1.0, repetition_penalty=0.8),
+]
+
+
+def _dense(logits_row, prompt, output, p: SamplingParams):
+    """vLLM's penalty formula over the whole vocabulary (see blockdraft.sample.penalties)."""
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=VOCAB).float()
+    seen = (counts > 0) | (torch.bincount(torch.tensor(prompt, dtype=torch.long), minlength=VOCAB) > 0)
+    r = torch.where(seen, torch.tensor(p.repetition_penalty), torch.tensor(1.0))
+    x = torch.where(logits_row > 0, logits_row / r, logits_row * r)
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+
+
+def _reference(target, prompt, p: SamplingParams) -> list[int]:
+    """Decode without the engine: one full forward over prompt + output per token, the dense formula,
+    then the keyed sampler at the token's sequence position (what the engine keys its noise with)."""
+    out: list[int] = []
+    for _ in range(p.max_tokens):
+        logits = run_prefill(target.model, [torch.tensor(prompt + out)], num_kv_blocks=32)[0][-1]
+        x = _dense(logits.float(), prompt, out, p)[None]
+        st = SamplingTensors.from_params([p])
+        out.append(int(st.sample(x, torch.tensor([len(prompt) + len(out)]))[0]))
+    return out
+
+
+@pytest.mark.parametrize("pen", PENALTIES)
+def test_plain_decoding_with_penalties_equals_a_step_by_step_reference(llama_target, pen):
+    prompts = random_prompts(3, seed=5)
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, **pen),
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=3, **pen),
+              SamplingParams(max_tokens=24, ignore_eos=True)]  # fmt: skip
+    got = [o.token_ids for o in make_llm(llama_target, max_num_batched_tokens=7).generate(prompts, params)]
+    want = [_reference(llama_target, pr, p) for pr, p in zip(prompts, params)]
+    assert got == want
+    # the penalty changed something: the greedy answers differ from unpenalised decoding
+    bare = make_llm(llama_target).generate(prompts[:1], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    assert bare != got[0]
+
+
+def _params(pen, n=6):
+    return [SamplingParams(max_tokens=40, ignore_eos=True, temperature=(0.0, 0.8)[i % 2], seed=i,
+                           **(pen if i % 3 != 2 else {})) for i in range(n)]  # fmt: skip
+
+
+@pytest.mark.parametrize("k", [3, 7])
+@pytest.mark.parametrize("pen", PENALTIES)
+def test_speculative_equals_plain_with_penalties_and_accepted_drafts(llama_target, k, pen):
+    prompts = random_prompts(6, seed=40 + k)
+    params = _params(pen)
+    plain = [o.token_ids for o in make_llm(llama_target).generate(prompts, params)]
+    answers = {tuple(p): p + o for p, o in zip(prompts, plain)}
+    for p_right in (1.0, 0.5):
+        spec = KnownAnswerSpeculator(k, answers, VOCAB, p_right=p_right, seed=k)
+        llm = make_llm(llama_target, speculator=spec)
+        spec.engine = llm.engine
+        assert [o.token_ids for o in llm.generate(prompts, params)] == plain, p_right
+        stats = llm.engine.stats.spec
+        if p_right == 1.0:  # whole blocks accepted: later rows saw the drafts before them as output
+            assert stats.acceptance_length > 0.8 * (k + 1)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_dflash_with_penalties_equals_plain(llama_target, graphs):
+    """The real DFlash speculator (random weights): eager steps, and the CUDA-graph step code run
+    eagerly (padded buckets: the sampler runs between the target and the tail for penalised rows)."""
+    prompts = random_prompts(6, seed=90)
+    params = _params(PENALTIES[2])
+    plain = [o.token_ids for o in make_llm(llama_target).generate(prompts, params)]
+    kw = dict(attention_backend="dense", graph_mode="eager", max_num_seqs=8) if graphs else {}
+    llm = _dflash_llm(llama_target, 3, stacked=graphs, **kw)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.engine.stats.spec.num_drafted_tokens > 0
+
+
+def test_penalties_with_prefix_cache_and_chunked_prefill(llama_target):
+    """A prompt whose prefix is cached, chunked prefill and a penalised request beside plain ones."""
+    base = random_prompts(1, seed=7, low=18, high=19)[0]
+    prompts = [base, base + [5, 6], base[:9] + [1, 2, 3]]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.4)] * 3
+    want = [_reference(llama_target, pr, p) for pr, p in zip(prompts, params)]
+    llm = make_llm(llama_target, enable_prefix_caching=True, max_num_batched_tokens=6)
+    for _ in range(2):  # the second round starts from cached prefixes
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+
+
+def test_preemption_and_recompute_with_penalties(llama_target):
+    prompts = random_prompts(6, seed=3, low=8, high=16)
+    params = SamplingParams(max_tokens=30, ignore_eos=True, presence_penalty=0.7, repetition_penalty=1.3)
+    ref = [o.token_ids for o in make_llm(llama_target).generate(prompts, params)]
+    small = make_llm(llama_target, num_kv_blocks=24)  # far fewer pages than 6 requests need: preempts
+    assert [o.token_ids for o in small.generate(prompts, params)] == ref
+
+
+def test_generate_cli_penalties_with_and_without_the_drafter(tmp_path, capsys):
+    """`blockdraft generate --repetition-penalty`: the tiny model's greedy answer is a run of one
+    token; the penalty breaks the run, and the drafter's answer is the plain one."""
+    import json
+
+    from blockdraft.cli import main
+    from tests.server.tiny_model import word, write_tiny_model_and_drafter
+
+    model, drafter = write_tiny_model_and_drafter(tmp_path)
+    outs = {}
+    for name, flags in {"bare": ["--no-draft"], "plain": ["--no-draft", "--repetition-penalty", "1.5",
+                        "--frequency-penalty", "0.5"], "draft": ["--draft", str(drafter), "--repetition-penalty",
+                        "1.5", "--frequency-penalty", "0.5"]}.items():  # fmt: skip
+        code = main(["generate", word(17), "--raw", "--model", str(model), "--max-tokens", "24", "--json", *flags])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        outs[name] = json.loads(out)["token_ids"]
+    assert outs["draft"] == outs["plain"] != outs["bare"]
+    assert len(set(outs["plain"])) > len(set(outs["bare"]))
