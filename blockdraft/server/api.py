@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
 GET /health (503 once the engine has stopped), GET /metrics (Prometheus text). Only /v1/* needs
-the API key when one is set.
+the API key when one is set (http.V1KeyCheck, unknown /v1 paths included).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from blockdraft.server.async_engine import AsyncEngine
 from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import install_error_handlers, model_not_found
-from blockdraft.server.http import check_api_key
+from blockdraft.server.http import V1KeyCheck
 from blockdraft.server.metrics import Metrics
 from blockdraft.server.responses import TokenText
 from blockdraft.server.serving import ChatFormat, CompletionFormat, ServerContext, Serving
@@ -56,6 +56,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     app.state.ctx = ctx
     app.state.metrics = metrics
     install_error_handlers(app, metrics.on_error)
+    app.add_middleware(V1KeyCheck, api_key=config.api_key, on_error=metrics.on_error)
     completions = Serving(ctx, CompletionFormat())
     chat = Serving(ctx, ChatFormat())
 
@@ -68,13 +69,11 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
         return await chat.handle(request)
 
     @app.get("/v1/models")
-    async def list_models(request: Request):
-        check_api_key(request, config.api_key)
+    async def list_models():
         return {"object": "list", "data": [_model_card(ctx.model)]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str, request: Request):
-        check_api_key(request, config.api_key)
+    async def get_model(model_id: str):
         if model_id != ctx.model.name:
             raise model_not_found(model_id, ctx.model.name)
         return _model_card(ctx.model)

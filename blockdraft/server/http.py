@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from blockdraft.server.errors import APIError
+from blockdraft.server.errors import APIError, error_response
 
 logger = logging.getLogger("blockdraft.server")
 T = TypeVar("T")
@@ -98,6 +98,31 @@ def check_api_key(request: Request, api_key: str | None) -> None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
         raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+class V1KeyCheck:
+    """ASGI middleware: every /v1 path needs the API key, unknown ones included, so a client
+    without the key learns nothing about the routes (401 before 404 / 405, as vLLM's check).
+
+    Pure ASGI (not BaseHTTPMiddleware), so streamed responses and client disconnects pass through
+    untouched. `on_error(401)` is called for each refusal (metrics).
+    """
+
+    def __init__(self, app, api_key: str | None, on_error: Callable[[int], None] | None = None) -> None:
+        self.app, self.api_key, self.on_error = app, api_key, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if self.api_key is not None and scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            try:
+                check_api_key(Request(scope), self.api_key)
+            except APIError as e:
+                if self.on_error is not None:
+                    self.on_error(401)
+                response = error_response(401, e.message, e.param, e.code, {"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

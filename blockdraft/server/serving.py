@@ -23,7 +23,7 @@ from blockdraft.server import responses as R
 from blockdraft.server.async_engine import AsyncEngine, EngineDeadError, ServerBusyError, now
 from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError, error_body, model_not_found
-from blockdraft.server.http import ClientDisconnected, EventStreamResponse, check_api_key, read_json_object, until_disconnect
+from blockdraft.server.http import ClientDisconnected, EventStreamResponse, read_json_object, until_disconnect
 from blockdraft.server.params import Plan, build_plan, chat_prompt, completion_prompts
 from blockdraft.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -160,7 +160,6 @@ class Serving:
         """
         arrival = now()
         ctx = self.ctx
-        check_api_key(request, ctx.config.api_key)
         try:
             body = await read_json_object(request, ctx.config.max_body_bytes)
         except ClientDisconnected as e:

@@ -108,7 +108,9 @@ class TrainConfig:
         for name in ("warmup_frac", "min_lr_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        validation.check_val_settings(self.val_fraction, fraction_name="val_fraction")
+        # val_every 0 is "off" here (the flag's None): only a cadence that is on needs a held-out share
+        validation.check_val_settings(self.val_fraction, self.val_every or None, fraction_name="val_fraction",
+                                      every_name="val_every")
         if not self.weight_decay >= 0 or not self.grad_clip >= 0:
             raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay!r}, {self.grad_clip!r}")
 

@@ -75,7 +75,9 @@ CASES = [
     ("logprobs-too-many", C, _c(logprobs=100), {}, 400, "logprobs"),
     ("unknown-model", C, _c(model="gpt-4"), {}, 404, "does not exist"),
     ("unknown-field", C, _c(frobnicate=1), {}, 400, "frobnicate"),
-    ("presence-penalty", C, _c(presence_penalty=0.5), {}, 400, "presence_penalty"),
+    ("presence-penalty-out-of-range", C, _c(presence_penalty=2.5), {}, 400, "presence_penalty"),
+    ("frequency-penalty-not-a-number", C, _c(frequency_penalty="1"), {}, 400, "frequency_penalty"),
+    ("repetition-penalty-zero", C, _c(repetition_penalty=0), {}, 400, "repetition_penalty"),
     ("logit-bias", C, _c(logit_bias={"5": 10}), {}, 400, "logit_bias"),
     ("echo", C, _c(echo=True), {}, 400, "echo"),
     ("best-of", C, _c(best_of=3), {}, 400, "best_of"),
@@ -100,6 +102,10 @@ CASES = [
     ("wrong-api-key", C, _c(), {"Authorization": "Bearer nope"}, 401, "API key"),
     ("get-on-post-route", C, None, {}, 405, "Method Not Allowed"),
     ("unknown-route", "/v1/embeddings", _c(), {}, 404, "Not Found"),
+    # without the key a /v1 path says nothing about the routes (vLLM: 401 before 404 / 405)
+    ("unknown-route-without-key", "/v1/embeddings", _c(), {"Authorization": ""}, 401, "API key"),
+    ("get-on-post-route-without-key", C, None, {"Authorization": "Bearer nope"}, 401, "API key"),
+    ("models-without-key", "/v1/models", None, {"Authorization": ""}, 401, "API key"),
 ]
 
 

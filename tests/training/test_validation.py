@@ -148,6 +148,9 @@ def test_val_settings_are_checked(tiny, tmp_path):
             TrainConfig(val_fraction=bad)
     with pytest.raises(ValueError, match="val_every must be an integer >= 0, got -1"):
         TrainConfig(val_every=-1)
+    with pytest.raises(ValueError, match=r"val_every 5 validates on the answers val_fraction F holds out: it needs "
+                                         r"val_fraction F > 0 \(got 0.0\)"):
+        TrainConfig(val_every=5)  # validation with nothing held out: caught when the config is made
     tr = _trainer(tiny, tmp_path, val=False)
     with pytest.raises(ValueError, match="this trainer has no val_data to validate on"):
         tr.val_batches()
