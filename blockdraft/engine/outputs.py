@@ -7,6 +7,7 @@ Request object and the scheduler never sees a tensor.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from blockdraft.engine.request import SpecStats
@@ -45,7 +46,7 @@ class ScheduledRequest:
     sample: bool
     block_ids: list[int]
     sampling_params: SamplingParams
-    prompt_logprob_token_ids: list[int] = field(default_factory=list)
+    prompt_logprob_token_ids: Sequence[int] = ()  # a shared empty default: nothing allocated per step
     prompt_logprob_offset: int = 0
 
 
