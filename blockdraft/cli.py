@@ -112,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
                         f"alternatives, 0 <= N <= {DEFAULT_MAX_LOGPROBS} (vLLM's SamplingParams(logprobs=N)): a "
                         "table after the answer (one line per token), or a 'logprobs' list with --json "
                         "(default: none)")
+    g.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                   help="the same for the prompt's tokens (each given the tokens before it; the first has none), "
+                        f"0 <= N <= {DEFAULT_MAX_LOGPROBS} (vLLM's SamplingParams(prompt_logprobs=N)): a table "
+                        "after the answer, or a 'prompt_logprobs' list with --json, null first (default: none)")
     _add_device_flags(g)
     _add_async_scheduling_flag(g)
     _add_prefix_caching_flag(g)
@@ -391,8 +395,8 @@ def _generate(args) -> int:
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        logprobs=args.logprobs, presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
+        logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
     )
     # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)
     check_logprobs_limit(params, DEFAULT_MAX_LOGPROBS, remedy="vLLM's default, fixed for the CLI")
@@ -447,10 +451,14 @@ def _generate(args) -> int:
         num_speculative_tokens=llm.speculator.num_speculative_tokens if llm.speculator is not None else None,
         draft_vocab_size=_draft_vocab_size(llm.speculator),
     )
-    if out.logprobs is not None:
+    if out.logprobs is not None or out.prompt_logprobs is not None:
         from blockdraft.server.responses import TokenText, chat_logprobs
 
-        result["logprobs"] = chat_logprobs(out.logprobs, TokenText(llm.tokenizer), token_ids=True)["content"]
+        token_text = TokenText(llm.tokenizer)
+        if out.logprobs is not None:
+            result["logprobs"] = chat_logprobs(out.logprobs, token_text, token_ids=True)["content"]
+        if out.prompt_logprobs is not None:  # null for the first prompt token, as vLLM's
+            result["prompt_logprobs"] = [None] + chat_logprobs(out.prompt_logprobs[1:], token_text, token_ids=True)["content"]
     if args.json:
         print(json.dumps(result))
     else:
@@ -458,18 +466,22 @@ def _generate(args) -> int:
             print(out.text)
         if out.logprobs is not None:
             print("\n".join(_logprob_table(result["logprobs"])))
+        if out.prompt_logprobs is not None:
+            print("\n".join(_logprob_table(result["prompt_logprobs"][1:], "prompt logprobs", start=1)))
         print(_summary_line(result), file=sys.stderr)
     return 0
 
 
-def _logprob_table(items: list[dict]) -> list[str]:
+def _logprob_table(items: list[dict], title: str = "logprobs", start: int = 0) -> list[str]:
     """`generate --logprobs N`'s lines after the answer: a header, then one line per output token:
     its position, text (JSON-quoted: spaces and newlines show), id, logprob, and the N alternatives
-    as text=logprob, most likely first. `items`: the JSON output's "logprobs" list.
+    as text=logprob, most likely first. `items`: the JSON output's "logprobs" list (or, with
+    title "prompt logprobs" and start 1, "prompt_logprobs" without its first null: --prompt-logprobs;
+    `start` is the first row's position).
     The token column is padded to 16 terminal columns (_display_width), not 16 code points, so the
     columns after it line up also after CJK or emoji tokens."""
-    lines = ["--- logprobs of the target model: #, token, id, logprob" + (", top alternatives" if any(e["top_logprobs"] for e in items) else "") + " ---"]
-    for i, e in enumerate(items):
+    lines = [f"--- {title} of the target model: #, token, id, logprob" + (", top alternatives" if any(e["top_logprobs"] for e in items) else "") + " ---"]
+    for i, e in enumerate(items, start):
         top = "  ".join(f"{_quoted(t['token'])}={t['logprob']:.4f}" for t in e["top_logprobs"])
         token = _quoted(e["token"])
         token += " " * max(0, 16 - _display_width(token))

@@ -143,8 +143,9 @@ class LLM:
             enable_prefix_caching). Same output; hits are counted in tokens in
             `engine.scheduler.kv.stats`. Off by default (vLLM defaults it on): on the GPU, fp32
             answers were identical, bf16 ones may flip at exact ties.
-        max_logprobs: the largest `SamplingParams.logprobs` a request may ask for (default 20, as
-            vLLM's max_logprobs); `generate` refuses more with a ValueError naming `logprobs`.
+        max_logprobs: the largest `SamplingParams.logprobs` / `prompt_logprobs` a request may ask for
+            (default 20, as vLLM's max_logprobs); `generate` refuses more with a ValueError naming
+            the field.
         mixed_prefill: a step may carry new prompts' prefill chunks beside running requests'
             decode / verify rows (blockdraft.engine.scheduler; long prompts are chunked either
             way). None = on unless the decode steps replay captured CUDA graphs: a mixed step
@@ -258,7 +259,7 @@ class LLM:
                 value), a bad chat message (its index, value and the allowed roles), a token id
                 outside the vocabulary, prompt longer than the context, mismatched params list, a
                 SamplingParams field out of range (also one set after construction), `logprobs`
-                above `max_logprobs`; nothing of the batch is queued then.
+                or `prompt_logprobs` above `max_logprobs`; nothing of the batch is queued then.
         """
         token_lists = self._tokenize_all(prompts)
         params = SamplingParams() if sampling_params is None else sampling_params

@@ -23,7 +23,11 @@ class SamplingParams:
     text). stop_token_ids: extra token ids that end the output (included in token ids, like EOS).
     ignore_eos: keep going past EOS. logprobs: number of top log-probabilities to return per output
     token (None: none; 0: only the sampled token's), at most the engine's `max_logprobs` (default
-    20, `LLM(max_logprobs=...)`; checked when the engine takes the request). detokenize: build the output text (default);
+    20, `LLM(max_logprobs=...)`; checked when the engine takes the request). prompt_logprobs: the
+    same for the prompt (vLLM's prompt_logprobs): None, or N >= 0 for the log-probability of each
+    prompt token given the tokens before it plus its N most likely alternatives (the first prompt
+    token has None), within the same `max_logprobs`; such a request recomputes its whole prompt
+    (no prefix-cache hit). detokenize: build the output text (default);
     False leaves `text` empty and skips decoding each new token (token ids only, e.g. training
     data; vLLM's `detokenize`), so it cannot be combined with stop strings.
     presence_penalty / frequency_penalty: in [-2, 2] (OpenAI's range), subtracted from the logit of
@@ -47,6 +51,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -84,8 +89,9 @@ class SamplingParams:
                 raise param_error("stop", f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0, what="stop_token_ids entry")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0)
         for flag in ("ignore_eos", "detokenize"):
             if not isinstance(getattr(self, flag), bool):
                 raise param_error(flag, f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -127,14 +133,17 @@ def check_logprobs_limit(
     max_logprobs: int,
     remedy: str = "build it with a larger LLM(max_logprobs=...) to allow more",
 ) -> None:
-    """Raise a param_error about `logprobs` when `params` asks for more than `max_logprobs`.
+    """Raise a param_error about `logprobs` (or `prompt_logprobs`) when `params` asks for more than
+    `max_logprobs` alternatives.
 
     An engine-level limit, not a SamplingParams one: the same params may suit another engine.
     `remedy`: how the caller's user can raise the limit (or why they cannot), in the message.
     """
-    if params.logprobs is not None and params.logprobs > max_logprobs:
-        raise param_error("logprobs", f"logprobs must be <= {max_logprobs} (the engine's max_logprobs; {remedy}), "
-                                      f"got {params.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise param_error(name, f"{name} must be <= {max_logprobs} (the engine's max_logprobs; {remedy}), "
+                                    f"got {value}")
 
 
 def _check_int(name: str, value, low: int, what: str | None = None) -> None:

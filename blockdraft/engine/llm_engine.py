@@ -51,8 +51,13 @@ class LLMEngine:
     request's rows: the batch of a step can differ, which in bf16 can flip a token at a near-tie,
     as any change of batch composition can.
 
-    max_logprobs: the largest `SamplingParams.logprobs` a request may ask for (vLLM's
-    max_logprobs); more is refused when the request is added.
+    max_logprobs: the largest `SamplingParams.logprobs` / `prompt_logprobs` a request may ask for
+    (vLLM's max_logprobs); more is refused when the request is added.
+
+    Prompt log-probabilities (SamplingParams.prompt_logprobs): the scheduler marks the prompt rows
+    of each step whose logits score a prompt token (ScheduledRequest.prompt_logprob_token_ids), the
+    runner scores them chunk by chunk (runner.prompt_logprobs), and `_commit` appends them to the
+    request in order; such a request takes no prefix-cache hit until they are all known.
     """
 
     def __init__(
@@ -100,7 +105,8 @@ class LLMEngine:
         Raises:
             TypeError: `params` is not a SamplingParams.
             ValueError: a field of `params` out of range (SamplingParams.verify: a field changed
-                after construction is checked here), `logprobs` above `max_logprobs`, empty
+                after construction is checked here), `logprobs` or `prompt_logprobs` above
+                `max_logprobs`, empty
                 prompt, a prompt or stop token id outside [0, vocab_size) (names the first one), or
                 a prompt that leaves no room for one output token within `max_model_len` (names
                 the lengths).
@@ -217,6 +223,8 @@ class LLMEngine:
         for sr, req in zip(sched_out.requests, reqs):
             if req.is_finished:  # stopped or aborted while this step ran (async scheduling)
                 continue
+            if sr.prompt_logprob_token_ids:  # in order: the scheduler scores what follows the known ones
+                req.prompt_logprobs += run_out.prompt_logprobs[sr.request_id]
             if not sr.sample:
                 req.num_computed_tokens += len(sr.token_ids)
                 self.scheduler.cache_computed(req)
@@ -336,4 +344,5 @@ class LLMEngine:
             latency_s=None if req.finish_time is None else req.finish_time - req.arrival_time,
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
             num_new_tokens=num_new,
+            prompt_logprobs=list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
         )

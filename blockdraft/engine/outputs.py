@@ -7,6 +7,7 @@ Request object and the scheduler never sees a tensor.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from blockdraft.engine.request import SpecStats
@@ -30,9 +31,15 @@ class ScheduledRequest:
     previous step's tokens reach the host: its token_ids are PLACEHOLDER_TOKEN (-1) and its
     start_position -1; the runner builds both on the device from the previous step's output. A join
     step (Scheduler.schedule_join) has placeholder tokens at known positions.
+    prompt_logprob_token_ids: with SamplingParams.prompt_logprobs, the prompt tokens this step
+        scores (empty otherwise, and for rows whose prompt log-probabilities are known already):
+        token j is scored by the logits of row `prompt_logprob_offset + j` of this request's rows
+        (the row at position p gives log p(prompt[p + 1] | prompt[: p + 1])), so the rows are
+        prompt rows before the prompt's last one; the last scored token may be the first token of
+        the next chunk.
     penalty_history: (prompt token ids, committed output token ids) of a sampling request whose
-    params have penalties (blockdraft.sample.penalties), else None; the lists are the request's own
-    (read-only here), so a step that samples never copies them.
+        params have penalties (blockdraft.sample.penalties), else None; the lists are the
+        request's own (read-only here), so a step that samples never copies them.
     """
 
     request_id: str
@@ -42,6 +49,8 @@ class ScheduledRequest:
     sample: bool
     block_ids: list[int]
     sampling_params: SamplingParams
+    prompt_logprob_token_ids: Sequence[int] = ()  # a shared empty default: nothing allocated per step
+    prompt_logprob_offset: int = 0
     penalty_history: tuple[list[int], list[int]] | None = None
 
 
@@ -64,12 +73,14 @@ class ModelRunnerOutput:
     sampled_token_ids[rid]: accepted drafts + the bonus token (1..K+1 tokens), before stop checks.
     num_accepted[rid]: drafts accepted. draft_token_ids[rid]: the next step's K drafts (empty
     without a speculator). logprobs[rid]: one dict per sampled token when asked.
+    prompt_logprobs[rid]: one dict per ScheduledRequest.prompt_logprob_token_ids entry, in order.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_accepted: dict[str, int] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict]] = field(default_factory=dict)
     draft_time_s: float = 0.0
     forward_time_s: float = 0.0
 
@@ -84,6 +95,10 @@ class RequestOutput:
     ttft_s / latency_s: time to first token and total time, seconds from arrival.
     logprobs: with SamplingParams.logprobs, one {"token_id", "logprob", "top": [(token_id,
         logprob), ...]} per output token (an end-of-text token included), natural log; else None.
+    prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None for the
+        first, then a dict of the same form (log-probability of the prompt token given the tokens
+        before it, and the N most likely tokens there); else None. Complete in every output that
+        has a token (the prompt is computed before the first token is sampled).
     """
 
     request_id: str
@@ -98,6 +113,7 @@ class RequestOutput:
     latency_s: float | None = None
     logprobs: list[dict] | None = None
     num_new_tokens: int = 0
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

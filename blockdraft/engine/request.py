@@ -105,6 +105,20 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[dict] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: the prompt tokens' entries computed so far, in order (None for
+    # the first token, then RequestOutput.prompt_logprobs' dicts); stays [] when not asked for
+    prompt_logprobs: list[dict | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the request asks for prompt log-probabilities not all computed yet (its prompt
+        rows must then be computed, not taken from the prefix cache)."""
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,9 @@ gone), and those a full prefill step left waiting.
 
 Prefix caching (KVCacheManager(enable_prefix_caching=True)): a waiting request with nothing
 computed starts from its longest cached prefix of full pages (never its last token), so its first
-step is a prefill chunk at start_position > 0, as chunked prefill already runs. Pages are offered
+step is a prefill chunk at start_position > 0, as chunked prefill already runs (not a request
+asking for prompt log-probabilities it has not got yet: every prompt row's logits are needed, so it
+recomputes its prompt, as in vLLM; `_add_prompt_logprob_rows` marks the rows). Pages are offered
 to the cache by `cache_computed` after each committed step, and before they are freed
 (finish, preemption), so a preempted request's pages stay cached for its readmission.
 """
@@ -343,8 +345,10 @@ class Scheduler:
 
     def _take_prefix_hit(self, req: Request) -> int | None:
         """Start a request with nothing computed from its cached prefix -> the hit in tokens (0: a
-        miss), or None when no lookup was made (caching off, or the request has computed tokens)."""
-        if not self.kv.enable_prefix_caching or req.num_computed_tokens or req.block_ids:
+        miss), or None when no lookup was made (caching off, the request has computed tokens, or it
+        asks for prompt log-probabilities not computed yet: they need the logits of every prompt
+        row, so its prompt is recomputed, as in vLLM)."""
+        if not self.kv.enable_prefix_caching or req.num_computed_tokens or req.block_ids or req.needs_prompt_logprobs:
             return None
         pages = self.kv.find_cached_prefix(req)
         self.kv.take_cached(req, pages)
@@ -371,7 +375,7 @@ class Scheduler:
         start = req.num_computed_tokens
         token_ids = req.token_slice(start, start + num_new)
         reaches_end = start + num_new == req.num_tokens + len(req.spec_token_ids)
-        return ScheduledRequest(
+        sr = ScheduledRequest(
             request_id=req.request_id,
             token_ids=token_ids,
             start_position=start,
@@ -382,6 +386,9 @@ class Scheduler:
             penalty_history=(req.prompt_token_ids, req.output_token_ids)
             if reaches_end and req.sampling_params.has_penalties else None,
         )
+        if req.needs_prompt_logprobs:
+            _add_prompt_logprob_rows(sr, req)
+        return sr
 
     def finish(self, req: Request) -> None:
         """Remove a finished (or aborted) request and free its pages."""
@@ -392,6 +399,18 @@ class Scheduler:
         self.cache_computed(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
+
+
+def _add_prompt_logprob_rows(sr: ScheduledRequest, req: Request) -> None:
+    """Set the prompt tokens `sr` scores (ScheduledRequest.prompt_logprob_token_ids): those after
+    the ones already scored (`req.prompt_logprobs`, which a recomputation after preemption keeps)
+    whose predecessor's row is in `sr`: rows at positions a..b-1 score prompt[a + 1 : b + 1]."""
+    prompt = req.prompt_token_ids
+    a = max(sr.start_position, len(req.prompt_logprobs) - 1)
+    b = min(sr.start_position + len(sr.token_ids), len(prompt) - 1)
+    if a < b:
+        sr.prompt_logprob_token_ids = prompt[a + 1 : b + 1]
+        sr.prompt_logprob_offset = a - sr.start_position
 
 
 def is_prefilling(req: Request) -> bool:

@@ -8,7 +8,8 @@ GPU path (a backend without host metadata): nothing in a step reads device value
 host except the final `fetch_step_output` (and log-probabilities, when asked for). Uniform decode /
 verify steps replay two CUDA graphs (runner.step_graphs: the target, then the tail that verifies,
 drafts and packs), with the sampler between them only when a row samples; so do prefill steps of
-up to 8 requests and 1,024 rows (runner.prefill_graphs); everything else runs eagerly.
+up to 8 requests and 1,024 rows (runner.prefill_graphs); everything else runs eagerly, including
+every step that scores prompt rows for SamplingParams.prompt_logprobs (runner.prompt_logprobs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from blockdraft.host_tensor import host_tensor
 from blockdraft.layers.fused_ops import argmax as fused_argmax
 from blockdraft.runner.continuation import advanced_rows
 from blockdraft.runner.input_batch import BatchPadding, InputBatch, build_input_batch, stage_block_table
+from blockdraft.runner.prompt_logprobs import PromptLogprobs, plan_prompt_logprobs
 from blockdraft.runner.staging import PendingFetch, stage_to_device, start_fetch
 from blockdraft.runner.step_graphs import StepGraphs
 from blockdraft.runner.step_output import add_logprobs, fetch_step_output, pack_step
@@ -50,6 +52,7 @@ class LaunchedStep:
     launched ahead of reading a uniform step back (async scheduling, no mixed prefill) replays
     other graphs first: `finish` then reads only the host copy, whose fetch was queued before
     them, and no logits (`can_continue` excludes log-probabilities).
+    prompt_logprobs: the prompt rows an eager step scored (runner.prompt_logprobs), or None.
     """
 
     so: SchedulerOutput
@@ -60,6 +63,7 @@ class LaunchedStep:
     timer: StepTimer
     graphed: bool
     prefill_graphed: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelRunner:
@@ -116,8 +120,16 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
         """Compute the scheduled rows, sample, verify drafts and propose the next drafts: enqueue
-        the device work (on CUDA nothing waits for the GPU); `finish` reads it back."""
+        the device work (on CUDA nothing waits for the GPU); `finish` reads it back.
+
+        A step that scores prompt rows (SamplingParams.prompt_logprobs) runs eagerly, unpadded: the
+        graphs compute the LM head of the sampled rows only. Such a step is never `graphed`, so
+        no continuation follows it; a join may (its prompt log-probabilities are tensors of its own)."""
         timer = StepTimer(self.device)
+        prompt = plan_prompt_logprobs(so, self.device)
+        if prompt is not None:
+            batch = build_input_batch(so, self.kv_block_size, self.device, self.attention_backend.host_metadata)
+            return self._enqueue(so, batch, timer, graphed=False, prompt=prompt)
         padding = self.graphs.target.padding_for(so) if self.graphs is not None else None
         host_metadata = self.attention_backend.host_metadata
         prefill = self.graphs.prefill if self.graphs is not None and padding is None else None
@@ -262,17 +274,21 @@ class ModelRunner:
         """Wait for a launched step (its one host synchronisation) and split its output per request."""
         out = fetch_step_output(step.so, step.batch, step.fetch)
         add_logprobs(step.so, step.batch, step.logits, out)
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = step.prompt_logprobs.read()
         out.forward_time_s, out.draft_time_s = step.timer.seconds()
         return out
 
     def _enqueue(
-        self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer, graphed: bool, loaded: bool = False
+        self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer, graphed: bool, loaded: bool = False,
+        prompt: PromptLogprobs | None = None,
     ) -> LaunchedStep:
+        """Enqueue a laid-out step (`prompt`: prompt rows to score, eager steps only)."""
         if graphed:
             logits, packed = self._replay(batch, timer, loaded)
             fetch = start_fetch(packed[: len(batch.sample_req)])
             return LaunchedStep(so, batch, packed, fetch, logits, timer, graphed)
-        logits, aux = self._forward(batch)
+        logits, aux = self._forward(batch, prompt)
         tokens = _sample(batch, logits, self.compiled_sampling)
         target, drafts = _per_request(batch, tokens)
         num_accepted = verify_drafts(target, drafts, batch.sample_num_drafts)
@@ -282,7 +298,7 @@ class ModelRunner:
             next_drafts = self._propose(batch, aux, target, num_accepted)
         timer.mark()
         packed = pack_step(target, num_accepted, next_drafts)
-        return LaunchedStep(so, batch, packed, start_fetch(packed), logits, timer, graphed)
+        return LaunchedStep(so, batch, packed, start_fetch(packed), logits, timer, graphed, prompt_logprobs=prompt)
 
     def _replay(self, batch: InputBatch, timer: StepTimer, loaded: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """A padded uniform step: the target graph, the sampler only when a row samples, the tail
@@ -321,12 +337,15 @@ class ModelRunner:
             timer.mark()
         return packed
 
-    def _forward(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, batch: InputBatch, prompt: PromptLogprobs | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Eager target forward + LM head -> (logits [L, V] in logits_indices order, in the head's
         dtype, aux features [T, n*H] | None). No float32 copy of the logits, as on the graphed path:
         sampling and logprobs upcast what they read, and greedy argmax of bf16 logits equals that of
-        their exact float32 cast (the copy of a verify step's [L, 152K] logits is pure overhead)."""
+        their exact float32 cast (the copy of a verify step's [L, 152K] logits is pure overhead).
+        `prompt`: also score these prompt rows (PromptLogprobs.compute, from the same hidden states)."""
         hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.aux_layer_ids)
+        if prompt is not None:
+            prompt.compute(self.model, hidden)
         return self.model.compute_logits(hidden[batch.logits_indices], upcast=False), aux
 
     def _propose(self, batch: InputBatch, aux, target, num_accepted) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockdraft.engine.detokenizer import token_decoder
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError
@@ -22,11 +23,19 @@ class Plan:
 
     prompts[i] / params[i]: engine request of choice i (choice i = prompt i // n, sample i % n).
     num_prompt_tokens: usage.prompt_tokens (each distinct prompt counted once).
+    echo: /v1/completions `echo: true`: each choice's text and logprobs begin with its prompt's
+        (whose log-probabilities the engine computes: SamplingParams.prompt_logprobs = logprobs).
+    prompt_only: `echo` with `max_tokens: 0`: the engine generates one token (as vLLM does), which
+        the answer leaves out: only the prompt, finish_reason "length", 0 completion tokens.
+    prompt_texts[i]: the text echoed for choice i (`echo_texts`; set by the caller), else None.
     """
 
     prompts: list[list[int]]
     params: list[SamplingParams]
     num_prompt_tokens: int
+    echo: bool = False
+    prompt_only: bool = False
+    prompt_texts: list[str] | None = None
 
 
 def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> list[list[int]]:
@@ -54,6 +63,20 @@ def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> l
     return out
 
 
+def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:
+    """The text `echo` returns for each prompt of a /v1/completions request: a text prompt as given,
+    a token-id prompt decoded (as the output text is: skip_special_tokens=True), as vLLM does.
+
+    Args:
+        prompts: completion_prompts' token ids of `req`'s prompts (one list per prompt).
+    Raises: only the tokenizer's errors.
+    """
+    p = req.prompt
+    texts = [p] if isinstance(p, str) or isinstance(p[0], int) else p
+    decode = token_decoder(tokenizer)
+    return [t if isinstance(t, str) else decode(ids) for t, ids in zip(texts, prompts, strict=True)]
+
+
 def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
     """Token ids of the conversation through the tokenizer's chat template (with the assistant cue).
 
@@ -75,7 +98,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
 
 
 def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: ModelInfo) -> Plan:
-    """One SamplingParams per choice, with limits checked.
+    """One SamplingParams per choice, with limits checked (`echo` for /v1/completions: see Plan).
 
     Raises:
         APIError(400): n / choices / max_tokens / stop / logprobs over the server limits, a prompt
@@ -90,17 +113,19 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
         raise APIError(400, f"{len(prompts)} prompts x n={n} exceeds {config.max_choices} choices per request", param="n")
     stop = _stop_strings(req.stop, config)
     logprobs = _logprobs(req, config, model)
-    plan = Plan([], [], sum(len(p) for p in prompts))
+    echo = isinstance(req, CompletionRequest) and bool(req.echo)
+    plan = Plan([], [], sum(len(p) for p in prompts), echo=echo, prompt_only=echo and req.max_tokens == 0)
     for i, ids in enumerate(prompts):
-        max_tokens = _max_tokens(req, len(ids), config, model, i)
+        # echo with max_tokens 0: one token generated and left out, which the context must hold
+        max_tokens = _max_tokens(req, len(ids), config, model, i, asked=1 if plan.prompt_only else None)
         for j in range(n):
             plan.prompts.append(ids)
-            plan.params.append(_sampling_params(req, max_tokens, stop, logprobs, j, model))
+            plan.params.append(_sampling_params(req, max_tokens, stop, logprobs, j, model, echo))
     return plan
 
 
 def _sampling_params(
-    req, max_tokens: int, stop: list[str], logprobs: int | None, sample: int, model: ModelInfo
+    req, max_tokens: int, stop: list[str], logprobs: int | None, sample: int, model: ModelInfo, echo: bool = False
 ) -> SamplingParams:
     # Choice j of a seeded request uses seed + j: the choices differ and each stays reproducible.
     seed = None if req.seed is None else (req.seed + sample) % (MAX_SEED + 1)
@@ -121,13 +146,21 @@ def _sampling_params(
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            prompt_logprobs=logprobs if echo else None,  # echo scores the prompt too (vLLM)
         )
     except ValueError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
 
 
-def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, index: int) -> int:
-    asked = req.max_tokens
+def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, index: int,
+                asked: int | None = None) -> int:
+    """The engine's max_tokens for prompt `index` (`asked`: this value instead of the request's).
+
+    Raises:
+        APIError(400): below 1 (0 is allowed only with echo, and handled by build_plan), over the
+            server's limit, or more than the context leaves after the prompt (or no room at all).
+    """
+    asked = req.max_tokens if asked is None else asked
     name = "max_tokens"
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         if asked is not None:
@@ -149,7 +182,8 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
         default = COMPLETIONS_DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest) else config.max_tokens_limit
         return max(1, min(default, room))
     if asked < 1:
-        raise APIError(400, f"{name} must be >= 1, got {asked}", param=name)
+        hint = " (0 only with echo: true, which returns the prompt scored)" if isinstance(req, CompletionRequest) else ""
+        raise APIError(400, f"{name} must be >= 1{hint}, got {asked}", param=name)
     if asked > config.max_tokens_limit:
         raise APIError(400, f"{name} must be <= {config.max_tokens_limit} (server limit), got {asked}", param=name)
     if asked > room:

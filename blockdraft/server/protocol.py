@@ -2,8 +2,9 @@
 
 Strict: no type coercion ("5" is not an int, true is not a number); unknown fields are refused.
 OpenAI fields this server does not implement are refused with a message naming the field unless
-they carry their neutral value (e.g. `logit_bias: {}`, `echo: false`, or null), which changes
-nothing. Range checks that depend on the server's limits or the model live in params.py.
+they carry their neutral value (e.g. `logit_bias: {}`, `best_of: 1`, or null), which changes
+nothing; a request class that defines one of them (CompletionRequest.echo) takes it as its own
+field instead. Range checks that depend on the server's limits or the model live in params.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from blockdraft.chat_messages import SERVER_CHAT_ROLES, check_role
 from blockdraft.server.errors import APIError
 
-# field -> its neutral values (accepted because they change nothing; null is always neutral).
+# field -> its neutral values (accepted because they change nothing; null is always neutral),
+# unless the request class has the field (`echo` is a field of CompletionRequest, not of chat).
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "logit_bias": ({},),
     "echo": (False,),
@@ -89,10 +91,14 @@ class CompletionRequest(_SamplingRequest):
     """/v1/completions. prompt: a string, a list of strings, a list of token ids, or a list of those.
 
     logprobs: number of top alternatives per token (0: only the chosen token's log-probability).
+    echo: return the prompt before the completion (text, and with `logprobs` the prompt tokens'
+        log-probabilities first, the first token's null), as vLLM; with echo, max_tokens may be 0
+        (only the prompt, scored: lm-evaluation-harness's loglikelihood requests).
     """
 
     prompt: Any
     logprobs: int | None = Field(default=None, ge=0)
+    echo: bool | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -182,17 +188,17 @@ def parse_request(cls: type[_SamplingRequest], body: dict) -> _SamplingRequest:
         APIError(400): an unsupported field with a non-neutral value, an unknown field, a wrong
             type or an out-of-range value; the message names the field (first problem only).
     """
-    body = _drop_neutral_unsupported(body)
+    body = _drop_neutral_unsupported(body, cls)
     try:
         return cls.model_validate(body)
     except ValidationError as e:
         raise _first_error(e) from None
 
 
-def _drop_neutral_unsupported(body: dict) -> dict:
+def _drop_neutral_unsupported(body: dict, cls: type[BaseModel]) -> dict:
     out = dict(body)
     for name, neutral in UNSUPPORTED_FIELDS.items():
-        if name not in out:
+        if name not in out or name in cls.model_fields:
             continue
         value = out.pop(name)
         if value is not None and not any(_same(value, n) for n in neutral):

@@ -193,7 +193,8 @@ def completion_logprobs(entries: list[dict], token_text: TokenText, offsets: Tex
     characters, when known; offsets are capped at it (a stop string cuts the text, not the tokens).
     offsets may also be the tokens' precomputed starts (a list; streaming holds entries back, see
     serving.CompletionFormat).
-    Echo is not supported (protocol.py refuses it), so offsets count from the completion's start.
+    Offsets count from the completion's start; with `echo`, `echo_logprobs` puts the prompt's
+    entries first and shifts these by the prompt text's length.
     `top_logprobs`: see `_completion_top`: the N alternatives plus the sampled token, as in vLLM.
     """
     if offsets is None:
@@ -207,6 +208,34 @@ def completion_logprobs(entries: list[dict], token_text: TokenText, offsets: Tex
         "top_logprobs": [_completion_top(e, token_text) for e in entries],
         "text_offset": starts,
     }
+
+
+def echo_logprobs(prompt_token_ids: list[int], prompt_entries: list[dict | None], prompt_text: str,
+                  completion: dict | None, token_text: TokenText) -> dict:
+    """The /v1/completions `logprobs` object of an `echo` choice: the prompt's tokens, then the
+    completion's (`completion`, completion_logprobs' object, or None for none), as vLLM returns it.
+
+    prompt_entries: RequestOutput.prompt_logprobs (None first, then one dict per prompt token), so
+    the first prompt token's `token_logprobs` and `top_logprobs` entries are null. `text_offset`
+    counts characters from the start of the echoed text: the prompt tokens' offsets (TextOffsets
+    over the prompt ids, capped at len(prompt_text)), then the completion's shifted by
+    len(prompt_text). Raises: only the tokenizer's errors.
+    """
+    if len(prompt_entries) != len(prompt_token_ids):
+        raise ValueError(f"{len(prompt_entries)} prompt logprob entries for {len(prompt_token_ids)} prompt tokens")
+    base = len(prompt_text)
+    starts = [min(o, base) for o in TextOffsets(token_text.tokenizer)(prompt_token_ids)]
+    out = {
+        "tokens": [token_text(t) for t in prompt_token_ids],
+        "token_logprobs": [None if e is None else e["logprob"] for e in prompt_entries],
+        "top_logprobs": [None if e is None else _completion_top(e, token_text) for e in prompt_entries],
+        "text_offset": starts,
+    }
+    if completion is not None:
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            out[key] += completion[key]
+        out["text_offset"] += [base + o for o in completion["text_offset"]]
+    return out
 
 
 def _completion_top(entry: dict, token_text: TokenText) -> dict[str, float]:

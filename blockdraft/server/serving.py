@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 import uuid
@@ -24,7 +25,7 @@ from blockdraft.server.async_engine import AsyncEngine, EngineDeadError, ServerB
 from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError, error_body, model_not_found
 from blockdraft.server.http import ClientDisconnected, EventStreamResponse, read_json_object, until_disconnect
-from blockdraft.server.params import Plan, build_plan, chat_prompt, completion_prompts
+from blockdraft.server.params import Plan, build_plan, chat_prompt, completion_prompts, echo_texts
 from blockdraft.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 logger = logging.getLogger("blockdraft.server")
@@ -56,11 +57,15 @@ class _Cursor:
     While a choice runs, the last (longest stop string - 1) characters are held back: a stop string
     can begin in text already produced, and the engine cuts it from the text when it completes.
     Completions also hold back the logprob entries of tokens whose text is not sent yet (`held`,
-    see CompletionFormat.chunk_choice).
+    see CompletionFormat.chunk_choice). echo: the prompt text a completions `echo` stream still has
+    to send (its first chunk carries it, with the prompt's logprobs); base: its length once sent
+    (the completion's text_offset values follow it).
     """
 
-    def __init__(self, holdback: int) -> None:
+    def __init__(self, holdback: int, echo: str | None = None) -> None:
         self.holdback = holdback
+        self.echo = echo
+        self.base = 0
         self.chars = 0
         self.tokens = 0
         self.text_offsets: R.TextOffsets | None = None  # completions' text_offset, built on first use
@@ -85,17 +90,30 @@ class CompletionFormat:
     def prompts(self, ctx: ServerContext, req: CompletionRequest) -> list[list[int]]:
         return completion_prompts(req, ctx.tokenizer, ctx.model)
 
-    def choice(self, ctx: ServerContext, index: int, out: RequestOutput) -> dict:
+    def choice(self, ctx: ServerContext, index: int, out: RequestOutput, plan: Plan) -> dict:
+        """Choice `index` of a whole response; with `plan.echo` its prompt first (text and logprobs)."""
         logprobs = None
         if out.logprobs is not None:
             logprobs = R.completion_logprobs(out.logprobs, ctx.token_text, text_len=len(out.text))
-        return {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        text = out.text
+        if plan.echo:
+            prompt_text = plan.prompt_texts[index]
+            if logprobs is not None:
+                logprobs = R.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, prompt_text, logprobs,
+                                           ctx.token_text)  # fmt: skip
+            text = prompt_text + text
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
     def first_chunk_choice(self, index: int) -> dict | None:
         return None
 
-    def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None) -> dict | None:
+    def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None,
+                     out: RequestOutput) -> dict | None:
         """The choice of one stream chunk; None when there is nothing to send yet.
+
+        With echo (cursor.echo), the choice's first chunk starts with the prompt's text and, with
+        logprobs, the prompt tokens' entries (out.prompt_logprobs), as vLLM's first chunk does; the
+        completion's text_offset values then count from the prompt text's start.
 
         A token's logprob entry is sent only once the text sent so far (cursor.chars) reaches its
         text_offset: the text of a token that may begin a stop string is held back (_Cursor), and
@@ -106,6 +124,9 @@ class CompletionFormat:
         non-streaming response). So every chunk's offsets index the text returned up to and
         including that chunk, and the streamed offsets equal the non-streamed ones.
         """
+        echo, cursor.echo = cursor.echo, None
+        if echo is not None:
+            cursor.base = len(echo)
         logprobs = None
         if entries is not None:
             if cursor.text_offsets is None:
@@ -114,10 +135,17 @@ class CompletionFormat:
             # offsets never decrease: the entries to send are a prefix of the held ones
             n = len(cursor.held) if finish is not None else sum(1 for _, o in cursor.held if o <= cursor.chars)
             ready, cursor.held = cursor.held[:n], cursor.held[n:]
-            if not ready and not delta and finish is None:
+            if not ready and not delta and finish is None and echo is None:
                 return None  # only held-back tokens: no chunk
-            logprobs = R.completion_logprobs([e for e, _ in ready], ctx.token_text, [o for _, o in ready], cursor.chars)
-        return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+            if echo is None:  # offsets from the prompt text's start (base 0 without echo)
+                offsets = [cursor.base + min(o, cursor.chars) for _, o in ready]
+                logprobs = R.completion_logprobs([e for e, _ in ready], ctx.token_text, offsets)
+            else:  # echo_logprobs shifts the completion's offsets by the prompt text's length
+                offsets = [min(o, cursor.chars) for _, o in ready]
+                logprobs = R.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, echo,
+                                           R.completion_logprobs([e for e, _ in ready], ctx.token_text, offsets),
+                                           ctx.token_text)  # fmt: skip
+        return {"index": index, "text": (echo or "") + delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 class ChatFormat:
@@ -131,7 +159,7 @@ class ChatFormat:
     def prompts(self, ctx: ServerContext, req: ChatCompletionRequest) -> list[list[int]]:
         return [chat_prompt(req, ctx.tokenizer)]
 
-    def choice(self, ctx: ServerContext, index: int, out: RequestOutput) -> dict:
+    def choice(self, ctx: ServerContext, index: int, out: RequestOutput, plan: Plan) -> dict:
         logprobs = None if out.logprobs is None else R.chat_logprobs(out.logprobs, ctx.token_text)
         message = {"role": "assistant", "content": out.text}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}
@@ -139,7 +167,8 @@ class ChatFormat:
     def first_chunk_choice(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None) -> dict:
+    def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None,
+                     out: RequestOutput) -> dict:
         logprobs = None if entries is None else R.chat_logprobs(entries, ctx.token_text)
         return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs, "finish_reason": finish}
 
@@ -173,6 +202,11 @@ class Serving:
         self._check_model(req)
         prompts = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, self.fmt.prompts, ctx, req)
         plan = build_plan(req, prompts, ctx.config, ctx.model)
+        if plan.echo:
+            texts = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, echo_texts, req, prompts,
+                                                                     ctx.tokenizer)  # fmt: skip
+            n = len(plan.prompts) // len(prompts)  # choice c is prompt c // n
+            plan.prompt_texts = [texts[c // n] for c in range(len(plan.prompts))]
         rid = f"{self.fmt.id_prefix}-{uuid.uuid4().hex}"
         group = await self._submit(plan, arrival, rid)
         meta = {"id": rid, "created": int(time.time()), "model": ctx.config.served_model_name}
@@ -211,10 +245,11 @@ class Serving:
             raise APIError(503, str(e)) from None
 
     def _full_body(self, meta: dict, plan: Plan, outs: list[RequestOutput]) -> dict:
+        outs = [_shown(plan, o) for o in outs]
         return {
             **meta,
             "object": self.fmt.object_full,
-            "choices": [self.fmt.choice(self.ctx, i, o) for i, o in enumerate(outs)],
+            "choices": [self.fmt.choice(self.ctx, i, o, plan) for i, o in enumerate(outs)],
             "usage": R.usage(plan.num_prompt_tokens, sum(len(o.token_ids) for o in outs)),
             "spec_decode_stats": R.spec_stats([o.spec for o in outs]),
         }
@@ -224,7 +259,7 @@ class Serving:
         if req.include_usage:
             head["usage"] = None  # OpenAI sends null usage on every chunk but the last
         holdback = max((len(s) for s in plan.params[0].stop), default=1) - 1
-        cursors = [_Cursor(holdback) for _ in plan.prompts]
+        cursors = [_Cursor(holdback, plan.prompt_texts[i] if plan.echo else None) for i in range(len(plan.prompts))]
         finals: dict[int, RequestOutput] = {}
         for i in range(len(cursors)):
             first = self.fmt.first_chunk_choice(i)
@@ -233,6 +268,7 @@ class Serving:
         try:
             async for batch in group.updates():
                 for i, out in sorted(batch.items()):
+                    out = _shown(plan, out)
                     frame = self._chunk(head, i, cursors[i], out)
                     if frame is not None:
                         yield frame
@@ -252,9 +288,10 @@ class Serving:
 
     def _chunk(self, head: dict, index: int, cursor: _Cursor, out: RequestOutput) -> bytes | None:
         delta, entries = cursor.advance(out)
-        if not delta and not entries and not out.finished:
+        if not delta and not entries and not out.finished and cursor.echo is None:
             return None
-        choice = self.fmt.chunk_choice(self.ctx, index, cursor, delta, entries, out.finish_reason if out.finished else None)
+        choice = self.fmt.chunk_choice(self.ctx, index, cursor, delta, entries,
+                                       out.finish_reason if out.finished else None, out)  # fmt: skip
         if choice is None:
             return None
         chunk = {**head, "choices": [choice]}
@@ -276,3 +313,12 @@ class Serving:
             "%s: %d choice(s), %d prompt tokens, %d completion tokens, finish=%s, %.3f s",
             rid, len(outs), plan.num_prompt_tokens, sum(len(o.token_ids) for o in outs), reasons, seconds,
         )
+
+
+def _shown(plan: Plan, out: RequestOutput) -> RequestOutput:
+    """`out` as the answer shows it: with echo and max_tokens 0 (Plan.prompt_only) the one token
+    the engine generated is left out (no text, tokens or logprobs; finish_reason "length", as vLLM)."""
+    if not plan.prompt_only:
+        return out
+    return dataclasses.replace(out, token_ids=[], text="", logprobs=None if out.logprobs is None else [],
+                               finish_reason="length" if out.finished else None, stop_reason=None)

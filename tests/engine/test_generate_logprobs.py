@@ -119,3 +119,34 @@ def test_table_pads_the_token_column_by_display_width():
     rows = _logprob_table(items)[1:]
     for i, (row, (t, width)) in enumerate(zip(rows, tokens.items())):
         assert row == f'{i:>4}  "{t}"{" " * (16 - width)} {10 + i:>7}  {-0.5:>9.4f}  "{t}"=-0.5000'
+
+
+def test_prompt_logprobs_json_and_table(tiny, capsys):
+    """--prompt-logprobs N: a 'prompt_logprobs' list with --json (null first, then the chat items
+    plus ids, as --logprobs; the same with DFlash as without), a table after the answer otherwise."""
+    model, drafter = tiny
+    prompt = " ".join(word(i) for i in (17, 4, 60, 23))
+    flags = ["--raw", "--model", str(model), "--max-tokens", "4", "--prompt-logprobs", "2"]
+    runs = {}
+    for name, extra in (("plain", ["--no-draft"]), ("spec", ["--draft", str(drafter)])):
+        assert main(["generate", prompt, *flags, *extra, "--json"]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    items = runs["plain"]["prompt_logprobs"]
+    assert items[0] is None and [e["token"] for e in items[1:]] == prompt.split()[1:]
+    for e in items[1:]:
+        assert len(e["top_logprobs"]) == 2 and e["logprob"] <= e["top_logprobs"][0]["logprob"] <= 0
+    assert "logprobs" not in runs["plain"]  # only what was asked for
+    assert runs["spec"]["token_ids"] == runs["plain"]["token_ids"]
+    assert [e["logprob"] for e in runs["spec"]["prompt_logprobs"][1:]] == pytest.approx(
+        [e["logprob"] for e in items[1:]], abs=1e-4)
+    assert main(["generate", prompt, *flags, "--no-draft"]) == 0
+    answer, header, *rows = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert answer == runs["plain"]["text"] and header.startswith("--- prompt logprobs of the target model")
+    assert [r.split()[:4] for r in rows] == [[str(i), f'"{e["token"]}"', str(e["token_id"]), f"{e['logprob']:.4f}"]
+                                             for i, e in enumerate(items[1:], 1)]
+
+
+def test_prompt_logprobs_bad_value_is_refused_before_the_model_loads(capsys):
+    assert main(["generate", "hi", "--model", "/nonexistent-model", "--prompt-logprobs", "21"]) == 2
+    err = capsys.readouterr().err
+    assert f"prompt_logprobs (--prompt-logprobs) must be <= {DEFAULT_MAX_LOGPROBS}" in err and "nonexistent" not in err

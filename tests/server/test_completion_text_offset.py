@@ -1,6 +1,7 @@
 """/v1/completions logprobs' `text_offset`: each token's start, in characters, in the returned text
-(echo is refused, so the completion's `text`), also where byte-level BPE splits a character across
-tokens (decoded alone such a token reads U+FFFD, one character that is not in the text)."""
+(the completion's `text`; with echo see test_completion_echo), also where byte-level BPE splits a
+character across tokens (decoded alone such a token reads U+FFFD, one character that is not in the
+text)."""
 
 from __future__ import annotations
 
