@@ -34,8 +34,11 @@ class SamplingParams:
     every token already in the output: presence once, frequency once per occurrence (0 = off).
     repetition_penalty: > 0 (1 = off); the logit of every token in the prompt or the output is
     divided by it when positive and multiplied by it otherwise (CTRL, Keskar et al. 2019, section
-    4.1, as vLLM and transformers apply it). Penalties act on the logits before temperature, top-k
-    and top-p, greedy rows included; logprobs stay those of the raw model (vLLM's default).
+    4.1, as vLLM and transformers apply it). logit_bias: {token id: bias} added to those tokens'
+    logits (OpenAI's logit_bias; biases finite, in [-100, 100]; ids checked against the vocabulary
+    when the engine takes the request), before the penalties. Bias and penalties act on the logits
+    before temperature, top-k and top-p, greedy rows included; logprobs stay those of the raw model
+    (vLLM's default).
 
     Raises:
         ValueError: naming the offending field and the allowed range (at construction, and again
@@ -56,6 +59,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +107,14 @@ class SamplingParams:
         if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp < float("inf"):
             raise param_error("repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), "
                                                     f"got {rp!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise param_error("logit_bias", f"logit_bias must be a dict {{token id: bias}} or None, got "
+                                                f"{self.logit_bias!r}"[:300])
+            for t, b in self.logit_bias.items():
+                _check_int("logit_bias", t, low=0, what="logit_bias token id")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                    raise param_error("logit_bias", f"logit_bias of token {t} must be a number in [-100, 100], got {b!r}")
         if self.stop and not self.detokenize:
             raise param_error("stop", f"stop strings {self.stop!r} need the output text: drop them or keep "
                                       f"detokenize=True")
@@ -116,6 +128,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         """True when a presence, frequency or repetition penalty changes the logits."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when penalties or a logit bias change the logits (blockdraft.sample.penalties)."""
+        return self.has_penalties or bool(self.logit_bias)
 
     @property
     def resolved_seed(self) -> int:

@@ -107,7 +107,7 @@ class LLMEngine:
             ValueError: a field of `params` out of range (SamplingParams.verify: a field changed
                 after construction is checked here), `logprobs` or `prompt_logprobs` above
                 `max_logprobs`, empty
-                prompt, a prompt or stop token id outside [0, vocab_size) (names the first one), or
+                prompt, a prompt, stop or logit_bias token id outside [0, vocab_size) (names the first one), or
                 a prompt that leaves no room for one output token within `max_model_len` (names
                 the lengths).
         """
@@ -116,7 +116,8 @@ class LLMEngine:
         params.verify()
         check_logprobs_limit(params, self.max_logprobs)
         if self.vocab_size is not None:
-            for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids)):
+            for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
+                              ("logit_bias", list(params.logit_bias or ()))):
                 bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
                 if bad is not None:
                     raise ValueError(f"{what} has token id {bad}, outside the vocabulary [0, {self.vocab_size})")

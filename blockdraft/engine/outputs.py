@@ -38,7 +38,7 @@ class ScheduledRequest:
         prompt rows before the prompt's last one; the last scored token may be the first token of
         the next chunk.
     penalty_history: (prompt token ids, committed output token ids) of a sampling request whose
-        params have penalties (blockdraft.sample.penalties), else None; the lists are the
+        params have penalties or a logit bias (blockdraft.sample.penalties), else None; the lists are the
         request's own (read-only here), so a step that samples never copies them.
     """
 

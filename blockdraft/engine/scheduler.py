@@ -384,7 +384,7 @@ class Scheduler:
             block_ids=list(req.block_ids),
             sampling_params=req.sampling_params,
             penalty_history=(req.prompt_token_ids, req.output_token_ids)
-            if reaches_end and req.sampling_params.has_penalties else None,
+            if reaches_end and req.sampling_params.adjusts_logits else None,
         )
         if req.needs_prompt_logprobs:
             _add_prompt_logprob_rows(sr, req)

@@ -149,7 +149,7 @@ class ModelRunner:
     def can_continue(self, step: LaunchedStep) -> bool:
         """Whether `launch_continuation` can follow `step`: a graphed uniform step without
         log-probabilities (their logits live in the graph's output buffer, which the next replay
-        overwrites before `finish` reads them) or penalties (`_continuable`). False without
+        overwrites before `finish` reads them) or penalties / logit bias (`_continuable`). False without
         continuation graphs (async scheduling off)."""
         if not step.graphed or self.graphs.continuation is None:
             return False
@@ -225,7 +225,7 @@ class ModelRunner:
         """Whether `launch_join` can follow `step`: uniform-step graphs with async scheduling
         (continuation graphs built), every request of `step` samples one token without drafts to
         verify, and none asks for log-probabilities (the join's replay would overwrite the logits
-        before `finish` reads them) or has penalties (`_continuable`)."""
+        before `finish` reads them) or has penalties / a logit bias (`_continuable`)."""
         if self.graphs is None or self.graphs.continuation is None or step.batch.kmax:
             return False
         if len(step.batch.sample_req) != len(step.so.requests):
@@ -367,9 +367,10 @@ class ModelRunner:
 
 def _continuable(params) -> bool:
     """Whether a request may take part in a step launched before its previous step is read back:
-    not when it asks for log-probabilities (its logits must be read first) or has penalties (they
-    count its output tokens, which the host does not have yet)."""
-    return params.logprobs is None and not params.has_penalties
+    not when it asks for log-probabilities (its logits must be read first) or has penalties or a
+    logit bias (their entries are laid out per step from its output tokens, which the host does not
+    have yet)."""
+    return params.logprobs is None and not params.adjusts_logits
 
 
 def _sample(batch: InputBatch, logits: torch.Tensor, compiled: bool = False) -> torch.Tensor:

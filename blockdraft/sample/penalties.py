@@ -1,9 +1,11 @@
-"""Presence, frequency and repetition penalties over a step's logits rows, drafts included.
+"""Logit bias and presence, frequency and repetition penalties over a step's logits rows, drafts included.
 
-Semantics (vLLM's `apply_penalties`, OpenAI's parameter definitions; repetition penalty from CTRL,
-Keskar et al. 2019, section 4.1): for the logits row that predicts output position q of a request,
-with c(t) the number of times token t occurs in the output before q,
+Semantics (vLLM's logit-bias processor, then its `apply_penalties`; OpenAI's parameter definitions;
+repetition penalty from CTRL, Keskar et al. 2019, section 4.1): for the logits row that predicts
+output position q of a request, with c(t) the number of times token t occurs in the output before q
+and b_t the request's logit_bias of t (0 if none),
 
+    x_t <- x_t + b_t
     x_t <- x_t / r   if t is in the prompt or c(t) > 0, and x_t > 0
     x_t <- x_t * r   if t is in the prompt or c(t) > 0, and x_t <= 0
     x_t <- x_t - frequency * c(t) - presence * [c(t) > 0]
@@ -13,8 +15,8 @@ d_1..d_j counts them as output, exactly what plain decoding would have counted h
 them; and a row is only used when every draft before it was accepted (DFLASH.md, "One decode
 step", step 2). So each row is penalised as plain decoding penalises the same position.
 
-The work is sparse: only tokens in the prompt (repetition penalty only) or in the output or the
-drafts change, so the host lists (row, token, count) entries and the device updates those logits
+The work is sparse: only tokens in the prompt (repetition penalty only), in the output or the
+drafts, or in logit_bias change, so the host lists (row, token, bias, count) entries and the device updates those logits
 with one gather and one scatter, no [rows, V] count tensor and no host synchronisation.
 """
 
@@ -34,21 +36,24 @@ __all__ = ["PENALTY_FIELDS", "PenaltyEntries", "apply_penalties", "penalty_entri
 class PenaltyEntries:
     """The logits a step's penalties change, one entry per (logits row, token).
 
-    rows: [E] int64 logits row. token_ids: [E] int64, a token in the prompt (listed only when the
-    repetition penalty is on) or in the output before that row's position (drafts before it
-    included); (row, token) pairs are unique. counts: [E] float32 occurrences of the token in that
-    output. presence, frequency, repetition: [E] float32, the row's request's penalties.
+    rows: [E] int64 logits row. token_ids: [E] int64, a token in the request's logit_bias, in the
+    prompt (listed only when the repetition penalty is on) or in the output before that row's
+    position (drafts before it included); (row, token) pairs are unique. bias: [E] float32, its
+    logit_bias (0 if none). counts: [E] float32 occurrences of the token in that output.
+    presence, frequency: [E] float32, the row's request's penalties. repetition: [E] float32, its
+    repetition penalty where the token is in the prompt or counted, else 1.
     """
 
     rows: torch.Tensor
     token_ids: torch.Tensor
+    bias: torch.Tensor
     counts: torch.Tensor
     presence: torch.Tensor
     frequency: torch.Tensor
     repetition: torch.Tensor
 
 
-PENALTY_FIELDS = ("rows", "token_ids", "counts", "presence", "frequency", "repetition")  # PenaltyEntries' tensors
+PENALTY_FIELDS = ("rows", "token_ids", "bias", "counts", "presence", "frequency", "repetition")  # PenaltyEntries' tensors
 
 
 def penalty_entries(
@@ -60,12 +65,12 @@ def penalty_entries(
 
     Args:
         histories: per sampling request, (prompt token ids, committed output token ids), or None
-            when it has no penalties (its rows get no entries).
+            when it has no penalties or logit bias (its rows get no entries).
         drafts: per sampling request, the draft tokens its step verifies (k of them: it owns
             k + 1 consecutive logits rows, in the order of `histories`).
         params: per sampling request, its SamplingParams.
     Returns:
-        PenaltyEntries on the CPU, or None when no request has penalties.
+        PenaltyEntries on the CPU, or None when no request has penalties or logit bias.
     Raises:
         ValueError: the three sequences differ in length.
     """
@@ -74,7 +79,7 @@ def penalty_entries(
     parts: list[list[torch.Tensor]] = []
     row0 = 0
     for history, d, p in zip(histories, drafts, params):
-        if history is not None and p.has_penalties:
+        if history is not None and p.adjusts_logits:
             parts.append(_request_entries(history[0], history[1], d, p, row0))
         row0 += len(d) + 1
     if not parts:
@@ -88,7 +93,9 @@ def _request_entries(prompt, output, drafts, p: SamplingParams, row0: int) -> li
     prompt_t = torch.tensor(list(prompt) if with_prompt else [], dtype=torch.long)
     output_t = torch.tensor(list(output), dtype=torch.long)
     drafts_t = torch.tensor(list(drafts), dtype=torch.long)
-    tokens = torch.unique(torch.cat([prompt_t, output_t, drafts_t]))  # sorted
+    bias_map = p.logit_bias or {}
+    bias_t = torch.tensor(list(bias_map), dtype=torch.long)
+    tokens = torch.unique(torch.cat([prompt_t, output_t, drafts_t, bias_t]))  # sorted
     u, k = tokens.shape[0], drafts_t.shape[0]
     base = torch.bincount(torch.searchsorted(tokens, output_t), minlength=u)
     # counts[j] = output counts + drafts d_1..d_j (row j follows j drafts)
@@ -99,21 +106,27 @@ def _request_entries(prompt, output, drafts, p: SamplingParams, row0: int) -> li
     repeated = counts > 0
     if with_prompt:
         repeated |= torch.isin(tokens, prompt_t)[None, :]
-    keep = repeated.flatten()  # a token neither in the prompt nor yet in the output is untouched
+    bias = torch.zeros(u, dtype=torch.float32)
+    if bias_map:
+        bias[torch.searchsorted(tokens, bias_t)] = torch.tensor(list(bias_map.values()), dtype=torch.float32)
+    # a token neither biased, nor in the prompt, nor yet in the output is untouched
+    keep = (repeated | torch.isin(tokens, bias_t)[None, :]).flatten()
     rows = (row0 + torch.arange(k + 1)).repeat_interleave(u)[keep]
-    n = rows.shape[0]  # every entry has the repetition penalty applied: in the prompt or counted
+    n = rows.shape[0]
+    repetition = torch.where(repeated.flatten()[keep], float(p.repetition_penalty), 1.0).to(torch.float32)
     return [
         rows,
         tokens.repeat(k + 1)[keep],
+        bias.repeat(k + 1)[keep],
         counts.flatten()[keep].to(torch.float32),
         torch.full((n,), float(p.presence_penalty), dtype=torch.float32),
         torch.full((n,), float(p.frequency_penalty), dtype=torch.float32),
-        torch.full((n,), float(p.repetition_penalty), dtype=torch.float32),
+        repetition,
     ]
 
 
 def apply_penalties(logits: torch.Tensor, entries: PenaltyEntries) -> torch.Tensor:
-    """Penalised float32 copy of `logits` (the input is left as is: logprobs read the raw logits).
+    """Biased and penalised float32 copy of `logits` (the input is left as is: logprobs read the raw logits).
 
     Args:
         logits: [L, V] any float dtype, the step's logits rows.
@@ -122,7 +135,7 @@ def apply_penalties(logits: torch.Tensor, entries: PenaltyEntries) -> torch.Tens
         [L, V] float32. Entries are (row, token) unique, so the scatter has no write conflicts.
     """
     x = logits.to(torch.float32, copy=True)
-    vals = x[entries.rows, entries.token_ids]
+    vals = x[entries.rows, entries.token_ids] + entries.bias
     r = entries.repetition
     vals = torch.where(vals > 0, vals / r, vals * r)
     vals = vals - entries.frequency * entries.counts

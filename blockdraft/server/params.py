@@ -146,10 +146,24 @@ def _sampling_params(
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=_logit_bias(req.logit_bias, model),
             prompt_logprobs=logprobs if echo else None,  # echo scores the prompt too (vLLM)
         )
     except ValueError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+
+
+def _logit_bias(bias: dict[str, float] | None, model: ModelInfo) -> dict[int, float] | None:
+    """OpenAI's logit_bias (JSON keys are strings) -> {token id: bias}; ids and ranges checked."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < model.vocab_size:
+            raise APIError(400, f"logit_bias keys must be token ids in [0, {model.vocab_size}) written as strings, "
+                                f"got {key[:40]!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, index: int,

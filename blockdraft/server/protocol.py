@@ -2,7 +2,7 @@
 
 Strict: no type coercion ("5" is not an int, true is not a number); unknown fields are refused.
 OpenAI fields this server does not implement are refused with a message naming the field unless
-they carry their neutral value (e.g. `logit_bias: {}`, `best_of: 1`, or null), which changes
+they carry their neutral value (e.g. `best_of: 1`, `tools: []`, or null), which changes
 nothing; a request class that defines one of them (CompletionRequest.echo) takes it as its own
 field instead. Range checks that depend on the server's limits or the model live in params.py.
 """
@@ -20,7 +20,6 @@ from blockdraft.server.errors import APIError
 # field -> its neutral values (accepted because they change nothing; null is always neutral),
 # unless the request class has the field (`echo` is a field of CompletionRequest, not of chat).
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "logit_bias": ({},),
     "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
@@ -66,6 +65,7 @@ class _SamplingRequest(_Strict):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)  # extension (vLLM): 1 disables
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key string) -> bias in [-100, 100]
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)

@@ -29,3 +29,5 @@ def test_bad_prompt_id_is_refused_and_the_llm_still_works(llm, bad):
 def test_bad_stop_token_id_is_refused(llm):
     with pytest.raises(ValueError, match="stop_token_ids has token id"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=2, stop_token_ids=[10**9]))
+    with pytest.raises(ValueError, match=r"logit_bias has token id 96, outside the vocabulary \[0, 96\)"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2, logit_bias={3: 1.0, 96: 2.0}))

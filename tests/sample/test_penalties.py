@@ -15,7 +15,10 @@ def _dense(logits_row, prompt, output, p: SamplingParams):
     counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=v).float()
     seen = (counts > 0) | (torch.bincount(torch.tensor(prompt, dtype=torch.long), minlength=v) > 0)
     r = torch.where(seen, torch.tensor(p.repetition_penalty), torch.tensor(1.0))
-    x = torch.where(logits_row > 0, logits_row / r, logits_row * r)
+    x = logits_row.clone()
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
+    x = torch.where(x > 0, x / r, x * r)
     return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
 
 
@@ -28,6 +31,9 @@ def test_entries_equal_the_dense_formula_row_by_row_with_drafts(pres, freq, rep)
         ([7, 8], [], [9, 9], SamplingParams()),  # no penalties: its rows stay raw
         ([10, 11, 12], [], [], SamplingParams(presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep)),
         ([1], [20, 21, 20], [20, 21, 22, 20], SamplingParams(frequency_penalty=1.0, repetition_penalty=1.2)),
+        ([1, 2], [3], [4, 3], SamplingParams(logit_bias={3: 5.0, 30: -100, 1: 0.5}, presence_penalty=pres,
+                                             repetition_penalty=rep)),  # bias on counted, prompt and fresh tokens
+        ([5], [], [6], SamplingParams(logit_bias={49: 2.5})),  # bias alone
     ]
     rows = sum(len(d) + 1 for _, _, d, _ in reqs)
     logits = torch.randn(rows, vocab, generator=g) * 3
@@ -77,6 +83,19 @@ def test_bad_penalties_are_refused_by_name(field, value, allowed):
     assert field in str(e.value)
 
 
+@pytest.mark.parametrize("bias, message", [
+    ({-1: 1.0}, "logit_bias token id must be an integer >= 0, got -1"),
+    ({"3": 1.0}, "logit_bias token id must be an integer >= 0, got '3'"),
+    ({3: 101}, r"logit_bias of token 3 must be a number in \[-100, 100\], got 101"),
+    ({3: float("nan")}, r"logit_bias of token 3 must be a number in \[-100, 100\], got nan"),
+    ([3], r"logit_bias must be a dict \{token id: bias\} or None, got \[3\]"),
+])  # fmt: skip
+def test_bad_logit_bias_is_refused_by_name(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)
+
+
 def test_has_penalties():
+    assert SamplingParams(logit_bias={1: 1.0}).adjusts_logits and not SamplingParams(logit_bias={}).adjusts_logits
     assert not SamplingParams().has_penalties
     assert SamplingParams(presence_penalty=-0.1).has_penalties and SamplingParams(repetition_penalty=1.01).has_penalties

@@ -21,6 +21,8 @@ REQUESTS = [
     ("completions", dict(prompt=PROMPTS[2], max_tokens=40, temperature=0.0, presence_penalty=1.0, frequency_penalty=0.5,
                          extra_body={"ignore_eos": True, "repetition_penalty": 1.3})),
     ("chat", dict(messages=CHAT, max_tokens=40, temperature=0.7, seed=4, frequency_penalty=1.5)),
+    ("completions", dict(prompt=PROMPTS[0], max_tokens=24, temperature=0.0, logit_bias={"45": -100, "9": 3.0},
+                         extra_body={"ignore_eos": True})),
 ]
 SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
@@ -101,6 +103,13 @@ def test_penalties_change_the_answer(plain_server):
     bare = _texts(_create(client, "completions", kw))
     penalised = _texts(_create(client, "completions", REQUESTS[5][1]))
     assert bare != penalised and penalised[0]
+
+
+def test_logit_bias_100_makes_every_token_the_biased_one(dflash_server):
+    out = openai_client(dflash_server).completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0.0, logprobs=0, logit_bias={"9": 100},
+        extra_body={"ignore_eos": True})
+    assert out.choices[0].logprobs.tokens == [word(9)] * 12
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, seed=3)], ids=["greedy", "sampled"])

@@ -16,6 +16,7 @@ PENALTIES = [
     dict(repetition_penalty=1.6),
     dict(presence_penalty=1.5, frequency_penalty=0.5),
     dict(presence_penalty=-0.5, frequency_penalty=1.0, repetition_penalty=0.8),
+    dict(logit_bias={5: 3.0, 7: -100.0, 11: 2.0}, frequency_penalty=0.3),
 ]
 
 
@@ -24,7 +25,10 @@ def _dense(logits_row, prompt, output, p: SamplingParams):
     counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=VOCAB).float()
     seen = (counts > 0) | (torch.bincount(torch.tensor(prompt, dtype=torch.long), minlength=VOCAB) > 0)
     r = torch.where(seen, torch.tensor(p.repetition_penalty), torch.tensor(1.0))
-    x = torch.where(logits_row > 0, logits_row / r, logits_row * r)
+    x = logits_row.clone()
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
+    x = torch.where(x > 0, x / r, x * r)
     return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
 
 
