@@ -8,6 +8,7 @@ z-lab `dflash_generate` plain (block_size 1) and DFlash (block_size K + 1) at ba
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -251,10 +252,14 @@ def add_divergence_gaps(workload: Workload, settings: Settings, cells: list[Cell
     Each "ours/dflash" vs "ours/plain" parity row with mismatches gets "divergences" (one dict
     per mismatched request, bench.near_ties.divergence_gaps) and "near_ties" (how many are near-ties);
     rows without mismatches get "divergences": [] and "near_ties": 0. One eager plain engine over
-    the target is built for this only when some row has mismatches.
+    the target is built for this only when some row has mismatches; when the target runs in a
+    lower precision and was loaded from a folder (not random weights), a second one over its
+    weights loaded again in float32 also judges each divergence ("near_ties_fp32",
+    bench.near_ties: the gap without bf16 rounding).
     """
     from blockdraft.bench.engines.ours import OurEngine, PoolPlan
     from blockdraft.bench.near_ties import divergence_gaps
+    from blockdraft.llm import load_target
 
     rows = [p for p in parity if (p["candidate"], p["reference"]) == (f"ours/{DFLASH}", f"ours/{PLAIN}")]
     for p in rows:
@@ -267,15 +272,22 @@ def add_divergence_gaps(workload: Workload, settings: Settings, cells: list[Cell
     plan = PoolPlan(max(p["batch_size"] for p in todo), longest, 1)
     opts = {"enforce_eager": True} if workload.device.type == "cuda" else {}
     engine = OurEngine(workload.target, str(workload.device), plan, options=opts)
+    engine_fp32 = None
     try:
+        if workload.dtype != torch.float32 and os.path.isdir(workload.target.path):
+            target_fp32 = load_target(workload.target.path, dtype="float32", device=str(workload.device))
+            engine_fp32 = OurEngine(target_fp32, str(workload.device), plan, options=opts)
         for p in todo:
             batch = p["batch_size"]
             cand, ref = by_key[(batch, "ours", DFLASH)].token_ids, by_key[(batch, "ours", PLAIN)].token_ids
             prompts = cell_prompts(workload, settings, batch)
-            p["divergences"] = divergence_gaps(engine.llm, prompts, cand, ref, p["first_mismatch"])
+            p["divergences"] = divergence_gaps(engine.llm, prompts, cand, ref, p["first_mismatch"],
+                                               None if engine_fp32 is None else engine_fp32.llm)
             p["near_ties"] = sum(d["near_tie"] for d in p["divergences"])
+            if engine_fp32 is not None:
+                p["near_ties_fp32"] = sum(d["near_tie_fp32"] for d in p["divergences"])
     finally:
-        del engine
+        del engine, engine_fp32
         _release(workload.device)
 
 

@@ -48,6 +48,29 @@ def test_gap_at_the_first_divergence_of_each_mismatched_request(target):
     assert not got[1]["both_in_top2"] and not got[1]["near_tie"]
 
 
+def test_a_float32_copy_of_the_target_judges_the_same_divergences(target):
+    """With llm_fp32 each divergence also gets the float32 target's top two and gap (here a bf16
+    copy is the engine under test and the float32 target the reference: their gaps differ by
+    bf16 rounding only)."""
+    import dataclasses
+
+    bf16 = dataclasses.replace(target, model=tiny_target("qwen3", seed=11).model.to(torch.bfloat16))
+    llm, llm_fp32 = make_llm(bf16), make_llm(target)
+    prompts = random_prompts(2, seed=4)
+    reference = _greedy(llm, prompts, 8)
+    runner_up = _top(llm, prompts[0] + reference[0][:2])[1][0]
+    candidate = [reference[0][:2] + [runner_up] + reference[0][3:], list(reference[1])]
+    first = compare_outputs(candidate, reference)["first_mismatch"]
+    (got,) = divergence_gaps(llm, prompts, candidate, reference, first, llm_fp32)
+    top32 = _top(llm_fp32, prompts[0] + reference[0][:2])
+    assert got["top2_tokens_fp32"] == [top32[0][0], top32[1][0]]
+    assert got["top2_gap_fp32"] == pytest.approx(top32[0][1] - top32[1][1], abs=1e-6)
+    assert got["top2_gap_fp32"] != got["top2_gap"]  # bf16 rounding moved it
+    assert got["near_tie_fp32"] == (set(got["top2_tokens_fp32"]) == {reference[0][2], runner_up}
+                                    and got["top2_gap_fp32"] < NEAR_TIE_GAP)
+    assert "top2_gap_fp32" not in divergence_gaps(llm, prompts, candidate, reference, first)[0]
+
+
 def test_length_only_differences_and_equal_outputs_are_skipped(target):
     llm = make_llm(target)
     prompts = random_prompts(2, seed=5)
@@ -73,3 +96,26 @@ def test_suite_marks_the_dflash_rows_with_their_divergences(target):
     assert [d["request"] for d in parity[0]["divergences"]] == [1]
     assert parity[0]["near_ties"] == int(parity[0]["divergences"][0]["near_tie"])
     assert "divergences" not in parity[1]  # only our DFlash against our plain decoding is checked
+
+
+def test_suite_judges_a_bf16_target_from_a_folder_in_float32_too(tmp_path):
+    """A bf16 target loaded from a folder: the suite loads it again in float32 and counts the
+    float32 near-ties beside the bf16 ones; the table shows both."""
+    from blockdraft.bench.report import _mismatch_tag
+    from blockdraft.llm import load_target
+    from tests.server.tiny_model import write_tiny_model
+
+    target = load_target(str(write_tiny_model(tmp_path / "m")), dtype="bfloat16")
+    prompts = random_prompts(2, seed=6)
+    reference = _greedy(make_llm(target), prompts, 6)
+    runner_up = _top(make_llm(target), prompts[1] + reference[1][:2])[1][0]
+    candidate = [list(reference[0]), reference[1][:2] + [runner_up] + reference[1][3:]]
+    workload = Workload("tiny", torch.device("cpu"), torch.bfloat16, None, target, None, prompts)
+    cells = [Cell("ours", mode, 2, 2, token_ids=ids) for mode, ids in (("plain", reference), ("dflash", candidate))]
+    parity = [{"batch_size": 2, "candidate": "ours/dflash", "reference": "ours/plain",
+               "num_requests": 2, **compare_outputs(candidate, reference)}]  # fmt: skip
+    add_divergence_gaps(workload, Settings((2,), 6), cells, parity)
+    (d,) = parity[0]["divergences"]
+    assert {"top2_gap_fp32", "top2_tokens_fp32", "near_tie_fp32"} <= set(d)
+    assert parity[0]["near_ties_fp32"] == int(d["near_tie_fp32"])
+    assert _mismatch_tag(parity[0]).endswith("in fp32)")
