@@ -180,7 +180,8 @@ def _add_serve_parser(sub, default_model: str) -> None:
                    help="largest logprobs / top_logprobs a request may ask for, the engine's limit too "
                         "(default %(default)s, as vLLM)")
     s.add_argument("--max-pending", type=int, default=1024,
-                   help="requests in flight before new ones get 429 (default %(default)s)")
+                   help="choices (prompts x n of each request) in flight before new requests get 429; a request "
+                        "with more choices than this gets 400 (default %(default)s)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models; float32 on a CPU "
                         "without native bf16, e.g. AVX2 only)")

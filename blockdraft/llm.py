@@ -399,16 +399,27 @@ class LLM:
         return out
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until the requests `ids` finish -> their outputs in order. An exception on the way
+        (Ctrl-C in a notebook, an engine error) aborts the ones not finished and frees their pages,
+        so the next call does not first decode what this one abandoned."""
         done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         bar = _progress(len(ids), use_tqdm)
-        with frozen_gc_heap():  # no full collection over the model's heap mid-run (engine/gc_heap.py)
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step(stream=False):
-                    if out.finished and out.request_id in ids:
-                        done[out.request_id] = out
-                        bar.update(1) if bar else None
-        if bar:
-            bar.close()
+        try:
+            with frozen_gc_heap():  # no full collection over the model's heap mid-run (engine/gc_heap.py)
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step(stream=False):
+                        if out.finished and out.request_id in wanted:
+                            done[out.request_id] = out
+                            bar.update(1) if bar else None
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar:
+                bar.close()
         return [done[i] for i in ids]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import dataclass, field
 
@@ -18,7 +19,9 @@ class SamplingParams:
 
     temperature: 0 means greedy (argmax). top_k: 0 or -1 disables it. top_p in (0, 1].
     seed: makes sampling reproducible; the sample at output position q is a pure function of
-    (seed, q, logits), so it does not depend on batch mates or on speculative decoding.
+    (seed, q, logits), so it does not depend on batch mates or on speculative decoding. None: each
+    request the engine takes gets its own random seed (`for_request`), so one SamplingParams used
+    for several prompts, or for several calls, samples each independently, as in vLLM.
     max_tokens: output tokens at most (>= 1). stop: strings that end the output (not included in
     text). stop_token_ids: extra token ids that end the output (included in token ids, like EOS).
     ignore_eos: keep going past EOS. logprobs: number of top log-probabilities to return per output
@@ -136,8 +139,18 @@ class SamplingParams:
 
     @property
     def resolved_seed(self) -> int:
-        """The seed actually used: `seed`, or (None) a random one drawn once at construction."""
+        """The seed actually used: `seed`, or (None) the random one drawn for this object (at
+        construction, or by `for_request` for the copy one request runs with)."""
         return self.seed if self.seed is not None else self._resolved_seed
+
+    def for_request(self) -> "SamplingParams":
+        """The params one request runs with: itself when seeded; else a shallow copy with a fresh
+        random seed, so requests sharing an unseeded SamplingParams do not share their noise."""
+        if self.seed is not None:
+            return self
+        clone = copy.copy(self)
+        clone._resolved_seed = random.SystemRandom().randrange(2**31)
+        return clone
 
 
 def check_max_logprobs(max_logprobs) -> None:

@@ -90,6 +90,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
+        params = params.for_request()  # unseeded: this request's own random seed (vLLM: independent samples)
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(req)
         self._requests[request_id] = req

@@ -20,7 +20,8 @@ class ServerConfig:
     max_n: largest `n`; max_choices: prompts x n per request; max_stop: stop strings per request;
     max_stop_chars: characters per stop string; max_logprobs: largest logprobs / top_logprobs (the
     server accepts at most the smaller of this and the engine's max_logprobs, ModelInfo).
-    max_pending: engine requests (choices) admitted and unfinished; beyond it new requests get 429.
+    max_pending: engine requests (choices: prompts x n) admitted and unfinished; beyond it new
+        requests get 429, and one request with more choices than this gets 400.
     log_requests: log one line per request (ids, token counts, timings; never prompt text).
 
     Raises:

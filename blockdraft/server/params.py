@@ -111,6 +111,10 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
         raise APIError(400, f"n must be <= {config.max_n}, got {n}", param="n")
     if len(prompts) * n > config.max_choices:
         raise APIError(400, f"{len(prompts)} prompts x n={n} exceeds {config.max_choices} choices per request", param="n")
+    if len(prompts) * n > config.max_pending:  # never admitted: a 429 would send clients retrying in vain
+        raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices, more than the server's "
+                            f"--max-pending {config.max_pending} engine requests in flight: send at most "
+                            f"{config.max_pending} choices per request", param="n")
     stop = _stop_strings(req.stop, config)
     logprobs = _logprobs(req, config, model)
     echo = isinstance(req, CompletionRequest) and bool(req.echo)

@@ -170,6 +170,42 @@ def test_an_empty_prompt_list_gives_an_empty_list_without_stepping(llama_target,
         llm.generate([], [SamplingParams()])
 
 
+def test_one_unseeded_sampling_params_samples_every_request_independently(llama_target):
+    """vLLM: seed=None means independent samples, also when one SamplingParams serves several
+    prompts or several calls (it drew one seed at construction for all of them)."""
+    llm = make_llm(llama_target)
+    prompt = random_prompts(1, seed=8)[0]
+    params = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    batch = _ids(llm.generate([prompt] * 3, params))
+    again = _ids(llm.generate([prompt], params))
+    assert len({tuple(t) for t in batch + again}) == 4
+    assert params.seed is None  # the caller's object is left as it was
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    assert len({tuple(t) for t in _ids(llm.generate([prompt] * 3, seeded))}) == 1
+
+
+def test_an_interrupted_generate_aborts_its_requests(llama_target, monkeypatch):
+    """Ctrl-C inside generate (a notebook): the call's requests are aborted and their pages freed, so
+    the next call does not first decode what this one abandoned."""
+    llm = make_llm(llama_target)
+    step, calls = llm.engine.step, []
+
+    def interrupted(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(*a, **kw)
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(random_prompts(3, seed=9), SamplingParams(max_tokens=200, ignore_eos=True))
+    monkeypatch.setattr(llm.engine, "step", step)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv.num_free_blocks == 256
+    out = llm.generate(random_prompts(1, seed=10), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert out[0].num_output_tokens == 5 and llm.engine.stats.num_steps < 12
+
+
 def test_kv_pool_is_fully_free_after_generation_and_abort(llama_target):
     llm = make_llm(llama_target)
     llm.engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))

@@ -1,0 +1,25 @@
+"""A request with more choices (prompts x n) than --max-pending can ever admit gets 400, not a 429
+that would send an OpenAI client retrying in vain."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockdraft.server.config import ModelInfo, ServerConfig
+from blockdraft.server.errors import APIError
+from blockdraft.server.params import build_plan
+from blockdraft.server.protocol import CompletionRequest
+
+MODEL = ModelInfo(name="t", vocab_size=100, max_model_len=64, kv_capacity_tokens=1024, num_speculative_tokens=0,
+                  created=0, max_logprobs=20)
+
+
+def test_choices_beyond_max_pending_are_a_400_naming_the_flag():
+    config = ServerConfig(max_pending=4)
+    assert len(build_plan(CompletionRequest(prompt=[[1], [2]], n=2, max_tokens=2), [[1], [2]], config, MODEL).params) == 4
+    for prompts, n in (([[1]] * 5, 1), ([[1]], 5), ([[1], [2]], 3)):
+        with pytest.raises(APIError, match=rf"^{len(prompts)} prompts x n={n} = {len(prompts) * n} choices, more than "
+                                            r"the server's --max-pending 4 engine requests in flight: send at most 4 "
+                                            r"choices per request$") as e:
+            build_plan(CompletionRequest(prompt=prompts, n=n, max_tokens=2), prompts, config, MODEL)
+        assert e.value.status == 400 and e.value.param == "n"
