@@ -99,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="> 0; logits of tokens in the prompt or the output are divided by it when positive, "
                         "multiplied when negative (default 1: off; vLLM's and transformers' repetition_penalty)")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="no end of text, stop token or stop string before this many output tokens, 0 <= N <= "
+                        "--max-tokens (default 0; vLLM's min_tokens)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models; float32 on a CPU "
                         "without native bf16, e.g. AVX2 only)")
@@ -397,7 +400,7 @@ def _generate(args) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
     )
     # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)
     check_logprobs_limit(params, DEFAULT_MAX_LOGPROBS, remedy="vLLM's default, fixed for the CLI")

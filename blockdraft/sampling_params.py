@@ -41,7 +41,9 @@ class SamplingParams:
     logits (OpenAI's logit_bias; biases finite, in [-100, 100]; ids checked against the vocabulary
     when the engine takes the request), before the penalties. Bias and penalties act on the logits
     before temperature, top-k and top-p, greedy rows included; logprobs stay those of the raw model
-    (vLLM's default).
+    (vLLM's default). min_tokens: 0 <= min_tokens <= max_tokens (vLLM's extension): until the output
+    has this many tokens, EOS (unless ignore_eos) and stop_token_ids are masked out of the logits
+    and stop strings are not looked for.
 
     Raises:
         ValueError: naming the offending field and the allowed range (at construction, and again
@@ -63,6 +65,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +113,9 @@ class SamplingParams:
         if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp < float("inf"):
             raise param_error("repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), "
                                                     f"got {rp!r}")
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise param_error("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise param_error("logit_bias", f"logit_bias must be a dict {{token id: bias}} or None, got "
@@ -134,8 +140,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """True when penalties or a logit bias change the logits (blockdraft.sample.penalties)."""
-        return self.has_penalties or bool(self.logit_bias)
+        """True when penalties, a logit bias or min_tokens change the logits (blockdraft.sample.penalties)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def resolved_seed(self) -> int:

@@ -31,8 +31,12 @@ class IncrementalDetokenizer:
     # token).
     WINDOW = 8
 
-    def __init__(self, tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0) -> None:
+        """min_tokens: stop strings are looked for only once more tokens than this have arrived
+        (SamplingParams.min_tokens; vLLM's detokenizer rule, with the same look-back over the last
+        max_stop_len - 1 characters before the new text)."""
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
         self._decode = token_decoder(tokenizer)
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
@@ -82,6 +86,8 @@ class IncrementalDetokenizer:
             self._prefix_text = full
         start = max(0, len(self._text) - self.max_stop_len + 1)
         self._text += new_text
+        if len(self._ids) <= self.min_tokens:
+            return None
         return self._check_stop(start)
 
     def extend(self, token_ids: list[int]) -> tuple[int, str] | None:

@@ -37,9 +37,11 @@ class ScheduledRequest:
         (the row at position p gives log p(prompt[p + 1] | prompt[: p + 1])), so the rows are
         prompt rows before the prompt's last one; the last scored token may be the first token of
         the next chunk.
-    penalty_history: (prompt token ids, committed output token ids) of a sampling request whose
-        params have penalties or a logit bias (blockdraft.sample.penalties), else None; the lists are the
-        request's own (read-only here), so a step that samples never copies them.
+    logits_context: for a sampling request whose params adjust the logits (penalties, logit bias,
+        min_tokens: blockdraft.sample.penalties), (prompt token ids, committed output token ids, the
+        stop token ids min_tokens masks while the output is shorter: EOS unless ignore_eos, and
+        stop_token_ids; empty once it is not); else None. The lists are the request's own
+        (read-only here), so a step that samples never copies them.
     """
 
     request_id: str
@@ -51,7 +53,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     prompt_logprob_token_ids: Sequence[int] = ()  # a shared empty default: nothing allocated per step
     prompt_logprob_offset: int = 0
-    penalty_history: tuple[list[int], list[int]] | None = None
+    logits_context: tuple[list[int], list[int], tuple[int, ...]] | None = None
 
 
 @dataclass

@@ -383,8 +383,7 @@ class Scheduler:
             sample=reaches_end,
             block_ids=list(req.block_ids),
             sampling_params=req.sampling_params,
-            penalty_history=(req.prompt_token_ids, req.output_token_ids)
-            if reaches_end and req.sampling_params.adjusts_logits else None,
+            logits_context=_logits_context(req) if reaches_end and req.sampling_params.adjusts_logits else None,
         )
         if req.needs_prompt_logprobs:
             _add_prompt_logprob_rows(sr, req)
@@ -399,6 +398,15 @@ class Scheduler:
         self.cache_computed(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
+
+
+def _logits_context(req: Request) -> tuple[list[int], list[int], tuple[int, ...]]:
+    """ScheduledRequest.logits_context of a request that samples this step."""
+    params = req.sampling_params
+    masked: tuple[int, ...] = ()
+    if len(req.output_token_ids) < params.min_tokens:
+        masked = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(req.eos_token_ids))
+    return req.prompt_token_ids, req.output_token_ids, masked
 
 
 def _add_prompt_logprob_rows(sr: ScheduledRequest, req: Request) -> None:

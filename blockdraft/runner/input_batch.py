@@ -84,7 +84,7 @@ def build_input_batch(
     device = torch.device(device)
     ids, pos, qsl, seq_lens, sample_req, num_drafts = [], [], [0], [], [], []
     params: list[SamplingParams] = []  # one per sampling request (its 1 + k logits rows share it)
-    histories = []  # per sampling request: (prompt, output) when it has penalties, else None
+    histories = []  # per sampling request: its logits_context (penalties, logit bias, min_tokens) or None
     end = 0
     for i, sr in enumerate(so.requests):
         n, start = len(sr.token_ids), sr.start_position
@@ -97,7 +97,7 @@ def build_input_batch(
             sample_req.append(i)
             num_drafts.append(sr.num_spec_tokens)
             params.append(sr.sampling_params)
-            histories.append(sr.penalty_history)
+            histories.append(sr.logits_context)
     num_reqs, num_rows = len(so.requests), end
     width = max((len(sr.block_ids) for sr in so.requests), default=1)
     if padding is not None:

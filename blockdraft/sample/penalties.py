@@ -1,10 +1,12 @@
-"""Logit bias and presence, frequency and repetition penalties over a step's logits rows, drafts included.
+"""Logit bias, min_tokens and presence, frequency and repetition penalties over a step's logits
+rows, drafts included.
 
-Semantics (vLLM's logit-bias processor, then its `apply_penalties`; OpenAI's parameter definitions;
-repetition penalty from CTRL, Keskar et al. 2019, section 4.1): for the logits row that predicts
-output position q of a request, with c(t) the number of times token t occurs in the output before q
-and b_t the request's logit_bias of t (0 if none),
+Semantics (vLLM's min-tokens and logit-bias processors, then its `apply_penalties`; OpenAI's
+parameter definitions; repetition penalty from CTRL, Keskar et al. 2019, section 4.1): for the
+logits row that predicts output position q of a request, with c(t) the number of times token t
+occurs in the output before q and b_t the request's logit_bias of t (0 if none),
 
+    x_t <- -inf      if q < min_tokens and t is EOS (unless ignore_eos) or a stop token id
     x_t <- x_t + b_t
     x_t <- x_t / r   if t is in the prompt or c(t) > 0, and x_t > 0
     x_t <- x_t * r   if t is in the prompt or c(t) > 0, and x_t <= 0
@@ -16,7 +18,7 @@ them; and a row is only used when every draft before it was accepted (DFLASH.md,
 step", step 2). So each row is penalised as plain decoding penalises the same position.
 
 The work is sparse: only tokens in the prompt (repetition penalty only), in the output or the
-drafts, or in logit_bias change, so the host lists (row, token, bias, count) entries and the device updates those logits
+drafts, in logit_bias or masked by min_tokens change, so the host lists (row, token, bias, count) entries and the device updates those logits
 with one gather and one scatter, no [rows, V] count tensor and no host synchronisation.
 """
 
@@ -36,10 +38,10 @@ __all__ = ["PENALTY_FIELDS", "PenaltyEntries", "apply_penalties", "penalty_entri
 class PenaltyEntries:
     """The logits a step's penalties change, one entry per (logits row, token).
 
-    rows: [E] int64 logits row. token_ids: [E] int64, a token in the request's logit_bias, in the
-    prompt (listed only when the repetition penalty is on) or in the output before that row's
-    position (drafts before it included); (row, token) pairs are unique. bias: [E] float32, its
-    logit_bias (0 if none). counts: [E] float32 occurrences of the token in that output.
+    rows: [E] int64 logits row. token_ids: [E] int64, a token in the request's logit_bias, masked by
+    min_tokens at that row, in the prompt (listed only when the repetition penalty is on) or in the
+    output before that row's position (drafts before it included); (row, token) pairs are unique.
+    bias: [E] float32, its logit_bias (0 if none), -inf where min_tokens masks it. counts: [E] float32 occurrences of the token in that output.
     presence, frequency: [E] float32, the row's request's penalties. repetition: [E] float32, its
     repetition penalty where the token is in the prompt or counted, else 1.
     """
@@ -64,13 +66,14 @@ def penalty_entries(
     """Host-side entries for the logits rows of one step (sampling requests in row order).
 
     Args:
-        histories: per sampling request, (prompt token ids, committed output token ids), or None
-            when it has no penalties or logit bias (its rows get no entries).
+        histories: per sampling request, its ScheduledRequest.logits_context (prompt token ids,
+            committed output token ids, the stop ids min_tokens masks while the output is
+            shorter), or None when its params adjust no logits (its rows get no entries).
         drafts: per sampling request, the draft tokens its step verifies (k of them: it owns
             k + 1 consecutive logits rows, in the order of `histories`).
         params: per sampling request, its SamplingParams.
     Returns:
-        PenaltyEntries on the CPU, or None when no request has penalties or logit bias.
+        PenaltyEntries on the CPU, or None when no request adjusts its logits.
     Raises:
         ValueError: the three sequences differ in length.
     """
@@ -80,22 +83,24 @@ def penalty_entries(
     row0 = 0
     for history, d, p in zip(histories, drafts, params):
         if history is not None and p.adjusts_logits:
-            parts.append(_request_entries(history[0], history[1], d, p, row0))
+            parts.append(_request_entries(*history, d, p, row0))
         row0 += len(d) + 1
     if not parts:
         return None
     return PenaltyEntries(*(torch.cat(column) for column in zip(*parts)))
 
 
-def _request_entries(prompt, output, drafts, p: SamplingParams, row0: int) -> list[torch.Tensor]:
-    """One request's entries for its len(drafts) + 1 rows starting at logits row `row0`."""
+def _request_entries(prompt, output, masked, drafts, p: SamplingParams, row0: int) -> list[torch.Tensor]:
+    """One request's entries for its len(drafts) + 1 rows starting at logits row `row0` (`masked`:
+    the stop ids min_tokens masks at rows whose output position is below it)."""
     with_prompt = p.repetition_penalty != 1.0
     prompt_t = torch.tensor(list(prompt) if with_prompt else [], dtype=torch.long)
     output_t = torch.tensor(list(output), dtype=torch.long)
     drafts_t = torch.tensor(list(drafts), dtype=torch.long)
     bias_map = p.logit_bias or {}
     bias_t = torch.tensor(list(bias_map), dtype=torch.long)
-    tokens = torch.unique(torch.cat([prompt_t, output_t, drafts_t, bias_t]))  # sorted
+    masked_t = torch.tensor(list(masked), dtype=torch.long)
+    tokens = torch.unique(torch.cat([prompt_t, output_t, drafts_t, bias_t, masked_t]))  # sorted
     u, k = tokens.shape[0], drafts_t.shape[0]
     base = torch.bincount(torch.searchsorted(tokens, output_t), minlength=u)
     # counts[j] = output counts + drafts d_1..d_j (row j follows j drafts)
@@ -109,15 +114,20 @@ def _request_entries(prompt, output, drafts, p: SamplingParams, row0: int) -> li
     bias = torch.zeros(u, dtype=torch.float32)
     if bias_map:
         bias[torch.searchsorted(tokens, bias_t)] = torch.tensor(list(bias_map.values()), dtype=torch.float32)
-    # a token neither biased, nor in the prompt, nor yet in the output is untouched
-    keep = (repeated | torch.isin(tokens, bias_t)[None, :]).flatten()
+    bias = bias.repeat(k + 1, 1)  # [k + 1, u]
+    # row j predicts output position len(output) + j: min_tokens masks the stop ids below it
+    short = (len(output) + torch.arange(k + 1)) < p.min_tokens
+    is_masked = short[:, None] & torch.isin(tokens, masked_t)[None, :]
+    bias[is_masked] = float("-inf")
+    # a token neither biased, masked, in the prompt, nor yet in the output is untouched
+    keep = (repeated | torch.isin(tokens, bias_t)[None, :] | is_masked).flatten()
     rows = (row0 + torch.arange(k + 1)).repeat_interleave(u)[keep]
     n = rows.shape[0]
     repetition = torch.where(repeated.flatten()[keep], float(p.repetition_penalty), 1.0).to(torch.float32)
     return [
         rows,
         tokens.repeat(k + 1)[keep],
-        bias.repeat(k + 1)[keep],
+        bias.flatten()[keep],
         counts.flatten()[keep].to(torch.float32),
         torch.full((n,), float(p.presence_penalty), dtype=torch.float32),
         torch.full((n,), float(p.frequency_penalty), dtype=torch.float32),

@@ -151,6 +151,7 @@ def _sampling_params(
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias, model),
+            min_tokens=req.min_tokens or 0,
             prompt_logprobs=logprobs if echo else None,  # echo scores the prompt too (vLLM)
         )
     except ValueError as e:

@@ -23,7 +23,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
-    "min_tokens": (0,),
     "min_p": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
@@ -66,6 +65,7 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)  # extension (vLLM): 1 disables
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key string) -> bias in [-100, 100]
+    min_tokens: int | None = Field(default=None, ge=0)  # extension (vLLM): no stop before this many tokens
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)

@@ -99,3 +99,18 @@ def test_has_penalties():
     assert SamplingParams(logit_bias={1: 1.0}).adjusts_logits and not SamplingParams(logit_bias={}).adjusts_logits
     assert not SamplingParams().has_penalties
     assert SamplingParams(presence_penalty=-0.1).has_penalties and SamplingParams(repetition_penalty=1.01).has_penalties
+
+
+def test_min_tokens_masks_the_stop_ids_at_rows_below_it_only():
+    """Output of 1 token, drafts [4, 0, 7], min_tokens 3: rows 0 and 1 predict positions 1 and 2 and
+    get -inf at the stop ids (0 and 9), rows 2 and 3 do not."""
+    p = SamplingParams(min_tokens=3, max_tokens=10)
+    e = penalty_entries([([1, 2], [5], (0, 9))], [[4, 0, 7]], [p])
+    logits = torch.zeros(4, 12)
+    x = apply_penalties(logits, e)
+    assert torch.isinf(x[:2, [0, 9]]).all() and (x[:2, [0, 9]] < 0).all()
+    assert torch.isfinite(x[2:]).all() and torch.equal(x[:, [1, 2, 3]], logits[:, [1, 2, 3]])
+    with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\), got 5"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    with pytest.raises(ValueError, match="min_tokens must be an integer >= 0, got -1"):
+        SamplingParams(min_tokens=-1)

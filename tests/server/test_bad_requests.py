@@ -81,6 +81,8 @@ CASES = [
     ("logit-bias-key-not-an-id", C, _c(logit_bias={"abc": 1}), {}, 400, "logit_bias keys must be token ids"),
     ("logit-bias-id-out-of-vocab", C, _c(logit_bias={"99999": 1}), {}, 400, "logit_bias keys must be token ids"),
     ("logit-bias-value-out-of-range", C, _c(logit_bias={"5": 200}), {}, 400, "logit_bias of token 5"),
+    ("min-tokens-above-max-tokens", C, _c(min_tokens=9, max_tokens=4), {}, 400, "min_tokens must be <= max_tokens (4)"),
+    ("min-tokens-negative", C, _c(min_tokens=-1), {}, 400, "min_tokens"),
     ("echo-not-bool", C, _c(echo="yes"), {}, 400, "echo"),
     ("max-tokens-zero-without-echo", C, _c(max_tokens=0, echo=False), {}, 400, "0 only with echo: true"),
     ("chat-echo", CHAT, _chat(echo=True), {}, 400, "'echo' is not supported"),

@@ -23,6 +23,7 @@ REQUESTS = [
     ("chat", dict(messages=CHAT, max_tokens=40, temperature=0.7, seed=4, frequency_penalty=1.5)),
     ("completions", dict(prompt=PROMPTS[0], max_tokens=24, temperature=0.0, logit_bias={"45": -100, "9": 3.0},
                          extra_body={"ignore_eos": True})),
+    ("chat", dict(messages=CHAT, max_tokens=30, temperature=0.0, extra_body={"min_tokens": 6, "stop_token_ids": [89]})),
 ]
 SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
@@ -103,6 +104,17 @@ def test_penalties_change_the_answer(plain_server):
     bare = _texts(_create(client, "completions", kw))
     penalised = _texts(_create(client, "completions", REQUESTS[5][1]))
     assert bare != penalised and penalised[0]
+
+
+def test_min_tokens_holds_back_a_stop_token_id(plain_server):
+    """The tiny model answers CHAT with token 89 second: as a stop id it ends the answer at 2
+    tokens; with min_tokens 6 it is masked until the 7th token."""
+    client = openai_client(plain_server)
+    kw = dict(messages=CHAT, max_tokens=30, temperature=0.0)
+    short = _create(client, "chat", dict(kw, extra_body={"stop_token_ids": [89]}))
+    assert short.usage.completion_tokens == 2 and short.choices[0].finish_reason == "stop"
+    held = _create(client, "chat", REQUESTS[-1][1])
+    assert held.usage.completion_tokens >= 6
 
 
 def test_logit_bias_100_makes_every_token_the_biased_one(dflash_server):

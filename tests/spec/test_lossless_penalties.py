@@ -131,3 +131,37 @@ def test_generate_cli_penalties_with_and_without_the_drafter(tmp_path, capsys):
         outs[name] = json.loads(out)["token_ids"]
     assert outs["draft"] == outs["plain"] != outs["bare"]
     assert len(set(outs["plain"])) > len(set(outs["bare"]))
+
+
+def test_min_tokens_defers_stop_ids_and_strings_and_speculation_keeps_plain_output(llama_target):
+    """A stop id the greedy answer emits at position 2: plain decoding stops there; with min_tokens 12
+    it is masked until position 12 (the answer then runs on), and a stop string found only in the
+    first 12 tokens' text is not looked for; speculation (oracle drafts) gives the same tokens."""
+    prompts = random_prompts(4, seed=21)
+    greedy = [o.token_ids for o in make_llm(llama_target).generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))]
+    params = [SamplingParams(max_tokens=30, stop_token_ids=[g[2]], min_tokens=12, temperature=(0.0, 0.9)[i % 2], seed=i)
+              for i, g in enumerate(greedy)]  # fmt: skip
+    plain = make_llm(llama_target).generate(prompts, params)
+    for o, p in zip(plain, params):
+        assert o.num_output_tokens >= 12 and p.stop_token_ids[0] not in o.token_ids[:12]
+    stopped = make_llm(llama_target).generate(prompts[:1], SamplingParams(max_tokens=30, stop_token_ids=[greedy[0][2]]))
+    assert stopped[0].num_output_tokens <= 3
+    answers = {tuple(pr): pr + o.token_ids for pr, o in zip(prompts, plain)}
+    spec = KnownAnswerSpeculator(7, answers, VOCAB, p_right=1.0, seed=1)
+    llm = make_llm(llama_target, speculator=spec)
+    spec.engine = llm.engine
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert llm.engine.stats.spec.num_accepted_tokens > 0
+
+
+def test_min_tokens_defers_stop_strings():
+    from blockdraft.engine.detokenizer import IncrementalDetokenizer
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    ids = tok.encode("w05x w06x w05x w07x", add_special_tokens=False)
+    stop = tok.decode(ids[:1])
+    early = IncrementalDetokenizer(tok, [stop])
+    assert early.extend(ids) == (0, stop)
+    late = IncrementalDetokenizer(tok, [stop], min_tokens=1)
+    assert late.extend(ids) == (2, stop)  # the first occurrence is inside the first min_tokens tokens
