@@ -1,16 +1,19 @@
-"""Chat messages: the one check of roles and content, shared by the Python API (`LLM.chat`,
-`LLM.generate` with conversations) and the server's request models (blockdraft.server.protocol)."""
+"""Chat messages: the one check and normalisation of roles, content and names, shared by the
+Python API (`LLM.chat`, `LLM.generate` with conversations) and the server's request models
+(blockdraft.server.protocol), so both give the chat template the same messages."""
 
 from __future__ import annotations
 
 CHAT_ROLES = ("system", "user", "assistant")
-# The server also takes OpenAI's `developer` role, given to the chat template as `system`
-# (blockdraft.server.protocol.ChatMessage.template_message).
+# OpenAI's `developer` role is taken too, given to the chat template as `system` (template_message).
 SERVER_CHAT_ROLES = (*CHAT_ROLES, "developer")
+MESSAGE_KEYS = ("role", "content", "name")
+MAX_NAME_CHARS = 256  # longest `name` of a message (OpenAI's participant name)
+_CONTENT_SHAPE = "content must be a string or a list of {'type': 'text', 'text': str} parts"
 
 
-def check_role(role, allowed: tuple[str, ...] = CHAT_ROLES) -> str:
-    """Return `role` when it is one of `allowed` (default CHAT_ROLES).
+def check_role(role, allowed: tuple[str, ...] = SERVER_CHAT_ROLES) -> str:
+    """Return `role` when it is one of `allowed` (default SERVER_CHAT_ROLES).
 
     Raises:
         ValueError: any other value; names it (its first 32 characters: it may come from an HTTP
@@ -22,24 +25,92 @@ def check_role(role, allowed: tuple[str, ...] = CHAT_ROLES) -> str:
     return role
 
 
-def check_chat_messages(messages) -> None:
-    """Check a conversation: a non-empty list of {"role": one of CHAT_ROLES, "content": str} dicts.
+def check_content_parts(content) -> None:
+    """Check the shape of a message's content: a string, or a list of {"type": "text", "text": str}
+    parts (OpenAI's content parts; only text ones are supported).
+
+    Raises:
+        ValueError: another type, a part that is not a dict, a part of another type (names it) or
+            with other keys, a part whose text is not a string.
+    """
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ValueError(f"{_CONTENT_SHAPE}, got {type(content).__name__}")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise ValueError(f"{_CONTENT_SHAPE}; part {j} is a {type(part).__name__}")
+        if part.get("type") != "text":
+            raise ValueError(f"content part type {str(part.get('type'))[:32]!r} is not supported; only 'text' parts are")
+        extra = sorted(map(str, set(part) - {"type", "text"}))
+        if extra or not isinstance(part.get("text"), str):
+            raise ValueError(f"content part {j} must be {{'type': 'text', 'text': str}}, got keys {sorted(map(str, part))}")
+
+
+def content_text(content: str | list) -> str:
+    """The text the chat template gets for a checked content: the string, or the parts' texts
+    joined by newlines (as vLLM joins text parts). Parts may be dicts or objects with `.text`."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p["text"] if isinstance(p, dict) else p.text for p in content)
+
+
+def template_message(role: str, content: str | list, name: str | None = None) -> dict:
+    """A checked message as the chat template gets it: {"role", "content"} plus "name" when given.
+
+    OpenAI documents `developer` messages as taking the place of `system` messages (for newer
+    models); chat templates know only `system`, so a developer message is given as a system one
+    and renders exactly as it. Templates that do not use `name` ignore it (as with vLLM).
+    """
+    out = {"role": "system" if role == "developer" else role, "content": content_text(content)}
+    if name is not None:
+        out["name"] = name
+    return out
+
+
+def template_messages(messages) -> list[dict]:
+    """Check a conversation given to the Python API and return its messages as the chat template
+    gets them (template_message), accepting what the server accepts: roles system / user /
+    assistant / developer, string or text-part content, an optional string `name` (<=
+    MAX_NAME_CHARS characters).
 
     Raises:
         ValueError: an empty conversation, or the first bad message, naming its index and value:
-            not a dict, no "content" or content that is not a string, an unsupported role.
+            not a dict, keys other than role / content / name, no "content", bad content, an
+            unsupported role, a bad name.
     """
     if not messages:
         raise ValueError("chat conversation is empty: give at least one message")
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
+        extra = [k for k in message if k not in MESSAGE_KEYS]
+        if extra:
+            raise ValueError(f"chat message {i} has keys {extra!r:.80} that are not supported; a message's keys are "
+                             f"{', '.join(map(repr, MESSAGE_KEYS))}")
         if "content" not in message:
             raise ValueError(f"chat message {i} has no 'content': {message!r:.80}; give "
-                             f"{{'role': one of {list(CHAT_ROLES)}, 'content': str}}")
-        if not isinstance(message["content"], str):
-            raise ValueError(f"chat message {i}: content must be a string, got {type(message['content']).__name__}")
+                             f"{{'role': one of {list(SERVER_CHAT_ROLES)}, 'content': str}}")
         try:
+            check_content_parts(message["content"])
             check_role(message.get("role"))
+            _check_name(message.get("name"))
         except ValueError as e:
             raise ValueError(f"chat message {i}: {e}") from None
+        out.append(template_message(message["role"], message["content"], message.get("name")))
+    return out
+
+
+def check_chat_messages(messages) -> None:
+    """Check a conversation as `template_messages` does (kept for callers that only check)."""
+    template_messages(messages)
+
+
+def _check_name(name) -> None:
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise ValueError(f"name must be a string, got {type(name).__name__} {name!r:.40}")
+    if len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"name must be at most {MAX_NAME_CHARS} characters, got {len(name)}")

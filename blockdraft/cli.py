@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 import time
@@ -66,6 +67,51 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but unrecognized arguments are reported by the subcommand that got them
+        (its usage, `blockdraft generate: error: ...`) with the closest flags (unknown_flags_message).
+        Exits with status 2 on an error, as argparse."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            target = _chosen_subparser(self, parsed)
+            target.error(unknown_flags_message(extras, target))
+        return parsed
+
+
+def _chosen_subparser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand parser `args` were parsed with (`parser` itself without subcommands)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(getattr(args, action.dest, None) or "")
+            return parser if sub is None else _chosen_subparser(sub, args)
+    return parser
+
+
+def unknown_flags_message(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's "unrecognized arguments: ..." for `extras`, then, for each unknown flag, the
+    closest of `parser`'s flags: those it abbreviates (flags are taken by their whole name only),
+    else the difflib close matches, e.g. "unrecognized arguments: --max-tok 8 (flags are not
+    abbreviated; did you mean --max-tokens?)"."""
+    flags = [f for f in parser._option_string_actions if f.startswith("--")]
+    abbreviated, hints = False, []
+    for arg in extras:
+        if not arg.startswith("--") or len(arg) < 3:
+            continue
+        name = arg.split("=", 1)[0]
+        # the flags it abbreviates, else the misspelt ones it is closest to
+        matches = sorted(f for f in flags if f.startswith(name))[:3]
+        abbreviated |= bool(matches)
+        matches = matches or difflib.get_close_matches(name, flags, n=2, cutoff=0.75)
+        if matches:
+            hints.append((name, " or ".join([", ".join(matches[:-1]), matches[-1]] if len(matches) > 1 else matches)))
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    notes = ["flags are not abbreviated"] if abbreviated else []
+    if len(hints) == 1:
+        notes.append(f"did you mean {hints[0][1]}?")
+    elif hints:
+        notes.append("did you mean " + ", ".join(f"{s} (for {name})" for name, s in hints) + "?")
+    return f"{message} ({'; '.join(notes)})" if notes else message
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -33,11 +33,14 @@ def flag_of(param: str) -> str:
 def flag_message(error: BaseException, flags) -> str:
     """`error`'s message, its parameter's first mention followed by the flag when it is in `flags`
     (the option strings of the command that ran): "top_p must ..." -> "top_p (--top-p) must ...".
-    A message without a param_error parameter, or one the command has no flag for, is unchanged."""
+    Python wording a flag's value cannot take is dropped there: "must be None or an integer >= 1"
+    reads "must be an integer >= 1" (a flag left out is the None). A message without a param_error
+    parameter, or one the command has no flag for, is unchanged."""
     message = str(error)
     param = getattr(error, "param", None)
     if param is None or flag_of(param) not in flags:
         return message
+    message = message.replace("must be None or ", "must be ")
     # a whole word, not part of a path or a quoted value ('/tmp/draft' stays as it is)
     return re.sub(rf"(?<![\w./'\"-]){re.escape(param)}(?![\w/'\"-])", f"{param} ({flag_of(param)})", message, count=1)
 

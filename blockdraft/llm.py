@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.chat_messages import check_chat_messages
+from blockdraft.chat_messages import MESSAGE_KEYS, template_messages
 from blockdraft.config import (
     DEFAULT_ADMISSION_MAX_WAIT_STEPS,
     CacheConfig,
@@ -245,9 +245,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for a batch, continuously batched; outputs come back in input order.
 
-        prompts: a str, a list of token ids, a chat conversation (list of {"role", "content"}
-            dicts; chat template applied) or a list of any of these (str: raw text). An empty
-            list (or tuple) returns [] without stepping the engine, as vLLM.
+        prompts: a str, a list of token ids, vLLM's prompt dicts {"prompt": str} (TextPrompt)
+            and {"prompt_token_ids": [ids]} (TokensPrompt), a chat conversation (list of
+            {"role", "content"[, "name"]} dicts; chat template applied; see `chat`) or a list of
+            any of these, mixed (str: raw text). A dict is read by its keys: "role" makes it a
+            chat message, "prompt" / "prompt_token_ids" a prompt. An empty list (or tuple)
+            returns [] without stepping the engine, as vLLM.
         sampling_params: one SamplingParams for every prompt or a list of them (one per prompt), as
             vLLM; None: SamplingParams().
         Returns:
@@ -256,7 +259,9 @@ class LLM:
             TypeError: sampling_params of another type (e.g. a dict: build SamplingParams(**d)).
             ValueError: prompts of another type (e.g. None), an empty prompt, a prompt of another
                 type or a token id that is not an integer (naming the prompt's index and the
-                value), a bad chat message (its index, value and the allowed roles), a token id
+                value), a dict whose keys are neither a prompt's nor a chat message's, both, or
+                include others (e.g. "multi_modal_data"; names the keys found and the allowed
+                ones), a bad chat message (its index, value and the allowed roles), a token id
                 outside the vocabulary, prompt longer than the context, mismatched params list, a
                 SamplingParams field out of range (also one set after construction), `logprobs`
                 or `prompt_logprobs` above `max_logprobs`; nothing of the batch is queued then.
@@ -296,7 +301,8 @@ class LLM:
         cuts away: hold back the last (longest stop string - 1) characters, as the server's stream
         does (server/serving.py).
 
-        prompt: a str (raw text), a list of token ids or a chat conversation, as one `generate` prompt.
+        prompt: a str (raw text), a list of token ids, a prompt dict ({"prompt": str} or
+            {"prompt_token_ids": [ids]}) or a chat conversation, as one `generate` prompt.
         Raises:
             TypeError: sampling_params that is not a SamplingParams.
             ValueError: as `generate`, and a batch of prompts (streaming takes one).
@@ -331,33 +337,51 @@ class LLM:
         (nothing changed) while requests are unfinished. The hit counters keep counting."""
         return self.engine.reset_prefix_cache()
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """`generate` for one conversation or a list of conversations (chat template applied). An
-        empty list is no conversations and gives [] (as vLLM's LLM.chat); [[]] is one empty
-        conversation and is refused.
+    def get_tokenizer(self):
+        """The target's tokenizer (a Hugging Face tokenizer), as vLLM's `LLM.get_tokenizer()`."""
+        return self.tokenizer
 
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False, *, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """`generate` for one conversation or a list of conversations (chat template applied), as
+        vLLM's `LLM.chat`. An empty list is no conversations and gives [] (as vLLM's LLM.chat);
+        [[]] is one empty conversation and is refused.
+
+        messages: a conversation (a list of {"role", "content"} dicts; roles system / user /
+            assistant / developer, the last rendered as system; content a str or a list of
+            {"type": "text", "text": str} parts; an optional str "name"), as the server takes
+            them, or a list of conversations.
+        add_generation_prompt: end the prompt with the template's assistant cue (vLLM's keyword,
+            passed on to the chat template); False renders the conversation alone.
         Raises:
-            ValueError: as `generate`; a message whose role is not system / user / assistant or
-                that has no string content names the message's index and value.
+            ValueError: as `generate`; a message whose role is not one of the allowed ones, with
+                other keys, or without string / text-part content names the message's index and
+                value.
         """
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"LLM.chat takes a conversation (a list of {{'role', 'content'}} dicts) or a list of "
                              f"conversations, got {_shown(messages)}; raw text goes to LLM.generate")
+        if not isinstance(add_generation_prompt, bool):
+            raise ValueError(f"add_generation_prompt must be True or False, got {_shown(add_generation_prompt)}")
         # a list whose first item is a list: several conversations; else one (its messages are checked)
         convs = list(messages) if not messages or isinstance(messages[0], list) else [messages]
-        return self.generate([self.encode_chat(c) for c in convs], sampling_params)
+        prompts = [self.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a conversation through the model's chat template (with the assistant cue).
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation through the model's chat template, with the assistant cue
+        unless add_generation_prompt is False. Messages are checked and given to the template as
+        the server gives them (blockdraft.chat_messages.template_messages: developer as system,
+        text parts joined, `name` passed on), so both render the same ids.
 
         Raises:
             ValueError: an empty conversation or a bad message (blockdraft.chat_messages: the
-                message index, the value, the allowed roles).
+                message index, the value, the allowed roles / keys).
         """
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"a chat conversation must be a list of {{'role', 'content'}} dicts, got {_shown(messages)}")
-        check_chat_messages(messages)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(template_messages(messages),
+                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _tokenize_all(self, prompts) -> list[list[int]]:
@@ -366,37 +390,58 @@ class LLM:
         An empty list or tuple gives [] (no prompts: `generate` returns []).
 
         Raises:
-            ValueError: prompts that are neither a str nor a list / tuple (None included: names
-                the type and value), a prompt of another type (names its index and type), a token
-                id that is not an integer (names the prompt, the position and the value), an empty
+            ValueError: prompts that are neither a str, a prompt dict nor a list / tuple (None
+                included: names the type and value), a prompt of another type (names its index
+                and type), a dict of unknown keys (names them and the allowed ones), a token id
+                that is not an integer (names the prompt, the position and the value), an empty
                 string or list of token ids (names its index) or a bad conversation.
         """
-        one = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
-                                           and (isinstance(prompts[0], dict) or _is_token_id(prompts[0])))
-        if one:  # one raw text, one conversation or one list of token ids
-            prompts = [prompts]
+        if isinstance(prompts, dict) and _dict_kind(prompts, "prompts") == "prompt":
+            prompts = [prompts]  # one TextPrompt / TokensPrompt, as vLLM takes it
+        elif isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0 and (
+                _is_token_id(prompts[0])
+                or (isinstance(prompts[0], dict) and _dict_kind(prompts[0], "prompt 0") == "message"))):
+            prompts = [prompts]  # one raw text, one conversation or one list of token ids
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts must be a str, a list of token ids, a conversation (a list of {{'role', "
-                             f"'content'}} dicts) or a list of these, got {_shown(prompts)}")
-        out = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, str):
-                if not p:
-                    raise ValueError(f"prompt {i} is empty: give a non-empty string")
-                out.append(self.tokenizer.encode(p))
-            elif isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
-                out.append(self.encode_chat(p))
-            elif isinstance(p, (list, tuple)):
-                if not p:
-                    raise ValueError(f"prompt {i} is empty: give at least one token id")
-                for j, t in enumerate(p):
-                    if not _is_token_id(t):
-                        raise ValueError(f"prompt {i}: token {j} must be an integer token id, got {_shown(t)}")
-                out.append([operator.index(t) for t in p])
-            else:
-                raise ValueError(f"prompt {i} must be a str, a list of token ids or a conversation (a list of "
-                                 f"{{'role', 'content'}} dicts), got {_shown(p)}")
-        return out
+            raise ValueError(f"prompts must be a str, a list of token ids, a prompt dict ({{'prompt': str}} or "
+                             f"{{'prompt_token_ids': [ids]}}), a conversation (a list of {{'role', 'content'}} "
+                             f"dicts) or a list of these, got {_shown(prompts)}")
+        return [self._tokenize_one(i, p) for i, p in enumerate(prompts)]
+
+    def _tokenize_one(self, i: int, p) -> list[int]:
+        """Token ids of prompt `i` of a batch (see `_tokenize_all` for the errors)."""
+        if isinstance(p, dict):
+            if _dict_kind(p, f"prompt {i}") == "message":
+                raise ValueError(f"prompt {i} is a single chat message {p!r:.80}: a conversation is a list of "
+                                 f"messages, so give [[message, ...], ...] (or use LLM.chat)")
+            if "prompt" in p:
+                if not isinstance(p["prompt"], str):
+                    raise ValueError(f"prompt {i}: 'prompt' must be a str, got {_shown(p['prompt'])}; token ids go "
+                                     f"in 'prompt_token_ids'")
+                return self._tokenize_one(i, p["prompt"])
+            if not isinstance(p["prompt_token_ids"], (list, tuple)):
+                raise ValueError(f"prompt {i}: 'prompt_token_ids' must be a list of token ids, got "
+                                 f"{_shown(p['prompt_token_ids'])}")
+            return self._token_ids(i, p["prompt_token_ids"])
+        if isinstance(p, str):
+            if not p:
+                raise ValueError(f"prompt {i} is empty: give a non-empty string")
+            return self.tokenizer.encode(p)
+        if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+            return self.encode_chat(p)
+        if isinstance(p, (list, tuple)):
+            return self._token_ids(i, p)
+        raise ValueError(f"prompt {i} must be a str, a list of token ids, a prompt dict or a conversation (a list "
+                         f"of {{'role', 'content'}} dicts), got {_shown(p)}")
+
+    @staticmethod
+    def _token_ids(i: int, p) -> list[int]:
+        if not p:
+            raise ValueError(f"prompt {i} is empty: give at least one token id")
+        for j, t in enumerate(p):
+            if not _is_token_id(t):
+                raise ValueError(f"prompt {i}: token {j} must be an integer token id, got {_shown(t)}")
+        return [operator.index(t) for t in p]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Step until the requests `ids` finish -> their outputs in order. An exception on the way
@@ -432,6 +477,37 @@ def _is_token_id(value) -> bool:
     except TypeError:
         return False
     return True
+
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt (text-only fields)
+
+
+def _dict_kind(d: dict, where: str) -> str:
+    """"message" for a chat message ({"role", "content"[, "name"]}: a key of MESSAGE_KEYS, none of
+    PROMPT_KEYS), "prompt" for a prompt dict (exactly one of PROMPT_KEYS, nothing else).
+
+    where: how the error names the dict ("prompt 3", "prompts").
+    Raises:
+        ValueError: keys of both kinds, of neither, both prompt keys, or other keys beside a prompt
+            key (e.g. vLLM's "multi_modal_data"); names the keys found and the allowed ones.
+    """
+    keys = list(d)
+    found = f"{where} is a dict with keys {[str(k)[:40] for k in keys][:8]}"
+    allowed = (f"a prompt dict has exactly one of {list(PROMPT_KEYS)}; a chat message has {list(MESSAGE_KEYS)} "
+               f"(in a list: a conversation)")
+    prompt_keys = [k for k in keys if k in PROMPT_KEYS]
+    if not prompt_keys:
+        if any(k in MESSAGE_KEYS for k in keys):
+            return "message"  # other keys are named by the message check
+        raise ValueError(f"{found}, neither a prompt nor a chat message: {allowed}")
+    if any(k in MESSAGE_KEYS for k in keys):
+        raise ValueError(f"{found}, both prompt and chat-message keys: {allowed}")
+    if len(prompt_keys) > 1:
+        raise ValueError(f"{found}: give 'prompt' (text) or 'prompt_token_ids', not both")
+    extra = [str(k)[:40] for k in keys if k not in PROMPT_KEYS]
+    if extra:
+        raise ValueError(f"{found}: {extra} not supported (text-only prompts); {allowed}")
+    return "prompt"
 
 
 def _shown(value) -> str:

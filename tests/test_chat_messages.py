@@ -26,7 +26,7 @@ def llm(tmp_path_factory):
         ([OK, {"role": "robot", "content": "w05x"}], rf"chat message 1: role 'robot' is not supported; {ALLOWED}"),
         ([{"content": "w05x"}], rf"chat message 0: role None is not supported; {ALLOWED}"),
         ([OK, OK, {"role": "user"}], r"chat message 2 has no 'content': \{'role': 'user'\}"),
-        ([{"role": "user", "content": 5}], "chat message 0: content must be a string, got int"),
+        ([{"role": "user", "content": 5}], "chat message 0: content must be a string or a list of .* parts, got int"),
         ([OK, "w05x"], "chat message 1 must be a dict with 'role' and 'content', got 'w05x'"),
     ],
 )
@@ -80,7 +80,7 @@ def test_chat_of_no_conversations_gives_an_empty_list(llm, monkeypatch):
     [
         ({"role": "user", "content": "w05x"}, "prompts must be a str, a list of token ids, .* got dict"),
         (5, "prompts must be a str, .* got int 5"),
-        ([None], "prompt 0 must be a str, a list of token ids or a conversation .* got NoneType None"),
+        ([None], "prompt 0 must be a str, a list of token ids, a prompt dict or a conversation .* got NoneType None"),
         (["w05x", 7.5], "prompt 1 must be a str, .* got float 7.5"),
         ([[3, 4.7]], "prompt 0: token 1 must be an integer token id, got float 4.7"),  # never rounded
         ([[3, "w05x"]], "prompt 0: token 1 must be an integer token id, got str 'w05x'"),
@@ -109,3 +109,51 @@ def test_generate_takes_one_list_of_token_ids(llm):
     assert len(ref) == 1
     for prompts in (ids, [ids], [[np.int64(t) for t in ids]], [[torch.tensor(t) for t in ids]]):
         assert [o.token_ids for o in llm.generate(prompts, params)] == [ref[0].token_ids]
+
+
+def test_get_tokenizer_is_the_models_tokenizer(llm):
+    """vLLM's LLM.get_tokenizer()."""
+    tok = llm.get_tokenizer()
+    assert tok is llm.tokenizer and tok.decode(tok.encode("w05x w17x")) == "w05x w17x"
+
+
+def test_chat_takes_what_the_server_takes(llm):
+    """developer (rendered as system), text parts (joined by newlines) and name, through LLM.chat."""
+    params = SamplingParams(max_tokens=3)
+    server_shaped = [{"role": "developer", "content": [{"type": "text", "text": "w09x"}, {"type": "text", "text": "w10x"}]},
+                     {"role": "user", "content": "w05x", "name": "alice"}]
+    plain = [{"role": "system", "content": "w09x\nw10x"}, {"role": "user", "content": "w05x"}]
+    out, ref = llm.chat(server_shaped, params)[0], llm.chat(plain, params)[0]
+    assert out.prompt_token_ids == ref.prompt_token_ids and out.token_ids == ref.token_ids
+    assert [o.token_ids for o in llm.generate([server_shaped, "w05x"], params)][0] == ref.token_ids
+
+
+def test_chat_add_generation_prompt(llm):
+    """vLLM's keyword, passed on to the template: False leaves out the assistant cue (w03x here)."""
+    params = SamplingParams(max_tokens=2)
+    conv = [{"role": "user", "content": "w05x w17x"}]
+    cued, bare = llm.chat(conv, params)[0], llm.chat(conv, params, add_generation_prompt=False)[0]
+    assert llm.tokenizer.decode(cued.prompt_token_ids).split() == ["w02x", "w05x", "w17x", "w03x"]
+    assert bare.prompt_token_ids == cued.prompt_token_ids[:-1]
+    assert llm.chat([conv, conv], params, add_generation_prompt=False)[1].prompt_token_ids == bare.prompt_token_ids
+    with pytest.raises(ValueError, match="add_generation_prompt must be True or False, got str 'no'"):
+        llm.chat(conv, params, add_generation_prompt="no")
+
+
+@pytest.mark.parametrize(
+    "message, match",
+    [
+        ({"role": "user", "content": "w05x", "tool_calls": []},
+         r"chat message 0 has keys \['tool_calls'\] that are not supported; a message's keys are 'role', 'content', 'name'"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+         "chat message 0: content part type 'image_url' is not supported; only 'text' parts are"),
+        ({"role": "user", "content": [{"type": "text"}]}, r"chat message 0: content part 0 must be \{'type': 'text', 'text': str\}"),
+        ({"role": "user", "content": "w05x", "name": 5}, "chat message 0: name must be a string, got int 5"),
+        ({"role": "user", "content": "w05x", "name": "x" * 257}, "chat message 0: name must be at most 256 characters, got 257"),
+        ({"role": "tool", "content": "w05x"}, "role 'tool' is not supported; allowed roles: 'system', 'user', 'assistant', 'developer'"),
+    ],
+)
+def test_api_refuses_what_the_server_refuses(llm, message, match):
+    with pytest.raises(ValueError, match=match):
+        llm.chat([message])
+    assert not llm.engine.has_unfinished_requests()

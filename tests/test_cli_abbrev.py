@@ -55,3 +55,32 @@ def test_every_module_entry_point_parser_refuses_abbreviations():
             if not any(k.arg == "allow_abbrev" and getattr(k.value, "value", None) is False for k in n.keywords):
                 missing.append(f"{path.relative_to(ROOT)}:{n.lineno}")
     assert missing == []
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["generate", "hi", "--max-tok", "8"],
+         "blockdraft generate: error: unrecognized arguments: --max-tok 8 (flags are not abbreviated; did you mean "
+         "--max-tokens?)"),
+        (["generate", "hi", "--max-tok=8"], "unrecognized arguments: --max-tok=8 (flags are not abbreviated; did you "
+                                            "mean --max-tokens?)"),
+        (["generate", "hi", "--max-tokes", "8"], "unrecognized arguments: --max-tokes 8 (did you mean --max-tokens?)"),
+        (["generate", "hi", "--max", "8"], "(flags are not abbreviated; did you mean --max-model-len or --max-tokens?)"),
+        (["generate", "hi", "--sed", "3", "--max-tok", "8"],
+         "(flags are not abbreviated; did you mean --seed (for --sed), --max-tokens (for --max-tok)?)"),
+        (["generate", "hi", "--zzz"], "blockdraft generate: error: unrecognized arguments: --zzz\n"),
+        (["serve", "--max-tokens", "32"], "blockdraft serve: error: unrecognized arguments: --max-tokens 32 (flags are "
+                                          "not abbreviated; did you mean --max-tokens-limit?)"),
+    ],
+)
+def test_an_unknown_flag_is_reported_by_its_subcommand_with_the_closest_flags(capsys, argv, expected):
+    """The subcommand's usage and prog (not the top-level usage), and the flags it may have meant."""
+    from blockdraft.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert err.startswith(f"usage: blockdraft {argv[0]} "), err  # the subcommand's usage line

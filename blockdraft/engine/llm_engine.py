@@ -263,7 +263,9 @@ class LLMEngine:
         """Commit tokens, stopping exactly at the first stop condition.
 
         Per token, in this order: a completed stop string, EOS (unless ignore_eos), a stop token
-        id, then max_tokens / max_model_len. The token-id and length limits are found first, so
+        id, then max_tokens / max_model_len. `req.stop_reason` (vLLM's): the stop string or stop
+        token id that ended the request; None for EOS (also an EOS id listed in stop_token_ids, as
+        vLLM checks EOS first) and for length. The token-id and length limits are found first, so
         only the detokenizer runs per token; the tokens are then committed as one slice.
         """
         params = req.sampling_params
@@ -275,7 +277,9 @@ class LLMEngine:
         if stop_ids:
             for i in range(end):
                 if tokens[i] in stop_ids:
-                    end, reason, stop_reason = i + 1, "stop", tokens[i]
+                    # vLLM: the EOS check comes first and records no stop_reason; a stop_token_ids hit records the id
+                    eos = not params.ignore_eos and tokens[i] in req.eos_token_ids
+                    end, reason, stop_reason = i + 1, "stop", None if eos else tokens[i]
                     break
         hit = self._detok[req.request_id].extend(tokens[:end])
         if hit is not None:

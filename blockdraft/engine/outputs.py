@@ -94,6 +94,8 @@ class RequestOutput:
     text: detokenized output (stop string excluded; empty with SamplingParams.detokenize=False).
     token_ids: output token ids.
     finish_reason: "stop" | "length" | "abort" | None. spec: speculative counters.
+    stop_reason: the stop string or stop_token_ids id that ended the request (vLLM's); None while
+        running and when it ended at EOS, max_tokens / the context, or was aborted.
     ttft_s / latency_s: time to first token and total time, seconds from arrival.
     logprobs: with SamplingParams.logprobs, one {"token_id", "logprob", "top": [(token_id,
         logprob), ...]} per output token (an end-of-text token included), natural log; else None.

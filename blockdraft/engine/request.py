@@ -88,7 +88,7 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, length)
     block_ids: list[int] = field(default_factory=list)
     # prefix caching (engine.kv_cache_manager): chained hashes of the full pages of
     # all_token_ids computed so far (kept across preemption: the tokens do not change), how many

@@ -14,7 +14,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from blockdraft.chat_messages import SERVER_CHAT_ROLES, check_role
+from blockdraft.chat_messages import (  # noqa: F401  (MAX_NAME_CHARS: re-exported)
+    MAX_NAME_CHARS,
+    SERVER_CHAT_ROLES,
+    check_content_parts,
+    check_role,
+    content_text,
+    template_message,
+)
 from blockdraft.server.errors import APIError
 
 # field -> its neutral values (accepted because they change nothing; null is always neutral),
@@ -124,12 +131,10 @@ class TextPart(_Strict):
     text: str
 
 
-MAX_NAME_CHARS = 256
-
-
 class ChatMessage(_Strict):
     """One chat message. Roles: system, developer (rendered as system), user, assistant. Content: a
-    string or text parts. name: OpenAI's optional participant name, passed on to the chat template."""
+    string or text parts. name: OpenAI's optional participant name, passed on to the chat template.
+    Checked and rendered by blockdraft.chat_messages, as the Python API's messages are."""
 
     role: str
     content: str | list[TextPart]
@@ -138,14 +143,8 @@ class ChatMessage(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _content_shape(cls, v: Any) -> Any:
-        if isinstance(v, str):
-            return v
-        if isinstance(v, list) and all(isinstance(p, dict) for p in v):
-            for p in v:
-                if p.get("type") != "text":
-                    raise ValueError(f"content part type {str(p.get('type'))[:32]!r} is not supported; only 'text' parts are")
-            return v
-        raise ValueError("content must be a string or a list of {'type': 'text', 'text': ...} parts")
+        check_content_parts(v)
+        return v
 
     @field_validator("role")
     @classmethod
@@ -154,21 +153,12 @@ class ChatMessage(_Strict):
 
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content)
+        return content_text(self.content)
 
     def template_message(self) -> dict:
-        """The message as the chat template gets it: {"role", "content"} plus "name" when given.
-
-        OpenAI documents `developer` messages as taking the place of `system` messages (for newer
-        models); chat templates know only `system`, so a developer message is given as a system one
-        and renders exactly as it. Templates that do not use `name` ignore it (as with vLLM).
-        """
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
+        """The message as the chat template gets it (blockdraft.chat_messages.template_message):
+        {"role", "content"} plus "name" when given; developer given as system."""
+        return template_message(self.role, self.content, self.name)
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -102,7 +102,8 @@ class CompletionFormat:
                 logprobs = R.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, prompt_text, logprobs,
                                            ctx.token_text)  # fmt: skip
             text = prompt_text + text
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason}
 
     def first_chunk_choice(self, index: int) -> dict | None:
         return None
@@ -145,7 +146,8 @@ class CompletionFormat:
                 logprobs = R.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, echo,
                                            R.completion_logprobs([e for e, _ in ready], ctx.token_text, offsets),
                                            ctx.token_text)  # fmt: skip
-        return {"index": index, "text": (echo or "") + delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": (echo or "") + delta, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": _stop_reason(finish, out)}
 
 
 class ChatFormat:
@@ -162,15 +164,18 @@ class ChatFormat:
     def choice(self, ctx: ServerContext, index: int, out: RequestOutput, plan: Plan) -> dict:
         logprobs = None if out.logprobs is None else R.chat_logprobs(out.logprobs, ctx.token_text)
         message = {"role": "assistant", "content": out.text}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason}
 
     def first_chunk_choice(self, index: int) -> dict | None:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+                "stop_reason": None}
 
     def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None,
                      out: RequestOutput) -> dict:
         logprobs = None if entries is None else R.chat_logprobs(entries, ctx.token_text)
-        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": _stop_reason(finish, out)}
 
 
 class Serving:
@@ -313,6 +318,13 @@ class Serving:
             "%s: %d choice(s), %d prompt tokens, %d completion tokens, finish=%s, %.3f s",
             rid, len(outs), plan.num_prompt_tokens, sum(len(o.token_ids) for o in outs), reasons, seconds,
         )
+
+
+def _stop_reason(finish: str | None, out: RequestOutput) -> int | str | None:
+    """vLLM's `stop_reason` of a choice: the stop string or stop token id that ended it, sent with
+    the chunk that finishes the choice (with its finish_reason); null in every other chunk, and for
+    EOS or length (RequestOutput.stop_reason)."""
+    return out.stop_reason if finish is not None else None
 
 
 def _shown(plan: Plan, out: RequestOutput) -> RequestOutput:

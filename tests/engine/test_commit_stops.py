@@ -31,7 +31,7 @@ def _reference(tokenizer, params, eos, prompt_len, max_model_len, steps):
             if stop_str is not None:
                 return out, "stop", stop_str, detok.text
             if not params.ignore_eos and tok in eos:
-                return out, "stop", tok, detok.text
+                return out, "stop", None, detok.text  # EOS records no stop_reason (vLLM)
             if tok in params.stop_token_ids:
                 return out, "stop", tok, detok.text
             if len(out) >= params.max_tokens or prompt_len + len(out) >= max_model_len:

@@ -134,7 +134,7 @@ def test_cli_flag_checks(capsys):
     for argv in (["generate", "hi"], ["serve"]):
         assert main([*argv, "--model", "/nonexistent-model", "--speculative-disable-by-batch-size", "0"]) == 2
         err = capsys.readouterr().err
-        assert "speculative_disable_by_batch_size (--speculative-disable-by-batch-size) must be None or an integer " \
+        assert "speculative_disable_by_batch_size (--speculative-disable-by-batch-size) must be an integer " \
                ">= 1 (requests per step), got 0" in err and "nonexistent" not in err, err
 
 

@@ -208,6 +208,10 @@ def test_flag_is_named_only_where_the_command_has_it():
     assert flag_message(error, {"--draft"}) == "drafter folder '/tmp/draft' does not exist; draft (--draft) takes a folder"
     error = param_error("draft", "no config.json in /data/draft/x; draft takes a folder")
     assert flag_message(error, {"--draft"}) == "no config.json in /data/draft/x; draft (--draft) takes a folder"
+    # None is Python wording: on the command line a flag left out is the None
+    error = param_error("max_model_len", "max_model_len must be None or an integer >= 1 (tokens), got 0")
+    assert flag_message(error, {"--max-model-len"}) == "max_model_len (--max-model-len) must be an integer >= 1 (tokens), got 0"
+    assert flag_message(error, set()) == str(error)  # the Python API's message keeps it
 
 
 def test_other_commands_check_before_loading(tiny, tmp_path, capsys):

@@ -62,3 +62,16 @@ def test_a_pool_sized_from_gpu_memory_names_gpu_memory_utilization():
         resolve_max_model_len(4096, 32768, 100, 16, pool_from_memory=True)
     assert resolve_max_model_len(None, 32768, 1024, 16) == 16384
     assert resolve_max_model_len(None, 32768, None, 16) == 32768  # not sized yet: the model's
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("bad", ["0", "-3"])
+def test_cli_refuses_a_bad_context_in_cli_words(capsys, command, bad):
+    """The flag's message does not offer None (Python wording); refused before the model loads."""
+    from blockdraft.cli import main
+
+    argv = [command, *(["hi"] if command == "generate" else []), "--model", "/nonexistent-model", "--max-model-len", bad]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"error: max_model_len (--max-model-len) must be an integer >= 1 (tokens), got {bad}\n" in err, err
+    assert "None" not in err and "nonexistent" not in err, err

@@ -90,3 +90,43 @@ def test_bad_name_is_refused_naming_the_field(name, match):
 def test_unknown_roles_are_still_refused_and_the_allowed_ones_listed():
     with pytest.raises(APIError, match="role 'tool' is not supported; allowed roles: 'system', 'user', 'assistant', 'developer'"):
         parse_request(ChatCompletionRequest, {"messages": [{"role": "tool", "content": "w05x"}]})
+
+
+# The Python API (LLM.encode_chat, which LLM.chat and LLM.generate use) renders what the server
+# renders: one normalisation (blockdraft.chat_messages.template_messages / template_message).
+PARITY = {
+    "developer": [{"role": "developer", "content": f"{word(9)} {word(10)}"}, {"role": "user", "content": word(12)}],
+    "text-parts": [{"role": "system", "content": [{"type": "text", "text": word(9)}, {"type": "text", "text": word(10)}]},
+                   {"role": "user", "content": [{"type": "text", "text": f"{word(12)} {word(40)}"}]}],
+    "name": [{"role": "user", "content": word(12), "name": word(7)}, {"role": "assistant", "content": word(13)},
+             {"role": "user", "content": word(14)}],
+}
+
+
+def _api_prompt(tokenizer, messages, **kw) -> list[int]:
+    from types import SimpleNamespace
+
+    from blockdraft.llm import LLM
+
+    return LLM.encode_chat(SimpleNamespace(tokenizer=tokenizer), copy.deepcopy(messages), **kw)  # only .tokenizer is used
+
+
+@pytest.mark.parametrize("case", sorted(PARITY))
+def test_python_api_renders_the_same_prompt_ids_as_the_server(tokenizer, case):
+    assert _api_prompt(tokenizer, PARITY[case]) == _prompt(tokenizer, PARITY[case])
+
+
+def test_python_api_passes_name_on_as_the_server_does(tokenizer):
+    tok = copy.copy(tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['name'] | default('" + word(4) + "') }} {{ m['content'] }} {% endfor %}"
+    api, server = _api_prompt(tok, PARITY["name"]), _prompt(tok, PARITY["name"])
+    assert api == server and tok.decode(api).split()[:4] == [word(7), word(12), word(4), word(13)]
+
+
+def test_add_generation_prompt_false_drops_the_assistant_cue(tokenizer):
+    with_cue, without = _api_prompt(tokenizer, PARITY["name"]), _api_prompt(tokenizer, PARITY["name"], add_generation_prompt=False)
+    assert with_cue != without and with_cue[:len(without)] == without  # the cue is a suffix
+    if tokenizer.chat_template.startswith("{% for m in messages %}"):  # the tiny template: its cue is w03x
+        assert tokenizer.decode(with_cue[len(without):]).split() == [word(3)]
+    else:  # Qwen
+        assert tokenizer.decode(with_cue[len(without):]) == "<|im_start|>assistant\n"
