@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import operator
@@ -24,7 +25,7 @@ from blockdraft.drafters import check_disable_by_batch_size
 from blockdraft.engine.gc_heap import frozen_gc_heap
 from blockdraft.engine.kv_cache_manager import KVCacheManager
 from blockdraft.engine.llm_engine import LLMEngine
-from blockdraft.engine.outputs import RequestOutput
+from blockdraft.engine.outputs import CompletionOutput, RequestOutput
 from blockdraft.engine.scheduler import Scheduler
 from blockdraft.errors import param_error
 from blockdraft.layers.linear import cpu_has_fast_bf16
@@ -254,7 +255,8 @@ class LLM:
         sampling_params: one SamplingParams for every prompt or a list of them (one per prompt), as
             vLLM; None: SamplingParams().
         Returns:
-            one finished RequestOutput per prompt, in input order.
+            one finished RequestOutput per prompt, in input order; with SamplingParams(n=N) its
+            `outputs` holds the N completions (vLLM's `o.outputs[j].text`), run as N requests.
         Raises:
             TypeError: sampling_params of another type (e.g. a dict: build SamplingParams(**d)).
             ValueError: prompts of another type (e.g. None), an empty prompt, a prompt of another
@@ -281,14 +283,16 @@ class LLM:
             params = params * len(token_lists)
         if len(params) != len(token_lists):
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
-        for toks, p in zip(token_lists, params):  # the whole batch first: a bad prompt queues nothing
-            self.engine.check_request(toks, p)
+        # one engine request per completion (SamplingParams.n), grouped back per prompt at the end
+        runs = [(i, toks, q) for i, (toks, p) in enumerate(zip(token_lists, params)) for q in p.completions()]
+        for _, toks, q in runs:  # the whole batch first: a bad prompt queues nothing
+            self.engine.check_request(toks, q)
         if not token_lists:  # vLLM returns [] too; stepping would only advance others' requests
             return []
-        ids = [f"req-{next(self._ids)}" for _ in token_lists]
-        for rid, toks, p in zip(ids, token_lists, params):
-            self.engine.add_request(rid, toks, p)
-        return self._run(ids, use_tqdm)
+        ids = [f"req-{next(self._ids)}" for _ in runs]
+        for rid, (_, toks, q) in zip(ids, runs):
+            self.engine.add_request(rid, toks, q)
+        return _per_prompt(self._run(ids, use_tqdm), [i for i, _, _ in runs])
 
     def generate_stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """One prompt, its output as it grows: a RequestOutput after every engine step that gave the
@@ -314,6 +318,9 @@ class LLM:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {_shown(params)}")
+        if params.n != 1:
+            raise param_error("n", f"generate_stream streams one completion: n must be 1, got {params.n} (use "
+                                   f"generate for n > 1)")
         self.engine.check_request(token_lists[0], params)
         return self._stream(f"req-{next(self._ids)}", token_lists[0], params)
 
@@ -466,6 +473,28 @@ class LLM:
             if bar:
                 bar.close()
         return [done[i] for i in ids]
+
+
+def _per_prompt(outs: list[RequestOutput], prompt_index: list[int]) -> list[RequestOutput]:
+    """Outputs of the engine requests (in order; prompt_index[r]: the prompt of request r) -> one
+    RequestOutput per prompt: its only completion, or for n > 1 the first one with `choices` set
+    to all of them (CompletionOutput j = completion j) and `spec` counting them all."""
+    grouped: dict[int, list[RequestOutput]] = {}
+    for out, i in zip(outs, prompt_index):
+        grouped.setdefault(i, []).append(out)
+    result = []
+    for i in sorted(grouped):
+        group = grouped[i]
+        if len(group) == 1:
+            result.append(group[0])
+            continue
+        spec = copy.deepcopy(group[0].spec)
+        for o in group[1:]:
+            spec.merge(o.spec)
+        choices = [CompletionOutput(j, o.text, o.token_ids, o.finish_reason, o.stop_reason, o.logprobs)
+                   for j, o in enumerate(group)]  # fmt: skip
+        result.append(dataclasses.replace(group[0], spec=spec, choices=choices))
+    return result
 
 
 def _is_token_id(value) -> bool:

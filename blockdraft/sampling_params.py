@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -43,7 +44,9 @@ class SamplingParams:
     before temperature, top-k and top-p, greedy rows included; logprobs stay those of the raw model
     (vLLM's default). min_tokens: 0 <= min_tokens <= max_tokens (vLLM's extension): until the output
     has this many tokens, EOS (unless ignore_eos) and stop_token_ids are masked out of the logits
-    and stop strings are not looked for.
+    and stop strings are not looked for. n: completions per prompt in `LLM.generate` (vLLM's n;
+    RequestOutput.outputs holds them): completion j of a seeded request uses seed + j, unseeded
+    ones sample independently; an LLMEngine request is always one completion (n = 1).
 
     Raises:
         ValueError: naming the offending field and the allowed range (at construction, and again
@@ -66,6 +69,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    n: int = 1
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -113,6 +117,7 @@ class SamplingParams:
         if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp < float("inf"):
             raise param_error("repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), "
                                                     f"got {rp!r}")
+        _check_int("n", self.n, low=1)
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.min_tokens > self.max_tokens:
             raise param_error("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
@@ -148,6 +153,13 @@ class SamplingParams:
         """The seed actually used: `seed`, or (None) the random one drawn for this object (at
         construction, or by `for_request` for the copy one request runs with)."""
         return self.seed if self.seed is not None else self._resolved_seed
+
+    def completions(self) -> list["SamplingParams"]:
+        """One SamplingParams (n = 1) per completion of `n`: completion j of a seeded request uses
+        seed + j (the server's rule for its `n`), unseeded ones each draw their own seed."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j) for j in range(self.n)]
 
     def for_request(self) -> "SamplingParams":
         """The params one request runs with: itself when seeded; else a shallow copy with a fresh

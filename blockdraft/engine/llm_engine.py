@@ -9,6 +9,7 @@ from blockdraft.engine.detokenizer import IncrementalDetokenizer, NoDetokenizer
 from blockdraft.engine.outputs import ModelRunnerOutput, RequestOutput, SchedulerOutput
 from blockdraft.engine.request import Request, SpecStats
 from blockdraft.engine.scheduler import Scheduler
+from blockdraft.errors import param_error
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_logprobs_limit, check_max_logprobs
 
 
@@ -115,6 +116,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
         params.verify()
+        if params.n != 1:
+            raise param_error("n", f"n must be 1 for an LLMEngine request (one completion each), got {params.n}: "
+                                   f"LLM.generate runs n > 1 as n requests (SamplingParams.completions)")
         check_logprobs_limit(params, self.max_logprobs)
         if self.vocab_size is not None:
             for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),

@@ -88,6 +88,21 @@ class ModelRunnerOutput:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a prompt (vLLM's CompletionOutput): choice `index` of `RequestOutput.outputs`.
+
+    text / token_ids / finish_reason / stop_reason / logprobs: as in RequestOutput.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[dict] | None = None
+
+
+@dataclass
 class RequestOutput:
     """A request's result so far (final when `finished`).
 
@@ -103,6 +118,9 @@ class RequestOutput:
         first, then a dict of the same form (log-probability of the prompt token given the tokens
         before it, and the N most likely tokens there); else None. Complete in every output that
         has a token (the prompt is computed before the first token is sampled).
+    outputs: the completions as vLLM lists them (`outputs[0].text`, ...): this one alone, or with
+        SamplingParams(n=N) in `LLM.generate` all N, in order; text / token_ids / finish_reason /
+        stop_reason / logprobs above are then the first one's, and `spec` counts all N.
     """
 
     request_id: str
@@ -118,6 +136,14 @@ class RequestOutput:
     logprobs: list[dict] | None = None
     num_new_tokens: int = 0
     prompt_logprobs: list[dict | None] | None = None
+    choices: list[CompletionOutput] | None = field(default=None, repr=False)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's `RequestOutput.outputs`: every completion of the prompt (one unless n > 1)."""
+        if self.choices is not None:
+            return self.choices
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs)]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -184,6 +184,30 @@ def test_one_unseeded_sampling_params_samples_every_request_independently(llama_
     assert len({tuple(t) for t in _ids(llm.generate([prompt] * 3, seeded))}) == 1
 
 
+def test_n_completions_per_prompt_as_vllm_outputs(llama_target):
+    """SamplingParams(n=3): one RequestOutput per prompt whose `outputs` are the 3 completions;
+    seeded, completion j is the seed + j run; unseeded they differ; n = 1 gives outputs[0] == itself."""
+    llm = make_llm(llama_target)
+    prompts = random_prompts(2, seed=12)
+    kw = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
+    outs = llm.generate(prompts, SamplingParams(n=3, seed=40, **kw))
+    assert len(outs) == 2 and all(len(o.outputs) == 3 for o in outs)
+    for prompt, o in zip(prompts, outs):
+        alone = [llm.generate([prompt], SamplingParams(seed=40 + j, **kw))[0].token_ids for j in range(3)]
+        assert [c.token_ids for c in o.outputs] == alone and [c.index for c in o.outputs] == [0, 1, 2]
+        assert o.token_ids == o.outputs[0].token_ids and o.text == o.outputs[0].text
+    unseeded = llm.generate(prompts[:1], SamplingParams(n=3, **kw))[0]
+    assert len({tuple(c.token_ids) for c in unseeded.outputs}) == 3
+    single = llm.generate(prompts[:1], SamplingParams(**kw))[0]
+    assert [c.token_ids for c in single.outputs] == [single.token_ids] and single.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="n must be an integer >= 1, got 0"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="n must be 1 for an LLMEngine request"):
+        llm.engine.add_request("x", prompts[0], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="generate_stream streams one completion: n must be 1, got 2"):
+        llm.generate_stream(prompts[0], SamplingParams(n=2))
+
+
 def test_an_interrupted_generate_aborts_its_requests(llama_target, monkeypatch):
     """Ctrl-C inside generate (a notebook): the call's requests are aborted and their pages freed, so
     the next call does not first decode what this one abandoned."""
