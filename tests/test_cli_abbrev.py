@@ -65,7 +65,7 @@ def test_every_module_entry_point_parser_refuses_abbreviations():
          "--max-tokens?)"),
         (["generate", "hi", "--max-tok=8"], "unrecognized arguments: --max-tok=8 (flags are not abbreviated; did you "
                                             "mean --max-tokens?)"),
-        (["generate", "hi", "--max-tokes", "8"], "unrecognized arguments: --max-tokes 8 (did you mean --max-tokens?)"),
+        (["generate", "hi", "--max-tokes", "8"], "unrecognized arguments: --max-tokes 8 (did you mean --max-tokens or --min-tokens?)"),
         (["generate", "hi", "--max", "8"], "(flags are not abbreviated; did you mean --max-model-len or --max-tokens?)"),
         (["generate", "hi", "--sed", "3", "--max-tok", "8"],
          "(flags are not abbreviated; did you mean --seed (for --sed), --max-tokens (for --max-tok)?)"),
