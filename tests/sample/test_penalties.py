@@ -7,23 +7,13 @@ import torch
 from blockdraft.sample.penalties import apply_penalties, penalty_entries
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
-
-
-def _dense(logits_row, prompt, output, p: SamplingParams):
-    """The formula over the whole vocabulary, one row (vLLM's apply_penalties, written densely)."""
-    v = logits_row.shape[0]
-    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=v).float()
-    seen = (counts > 0) | (torch.bincount(torch.tensor(prompt, dtype=torch.long), minlength=v) > 0)
-    r = torch.where(seen, torch.tensor(p.repetition_penalty), torch.tensor(1.0))
-    x = logits_row.clone()
-    for t, b in (p.logit_bias or {}).items():
-        x[t] += b
-    x = torch.where(x > 0, x / r, x * r)
-    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+from tests.sample.penalty_reference import dense_adjusted
 
 
 @pytest.mark.parametrize("pres, freq, rep", [(0.5, 0.3, 1.5), (0.0, 0.0, 0.7), (-1.0, 2.0, 1.0), (0.0, 0.4, 1.0)])
 def test_entries_equal_the_dense_formula_row_by_row_with_drafts(pres, freq, rep):
+    """Every row of requests with penalties and / or a logit bias equals the dense formula after
+    the output and the drafts before it; a request without either keeps its raw rows."""
     g = torch.Generator().manual_seed(0)
     vocab = 50
     reqs = [  # (prompt, output, drafts, params)
@@ -37,7 +27,7 @@ def test_entries_equal_the_dense_formula_row_by_row_with_drafts(pres, freq, rep)
     ]
     rows = sum(len(d) + 1 for _, _, d, _ in reqs)
     logits = torch.randn(rows, vocab, generator=g) * 3
-    histories = [(pr, out) if p.has_penalties else None for pr, out, _, p in reqs]
+    histories = [(pr, out, ()) if p.adjusts_logits else None for pr, out, _, p in reqs]
     entries = penalty_entries(histories, [d for _, _, d, _ in reqs], [p for *_, p in reqs])
     got = apply_penalties(logits.to(torch.bfloat16), entries)
     assert got.dtype == torch.float32
@@ -45,7 +35,7 @@ def test_entries_equal_the_dense_formula_row_by_row_with_drafts(pres, freq, rep)
     for prompt, output, drafts, p in reqs:
         for j in range(len(drafts) + 1):
             raw = logits[r].to(torch.bfloat16).float()
-            want = _dense(raw, prompt, output + drafts[:j], p) if p.has_penalties else raw
+            want = dense_adjusted(raw, prompt, output + drafts[:j], p) if p.adjusts_logits else raw
             torch.testing.assert_close(got[r], want, rtol=0, atol=1e-6, msg=f"row {r}")
             r += 1
     assert r == rows
@@ -55,7 +45,7 @@ def test_no_penalties_no_entries_and_the_input_stays_raw():
     assert penalty_entries([None, None], [[1], []], [SamplingParams(), SamplingParams()]) is None
     logits = torch.randn(2, 10)
     before = logits.clone()
-    e = penalty_entries([([1, 2], [3])], [[4]], [SamplingParams(repetition_penalty=2.0)])
+    e = penalty_entries([([1, 2], [3], ())], [[4]], [SamplingParams(repetition_penalty=2.0)])
     out = apply_penalties(logits, e)
     assert torch.equal(logits, before) and not torch.equal(out, before)
 
@@ -65,7 +55,7 @@ def test_greedy_rows_take_the_argmax_of_the_penalised_logits():
     p = SamplingParams(repetition_penalty=2.0)  # token 1 was in the prompt: 5 / 2 < 4
     st = SamplingTensors.from_params([p])
     assert st.sample(logits, torch.zeros(1, dtype=torch.long)).item() == 1
-    st.penalties = penalty_entries([([1], [])], [[]], [p])
+    st.penalties = penalty_entries([([1], [], ())], [[]], [p])
     assert not st.argmax_only
     assert st.sample(logits, torch.zeros(1, dtype=torch.long)).item() == 2
     with pytest.raises(ValueError, match="penalties"):

@@ -7,6 +7,7 @@ import torch
 
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
+from tests.sample.penalty_reference import dense_adjusted
 from tests.conftest import VOCAB, make_llm, random_prompts
 from tests.models._hf_oracle import run_prefill
 from tests.spec.doubles import KnownAnswerSpeculator
@@ -20,25 +21,13 @@ PENALTIES = [
 ]
 
 
-def _dense(logits_row, prompt, output, p: SamplingParams):
-    """vLLM's penalty formula over the whole vocabulary (see blockdraft.sample.penalties)."""
-    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=VOCAB).float()
-    seen = (counts > 0) | (torch.bincount(torch.tensor(prompt, dtype=torch.long), minlength=VOCAB) > 0)
-    r = torch.where(seen, torch.tensor(p.repetition_penalty), torch.tensor(1.0))
-    x = logits_row.clone()
-    for t, b in (p.logit_bias or {}).items():
-        x[t] += b
-    x = torch.where(x > 0, x / r, x * r)
-    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
-
-
 def _reference(target, prompt, p: SamplingParams) -> list[int]:
     """Decode without the engine: one full forward over prompt + output per token, the dense formula,
     then the keyed sampler at the token's sequence position (what the engine keys its noise with)."""
     out: list[int] = []
     for _ in range(p.max_tokens):
         logits = run_prefill(target.model, [torch.tensor(prompt + out)], num_kv_blocks=32)[0][-1]
-        x = _dense(logits.float(), prompt, out, p)[None]
+        x = dense_adjusted(logits.float(), prompt, out, p)[None]
         st = SamplingTensors.from_params([p])
         out.append(int(st.sample(x, torch.tensor([len(prompt) + len(out)]))[0]))
     return out
