@@ -570,6 +570,7 @@ def _result_dict(out, seconds: float) -> dict:
         "text": out.text,
         "token_ids": out.token_ids,
         "finish_reason": out.finish_reason,
+        "stop_reason": out.stop_reason,  # the stop string or stop token id that ended it (vLLM's), else null
         "num_prompt_tokens": out.num_prompt_tokens,
         "num_output_tokens": out.num_output_tokens,
         "tokens_per_s": out.num_output_tokens / seconds if seconds > 0 else None,

@@ -117,7 +117,9 @@ def test_generate_cli_penalties_with_and_without_the_drafter(tmp_path, capsys):
         code = main(["generate", word(17), "--raw", "--model", str(model), "--max-tokens", "24", "--json", *flags])
         out, err = capsys.readouterr()
         assert code == 0, err
-        outs[name] = json.loads(out)["token_ids"]
+        result = json.loads(out)
+        assert result["finish_reason"] == "length" and result["stop_reason"] is None  # vLLM's field
+        outs[name] = result["token_ids"]
     assert outs["draft"] == outs["plain"] != outs["bare"]
     assert len(set(outs["plain"])) > len(set(outs["bare"]))
 
