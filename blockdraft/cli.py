@@ -509,6 +509,7 @@ def _generate(args) -> int:
             result["logprobs"] = chat_logprobs(out.logprobs, token_text, token_ids=True)["content"]
         if out.prompt_logprobs is not None:  # null for the first prompt token, as vLLM's
             result["prompt_logprobs"] = [None] + chat_logprobs(out.prompt_logprobs[1:], token_text, token_ids=True)["content"]
+            result["prompt_token_ids"] = out.prompt_token_ids  # entry i scores prompt token i
     if args.json:
         print(json.dumps(result))
     else:
@@ -516,8 +517,12 @@ def _generate(args) -> int:
             print(out.text)
         if out.logprobs is not None:
             print("\n".join(_logprob_table(result["logprobs"])))
-        if out.prompt_logprobs is not None:
-            print("\n".join(_logprob_table(result["prompt_logprobs"][1:], "prompt logprobs", start=1)))
+        if out.prompt_logprobs is not None:  # prompt token 0 has no log-probability (nothing before it)
+            first = _quoted(token_text(out.prompt_token_ids[0]))
+            lines = _logprob_table(result["prompt_logprobs"][1:], "prompt logprobs", start=1)
+            lines.insert(1, f"{0:>4}  {first + ' ' * max(0, 16 - _display_width(first))} {out.prompt_token_ids[0]:>7}  "
+                            f"{'-':>9}  (the first prompt token: nothing before it to score it)")
+            print("\n".join(lines))
         print(_summary_line(result), file=sys.stderr)
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import numbers
 import random
 from dataclasses import dataclass, field
 
@@ -125,10 +126,15 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise param_error("logit_bias", f"logit_bias must be a dict {{token id: bias}} or None, got "
                                                 f"{self.logit_bias!r}"[:300])
+            bias = {}
             for t, b in self.logit_bias.items():
+                if isinstance(t, numbers.Integral) and not isinstance(t, bool):
+                    t = int(t)  # numpy / torch integers too, as prompt token ids
                 _check_int("logit_bias", t, low=0, what="logit_bias token id")
-                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                if isinstance(b, bool) or not isinstance(b, numbers.Real) or not -100.0 <= b <= 100.0:
                     raise param_error("logit_bias", f"logit_bias of token {t} must be a number in [-100, 100], got {b!r}")
+                bias[t] = float(b)
+            self.logit_bias = bias
         if self.stop and not self.detokenize:
             raise param_error("stop", f"stop strings {self.stop!r} need the output text: drop them or keep "
                                       f"detokenize=True")

@@ -165,7 +165,8 @@ class AsyncEngine:
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         if self.num_pending + len(prompts) > self.max_pending:
-            raise ServerBusyError(f"{self.num_pending} requests are in flight (limit {self.max_pending}); retry later")
+            raise ServerBusyError(f"{self.num_pending} choices are in flight and this request adds {len(prompts)} (limit "
+                                  f"{self.max_pending}, --max-pending); retry later")
         n = next(self._ids)
         group = RequestGroup([f"{prefix}-{n}-{i}" for i in range(len(prompts))])
         for i, rid in enumerate(group.request_ids):

@@ -108,13 +108,14 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     n = req.n or 1
     if n > config.max_n:
-        raise APIError(400, f"n must be <= {config.max_n}, got {n}", param="n")
+        raise APIError(400, f"n must be <= {config.max_n} (the server's --max-n), got {n}", param="n")
     if len(prompts) * n > config.max_choices:
         raise APIError(400, f"{len(prompts)} prompts x n={n} exceeds {config.max_choices} choices per request", param="n")
     if len(prompts) * n > config.max_pending:  # never admitted: a 429 would send clients retrying in vain
-        raise APIError(400, f"{len(prompts)} prompts x n={n} = {len(prompts) * n} choices, more than the server's "
-                            f"--max-pending {config.max_pending} engine requests in flight: send at most "
-                            f"{config.max_pending} choices per request", param="n")
+        what = f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''} x n={n} = {len(prompts) * n} choices"
+        raise APIError(400, f"{what}, more than the server's --max-pending {config.max_pending} engine requests in "
+                            f"flight: send at most {config.max_pending} choices per request",
+                       param="n" if n > 1 else "prompt")
     stop = _stop_strings(req.stop, config)
     logprobs = _logprobs(req, config, model)
     echo = isinstance(req, CompletionRequest) and bool(req.echo)

@@ -140,8 +140,12 @@ def test_prompt_logprobs_json_and_table(tiny, capsys):
     assert [e["logprob"] for e in runs["spec"]["prompt_logprobs"][1:]] == pytest.approx(
         [e["logprob"] for e in items[1:]], abs=1e-4)
     assert main(["generate", prompt, *flags, "--no-draft"]) == 0
-    answer, header, *rows = capsys.readouterr().out.rstrip("\n").split("\n")
+    assert len(runs["plain"]["prompt_token_ids"]) == len(items)  # entry i scores prompt token i
+    assert [runs["plain"]["prompt_token_ids"][i] for i in range(1, len(items))] == [e["token_id"] for e in items[1:]]
+    answer, header, first, *rows = capsys.readouterr().out.rstrip("\n").split("\n")
     assert answer == runs["plain"]["text"] and header.startswith("--- prompt logprobs of the target model")
+    # row 0: the first prompt token, which nothing before it scores
+    assert first.split()[:4] == ["0", f'"{word(17)}"', str(runs["plain"]["prompt_token_ids"][0]), "-"]
     assert [r.split()[:4] for r in rows] == [[str(i), f'"{e["token"]}"', str(e["token_id"]), f"{e['logprob']:.4f}"]
                                              for i, e in enumerate(items[1:], 1)]
 

@@ -73,6 +73,12 @@ def test_bad_penalties_are_refused_by_name(field, value, allowed):
     assert field in str(e.value)
 
 
+def test_numpy_numbers_in_logit_bias_are_taken_as_python_ones():
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(logit_bias={np.int64(5): np.float32(1.5), 7: 2})
+    assert p.logit_bias == {5: 1.5, 7: 2.0} and all(type(k) is int and type(v) is float for k, v in p.logit_bias.items())
+
+
 @pytest.mark.parametrize("bias, message", [
     ({-1: 1.0}, "logit_bias token id must be an integer >= 0, got -1"),
     ({"3": 1.0}, "logit_bias token id must be an integer >= 0, got '3'"),

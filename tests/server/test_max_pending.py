@@ -17,9 +17,9 @@ MODEL = ModelInfo(name="t", vocab_size=100, max_model_len=64, kv_capacity_tokens
 def test_choices_beyond_max_pending_are_a_400_naming_the_flag():
     config = ServerConfig(max_pending=4)
     assert len(build_plan(CompletionRequest(prompt=[[1], [2]], n=2, max_tokens=2), [[1], [2]], config, MODEL).params) == 4
-    for prompts, n in (([[1]] * 5, 1), ([[1]], 5), ([[1], [2]], 3)):
-        with pytest.raises(APIError, match=rf"^{len(prompts)} prompts x n={n} = {len(prompts) * n} choices, more than "
-                                            r"the server's --max-pending 4 engine requests in flight: send at most 4 "
-                                            r"choices per request$") as e:
+    for prompts, n, what, param in (([[1]] * 5, 1, "5 prompts x n=1 = 5", "prompt"), ([[1]], 5, "1 prompt x n=5 = 5", "n"),
+                                    ([[1], [2]], 3, "2 prompts x n=3 = 6", "n")):  # fmt: skip
+        with pytest.raises(APIError, match=rf"^{what} choices, more than the server's --max-pending 4 engine requests "
+                                            r"in flight: send at most 4 choices per request$") as e:
             build_plan(CompletionRequest(prompt=prompts, n=n, max_tokens=2), prompts, config, MODEL)
-        assert e.value.status == 400 and e.value.param == "n"
+        assert e.value.status == 400 and e.value.param == param
