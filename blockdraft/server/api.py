@@ -1,7 +1,8 @@
 """The FastAPI app: routes, lifespan (engine thread start/stop) and error handlers.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health (503 once the engine has stopped), GET /metrics (Prometheus text). Only /v1/* needs
+GET /health (503 once the engine has stopped), GET /metrics (Prometheus text), and vLLM's extras
+POST /tokenize, POST /detokenize (server.tokenization) and GET /version. Only /v1/* needs
 the API key when one is set (http.V1KeyCheck, unknown /v1 paths included).
 """
 
@@ -20,6 +21,7 @@ from blockdraft.server.errors import install_error_handlers, model_not_found
 from blockdraft.server.http import V1KeyCheck
 from blockdraft.server.metrics import Metrics
 from blockdraft.server.responses import TokenText
+from blockdraft.server import tokenization
 from blockdraft.server.serving import ChatFormat, CompletionFormat, ServerContext, Serving
 
 
@@ -77,6 +79,20 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
         if model_id != ctx.model.name:
             raise model_not_found(model_id, ctx.model.name)
         return _model_card(ctx.model)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokenization.handle(ctx, request, detok=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokenization.handle(ctx, request, detok=True)
+
+    @app.get("/version")
+    async def version():
+        from blockdraft import __version__
+
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():

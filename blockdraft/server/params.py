@@ -77,8 +77,9 @@ def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> l
     return [t if isinstance(t, str) else decode(ids) for t, ids in zip(texts, prompts, strict=True)]
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
-    """Token ids of the conversation through the tokenizer's chat template (with the assistant cue).
+def chat_prompt(req: ChatCompletionRequest, tokenizer, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of the conversation through the tokenizer's chat template (with the assistant cue
+    unless `add_generation_prompt` is False). `req`: anything with ChatMessage `messages`.
 
     Messages reach the template as ChatMessage.template_message() gives them: developer as system,
     `name` passed on when given.
@@ -91,7 +92,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
         raise APIError(400, "this model has no chat template; use /v1/completions with a plain prompt", param="messages")
     messages = [m.template_message() for m in req.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as e:  # jinja2 TemplateError, or raise_exception() inside the template
         raise APIError(400, f"the chat template rejected these messages: {str(e)[:200]}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)

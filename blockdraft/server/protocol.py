@@ -171,7 +171,26 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
 
 
-def parse_request(cls: type[_SamplingRequest], body: dict) -> _SamplingRequest:
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): exactly one of `prompt` (text, as /v1/completions encodes it;
+    add_special_tokens default true) and `messages` (a conversation through the chat template, as
+    /v1/chat/completions renders it; add_generation_prompt default true)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_request(cls: type[BaseModel], body: dict) -> BaseModel:
     """Validate a decoded JSON body into `cls`.
 
     Raises:
