@@ -121,6 +121,9 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
     logprobs = _logprobs(req, config, model)
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
     plan = Plan([], [], sum(len(p) for p in prompts), echo=echo, prompt_only=echo and req.max_tokens == 0)
+    if plan.prompt_only and req.min_tokens:  # the engine runs max_tokens 1 here: check against what was sent
+        raise APIError(400, f"min_tokens must be 0 with max_tokens 0 (echo: the prompt alone), got {req.min_tokens}",
+                       param="min_tokens")
     for i, ids in enumerate(prompts):
         # echo with max_tokens 0: one token generated and left out, which the context must hold
         max_tokens = _max_tokens(req, len(ids), config, model, i, asked=1 if plan.prompt_only else None)

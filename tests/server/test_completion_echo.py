@@ -157,3 +157,20 @@ def test_bad_combinations_are_refused_naming_the_field(plain_server, path, over,
 def test_logprobs_are_finite_and_the_answer_is_json(plain_server):
     lp = _post(plain_server, logprobs=5)["choices"][0]["logprobs"]
     assert all(math.isfinite(v) for v in lp["token_logprobs"][1:])
+
+
+def test_min_tokens_with_echo_and_max_tokens_zero_names_the_value_sent():
+    """echo with max_tokens 0 runs one hidden token internally; a min_tokens above 0 must be refused
+    naming the max_tokens the client sent (0), not the internal 1."""
+    from blockdraft.server.config import ModelInfo, ServerConfig
+    from blockdraft.server.errors import APIError
+    from blockdraft.server.params import build_plan
+    from blockdraft.server.protocol import CompletionRequest
+
+    model = ModelInfo(name="t", vocab_size=100, max_model_len=64, kv_capacity_tokens=1024, num_speculative_tokens=0,
+                      created=0, max_logprobs=20)
+    for min_tokens in (1, 3):
+        req = CompletionRequest(prompt=[1, 2], echo=True, max_tokens=0, min_tokens=min_tokens)
+        with pytest.raises(APIError, match=rf"min_tokens must be 0 with max_tokens 0 .*got {min_tokens}") as e:
+            build_plan(req, [[1, 2]], ServerConfig(), model)
+        assert e.value.status == 400 and e.value.param == "min_tokens"
