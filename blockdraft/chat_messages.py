@@ -41,7 +41,8 @@ def check_content_parts(content) -> None:
         if not isinstance(part, dict):
             raise ValueError(f"{_CONTENT_SHAPE}; part {j} is a {type(part).__name__}")
         if part.get("type") != "text":
-            raise ValueError(f"content part type {str(part.get('type'))[:32]!r} is not supported; only 'text' parts are")
+            raise ValueError(f"content part {j} has type {str(part.get('type'))[:32]!r}, which is not supported; only "
+                             f"'text' parts are")
         extra = sorted(map(str, set(part) - {"type", "text"}))
         if extra or not isinstance(part.get("text"), str):
             raise ValueError(f"content part {j} must be {{'type': 'text', 'text': str}}, got keys {sorted(map(str, part))}")

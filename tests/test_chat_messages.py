@@ -146,7 +146,7 @@ def test_chat_add_generation_prompt(llm):
         ({"role": "user", "content": "w05x", "tool_calls": []},
          r"chat message 0 has keys \['tool_calls'\] that are not supported; a message's keys are 'role', 'content', 'name'"),
         ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
-         "chat message 0: content part type 'image_url' is not supported; only 'text' parts are"),
+         "chat message 0: content part 0 has type 'image_url', which is not supported; only 'text' parts are"),
         ({"role": "user", "content": [{"type": "text"}]}, r"chat message 0: content part 0 must be \{'type': 'text', 'text': str\}"),
         ({"role": "user", "content": "w05x", "name": 5}, "chat message 0: name must be a string, got int 5"),
         ({"role": "user", "content": "w05x", "name": "x" * 257}, "chat message 0: name must be at most 256 characters, got 257"),

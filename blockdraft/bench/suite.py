@@ -272,7 +272,7 @@ def add_divergence_gaps(workload: Workload, settings: Settings, cells: list[Cell
     plan = PoolPlan(max(p["batch_size"] for p in todo), longest, 1)
     opts = {"enforce_eager": True} if workload.device.type == "cuda" else {}
     engine = OurEngine(workload.target, str(workload.device), plan, options=opts)
-    engine_fp32 = None
+    engine_fp32 = target_fp32 = None
     try:
         if workload.dtype != torch.float32 and os.path.isdir(workload.target.path):
             target_fp32 = load_target(workload.target.path, dtype="float32", device=str(workload.device))
@@ -287,7 +287,7 @@ def add_divergence_gaps(workload: Workload, settings: Settings, cells: list[Cell
             if engine_fp32 is not None:
                 p["near_ties_fp32"] = sum(d["near_tie_fp32"] for d in p["divergences"])
     finally:
-        del engine, engine_fp32
+        del engine, engine_fp32, target_fp32  # the float32 weights too, before the cache is emptied
         _release(workload.device)
 
 
