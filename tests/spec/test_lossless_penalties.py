@@ -118,7 +118,7 @@ def test_generate_cli_penalties_with_and_without_the_drafter(tmp_path, capsys):
         out, err = capsys.readouterr()
         assert code == 0, err
         result = json.loads(out)
-        assert result["finish_reason"] == "length" and result["stop_reason"] is None  # vLLM's field
+        assert result["stop_reason"] is None  # vLLM's field: no stop string / id asked for (EOS and length: null)
         outs[name] = result["token_ids"]
     assert outs["draft"] == outs["plain"] != outs["bare"]
     assert len(set(outs["plain"])) > len(set(outs["bare"]))
