@@ -268,7 +268,8 @@ class LLM:
                 SamplingParams field out of range (also one set after construction), `logprobs`
                 or `prompt_logprobs` above `max_logprobs`; nothing of the batch is queued then.
         """
-        token_lists = self._tokenize_all(prompts)
+        items = self._prompt_list(prompts)
+        token_lists = [self._tokenize_one(i, p) for i, p in enumerate(items)]
         params = SamplingParams() if sampling_params is None else sampling_params
         one_for_all = not isinstance(params, (list, tuple))
         # checked before repeating it per prompt: a bad one is refused also for an empty batch
@@ -292,7 +293,10 @@ class LLM:
         ids = [f"req-{next(self._ids)}" for _ in runs]
         for rid, (_, toks, q) in zip(ids, runs):
             self.engine.add_request(rid, toks, q)
-        return _per_prompt(self._run(ids, use_tqdm), [i for i, _, _ in runs])
+        outs = _per_prompt(self._run(ids, use_tqdm), [i for i, _, _ in runs])
+        for out, text in zip(outs, self._prompt_texts(items, token_lists)):
+            out.prompt = text
+        return outs
 
     def generate_stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """One prompt, its output as it grows: a RequestOutput after every engine step that gave the
@@ -373,7 +377,10 @@ class LLM:
         # a list whose first item is a list: several conversations; else one (its messages are checked)
         convs = list(messages) if not messages or isinstance(messages[0], list) else [messages]
         prompts = [self.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, ids in zip(outs, prompts):  # vLLM's output.prompt: the template's text
+            out.prompt = self.tokenizer.decode(ids)
+        return outs
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation through the model's chat template, with the assistant cue
@@ -392,16 +399,17 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _tokenize_all(self, prompts) -> list[list[int]]:
-        """Token ids of each prompt (see `generate`).
+        """Token ids of each prompt (see `generate`; `_prompt_list` and the errors)."""
+        return [self._tokenize_one(i, p) for i, p in enumerate(self._prompt_list(prompts))]
 
-        An empty list or tuple gives [] (no prompts: `generate` returns []).
+    def _prompt_list(self, prompts) -> list:
+        """`generate`'s prompts as a list of single prompts (one str, token-id list, conversation
+        or prompt dict is a batch of one). An empty list or tuple gives [] (`generate` returns []).
 
         Raises:
             ValueError: prompts that are neither a str, a prompt dict nor a list / tuple (None
-                included: names the type and value), a prompt of another type (names its index
-                and type), a dict of unknown keys (names them and the allowed ones), a token id
-                that is not an integer (names the prompt, the position and the value), an empty
-                string or list of token ids (names its index) or a bad conversation.
+                included: names the type and value), a dict of unknown keys (names them and the
+                allowed ones); each prompt is checked by `_tokenize_one`.
         """
         if isinstance(prompts, dict) and _dict_kind(prompts, "prompts") == "prompt":
             prompts = [prompts]  # one TextPrompt / TokensPrompt, as vLLM takes it
@@ -413,10 +421,28 @@ class LLM:
             raise ValueError(f"prompts must be a str, a list of token ids, a prompt dict ({{'prompt': str}} or "
                              f"{{'prompt_token_ids': [ids]}}), a conversation (a list of {{'role', 'content'}} "
                              f"dicts) or a list of these, got {_shown(prompts)}")
-        return [self._tokenize_one(i, p) for i, p in enumerate(prompts)]
+        return list(prompts)
+
+    def _prompt_texts(self, items: list, token_lists: list[list[int]]) -> list[str | None]:
+        """RequestOutput.prompt of each prompt (`_prompt_list`'s items; vLLM's): the text given (a
+        str or {"prompt": str}), a conversation's rendered chat-template text, None for token ids."""
+        texts = []
+        for p, ids in zip(items, token_lists):
+            if isinstance(p, dict):
+                p = p.get("prompt")
+            if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+                p = self.tokenizer.decode(ids)  # the template's text (special tokens kept)
+            texts.append(p if isinstance(p, str) else None)
+        return texts
 
     def _tokenize_one(self, i: int, p) -> list[int]:
-        """Token ids of prompt `i` of a batch (see `_tokenize_all` for the errors)."""
+        """Token ids of prompt `i` of a batch.
+
+        Raises:
+            ValueError: a prompt of another type (names its index and type), a dict of unknown keys,
+                a token id that is not an integer (names the prompt, the position and the value),
+                an empty string or list of token ids (names its index) or a bad conversation.
+        """
         if isinstance(p, dict):
             if _dict_kind(p, f"prompt {i}") == "message":
                 raise ValueError(f"prompt {i} is a single chat message {p!r:.80}: a conversation is a list of "

@@ -118,6 +118,8 @@ class RequestOutput:
         first, then a dict of the same form (log-probability of the prompt token given the tokens
         before it, and the N most likely tokens there); else None. Complete in every output that
         has a token (the prompt is computed before the first token is sampled).
+    prompt: the prompt's text as `LLM.generate` got it (vLLM's `output.prompt`): the string, a
+        conversation's chat-template text, None for token ids (and for the engine's own outputs).
     outputs: the completions as vLLM lists them (`outputs[0].text`, ...): this one alone, or with
         SamplingParams(n=N) in `LLM.generate` all N, in order; text / token_ids / finish_reason /
         stop_reason / logprobs above are then the first one's, and `spec` counts all N.
@@ -137,6 +139,7 @@ class RequestOutput:
     num_new_tokens: int = 0
     prompt_logprobs: list[dict | None] | None = None
     choices: list[CompletionOutput] | None = field(default=None, repr=False)
+    prompt: str | None = None
 
     @property
     def outputs(self) -> list[CompletionOutput]:

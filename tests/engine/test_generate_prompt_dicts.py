@@ -78,3 +78,12 @@ def test_bad_dicts_are_refused_naming_their_keys(llm, prompts, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(prompts, PARAMS)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_output_prompt_is_the_text_given_as_vllm(llm):
+    """vLLM scripts print `output.prompt`: the text given, a conversation's template text, None for ids."""
+    ids = llm.tokenizer.encode(TEXT)
+    outs = llm.generate([TEXT, {"prompt": TEXT}, ids, {"prompt_token_ids": ids}, CONV], PARAMS)
+    assert [o.prompt for o in outs[:4]] == [TEXT, TEXT, None, None]
+    assert outs[4].prompt == llm.tokenizer.decode(llm.encode_chat(CONV)) and "w05x w17x" in outs[4].prompt
+    assert llm.chat(CONV, PARAMS)[0].prompt == outs[4].prompt
