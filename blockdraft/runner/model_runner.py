@@ -153,7 +153,7 @@ class ModelRunner:
         continuation graphs (async scheduling off)."""
         if not step.graphed or self.graphs.continuation is None:
             return False
-        return all(_continuable(sr.sampling_params) for sr in step.so.requests)
+        return all(_continuable(sr) for sr in step.so.requests)
 
     @torch.inference_mode()
     def launch_continuation(self, prev: LaunchedStep, so: SchedulerOutput) -> LaunchedStep | None:
@@ -230,7 +230,7 @@ class ModelRunner:
             return False
         if len(step.batch.sample_req) != len(step.so.requests):
             return False
-        return all(_continuable(sr.sampling_params) for sr in step.so.requests)
+        return all(_continuable(sr) for sr in step.so.requests)
 
     @torch.inference_mode()
     def launch_join(self, prev: LaunchedStep, so: SchedulerOutput) -> LaunchedStep | None:
@@ -365,12 +365,17 @@ class ModelRunner:
         return spec.propose(aux, batch.positions, slots, bonus, bonus_positions, block_table)
 
 
-def _continuable(params) -> bool:
-    """Whether a request may take part in a step launched before its previous step is read back:
-    not when it asks for log-probabilities (its logits must be read first) or has penalties or a
-    logit bias (their entries are laid out per step from its output tokens, which the host does not
-    have yet)."""
-    return params.logprobs is None and not params.adjusts_logits
+def _continuable(sr) -> bool:
+    """Whether a request (its ScheduledRequest `sr` in the step launched last) may take part in a
+    step launched before that one is read back: not when it asks for log-probabilities (its logits
+    must be read first) or has penalties or a logit bias (their entries are laid out per step from
+    its output tokens, which the host does not have yet); with min_tokens only once its output has
+    that many tokens (min_tokens masks nothing after that)."""
+    params = sr.sampling_params
+    if params.logprobs is not None or params.has_penalties or params.logit_bias:
+        return False
+    output = sr.logits_context[1] if sr.logits_context is not None else None
+    return not params.min_tokens or (output is not None and len(output) >= params.min_tokens)
 
 
 def _sample(batch: InputBatch, logits: torch.Tensor, compiled: bool = False) -> torch.Tensor:

@@ -82,7 +82,8 @@ def penalty_entries(
     parts: list[list[torch.Tensor]] = []
     row0 = 0
     for history, d, p in zip(histories, drafts, params):
-        if history is not None and p.adjusts_logits:
+        # min_tokens alone adjusts nothing once the output is long enough (no stop ids masked)
+        if history is not None and (p.has_penalties or p.logit_bias or history[2]):
             parts.append(_request_entries(*history, d, p, row0))
         row0 += len(d) + 1
     if not parts:

@@ -511,3 +511,24 @@ def test_admission_batching_defaults_on_with_a_drafter_only(target):
     config = make_llm(target, speculator=spec, **JOIN, admission_batch_ratio=0.0,
                       admission_max_wait_steps=3).engine.scheduler.config
     assert (config.admission_batch_ratio, config.admission_max_wait_steps) == (0.0, 3)
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_adjusted_logits_under_async_scheduling_equal_sync(target, monkeypatch, k):
+    """Penalties / logit bias keep a request out of continuation and join steps (its entries are
+    laid out from committed output); min_tokens only until its output is that long, after which
+    the chain continues. Tokens equal synchronous scheduling's either way."""
+    prompts = random_prompts(5, seed=3)
+    adjust = [dict(min_tokens=6, stop_token_ids=[17]), dict(repetition_penalty=1.3), dict(logit_bias={5: 2.0}),
+              dict(min_tokens=4), dict()]  # fmt: skip
+    params = [SamplingParams(max_tokens=30, temperature=0.8 * (i % 2), seed=i, **adjust[i]) for i in range(5)]
+    sequences = [p + o for p, o in zip(prompts, [x[0] for x in _run(make_llm(target), prompts, params)])]
+    spec = (lambda: _oracle_speculator(target, k, sequences)) if k else (lambda: None)
+    want = _run(make_llm(target, speculator=spec(), **GRAPHS, async_scheduling=False), prompts, params)
+    for only in ([0, 3], [0, 1, 2, 3, 4]):  # min_tokens alone: the chain continues once past it
+        counts = _count_continuations(monkeypatch)
+        llm = make_llm(target, speculator=spec(), **GRAPHS, async_scheduling=True)
+        got = _run(llm, [prompts[i] for i in only], [params[i] for i in only])
+        assert got == [want[i] for i in only]
+        if only == [0, 3]:
+            assert counts["continued"] > 0
