@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import itertools
 import operator
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -119,6 +120,9 @@ class LLM:
             None: 1024 on CPU (or as many as max_model_len needs); on CUDA sized from
             `gpu_memory_utilization` after a profile step, to hold one request of max_model_len
             (else of the model's max_position_embeddings).
+        seed: makes unseeded requests reproducible from run to run (vLLM's LLM(seed=...)): each
+            draws its seed from a stream started at `seed`, in the order requests are queued;
+            None (default): from the operating system's randomness. Seeded SamplingParams keep theirs.
         max_model_len: the context length in tokens, prompt + output of one request at most
             (vLLM's max_model_len); `engine.max_model_len` holds the value in effect. None: the
             model's max_position_embeddings, capped by the KV pool (e.g. Qwen2.5's 32768 on the
@@ -200,8 +204,11 @@ class LLM:
         admission_batch_ratio: float | None = None,
         admission_max_wait_steps: int | None = None,
         max_model_len: int | None = None,
+        seed: int | None = None,
     ) -> None:
-        check_max_logprobs(max_logprobs)  # before any weights load, as preflight's checks
+        check_max_logprobs(max_logprobs)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise param_error("seed", f"seed must be None or an integer >= 0, got {seed!r}")  # before any weights load, as preflight's checks
         disable_by_batch_size = check_disable_by_batch_size(speculative_disable_by_batch_size)
         if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
             model = _catalog_name(target.path)
@@ -236,6 +243,7 @@ class LLM:
                        disable_by_batch_size=disable_by_batch_size)
         self.engine = _build_engine(self.target, cache, sched, speculator, device, async_scheduling,
                                     max_logprobs, mixed_prefill, **options)
+        self.engine.seed_rng = None if seed is None else random.Random(seed)
         self._ids = itertools.count()
 
     def generate(

@@ -167,13 +167,15 @@ class SamplingParams:
             return [self]
         return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j) for j in range(self.n)]
 
-    def for_request(self) -> "SamplingParams":
+    def for_request(self, rng: random.Random | None = None) -> "SamplingParams":
         """The params one request runs with: itself when seeded; else a shallow copy with a fresh
-        random seed, so requests sharing an unseeded SamplingParams do not share their noise."""
+        random seed, so requests sharing an unseeded SamplingParams do not share their noise.
+        `rng`: where that seed comes from (an engine's seeded stream, `LLM(seed=...)`, makes
+        unseeded runs reproducible); None: the operating system's randomness."""
         if self.seed is not None:
             return self
         clone = copy.copy(self)
-        clone._resolved_seed = random.SystemRandom().randrange(2**31)
+        clone._resolved_seed = (rng or random.SystemRandom()).randrange(2**31)
         return clone
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -68,6 +69,8 @@ class LLMEngine:
         check_max_logprobs(max_logprobs)
         self.max_logprobs = max_logprobs
         self.scheduler = scheduler
+        # where unseeded requests draw their seeds (LLM(seed=...): reproducible; None: OS randomness)
+        self.seed_rng: random.Random | None = None
         self.vocab_size = vocab_size  # prompt / stop ids must lie in [0, vocab_size) (None: unchecked)
         self.runner = runner
         self.tokenizer = tokenizer
@@ -91,7 +94,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_request(prompt_token_ids, params)
-        params = params.for_request()  # unseeded: this request's own random seed (vLLM: independent samples)
+        params = params.for_request(self.seed_rng)  # unseeded: its own seed (vLLM: independent samples)
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(req)
         self._requests[request_id] = req

@@ -92,6 +92,8 @@ class CompletionOutput:
     """One completion of a prompt (vLLM's CompletionOutput): choice `index` of `RequestOutput.outputs`.
 
     text / token_ids / finish_reason / stop_reason / logprobs: as in RequestOutput.
+    cumulative_logprob: the sum of the tokens' log-probabilities (natural log) when logprobs were
+        asked for, else None (vLLM's).
     """
 
     index: int
@@ -100,6 +102,10 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     logprobs: list[dict] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(e["logprob"] for e in self.logprobs)
 
 
 @dataclass

@@ -45,6 +45,18 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "prediction": (),
     "reasoning_effort": (),
     "web_search_options": (),
+    # vLLM's extra fields that clients send with their defaults: those values are this server's behaviour
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "chat_template_kwargs": ({},),
+    "return_tokens_as_token_ids": (False,),
+    "truncate_prompt_tokens": (),
+    "priority": (0,),
 }
 
 MAX_SEED = 2**63 - 1
@@ -174,13 +186,15 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Strict):
     """POST /tokenize (vLLM's): exactly one of `prompt` (text, as /v1/completions encodes it;
     add_special_tokens default true) and `messages` (a conversation through the chat template, as
-    /v1/chat/completions renders it; add_generation_prompt default true)."""
+    /v1/chat/completions renders it; add_generation_prompt default true). return_token_strs: also
+    each token's string (the tokenizer's convert_ids_to_tokens)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Strict):

@@ -16,7 +16,8 @@ from blockdraft.server.protocol import DetokenizeRequest, TokenizeRequest, parse
 
 
 def tokenize(ctx, req: TokenizeRequest) -> dict:
-    """-> {"count", "max_model_len", "tokens": [ids], "token_strs": null} (vLLM's response).
+    """-> {"count", "max_model_len", "tokens": [ids], "token_strs": [str] with return_token_strs, else
+    null} (vLLM's response).
 
     Raises:
         APIError(400): neither or both of prompt and messages; a conversation the chat template refuses.
@@ -27,7 +28,8 @@ def tokenize(ctx, req: TokenizeRequest) -> dict:
         ids = ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens) if req.prompt else []
     else:
         ids = chat_prompt(req, ctx.tokenizer, add_generation_prompt=req.add_generation_prompt)
-    return {"count": len(ids), "max_model_len": ctx.model.max_model_len, "tokens": ids, "token_strs": None}
+    strs = ctx.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": ctx.model.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 def detokenize(ctx, req: DetokenizeRequest) -> dict:

@@ -384,9 +384,11 @@ def _no_such_model(name_or_path: str | os.PathLike) -> Exception:
     if isinstance(name_or_path, os.PathLike) or _looks_like_path(value):
         what = "file" if value.lower().endswith(".gguf") else "path"
         hub = value.count("/") == 1 and not value.startswith(("/", ".", "~")) and what == "path"
+        same = next((c for c in CATALOG if c == value.split("/")[-1].lower()), None) if hub else None
+        hint = f": the catalog has it as {same!r}" if same else " (`blockdraft fetch --list`: the catalog)"
         return FileNotFoundError(
             f"model {what} {value!r} does not exist; expected {expected}"
-            + ("; Hugging Face Hub ids are not downloaded (`blockdraft fetch --list`: the catalog)" if hub else ""))
+            + (f"; Hugging Face Hub ids are not downloaded{hint}" if hub else ""))
     return ValueError(f"unknown model {value!r}; catalog models: {', '.join(CATALOG)} (or a path: {expected})")
 
 

@@ -208,6 +208,21 @@ def test_n_completions_per_prompt_as_vllm_outputs(llama_target):
         llm.generate_stream(prompts[0], SamplingParams(n=2))
 
 
+def test_llm_seed_makes_unseeded_runs_reproducible(llama_target):
+    """LLM(seed=...) as vLLM's: unseeded requests draw their seeds from one seeded stream, so two
+    engines built with the same seed give the same samples (and each request still its own)."""
+    prompts = random_prompts(3, seed=13)
+    params = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True, logprobs=0)
+    a = make_llm(llama_target, seed=7).generate(prompts, params)
+    b = make_llm(llama_target, seed=7).generate(prompts, params)
+    assert _ids(a) == _ids(b) and len({tuple(t) for t in _ids(a)}) == 3
+    assert _ids(make_llm(llama_target, seed=8).generate(prompts, params)) != _ids(a)
+    c = a[0].outputs[0]
+    assert c.cumulative_logprob == pytest.approx(sum(e["logprob"] for e in a[0].logprobs)) and c.cumulative_logprob < 0
+    with pytest.raises(ValueError, match="seed must be None or an integer >= 0, got -1"):
+        make_llm(llama_target, seed=-1)
+
+
 def test_an_interrupted_generate_aborts_its_requests(llama_target, monkeypatch):
     """Ctrl-C inside generate (a notebook): the call's requests are aborted and their pages freed, so
     the next call does not first decode what this one abandoned."""

@@ -186,5 +186,13 @@ def test_message_name_and_developer_role_are_accepted_as_in_vllm(http):
 def test_neutral_values_of_unsupported_fields_are_accepted(http):
     r = http.post(C, json=_c(presence_penalty=0, frequency_penalty=0.0, echo=False, logit_bias={}, best_of=None, user="u1"))
     assert r.status_code == 200, r.text
+    # vLLM's extra fields at the defaults its clients send
+    vllm = dict(skip_special_tokens=True, include_stop_str_in_output=False, use_beam_search=False,
+                spaces_between_special_tokens=True, priority=0, truncate_prompt_tokens=None)
+    assert http.post(C, json=_c(**vllm)).status_code == 200
+    r = http.post(CHAT, json=_chat(**vllm, add_generation_prompt=True, chat_template_kwargs={}, continue_final_message=False))
+    assert r.status_code == 200, r.text
+    r = http.post(C, json=_c(include_stop_str_in_output=True))
+    assert r.status_code == 400 and "include_stop_str_in_output" in r.json()["error"]["message"]
     r = http.post(C, json=_c(echo=0))  # 0 is not the neutral `false`: types are strict
     assert r.status_code == 400

@@ -23,6 +23,9 @@ def test_tokenize_counts_what_completions_and_chat_count_and_detokenize_returns_
     bare = httpx.post(plain_server.url + "/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}).json()
     assert bare["count"] < chat["count"] and chat["tokens"][: bare["count"]] == bare["tokens"]
     assert httpx.get(plain_server.url + "/version").json()["version"]
+    assert httpx.get(plain_server.url + "/ping").json() == {"status": "ok"}
+    strs = httpx.post(plain_server.url + "/tokenize", json={"prompt": TEXT, "return_token_strs": True}).json()
+    assert strs["token_strs"] == TEXT.split() and strs["tokens"] == r["tokens"]
 
 
 def test_bad_tokenize_requests_name_the_problem(plain_server):

@@ -246,6 +246,9 @@ def test_a_hub_id_is_named_as_a_missing_path_with_a_hint():
     with pytest.raises(FileNotFoundError, match=r"model path 'Qwen/Qwen3-8B' does not exist.*Hugging Face Hub ids "
                                                 r"are not downloaded \(`blockdraft fetch --list`: the catalog\)"):
         fetch.resolve_model_path("Qwen/Qwen3-8B")
+    with pytest.raises(FileNotFoundError, match=r"Hugging Face Hub ids are not downloaded: the catalog has it as "
+                                                r"'qwen2.5-coder-0.5b-instruct'$"):
+        fetch.resolve_model_path("Qwen/Qwen2.5-Coder-0.5B-Instruct")
 
 
 def test_resolve_local_gguf_converts_once(fake, tmp_path):
