@@ -103,10 +103,6 @@ def template_messages(messages) -> list[dict]:
     return out
 
 
-def check_chat_messages(messages) -> None:
-    """Check a conversation as `template_messages` does (kept for callers that only check)."""
-    template_messages(messages)
-
 
 def _check_name(name) -> None:
     if name is None:
