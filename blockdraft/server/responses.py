@@ -219,7 +219,11 @@ def echo_logprobs(prompt_token_ids: list[int], prompt_entries: list[dict | None]
     the first prompt token's `token_logprobs` and `top_logprobs` entries are null. `text_offset`
     counts characters from the start of the echoed text: the prompt tokens' offsets (TextOffsets
     over the prompt ids, capped at len(prompt_text)), then the completion's shifted by
-    len(prompt_text). Raises: only the tokenizer's errors.
+    len(prompt_text).
+
+    Raises:
+        ValueError: prompt_entries and prompt_token_ids differ in length (the engine scored another
+            prompt); otherwise only the tokenizer's errors.
     """
     if len(prompt_entries) != len(prompt_token_ids):
         raise ValueError(f"{len(prompt_entries)} prompt logprob entries for {len(prompt_token_ids)} prompt tokens")
