@@ -105,6 +105,7 @@ class CompletionOutput:
 
     @property
     def cumulative_logprob(self) -> float | None:
+        """Sum of the completion's token log-probabilities (nats), None without logprobs (vLLM's)."""
         return None if self.logprobs is None else sum(e["logprob"] for e in self.logprobs)
 
 

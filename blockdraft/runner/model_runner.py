@@ -149,8 +149,8 @@ class ModelRunner:
     def can_continue(self, step: LaunchedStep) -> bool:
         """Whether `launch_continuation` can follow `step`: a graphed uniform step without
         log-probabilities (their logits live in the graph's output buffer, which the next replay
-        overwrites before `finish` reads them) or penalties / logit bias (`_continuable`). False without
-        continuation graphs (async scheduling off)."""
+        overwrites before `finish` reads them), penalties, a logit bias or min_tokens not yet reached
+        (`_continuable`). False without continuation graphs (async scheduling off)."""
         if not step.graphed or self.graphs.continuation is None:
             return False
         return all(_continuable(sr) for sr in step.so.requests)
@@ -225,7 +225,8 @@ class ModelRunner:
         """Whether `launch_join` can follow `step`: uniform-step graphs with async scheduling
         (continuation graphs built), every request of `step` samples one token without drafts to
         verify, and none asks for log-probabilities (the join's replay would overwrite the logits
-        before `finish` reads them) or has penalties / a logit bias (`_continuable`)."""
+        before `finish` reads them), has penalties, a logit bias or min_tokens not yet reached
+        (`_continuable`)."""
         if self.graphs is None or self.graphs.continuation is None or step.batch.kmax:
             return False
         if len(step.batch.sample_req) != len(step.so.requests):
