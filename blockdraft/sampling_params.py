@@ -162,10 +162,12 @@ class SamplingParams:
 
     def completions(self) -> list["SamplingParams"]:
         """One SamplingParams (n = 1) per completion of `n`: completion j of a seeded request uses
-        seed + j (the server's rule for its `n`), unseeded ones each draw their own seed."""
+        (seed + j) mod 2**63 (the choices differ, each stays reproducible, seeds stay in the
+        server's JSON range); unseeded ones each draw their own seed. The server's `n` uses it too."""
         if self.n == 1:
             return [self]
-        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j) for j in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else (self.seed + j) % 2**63)
+                for j in range(self.n)]
 
     def for_request(self, rng: random.Random | None = None) -> "SamplingParams":
         """The params one request runs with: itself when seeded; else a shallow copy with a fresh

@@ -12,7 +12,7 @@ from blockdraft.engine.detokenizer import token_decoder
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError
-from blockdraft.server.protocol import MAX_SEED, ChatCompletionRequest, CompletionRequest
+from blockdraft.server.protocol import ChatCompletionRequest, CompletionRequest
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -127,17 +127,17 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
     for i, ids in enumerate(prompts):
         # echo with max_tokens 0: one token generated and left out, which the context must hold
         max_tokens = _max_tokens(req, len(ids), config, model, i, asked=1 if plan.prompt_only else None)
-        for j in range(n):
-            plan.prompts.append(ids)
-            plan.params.append(_sampling_params(req, max_tokens, stop, logprobs, j, model, echo))
+        # one engine request per choice: SamplingParams.completions (choice j of a seeded request: seed + j)
+        choices = _sampling_params(req, max_tokens, stop, logprobs, n, model, echo).completions()
+        plan.prompts += [ids] * n
+        plan.params += choices
     return plan
 
 
 def _sampling_params(
-    req, max_tokens: int, stop: list[str], logprobs: int | None, sample: int, model: ModelInfo, echo: bool = False
+    req, max_tokens: int, stop: list[str], logprobs: int | None, n: int, model: ModelInfo, echo: bool = False
 ) -> SamplingParams:
-    # Choice j of a seeded request uses seed + j: the choices differ and each stays reproducible.
-    seed = None if req.seed is None else (req.seed + sample) % (MAX_SEED + 1)
+    """The request's SamplingParams for one prompt, its `n` choices included (APIError(400) for a value it refuses)."""
     for t in req.stop_token_ids or []:
         if not 0 <= t < model.vocab_size:
             raise APIError(400, f"stop_token_ids has {t}, outside the vocabulary [0, {model.vocab_size})", param="stop_token_ids")
@@ -147,7 +147,8 @@ def _sampling_params(
             temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=req.top_k or 0,
-            seed=seed,
+            seed=req.seed,
+            n=n,
             stop=stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=bool(req.ignore_eos),

@@ -144,3 +144,14 @@ def test_a_request_may_use_the_whole_context_v1_models_reports(plain_server, dfl
                                                      r"than this model's context of 384 tokens \(max_model_len in "
                                                      r"/v1/models\); lower max_tokens to at most 374"):
         client.completions.create(max_tokens=375, **kw)
+
+
+def test_choice_j_of_a_seeded_request_is_the_request_with_seed_plus_j(plain_server):
+    """The server's n runs SamplingParams.completions: choice j uses seed + j (mod 2**63, so the
+    largest seed wraps to 0), the same rule as LLM.generate's n."""
+    client = openai_client(plain_server)
+    kw = dict(prompt=PROMPTS[0], max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    for seed, seeds in ((5, (5, 6)), (2**63 - 1, (2**63 - 1, 0))):
+        both = _texts(_create(client, "completions", dict(kw, n=2, seed=seed)))
+        alone = [_texts(_create(client, "completions", dict(kw, seed=s)))[0] for s in seeds]
+        assert both == alone and both[0] != both[1]
