@@ -92,17 +92,21 @@ def penalty_entries(
 
 
 def _request_entries(prompt, output, masked, drafts, p: SamplingParams, row0: int) -> list[torch.Tensor]:
-    """One request's entries for its len(drafts) + 1 rows starting at logits row `row0` (`masked`:
-    the stop ids min_tokens masks at rows whose output position is below it)."""
-    with_prompt = p.repetition_penalty != 1.0
-    prompt_t = torch.tensor(list(prompt) if with_prompt else [], dtype=torch.long)
+    """One request's entries for its len(drafts) + 1 rows starting at logits row `row0` (`prompt`:
+    its token ids, or already its distinct ids as a sorted int64 tensor; `masked`: the stop ids
+    min_tokens masks at rows whose output position is below it).
+
+    Two kinds of token: the dynamic ones (in the output, the drafts, logit_bias or masked; few)
+    get per-row counts, bias and masks; a token only in the prompt gets the same entry on every row
+    (repetition penalty alone), so a long prompt costs one expansion, not per-row arithmetic."""
+    k = len(drafts)
     output_t = torch.tensor(list(output), dtype=torch.long)
     drafts_t = torch.tensor(list(drafts), dtype=torch.long)
     bias_map = p.logit_bias or {}
     bias_t = torch.tensor(list(bias_map), dtype=torch.long)
     masked_t = torch.tensor(list(masked), dtype=torch.long)
-    tokens = torch.unique(torch.cat([prompt_t, output_t, drafts_t, bias_t, masked_t]))  # sorted
-    u, k = tokens.shape[0], drafts_t.shape[0]
+    tokens = torch.unique(torch.cat([output_t, drafts_t, bias_t, masked_t]))  # sorted
+    u = tokens.shape[0]
     base = torch.bincount(torch.searchsorted(tokens, output_t), minlength=u)
     # counts[j] = output counts + drafts d_1..d_j (row j follows j drafts)
     step = torch.zeros(k + 1, u, dtype=torch.long)
@@ -110,8 +114,11 @@ def _request_entries(prompt, output, masked, drafts, p: SamplingParams, row0: in
         step[torch.arange(1, k + 1), torch.searchsorted(tokens, drafts_t)] = 1
     counts = base[None, :] + step.cumsum(0)
     repeated = counts > 0
-    if with_prompt:
-        repeated |= torch.isin(tokens, prompt_t)[None, :]
+    static = torch.empty(0, dtype=torch.long)  # tokens only in the prompt
+    if p.repetition_penalty != 1.0:
+        prompt_set = prompt if isinstance(prompt, torch.Tensor) else torch.unique(torch.tensor(list(prompt), dtype=torch.long))
+        repeated |= torch.isin(tokens, prompt_set)[None, :]
+        static = prompt_set[~torch.isin(prompt_set, tokens)]
     bias = torch.zeros(u, dtype=torch.float32)
     if bias_map:
         bias[torch.searchsorted(tokens, bias_t)] = torch.tensor(list(bias_map.values()), dtype=torch.float32)
@@ -120,19 +127,22 @@ def _request_entries(prompt, output, masked, drafts, p: SamplingParams, row0: in
     short = (len(output) + torch.arange(k + 1)) < p.min_tokens
     is_masked = short[:, None] & torch.isin(tokens, masked_t)[None, :]
     bias[is_masked] = float("-inf")
-    # a token neither biased, masked, in the prompt, nor yet in the output is untouched
+    # a dynamic token neither biased, masked, in the prompt, nor yet in the output is untouched
     keep = (repeated | torch.isin(tokens, bias_t)[None, :] | is_masked).flatten()
     rows = (row0 + torch.arange(k + 1)).repeat_interleave(u)[keep]
-    n = rows.shape[0]
     repetition = torch.where(repeated.flatten()[keep], float(p.repetition_penalty), 1.0).to(torch.float32)
+    s = static.shape[0]
+    rows = torch.cat([rows, (row0 + torch.arange(k + 1)).repeat_interleave(s)])
+    n_dyn, n = int(keep.sum()), rows.shape[0]
+    zeros = torch.zeros(n - n_dyn, dtype=torch.float32)
     return [
         rows,
-        tokens.repeat(k + 1)[keep],
-        bias.flatten()[keep],
-        counts.flatten()[keep].to(torch.float32),
+        torch.cat([tokens.repeat(k + 1)[keep], static.repeat(k + 1)]),
+        torch.cat([bias.flatten()[keep], zeros]),
+        torch.cat([counts.flatten()[keep].to(torch.float32), zeros]),
         torch.full((n,), float(p.presence_penalty), dtype=torch.float32),
         torch.full((n,), float(p.frequency_penalty), dtype=torch.float32),
-        repetition,
+        torch.cat([repetition, torch.full((n - n_dyn,), float(p.repetition_penalty), dtype=torch.float32)]),
     ]
 
 
