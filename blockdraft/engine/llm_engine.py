@@ -147,7 +147,9 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (KVCacheManager.reset_prefix_cache); False (nothing changed)
-        while a request is unfinished or a step is in flight."""
+        while a request is unfinished or a step of unfinished requests is in flight."""
+        if self._inflight is not None and all(r.is_finished for r in self._inflight[0]):
+            self._inflight = None  # aborted meanwhile (as step() drops it): nothing to read back
         if self._inflight is not None or self.scheduler.has_unfinished():
             return False
         return self.scheduler.kv.reset_prefix_cache()

@@ -115,3 +115,29 @@ def test_an_id_reused_at_once_while_the_step_in_flight_still_carries_the_old_req
     assert in_flight_at_reuse >= 1 and counts["joined"] >= 1
     assert [done[(i, 0)] for i in range(6)] == want_first
     assert [done[(i, 1)] for i in range(6)] == want_second
+
+
+@pytest.mark.parametrize("k", [None, 3], ids=["plain", "k3"])
+def test_reset_prefix_cache_right_after_aborting_the_requests_of_a_step_in_flight(target, k):
+    """What an interrupted LLM.generate leaves (its requests aborted, their next step launched
+    ahead) does not block reset_prefix_cache, and the next request gives plain decoding's tokens."""
+    prompts = random_prompts(3, seed=78)
+    params = [SamplingParams(max_tokens=20, ignore_eos=True) for _ in prompts]
+    want = [_summary(o) for o in make_llm(target).generate(prompts, params)]
+    engine = _build(target, k, prompts, params, enable_prefix_caching=True)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    for _ in range(50):
+        engine.step()
+        if engine._inflight is not None and _in_flight(engine)[0] != "prefill":
+            break
+    assert engine._inflight is not None, "no step was launched ahead"
+    for i in range(len(prompts)):
+        engine.abort_request(str(i))
+    assert engine.reset_prefix_cache()
+    assert engine._inflight is None
+    engine.add_request("again", prompts[0], params[0])
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished and o.request_id == "again"]
+    assert [_summary(o) for o in outs] == want[:1]
