@@ -122,8 +122,9 @@ class RequestOutput:
     logprobs: with SamplingParams.logprobs, one {"token_id", "logprob", "top": [(token_id,
         logprob), ...]} per output token (an end-of-text token included), natural log; else None.
     prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None for the
-        first, then a dict of the same form (log-probability of the prompt token given the tokens
-        before it, and the N most likely tokens there); else None. Complete in every output that
+        first, then a dict of the same form plus "rank" (log-probability of the prompt token given
+        the tokens before it, its rank there: 1 + the number of more likely tokens, as vLLM's, and
+        the N most likely tokens there); else None. Complete in every output that
         has a token (the prompt is computed before the first token is sampled).
     prompt: the prompt's text as `LLM.generate` got it (vLLM's `output.prompt`): the string, a
         conversation's chat-template text, None for token ids (and for the engine's own outputs).

@@ -36,7 +36,8 @@ class PromptLogprobs:
     order: its id, how many tokens it scores, its SamplingParams.prompt_logprobs (N).
     rows: [R] int64 (device) rows of the step's hidden states; tokens: [R] int64 (device) the
     prompt token each row scores (R = sum(counts)); token_ids: the same on the host. After `compute`: token_logprob [R] float32,
-    top_ids [R, max(num_top)] int64, top_logprobs [R, max(num_top)] float32 (device).
+    token_rank [R] int64 (1 + the number of tokens more likely than it: vLLM's rank), top_ids
+    [R, max(num_top)] int64, top_logprobs [R, max(num_top)] float32 (device).
     """
 
     request_ids: list[str]
@@ -46,6 +47,7 @@ class PromptLogprobs:
     tokens: torch.Tensor
     token_ids: list[int]
     token_logprob: torch.Tensor | None = None
+    token_rank: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
 
@@ -56,23 +58,27 @@ class PromptLogprobs:
         parts = []
         for a in range(0, self.rows.shape[0], SLICE_ROWS):
             logits = model.compute_logits(hidden[self.rows[a : a + SLICE_ROWS]], upcast=False)
-            parts.append(compute_logprobs(logits, self.tokens[a : a + SLICE_ROWS], k))
-        self.token_logprob, self.top_ids, self.top_logprobs = (torch.cat(p) for p in zip(*parts))
+            tokens = self.tokens[a : a + SLICE_ROWS]
+            # the rank compares raw logits: log_softmax keeps their order
+            rank = (logits > logits.gather(1, tokens[:, None])).sum(-1) + 1
+            parts.append((*compute_logprobs(logits, tokens, k), rank))
+        self.token_logprob, self.top_ids, self.top_logprobs, self.token_rank = (torch.cat(p) for p in zip(*parts))
 
     def read(self) -> dict[str, list[dict]]:
         """Copy to the host (waits for the device) -> {request id: one {"token_id", "logprob",
-        "top": [(token_id, logprob), ...] (N, most likely first)} per scored token, in order}.
+        "rank", "top": [(token_id, logprob), ...] (N, most likely first)} per scored token, in order}.
 
         Raises:
             RuntimeError: `compute` has not run.
         """
         if self.token_logprob is None:
             raise RuntimeError("PromptLogprobs.read before compute: the step's forward did not score the prompt rows")
-        tokens, lps = self.token_ids, self.token_logprob.tolist()
+        tokens, lps, ranks = self.token_ids, self.token_logprob.tolist(), self.token_rank.tolist()
         top_ids, top_lps = self.top_ids.tolist(), self.top_logprobs.tolist()
         out, start = {}, 0
         for rid, n, k in zip(self.request_ids, self.counts, self.num_top):
-            out[rid] = [{"token_id": tokens[r], "logprob": lps[r], "top": list(zip(top_ids[r][:k], top_lps[r][:k]))}
+            out[rid] = [{"token_id": tokens[r], "logprob": lps[r], "rank": ranks[r],
+                         "top": list(zip(top_ids[r][:k], top_lps[r][:k]))}
                         for r in range(start, start + n)]
             start += n
         return out

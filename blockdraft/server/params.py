@@ -28,6 +28,8 @@ class Plan:
     prompt_only: `echo` with `max_tokens: 0`: the engine generates one token (as vLLM does), which
         the answer leaves out: only the prompt, finish_reason "length", 0 completion tokens.
     prompt_texts[i]: the text echoed for choice i (`echo_texts`; set by the caller), else None.
+    prompt_logprobs: vLLM's `prompt_logprobs: N` (not with a stream): the N alternatives each
+        choice's (completions) or the response's (chat) `prompt_logprobs` lists; else None.
     """
 
     prompts: list[list[int]]
@@ -36,6 +38,7 @@ class Plan:
     echo: bool = False
     prompt_only: bool = False
     prompt_texts: list[str] | None = None
+    prompt_logprobs: int | None = None
 
 
 def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> list[list[int]]:
@@ -120,7 +123,8 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
     stop = _stop_strings(req.stop, config)
     logprobs = _logprobs(req, config, model)
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
-    plan = Plan([], [], sum(len(p) for p in prompts), echo=echo, prompt_only=echo and req.max_tokens == 0)
+    plan = Plan([], [], sum(len(p) for p in prompts), echo=echo, prompt_only=echo and req.max_tokens == 0,
+                prompt_logprobs=_prompt_logprobs(req, config, model))
     if plan.prompt_only and req.min_tokens:  # the engine runs max_tokens 1 here: check against what was sent
         raise APIError(400, f"min_tokens must be 0 with max_tokens 0 (echo: the prompt alone), got {req.min_tokens}",
                        param="min_tokens")
@@ -128,16 +132,20 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
         # echo with max_tokens 0: one token generated and left out, which the context must hold
         max_tokens = _max_tokens(req, len(ids), config, model, i, asked=1 if plan.prompt_only else None)
         # one engine request per choice: SamplingParams.completions (choice j of a seeded request: seed + j)
-        choices = _sampling_params(req, max_tokens, stop, logprobs, n, model, echo).completions()
+        choices = _sampling_params(req, max_tokens, stop, logprobs, n, model, echo, plan.prompt_logprobs).completions()
         plan.prompts += [ids] * n
         plan.params += choices
     return plan
 
 
 def _sampling_params(
-    req, max_tokens: int, stop: list[str], logprobs: int | None, n: int, model: ModelInfo, echo: bool = False
+    req, max_tokens: int, stop: list[str], logprobs: int | None, n: int, model: ModelInfo, echo: bool = False,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """The request's SamplingParams for one prompt, its `n` choices included (APIError(400) for a value it refuses)."""
+    """The request's SamplingParams for one prompt, its `n` choices included (APIError(400) for a
+    value it refuses). The prompt is scored for `echo` with logprobs (that many alternatives) and for
+    `prompt_logprobs`, with the larger count (each answer slices its own)."""
+    scored = [v for v in (logprobs if echo else None, prompt_logprobs) if v is not None]
     for t in req.stop_token_ids or []:
         if not 0 <= t < model.vocab_size:
             raise APIError(400, f"stop_token_ids has {t}, outside the vocabulary [0, {model.vocab_size})", param="stop_token_ids")
@@ -158,7 +166,7 @@ def _sampling_params(
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=_logit_bias(req.logit_bias, model),
             min_tokens=req.min_tokens or 0,
-            prompt_logprobs=logprobs if echo else None,  # echo scores the prompt too (vLLM)
+            prompt_logprobs=max(scored) if scored else None,  # echo scores the prompt too (vLLM)
         )
     except ValueError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
@@ -246,6 +254,24 @@ def _logprobs(req, config: ServerConfig, model: ModelInfo) -> int | None:
     limit = min(config.max_logprobs, model.max_logprobs)
     if value is not None and value > limit:
         raise APIError(400, f"{name} must be <= {limit} (the server's --max-logprobs), got {value}", param=name)
+    return value
+
+
+def _prompt_logprobs(req, config: ServerConfig, model: ModelInfo) -> int | None:
+    """vLLM's `prompt_logprobs` (alternatives per prompt token, None: not asked), at most the
+    logprobs limit; refused with a stream, as vLLM does (0 with a stream asks for nothing)."""
+    value = req.prompt_logprobs
+    if value is None:
+        return None
+    if req.stream:
+        if value > 0:
+            raise APIError(400, f"prompt_logprobs is not available with stream: true (got {value}); send the "
+                                "request without stream", param="prompt_logprobs")
+        return None
+    limit = min(config.max_logprobs, model.max_logprobs)
+    if value > limit:
+        raise APIError(400, f"prompt_logprobs must be <= {limit} (the server's --max-logprobs), got {value}",
+                       param="prompt_logprobs")
     return value
 
 

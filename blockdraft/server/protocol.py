@@ -85,6 +85,7 @@ class _SamplingRequest(_Strict):
     repetition_penalty: float | None = Field(default=None, gt=0.0)  # extension (vLLM): 1 disables
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key string) -> bias in [-100, 100]
     min_tokens: int | None = Field(default=None, ge=0)  # extension (vLLM): no stop before this many tokens
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # extension (vLLM): score the prompt's tokens
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)

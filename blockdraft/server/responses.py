@@ -242,6 +242,29 @@ def echo_logprobs(prompt_token_ids: list[int], prompt_entries: list[dict | None]
     return out
 
 
+def prompt_logprobs(entries: list[dict | None], num_top: int, token_text: TokenText) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` answer field from RequestOutput.prompt_logprobs: None for the first
+    prompt token, then per token {token id as a string: {"logprob", "rank", "decoded_token"}} with
+    the prompt token first, then the `num_top` most likely tokens (rank 1, 2, ...) not already
+    listed, so an entry holds num_top or num_top + 1 tokens (vLLM's form)."""
+    out: list[dict | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        item = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": token_text(e["token_id"])}}
+        for rank, (t, lp) in enumerate(e["top"][:num_top], start=1):
+            item.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": token_text(t)})
+        out.append(item)
+    return out
+
+
+def top_sliced(entries: list[dict | None], num_top: int) -> list[dict | None]:
+    """RequestOutput.prompt_logprobs with at most `num_top` alternatives per token (the engine scored
+    the prompt with the larger of echo's and prompt_logprobs' counts)."""
+    return [None if e is None else {**e, "top": e["top"][:num_top]} for e in entries]
+
+
 def _completion_top(entry: dict, token_text: TokenText) -> dict[str, float]:
     """One position's /v1/completions `top_logprobs` dict: the N most likely tokens (most likely
     first), then the sampled token if it is not among them, as vLLM does: its completions dict

@@ -84,6 +84,7 @@ class CompletionFormat:
     """/v1/completions: prompts from text or token ids; choices carry `text`."""
 
     request_cls = CompletionRequest
+    prompt_logprobs_in_body = False  # in each choice (CompletionFormat.choice)
     id_prefix = "cmpl"
     object_full = object_chunk = "text_completion"
 
@@ -99,11 +100,14 @@ class CompletionFormat:
         if plan.echo:
             prompt_text = plan.prompt_texts[index]
             if logprobs is not None:
-                logprobs = R.echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, prompt_text, logprobs,
-                                           ctx.token_text)  # fmt: skip
+                entries = R.top_sliced(out.prompt_logprobs, plan.params[index].logprobs)
+                logprobs = R.echo_logprobs(out.prompt_token_ids, entries, prompt_text, logprobs, ctx.token_text)
             text = prompt_text + text
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                  "stop_reason": out.stop_reason}
+        if plan.prompt_logprobs is not None:  # vLLM: per choice in completions
+            choice["prompt_logprobs"] = R.prompt_logprobs(out.prompt_logprobs, plan.prompt_logprobs, ctx.token_text)
+        return choice
 
     def first_chunk_choice(self, index: int) -> dict | None:
         return None
@@ -154,6 +158,7 @@ class ChatFormat:
     """/v1/chat/completions: prompt from the chat template; choices carry a `message` / `delta`."""
 
     request_cls = ChatCompletionRequest
+    prompt_logprobs_in_body = True  # vLLM: chat responses carry prompt_logprobs at the top level
     id_prefix = "chatcmpl"
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
@@ -251,13 +256,16 @@ class Serving:
 
     def _full_body(self, meta: dict, plan: Plan, outs: list[RequestOutput]) -> dict:
         outs = [_shown(plan, o) for o in outs]
-        return {
+        body = {
             **meta,
             "object": self.fmt.object_full,
             "choices": [self.fmt.choice(self.ctx, i, o, plan) for i, o in enumerate(outs)],
             "usage": R.usage(plan.num_prompt_tokens, sum(len(o.token_ids) for o in outs)),
             "spec_decode_stats": R.spec_stats([o.spec for o in outs]),
         }
+        if plan.prompt_logprobs is not None and self.fmt.prompt_logprobs_in_body:  # one prompt: any choice's
+            body["prompt_logprobs"] = R.prompt_logprobs(outs[0].prompt_logprobs, plan.prompt_logprobs, self.ctx.token_text)
+        return body
 
     async def _events(self, req, plan: Plan, group, meta: dict, arrival: float) -> AsyncIterator[bytes]:
         head = {**meta, "object": self.fmt.object_chunk}

@@ -33,12 +33,13 @@ def full_forward_logprobs(model, prompt: list[int]) -> torch.Tensor:
 
 def assert_prompt_logprobs(entries, model, prompt: list[int], num_top: int, atol: float = 1e-4) -> None:
     """`entries` (RequestOutput.prompt_logprobs) against the full forward: None first, then each
-    prompt token's log-probability and the `num_top` most likely tokens with theirs."""
+    prompt token's log-probability, its rank and the `num_top` most likely tokens with theirs."""
     ref = full_forward_logprobs(model, prompt)
     assert len(entries) == len(prompt) and entries[0] is None
     for p, e in enumerate(entries[1:]):
         assert e["token_id"] == prompt[p + 1]
         assert e["logprob"] == pytest.approx(ref[p, prompt[p + 1]].item(), abs=atol)
+        assert e["rank"] == 1 + int((ref[p] > ref[p, prompt[p + 1]]).sum()), p  # vLLM's rank
         top_lp, top_ids = ref[p].topk(num_top)
         assert [t for t, _ in e["top"]] == top_ids.tolist(), p
         assert [lp for _, lp in e["top"]] == pytest.approx(top_lp.tolist(), abs=atol)
