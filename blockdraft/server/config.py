@@ -17,7 +17,7 @@ class ServerConfig:
     served_model_name: the model id clients send and /v1/models lists; not empty or blank.
     max_body_bytes: request bodies above this are refused with 413.
     max_tokens_limit: largest `max_tokens` a request may ask for (400 above it).
-    max_n: largest `n`; max_choices: prompts x n per request; max_stop: stop strings per request;
+    max_n: largest `n`; max_stop: stop strings per request;
     max_stop_chars: characters per stop string; max_logprobs: largest logprobs / top_logprobs (the
     server accepts at most the smaller of this and the engine's max_logprobs, ModelInfo).
     max_pending: engine requests (choices: prompts x n) admitted and unfinished; beyond it new
@@ -35,7 +35,6 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_tokens_limit: int = 4096
     max_n: int = 16
-    max_choices: int = 64
     max_stop: int = 4
     max_stop_chars: int = 256
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
@@ -51,7 +50,7 @@ class ServerConfig:
         if not self.served_model_name.strip():  # clients could never name it
             raise param_error("served_model_name", f"served_model_name must be a non-empty model id (the 'model' "
                               f"clients send), got {self.served_model_name!r}")
-        for name in ("max_body_bytes", "max_tokens_limit", "max_n", "max_choices", "max_stop", "max_stop_chars", "max_pending"):
+        for name in ("max_body_bytes", "max_tokens_limit", "max_n", "max_stop", "max_stop_chars", "max_pending"):
             if getattr(self, name) < 1:
                 raise param_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_logprobs < 0:

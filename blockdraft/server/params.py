@@ -113,8 +113,6 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
     n = req.n or 1
     if n > config.max_n:
         raise APIError(400, f"n must be <= {config.max_n} (the server's --max-n), got {n}", param="n")
-    if len(prompts) * n > config.max_choices:
-        raise APIError(400, f"{len(prompts)} prompts x n={n} exceeds {config.max_choices} choices per request", param="n")
     if len(prompts) * n > config.max_pending:  # never admitted: a 429 would send clients retrying in vain
         what = f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''} x n={n} = {len(prompts) * n} choices"
         raise APIError(400, f"{what}, more than the server's --max-pending {config.max_pending} engine requests in "

@@ -23,3 +23,13 @@ def test_choices_beyond_max_pending_are_a_400_naming_the_flag():
                                             r"in flight: send at most 4 choices per request$") as e:
             build_plan(CompletionRequest(prompt=prompts, n=n, max_tokens=2), prompts, config, MODEL)
         assert e.value.status == 400 and e.value.param == param
+
+
+def test_max_pending_alone_caps_the_choices_of_one_request():
+    """--max-n and --max-pending are the only limits on choices: 100 prompts x n=20 fit a server
+    whose --max-pending admits 2,000 (no hidden per-request cap below it)."""
+    prompts = [[i % 90 + 1] for i in range(100)]
+    config = ServerConfig(max_n=20, max_pending=2000)
+    assert len(build_plan(CompletionRequest(prompt=prompts, n=20, max_tokens=2), prompts, config, MODEL).params) == 2000
+    with pytest.raises(APIError, match=r"^n must be <= 20 \(the server's --max-n\), got 21$"):
+        build_plan(CompletionRequest(prompt=prompts[:1], n=21, max_tokens=2), prompts[:1], config, MODEL)
