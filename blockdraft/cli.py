@@ -10,6 +10,15 @@ import time
 import unicodedata
 
 from blockdraft.cpu_threads import add_threads_flag, set_threads
+from blockdraft.engine_args import (
+    add_admission_flags,
+    add_async_scheduling_flag,
+    add_device_flags,
+    add_draft_flags,
+    add_draft_vocab_size_flag,
+    add_mixed_prefill_flag,
+    add_prefix_caching_flag,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate an answer to one prompt")
     g.add_argument("prompt", help="sent as a user chat message through the model's chat template (see --raw)")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog name, HF folder or .gguf (default {DEFAULT_MODEL})")
-    _add_draft_flags(g)
+    add_draft_flags(g)
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
     g.add_argument("--max-tokens", type=int, default=256, help="output tokens at most (default 256)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
@@ -165,9 +174,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the same for the prompt's tokens (each given the tokens before it; the first has none), "
                         f"0 <= N <= {DEFAULT_MAX_LOGPROBS} (vLLM's SamplingParams(prompt_logprobs=N)): a table "
                         "after the answer, or a 'prompt_logprobs' list with --json, null first (default: none)")
-    _add_device_flags(g)
-    _add_async_scheduling_flag(g)
-    _add_prefix_caching_flag(g)
+    add_device_flags(g)
+    add_async_scheduling_flag(g)
+    add_prefix_caching_flag(g)
     g.set_defaults(func=_generate)
 
     f = sub.add_parser("fetch", help="download, verify and convert a catalog model into the cache")
@@ -190,32 +199,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_draft_flags(p: argparse.ArgumentParser) -> None:
-    """--draft / --no-draft / --num-speculative-tokens / --draft-vocab-size /
-    --speculative-disable-by-batch-size, shared by generate and serve."""
-    from blockdraft.drafters import add_draft_vocab_size_flag
-
-    p.add_argument("--draft", default="auto",
-                   help="DFlash drafter checkpoint folder; 'shipped' for the drafter shipped for --model; "
-                   "'auto' (default): the shipped drafter if one exists for --model, else plain decoding (also "
-                   "where its speculative.json says it measured slower than plain on this device type)")
-    p.add_argument("--no-draft", action="store_true", help="plain decoding (no speculation)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="drafts per step K (default: the K measured for the drafter on this device type, its "
-                        "speculative.json, else block_size - 1)")
-    add_draft_vocab_size_flag(p)
-    p.add_argument("--speculative-disable-by-batch-size", type=int, default=None, metavar="N",
-                   help="decode without drafts in steps that run N or more requests (vLLM's disable_by_batch_size); "
-                        "eager steps only (on CUDA with --enforce-eager); default: always speculate")
-
-
 def _add_serve_parser(sub, default_model: str) -> None:
     from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
     from blockdraft.weights.catalog import add_cache_dir_flag
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
     s.add_argument("--model", default=default_model, help=f"catalog name, HF folder or .gguf (default {default_model})")
-    _add_draft_flags(s)
+    add_draft_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000,
                    help="TCP port (default 8000; 0: a free port the OS picks, printed in the start-up line)")
@@ -243,13 +233,11 @@ def _add_serve_parser(sub, default_model: str) -> None:
                         "(--num-kv-blocks x --kv-block-size tokens; on CUDA the pool holds the model's); the start-up "
                         "line prints the value in effect. Refused at start: above max_position_embeddings, or more "
                         "than the pool holds (on the CPU without --num-kv-blocks the pool grows to hold it)")
-    _add_device_flags(s)
-    _add_async_scheduling_flag(s)
-    from blockdraft.engine.scheduler import add_admission_flags, add_mixed_prefill_flag
-
+    add_device_flags(s)
+    add_async_scheduling_flag(s)
     add_mixed_prefill_flag(s)
     add_admission_flags(s)
-    _add_prefix_caching_flag(s)
+    add_prefix_caching_flag(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step: prefill chunks + decode / verify rows (default: 512 on CPU, "
                         "8192 on CUDA, where a step holds every request's verify rows, as vLLM's server on large GPUs)")
@@ -259,28 +247,6 @@ def _add_serve_parser(sub, default_model: str) -> None:
                    help="server and uvicorn log level (default info)")
     s.add_argument("--no-request-log", action="store_true", help="no per-request log lines (they never hold prompt text)")
     s.set_defaults(func=_serve)
-
-
-def _add_device_flags(p) -> None:
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where to run (default auto: cuda when torch sees a GPU, else cpu)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: fraction of GPU memory for weights, activations and the KV pool, in (0, 1] (default 0.9)")
-    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs: every step runs eagerly, so async scheduling is off and "
-                        "prompts join decode steps (mixed prefill)")
-
-
-def _add_prefix_caching_flag(p) -> None:
-    p.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse the KV pages of prompt prefixes already computed (shared system prompts, "
-                        "multi-turn chats); same output (default off: vLLM turns it on by default, here it is "
-                        "opt-in; on the GPU fp32 answers are identical, bf16 ones may differ at exact ties)")
-
-
-def _add_async_scheduling_flag(p) -> None:
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch the next decode step before this one's tokens are read back: the GPU does not wait for "
-                        "the host between steps, same output (default: on when CUDA graphs are captured; needs them)")
 
 
 def _add_train_drafter_parser(sub, default_model: str) -> None:
@@ -389,7 +355,6 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
 
 
 def _add_eval_drafter_parser(sub, default_model: str) -> None:
-    from blockdraft.drafters import add_draft_vocab_size_flag
     from blockdraft.weights.catalog import add_cache_dir_flag
 
     e = sub.add_parser("eval-drafter", help="acceptance length of a drafter on HumanEval / MT-bench prompts")
@@ -415,8 +380,8 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
                    help="target and drafter weights and KV cache (default float32, the reference the acceptance "
                         "numbers in docs/ use; auto: what generate / demo / serve run, bf16 for catalog models, "
                         "float32 on a CPU without native bf16)")
-    _add_device_flags(e)
-    _add_async_scheduling_flag(e)
+    add_device_flags(e)
+    add_async_scheduling_flag(e)
     add_cache_dir_flag(e, "model and data cache")
     e.set_defaults(func=_eval_drafter)
 
@@ -440,7 +405,6 @@ def _serve(args) -> int:
 
 
 def _generate(args) -> int:
-    from blockdraft.llm import LLM
     from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_logprobs_limit
 
     params = SamplingParams(
@@ -455,30 +419,9 @@ def _generate(args) -> int:
     if args.stream and args.json:
         raise ValueError("--stream prints the answer as it grows, --json one object at the end: give one of them")
     stream = args.stream if args.stream is not None else (sys.stdout.isatty() and not args.json)
-    from blockdraft.drafters import check_draft_flags, resolve_draft
-    from blockdraft.preflight import resolve_device
+    from blockdraft.engine_args import llm_from_args, resolve_draft_from_args
 
-    check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size,
-                      args.speculative_disable_by_batch_size)
-    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens,
-                          resolve_device(args.device), args.draft_vocab_size)
-    llm = LLM(
-        model=args.model,
-        draft=draft,
-        num_speculative_tokens=args.num_speculative_tokens,
-        draft_vocab_size=args.draft_vocab_size,
-        dtype=args.dtype,
-        cache_dir=args.cache_dir,
-        device=args.device,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_model_len=args.max_model_len,
-        max_logprobs=DEFAULT_MAX_LOGPROBS,
-        # nothing to disable when --draft auto decodes plainly
-        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if draft is not None else None,
-    )
+    llm = llm_from_args(args, resolve_draft_from_args(args), max_logprobs=DEFAULT_MAX_LOGPROBS)
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     t0 = time.perf_counter()
     if stream:  # the text so far after each step; cumulative, and only growing (no stop strings here)

@@ -126,7 +126,7 @@ def run_demo(
     """Decode every prompt plainly and with the drafter on the same loaded target; compare.
 
     Args:
-        target: a LoadedTarget (blockdraft.llm.load_target), shared by both engines.
+        target: a LoadedTarget (blockdraft.model_loader.load_target), shared by both engines.
         draft: DFlash drafter checkpoint folder.
         prompts: prompt strings; sent as user chat messages unless `raw`.
         params: sampling parameters of every run (greedy, or sampled with a fixed seed).
@@ -357,7 +357,7 @@ def _yes(flag: bool) -> str:
 
 def add_parser(sub, default_model: str) -> None:
     """Register `blockdraft demo` on the CLI's subparsers."""
-    from blockdraft.drafters import add_draft_vocab_size_flag
+    from blockdraft.engine_args import add_draft_vocab_size_flag
     from blockdraft.weights.catalog import add_cache_dir_flag
 
     d = sub.add_parser(
@@ -394,7 +394,7 @@ def main(args) -> int:
     """
     from blockdraft.drafters import SHIPPED
     from blockdraft.errors import check_writable_file
-    from blockdraft.llm import load_target
+    from blockdraft.model_loader import load_target
     from blockdraft.preflight import preflight
 
     if args.repeats < 1:

@@ -7,29 +7,26 @@ import dataclasses
 import itertools
 import operator
 import random
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from blockdraft.chat_messages import MESSAGE_KEYS, template_messages
 from blockdraft.config import (
     DEFAULT_ADMISSION_MAX_WAIT_STEPS,
-    CacheConfig,
-    ModelConfig,
-    SchedulerConfig,
     default_admission_batch_ratio,
 )
 from blockdraft.drafters import check_disable_by_batch_size
 from blockdraft.engine.gc_heap import frozen_gc_heap
-from blockdraft.engine.kv_cache_manager import KVCacheManager
-from blockdraft.engine.llm_engine import LLMEngine
 from blockdraft.engine.outputs import CompletionOutput, RequestOutput
-from blockdraft.engine.scheduler import Scheduler
+from blockdraft.engine_setup import (  # noqa: F401  (resolve_*: re-exported, they used to live here)
+    build_engine,
+    build_speculator,
+    resolve_async_scheduling,
+    resolve_disable_by_batch_size,
+    resolve_mixed_prefill,
+)
 from blockdraft.errors import param_error
-from blockdraft.layers.linear import cpu_has_fast_bf16
+from blockdraft import model_loader
+from blockdraft.model_loader import LoadedTarget, catalog_name, eos_token_ids, load_target  # noqa: F401  (re-exported)
 from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names used to live here)
     CPU_NUM_KV_BLOCKS,
     DEVICE_CHOICES,
@@ -41,60 +38,6 @@ from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names
     resolve_device,
 )
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_max_logprobs
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LoadedTarget:
-    """A target model ready to run: its config, module, tokenizer and folder."""
-
-    config: ModelConfig
-    model: torch.nn.Module
-    tokenizer: object
-    path: str
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype the target's weights (and so its KV cache and the drafter) run in."""
-        return next(self.model.parameters()).dtype
-
-
-def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir: str | None = None,
-                pack_weights: bool | None = None) -> LoadedTarget:
-    """Resolve a catalog name / folder / .gguf, then build our model and load its weights.
-
-    dtype: "auto" takes the checkpoint's dtype (bf16 for the catalog models; like vLLM's "auto"),
-    except that float32 checkpoints run in bfloat16 on CUDA, and bf16 / fp16 ones in float32 on a
-    CPU without native bf16 (AVX2 only: `cpu_has_fast_bf16`); or one of float32 / bfloat16 / float16.
-    pack_weights: as `blockdraft.models.build_model` (None: packed for CPU inference where
-    supported); False when gradients must flow through the target (drafter training: the frozen
-    LM head).
-    Raises:
-        ValueError: unknown model name or dtype, unsupported architecture, corrupt weights.
-    """
-    from blockdraft.models import build_model
-    from blockdraft.weights.loader import LazyStateDict, load_tokenizer
-
-    check_dtype(dtype)
-    path, hf_config, config = read_target_config(model, cache_dir)
-    module = build_model(config, dtype=_resolve_dtype(dtype, hf_config, device), device=device,
-                         pack_weights=pack_weights)
-    # Tensors are read one at a time and packing starts after the last copy: peak memory is the
-    # weights plus one tensor, then plus the packed copies as the dense ones are dropped.
-    module.load_weights(LazyStateDict(path), pack=False)
-    module.pack_loaded_weights()
-    module.eval()
-    return LoadedTarget(config, module, load_tokenizer(path), str(path))
-
-
-def _catalog_name(path: str) -> str:
-    """The catalog name of a target loaded from the folder `fetch` made for it
-    (weights.fetch.catalog_name_of), else `path` itself (which names no shipped drafter, so
-    draft="auto" decodes plainly and "shipped" explains why)."""
-    from blockdraft.weights.fetch import catalog_name_of
-
-    return catalog_name_of(str(path))
 
 
 class LLM:
@@ -211,7 +154,7 @@ class LLM:
             raise param_error("seed", f"seed must be None or an integer >= 0, got {seed!r}")  # before any weights load, as preflight's checks
         disable_by_batch_size = check_disable_by_batch_size(speculative_disable_by_batch_size)
         if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
-            model = _catalog_name(target.path)
+            model = catalog_name(target.path)
         pre = preflight(
             model, draft if speculator is None else None, num_speculative_tokens if speculator is None else None,
             dtype, device, kv_block_size,
@@ -234,14 +177,14 @@ class LLM:
             disable_by_batch_size, speculator is not None or draft is not None, speculator is None and pre.draft is None,
             device, enforce_eager, attention_backend, graph_mode,
         )  # fmt: skip
-        self.target = target or load_target(str(pre.target_path), dtype, device, cache_dir)
+        self.target = target or model_loader.load_target(str(pre.target_path), dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
         if speculator is None and pre.draft is not None:
-            speculator = _build_speculator(pre, self.target)
+            speculator = build_speculator(pre, self.target)
         self.speculator = speculator
         options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode,
                        disable_by_batch_size=disable_by_batch_size)
-        self.engine = _build_engine(self.target, cache, sched, speculator, device, async_scheduling,
+        self.engine = build_engine(self.target, cache, sched, speculator, device, async_scheduling,
                                     max_logprobs, mixed_prefill, **options)
         self.engine.seed_rng = None if seed is None else random.Random(seed)
         self._ids = itertools.count()
@@ -584,140 +527,3 @@ def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, desc="requests", unit="req")
-
-
-def _resolve_dtype(dtype: str, hf_config: dict, device: str = "cpu") -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    stored = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
-    resolved = _DTYPES.get(str(stored).replace("torch.", ""), torch.float32)
-    # On the GPU, fp32 weights would halve the speed for no accuracy users ask for (vLLM's "auto"
-    # downcasts too); bf16 rather than fp16: same range as fp32, no overflow.
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16 if resolved == torch.float32 else resolved
-    # A CPU without native bf16 (AVX2 only) would convert bf16 weights on every matmul and cannot
-    # pack them for oneDNN: fp32 there (as vLLM's CPU backend falls back from bf16).
-    if resolved in (torch.bfloat16, torch.float16) and not cpu_has_fast_bf16():
-        return torch.float32
-    return resolved
-
-
-def _build_speculator(pre: Preflight, target: LoadedTarget):
-    """The DFlash speculator for the drafter, K and draft vocabulary that `preflight` resolved and checked."""
-    from blockdraft.spec.dflash.checkpoint import load_drafter
-    from blockdraft.spec.dflash.speculator import DFlashSpeculator
-    from blockdraft.spec.draft_vocab import build_draft_head
-
-    drafter = load_drafter(pre.draft, target.config, dtype=target.dtype, device=pre.device)
-    if getattr(target.model, "packed", False):  # the target's weights are packed for oneDNN: the drafter's too
-        drafter.pack_for_cpu_inference()
-    head = build_draft_head(target.model, pre.draft, pre.draft_vocab_size)
-    k = pre.num_speculative_tokens
-    return DFlashSpeculator(drafter, target.model, k, pre.cache.num_kv_blocks, pre.cache.kv_block_size, head)
-
-
-def resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool, attention_backend, graph_mode) -> bool:
-    """None -> True iff CUDA graphs are captured; True is checked (before any weights load).
-
-    Raises:
-        ValueError: a value other than None / True / False, or True where the graph mode resolves
-            to "off" (names device, enforce_eager, the attention backend and graph_mode).
-    """
-    from blockdraft.runner.setup import resolve_graph_mode
-
-    if requested is not None and not isinstance(requested, bool):
-        raise ValueError(f"async_scheduling must be None, True or False, got {requested!r}")
-    mode = resolve_graph_mode(device, enforce_eager, attention_backend, graph_mode)
-    if requested is None:
-        return mode == "capture"
-    if requested and mode == "off":
-        python_only = ""  # the test-only knobs, named only to who set one (never the CLI)
-        if attention_backend is not None or graph_mode is not None:
-            python_only = (f" In Python (tests) graph_mode='eager' with attention_backend='dense' runs the same graph "
-                           f"code without CUDA (got attention_backend={attention_backend!r}, graph_mode={graph_mode!r})")
-        raise ValueError(
-            f"async scheduling needs the CUDA graphs of decode steps, which are off here (device {device}"
-            f"{', --enforce-eager' if enforce_eager else ''}): run on CUDA without --enforce-eager, or turn it off "
-            f"(drop --async-scheduling or pass --no-async-scheduling; LLM(async_scheduling=False)).{python_only}"
-        )
-    return requested
-
-
-def resolve_disable_by_batch_size(value: int | None, drafter_asked: bool, plain: bool, device, enforce_eager: bool,
-                                  attention_backend, graph_mode) -> int | None:
-    """The runner's disable_by_batch_size (`check_disable_by_batch_size`'d), before any weights load.
-
-    drafter_asked: a drafter or speculator was given (draft not None); plain: none resolved
-    (draft="auto" decodes plainly): nothing to disable, None.
-    Raises:
-        ValueError: set without a drafter, or where the graph mode (as resolve_graph_mode) is not
-            "off": graphed decode steps always draft in their tail graph.
-    """
-    from blockdraft.runner.setup import resolve_graph_mode
-
-    if value is None:
-        return None
-    if not drafter_asked:
-        raise param_error("speculative_disable_by_batch_size", f"speculative_disable_by_batch_size needs a drafter "
-                          f"(got {value}): give draft (a drafter folder, 'shipped' or 'auto'), or leave it out")
-    mode = resolve_graph_mode(device, enforce_eager, attention_backend, graph_mode)
-    if mode != "off":
-        test_knob = f" or graph_mode='off' (got graph_mode={graph_mode!r})" if graph_mode is not None else ""
-        raise param_error("speculative_disable_by_batch_size", (
-            f"speculative_disable_by_batch_size works on eager steps only (got {value}), but decode steps here run "
-            f"the CUDA-graph code (graph mode {mode!r}), which always drafts: pass enforce_eager=True "
-            f"(--enforce-eager){test_knob}"
-        ))  # fmt: skip
-    return None if plain else value
-
-
-def resolve_mixed_prefill(requested: bool | None, graphs_captured: bool) -> bool:
-    """None -> False iff the uniform decode / verify steps replay captured CUDA graphs (a mixed
-    step would run eagerly; separate prefill steps keep them on their graphs), else True (one
-    eager forward instead of two); True / False are kept.
-
-    Raises:
-        ValueError: a value other than None / True / False.
-    """
-    if requested is not None and not isinstance(requested, bool):
-        raise ValueError(f"mixed_prefill must be None, True or False, got {requested!r}")
-    return (not graphs_captured) if requested is None else requested
-
-
-def _build_engine(
-    target: LoadedTarget, cache: CacheConfig, sched: SchedulerConfig, speculator, device,
-    async_scheduling: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS, mixed_prefill: bool | None = None,
-    **runner_options
-) -> LLMEngine:
-    """Runner (backend, KV pool, graphs; see blockdraft.runner.setup.build_runner) + scheduler + engine."""
-    from blockdraft.runner.setup import build_runner
-
-    setup = build_runner(target.model, target.config, speculator, cache, sched, device,
-                         continuation_graphs=async_scheduling, **runner_options)
-    if async_scheduling and setup.runner.graphs is None:
-        raise ValueError(
-            "async_scheduling=True needs uniform-step graphs, but none were built: the speculator is not a DFlash "
-            f"drafter or max_num_batched_tokens ({sched.max_num_batched_tokens}) is below the rows of one step "
-            "(1 + K); turn async scheduling off"
-        )
-    kv = KVCacheManager(setup.num_kv_blocks, cache.kv_block_size, cache.enable_prefix_caching)
-    graphs = setup.runner.graphs
-    mixed_prefill = resolve_mixed_prefill(mixed_prefill, graphs_captured=setup.runner.graphs_captured)
-    sched = dataclasses.replace(sched, mixed_prefill=mixed_prefill,
-                                num_speculative_tokens=getattr(speculator, "num_speculative_tokens", 0))
-    if not mixed_prefill and graphs is not None and graphs.prefill is not None:
-        # a prefill step of several prompts stays within the largest prefill graph
-        sched = dataclasses.replace(sched, max_prefill_tokens=graphs.prefill.buckets[-1],
-                                    max_prefill_seqs=graphs.prefill.request_buckets[-1])
-    scheduler = Scheduler(sched, kv)
-    return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len,
-                     target.config.vocab_size, async_scheduling=async_scheduling, max_logprobs=max_logprobs)
-
-
-def eos_token_ids(target: LoadedTarget) -> tuple[int, ...]:
-    """The target's stop ids, sorted: config.json's eos_token_id(s) plus the tokenizer's EOS."""
-    ids = set(target.config.eos_token_ids)
-    tok_eos = getattr(target.tokenizer, "eos_token_id", None)
-    if tok_eos is not None:
-        ids.add(int(tok_eos))
-    return tuple(sorted(ids))

@@ -15,11 +15,17 @@ from blockdraft.errors import param_error
 DEFAULT_MAX_LOGPROBS = 20
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: lower temperatures decode greedily
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: per-request floats become float32 tensors
+INT64_MAX = 2**63 - 1  # per-request integers become int64 tensors
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature: 0 means greedy (argmax). top_k: 0 or -1 disables it. top_p in (0, 1].
+    temperature: 0 means greedy (argmax), and so does any temperature below 1e-5 (vLLM's rule:
+    dividing logits by it would overflow float32), which `verify` sets to 0. top_k: 0 or -1
+    disables it (at most 2**63 - 1; above the vocabulary size it keeps every token). top_p in (0, 1].
     seed: makes sampling reproducible; the sample at output position q is a pure function of
     (seed, q, logits), so it does not depend on batch mates or on speculative decoding. None: each
     request the engine takes gets its own random seed (`for_request`), so one SamplingParams used
@@ -37,7 +43,7 @@ class SamplingParams:
     data; vLLM's `detokenize`), so it cannot be combined with stop strings.
     presence_penalty / frequency_penalty: in [-2, 2] (OpenAI's range), subtracted from the logit of
     every token already in the output: presence once, frequency once per occurrence (0 = off).
-    repetition_penalty: > 0 (1 = off); the logit of every token in the prompt or the output is
+    repetition_penalty: > 0 (1 = off), at most float32's largest value; the logit of every token in the prompt or the output is
     divided by it when positive and multiplied by it otherwise (CTRL, Keskar et al. 2019, section
     4.1, as vLLM and transformers apply it). logit_bias: {token id: bias} added to those tokens'
     logits (OpenAI's logit_bias; biases finite, in [-100, 100]; ids checked against the vocabulary
@@ -88,15 +94,17 @@ class SamplingParams:
                                                 f"got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1, high=INT64_MAX)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise param_error("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
         if not 0 <= self.temperature < float("inf"):
             raise param_error("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise param_error("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise param_error("top_k", f"top_k must be an integer: 0 or -1 (off) or >= 1, got {self.top_k!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k <= INT64_MAX:
+            raise param_error("top_k", f"top_k must be an integer: 0 or -1 (off) or in [1, 2**63 - 1], got {self.top_k!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, low=0)
         for s in self.stop:
@@ -115,11 +123,11 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
                 raise param_error(name, f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
         rp = self.repetition_penalty
-        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp < float("inf"):
-            raise param_error("repetition_penalty", f"repetition_penalty must be a finite number > 0 (1 = off), "
-                                                    f"got {rp!r}")
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp <= FLOAT32_MAX:
+            raise param_error("repetition_penalty", f"repetition_penalty must be a number > 0 and <= {FLOAT32_MAX:.6g} "
+                                                    f"(float32's largest; 1 = off), got {rp!r}")
         _check_int("n", self.n, low=1)
-        _check_int("min_tokens", self.min_tokens, low=0)
+        _check_int("min_tokens", self.min_tokens, low=0, high=INT64_MAX)
         if self.min_tokens > self.max_tokens:
             raise param_error("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logit_bias is not None:
@@ -204,7 +212,11 @@ def check_logprobs_limit(
                                     f"got {value}")
 
 
-def _check_int(name: str, value, low: int, what: str | None = None) -> None:
-    """Raise a param_error about `name` (worded as `what`, default `name`) unless `value` is an int >= low."""
+def _check_int(name: str, value, low: int, what: str | None = None, high: int | None = None) -> None:
+    """Raise a param_error about `name` (worded as `what`, default `name`) unless `value` is an int
+    >= low (and <= high when given: values the engine puts in int64 tensors)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise param_error(name, f"{what or name} must be an integer >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise param_error(name, f"{what or name} must be an integer in [{low}, {'2**63 - 1' if high == INT64_MAX else high}], "
+                                f"got {value!r}")

@@ -55,7 +55,7 @@ def add_bench_parser(sub) -> None:
     """Register the `bench` subcommand on an argparse subparsers object."""
     from blockdraft.bench.shapes import H200_HBM_BYTES_PER_S, SHAPES
     from blockdraft.bench.suite import ENGINE_CHOICES
-    from blockdraft.drafters import add_draft_vocab_size_flag
+    from blockdraft.engine_args import add_draft_vocab_size_flag
     from blockdraft.weights.catalog import add_cache_dir_flag
 
     b = sub.add_parser("bench", help="throughput / step-time benchmark vs transformers and z-lab dflash",
@@ -106,7 +106,7 @@ def add_bench_parser(sub) -> None:
                         "and mixed prefill on")
     b.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="our LLM's async scheduling (default: on when CUDA graphs are captured)")
-    from blockdraft.engine.scheduler import add_admission_flags, add_mixed_prefill_flag
+    from blockdraft.engine_args import add_admission_flags, add_mixed_prefill_flag
 
     add_mixed_prefill_flag(b)
     add_admission_flags(b)

@@ -125,7 +125,7 @@ def build_engines(max_batch: int, prompt_len: int, max_tokens: int, k: int, path
     from blockdraft.bench.engines.ours import OurEngine, PoolPlan, dflash_speculator, forced_speculator
     from blockdraft.bench.random_weights import IdTokenizer, init_random_, random_drafter_on_device
     from blockdraft.bench.workload import random_prompts
-    from blockdraft.llm import LoadedTarget
+    from blockdraft.model_loader import LoadedTarget
     from blockdraft.models import build_model
 
     shape = host_shape(max_model_len)

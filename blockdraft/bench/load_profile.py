@@ -170,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.bench.engines.ours import OurEngine, PoolPlan, dflash_speculator
     from blockdraft.bench.workload import model_workload, resolve_device_dtype
     from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
-    from blockdraft.drafters import AUTO, SHIPPED, add_draft_vocab_size_flag, resolve_draft
-    from blockdraft.engine.scheduler import add_admission_flags, add_mixed_prefill_flag, check_admission_settings
+    from blockdraft.drafters import AUTO, SHIPPED, resolve_draft
+    from blockdraft.engine.scheduler import check_admission_settings
+    from blockdraft.engine_args import add_admission_flags, add_draft_vocab_size_flag, add_mixed_prefill_flag
     from blockdraft.preflight import preflight
 
     p = argparse.ArgumentParser(prog="python -m blockdraft.bench.load_profile", description=__doc__,

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 def _measure(args, argv: list[str] | None) -> int:
     """main's body after the flags are checked: load, run the rounds, print, write --json."""
     from blockdraft.drafters import resolve_draft
-    from blockdraft.llm import LLM, load_target
+    from blockdraft.llm import LLM
+    from blockdraft.model_loader import load_target
     from blockdraft.sampling_params import SamplingParams
 
     draft = None if args.no_draft else resolve_draft(args.draft, args.model, cache_dir=args.cache_dir,

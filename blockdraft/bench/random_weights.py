@@ -14,7 +14,7 @@ from torch import nn
 
 from blockdraft.bench.shapes import Shape, hf_config, model_config
 from blockdraft.config import ModelConfig
-from blockdraft.llm import LoadedTarget
+from blockdraft.model_loader import LoadedTarget
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
 
 

@@ -168,7 +168,8 @@ def _measure(args, argv: list[str] | None, ks: list[tuple[int, int]], p) -> int:
     load, time, print the table, write --json and --write-default."""
     from blockdraft.demo import DEMO_PROMPTS
     from blockdraft.drafters import AUTO, SHIPPED, SHIPPED_DIR, resolve_draft
-    from blockdraft.llm import LLM, load_target
+    from blockdraft.llm import LLM
+    from blockdraft.model_loader import load_target
     from blockdraft.preflight import preflight
     from blockdraft.sampling_params import SamplingParams
     from blockdraft.errors import refuse_unwritable

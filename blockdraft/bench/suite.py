@@ -259,7 +259,7 @@ def add_divergence_gaps(workload: Workload, settings: Settings, cells: list[Cell
     """
     from blockdraft.bench.engines.ours import OurEngine, PoolPlan
     from blockdraft.bench.near_ties import divergence_gaps
-    from blockdraft.llm import load_target
+    from blockdraft.model_loader import load_target
 
     rows = [p for p in parity if (p["candidate"], p["reference"]) == (f"ours/{DFLASH}", f"ours/{PLAIN}")]
     for p in rows:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockdraft.config import ModelConfig
-from blockdraft.llm import LoadedTarget
+from blockdraft.model_loader import LoadedTarget
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -156,7 +156,7 @@ def model_workload(
     """
     from transformers import AutoModelForCausalLM
 
-    from blockdraft.llm import load_target
+    from blockdraft.model_loader import load_target
     from blockdraft.spec.dflash.checkpoint import load_drafter
     from blockdraft.spec.draft_vocab import build_draft_head
     from blockdraft.training.corpora import eval_prompts

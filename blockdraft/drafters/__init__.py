@@ -64,18 +64,6 @@ def shipped_drafter(model: str, cache_dir: str | os.PathLike | None = None) -> P
     )
 
 
-def add_draft_vocab_size_flag(parser, extra: str = "") -> None:
-    """`--draft-vocab-size N` on an argparse parser (generate, serve, demo, eval-drafter, bench);
-    `extra` is appended to the help text."""
-    parser.add_argument(
-        "--draft-vocab-size", type=int, default=None, metavar="N",
-        help="score drafts over the drafter's N most frequent target tokens (its draft_vocab.json, "
-        "FR-Spec): a cheaper draft LM head, output unchanged; 0 = the full vocabulary, else N >= 256 "
-        "(1/16 of a vocabulary under 4096 ids) and at most the ids ranked in draft_vocab.json (default: the "
-        "size recorded in the drafter's speculative.json, else 0)" + extra,
-    )
-
-
 def check_disable_by_batch_size(value) -> int | None:
     """Raise ValueError naming `speculative_disable_by_batch_size` and `value` unless it is None or
     an int >= 1 (requests; a bool is refused); returns it."""

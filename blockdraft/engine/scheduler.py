@@ -34,7 +34,6 @@ to the cache by `cache_computed` after each committed step, and before they are 
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections import deque
 from collections.abc import Collection
@@ -435,35 +434,3 @@ def check_admission_settings(ratio: float | None, max_wait_steps: int | None) ->
     given = {k: v for k, v in (("admission_batch_ratio", ratio), ("admission_max_wait_steps", max_wait_steps))
              if v is not None}
     SchedulerConfig(**given)
-
-
-def add_admission_flags(p) -> None:
-    """--admission-batch-ratio / --admission-max-wait-steps (LLM(admission_batch_ratio=...,
-    admission_max_wait_steps=...)), for serve, bench and load_profile."""
-    from blockdraft.config import (
-        DEFAULT_ADMISSION_BATCH_RATIO_PLAIN,
-        DEFAULT_ADMISSION_BATCH_RATIO_SPECULATIVE,
-        DEFAULT_ADMISSION_MAX_WAIT_STEPS,
-    )
-
-    p.add_argument("--admission-batch-ratio", type=float, default=None, metavar="R",
-                   help="without mixed prefill (CUDA graphs), while requests run, admit waiting requests only once "
-                        "at least max(1, ceil(R x running)) fit the free --max-num-seqs slots (at most what one "
-                        "prefill step takes, 8 with CUDA graphs): fewer prefill steps "
-                        "pausing the running requests, for a few steps more time to first token (0 admits as soon "
-                        f"as a slot frees; default {DEFAULT_ADMISSION_BATCH_RATIO_SPECULATIVE} with a drafter, "
-                        f"{DEFAULT_ADMISSION_BATCH_RATIO_PLAIN} without)")
-    p.add_argument("--admission-max-wait-steps", type=int, default=None, metavar="S",
-                   help="admit anyway after S decode steps of waiting (default "
-                        f"{DEFAULT_ADMISSION_MAX_WAIT_STEPS})")
-
-
-def add_mixed_prefill_flag(p) -> None:
-    """--mixed-prefill / --no-mixed-prefill (LLM(mixed_prefill=...)), for serve, bench and load_profile."""
-    p.add_argument("--mixed-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="let a step carry new prompts' prefill chunks beside the running requests' decode rows, as "
-                        "vLLM does (long prompts are chunked to the step's token budget either way). Default: on "
-                        "where steps run eagerly (CPU, no CUDA graphs), off where decode steps replay CUDA graphs: "
-                        "a step then prefills or decodes, new prompts first (as SGLang without "
-                        "--enable-mixed-chunk), so the decode steps keep their graphs. Same tokens in fp32; in bf16 "
-                        "a different batch can flip a near-tie")

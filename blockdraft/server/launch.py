@@ -128,43 +128,18 @@ def serve(args) -> int:
     """
     import uvicorn
 
-    from blockdraft.drafters import check_draft_flags, resolve_draft
-    from blockdraft.llm import LLM
-    from blockdraft.preflight import resolve_device
+    from blockdraft.drafters import check_draft_flags
+    from blockdraft.engine_args import llm_from_args, resolve_draft_from_args
     from blockdraft.server.api import build_app
 
     check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size,
-                      args.speculative_disable_by_batch_size)
+                      args.speculative_disable_by_batch_size)  # before binding and logging: a quick refusal
     config = config_from_args(args)
     check_address(config.host, config.port)  # before a minute of loading, not after
     check_pool_can_serve(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens,
-                          resolve_device(args.device), args.draft_vocab_size)  # may log why auto decodes plainly
-    llm = LLM(
-        model=args.model,
-        draft=draft,
-        num_speculative_tokens=args.num_speculative_tokens,
-        draft_vocab_size=args.draft_vocab_size,
-        dtype=args.dtype,
-        kv_block_size=args.kv_block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        cache_dir=args.cache_dir,
-        device=args.device,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
-        mixed_prefill=args.mixed_prefill,
-        admission_batch_ratio=args.admission_batch_ratio,
-        admission_max_wait_steps=args.admission_max_wait_steps,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_model_len=args.max_model_len,
-        max_logprobs=args.max_logprobs,  # the same limit as the server's: they agree
-        # nothing to disable when --draft auto decodes plainly
-        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if draft is not None else None,
-    )
+    draft = resolve_draft_from_args(args)  # may log why auto decodes plainly
+    llm = llm_from_args(args, draft, max_logprobs=args.max_logprobs)  # the server's limit is the engine's: they agree
     app = build_app(llm, config)
     spec = llm.speculator
     drafter = f"DFlash drafter {draft}, K={spec.num_speculative_tokens}" if spec is not None else "no drafter"

@@ -81,7 +81,9 @@ def evaluate_drafter(
         ValueError / FileNotFoundError: a bad setting (num_prompts outside [1, prompts in `dataset`],
             sampling values, device, drafter folder, K, draft vocabulary size), before any weights load.
     """
-    from blockdraft.llm import LLM, load_target, resolve_async_scheduling
+    from blockdraft.engine_setup import resolve_async_scheduling
+    from blockdraft.llm import LLM
+    from blockdraft.model_loader import load_target
     from blockdraft.preflight import preflight
     from blockdraft.sampling_params import SamplingParams
     from blockdraft.training.corpora import EVAL_DATASET_SIZES, eval_prompts

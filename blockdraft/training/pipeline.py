@@ -285,7 +285,7 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
             (a new --out, removing the folder, or the --dtype / --seed it was made with when only that
             differs).
     """
-    from blockdraft.llm import _catalog_name
+    from blockdraft.model_loader import catalog_name
     from blockdraft.training.dataset import SHARD_PATTERN, TokenDataset, data_settings_differences
 
     if not any(folder.glob(SHARD_PATTERN)):
@@ -293,7 +293,7 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
     data = TokenDataset.load(folder)
     info, made = data.info, data.info.get("settings", {})
     differ = []  # (what, recorded, requested)
-    if "target" in info and info["target"] not in (args.target, target_path, _catalog_name(target_path)) \
+    if "target" in info and info["target"] not in (args.target, target_path, catalog_name(target_path)) \
             and info.get("target_path") != target_path:
         differ.append(("target", repr(info["target"]), repr(args.target)))
     if info.get("vocab_size", vocab_size) != vocab_size:
@@ -665,7 +665,7 @@ def train_drafter(args) -> dict:
     """
     import torch
 
-    from blockdraft.llm import eos_token_ids, load_target
+    from blockdraft.model_loader import eos_token_ids, load_target
     from blockdraft.preflight import read_target_config, resolve_device
     from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter, load_drafter
     from blockdraft.spec.dflash.config import DEFAULT_BLOCK_SIZE

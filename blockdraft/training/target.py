@@ -60,7 +60,7 @@ def greedy_ids(lm_head, hidden: torch.Tensor) -> torch.Tensor:
 
 
 class EngineTarget:
-    """Our CausalLM (`blockdraft.llm.load_target(...).model`) as a TrainTarget."""
+    """Our CausalLM (`blockdraft.model_loader.load_target(...).model`) as a TrainTarget."""
 
     def __init__(self, model, kv_block_size: int = 16) -> None:
         cfg = model.config

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from blockdraft.llm import LLM, _catalog_name
+from blockdraft.llm import LLM
+from blockdraft.model_loader import catalog_name as _catalog_name
 from tests.server.tiny_model import write_tiny_model
 
 

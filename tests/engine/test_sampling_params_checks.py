@@ -86,7 +86,38 @@ def test_logprobs_above_the_engine_limit_is_refused_at_submission(llama_target):
 @pytest.mark.parametrize("bad", [-1, 2.5, True, None])
 def test_max_logprobs_is_checked_before_any_weights_load(bad, monkeypatch):
     import blockdraft.llm
+    import blockdraft.model_loader
 
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
     with pytest.raises(ValueError, match=rf"^max_logprobs must be an integer >= 0, got {bad!r}$"):
         blockdraft.llm.LLM("smollm2-135m-instruct", max_logprobs=bad)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("top_k", 2**63, r"^top_k must be an integer: 0 or -1 \(off\) or in \[1, 2\*\*63 - 1\], got 9223372036854775808$"),
+    ("min_tokens", 2**64, r"^min_tokens must be an integer in \[0, 2\*\*63 - 1\], got 18446744073709551616$"),
+    ("max_tokens", 10**30, r"^max_tokens must be an integer in \[1, 2\*\*63 - 1\], got 10{30}$"),
+    ("repetition_penalty", 3.5e38, r"^repetition_penalty must be a number > 0 and <= 3.40282e\+38 \(float32's largest; "
+                                   r"1 = off\), got 3.5e\+38$"),
+])
+def test_values_the_engine_cannot_hold_in_its_tensors_are_refused_by_name(field, value, match):
+    """A server trial's request with top_k 2**63 or repetition_penalty 3.5e38 stopped the engine for
+    every client (int64 / float32 overflow while building the step's tensors): refused up front."""
+    with pytest.raises(ValueError, match=match) as e:
+        SamplingParams(**{"max_tokens": 4, field: value})
+    assert e.value.param == field
+
+
+def test_the_largest_accepted_values_run_and_tiny_temperatures_decode_greedily(llm):
+    """The bounds' own values run (top_k 2**63 - 1 keeps every token); a temperature below 1e-5
+    decodes greedily, as vLLM (dividing by 1e-38 overflowed float32 and sampled garbage)."""
+    greedy = llm.generate(PROMPT, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    for t in (1e-38, 1e-45, 9e-6):
+        p = SamplingParams(max_tokens=6, temperature=t, seed=3, ignore_eos=True)
+        assert p.temperature == 0.0 and p.greedy
+        assert llm.generate(PROMPT, p)[0].token_ids == greedy
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5  # at the threshold: sampled
+    edge = SamplingParams(max_tokens=6, top_k=2**63 - 1, repetition_penalty=3.4028234663852886e38, min_tokens=2,
+                          temperature=0.7, seed=1)
+    assert len(llm.generate(PROMPT, edge)[0].token_ids) >= 2
+    assert not llm.engine.has_unfinished_requests()

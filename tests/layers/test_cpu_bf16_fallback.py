@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.layers import linear
-from blockdraft.llm import _resolve_dtype
+from blockdraft.model_loader import resolve_dtype as _resolve_dtype
 
 
 def test_auto_dtype_and_packing_follow_the_cpus_bf16_support(monkeypatch):

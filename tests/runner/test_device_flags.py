@@ -36,7 +36,7 @@ def test_device_resolution():
 
 
 def test_auto_dtype_is_the_checkpoints_except_fp32_on_cuda():
-    from blockdraft.llm import _resolve_dtype
+    from blockdraft.model_loader import resolve_dtype as _resolve_dtype
 
     assert _resolve_dtype("auto", {"torch_dtype": "float32"}, "cpu") == torch.float32
     assert _resolve_dtype("auto", {"torch_dtype": "float32"}, "cuda") == torch.bfloat16

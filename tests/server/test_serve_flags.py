@@ -67,10 +67,10 @@ def test_a_context_the_model_or_the_pool_cannot_hold_fails_at_start_naming_the_k
     """--max-model-len above the model's positions or the pool, and a --num-kv-blocks pool too small
     to serve (a 1-page pool started and then failed every chat request): one line naming the value,
     the limit and the flag, before any weights load."""
-    import blockdraft.llm
+    import blockdraft.model_loader
     from blockdraft.cli import main
 
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
     model = str(tiny_model_dirs[0])  # max_position_embeddings 512
     serve = ["serve", "--model", model, "--no-draft", "--port", "0"]
     cases = [

@@ -4,6 +4,7 @@ messages that name the flag (as the user spells it), the value and what to do.""
 import pytest
 
 import blockdraft.llm
+import blockdraft.model_loader
 from blockdraft.cli import main
 from blockdraft.drafters import SHIPPED_DIR
 from tests.training.test_train_drafter_e2e import NAME, _cached
@@ -14,7 +15,7 @@ pytestmark = [] if _cached() else [pytest.mark.slow]
 @pytest.fixture
 def no_weights(monkeypatch):
     """Fails the test if the target's weights load (every check here comes before them)."""
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
 
 
 def _error(capsys, *flags) -> str:
@@ -165,7 +166,7 @@ def test_data_settings_that_differ_from_the_runs_own_data_are_refused(tmp_path, 
 
 
 def test_the_same_runs_data_is_reused(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
     _made_here(tmp_path / "data", num_prompts=4)
     with pytest.raises(_Loading):
         main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--num-prompts", "4",
@@ -215,7 +216,7 @@ def test_the_runs_data_made_with_another_seed_is_refused(tmp_path, capsys, monke
     _made_here(data, seed=0)
     before = _files(tmp_path)
     with monkeypatch.context() as mp:
-        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        mp.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
         for flags in ([], ["--no-resume"]):
             err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--seed", "5", *flags)
             assert (f"the dataset in {data} was made with --seed 0; this run asks for --seed 5. A dataset is reused "
@@ -227,7 +228,7 @@ def test_the_runs_data_made_with_another_seed_is_refused(tmp_path, capsys, monke
         assert "was made with --synth-prompts 0, --seed 0; this run asks for --synth-prompts 8, --seed 5." in err
         assert "or pass --seed" not in err
     assert _files(tmp_path) == before  # nothing written
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
     with pytest.raises(_Loading):  # --seed 0 is the default
         main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu"])
     err = capsys.readouterr().err
@@ -238,7 +239,7 @@ def test_the_runs_data_made_with_another_seed_is_refused(tmp_path, capsys, monke
 def test_a_data_folder_made_with_another_seed_is_reused_and_said(tmp_path, capsys, monkeypatch):
     """A --data folder keeps its answers (sharing them across runs is what it is for): another
     --seed then seeds only the training, said on stderr."""
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
     data = tmp_path / "shared"
     _made_here(data, seed=0)
     with pytest.raises(_Loading):
@@ -252,7 +253,7 @@ def test_a_data_folder_made_with_another_seed_is_reused_and_said(tmp_path, capsy
 
 @pytest.mark.parametrize("flags", [["--dtype", "float32"], []])  # auto resolves to float32 on the CPU
 def test_the_runs_data_is_reused_with_no_resume_in_its_dtype(flags, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
     _made_here(tmp_path / "data")
     with pytest.raises(_Loading):
         main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu", "--no-resume",
@@ -265,7 +266,7 @@ def test_the_runs_data_is_reused_with_no_resume_in_its_dtype(flags, tmp_path, ca
 def test_data_that_records_no_dtype_is_reused_with_a_warning(tmp_path, capsys, monkeypatch):
     """Made before the dtype was recorded: it may have been either, so it is reused as before, said
     on stderr with the folder and how to answer again."""
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
     data = tmp_path / "data"
     _made_here(data, dtype=None)
     with pytest.raises(_Loading):
@@ -284,12 +285,12 @@ def test_a_data_folder_is_held_to_an_explicit_dtype_only(tmp_path, capsys, monke
     data = tmp_path / "shared"
     _made_here(data, dtype="bfloat16")
     with monkeypatch.context() as mp:
-        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        mp.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
         err = _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data), "--device", "cpu", "--dtype", "float32")
     assert (f"the dataset in {data} was made with --dtype bfloat16; this run asks for --dtype float32. A dataset is "
             f"reused only for the same target, --dtype and data settings: use a new --out (or another --data folder), or "
             f"remove {data} to generate it again, or pass --dtype bfloat16 to train on its answers") in err
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
     with pytest.raises(_Loading):
         main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "run"), "--data", str(data),
               "--device", "cpu"])
@@ -299,7 +300,7 @@ def test_a_data_folder_is_held_to_an_explicit_dtype_only(tmp_path, capsys, monke
 
 
 def test_a_data_folder_keeps_its_settings_unless_a_flag_asks_for_others(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
     data = tmp_path / "shared"
     _made_here(data, num_prompts=4, max_new_tokens=8)
     with pytest.raises(_Loading):  # --tiny's presets (8 prompts, 16 new tokens) are not asked for explicitly
@@ -356,11 +357,11 @@ def test_data_synthesized_with_other_openers_is_refused_by_name(recorded, tmp_pa
         del made["synth_openers"]
     _dataset(tmp_path / "data", {"target": NAME, "vocab_size": 49152, "settings": made, "dtype": "float32"})
     with monkeypatch.context() as mp:
-        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        mp.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
         err = _error(capsys, "--out", str(tmp_path), "--device", "cpu", "--synth-prompts", "8")
     assert (f"the dataset in {tmp_path / 'data'} was made with --synth-openers none; this run asks for --synth-openers "
             f"general. A dataset is reused only for the same target, --dtype and data settings") in err
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
     with pytest.raises(_Loading):  # the openers it was made with
         main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu",
               "--synth-prompts", "8", "--synth-openers", "none"])
@@ -375,7 +376,7 @@ def test_data_without_synthesized_requests_is_reused_whatever_the_openers(record
     if recorded is None:
         del made["synth_openers"]
     _dataset(tmp_path / "data", {"target": NAME, "vocab_size": 49152, "settings": made, "dtype": "float32"})
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
     with pytest.raises(_Loading):
         main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu"])
     assert f"reusing the 2 sequences in {tmp_path / 'data'}" in capsys.readouterr().err
@@ -488,7 +489,7 @@ def test_a_resume_in_another_target_dtype_is_refused_before_anything_is_written(
     before = _files(out)
     assert "checkpoint/drafter.safetensors" in before
     with monkeypatch.context() as mp:
-        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        mp.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
         assert run("--device", "cpu", "--dtype", "bfloat16") == 2
         assert (f"the run in {out} was trained with the target in float32 (its checkpoint); this run asks for "
                 f"--dtype bfloat16: continue it (or rerun it if finished) with --dtype float32, or use a new --out to train in bfloat16") in \
@@ -511,7 +512,7 @@ def test_a_resume_in_another_target_dtype_is_refused_before_anything_is_written(
     del state["target_dtype"]
     (old / "checkpoint" / "state.json").write_text(json.dumps(state))
     with monkeypatch.context() as mp:
-        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        mp.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
         assert run("--device", "cpu", "--dtype", "bfloat16", folder=old) == 2
         assert f"the dataset in {old / 'data'} was made with --dtype float32" in capsys.readouterr().err
     # ... and where the data records none either (both made before), the run resumes as before, warned
@@ -521,7 +522,7 @@ def test_a_resume_in_another_target_dtype_is_refused_before_anything_is_written(
     del data.info["dtype"]
     data.save(old / "data")
     with monkeypatch.context() as mp:
-        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+        mp.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
         with pytest.raises(_Loading):
             run("--device", "cpu", "--dtype", "bfloat16", folder=old)
     assert f"train-drafter: warning: {old / 'data'} does not record the dtype its answers were made in (generator: " \

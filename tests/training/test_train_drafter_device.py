@@ -23,7 +23,7 @@ def first_device(monkeypatch):
         raise Reached(device)
 
     monkeypatch.setattr("blockdraft.training.build.new_drafter", stop)
-    monkeypatch.setattr("blockdraft.llm.load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr("blockdraft.model_loader.load_target", lambda *a, **k: pytest.fail("weights loaded"))
 
 
 def test_default_is_auto_like_the_other_commands():

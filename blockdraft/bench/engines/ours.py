@@ -10,7 +10,8 @@ import torch
 from blockdraft.bench.engines import DFLASH, FORCED, PLAIN, Generation
 from blockdraft.engine.feed import feed_requests
 from blockdraft.engine.request import SpecStats
-from blockdraft.llm import LLM, LoadedTarget
+from blockdraft.llm import LLM
+from blockdraft.model_loader import LoadedTarget
 from blockdraft.sampling_params import SamplingParams
 
 

@@ -1,0 +1,92 @@
+"""Load a target model: resolve its name, dtype and folder, build our model, load its weights and
+tokenizer (`load_target`), and the facts about it the engine needs (`eos_token_ids`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockdraft.config import ModelConfig
+from blockdraft.layers.linear import cpu_has_fast_bf16
+from blockdraft.preflight import check_dtype, read_target_config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedTarget:
+    """A target model ready to run: its config, module, tokenizer and folder."""
+
+    config: ModelConfig
+    model: torch.nn.Module
+    tokenizer: object
+    path: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the target's weights (and so its KV cache and the drafter) run in."""
+        return next(self.model.parameters()).dtype
+
+
+def load_target(model: str, dtype: str = "auto", device: str = "cpu", cache_dir: str | None = None,
+                pack_weights: bool | None = None) -> LoadedTarget:
+    """Resolve a catalog name / folder / .gguf, then build our model and load its weights.
+
+    dtype: "auto" takes the checkpoint's dtype (bf16 for the catalog models; like vLLM's "auto"),
+    except that float32 checkpoints run in bfloat16 on CUDA, and bf16 / fp16 ones in float32 on a
+    CPU without native bf16 (AVX2 only: `cpu_has_fast_bf16`); or one of float32 / bfloat16 / float16.
+    pack_weights: as `blockdraft.models.build_model` (None: packed for CPU inference where
+    supported); False when gradients must flow through the target (drafter training: the frozen
+    LM head).
+    Raises:
+        ValueError: unknown model name or dtype, unsupported architecture, corrupt weights.
+    """
+    from blockdraft.models import build_model
+    from blockdraft.weights.loader import LazyStateDict, load_tokenizer
+
+    check_dtype(dtype)
+    path, hf_config, config = read_target_config(model, cache_dir)
+    module = build_model(config, dtype=resolve_dtype(dtype, hf_config, device), device=device,
+                         pack_weights=pack_weights)
+    # Tensors are read one at a time and packing starts after the last copy: peak memory is the
+    # weights plus one tensor, then plus the packed copies as the dense ones are dropped.
+    module.load_weights(LazyStateDict(path), pack=False)
+    module.pack_loaded_weights()
+    module.eval()
+    return LoadedTarget(config, module, load_tokenizer(path), str(path))
+
+
+def catalog_name(path: str) -> str:
+    """The catalog name of a target loaded from the folder `fetch` made for it
+    (weights.fetch.catalog_name_of), else `path` itself (which names no shipped drafter, so
+    draft="auto" decodes plainly and "shipped" explains why)."""
+    from blockdraft.weights.fetch import catalog_name_of
+
+    return catalog_name_of(str(path))
+
+
+def resolve_dtype(dtype: str, hf_config: dict, device: str = "cpu") -> torch.dtype:
+    """The torch dtype `load_target` builds the model in (its docstring gives the "auto" rule)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    stored = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    resolved = _DTYPES.get(str(stored).replace("torch.", ""), torch.float32)
+    # On the GPU, fp32 weights would halve the speed for no accuracy users ask for (vLLM's "auto"
+    # downcasts too); bf16 rather than fp16: same range as fp32, no overflow.
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if resolved == torch.float32 else resolved
+    # A CPU without native bf16 (AVX2 only) would convert bf16 weights on every matmul and cannot
+    # pack them for oneDNN: fp32 there (as vLLM's CPU backend falls back from bf16).
+    if resolved in (torch.bfloat16, torch.float16) and not cpu_has_fast_bf16():
+        return torch.float32
+    return resolved
+
+
+def eos_token_ids(target: LoadedTarget) -> tuple[int, ...]:
+    """The target's stop ids, sorted: config.json's eos_token_id(s) plus the tokenizer's EOS."""
+    ids = set(target.config.eos_token_ids)
+    tok_eos = getattr(target.tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.add(int(tok_eos))
+    return tuple(sorted(ids))
