@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-import blockdraft.llm
+
+import blockdraft.model_loader
 from blockdraft.bench import (answer_throughput, attention_kernels, cpu_vs_hf, host_overhead, prefix_cache, spec_k,
                               train_throughput)
 from blockdraft.errors import check_writable_file
@@ -60,7 +61,7 @@ def test_check_writable_file_refuses_a_missing_folder_a_folder_a_file_as_folder_
 @pytest.mark.parametrize("where, words", [("/nonexistent/x.json", "does not exist"), (None, "is a folder")])
 def test_unwritable_json_is_a_usage_error_before_the_model_loads(main, where, words, tiny, tmp_path, monkeypatch,
                                                                  capsys):
-    monkeypatch.setattr(blockdraft.llm, "load_target", _model_work)
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", _model_work)
     path = where or str(tmp_path)
     with pytest.raises(SystemExit) as e:
         main(["--model", tiny[0], "--draft", tiny[1], "--json", path])
@@ -81,7 +82,7 @@ def test_unwritable_json_is_a_usage_error_before_the_model_loads(main, where, wo
     (["--prompts"], "argument --prompts: expected at least one argument"),
 ])
 def test_spec_k_bad_flags_are_usage_errors_before_the_model_loads(flags, message, tiny, monkeypatch, capsys):
-    monkeypatch.setattr(blockdraft.llm, "load_target", _model_work)
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", _model_work)
     with pytest.raises(SystemExit) as e:
         spec_k.main(["--model", tiny[0], "--draft", tiny[1], *flags])
     assert e.value.code == 2
@@ -93,7 +94,7 @@ def test_spec_k_write_default_into_an_unwritable_drafter_folder_fails_before_the
         tiny, tmp_path, monkeypatch, capsys):
     import shutil
 
-    monkeypatch.setattr(blockdraft.llm, "load_target", _model_work)
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", _model_work)
     draft = tmp_path / "drafter"
     shutil.copytree(tiny[1], draft)
     (draft / "speculative.json").mkdir()  # a folder where the file would go
@@ -109,7 +110,7 @@ def test_spec_k_write_default_into_an_unwritable_drafter_folder_fails_before_the
     (["--draft-vocab-sizes", "10"], "error: draft_vocab_size 10 needs the drafter's ranked vocabulary"),
 ])
 def test_spec_k_library_errors_are_one_error_line(flags, message, tiny, monkeypatch, capsys):
-    monkeypatch.setattr(blockdraft.llm, "load_target", _model_work)
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", _model_work)
     args = ["--model", tiny[0], "--draft", tiny[1], *flags] if flags[0] != "--draft" else ["--model", tiny[0], *flags]
     assert spec_k.main(args) == 2
     err = capsys.readouterr().err
@@ -202,7 +203,7 @@ def test_bad_admission_settings_are_refused_before_any_model_loads(command, flag
 
     monkeypatch.setattr(bench_command, "build_workload", _model_work)
     monkeypatch.setattr(load_profile, "model_workload", _model_work, raising=False)
-    monkeypatch.setattr(blockdraft.llm, "load_target", _model_work)
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", _model_work)
     if command == "bench":
         code = cli_main(["bench", "--model", tiny[0], "--draft", tiny[1], "--device", "cpu", "--no-plot", *flags])
     else:

@@ -31,9 +31,9 @@ def test_the_default_is_the_models_length_capped_by_the_pool(target):
 
 
 def test_a_context_the_model_or_the_pool_cannot_hold_is_refused_before_the_weights_load(target, monkeypatch):
-    import blockdraft.llm
+    import blockdraft.model_loader
 
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(ValueError, match=r"^max_model_len 600 is above the model's context of 512 tokens "
                                          r"\(max_position_embeddings in its config.json\): give at most 512") as e:
         make_llm(target, max_model_len=600)

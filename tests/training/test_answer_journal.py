@@ -10,7 +10,8 @@ import signal
 import pytest
 import torch
 
-import blockdraft.llm
+
+import blockdraft.model_loader
 from blockdraft.cli import main
 from blockdraft.training import answer_journal
 from blockdraft.training.answer_journal import JOURNAL_DIR, AnswerJournal, answering_header
@@ -110,7 +111,7 @@ def test_a_journal_of_other_settings_is_refused_by_name_before_the_weights_load(
     class Loading(Exception):
         pass
 
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: (_ for _ in ()).throw(Loading()))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(Loading()))
     partial = tmp_path / "data" / JOURNAL_DIR
     tiny = ["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu"]
     AnswerJournal(tmp_path / "data").start(_tiny_header(max_new_tokens=8, seed=3))

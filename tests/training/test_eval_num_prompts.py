@@ -35,7 +35,7 @@ def loaded(monkeypatch):
         raise Reached
 
     monkeypatch.setattr(corpora, "eval_prompts", prompts)
-    monkeypatch.setattr("blockdraft.llm.load_target", stop)
+    monkeypatch.setattr("blockdraft.model_loader.load_target", stop)
     return calls
 
 
@@ -63,7 +63,7 @@ def test_a_dataset_smaller_than_recorded_is_refused_too(tiny, monkeypatch):
     """The count of the prompts actually read is checked as well, never capped."""
     model, drafter = tiny
     monkeypatch.setattr(corpora, "eval_prompts", lambda dataset, cache_dir=None: ["a", "b"])
-    monkeypatch.setattr("blockdraft.llm.load_target", lambda *a, **k: pytest.fail("weights loaded"))
+    monkeypatch.setattr("blockdraft.model_loader.load_target", lambda *a, **k: pytest.fail("weights loaded"))
     with pytest.raises(ValueError, match=r"must be in \[1, 2\] for dataset 'mtbench' \(2 prompts\), got 3"):
         evaluate.evaluate_drafter(str(model), str(drafter), "mtbench", num_prompts=3)
 

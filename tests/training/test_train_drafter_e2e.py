@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-import blockdraft.llm
+
+import blockdraft.model_loader
 from blockdraft.cli import main
 from blockdraft.llm import LLM, load_target
 from blockdraft.preflight import resolve_device
@@ -55,7 +56,7 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
         raise Loading
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(blockdraft.llm, "load_target", loading)
+        mp.setattr(blockdraft.model_loader, "load_target", loading)
         assert main(args) == 0
         again = capsys.readouterr()
         assert json.loads(again.out) == summary
@@ -182,7 +183,7 @@ def test_val_fraction_holds_out_answers_and_validates_on_them(tmp_path, capsys):
             in capsys.readouterr().err)
     # a fraction that leaves nothing to train on: refused on the reused answers, before the weights load
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+        mp.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
         assert main([*args[:-4], "--val-fraction", "0.9", "--no-resume"]) == 2
         assert ("--val-fraction 0.9 holds out 4 of the 4 sequences, leaving none to train on"
                 in capsys.readouterr().err)
@@ -192,9 +193,9 @@ def test_val_fraction_holds_out_answers_and_validates_on_them(tmp_path, capsys):
 
 
 def test_train_vocab_size_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
-    import blockdraft.llm
+    import blockdraft.model_loader
 
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
     for value, message in (("-1", "--train-vocab-size must be an integer >= 0"),
                            ("10000000", "--train-vocab-size must be 0 (full vocabulary) or in [256, 49152]"),
                            ("100", "--train-vocab-size must be 0 (full vocabulary) or in [256, 49152]")):
@@ -220,9 +221,9 @@ def test_synth_prompts_adds_requests_the_target_wrote(tmp_path, capsys):
 
 
 def test_synth_prompts_is_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
-    import blockdraft.llm
+    import blockdraft.model_loader
 
-    monkeypatch.setattr(blockdraft.llm, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: pytest.fail("weights loaded before the check"))
     for value in ("-2", "99999999999"):
         assert main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--synth-prompts", value]) != 0
         assert f"--synth-prompts must be an integer in [0, 1000000], got {value}" in capsys.readouterr().err
