@@ -72,6 +72,11 @@ class RequestGroup:
     def finished(self) -> bool:
         return len(self._finished) == len(self.request_ids)
 
+    @property
+    def failed(self) -> bool:
+        """The engine stopped (or the server is shutting down) before the group finished."""
+        return self._error is not None
+
     def unfinished_ids(self) -> list[str]:
         return [rid for i, rid in enumerate(self.request_ids) if i not in self._finished]
 
@@ -142,6 +147,16 @@ class AsyncEngine:
             self._commands.put(_STOP)
             await asyncio.to_thread(self._thread.join)
         self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def fail_open(self, reason: str) -> int:
+        """Abort every unfinished request (their KV pages freed) and fail their groups with
+        EngineDeadError(reason), so waiting handlers answer 503 and streams end with an error event
+        (a server shutting down past its grace period). Returns the number of groups failed."""
+        groups = {id(g): g for g, _ in self._index.values()}
+        for g in groups.values():
+            self.abort(g)
+            g._fail(EngineDeadError(reason))
+        return len(groups)
 
     @property
     def alive(self) -> bool:

@@ -58,6 +58,8 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         count(exc.status)
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        if exc.status == 429:  # busy: the OpenAI client and proxies wait this long (s) before retrying
+            headers = {"Retry-After": "1"}
         return error_response(exc.status, exc.message, exc.param, exc.code, headers)
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

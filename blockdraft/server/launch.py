@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Callable
@@ -9,6 +10,7 @@ from typing import Callable
 from blockdraft.server.config import ServerConfig
 
 logger = logging.getLogger("blockdraft.server")
+SHUTDOWN_GRACE_S = 5.0  # a shutdown waits this long for requests in flight, then fails those left (503)
 
 
 def config_from_args(args) -> ServerConfig:
@@ -161,8 +163,14 @@ def serve(args) -> int:
         urls = " and ".join(_url(config.host, port) for port in ports)
         logger.info("serving %r (%s; %s) on %s, %s, %s", config.served_model_name, drafter, steps, urls, context, auth)
 
+    def grace_expired() -> None:
+        n = app.state.ctx.engine.fail_open("the server is shutting down")
+        if n:
+            logger.info("shutdown: %d request(s) still running after %g s answered with 503 / a stream error event",
+                        n, SHUTDOWN_GRACE_S)
+
     server = _uvicorn_server(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
-                                            timeout_graceful_shutdown=5), started)
+                                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 5), started, grace_expired)
     try:
         server.run()
     except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised SIGINT (as uvicorn.run)
@@ -175,15 +183,34 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _uvicorn_server(config, on_started: Callable[[list[int]], None]):
+def _uvicorn_server(config, on_started: Callable[[list[int]], None],
+                    on_grace_expired: Callable[[], None] | None = None, grace_s: float | None = None):
     """A uvicorn.Server that calls `on_started(ports)` once its sockets are bound and listening,
-    with their ports (the OS picks one for port 0; a host with several addresses may get one each)."""
+    with their ports (the OS picks one for port 0; a host with several addresses may get one each),
+    and, when a shutdown (Ctrl-C, SIGTERM) has waited `grace_s` seconds (SHUTDOWN_GRACE_S) for
+    requests in flight, `on_grace_expired()`: it fails them cleanly (503 / a stream error event)
+    before uvicorn's own timeout (config.timeout_graceful_shutdown, longer) would cancel their
+    tasks, which clients saw as plain-text 500s and streams cut without an error."""
     import uvicorn
+
+    grace = SHUTDOWN_GRACE_S if grace_s is None else grace_s
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)  # binds, or exits with uvicorn's message
             ports = sorted({sock.getsockname()[1] for server in self.servers for sock in server.sockets})
             on_started(ports)
+
+        async def shutdown(self, sockets=None) -> None:
+            async def fail_after_grace() -> None:
+                await asyncio.sleep(grace)
+                on_grace_expired()
+
+            watchdog = asyncio.create_task(fail_after_grace()) if on_grace_expired is not None else None
+            try:
+                await super().shutdown(sockets)  # stops accepting, waits for the requests in flight
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
 
     return Server(config)

@@ -235,7 +235,7 @@ class Serving:
         return JSONResponse(self._full_body(meta, plan, outs))
 
     def _stream_closed(self, group, rid: str, plan: Plan, arrival: float) -> None:
-        if not group.finished:  # the client left mid-stream: free its KV pages now
+        if not group.finished and not group.failed:  # the client left mid-stream: free its KV pages now
             self.ctx.engine.abort(group)
             self._log(rid, plan, None, arrival, "client disconnected")
 
@@ -290,6 +290,7 @@ class Serving:
         except EngineDeadError as e:
             yield R.sse(error_body(503, str(e)))
             yield R.SSE_DONE
+            self._log(meta["id"], plan, None, arrival, f"ended with an error event ({e})")
             return
         outs = [finals[i] for i in range(len(cursors))]
         if req.include_usage:
