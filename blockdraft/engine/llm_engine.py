@@ -104,16 +104,19 @@ class LLMEngine:
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Whether a request can be queued, without queuing it (callers check a whole batch first).
+        """Raise unless the request could be queued; queues nothing (callers check a whole batch first).
+
+        Args:
+            prompt_token_ids: the prompt's token ids (non-empty).
+            params: its SamplingParams (n == 1).
 
         Raises:
             TypeError: `params` is not a SamplingParams.
             ValueError: a field of `params` out of range (SamplingParams.verify: a field changed
-                after construction is checked here), `logprobs` or `prompt_logprobs` above
-                `max_logprobs`, empty
-                prompt, a prompt, stop or logit_bias token id outside [0, vocab_size) (names the first one), or
-                a prompt that leaves no room for one output token within `max_model_len` (names
-                the lengths).
+                after construction is checked here); `n` != 1; `logprobs` or `prompt_logprobs`
+                above `max_logprobs`; a prompt, stop_token_ids or logit_bias token id outside
+                [0, vocab_size) (names the first one); an empty prompt; a prompt that leaves no
+                room for one output token within `max_model_len` (names the lengths).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")

@@ -104,9 +104,15 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer, add_generation_prompt: bo
 def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: ModelInfo) -> Plan:
     """One SamplingParams per choice, with limits checked (`echo` for /v1/completions: see Plan).
 
+    Args:
+        req: a CompletionRequest or ChatCompletionRequest (pydantic-validated).
+        prompts: the token ids of each prompt (completion_prompts / chat_prompt), non-empty.
+        config: the server's limits. model: the served model's vocab size, context and limits.
     Raises:
-        APIError(400): n / choices / max_tokens / stop / logprobs over the server limits, a prompt
-            too long for the context or the KV pool, or a value SamplingParams refuses.
+        APIError(400): `stream_options` without `stream: true`; n / choices / max_tokens / stop /
+            logprobs over the server limits; `prompt_logprobs` > 0 with `stream: true`, or over the
+            logprobs limit; `min_tokens` > 0 with echo and `max_tokens: 0`; a prompt too long for
+            the context or the KV pool; or a value SamplingParams refuses.
     """
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
