@@ -236,14 +236,17 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
 
 
 def _stop_strings(stop, config: ServerConfig) -> list[str]:
+    """The request's stop strings as a list (APIError(400) naming the first one over a limit)."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > config.max_stop:
         raise APIError(400, f"stop has {len(stops)} strings; at most {config.max_stop} are allowed", param="stop")
-    for s in stops:
+    for i, s in enumerate(stops):
+        name = "stop" if isinstance(stop, str) else f"stop[{i}]"  # as the request wrote it
         if not s:
-            raise APIError(400, "stop strings must be non-empty", param="stop")
+            raise APIError(400, f"{name} is empty; stop strings must be non-empty", param="stop")
         if len(s) > config.max_stop_chars:
-            raise APIError(400, f"stop strings must be at most {config.max_stop_chars} characters", param="stop")
+            raise APIError(400, f"{name} has {len(s)} characters; at most {config.max_stop_chars} are allowed",
+                           param="stop")
     return stops
 
 
