@@ -4,16 +4,15 @@ Python API (`LLM.chat`, `LLM.generate` with conversations) and the server's requ
 
 from __future__ import annotations
 
-CHAT_ROLES = ("system", "user", "assistant")
 # OpenAI's `developer` role is taken too, given to the chat template as `system` (template_message).
-SERVER_CHAT_ROLES = (*CHAT_ROLES, "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer")
 MESSAGE_KEYS = ("role", "content", "name")
 MAX_NAME_CHARS = 256  # longest `name` of a message (OpenAI's participant name)
 _CONTENT_SHAPE = "content must be a string or a list of {'type': 'text', 'text': str} parts"
 
 
-def check_role(role, allowed: tuple[str, ...] = SERVER_CHAT_ROLES) -> str:
-    """Return `role` when it is one of `allowed` (default SERVER_CHAT_ROLES).
+def check_role(role, allowed: tuple[str, ...] = CHAT_ROLES) -> str:
+    """Return `role` when it is one of `allowed` (default CHAT_ROLES).
 
     Raises:
         ValueError: any other value; names it (its first 32 characters: it may come from an HTTP
@@ -92,7 +91,7 @@ def template_messages(messages) -> list[dict]:
                              f"{', '.join(map(repr, MESSAGE_KEYS))}")
         if "content" not in message:
             raise ValueError(f"chat message {i} has no 'content': {message!r:.80}; give "
-                             f"{{'role': one of {list(SERVER_CHAT_ROLES)}, 'content': str}}")
+                             f"{{'role': one of {list(CHAT_ROLES)}, 'content': str}}")
         try:
             check_content_parts(message["content"])
             check_role(message.get("role"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from blockdraft.errors import param_error
 
@@ -267,40 +267,3 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise param_error(name, f"{name} must be None or an integer >= 1, got {value!r}")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding. method: "dflash". model: drafter checkpoint folder.
-
-    num_speculative_tokens K: drafts per step, 1 <= K <= block_size - 1 (None: block_size - 1,
-    resolved when the drafter is loaded).
-    """
-
-    method: str = "dflash"
-    model: str | None = None
-    num_speculative_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.method != "dflash":
-            raise ValueError(f"speculative method {self.method!r} is not supported; supported: 'dflash'")
-        k = self.num_speculative_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise param_error("num_speculative_tokens", f"num_speculative_tokens must be an integer >= 1, got {k!r}")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything the engine needs, resolved. dtype: "float32" | "bfloat16" | "float16"."""
-
-    model_path: str
-    model: ModelConfig
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    speculative: SpeculativeConfig | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise param_error("dtype", f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")

@@ -78,7 +78,14 @@ class LLM:
         max_num_batched_tokens / max_num_seqs: scheduler limits per step (tokens: prefill chunks +
             decode / verify rows; running requests). max_num_batched_tokens None: 512 on CPU, 8192
             on CUDA (blockdraft.config.DEFAULT_MAX_NUM_BATCHED_TOKENS).
+        cache_dir: the cache root for catalog models (downloaded and converted once), converted
+            .gguf files and expanded shipped drafters; None: $BLOCKDRAFT_CACHE, else
+            ~/.cache/blockdraft (blockdraft.weights.fetch.cache_root).
         target: an already loaded target (shares weights between engines; tests, benchmarks).
+        speculator: an already built speculator (e.g. a DFlashSpeculator over `target`'s model;
+            tests, benchmarks) used instead of loading one: `draft`, `num_speculative_tokens` and
+            `draft_vocab_size` are then ignored. Its draft KV caches are reallocated to the pool's
+            page count when they differ. None: built from `draft`.
         attention_backend: "torch" | "dense" | "triton" | None (the device's default; tests).
         graph_mode: None (CUDA graphs on CUDA unless enforce_eager) | "off" | "eager" (the
             padded CUDA-graph code run without capture; tests and debugging) | "capture".

@@ -22,8 +22,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdraft.config import (CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
-                               default_max_num_batched_tokens, resolve_max_model_len)
+from blockdraft.config import (CacheConfig, ModelConfig, SchedulerConfig, default_max_num_batched_tokens,
+                               resolve_max_model_len)
 from blockdraft.errors import param_error
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -155,7 +155,10 @@ def preflight(
                           TypeError)
     if draft is not None and not str(draft).strip():
         raise param_error("draft", "draft is empty: give a drafter folder, 'auto', 'shipped' or None (plain decoding)")
-    SpeculativeConfig(method="dflash", model=draft, num_speculative_tokens=num_speculative_tokens)  # K's type
+    # K's type; its range needs the drafter's block size (step 2)
+    n = num_speculative_tokens
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise param_error("num_speculative_tokens", f"num_speculative_tokens must be an integer >= 1, got {n!r}")
     # 2. The drafter's config.json, and K against its block size.
     drafter_config = k = None
     vocab_n = 0

@@ -107,12 +107,6 @@ def build_metadata(
     )
 
 
-def row_requests(query_start_loc: list[int], device: str | torch.device = "cpu") -> torch.Tensor:
-    """[query_start_loc[-1]] int32 request index of each row, from host cumulative row counts."""
-    counts = torch.tensor([b - a for a, b in zip(query_start_loc, query_start_loc[1:])], dtype=torch.long)
-    return torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts).to(device)
-
-
 def _request_slots(seq_len: int, q_len: int, pages: list[int], kv_block_size: int, num_block_tokens: int) -> list[int]:
     """Cache slots of one request's rows (PADDING_SLOT for draft-block rows)."""
     if len(pages) * kv_block_size < seq_len:

@@ -83,11 +83,6 @@ def best_row(rows: list[dict], metric: str = "speedup") -> dict:
     return max(ok, key=lambda r: (r[metric], -r["k"], -r.get("draft_vocab_size", 0)))
 
 
-def best_k(rows: list[dict], metric: str = "speedup") -> int:
-    """K of `best_row` (same rules and errors)."""
-    return best_row(rows, metric)["k"]
-
-
 def parse_int_list(text: str, flag: str, minimum: int) -> list[int]:
     """'1,2,3' -> [1, 2, 3]: comma-separated integers >= `minimum`.
 

@@ -24,7 +24,6 @@ class EngineStats:
     num_generated_tokens: int = 0
     forward_time_s: float = 0.0
     draft_time_s: float = 0.0
-    total_time_s: float = 0.0
     spec: SpecStats = field(default_factory=SpecStats)
 
 
@@ -105,16 +104,19 @@ class LLMEngine:
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Whether a request can be queued, without queuing it (callers check a whole batch first).
+        """Raise unless the request could be queued; queues nothing (callers check a whole batch first).
+
+        Args:
+            prompt_token_ids: the prompt's token ids (non-empty).
+            params: its SamplingParams (n == 1).
 
         Raises:
             TypeError: `params` is not a SamplingParams.
             ValueError: a field of `params` out of range (SamplingParams.verify: a field changed
-                after construction is checked here), `logprobs` or `prompt_logprobs` above
-                `max_logprobs`, empty
-                prompt, a prompt, stop or logit_bias token id outside [0, vocab_size) (names the first one), or
-                a prompt that leaves no room for one output token within `max_model_len` (names
-                the lengths).
+                after construction is checked here); `n` != 1; `logprobs` or `prompt_logprobs`
+                above `max_logprobs`; a prompt, stop_token_ids or logit_bias token id outside
+                [0, vocab_size) (names the first one); an empty prompt; a prompt that leaves no
+                room for one output token within `max_model_len` (names the lengths).
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
@@ -167,7 +169,6 @@ class LLMEngine:
         launch the next one first; a step whose requests have all stopped meanwhile is dropped
         unread (so `has_unfinished_requests()` can be False while it still runs on the device).
         """
-        t0 = time.perf_counter()
         if self._inflight is not None:
             reqs, launched = self._inflight
             sched_out = launched.so
@@ -191,7 +192,7 @@ class LLMEngine:
             raise
         if self._inflight is not None and all(r.is_finished for r in self._inflight[0]):
             self._inflight = None  # every request of the next step has stopped: nothing to read
-        self._account(run_out, time.perf_counter() - t0)
+        self._account(run_out)
         if not stream:
             return self._pop_finished_outputs() + self._count_new_tokens(reqs)
         return self._pop_finished_outputs() + self._outputs_of(reqs)
@@ -318,11 +319,10 @@ class LLMEngine:
         self._detok[req.request_id].flush()
         self._finished_unreported.append(req)
 
-    def _account(self, run_out: ModelRunnerOutput, seconds: float) -> None:
+    def _account(self, run_out: ModelRunnerOutput) -> None:
         self.stats.num_steps += 1
         self.stats.forward_time_s += run_out.forward_time_s
         self.stats.draft_time_s += run_out.draft_time_s
-        self.stats.total_time_s += seconds
 
     def _outputs_of(self, reqs: list[Request]) -> list[RequestOutput]:
         return [self._output(r) for r in reqs if not r.is_finished and self._num_new.get(r.request_id)]

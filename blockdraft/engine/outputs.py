@@ -76,6 +76,11 @@ class ModelRunnerOutput:
     num_accepted[rid]: drafts accepted. draft_token_ids[rid]: the next step's K drafts (empty
     without a speculator). logprobs[rid]: one dict per sampled token when asked.
     prompt_logprobs[rid]: one dict per ScheduledRequest.prompt_logprob_token_ids entry, in order.
+    forward_time_s: seconds of the step's target phase: target forward + sampling + verification
+        (a graphed step's verification is in its tail: draft_time_s; without a speculator the tail
+        counts here). draft_time_s: seconds of the draft phase (the drafter proposing the next
+        K drafts; about 0 without a speculator). Both from runner.step_timer (CUDA events on a GPU,
+        so device time, not host launch time).
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -1,8 +1,8 @@
 """Per-request state kept by the engine (pure Python, no tensors).
 
-Token-progress model (vLLM V1): a request holds `all_token_ids = prompt + output` and
+Token-progress model (vLLM V1): a request holds its tokens, prompt + output, and
 `num_computed_tokens`, the number of leading tokens whose KV is in the cache. Each step the scheduler
-asks the runner to compute `all_token_ids[num_computed:] + spec_token_ids` (or a chunk of it). After a
+asks the runner to compute `(prompt + output)[num_computed:] + spec_token_ids` (or a chunk of it). After a
 step that verified drafts, `num_computed_tokens` advances only over the anchor and the accepted drafts:
 rejected drafts' KV is garbage and gets overwritten. Invariant while decoding:
 `num_computed_tokens == num_tokens - 1` (the last token, the anchor, is not computed yet).
@@ -91,7 +91,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, length)
     block_ids: list[int] = field(default_factory=list)
     # prefix caching (engine.kv_cache_manager): chained hashes of the full pages of
-    # all_token_ids computed so far (kept across preemption: the tokens do not change), how many
+    # prompt + output computed so far (kept across preemption: the tokens do not change), how many
     # leading pages of block_ids have been offered to the prefix cache, and the registration
     # serial naming the prefix those pages hold (0: none)
     page_hashes: list[int] = field(default_factory=list)
@@ -125,22 +125,8 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
-
-    def token_at(self, index: int) -> int:
-        """Token at sequence index `index`, counting drafts after the committed tokens."""
-        n_prompt = len(self.prompt_token_ids)
-        if index < n_prompt:
-            return self.prompt_token_ids[index]
-        index -= n_prompt
-        if index < len(self.output_token_ids):
-            return self.output_token_ids[index]
-        return self.spec_token_ids[index - len(self.output_token_ids)]
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens at sequence indices start..stop-1 (prompt, then output, then drafts), as one list."""

@@ -75,6 +75,9 @@ def build_input_batch(
     """Lay out the scheduled tokens as rows and compute slots, block tables and logits rows.
 
     Args:
+        so: the scheduler's step (requests in batch order; their token ids, start positions, pages).
+        kv_block_size: tokens per KV page (slot = page * kv_block_size + position % kv_block_size).
+        device: where the batch's tensors go (one staged host-to-device copy).
         host_metadata: also keep query_start_loc / seq_lens as host lists in the metadata (the
             torch reference backend needs them; the GPU backends do not).
         padding: pad to this static shape (CUDA-graph buckets); None = exact shapes.

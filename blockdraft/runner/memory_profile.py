@@ -41,7 +41,12 @@ def num_kv_blocks_for_gpu(
     Args:
         model / config: the loaded target (CausalLM) and its ModelConfig.
         speculator: None or a DFlashSpeculator whose caches are not allocated yet.
+        kv_block_size: tokens per KV page.
+        max_num_batched_tokens / max_num_seqs: the largest step (rows / requests) the profile
+            run makes, whose peak activation memory is kept free.
+        gpu_memory_utilization: fraction of the device's memory the engine may use, in (0, 1].
         cuda_graphs: graphs will be captured (their pool doubles the activation reserve).
+        device: the CUDA device the model is on (profiled and measured there).
         min_tokens: the pool must hold one request of this many tokens (max_model_len; None: the
             model's max_position_embeddings).
     Raises:

@@ -57,7 +57,16 @@ def build_step_graphs(
     """Capture (or, capture=False, prepare to run eagerly) the uniform-step and prefill graphs.
 
     Args:
+        model: the target CausalLM the graphs run.
+        kv_caches: its paged caches (allocate_kv_caches: per layer a (k, v) pair of
+            [num_kv_blocks, kv_block_size, num_kv_heads, head_dim]), written in place.
         speculator: None (plain decoding: Q = 1) or a DFlashSpeculator (Q = K + 1).
+        max_num_seqs: the most requests in a step: caps the request buckets.
+        max_num_batched_tokens: the most rows in a step: caps the request buckets at
+            max_num_batched_tokens // Q and the prefill row buckets.
+        block_table_width: pages per request the static block table holds
+            (ceil(max_model_len / kv_block_size)).
+        kv_block_size: tokens per KV page.
         capture: True on CUDA; False runs the identical padded static-shape code eagerly.
         continuation: also build async scheduling's continuation graphs (capture time and pool
             memory are spent only when the engine can use them).

@@ -45,6 +45,7 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None, headers=None) -> JSONResponse:
+    """A JSONResponse with HTTP `status`, the OpenAI error object (error_body) and `headers`."""
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 

@@ -83,7 +83,8 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def _too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"request body is larger than the server limit of {max_bytes} bytes", code="request_too_large")
+    return APIError(413, f"request body is larger than the server limit of {max_bytes} bytes (the server's "
+                         f"--max-body-bytes); send a smaller body", code="request_too_large")
 
 
 def _refuse_constant(name: str):

@@ -104,9 +104,15 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer, add_generation_prompt: bo
 def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: ModelInfo) -> Plan:
     """One SamplingParams per choice, with limits checked (`echo` for /v1/completions: see Plan).
 
+    Args:
+        req: a CompletionRequest or ChatCompletionRequest (pydantic-validated).
+        prompts: the token ids of each prompt (completion_prompts / chat_prompt), non-empty.
+        config: the server's limits. model: the served model's vocab size, context and limits.
     Raises:
-        APIError(400): n / choices / max_tokens / stop / logprobs over the server limits, a prompt
-            too long for the context or the KV pool, or a value SamplingParams refuses.
+        APIError(400): `stream_options` without `stream: true`; n / choices / max_tokens / stop /
+            logprobs over the server limits; `prompt_logprobs` > 0 with `stream: true`, or over the
+            logprobs limit; `min_tokens` > 0 with echo and `max_tokens: 0`; a prompt too long for
+            the context or the KV pool; or a value SamplingParams refuses.
     """
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
@@ -228,14 +234,17 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
 
 
 def _stop_strings(stop, config: ServerConfig) -> list[str]:
+    """The request's stop strings as a list (APIError(400) naming the first one over a limit)."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > config.max_stop:
         raise APIError(400, f"stop has {len(stops)} strings; at most {config.max_stop} are allowed", param="stop")
-    for s in stops:
+    for i, s in enumerate(stops):
+        name = "stop" if isinstance(stop, str) else f"stop[{i}]"  # as the request wrote it
         if not s:
-            raise APIError(400, "stop strings must be non-empty", param="stop")
+            raise APIError(400, f"{name} is empty; stop strings must be non-empty", param="stop")
         if len(s) > config.max_stop_chars:
-            raise APIError(400, f"stop strings must be at most {config.max_stop_chars} characters", param="stop")
+            raise APIError(400, f"{name} has {len(s)} characters; at most {config.max_stop_chars} are allowed",
+                           param="stop")
     return stops
 
 

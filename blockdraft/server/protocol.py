@@ -15,8 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from blockdraft.chat_messages import (  # noqa: F401  (MAX_NAME_CHARS: re-exported)
+    CHAT_ROLES,
     MAX_NAME_CHARS,
-    SERVER_CHAT_ROLES,
     check_content_parts,
     check_role,
     content_text,
@@ -162,7 +162,7 @@ class ChatMessage(_Strict):
     @field_validator("role")
     @classmethod
     def _known_role(cls, v: str) -> str:
-        return check_role(v, SERVER_CHAT_ROLES)
+        return check_role(v, CHAT_ROLES)
 
     @property
     def text(self) -> str:

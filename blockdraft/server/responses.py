@@ -26,6 +26,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    """OpenAI's `usage` object: prompt, completion and total token counts."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,

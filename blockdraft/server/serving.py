@@ -167,6 +167,9 @@ class ChatFormat:
         return [chat_prompt(req, ctx.tokenizer)]
 
     def choice(self, ctx: ServerContext, index: int, out: RequestOutput, plan: Plan) -> dict:
+        """Choice `index` of a whole response: the assistant `message` with `out`'s text, its
+        `logprobs` object when asked (else None), finish_reason and stop_reason. `plan` is unused
+        (chat carries prompt_logprobs at the top level, not per choice)."""
         logprobs = None if out.logprobs is None else R.chat_logprobs(out.logprobs, ctx.token_text)
         message = {"role": "assistant", "content": out.text}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason,
@@ -178,6 +181,10 @@ class ChatFormat:
 
     def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None,
                      out: RequestOutput) -> dict:
+        """The choice of one stream chunk: `delta` (the new text, {} when none), the logprob
+        `entries` of this chunk's tokens (None: not asked), `finish` (None until the last chunk)
+        and, with it, the stop_reason. Never None: chat sends every chunk it is given (`cursor`
+        is unused; the completions format needs it)."""
         logprobs = None if entries is None else R.chat_logprobs(entries, ctx.token_text)
         return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": _stop_reason(finish, out)}

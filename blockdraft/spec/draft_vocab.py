@@ -142,10 +142,13 @@ def save_draft_vocab(folder: str | Path, token_ids: torch.Tensor, counts: torch.
     """Write `<folder>/draft_vocab.json`; returns the file.
 
     Args:
+        folder: where to write (usually the drafter's folder); created with its parents if missing.
+            An existing draft_vocab.json there is overwritten.
         token_ids / counts: [N] int ranked ids and their counts (see `rank_tokens`).
         metadata: JSON-serialisable; should hold "source" (what was counted) and "num_tokens".
     Raises:
         ValueError: empty or mismatched tensors, repeated or negative ids.
+        OSError: the folder cannot be created or the file written.
     """
     token_ids, counts = token_ids.detach().cpu().long().contiguous(), counts.detach().cpu().long().contiguous()
     _check_ids(token_ids, counts, "token_ids")

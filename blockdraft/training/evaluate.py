@@ -174,13 +174,12 @@ def summary_line(r: EvalResult) -> str:
 
 
 def plot_per_position(results: dict[str, list[float]], path: str, title: str = "") -> None:
-    """Per-position acceptance rate curves (one per label) as a PNG.
+    """Per-position acceptance rate curves (one per label) as a PNG at `path`."""
+    import matplotlib
 
-    Raises:
-        ValueError: matplotlib is not installed (`pip install matplotlib`); ValueError so the CLI
-            reports it as a one-line error.
-    """
-    plt = _pyplot()
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, rates in results.items():
         ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
@@ -195,29 +194,12 @@ def plot_per_position(results: dict[str, list[float]], path: str, title: str = "
     plt.close(fig)
 
 
-def _pyplot():
-    """matplotlib.pyplot with the Agg backend.
-
-    Raises:
-        ValueError: matplotlib is not installed.
-    """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from e
-    return plt
-
-
 def main(args) -> int:
     """CLI body of `blockdraft eval-drafter` (arguments from cli.py)."""
     from blockdraft.errors import check_writable_file
     from blockdraft.drafters import shipped_drafter
 
     if args.plot:  # fail before minutes of decoding, not after
-        _pyplot()
         check_writable_file(args.plot, "--plot", example="acceptance.png")
         from matplotlib.backend_bases import FigureCanvasBase
 

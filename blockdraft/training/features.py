@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from blockdraft.training.dataset import TokenDataset, collate
+from blockdraft.training.target import TrainTarget
 
 
 class FeatureCache:
@@ -50,7 +51,7 @@ class FeatureCache:
 
     @classmethod
     @torch.no_grad()
-    def build(cls, target, data: TokenDataset, layer_ids: tuple[int, ...], max_len: int, device,
+    def build(cls, target: TrainTarget, data: TokenDataset, layer_ids: tuple[int, ...], max_len: int, device,
               dtype: torch.dtype | None = None, batch_size: int = 16, progress: bool = False,
               device_bytes: int | None = None, greedy: bool = False) -> "FeatureCache":
         """Run the target over every sequence once (length-sorted batches of `batch_size`).

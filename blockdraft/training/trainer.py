@@ -42,6 +42,7 @@ from blockdraft.training.dense import dense_block_forward
 from blockdraft.training.features import FeatureCache
 from blockdraft.training.loss import StepStats, block_labels, default_gamma, slot_weights, weighted_block_loss
 from blockdraft.training.masks import sample_anchors
+from blockdraft.training.target import TrainTarget
 
 
 @dataclass
@@ -202,7 +203,7 @@ class Trainer:
     """
 
     drafter: DFlashDraftModel
-    target: object
+    target: TrainTarget
     data: TokenDataset
     cfg: TrainConfig
     out_dir: Path

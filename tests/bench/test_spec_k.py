@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from blockdraft.side_by_side import TimedRun
-from blockdraft.bench.spec_k import best_k, best_row, k_table
+from blockdraft.bench.spec_k import best_row, k_table
 from blockdraft.engine.request import SpecStats
 
 
@@ -26,19 +26,19 @@ def test_table_pools_prompts_and_flags_differing_answers():
     assert rows[0]["per_prompt_speedup"] == pytest.approx([4 / 3, 2.0])
     assert rows[0]["tokens_per_s"] == pytest.approx(6 / 4)
     assert rows[0]["identical"] and not rows[1]["identical"]
-    assert best_k(rows) == 1  # K=2 is faster but changed an answer
+    assert best_row(rows)["k"] == 1  # K=2 is faster but changed an answer
 
 
-def test_best_k_prefers_the_smaller_k_on_ties_and_refuses_without_identical_rows():
+def test_best_row_prefers_the_smaller_k_on_ties_and_refuses_without_identical_rows():
     rows = [{"k": 3, "speedup": 1.1, "cpu_speedup": 1.0, "identical": True},
             {"k": 1, "speedup": 1.1, "cpu_speedup": 1.2, "identical": True}]
-    assert best_k(rows) == 1 and best_k(rows, "cpu_speedup") == 1
+    assert best_row(rows)["k"] == 1 and best_row(rows, "cpu_speedup")["k"] == 1
     rows[1]["cpu_speedup"] = 0.9
-    assert best_k(rows, "cpu_speedup") == 3
+    assert best_row(rows, "cpu_speedup")["k"] == 3
     with pytest.raises(ValueError, match="metric must be"):
-        best_k(rows, "tokens")
+        best_row(rows, "tokens")
     with pytest.raises(ValueError, match="no K produced answers identical"):
-        best_k([dict(rows[0], identical=False)])
+        best_row([dict(rows[0], identical=False)])
 
 
 def test_table_and_choice_over_draft_vocabulary_sizes():

@@ -62,6 +62,17 @@ def test_slice_commit_matches_per_token_commit():
         assert got == want, (trial, params, steps)
 
 
+def _token_at(req: Request, index: int) -> int:
+    """Token at sequence index `index` of `req`, counting drafts after the committed tokens (oracle)."""
+    n_prompt = len(req.prompt_token_ids)
+    if index < n_prompt:
+        return req.prompt_token_ids[index]
+    index -= n_prompt
+    if index < len(req.output_token_ids):
+        return req.output_token_ids[index]
+    return req.spec_token_ids[index - len(req.output_token_ids)]
+
+
 def test_token_slice_equals_token_at():
     rng = random.Random(1)
     for _ in range(500):
@@ -71,4 +82,4 @@ def test_token_slice_equals_token_at():
         n = req.num_tokens + len(req.spec_token_ids)
         a = rng.randint(0, n)
         b = rng.randint(a, n)
-        assert req.token_slice(a, b) == [req.token_at(i) for i in range(a, b)]
+        assert req.token_slice(a, b) == [_token_at(req, i) for i in range(a, b)]

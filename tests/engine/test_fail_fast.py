@@ -8,7 +8,6 @@ the real default catalog model (no download: the test is skipped otherwise).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -225,11 +224,10 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
              "--num-prompts) must be an integer >= 1, got 0")
     _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--plot", "/nonexistent/p.png"],
              "--plot '/nonexistent/p.png': folder '/nonexistent' does not exist")
-    if importlib.util.find_spec("matplotlib") is not None:  # without it --plot says so first
-        _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--plot", str(tmp_path / "p.txt")],
-                 "p.txt': the file name must end in an image format matplotlib writes")
-        _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--plot", str(tmp_path)],
-                 "is a folder: give a file path, e.g. ", "acceptance.png")
+    _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--plot", str(tmp_path / "p.txt")],
+             "p.txt': the file name must end in an image format matplotlib writes")
+    _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--plot", str(tmp_path)],
+             "is a folder: give a file path, e.g. ", "acceptance.png")
     if not torch.cuda.is_available():
         _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--device", "cuda"],
                  "device (--device) 'cuda' asked for but torch sees no CUDA device (use 'cpu' or 'auto')")

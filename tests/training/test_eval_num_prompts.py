@@ -24,7 +24,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture
 def loaded(monkeypatch):
-    """Records eval_prompts calls; eval_prompts returns `dataset_size` prompts; load_target raises Reached."""
+    """Records eval_prompts calls; eval_prompts returns corpora.EVAL_DATASET_SIZES[dataset] prompts;
+    load_target raises Reached."""
     calls = []
 
     def prompts(dataset, cache_dir=None):

@@ -63,6 +63,10 @@ class DFlashSpeculator:
     ) -> None:
         """
         Args:
+            drafter: the loaded DFlashDraftModel, on the target's device; its config gives the
+                block size, target layer ids and mask token. On CUDA its projections are stacked
+                in place (DFlashDraftModel.stack_projections).
+            target: the target model whose embeddings and LM head the drafter borrows (DraftTarget).
             num_speculative_tokens: K, 1 <= K <= block_size - 1 (None: block_size - 1).
             num_kv_blocks, kv_block_size: the target cache's page count and page size. None pages:
                 allocate later with `allocate_kv_caches` (the GPU pool is sized after profiling).
