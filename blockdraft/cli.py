@@ -375,7 +375,7 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
                    help="drafts per step K (default: the drafter's whole block, block_size - 1)")
     add_draft_vocab_size_flag(e)
     e.add_argument("--compare-plain", action="store_true", help="also decode without the drafter: equality + speedup")
-    e.add_argument("--plot", default=None, help="write the per-position acceptance plot to this PNG (needs matplotlib)")
+    e.add_argument("--plot", default=None, help="write the per-position acceptance plot to this PNG")
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="target and drafter weights and KV cache (default float32, the reference the acceptance "
                         "numbers in docs/ use; auto: what generate / demo / serve run, bf16 for catalog models, "
