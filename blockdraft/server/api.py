@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
 GET /health (503 once the engine has stopped), GET /metrics (Prometheus text), and vLLM's extras
-POST /tokenize, POST /detokenize (server.tokenization), GET /version and GET /ping (= /health). Only /v1/* needs
+POST /tokenize, POST /detokenize (server.tokenization), GET /version and GET / POST /ping (= /health). Only /v1/* needs
 the API key when one is set (http.V1KeyCheck, unknown /v1 paths included).
 """
 
@@ -94,7 +94,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
 
         return {"version": __version__}
 
-    @app.get("/ping")  # vLLM's (SageMaker's) liveness path: /health's answer
+    @app.get("/ping")  # vLLM's (SageMaker's) liveness path, GET and POST: /health's answer
+    @app.post("/ping")
     @app.get("/health")
     async def health():
         if not engine.alive:

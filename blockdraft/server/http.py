@@ -49,7 +49,8 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
     except RecursionError:
         raise APIError(400, "request body JSON is nested too deeply") from None
     if not isinstance(value, dict):
-        raise APIError(400, f"request body must be a JSON object, got a JSON {type(value).__name__}")
+        kind = {type(None): "null", bool: "boolean", list: "array", str: "string", int: "number", float: "number"}
+        raise APIError(400, f"request body must be a JSON object, got a JSON {kind.get(type(value), type(value).__name__)}")
     try:
         # json accepts "\ud800" escapes; such strings cannot be tokenized (nor logged) later.
         json.dumps(value, ensure_ascii=False).encode("utf-8")

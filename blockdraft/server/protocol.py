@@ -147,11 +147,22 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     """One chat message. Roles: system, developer (rendered as system), user, assistant. Content: a
     string or text parts. name: OpenAI's optional participant name, passed on to the chat template.
+    tool_calls: only null or [] (no tools here; clients echo an assistant message's empty list).
     Checked and rendered by blockdraft.chat_messages, as the Python API's messages are."""
 
     role: str
     content: str | list[TextPart]
     name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    # what clients send back in an assistant message of a conversation without tools: null or []
+    tool_calls: list | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls(cls, v: list | None) -> list | None:
+        if v:
+            raise ValueError(f"tool_calls ({len(v)} given) are not supported: this server has no tools; send null or "
+                             "[] (or leave it out)")
+        return v
 
     @field_validator("content", mode="before")
     @classmethod

@@ -38,6 +38,9 @@ CASES = [
     ("empty-body", C, b"", {}, 400, "empty"),
     ("json-array", C, b"[1, 2, 3]", {}, 400, "JSON object"),
     ("json-string", C, b'"hello"', {}, 400, "JSON object"),
+    ("json-null", C, b"null", {}, 400, "got a JSON null"),
+    ("tool-calls-given", CHAT, _chat(messages=[{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]), {},
+     400, "tool_calls (1 given) are not supported"),
     ("nan-temperature", C, b'{"prompt": "w05x", "temperature": NaN}', {}, 400, "NaN"),
     ("lone-surrogate", C, b'{"prompt": "w05x \\ud800"}', {}, 400, "surrogate"),
     ("deep-nesting", C, b"[" * 200_000, {}, 400, "nested too deeply"),
@@ -201,3 +204,12 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
     assert r.status_code == 400 and "include_stop_str_in_output" in r.json()["error"]["message"]
     r = http.post(C, json=_c(echo=0))  # 0 is not the neutral `false`: types are strict
     assert r.status_code == 400
+
+
+def test_an_assistant_message_with_empty_tool_calls_is_accepted(http):
+    """Clients send a conversation's earlier assistant turns back with `tool_calls: null` or `[]`."""
+    for calls in (None, []):
+        turns = [{"role": "user", "content": "w05x"}, {"role": "assistant", "content": "w06x", "tool_calls": calls},
+                 {"role": "user", "content": "w07x"}]
+        r = http.post(CHAT, json=_chat(messages=turns))
+        assert r.status_code == 200, r.text

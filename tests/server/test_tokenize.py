@@ -24,6 +24,7 @@ def test_tokenize_counts_what_completions_and_chat_count_and_detokenize_returns_
     assert bare["count"] < chat["count"] and chat["tokens"][: bare["count"]] == bare["tokens"]
     assert httpx.get(plain_server.url + "/version").json()["version"]
     assert httpx.get(plain_server.url + "/ping").json() == {"status": "ok"}
+    assert httpx.post(plain_server.url + "/ping").json() == {"status": "ok"}  # vLLM takes POST too
     strs = httpx.post(plain_server.url + "/tokenize", json={"prompt": TEXT, "return_token_strs": True}).json()
     assert strs["token_strs"] == TEXT.split() and strs["tokens"] == r["tokens"]
 
