@@ -8,6 +8,10 @@ from __future__ import annotations
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 MESSAGE_KEYS = ("role", "content", "name")
 MAX_NAME_CHARS = 256  # longest `name` of a message (OpenAI's participant name)
+# Keys an OpenAI client sends back in a conversation's earlier assistant messages (the SDK's
+# message.model_dump()); null or [] they carry nothing and are dropped, with a value they are refused
+# (no tools here).
+ECHOED_EMPTY_KEYS = ("tool_calls", "refusal", "function_call", "audio", "annotations")
 _CONTENT_SHAPE = "content must be a string or a list of {'type': 'text', 'text': str} parts"
 
 
@@ -68,11 +72,29 @@ def template_message(role: str, content: str | list, name: str | None = None) ->
     return out
 
 
+def drop_echoed_empty_keys(message: dict) -> dict:
+    """`message` without its ECHOED_EMPTY_KEYS whose values are null or [] (the dict itself when it
+    has none).
+
+    Raises:
+        ValueError: one of those keys with another value, naming it (tool calls, refusals and
+            audio are not supported).
+    """
+    present = [k for k in ECHOED_EMPTY_KEYS if k in message]
+    if not present:
+        return message
+    for k in present:
+        if message[k] not in (None, []):
+            raise ValueError(f"{k} is not supported (this server has no tools or audio); send it as null or [], or "
+                             f"leave it out")
+    return {k: v for k, v in message.items() if k not in present}
+
+
 def template_messages(messages) -> list[dict]:
     """Check a conversation given to the Python API and return its messages as the chat template
     gets them (template_message), accepting what the server accepts: roles system / user /
     assistant / developer, string or text-part content, an optional string `name` (<=
-    MAX_NAME_CHARS characters).
+    MAX_NAME_CHARS characters), and ECHOED_EMPTY_KEYS when null or [].
 
     Raises:
         ValueError: an empty conversation, or the first bad message, naming its index and value:
@@ -85,6 +107,10 @@ def template_messages(messages) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {message!r:.80}")
+        try:
+            message = drop_echoed_empty_keys(message)
+        except ValueError as e:
+            raise ValueError(f"chat message {i}: {e}") from None
         extra = [k for k in message if k not in MESSAGE_KEYS]
         if extra:
             raise ValueError(f"chat message {i} has keys {extra!r:.80} that are not supported; a message's keys are "
@@ -100,7 +126,6 @@ def template_messages(messages) -> list[dict]:
             raise ValueError(f"chat message {i}: {e}") from None
         out.append(template_message(message["role"], message["content"], message.get("name")))
     return out
-
 
 
 def _check_name(name) -> None:

@@ -1,6 +1,7 @@
 """Engine options on the command line (as vLLM's EngineArgs): the argparse flags that several
-subcommands share (generate, serve, demo, bench, eval-drafter), and `llm_from_args`, the one place
-that turns them into an `LLM`."""
+subcommands share (generate, serve, demo, bench, eval-drafter), and `llm_from_args`, which turns
+generate's and serve's flags into an `LLM` (demo, bench and eval-drafter build theirs with their
+own settings)."""
 
 from __future__ import annotations
 

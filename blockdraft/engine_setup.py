@@ -16,6 +16,7 @@ from blockdraft.model_loader import LoadedTarget, eos_token_ids
 from blockdraft.preflight import Preflight
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
 
+
 def build_speculator(pre: Preflight, target: LoadedTarget):
     """The DFlash speculator for the drafter, K and draft vocabulary that `preflight` resolved and checked."""
     from blockdraft.spec.dflash.checkpoint import load_drafter

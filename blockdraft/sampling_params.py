@@ -15,16 +15,20 @@ from blockdraft.errors import param_error
 DEFAULT_MAX_LOGPROBS = 20
 
 
-GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: lower temperatures decode greedily
+# Sampling at T -> 0 tends to argmax, and dividing float32 logits by T < 1e-5 overflows: such
+# requests decode greedily (older vLLM's _SAMPLING_EPS rule; newer vLLM raises T < 0.01 to 0.01).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: per-request floats become float32 tensors
 INT64_MAX = 2**63 - 1  # per-request integers become int64 tensors
+
 
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature: 0 means greedy (argmax), and so does any temperature below 1e-5 (vLLM's rule:
-    dividing logits by it would overflow float32), which `verify` sets to 0. top_k: 0 or -1
+    temperature: 0 means greedy (argmax), and so does any temperature below 1e-5 (dividing logits
+    by it would overflow float32; older vLLM's rule too), which `verify` sets to 0; at most
+    float32's largest value. top_k: 0 or -1
     disables it (at most 2**63 - 1; above the vocabulary size it keeps every token). top_p in (0, 1].
     seed: makes sampling reproducible; the sample at output position q is a pure function of
     (seed, q, logits), so it does not depend on batch mates or on speculative decoding. None: each
@@ -97,8 +101,9 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, low=1, high=INT64_MAX)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise param_error("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not 0 <= self.temperature < float("inf"):
-            raise param_error("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature <= FLOAT32_MAX:
+            raise param_error("temperature", f"temperature must be a finite number >= 0 and <= {FLOAT32_MAX:.6g} "
+                                             f"(float32's largest), got {self.temperature!r}")
         if self.temperature < GREEDY_BELOW_TEMPERATURE:
             self.temperature = 0.0
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:

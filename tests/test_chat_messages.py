@@ -143,8 +143,9 @@ def test_chat_add_generation_prompt(llm):
 @pytest.mark.parametrize(
     "message, match",
     [
-        ({"role": "user", "content": "w05x", "tool_calls": []},
-         r"chat message 0 has keys \['tool_calls'\] that are not supported; a message's keys are 'role', 'content', 'name'"),
+        ({"role": "user", "content": "w05x", "tools": []},
+         r"chat message 0 has keys \['tools'\] that are not supported; a message's keys are 'role', 'content', 'name'"),
+        ({"role": "user", "content": "w05x", "tool_calls": [{"id": "c1"}]}, "chat message 0: tool_calls is not supported"),
         ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
          "chat message 0: content part 0 has type 'image_url', which is not supported; only 'text' parts are"),
         ({"role": "user", "content": [{"type": "text"}]}, r"chat message 0: content part 0 must be \{'type': 'text', 'text': str\}"),
@@ -157,3 +158,20 @@ def test_api_refuses_what_the_server_refuses(llm, message, match):
     with pytest.raises(ValueError, match=match):
         llm.chat([message])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_echoed_empty_assistant_keys_are_dropped_in_both(llm):
+    """An assistant turn sent back as the OpenAI SDK dumps it (tool_calls / refusal / function_call /
+    audio / annotations null or []) renders as without those keys, in the Python API and the
+    server's request model; a value in one of them is refused by name in both."""
+    turn = {"role": "assistant", "content": "w03x"}
+    echoed = {**turn, "tool_calls": [], "refusal": None, "function_call": None, "audio": None, "annotations": None}
+    params = SamplingParams(max_tokens=2)
+    a, b = llm.chat([OK, echoed, OK], params)[0], llm.chat([OK, turn, OK], params)[0]
+    assert a.prompt_token_ids == b.prompt_token_ids
+    req = parse_request(ChatCompletionRequest, {"messages": [OK, echoed]})
+    assert req.messages[1].template_message() == {"role": "assistant", "content": "w03x"}
+    with pytest.raises(ValueError, match=r"chat message 1: tool_calls is not supported"):
+        llm.chat([OK, {**turn, "tool_calls": [{"id": "c1"}]}])
+    with pytest.raises(APIError, match=r"audio is not supported"):
+        parse_request(ChatCompletionRequest, {"messages": [{**turn, "audio": {"id": "a"}}]})

@@ -128,7 +128,7 @@ class RequestOutput:
         logprob), ...]} per output token (an end-of-text token included), natural log; else None.
     prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None for the
         first, then a dict of the same form plus "rank" (log-probability of the prompt token given
-        the tokens before it, its rank there: 1 + the number of more likely tokens, as vLLM's, and
+        the tokens before it, its rank there: the number of tokens at least as likely, as vLLM's, and
         the N most likely tokens there); else None. Complete in every output that
         has a token (the prompt is computed before the first token is sampled).
     prompt: the prompt's text as `LLM.generate` got it (vLLM's `output.prompt`): the string, a

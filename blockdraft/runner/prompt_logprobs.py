@@ -36,7 +36,7 @@ class PromptLogprobs:
     order: its id, how many tokens it scores, its SamplingParams.prompt_logprobs (N).
     rows: [R] int64 (device) rows of the step's hidden states; tokens: [R] int64 (device) the
     prompt token each row scores (R = sum(counts)); token_ids: the same on the host. After `compute`: token_logprob [R] float32,
-    token_rank [R] int64 (1 + the number of tokens more likely than it: vLLM's rank), top_ids
+    token_rank [R] int64 (the number of tokens at least as likely, itself included: vLLM's rank), top_ids
     [R, max(num_top)] int64, top_logprobs [R, max(num_top)] float32 (device).
     """
 
@@ -59,8 +59,9 @@ class PromptLogprobs:
         for a in range(0, self.rows.shape[0], SLICE_ROWS):
             logits = model.compute_logits(hidden[self.rows[a : a + SLICE_ROWS]], upcast=False)
             tokens = self.tokens[a : a + SLICE_ROWS]
-            # the rank compares raw logits: log_softmax keeps their order
-            rank = (logits > logits.gather(1, tokens[:, None])).sum(-1) + 1
+            # vLLM's rank: the tokens at least as likely, itself included (a tie ranks it last);
+            # raw logits, whose order log_softmax keeps
+            rank = (logits >= logits.gather(1, tokens[:, None])).sum(-1)
             parts.append((*compute_logprobs(logits, tokens, k), rank))
         self.token_logprob, self.top_ids, self.top_logprobs, self.token_rank = (torch.cat(p) for p in zip(*parts))
 

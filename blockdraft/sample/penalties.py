@@ -93,8 +93,8 @@ def penalty_entries(
 
 def _request_entries(prompt, output, masked, drafts, p: SamplingParams, row0: int) -> list[torch.Tensor]:
     """One request's entries for its len(drafts) + 1 rows starting at logits row `row0` (`prompt`:
-    its token ids, or already its distinct ids as a sorted int64 tensor; `masked`: the stop ids
-    min_tokens masks at rows whose output position is below it).
+    its token ids; `masked`: the stop ids min_tokens masks at rows whose output position is below
+    it).
 
     Two kinds of token: the dynamic ones (in the output, the drafts, logit_bias or masked; few)
     get per-row counts, bias and masks; a token only in the prompt gets the same entry on every row
@@ -116,7 +116,7 @@ def _request_entries(prompt, output, masked, drafts, p: SamplingParams, row0: in
     repeated = counts > 0
     static = torch.empty(0, dtype=torch.long)  # tokens only in the prompt
     if p.repetition_penalty != 1.0:
-        prompt_set = prompt if isinstance(prompt, torch.Tensor) else torch.unique(torch.tensor(list(prompt), dtype=torch.long))
+        prompt_set = torch.unique(torch.tensor(list(prompt), dtype=torch.long))
         repeated |= torch.isin(tokens, prompt_set)[None, :]
         static = prompt_set[~torch.isin(prompt_set, tokens)]
     bias = torch.zeros(u, dtype=torch.float32)

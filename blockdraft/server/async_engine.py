@@ -133,6 +133,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._needs_step = False  # engine thread only: an abort left finished outputs to collect
+        self._closing: str | None = None  # fail_open's reason: the server is shutting down, submit refuses
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -151,7 +152,10 @@ class AsyncEngine:
     def fail_open(self, reason: str) -> int:
         """Abort every unfinished request (their KV pages freed) and fail their groups with
         EngineDeadError(reason), so waiting handlers answer 503 and streams end with an error event
-        (a server shutting down past its grace period). Returns the number of groups failed."""
+        (a server shutting down past its grace period); later `submit`s raise EngineDeadError(reason)
+        too (a request whose body or tokenization was still under way). Returns the number of
+        groups failed."""
+        self._closing = reason
         groups = {id(g): g for g, _ in self._index.values()}
         for g in groups.values():
             self.abort(g)
@@ -173,12 +177,14 @@ class AsyncEngine:
         """Queue one engine request per (prompt, params) pair, as one group.
 
         Raises:
-            EngineDeadError: the engine thread is not running.
+            EngineDeadError: the engine thread is not running, or the server is shutting down (fail_open).
             ServerBusyError: more than `max_pending` engine requests would be unfinished.
             ValueError: the engine refused a prompt (the group's other requests are dropped).
         """
         if not self.alive:
             raise EngineDeadError("the engine is not running")
+        if self._closing is not None:
+            raise EngineDeadError(self._closing)
         if self.num_pending + len(prompts) > self.max_pending:
             raise ServerBusyError(f"{self.num_pending} choices are in flight and this request adds {len(prompts)} (limit "
                                   f"{self.max_pending}, --max-pending); retry later")

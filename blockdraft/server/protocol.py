@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from blockdraft.chat_messages import (  # noqa: F401  (MAX_NAME_CHARS: re-exported)
     CHAT_ROLES,
@@ -20,6 +20,7 @@ from blockdraft.chat_messages import (  # noqa: F401  (MAX_NAME_CHARS: re-export
     check_content_parts,
     check_role,
     content_text,
+    drop_echoed_empty_keys,
     template_message,
 )
 from blockdraft.server.errors import APIError
@@ -147,22 +148,18 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     """One chat message. Roles: system, developer (rendered as system), user, assistant. Content: a
     string or text parts. name: OpenAI's optional participant name, passed on to the chat template.
-    tool_calls: only null or [] (no tools here; clients echo an assistant message's empty list).
+    tool_calls, refusal, function_call, audio, annotations: only null or [] (clients echo an
+    earlier assistant message whole; chat_messages.ECHOED_EMPTY_KEYS), dropped.
     Checked and rendered by blockdraft.chat_messages, as the Python API's messages are."""
 
     role: str
     content: str | list[TextPart]
     name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
-    # what clients send back in an assistant message of a conversation without tools: null or []
-    tool_calls: list | None = None
 
-    @field_validator("tool_calls")
+    @model_validator(mode="before")
     @classmethod
-    def _no_tool_calls(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError(f"tool_calls ({len(v)} given) are not supported: this server has no tools; send null or "
-                             "[] (or leave it out)")
-        return v
+    def _echoed_keys(cls, data: Any) -> Any:
+        return drop_echoed_empty_keys(data) if isinstance(data, dict) else data
 
     @field_validator("content", mode="before")
     @classmethod

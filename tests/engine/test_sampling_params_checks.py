@@ -26,7 +26,7 @@ def _set(**fields):
 @pytest.mark.parametrize("change, match", [
     (_set(detokenize=False, stop=["x"]), r"stop strings \['x'\] need the output text"),
     (_set(max_tokens=0), r"^max_tokens must be an integer >= 1, got 0"),
-    (_set(temperature=-1), r"^temperature must be a finite number >= 0, got -1"),
+    (_set(temperature=-1), r"^temperature must be a finite number >= 0 and <= 3.40282e\+38 \(float32's largest\), got -1"),
     (_set(top_p=2.0), r"^top_p must be in \(0, 1\], got 2.0"),
     (_set(stop_token_ids=[-3]), r"stop_token_ids entry must be an integer >= 0, got -3"),
     (_set(stop=5), r"^stop must be a string, a list of strings or None, got 5"),
@@ -97,6 +97,8 @@ def test_max_logprobs_is_checked_before_any_weights_load(bad, monkeypatch):
     ("top_k", 2**63, r"^top_k must be an integer: 0 or -1 \(off\) or in \[1, 2\*\*63 - 1\], got 9223372036854775808$"),
     ("min_tokens", 2**64, r"^min_tokens must be an integer in \[0, 2\*\*63 - 1\], got 18446744073709551616$"),
     ("max_tokens", 10**30, r"^max_tokens must be an integer in \[1, 2\*\*63 - 1\], got 10{30}$"),
+    ("temperature", 1e39, r"^temperature must be a finite number >= 0 and <= 3.40282e\+38 \(float32's largest\), "
+                          r"got 1e\+39$"),
     ("repetition_penalty", 3.5e38, r"^repetition_penalty must be a number > 0 and <= 3.40282e\+38 \(float32's largest; "
                                    r"1 = off\), got 3.5e\+38$"),
 ])

@@ -40,7 +40,7 @@ CASES = [
     ("json-string", C, b'"hello"', {}, 400, "JSON object"),
     ("json-null", C, b"null", {}, 400, "got a JSON null"),
     ("tool-calls-given", CHAT, _chat(messages=[{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]), {},
-     400, "tool_calls (1 given) are not supported"),
+     400, "tool_calls is not supported"),
     ("nan-temperature", C, b'{"prompt": "w05x", "temperature": NaN}', {}, 400, "NaN"),
     ("lone-surrogate", C, b'{"prompt": "w05x \\ud800"}', {}, 400, "surrogate"),
     ("deep-nesting", C, b"[" * 200_000, {}, 400, "nested too deeply"),
@@ -206,10 +206,17 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
     assert r.status_code == 400
 
 
-def test_an_assistant_message_with_empty_tool_calls_is_accepted(http):
-    """Clients send a conversation's earlier assistant turns back with `tool_calls: null` or `[]`."""
+def test_an_assistant_message_echoed_whole_by_a_client_is_accepted(http):
+    """Clients send a conversation's earlier assistant turns back as the SDK dumped them:
+    `tool_calls`, `refusal`, `function_call`, `audio`, `annotations` null or []. Same answer as without."""
+    plain = [{"role": "user", "content": "w05x"}, {"role": "assistant", "content": "w06x"},
+             {"role": "user", "content": "w07x"}]
+    want = http.post(CHAT, json=_chat(messages=plain, temperature=0)).json()["choices"][0]["message"]["content"]
     for calls in (None, []):
-        turns = [{"role": "user", "content": "w05x"}, {"role": "assistant", "content": "w06x", "tool_calls": calls},
-                 {"role": "user", "content": "w07x"}]
-        r = http.post(CHAT, json=_chat(messages=turns))
+        echoed = {**plain[1], "tool_calls": calls, "refusal": None, "function_call": None, "audio": None,
+                  "annotations": []}
+        r = http.post(CHAT, json=_chat(messages=[plain[0], echoed, plain[2]], temperature=0))
         assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want
+    r = http.post(CHAT, json=_chat(messages=[{**plain[1], "refusal": "no"}]))
+    assert r.status_code == 400 and "refusal is not supported" in r.text, r.text

@@ -59,3 +59,27 @@ def test_failed_step_fails_waiting_requests_and_health(llama_target):
         assert health.status_code == 503
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
+
+def test_after_fail_open_new_requests_get_the_shutdown_503(llama_target):
+    """What a shutdown's grace period ends with (AsyncEngine.fail_open): the requests running get a
+    503 naming the reason, and so does one submitted afterwards (its body or tokenization was still
+    under way), instead of starting and being cut off by uvicorn later."""
+    llm = make_llm(llama_target)
+    port = free_port()
+    app = build_app(llm, ServerConfig(port=port, served_model_name="t", log_requests=False))
+    body = {"model": "t", "prompt": [5, 6, 7], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True}
+    with _serving(app, port) as url:
+        out = {}
+        running = threading.Thread(target=lambda: out.update(r=httpx.post(url + "/v1/completions", json=body, timeout=60)))
+        running.start()
+        engine = app.state.ctx.engine
+        deadline = time.monotonic() + 30
+        while engine.num_pending == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert app.state.ctx.engine.fail_open("the server is shutting down") == 1
+        running.join(timeout=30)
+        assert out["r"].status_code == 503 and out["r"].json()["error"]["message"] == "the server is shutting down"
+        late = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert late.status_code == 503 and late.json()["error"]["message"] == "the server is shutting down"
+        assert engine.num_pending == 0
