@@ -78,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json-out", default="cpu_vs_hf.json")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name or model folder (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per run (default %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="both engines' dtype (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating; medians reported (default %(default)s)")
+    p.add_argument("--json-out", default="cpu_vs_hf.json", help="where the JSON goes (default %(default)s)")
     p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
     add_threads_flag(p)
     args = p.parse_args(argv)

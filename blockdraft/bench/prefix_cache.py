@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.preflight import DTYPE_CHOICES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name or model folder")
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name or model folder (default %(default)s)")
     p.add_argument("--draft", default="auto",
                    help="drafter folder, 'shipped' or 'auto' (default: the shipped one, if any)")
     p.add_argument("--no-draft", action="store_true", help="plain decoding")
