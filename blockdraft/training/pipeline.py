@@ -29,6 +29,7 @@ import math
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 # `--tiny`: a smoke run in seconds on the CPU (CI); any option given explicitly still wins.
@@ -663,18 +664,61 @@ def train_drafter(args) -> dict:
         KeyboardInterrupt: after a first Ctrl-C / SIGTERM, once what was done is saved (the answers
             so far, build_dataset; or a checkpoint and the drafter so far), or at once on a second.
     """
+    plan = _plan_run(args)
+    if isinstance(plan, dict):  # the run in --out is finished: its recorded summary, nothing loads
+        return plan
+    from blockdraft.model_loader import load_target
+
+    plan.out.mkdir(parents=True, exist_ok=True)
+    # Unpacked: the loss back-propagates through the frozen LM head into the drafter (packed CPU
+    # weights are inference-only; an untied LM head, as Qwen's, is one).
+    target = load_target(str(plan.path), plan.args.dtype, plan.device, plan.args.cache_dir, pack_weights=False)
+    data = plan.data if plan.data is not None else _answer(plan, target)
+    return _train_and_export(plan, target, data)
+
+
+@dataclass
+class _RunPlan:
+    """What train_drafter settles before any weights load, every check passed (_plan_run).
+
+    args: the caller's flags, copied, with --init-from's shape and the resolved dtype and block size
+    filled in. init: (--init-from folder, its DFlash config) or None. cfg: the TrainConfig.
+    path / target_config: the target's folder and config. drafter: the new drafter on `device`
+    (grown from --init-from's weights: `grown`, init_from's report, else None). out / folder: the
+    run's and the dataset's folders. data: a reused dataset, else None and `chosen` holds the prompts
+    to answer (select_training_prompts).
+    """
+
+    args: argparse.Namespace
+    settings: dict
+    init: tuple | None
+    cfg: object
+    device: str
+    path: Path
+    target_config: object
+    drafter: object
+    grown: object
+    out: Path
+    folder: Path
+    data: object | None
+    chosen: tuple | None
+
+
+def _plan_run(args) -> _RunPlan | dict:
+    """train_drafter's settings, each checked before the target's weights load and the dataset is
+    made (minutes to hours), or the recorded summary of a run already finished in --out (finished_run).
+
+    Raises:
+        ValueError: as train_drafter's (every check but the trainer's own).
+    """
     import torch
 
-    from blockdraft.model_loader import eos_token_ids, load_target
     from blockdraft.preflight import read_target_config, resolve_device
-    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter, load_drafter
+    from blockdraft.spec.dflash.checkpoint import load_drafter
     from blockdraft.spec.dflash.config import DEFAULT_BLOCK_SIZE
-    from blockdraft.spec.draft_vocab import leading_ids, rank_dataset, write_dataset_draft_vocab
     from blockdraft.training.answer_journal import AnswerJournal, check_journal
-    from blockdraft.training.build import init_from, new_drafter, num_parameters
-    from blockdraft.training.features import FeatureCache
-    from blockdraft.training.target import EngineTarget
-    from blockdraft.training.trainer import DEFAULT_MAX_EPOCHS, TrainConfig, Trainer
+    from blockdraft.training.build import init_from, new_drafter
+    from blockdraft.training.trainer import TrainConfig
     from blockdraft.weights.loader import load_tokenizer
 
     settings = resolve_settings(args)
@@ -730,17 +774,45 @@ def train_drafter(args) -> dict:
     if chosen is not None:  # an interrupted answering's journal (answer_journal.py) is checked before loading too
         check_journal(AnswerJournal(folder), answering_setup(settings, args, str(path), target_config.vocab_size,
                                                              len(chosen[0]), device)[1], _other_data(args))
-    out.mkdir(parents=True, exist_ok=True)
-    # Unpacked: the loss back-propagates through the frozen LM head into the drafter (packed CPU
-    # weights are inference-only; an untied LM head, as Qwen's, is one).
-    target = load_target(str(path), args.dtype, device, args.cache_dir, pack_weights=False)
-    if data is None:
-        with deferred_interrupt(ANSWERING_STOP) as stop:
-            data = build_dataset(target, settings, args, folder, str(path), chosen, device, should_stop=lambda: stop.hit)
-        if stop.hit:  # the signal came as the last wave finished: the answers are all saved, nothing trained yet
-            print(f"train-drafter: stopped after answering: the dataset is saved in {folder}; the same command "
-                  f"trains on it", file=sys.stderr, flush=True)
-            raise KeyboardInterrupt
+    return _RunPlan(args, settings, init, cfg, device, path, target_config, drafter, grown, out, folder, data, chosen)
+
+
+def _answer(plan: _RunPlan, target):
+    """The target answers plan.chosen into plan.folder (build_dataset), saving as it goes.
+
+    Raises:
+        KeyboardInterrupt: after a first Ctrl-C / SIGTERM once the answers so far are saved (the
+            same command resumes the answering), or at once on a second.
+    """
+    with deferred_interrupt(ANSWERING_STOP) as stop:
+        data = build_dataset(target, plan.settings, plan.args, plan.folder, str(plan.path), plan.chosen, plan.device,
+                             should_stop=lambda: stop.hit)
+    if stop.hit:  # the signal came as the last wave finished: the answers are all saved, nothing trained yet
+        print(f"train-drafter: stopped after answering: the dataset is saved in {plan.folder}; the same command "
+              f"trains on it", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
+    return data
+
+
+def _train_and_export(plan: _RunPlan, target, data) -> dict:
+    """Train the planned drafter on `data` (its held-out share validated), export it to out/drafter
+    with its draft vocabulary, write out/summary.json and return the summary.
+
+    Raises:
+        ValueError: a checkpoint in out of other training settings (Trainer.load_checkpoint).
+        KeyboardInterrupt: after a first Ctrl-C / SIGTERM, once a checkpoint and the drafter so far
+            are saved, or at once on a second.
+    """
+    from blockdraft.model_loader import eos_token_ids
+    from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter
+    from blockdraft.spec.draft_vocab import leading_ids, rank_dataset, write_dataset_draft_vocab
+    from blockdraft.training.build import num_parameters
+    from blockdraft.training.features import FeatureCache
+    from blockdraft.training.target import EngineTarget
+    from blockdraft.training.trainer import DEFAULT_MAX_EPOCHS, Trainer
+
+    args, settings, init, cfg, out = plan.args, plan.settings, plan.init, plan.cfg, plan.out
+    drafter, target_config, device, grown = plan.drafter, plan.target_config, plan.device, plan.grown
     # The held-out answers (--val-fraction) are neither trained on nor ranked into the draft vocabulary.
     train_data, val_data = split_answers(data, args)
     if val_data is not None:
