@@ -126,7 +126,7 @@ def test_eos_stops_unless_ignored(llama_target):
         (dict(temperature=float("inf")), r"^temperature must be a finite number >= 0 and <= 3.40282e\+38 \(float32's largest\), got inf"),
         (dict(top_p=0.0), r"^top_p must be in \(0, 1\], got 0.0"),
         (dict(top_p=1.5), r"^top_p must be in \(0, 1\], got 1.5"),
-        (dict(top_k=-2), r"^top_k must be an integer: 0 or -1 \(off\) or >= 1, got -2"),
+        (dict(top_k=-2), r"^top_k must be an integer: 0 or -1 \(off\) or in \[1, 2\*\*63 - 1\], got -2"),
         (dict(seed=-1), r"^seed must be an integer >= 0, got -1"),
         (dict(detokenize=0), r"detokenize must be True or False, got 0"),
         (dict(ignore_eos="yes"), r"ignore_eos must be True or False, got 'yes'"),
