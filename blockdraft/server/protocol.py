@@ -184,12 +184,19 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     """/v1/chat/completions. logprobs: return per-token log-probabilities; top_logprobs: how many
-    alternatives per token (needs logprobs: true). max_completion_tokens: newer name of max_tokens."""
+    alternatives per token (needs logprobs: true). max_completion_tokens: newer name of max_tokens.
+    vLLM's template controls (params.chat_prompt): add_generation_prompt (default true: end with
+    the assistant cue), continue_final_message (render the last, assistant, message open so the
+    answer continues it; needs add_generation_prompt false), chat_template_kwargs (extra variables
+    for the chat template, e.g. {"enable_thinking": false}; not apply_chat_template's own arguments)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Strict):
