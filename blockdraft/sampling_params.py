@@ -35,7 +35,7 @@ class SamplingParams:
     request the engine takes gets its own random seed (`for_request`), so one SamplingParams used
     for several prompts, or for several calls, samples each independently, as in vLLM.
     max_tokens: output tokens at most (>= 1). stop: strings that end the output (not included in
-    text). stop_token_ids: extra token ids that end the output (included in token ids, like EOS).
+    text unless include_stop_str_in_output, vLLM's flag). stop_token_ids: extra token ids that end the output (included in token ids, like EOS).
     ignore_eos: keep going past EOS. logprobs: number of top log-probabilities to return per output
     token (None: none; 0: only the sampled token's), at most the engine's `max_logprobs` (default
     20, `LLM(max_logprobs=...)`; checked when the engine takes the request). prompt_logprobs: the
@@ -75,6 +75,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     detokenize: bool = True
+    include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -120,7 +121,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), low=0)
-        for flag in ("ignore_eos", "detokenize"):
+        for flag in ("ignore_eos", "detokenize", "include_stop_str_in_output"):
             if not isinstance(getattr(self, flag), bool):
                 raise param_error(flag, f"{flag} must be True or False, got {getattr(self, flag)!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -31,12 +31,14 @@ class IncrementalDetokenizer:
     # token).
     WINDOW = 8
 
-    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0, include_stop: bool = False) -> None:
         """min_tokens: stop strings are looked for only once more tokens than this have arrived
         (SamplingParams.min_tokens; vLLM's detokenizer rule, with the same look-back over the last
-        max_stop_len - 1 characters before the new text)."""
+        max_stop_len - 1 characters before the new text). include_stop: the text ends after the
+        stop string found instead of before it (SamplingParams.include_stop_str_in_output)."""
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self._decode = token_decoder(tokenizer)
         self.stop = stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
@@ -64,7 +66,8 @@ class IncrementalDetokenizer:
         return len(self.text) + len(self._held)
 
     def append(self, token_id: int) -> str | None:
-        """Add one token; return the stop string it completed (text is then cut before it), else None."""
+        """Add one token; return the stop string it completed (text is then cut before it, or after
+        it with include_stop), else None."""
         self._ids.append(token_id)
         return self._emit()
 
@@ -128,7 +131,7 @@ class IncrementalDetokenizer:
                 best = (i, s)
         if best is None:
             return None
-        self._text = self._text[: best[0]]
+        self._text = self._text[: best[0] + (len(best[1]) if self.include_stop else 0)]
         self._stopped = True
         return best[1]
 

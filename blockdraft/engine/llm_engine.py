@@ -97,7 +97,8 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(req)
         self._requests[request_id] = req
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens) if params.detokenize else NoDetokenizer()
+        detok = (IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output)
+                 if params.detokenize else NoDetokenizer())
         self._detok[request_id] = detok
         eos = () if params.ignore_eos else self.eos_token_ids
         self._stop_ids[request_id] = frozenset(params.stop_token_ids).union(eos)

@@ -191,6 +191,7 @@ def _sampling_params(
             stop=stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=bool(req.ignore_eos),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
             logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,

@@ -91,6 +91,7 @@ class _SamplingRequest(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)
     ignore_eos: bool | None = None  # extension (vLLM)
+    include_stop_str_in_output: bool | None = None  # extension (vLLM): the text keeps the stop string found
     n: int | None = Field(default=None, ge=1)
     stream: bool | None = None
     stream_options: StreamOptions | None = None

@@ -200,8 +200,8 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
     assert http.post(C, json=_c(**vllm)).status_code == 200
     r = http.post(CHAT, json=_chat(**vllm, add_generation_prompt=True, chat_template_kwargs={}, continue_final_message=False))
     assert r.status_code == 200, r.text
-    r = http.post(C, json=_c(include_stop_str_in_output=True))
-    assert r.status_code == 400 and "include_stop_str_in_output" in r.json()["error"]["message"]
+    r = http.post(C, json=_c(skip_special_tokens=False))
+    assert r.status_code == 400 and "skip_special_tokens" in r.json()["error"]["message"]
     r = http.post(C, json=_c(echo=0))  # 0 is not the neutral `false`: types are strict
     assert r.status_code == 400
 

@@ -75,3 +75,20 @@ def test_length_and_eos_give_a_null_stop_reason(plain_server, kind):
     eos = {"logit_bias": {str(EOS_ID): 100.0}}  # the model's EOS comes first
     _expect(plain_server, kind, "stop", None, **eos)
     _expect(plain_server, kind, "stop", None, stop_token_ids=[EOS_ID], **eos)  # EOS is checked first, as vLLM
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+@pytest.mark.parametrize("server", ["plain_server", "dflash_server"])
+def test_include_stop_str_in_output_keeps_the_stop_string(request, server, kind):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string instead of before it,
+    streamed and not; same stop reason, same tokens; DFlash (stops inside accepted blocks) alike."""
+    server = request.getfixturevalue(server)
+    words = _words(server, kind)
+    stop = f"{words[2]} {words[3]}"  # spans two tokens
+    kw = dict(stop=[stop], ignore_eos=True)
+    cut, kept = _post(server, kind, **kw), _post(server, kind, include_stop_str_in_output=True, **kw)
+    text = (lambda c: c["text"] if kind == "completions" else c["message"]["content"])
+    assert text(kept) == text(cut) + stop and " ".join(words).startswith(text(kept).strip())
+    assert (kept["finish_reason"], kept["stop_reason"]) == ("stop", stop)
+    _, streamed = _stream(server, kind, include_stop_str_in_output=True, **kw)
+    assert streamed == text(kept)
