@@ -28,28 +28,28 @@ class SamplingParams:
 
     temperature: 0 means greedy (argmax), and so does any temperature below 1e-5 (dividing logits
     by it would overflow float32; older vLLM's rule too), which `verify` sets to 0; at most
-    float32's largest value. top_k: 0 or -1
-    disables it (at most 2**63 - 1; above the vocabulary size it keeps every token). top_p in (0, 1].
+    float32's largest value. top_k: 0 or -1 disables it (at most 2**63 - 1; above the vocabulary
+    size it keeps every token). top_p in (0, 1].
     seed: makes sampling reproducible; the sample at output position q is a pure function of
     (seed, q, logits), so it does not depend on batch mates or on speculative decoding. None: each
     request the engine takes gets its own random seed (`for_request`), so one SamplingParams used
     for several prompts, or for several calls, samples each independently, as in vLLM.
     max_tokens: output tokens at most (>= 1). stop: strings that end the output (not included in
-    text unless include_stop_str_in_output, vLLM's flag). stop_token_ids: extra token ids that end the output (included in token ids, like EOS).
+    text unless include_stop_str_in_output, vLLM's flag). stop_token_ids: extra token ids that end
+    the output (included in token ids, like EOS).
     ignore_eos: keep going past EOS. logprobs: number of top log-probabilities to return per output
     token (None: none; 0: only the sampled token's), at most the engine's `max_logprobs` (default
     20, `LLM(max_logprobs=...)`; checked when the engine takes the request). prompt_logprobs: the
     same for the prompt (vLLM's prompt_logprobs): None, or N >= 0 for the log-probability of each
     prompt token given the tokens before it plus its N most likely alternatives (the first prompt
     token has None), within the same `max_logprobs`; such a request recomputes its whole prompt
-    (no prefix-cache hit). detokenize: build the output text (default);
-    False leaves `text` empty and skips decoding each new token (token ids only, e.g. training
+    (no prefix-cache hit). detokenize: build the output text (default); False leaves `text` empty and skips decoding each new token (token ids only, e.g. training
     data; vLLM's `detokenize`), so it cannot be combined with stop strings.
     presence_penalty / frequency_penalty: in [-2, 2] (OpenAI's range), subtracted from the logit of
     every token already in the output: presence once, frequency once per occurrence (0 = off).
-    repetition_penalty: > 0 (1 = off), at most float32's largest value; the logit of every token in the prompt or the output is
-    divided by it when positive and multiplied by it otherwise (CTRL, Keskar et al. 2019, section
-    4.1, as vLLM and transformers apply it). logit_bias: {token id: bias} added to those tokens'
+    repetition_penalty: > 0 (1 = off), at most float32's largest value; the logit of every token
+    in the prompt or the output is divided by it when positive and multiplied by it otherwise
+    (CTRL, Keskar et al. 2019, section 4.1, as vLLM and transformers apply it). logit_bias: {token id: bias} added to those tokens'
     logits (OpenAI's logit_bias; biases finite, in [-100, 100]; ids checked against the vocabulary
     when the engine takes the request), before the penalties. Bias and penalties act on the logits
     before temperature, top-k and top-p, greedy rows included; logprobs stay those of the raw model
