@@ -98,6 +98,11 @@ def test_stop_at_every_offset_of_a_block_is_trimmed_exactly(llama_target, offset
     assert out_s.token_ids == full.token_ids[: cut + 1]
     before = " ".join(word(t) for t in full.token_ids[:cut])
     assert out_s.text == (before + " " if before else "")
+    # include_stop_str_in_output: the same tokens; the text keeps the stop string (vLLM's flag)
+    keep = SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop_str], include_stop_str_in_output=True)
+    out_i = _spec_llm(llama_target, k, answers, 1.0).generate([prompt], keep)[0]
+    assert out_i.token_ids == out_s.token_ids and out_i.text == out_s.text + stop_str
+    assert (out_i.finish_reason, out_i.stop_reason) == ("stop", stop_str)
     # max_tokens inside a block
     out_m = _spec_llm(llama_target, k, answers, 1.0).generate([prompt], SamplingParams(max_tokens=target_index + 1, ignore_eos=True))[0]
     assert out_m.token_ids == full.token_ids[: target_index + 1] and out_m.finish_reason == "length"
@@ -124,3 +129,23 @@ def test_drafts_are_kept_near_max_tokens_and_output_stops_exactly(llama_target, 
     assert [o.token_ids for o in outs] == plain
     assert all(len(o.token_ids) == 2 * k + 1 for o in outs)
     assert seen and all(n == k for n in seen)
+
+
+@pytest.mark.parametrize("k", [3, 7])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_include_stop_str_in_output_speculative_equals_plain(llama_target, k, temperature):
+    """Stop strings taken from each answer (so they land inside accepted blocks or across them),
+    kept in the text: speculative == plain in tokens, text, finish and stop reason, greedy and
+    seeded, batch of 5 with drafts half right."""
+    prompts = random_prompts(5, seed=77 + k)
+    free = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=temperature, seed=i) for i in range(5)]
+    full = make_llm(llama_target).generate(prompts, free)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=temperature, seed=i,
+                             stop=[" ".join(word(t) for t in o.token_ids[3 + i : 5 + i])], include_stop_str_in_output=True)
+              for i, o in enumerate(full)]
+    plain = make_llm(llama_target).generate(prompts, params)
+    answers = {tuple(p): p + o.token_ids for p, o in zip(prompts, full)}
+    spec = _spec_llm(llama_target, k, answers, 0.5).generate(prompts, params)
+    summary = [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in plain]
+    assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in spec] == summary
+    assert all(o.finish_reason == "stop" and o.text.endswith(q.stop[0]) for o, q in zip(plain, params))
