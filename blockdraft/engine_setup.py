@@ -18,7 +18,13 @@ from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
 
 
 def build_speculator(pre: Preflight, target: LoadedTarget):
-    """The DFlash speculator for the drafter, K and draft vocabulary that `preflight` resolved and checked."""
+    """The DFlash speculator for the drafter, K and draft vocabulary that `preflight` resolved and
+    checked, in the target's dtype, on `pre.device` (packed for oneDNN where the target is).
+
+    Raises:
+        ValueError / FileNotFoundError: the drafter's weights do not load (load_drafter) or its
+            draft vocabulary does not fit the target (build_draft_head).
+    """
     from blockdraft.spec.dflash.checkpoint import load_drafter
     from blockdraft.spec.dflash.speculator import DFlashSpeculator
     from blockdraft.spec.draft_vocab import build_draft_head
@@ -104,7 +110,15 @@ def build_engine(
     async_scheduling: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS, mixed_prefill: bool | None = None,
     **runner_options
 ) -> LLMEngine:
-    """Runner (backend, KV pool, graphs; see blockdraft.runner.setup.build_runner) + scheduler + engine."""
+    """Runner (backend, KV pool, graphs; see blockdraft.runner.setup.build_runner) + scheduler + engine.
+
+    mixed_prefill: None resolves by resolve_mixed_prefill once the graphs are known; with graphs
+    and no mixed prefill, a prefill step is capped at the largest prefill graph. runner_options:
+    passed on to build_runner (gpu_memory_utilization, enforce_eager, ...).
+    Raises:
+        ValueError: async_scheduling without uniform-step graphs (names max_num_batched_tokens),
+            and build_runner's errors (a KV pool the GPU memory cannot hold, naming the knob).
+    """
     from blockdraft.runner.setup import build_runner
 
     setup = build_runner(target.model, target.config, speculator, cache, sched, device,

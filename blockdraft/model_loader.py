@@ -67,7 +67,13 @@ def catalog_name(path: str) -> str:
 
 
 def resolve_dtype(dtype: str, hf_config: dict, device: str = "cpu") -> torch.dtype:
-    """The torch dtype `load_target` builds the model in (its docstring gives the "auto" rule)."""
+    """The torch dtype `load_target` builds the model in (its docstring gives the "auto" rule).
+
+    hf_config: the checkpoint's config.json (its "dtype" / "torch_dtype", float32 when absent).
+    Raises:
+        ValueError: `dtype` is not "auto" or one of DTYPE_CHOICES' names (names the value).
+    """
+    check_dtype(dtype)
     if dtype != "auto":
         return _DTYPES[dtype]
     stored = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"

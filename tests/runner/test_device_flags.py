@@ -43,3 +43,5 @@ def test_auto_dtype_is_the_checkpoints_except_fp32_on_cuda():
     assert _resolve_dtype("auto", {"dtype": "bfloat16"}, "cuda") == torch.bfloat16
     assert _resolve_dtype("auto", {"dtype": "float16"}, "cuda") == torch.float16
     assert _resolve_dtype("float32", {"dtype": "bfloat16"}, "cuda") == torch.float32
+    with pytest.raises(ValueError, match=r"dtype must be one of \['auto', 'float32', 'bfloat16', 'float16'\], got 'fp8'"):
+        _resolve_dtype("fp8", {}, "cpu")
