@@ -16,6 +16,7 @@ from blockdraft.engine_args import (
     add_device_flags,
     add_draft_flags,
     add_draft_vocab_size_flag,
+    add_dtype_flag,
     add_mixed_prefill_flag,
     add_prefix_caching_flag,
 )
@@ -157,9 +158,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--min-tokens", type=int, default=0,
                    help="no end of text, stop token or stop string before this many output tokens, 0 <= N <= "
                         "--max-tokens (default 0; vLLM's min_tokens)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models; float32 on a CPU "
-                        "without native bf16, e.g. AVX2 only)")
+    add_dtype_flag(g)
     add_cache_dir_flag(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
@@ -221,9 +220,7 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--max-pending", type=int, default=1024,
                    help="choices (prompts x n of each request) in flight before new requests get 429; a request "
                         "with more choices than this gets 400 (default %(default)s)")
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models; float32 on a CPU "
-                        "without native bf16, e.g. AVX2 only)")
+    add_dtype_flag(s)
     s.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV page (default %(default)s)")
     s.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pages in the pool (default: 1024 on CPU; on CUDA as many as --gpu-memory-utilization allows)")

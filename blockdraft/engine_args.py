@@ -37,6 +37,13 @@ def add_draft_vocab_size_flag(parser, extra: str = "") -> None:
     )
 
 
+def add_dtype_flag(p) -> None:
+    """--dtype (LLM(dtype=...)): auto or one of DTYPE_CHOICES' names, for generate and serve."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights/KV dtype (default auto: the checkpoint's, bf16 for catalog models; float32 on a CPU "
+                        "without native bf16, e.g. AVX2 only)")
+
+
 def add_device_flags(p) -> None:
     """--device / --gpu-memory-utilization / --enforce-eager (LLM(device=..., ...))."""
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
