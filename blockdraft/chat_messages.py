@@ -13,6 +13,21 @@ MAX_NAME_CHARS = 256  # longest `name` of a message (OpenAI's participant name)
 # (no tools here).
 ECHOED_EMPTY_KEYS = ("tool_calls", "refusal", "function_call", "audio", "annotations")
 _CONTENT_SHAPE = "content must be a string or a list of {'type': 'text', 'text': str} parts"
+# apply_chat_template's own arguments: chat_template_kwargs may not set them (vLLM refuses them too)
+TEMPLATE_CALL_ARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})
+
+
+class ChatTemplateError(ValueError):
+    """A conversation or template control the chat template cannot render. `param`: the request
+    field at fault (messages, continue_final_message, chat_template_kwargs), for the server's 400."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 def check_role(role, allowed: tuple[str, ...] = CHAT_ROLES) -> str:
@@ -135,3 +150,43 @@ def _check_name(name) -> None:
         raise ValueError(f"name must be a string, got {type(name).__name__} {name!r:.40}")
     if len(name) > MAX_NAME_CHARS:
         raise ValueError(f"name must be at most {MAX_NAME_CHARS} characters, got {len(name)}")
+
+
+def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of `messages` (as template_messages returns them) through the tokenizer's chat
+    template, with vLLM's template controls: add_generation_prompt (end with the assistant cue),
+    continue_final_message (leave the last, assistant, message open so the answer continues it;
+    needs add_generation_prompt False), chat_template_kwargs (extra template variables, e.g.
+    {"enable_thinking": False}; not apply_chat_template's own arguments, TEMPLATE_CALL_ARGS).
+    The one rendering of the Python API (LLM.chat) and the server (params.chat_prompt).
+
+    Raises:
+        ChatTemplateError (a ValueError; .param names the field): the tokenizer has no chat
+            template; continue_final_message with add_generation_prompt, or without an assistant
+            message last; chat_template_kwargs not a dict or with a reserved key; the template
+            refused the conversation (e.g. roles that must alternate; its message, cut to 200
+            characters).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("this model has no chat template; send a plain text prompt (LLM.generate, /v1/completions) instead", "messages")
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true: set "
+                                "add_generation_prompt to false to continue the last message", "continue_final_message")
+    if continue_final_message and messages[-1]["role"] != "assistant":
+        raise ChatTemplateError(f"continue_final_message continues the last message, which must be an assistant "
+                                f"message; it is a {messages[-1]['role']!r} one", "continue_final_message")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ChatTemplateError(f"chat_template_kwargs must be a dict of template variables, got "
+                                f"{type(chat_template_kwargs).__name__} {chat_template_kwargs!r:.60}", "chat_template_kwargs")
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(set(extra) & TEMPLATE_CALL_ARGS)
+    if reserved:
+        raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)} (arguments of the template "
+                                "call, not template variables)", "chat_template_kwargs")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             continue_final_message=continue_final_message, **extra)
+    except Exception as e:  # jinja2 TemplateError, or raise_exception() inside the template
+        raise ChatTemplateError(f"the chat template rejected these messages: {str(e)[:200]}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)

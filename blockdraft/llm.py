@@ -9,7 +9,7 @@ import operator
 import random
 from collections.abc import Iterator
 
-from blockdraft.chat_messages import MESSAGE_KEYS, template_messages
+from blockdraft.chat_messages import MESSAGE_KEYS, render_chat, template_messages
 from blockdraft.config import (
     DEFAULT_ADMISSION_MAX_WAIT_STEPS,
     default_admission_batch_ratio,
@@ -311,7 +311,8 @@ class LLM:
         return self.tokenizer
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False, *, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = False, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """`generate` for one conversation or a list of conversations (chat template applied), as
         vLLM's `LLM.chat`. An empty list is no conversations and gives [] (as vLLM's LLM.chat);
         [[]] is one empty conversation and is refused.
@@ -322,39 +323,50 @@ class LLM:
             them, or a list of conversations.
         add_generation_prompt: end the prompt with the template's assistant cue (vLLM's keyword,
             passed on to the chat template); False renders the conversation alone.
+        continue_final_message: leave the last message (an assistant one) open, so the answer
+            continues it (vLLM's keyword; needs add_generation_prompt=False).
+        chat_template_kwargs: extra variables for the chat template (vLLM's keyword), not
+            apply_chat_template's own arguments.
         Raises:
             ValueError: as `generate`; a message whose role is not one of the allowed ones, with
                 other keys, or without string / text-part content names the message's index and
-                value.
+                value; a template control the template cannot honour
+                (blockdraft.chat_messages.ChatTemplateError: render_chat).
         """
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"LLM.chat takes a conversation (a list of {{'role', 'content'}} dicts) or a list of "
                              f"conversations, got {_shown(messages)}; raw text goes to LLM.generate")
-        if not isinstance(add_generation_prompt, bool):
-            raise ValueError(f"add_generation_prompt must be True or False, got {_shown(add_generation_prompt)}")
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {_shown(flag)}")
         # a list whose first item is a list: several conversations; else one (its messages are checked)
         convs = list(messages) if not messages or isinstance(messages[0], list) else [messages]
-        prompts = [self.encode_chat(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        prompts = [self.encode_chat(c, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    chat_template_kwargs=chat_template_kwargs) for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm)
         for out, ids in zip(outs, prompts):  # vLLM's output.prompt: the template's text
             out.prompt = self.tokenizer.decode(ids)
         return outs
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a conversation through the model's chat template, with the assistant cue
-        unless add_generation_prompt is False. Messages are checked and given to the template as
-        the server gives them (blockdraft.chat_messages.template_messages: developer as system,
-        text parts joined, `name` passed on), so both render the same ids.
+        unless add_generation_prompt is False (the template controls: LLM.chat). Messages are
+        checked and given to the template as the server gives them
+        (blockdraft.chat_messages.template_messages: developer as system, text parts joined, `name`
+        passed on), and rendered by the server's function (render_chat), so both give the same ids.
 
         Raises:
             ValueError: an empty conversation or a bad message (blockdraft.chat_messages: the
-                message index, the value, the allowed roles / keys).
+                message index, the value, the allowed roles / keys); ChatTemplateError (a
+                ValueError) for what render_chat refuses.
         """
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"a chat conversation must be a list of {{'role', 'content'}} dicts, got {_shown(messages)}")
-        text = self.tokenizer.apply_chat_template(template_messages(messages),
-                                                  add_generation_prompt=add_generation_prompt, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return render_chat(self.tokenizer, template_messages(messages), add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
 
     def _tokenize_all(self, prompts) -> list[list[int]]:
         """Token ids of each prompt (see `generate`; `_prompt_list` and the errors)."""

@@ -7,6 +7,7 @@ import pytest
 from blockdraft.llm import LLM
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.server.errors import APIError
+from blockdraft.server.params import chat_prompt
 from blockdraft.server.protocol import ChatCompletionRequest, parse_request
 from tests.server.tiny_model import write_tiny_model
 
@@ -138,6 +139,34 @@ def test_chat_add_generation_prompt(llm):
     assert llm.chat([conv, conv], params, add_generation_prompt=False)[1].prompt_token_ids == bare.prompt_token_ids
     with pytest.raises(ValueError, match="add_generation_prompt must be True or False, got str 'no'"):
         llm.chat(conv, params, add_generation_prompt="no")
+
+
+def test_chat_continue_final_message_and_template_kwargs(llm):
+    """vLLM's LLM.chat keywords, rendered as the server renders them (render_chat): the final
+    assistant message left open; extra template variables reach the template."""
+    llm.tokenizer.chat_template += "{% if think %} w09x{% endif %}"  # module-scoped model: undone below
+    try:
+        params = SamplingParams(max_tokens=2)
+        conv = [{"role": "user", "content": "w05x"}, {"role": "assistant", "content": "w06x w07x"}]
+        out = llm.chat(conv, params, add_generation_prompt=False, continue_final_message=True)[0]
+        assert llm.tokenizer.decode(out.prompt_token_ids).split() == ["w02x", "w05x", "w03x", "w06x", "w07x"]
+        req = parse_request(ChatCompletionRequest, {"messages": conv, "add_generation_prompt": False,
+                                                    "continue_final_message": True})
+        assert out.prompt_token_ids == chat_prompt(req, llm.tokenizer)
+        user = conv[:1]
+        think = llm.chat(user, params, chat_template_kwargs={"think": True})[0]
+        assert llm.tokenizer.decode(think.prompt_token_ids).split() == ["w02x", "w05x", "w03x", "w09x"]
+        for kw, match in [({"continue_final_message": True}, "cannot both be true"),
+                          ({"continue_final_message": True, "add_generation_prompt": False},
+                           "must be an assistant message; it is a 'user'"),
+                          ({"continue_final_message": 1}, "continue_final_message must be True or False, got int 1"),
+                          ({"chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
+                          ({"chat_template_kwargs": ["think"]}, "chat_template_kwargs must be a dict .*, got list")]:
+            with pytest.raises(ValueError, match=match):
+                llm.chat(user, params, **kw)
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.tokenizer.chat_template = llm.tokenizer.chat_template.removesuffix("{% if think %} w09x{% endif %}")
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from blockdraft.chat_messages import ChatTemplateError, render_chat
 from blockdraft.engine.detokenizer import token_decoder
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.server.config import ModelInfo, ServerConfig
@@ -80,52 +81,30 @@ def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> l
     return [t if isinstance(t, str) else decode(ids) for t, ids in zip(texts, prompts, strict=True)]
 
 
-# apply_chat_template's own arguments: chat_template_kwargs may not set them (vLLM refuses them too)
-_TEMPLATE_CALL_ARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs",
-})
-
-
 def chat_prompt(req, tokenizer, add_generation_prompt: bool | None = None) -> list[int]:
-    """Token ids of the conversation through the tokenizer's chat template. `req`: anything with
-    ChatMessage `messages`, and optionally ChatCompletionRequest's add_generation_prompt,
-    continue_final_message and chat_template_kwargs (vLLM's); `add_generation_prompt` overrides the
-    request's (default: end with the assistant cue).
+    """Token ids of the conversation through the tokenizer's chat template
+    (blockdraft.chat_messages.render_chat). `req`: anything with ChatMessage `messages`, and
+    optionally ChatCompletionRequest's add_generation_prompt, continue_final_message and
+    chat_template_kwargs (vLLM's); `add_generation_prompt` overrides the request's (default: end
+    with the assistant cue).
 
     Messages reach the template as ChatMessage.template_message() gives them: developer as system,
     `name` passed on when given.
 
     Raises:
-        APIError(400): the model has no chat template; continue_final_message with
-            add_generation_prompt, or without an assistant message last; a chat_template_kwargs
-            key that is one of apply_chat_template's own arguments; or the template refused the
-            conversation (e.g. roles that must alternate).
+        APIError(400): whatever render_chat refuses (no chat template; continue_final_message with
+            add_generation_prompt, or without an assistant message last; a reserved
+            chat_template_kwargs key; the template refused the conversation), its field as param.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions with a plain prompt", param="messages")
     if add_generation_prompt is None:
         add_generation_prompt = getattr(req, "add_generation_prompt", True)
-    continue_final = getattr(req, "continue_final_message", False)
-    if continue_final and add_generation_prompt:
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
-                            "add_generation_prompt to false to continue the last message", param="continue_final_message")
-    if continue_final and req.messages[-1].role != "assistant":
-        raise APIError(400, f"continue_final_message continues the last message, which must be an assistant "
-                            f"message; it is a {req.messages[-1].role!r} one", param="continue_final_message")
-    extra = dict(getattr(req, "chat_template_kwargs", None) or {})
-    reserved = sorted(set(extra) & _TEMPLATE_CALL_ARGS)
-    if reserved:
-        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (arguments of the template call, "
-                            "not template variables)", param="chat_template_kwargs")
-    messages = [m.template_message() for m in req.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             continue_final_message=continue_final, **extra)
-    except Exception as e:  # jinja2 TemplateError, or raise_exception() inside the template
-        raise APIError(400, f"the chat template rejected these messages: {str(e)[:200]}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+        return render_chat(tokenizer, [m.template_message() for m in req.messages],
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=getattr(req, "continue_final_message", False),
+                           chat_template_kwargs=getattr(req, "chat_template_kwargs", None))
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: ModelInfo) -> Plan:
