@@ -146,6 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off; -1 also means off, as in vLLM)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="in [0, 1]: drop tokens less likely than this fraction of the most likely one, after "
+                        "the temperature (default 0: off; vLLM's min_p)")
     g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible (default: random)")
     g.add_argument("--presence-penalty", type=float, default=0.0,
                    help="in [-2, 2], subtracted once from the logit of each token already in the output (default 0: off)")
@@ -405,8 +408,8 @@ def _generate(args) -> int:
     from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_logprobs_limit
 
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        seed=args.seed, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
     )
     # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)

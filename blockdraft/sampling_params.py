@@ -29,7 +29,9 @@ class SamplingParams:
     temperature: 0 means greedy (argmax), and so does any temperature below 1e-5 (dividing logits
     by it would overflow float32; older vLLM's rule too), which `verify` sets to 0; at most
     float32's largest value. top_k: 0 or -1 disables it (at most 2**63 - 1; above the vocabulary
-    size it keeps every token). top_p in (0, 1].
+    size it keeps every token). top_p in (0, 1]. min_p in [0, 1] (0 disables it; vLLM's min_p):
+    after temperature, tokens whose probability is below min_p times that of the most likely token
+    are dropped, before top-k and top-p (vLLM's order); greedy rows ignore it.
     seed: makes sampling reproducible; the sample at output position q is a pure function of
     (seed, q, logits), so it does not depend on batch mates or on speculative decoding. None: each
     request the engine takes gets its own random seed (`for_request`), so one SamplingParams used
@@ -52,7 +54,7 @@ class SamplingParams:
     (CTRL, Keskar et al. 2019, section 4.1, as vLLM and transformers apply it). logit_bias: {token id: bias} added to those tokens'
     logits (OpenAI's logit_bias; biases finite, in [-100, 100]; ids checked against the vocabulary
     when the engine takes the request), before the penalties. Bias and penalties act on the logits
-    before temperature, top-k and top-p, greedy rows included; logprobs stay those of the raw model
+    before temperature, min_p, top-k and top-p, greedy rows included; logprobs stay those of the raw model
     (vLLM's default). min_tokens: 0 <= min_tokens <= max_tokens (vLLM's extension): until the output
     has this many tokens, EOS (unless ignore_eos) and stop_token_ids are masked out of the logits
     and stop strings are not looked for. n: completions per prompt in `LLM.generate` (vLLM's n;
@@ -68,6 +70,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -111,6 +114,8 @@ class SamplingParams:
             raise param_error("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k <= INT64_MAX:
             raise param_error("top_k", f"top_k must be an integer: 0 or -1 (off) or in [1, 2**63 - 1], got {self.top_k!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise param_error("min_p", f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None:
             _check_int("seed", self.seed, low=0)
         for s in self.stop:

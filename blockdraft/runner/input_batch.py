@@ -25,6 +25,9 @@ from blockdraft.sample.penalties import PENALTY_FIELDS, PenaltyEntries, penalty_
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
 
+# SamplingTensors' per-row tensors, staged with the batch (in the float32 / int64 copies)
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds")
+
 
 @dataclass(frozen=True)
 class BatchPadding:
@@ -129,7 +132,7 @@ def build_input_batch(
         "logits_rows": layout.logits_rows,
         "sample_req_index": layout.sample_req_index,
         "sample_num_drafts": layout.sample_num_drafts,
-        **{f"sampling.{f}": getattr(sampling, f) for f in ("temperature", "top_k", "top_p", "seeds")},
+        **{f"sampling.{f}": getattr(sampling, f) for f in SAMPLING_FIELDS},
         **({f"penalties.{f}": getattr(penalties, f) for f in PENALTY_FIELDS} if penalties is not None else {}),
     }
     dev = stage_to_device(host, device)
@@ -155,7 +158,7 @@ def build_input_batch(
         sample_num_drafts=dev["sample_num_drafts"],
         kmax=kmax,
         sampling=dataclasses.replace(
-            sampling, **{f: dev[f"sampling.{f}"] for f in ("temperature", "top_k", "top_p", "seeds")},
+            sampling, **{f: dev[f"sampling.{f}"] for f in SAMPLING_FIELDS},
             penalties=None if penalties is None else PenaltyEntries(**{f: dev[f"penalties.{f}"] for f in PENALTY_FIELDS}),
         ),
         num_reqs=num_reqs,

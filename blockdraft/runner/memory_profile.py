@@ -102,7 +102,8 @@ def _profile_step(model, speculator, kv, draft_kv, rows, max_num_seqs, kv_block_
     hidden, aux = model(torch.zeros(rows, dtype=torch.long, device=device), positions, kv, meta, aux_ids)
     num_logits = min(rows, max_num_seqs * q)
     logits = model.compute_logits(hidden[-num_logits:], upcast=False)  # as the runner's steps
-    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=0)] * num_logits
+    # top-p: the full-vocabulary sort, the sampler's largest temporaries; min-p too: every filter runs
+    params = [SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=0)] * num_logits
     SamplingTensors.from_params(params, device).sample(logits, positions[-num_logits:] + 1)
     if speculator is None:
         return

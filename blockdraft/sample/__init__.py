@@ -1,4 +1,4 @@
-"""sample: position-keyed sampling (greedy, temperature, top-k, top-p) and log-probabilities.
+"""sample: position-keyed sampling (greedy, temperature, min-p, top-k, top-p) and log-probabilities.
 
 See blockdraft.sample.sampler for the semantics: the sample at output position q is a pure function of
 (request seed, q, logits), via Gumbel-max with counter-based hashed noise.

@@ -1,4 +1,4 @@
-"""Position-keyed sampling: greedy, temperature, top-k, top-p, and log-probabilities.
+"""Position-keyed sampling: greedy, temperature, min-p, top-k, top-p, and log-probabilities.
 
 The token sampled at output position q of a request is a pure function of
 (request seed, q, logits row): it does not depend on batch mates, on row order, on how many rows a
@@ -202,12 +202,12 @@ def warm_up_compiled_sampler(vocab_size: int, device: torch.device | str) -> Non
     Compiling takes seconds and runs host syncs; left to the first sampled step it would stall
     that step (and break the one-sync-per-step rule of the GPU path), so engines with compiled
     sampling call this at start-up, as vLLM warms up its sampler. It samples four dummy batches:
-    1 and 2 rows (dynamic shapes specialise size 1) x with and without a top-k / top-p threshold
-    (two graphs: the threshold is a tensor or None). It runs under torch.inference_mode, as the
-    runner's steps do: torch.compile guards on the grad mode (and on whether its inputs are
-    inference tensors), so graphs built with grad enabled would be rebuilt inside the first
-    sampled step. Callers of the compiled sampler must therefore build its inputs and call it
-    under inference_mode too.
+    1 and 2 rows (dynamic shapes specialise size 1) x with and without a keep threshold (two
+    graphs: the threshold is a tensor or None; top-k, top-p and min-p all make the tensor one).
+    It runs under torch.inference_mode, as the runner's steps do: torch.compile guards on the grad
+    mode (and on whether its inputs are inference tensors), so graphs built with grad enabled would
+    be rebuilt inside the first sampled step. Callers of the compiled sampler must therefore build
+    its inputs and call it under inference_mode too.
     """
     key = (str(torch.device(device)), int(vocab_size))
     if key in _warmed_up:
@@ -229,29 +229,49 @@ def _keep_threshold(
     any_top_k: bool | None,
     any_top_p: bool | None,
     max_top_k: int | None,
+    min_p: torch.Tensor | None = None,
+    any_min_p: bool | None = None,
 ) -> torch.Tensor | None:
-    """Per-row logit threshold [N, 1] (keep tokens with x >= threshold) for top-k then top-p, or None.
+    """Per-row logit threshold [N, 1] float32 (keep tokens with x >= threshold) for min-p, top-k
+    then top-p, or None (keep everything).
 
-    Semantics (row-wise, independent of which code path runs):
+    Args:
+        x: [N, V] float32 tempered logits (logits / T).
+        top_k: [N] int64; top_p: [N] float32; min_p: [N] float32 or None (no row uses min-p).
+        any_top_k, any_top_p, max_top_k, any_min_p: sample()'s hints (False: skip that filter).
+
+    Semantics (row-wise, independent of which code path runs; vLLM's order):
+      min-p: drop tokens whose tempered probability is < min_p * the top token's, i.e. keep
+        x >= max(x) + log(min_p) (the same test on logits, no softmax; it can differ from vLLM's
+        float32 probability test only by rounding, for a token exactly at the boundary); min_p = 0
+        keeps all, min_p = 1 keeps the tokens tied with the top one.
       top-k: k <= 0 or k >= V keeps all; otherwise keep tokens whose scaled logit is >= the k-th
-        largest scaled logit (tokens tied with the k-th are kept too, like vLLM).
-      top-p (after top-k, on the renormalised tempered distribution): sort kept tokens by
-        probability descending; keep the smallest prefix whose mass >= p (the token that crosses p is
-        kept; the top token is always kept; ties with the last kept token are kept too). p >= 1 keeps
-        all.
+        largest scaled logit (tokens tied with the k-th are kept too, like vLLM). Min-p and top-k
+        both keep a highest-logit prefix, so together they keep the shorter one (the larger
+        threshold), in either order.
+      top-p (after min-p and top-k, on the tempered distribution renormalised over their
+        survivors): sort kept tokens by probability descending; keep the smallest prefix whose mass
+        >= p (the token that crosses p is kept; the top token is always kept; ties with the last
+        kept token are kept too). p >= 1 keeps all.
     """
     use_k = any_top_k is not False
     use_p = any_top_p is not False
-    if not (use_k or use_p):
+    use_m = min_p is not None and any_min_p is not False
+    if not (use_k or use_p or use_m):
         return None
     n, v = x.shape
+    if not (use_k or use_p):  # min-p alone: the row maximum is all it needs, no sort
+        return _min_p_threshold(x.amax(dim=-1, keepdim=True), min_p)
     k_eff = torch.where(top_k > 0, top_k.to(torch.int64).clamp(max=v), v)
     if not use_p and max_top_k is not None and 0 < max_top_k < v:
-        # Only top-k anywhere, and every sampling row has k <= max_top_k: partial top-k, no full sort.
+        # Only top-k (and min-p), and every sampling row has k <= max_top_k: partial top-k, no full sort.
         vals = torch.topk(x, max_top_k, dim=-1, largest=True, sorted=True).values
-        return vals.gather(1, (k_eff.clamp(max=max_top_k) - 1)[:, None])
+        thr_k = vals.gather(1, (k_eff.clamp(max=max_top_k) - 1)[:, None])
+        return torch.maximum(thr_k, _min_p_threshold(vals[:, :1], min_p)) if use_m else thr_k
     sv = torch.sort(x, dim=-1, descending=True).values
     thr_k = sv.gather(1, (k_eff - 1)[:, None])
+    if use_m:
+        thr_k = torch.maximum(thr_k, _min_p_threshold(sv[:, :1], min_p))
     if not use_p:
         return thr_k
     sv = sv.masked_fill(sv < thr_k, float("-inf"))
@@ -263,6 +283,13 @@ def _keep_threshold(
     thr_p = sv.gather(1, n_keep - 1)
     thr_p = torch.where(p >= 1.0, float("-inf"), thr_p)
     return torch.maximum(thr_k, thr_p)
+
+
+def _min_p_threshold(top: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """[N, 1] float32 min-p logit threshold max(x) + log(min_p) (-inf where min_p = 0) from the
+    rows' largest tempered logits `top` [N, 1] float32 and min_p [N] float."""
+    m = min_p.to(torch.float32)[:, None]
+    return torch.where(m > 0, top + m.log(), float("-inf"))
 
 
 def sample(
@@ -277,6 +304,8 @@ def sample(
     any_top_k: bool | None = None,
     any_top_p: bool | None = None,
     max_top_k: int | None = None,
+    min_p: torch.Tensor | None = None,
+    any_min_p: bool | None = None,
     compiled: bool = False,
 ) -> torch.Tensor:
     """Sample one token per row; row i is a pure function of (seeds[i], positions[i], logits[i], params[i]).
@@ -284,7 +313,7 @@ def sample(
     Args:
         logits: [N, V] float (any float dtype; computed in float32).
         temperature: [N] float. Rows with temperature <= 0 are greedy: argmax of the raw logits (ties
-            -> lowest index, like torch.argmax); their top_k/top_p/seed are ignored.
+            -> lowest index, like torch.argmax); their top_k/top_p/min_p/seed are ignored.
         top_k: [N] int64; 0 or -1 = all tokens.
         top_p: [N] float in (0, 1]; 1 = all tokens.
         seeds: [N] int64 request seeds.
@@ -294,16 +323,19 @@ def sample(
             change a row's result, provided they are true: all_greedy=True -> skip the noise;
             any_top_k=False -> no row uses top-k; any_top_p=False -> no row uses top-p; max_top_k=m ->
             every non-greedy row has 0 < top_k <= m (lets top-k use torch.topk instead of a full sort).
+        min_p: [N] float in [0, 1], 0 = off (vLLM's min_p), or None: no row uses it.
+        any_min_p: hint like any_top_p: False -> no non-greedy row has min_p > 0 (no min-p work at
+            all); None -> unknown (min-p computed whenever `min_p` is given).
         compiled: fuse hash + Gumbel + mask + argmax into one kernel with torch.compile (dynamic
             shapes; compiled once per process on first use, so warm it up before CUDA-graph capture).
             Same tokens as eager (integer hash is exact); on an H200 with V = 151936 the whole call
             took 1.7 ms instead of 21 ms for 1024 rows at T = 1 (top-p rows stay dominated by the
-            full-vocabulary sort: 17 ms vs 37 ms). Eager noise and the top-k/top-p thresholds
+            full-vocabulary sort: 17 ms vs 37 ms). Eager noise and the top-k/top-p/min-p thresholds
             run in row chunks of about 2**25 elements to bound temporary memory.
     Returns:
         [N] int64 token ids on logits.device.
 
-    Non-greedy rows: x = logits / T; keep top-k, then top-p (see _keep_threshold for exact tie
+    Non-greedy rows: x = logits / T; keep min-p, top-k, then top-p (see _keep_threshold for exact tie
     semantics; vLLM's order and boundary rule); token = argmax(x masked to -inf + Gumbel(keyed)), which
     is an exact sample of softmax over the kept tokens. No host sync, no per-row Python loop.
     """
@@ -316,10 +348,11 @@ def sample(
     x = logits.to(torch.float32) / t[:, None]
     rows = max(1, _CHUNK_ELEMS // max(v, 1))  # bounds sort/softmax/cumsum temporaries too
     if n <= rows:
-        thr = _keep_threshold(x, top_k, top_p, any_top_k, any_top_p, max_top_k)
+        thr = _keep_threshold(x, top_k, top_p, any_top_k, any_top_p, max_top_k, min_p, any_min_p)
     else:
         parts = [
-            _keep_threshold(x[i : i + rows], top_k[i : i + rows], top_p[i : i + rows], any_top_k, any_top_p, max_top_k)
+            _keep_threshold(x[i : i + rows], top_k[i : i + rows], top_p[i : i + rows], any_top_k, any_top_p, max_top_k,
+                            None if min_p is None else min_p[i : i + rows], any_min_p)
             for i in range(0, n, rows)
         ]
         thr = None if parts[0] is None else torch.cat(parts)
@@ -371,8 +404,9 @@ class SamplingTensors:
     """Per-row sampling parameters as device tensors, plus host-side fast-path hints.
 
     temperature: [N] float32 (0 = greedy). top_k: [N] int64 (0 = all). top_p: [N] float32.
-    seeds: [N] int64 (params.resolved_seed, reduced mod 2**64 to int64).
-    all_greedy: every row greedy. any_top_k / any_top_p: some non-greedy row uses top-k / top-p.
+    min_p: [N] float32 (0 = off). seeds: [N] int64 (params.resolved_seed, reduced mod 2**64 to int64).
+    all_greedy: every row greedy. any_top_k / any_top_p / any_min_p: some non-greedy row uses
+    top-k / top-p / min-p (any_min_p False: sampling does no min-p work at all).
     max_top_k: max top_k over non-greedy rows when all of them use top-k, else None.
     penalties: presence / frequency / repetition penalty entries over these rows
     (blockdraft.sample.penalties; None: no row has penalties), applied before sampling, greedy
@@ -382,10 +416,12 @@ class SamplingTensors:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
     seeds: torch.Tensor
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
+    any_min_p: bool
     max_top_k: int | None
     penalties: PenaltyEntries | None = None
 
@@ -406,24 +442,28 @@ class SamplingTensors:
         temps = [float(p.temperature) for p in params]
         ks = [int(p.top_k) if p.top_k > 0 else 0 for p in params]
         ps = [float(p.top_p) for p in params]
+        mps = [float(p.min_p) for p in params]
         seeds = [_to_int64(p.resolved_seed) for p in params]
         rand = [i for i, t in enumerate(temps) if t > 0 and (repeats is None or repeats[i] > 0)]
         any_top_k = any(ks[i] > 0 for i in rand)
         any_top_p = any(ps[i] < 1.0 for i in rand)
+        any_min_p = any(mps[i] > 0.0 for i in rand)
         max_top_k = max((ks[i] for i in rand), default=0) if rand and all(ks[i] > 0 for i in rand) else None
         if repeats is not None:
-            temps, ks, ps, seeds = (_repeat(v, repeats) for v in (temps, ks, ps, seeds))
-        # two conversions of two rows each (host_tensor: much faster than torch.tensor on lists)
-        floats = host_tensor(temps + ps, torch.float32).view(2, -1).to(device)
+            temps, ks, ps, mps, seeds = (_repeat(v, repeats) for v in (temps, ks, ps, mps, seeds))
+        # two conversions, of three float rows and two int rows (host_tensor: much faster than torch.tensor on lists)
+        floats = host_tensor(temps + ps + mps, torch.float32).view(3, -1).to(device)
         ints = host_tensor(ks + seeds, torch.int64).view(2, -1).to(device)
         return cls(
             temperature=floats[0],
             top_k=ints[0],
             top_p=floats[1],
+            min_p=floats[2],
             seeds=ints[1],
             all_greedy=not rand,
             any_top_k=any_top_k,
             any_top_p=any_top_p,
+            any_min_p=any_min_p,
             max_top_k=max_top_k,
         )
 
@@ -444,10 +484,12 @@ class SamplingTensors:
             temperature=self.temperature.repeat_interleave(repeats, dim=0),
             top_k=self.top_k.repeat_interleave(repeats, dim=0),
             top_p=self.top_p.repeat_interleave(repeats, dim=0),
+            min_p=self.min_p.repeat_interleave(repeats, dim=0),
             seeds=self.seeds.repeat_interleave(repeats, dim=0),
             all_greedy=self.all_greedy,
             any_top_k=self.any_top_k,
             any_top_p=self.any_top_p,
+            any_min_p=self.any_min_p,
             max_top_k=self.max_top_k,
         )
 
@@ -462,10 +504,12 @@ class SamplingTensors:
             temperature=self.temperature.index_select(0, index),
             top_k=self.top_k.index_select(0, index),
             top_p=self.top_p.index_select(0, index),
+            min_p=self.min_p.index_select(0, index),
             seeds=self.seeds.index_select(0, index),
             all_greedy=self.all_greedy,
             any_top_k=self.any_top_k,
             any_top_p=self.any_top_p,
+            any_min_p=self.any_min_p,
             max_top_k=self.max_top_k,
         )
 
@@ -493,5 +537,7 @@ class SamplingTensors:
             any_top_k=self.any_top_k,
             any_top_p=self.any_top_p,
             max_top_k=self.max_top_k,
+            min_p=self.min_p if self.any_min_p else None,
+            any_min_p=self.any_min_p,
             compiled=compiled,
         )

@@ -31,7 +31,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "echo": (False,),
     "suffix": ("",),
     "best_of": (1,),
-    "min_p": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -81,6 +80,7 @@ class _SamplingRequest(_Strict):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM): 0 or -1 disables
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension (vLLM): 0 disables
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)  # extension (vLLM): 1 disables

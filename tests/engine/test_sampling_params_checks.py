@@ -28,6 +28,7 @@ def _set(**fields):
     (_set(max_tokens=0), r"^max_tokens must be an integer >= 1, got 0"),
     (_set(temperature=-1), r"^temperature must be a finite number >= 0 and <= 3.40282e\+38 \(float32's largest\), got -1"),
     (_set(top_p=2.0), r"^top_p must be in \(0, 1\], got 2.0"),
+    (_set(min_p=2.0), r"^min_p must be a number in \[0, 1\] \(0 = off\), got 2.0"),
     (_set(stop_token_ids=[-3]), r"stop_token_ids entry must be an integer >= 0, got -3"),
     (_set(stop=5), r"^stop must be a string, a list of strings or None, got 5"),
 ])
@@ -123,3 +124,14 @@ def test_the_largest_accepted_values_run_and_tiny_temperatures_decode_greedily(l
                           temperature=0.7, seed=1)
     assert len(llm.generate(PROMPT, edge)[0].token_ids) >= 2
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_min_p_takes_0_to_1_and_its_errors_name_it():
+    """vLLM's min_p: a number in [0, 1], 0 (the default) = off; an int 0 or 1 is a number too."""
+    assert SamplingParams().min_p == 0.0
+    for ok in (0, 0.0, 1e-9, 0.05, 0.5, 1, 1.0):
+        assert SamplingParams(temperature=1.0, min_p=ok).min_p == ok
+    for bad in (-1e-9, 1.0000001, float("inf"), float("-inf"), float("nan"), "0.1", True, None, [0.1]):
+        with pytest.raises(ValueError, match=r"^min_p must be a number in \[0, 1\] \(0 = off\), got ") as e:
+            SamplingParams(min_p=bad)
+        assert e.value.param == "min_p" and repr(bad) in str(e.value)

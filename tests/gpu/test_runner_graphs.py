@@ -85,6 +85,25 @@ def test_penalised_requests_on_graphs_equal_enforce_eager_and_plain_fp32(k):
     assert target_runs
 
 
+@pytest.mark.parametrize("k", [None, 7], ids=["plain", "k7"])
+def test_min_p_requests_on_graphs_equal_enforce_eager_and_plain_fp32(k):
+    """min_p rows (alone, with top-k / top-p; a greedy row with min_p; rows without it) on graphed
+    steps, compiled sampler and async continuations included, give the eager engine's tokens, and the
+    speculative ones plain decoding's."""
+    target = cuda_tiny_target(torch.float32, seed=4)
+    prompts = random_prompts(7, seed=9)
+    kinds = [dict(temperature=1.0, min_p=0.3), dict(temperature=1.3, min_p=0.1, top_k=20), dict(temperature=0.0, min_p=0.5),
+             dict(temperature=0.9, min_p=0.2, top_p=0.8), dict(temperature=1.0)]  # fmt: skip
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, seed=i, **kinds[i % len(kinds)]) for i in range(7)]
+    want = _tokens(cuda_llm(target, None, enforce_eager=True), prompts, params)
+    with graph_runs() as (target_runs, _):
+        assert _tokens(cuda_llm(target, k), prompts, params) == want
+    assert target_runs
+    bare = [SamplingParams(max_tokens=40, ignore_eos=True, seed=p.seed, temperature=p.temperature, top_k=p.top_k,
+                           top_p=p.top_p) for p in params]  # fmt: skip
+    assert _tokens(cuda_llm(target, None, enforce_eager=True), prompts, bare) != want  # min_p filtered something
+
+
 def test_chunked_prefill_and_mixed_steps_run_eagerly_between_replays():
     target = cuda_tiny_target(torch.float32, seed=4)
     prompts, params = random_prompts(12, seed=4, low=10, high=40), _params(12, 24)

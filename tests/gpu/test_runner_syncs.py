@@ -51,6 +51,20 @@ def test_penalties_add_no_host_sync(k):
     assert len(counts) > 5 and max(counts) <= 1, counts
 
 
+@pytest.mark.parametrize("k", [None, 5], ids=["plain", "k5"])
+def test_min_p_adds_no_host_sync(k):
+    llm = cuda_llm(cuda_tiny_target(torch.bfloat16), k)
+    llm.generate(random_prompts(2, seed=6), SamplingParams(max_tokens=4, temperature=1.0, min_p=0.1, seed=0))  # warm-up
+    for i, prompt in enumerate(random_prompts(4, seed=11, low=20, high=60)):
+        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.7 * (i % 2) + 0.3, seed=i,
+                                min_p=(0.05, 0.2)[i % 2], top_p=(1.0, 0.9)[i // 2])  # fmt: skip
+        llm.engine.add_request(f"r{i}", prompt, params)
+    counts = []
+    while llm.engine.has_unfinished_requests():
+        counts.append(count_host_syncs(llm.engine.step))
+    assert len(counts) > 5 and max(counts) <= 1, counts
+
+
 def test_logprobs_work_and_are_the_documented_sync_exception():
     llm = cuda_llm(cuda_tiny_target(torch.float32), enforce_eager=True)
     llm.engine.add_request("r", random_prompts(1, seed=7)[0], SamplingParams(max_tokens=3, logprobs=2))

@@ -21,15 +21,17 @@ PASS_P = 1e-3
 FAIL_P = 1e-10
 
 
-def intended(logits: np.ndarray, t: float, top_k: int, top_p: float) -> np.ndarray:
-    """Exact target distribution: softmax(logits / T), keep top-k, renormalise, keep the smallest
-    highest-probability prefix with mass >= top_p (the crossing token included), renormalise."""
+def intended(logits: np.ndarray, t: float, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
+    """Exact target distribution: softmax(logits / T), drop tokens below min_p x the top probability,
+    keep top-k, renormalise, keep the smallest highest-probability prefix with mass >= top_p (the
+    crossing token included), renormalise (vLLM's order)."""
     x = logits.astype(np.float64) / t
     p = np.exp(x - x.max())
     p /= p.sum()
     order = np.argsort(-p, kind="stable")
     keep = np.zeros(len(p), dtype=bool)
     keep[order[: top_k if top_k > 0 else len(p)]] = True
+    keep &= p >= min_p * p.max()
     p = np.where(keep, p, 0.0)
     p /= p.sum()
     if top_p < 1.0:
@@ -58,15 +60,15 @@ def gof_pvalue(tokens: torch.Tensor, probs: np.ndarray) -> float:
     return float(stats.chisquare(counts[support], probs[support] * counts.sum()).pvalue)
 
 
-def run_sampler(t: float, top_k: int, top_p: float, salt: int = 0, hints: bool = True) -> torch.Tensor:
+def run_sampler(t: float, top_k: int, top_p: float, salt: int = 0, hints: bool = True, min_p: float = 0.0) -> torch.Tensor:
     seeds, positions = keys(salt=salt)
     logits = torch.tensor(LOGITS, dtype=torch.float32).expand(N, V).contiguous()
-    params = [SamplingParams(temperature=t, top_k=top_k, top_p=top_p)]
+    params = [SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)]
     st = SamplingTensors.from_params(params).repeat_interleave(N)
     st.seeds = seeds
     if hints:
         return st.sample(logits, positions)
-    return sample(logits, st.temperature, st.top_k, st.top_p, seeds, positions)
+    return sample(logits, st.temperature, st.top_k, st.top_p, seeds, positions, min_p=st.min_p)
 
 
 CASES = [
@@ -92,6 +94,38 @@ def test_goodness_of_fit(t, top_k, top_p, hints):
     assert counts[probs == 0].sum() == 0, "a token outside top-k/top-p was sampled"
     assert (probs[probs > 0] * N).min() > 20  # the test itself has power everywhere
     assert gof_pvalue(tokens, probs) > PASS_P
+
+
+MIN_P_CASES = [
+    # (T, top_k, top_p, min_p)
+    (1.0, 0, 1.0, 0.1),
+    (0.7, 0, 1.0, 0.05),
+    (1.6, 0, 1.0, 0.2),
+    (1.0, 5, 1.0, 0.3),
+    (1.0, 0, 0.8, 0.1),  # top-p on min-p's 7 survivors renormalised keeps 4 (5 without min-p)
+    (1.2, 6, 0.95, 0.3),
+]
+
+
+@pytest.mark.parametrize("t,top_k,top_p,min_p", MIN_P_CASES)
+@pytest.mark.parametrize("hints", [True, False])
+def test_goodness_of_fit_with_min_p(t, top_k, top_p, min_p, hints):
+    probs = intended(LOGITS, t, top_k, top_p, min_p)
+    assert 1 < (probs > 0).sum() < (intended(LOGITS, t, top_k, top_p) > 0).sum()  # min_p removes tokens here
+    tokens = run_sampler(t, top_k, top_p, salt=40 + MIN_P_CASES.index((t, top_k, top_p, min_p)), hints=hints, min_p=min_p)
+    counts = np.bincount(tokens.numpy(), minlength=V)
+    assert counts[probs == 0].sum() == 0, "a token below min_p x the top probability was sampled"
+    assert (probs[probs > 0] * N).min() > 20
+    assert gof_pvalue(tokens, probs) > PASS_P
+
+
+def test_negative_control_min_p_before_temperature():
+    t, min_p = 0.6, 0.1
+    probs = intended(LOGITS, t, 0, 1.0, min_p)
+    keep = intended(LOGITS, 1.0, 0, 1.0, min_p) > 0  # the bug: min_p applied to the untempered probabilities
+    assert keep.sum() != (probs > 0).sum()
+    assert gof_pvalue(_wrong_gumbel(t, keep, salt=7), probs) < FAIL_P
+    assert gof_pvalue(run_sampler(t, 0, 1.0, salt=7, min_p=min_p), probs) > PASS_P
 
 
 def test_cases_really_truncate():

@@ -33,6 +33,8 @@ def test_sample_identical_on_cuda():
         dict(temperature=1.2, top_p=0.9),
         dict(temperature=0.8, top_k=100, top_p=0.8),
         dict(temperature=0.6, top_p=0.95),
+        dict(temperature=1.1, min_p=0.1),
+        dict(temperature=0.9, top_k=80, top_p=0.9, min_p=0.05),
     ]
     params = [SamplingParams(seed=i * 7919, **kinds[i % len(kinds)]) for i in range(n)]
     pos = torch.randint(0, 10_000, (n,), generator=g)
@@ -53,7 +55,8 @@ def test_compiled_noise_path_matches_eager_on_cuda():
     g = torch.Generator().manual_seed(2)
     for n, v in ((8, 151_936), (33, 32_000)):  # two shapes: dynamic=True must not need a recompile per shape
         logits = torch.randn(n, v, generator=g).cuda() * 2
-        params = [SamplingParams(temperature=0.9, top_p=0.9 if i % 2 else 1.0, top_k=40 if i % 3 == 0 else 0, seed=i) for i in range(n)]
+        params = [SamplingParams(temperature=0.9, top_p=0.9 if i % 2 else 1.0, top_k=40 if i % 3 == 0 else 0,
+                                 min_p=0.05 if i % 4 == 1 else 0.0, seed=i) for i in range(n)]  # fmt: skip
         st = SamplingTensors.from_params(params, device="cuda")
         pos = torch.arange(n, device="cuda") * 31
         assert torch.equal(st.sample(logits, pos, compiled=True), st.sample(logits, pos))
@@ -65,14 +68,18 @@ def test_sample_never_syncs_with_the_host():
     g = torch.Generator().manual_seed(3)
     n, v = 24, 50_000
     logits = torch.randn(n, v, generator=g).cuda()
-    params = [SamplingParams(temperature=[0.0, 1.0, 0.7][i % 3], top_k=[0, 20][i % 2], top_p=[1.0, 0.9, 0.8][i % 3], seed=i) for i in range(n)]
+    params = [SamplingParams(temperature=[0.0, 1.0, 0.7][i % 3], top_k=[0, 20][i % 2], top_p=[1.0, 0.9, 0.8][i % 3],
+                             min_p=[0.0, 0.1][i % 4 == 3], seed=i) for i in range(n)]  # fmt: skip
     st = SamplingTensors.from_params(params, device="cuda")
+    only_min_p = SamplingTensors.from_params([SamplingParams(temperature=1.0, min_p=0.2, seed=1)] * n, device="cuda")
     pos = torch.arange(n, device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         st.sample(logits, pos)
         sample(logits, st.temperature, st.top_k, st.top_p, st.seeds, pos)
+        sample(logits, st.temperature, st.top_k, st.top_p, st.seeds, pos, min_p=st.min_p)
+        only_min_p.sample(logits, pos)  # min-p without top-k / top-p: the row maximum, no sort
         compute_logprobs(logits, pos, 3)
     finally:
         torch.cuda.set_sync_debug_mode("default")

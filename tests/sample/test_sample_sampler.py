@@ -12,7 +12,7 @@ V = 1000
 def _mixed_params(n: int, gen: torch.Generator) -> list[SamplingParams]:
     out = []
     for i in range(n):
-        kind = i % 6
+        kind = i % 8
         seed = int(torch.randint(0, 2**31, (1,), generator=gen))
         if kind == 0:
             out.append(SamplingParams(temperature=0.0, seed=seed))
@@ -24,8 +24,12 @@ def _mixed_params(n: int, gen: torch.Generator) -> list[SamplingParams]:
             out.append(SamplingParams(temperature=1.3, top_p=0.9, seed=seed))
         elif kind == 4:
             out.append(SamplingParams(temperature=0.8, top_k=50, top_p=0.8, seed=seed))
-        else:
+        elif kind == 5:
             out.append(SamplingParams(temperature=0.5, top_k=-1, top_p=0.95, seed=seed))
+        elif kind == 6:
+            out.append(SamplingParams(temperature=1.2, min_p=0.1, seed=seed))
+        else:
+            out.append(SamplingParams(temperature=0.9, top_k=60, top_p=0.9, min_p=0.05, seed=seed))
     return out
 
 
@@ -41,7 +45,7 @@ def _sample_rows(logits, params, positions, hints: bool):
     st = SamplingTensors.from_params(params)
     if hints:
         return st.sample(logits, positions)
-    return sample(logits, st.temperature, st.top_k, st.top_p, st.seeds, positions)
+    return sample(logits, st.temperature, st.top_k, st.top_p, st.seeds, positions, min_p=st.min_p)
 
 
 @pytest.mark.parametrize("hints", [True, False])
@@ -238,6 +242,7 @@ def test_after_the_warm_up_a_runner_step_compiles_nothing(monkeypatch):
         [SamplingParams(temperature=0.8, seed=2)],
         [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, seed=1), SamplingParams(temperature=0.0)],
         [SamplingParams(temperature=1.0, seed=i) for i in range(5)],
+        [SamplingParams(temperature=0.9, min_p=0.1, seed=3), SamplingParams(temperature=0.0)],  # min-p: a threshold too
     ]
     try:
         with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():

@@ -65,6 +65,9 @@ CASES = [
     ("top-p-above-1", C, _c(top_p=1.5), {}, 400, "top_p"),
     ("top-p-zero", C, _c(top_p=0), {}, 400, "top_p"),
     ("top-k-string", C, _c(top_k="5"), {}, 400, "top_k"),
+    ("min-p-above-1", C, _c(min_p=1.5), {}, 400, "invalid 'min_p'"),
+    ("min-p-negative-chat", CHAT, _chat(min_p=-0.1), {}, 400, "invalid 'min_p'"),
+    ("min-p-string", C, _c(min_p="0.1"), {}, 400, "invalid 'min_p'"),
     ("n-zero", C, _c(n=0), {}, 400, "'n'"),
     ("n-huge", C, _c(n=1000), {}, 400, "n must be <="),
     ("more-choices-than-max-pending", C, _c(prompt=[OK_PROMPT] * 65, n=16), {}, 400, "--max-pending"),
@@ -173,6 +176,9 @@ def test_every_hostile_request_gets_a_4xx_json_error_and_the_server_keeps_servin
 def test_errors_name_the_field(http):
     r = http.post(C, json=_c(temperature=-1))
     assert r.json()["error"]["param"] == "temperature"
+    for path, body in ((C, _c(min_p=2)), (CHAT, _chat(min_p=-1))):
+        r = http.post(path, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
     r = http.post(C, json=_c(stop=[""]))  # refused by SamplingParams: its parameter, no CLI flag
     assert r.json()["error"]["param"] == "stop" and "--" not in r.json()["error"]["message"]
     r = http.post(CHAT, json=_chat(messages=[{"role": "user", "content": "w05x"}, {"role": "bot", "content": "w05x"}]))
@@ -204,6 +210,14 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
     assert r.status_code == 400 and "skip_special_tokens" in r.json()["error"]["message"]
     r = http.post(C, json=_c(echo=0))  # 0 is not the neutral `false`: types are strict
     assert r.status_code == 400
+
+
+def test_min_p_is_accepted_on_both_endpoints(http):
+    """vLLM's min_p extra field: [0, 1], with null, 0, an int 1 and a float accepted."""
+    for value in (None, 0, 0.0, 0.25, 1, 1.0):
+        assert http.post(C, json=_c(min_p=value, temperature=1.0, seed=1)).status_code == 200, value
+        r = http.post(CHAT, json=_chat(min_p=value, temperature=1.0, seed=1))
+        assert r.status_code == 200, (value, r.text)
 
 
 def test_an_assistant_message_echoed_whole_by_a_client_is_accepted(http):

@@ -24,7 +24,12 @@ REQUESTS = [
     ("completions", dict(prompt=PROMPTS[0], max_tokens=24, temperature=0.0, logit_bias={"45": -100, "9": 3.0},
                          extra_body={"ignore_eos": True})),
     ("chat", dict(messages=CHAT, max_tokens=30, temperature=0.0, extra_body={"min_tokens": 6, "stop_token_ids": [89]})),
+    ("completions", dict(prompt=PROMPTS[1], max_tokens=40, temperature=1.3, seed=6,
+                         extra_body={"ignore_eos": True, "min_p": 0.2})),
+    ("chat", dict(messages=CHAT, max_tokens=40, temperature=1.0, top_p=0.9, seed=8, n=2,
+                  extra_body={"ignore_eos": True, "min_p": 0.1, "top_k": 30})),
 ]
+MIN_P_REQUEST = 9  # REQUESTS[9]: the completions request with min_p
 SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
@@ -104,6 +109,20 @@ def test_penalties_change_the_answer(plain_server):
     bare = _texts(_create(client, "completions", kw))
     penalised = _texts(_create(client, "completions", REQUESTS[5][1]))
     assert bare != penalised and penalised[0]
+
+
+def test_min_p_changes_the_answer_and_min_p_1_is_greedy(plain_server):
+    """The min_p requests above are not the unfiltered ones in disguise; min_p 1 keeps only the
+    most likely token, so a hot temperature then answers as greedy decoding does."""
+    client = openai_client(plain_server)
+    kind, kw = REQUESTS[MIN_P_REQUEST]
+    assert kw["extra_body"]["min_p"] == 0.2
+    filtered = _texts(_create(client, kind, kw))
+    bare = _texts(_create(client, kind, dict(kw, extra_body={"ignore_eos": True})))
+    assert filtered != bare and filtered[0]
+    greedy = _texts(_create(client, kind, dict(kw, temperature=0.0, extra_body={"ignore_eos": True})))
+    assert _texts(_create(client, kind, dict(kw, temperature=2.0, extra_body={"ignore_eos": True, "min_p": 1.0}))) == greedy
+    assert greedy != _texts(_create(client, kind, dict(kw, temperature=2.0, extra_body={"ignore_eos": True})))
 
 
 def test_min_tokens_holds_back_a_stop_token_id(plain_server):
