@@ -47,6 +47,14 @@ class SamplingParams:
     token has None), within the same `max_logprobs`; such a request recomputes its whole prompt
     (no prefix-cache hit). detokenize: build the output text (default); False leaves `text` empty and skips decoding each new token (token ids only, e.g. training
     data; vLLM's `detokenize`), so it cannot be combined with stop strings.
+    skip_special_tokens: leave special tokens (e.g. `<|im_end|>`, an EOS kept by ignore_eos) out of
+    the text (default, vLLM's); False writes them in it (stop strings then match them too). As in
+    vLLM, the EOS or stop_token_ids token that ends a request adds no text unless
+    include_stop_str_in_output; logprobs are unaffected (token ids). spaces_between_special_tokens:
+    with skip_special_tokens False, False writes an added token that follows another one without
+    the separator the tokenizer's decoder puts between them (vLLM's fast detokenizer rule; e.g.
+    "<eos> <eos>" becomes "<eos><eos>" with a decoder that joins tokens with spaces); no effect
+    with skip_special_tokens True.
     presence_penalty / frequency_penalty: in [-2, 2] (OpenAI's range), subtracted from the logit of
     every token already in the output: presence once, frequency once per occurrence (0 = off).
     repetition_penalty: > 0 (1 = off), at most float32's largest value; the logit of every token
@@ -79,6 +87,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     detokenize: bool = True
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -126,7 +136,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), low=0)
-        for flag in ("ignore_eos", "detokenize", "include_stop_str_in_output"):
+        for flag in ("ignore_eos", "detokenize", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise param_error(flag, f"{flag} must be True or False, got {getattr(self, flag)!r}")
         for name in ("presence_penalty", "frequency_penalty"):

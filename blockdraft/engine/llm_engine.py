@@ -97,7 +97,8 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         self.scheduler.add_request(req)
         self._requests[request_id] = req
-        detok = (IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output)
+        detok = (IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
+                                        params.skip_special_tokens, params.spaces_between_special_tokens)
                  if params.detokenize else NoDetokenizer())
         self._detok[request_id] = detok
         eos = () if params.ignore_eos else self.eos_token_ids
@@ -278,6 +279,8 @@ class LLMEngine:
         token id that ended the request; None for EOS (also an EOS id listed in stop_token_ids, as
         vLLM checks EOS first) and for length. The token-id and length limits are found first, so
         only the detokenizer runs per token; the tokens are then committed as one slice.
+        As in vLLM, the EOS or stop token id that ends the request is not detokenized (it adds no
+        text, and cannot complete a stop string) unless include_stop_str_in_output.
         """
         params = req.sampling_params
         # tokens that fit; the first is committed even without room (the length check follows it)
@@ -285,14 +288,16 @@ class LLMEngine:
         end = min(len(tokens), room)
         reason, stop_reason = ("length" if end == room else None), None
         stop_ids = self._stop_ids[req.request_id]
+        text_end = end  # tokens that reach the detokenizer
         if stop_ids:
             for i in range(end):
                 if tokens[i] in stop_ids:
                     # vLLM: the EOS check comes first and records no stop_reason; a stop_token_ids hit records the id
                     eos = not params.ignore_eos and tokens[i] in req.eos_token_ids
                     end, reason, stop_reason = i + 1, "stop", None if eos else tokens[i]
+                    text_end = end if params.include_stop_str_in_output else i  # vLLM: no text for the stop token
                     break
-        hit = self._detok[req.request_id].extend(tokens[:end])
+        hit = self._detok[req.request_id].extend(tokens[:text_end])
         if hit is not None:
             end, reason, stop_reason = hit[0] + 1, "stop", hit[1]
         req.output_token_ids += tokens[:end]

@@ -69,7 +69,8 @@ def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> l
 
 def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:
     """The text `echo` returns for each prompt of a /v1/completions request: a text prompt as given,
-    a token-id prompt decoded (as the output text is: skip_special_tokens=True), as vLLM does.
+    a token-id prompt decoded (with skip_special_tokens=True, the output text's default, whatever
+    the request's skip_special_tokens), as vLLM does.
 
     Args:
         prompts: completion_prompts' token ids of `req`'s prompts (one list per prompt).
@@ -172,6 +173,8 @@ def _sampling_params(
             stop_token_ids=req.stop_token_ids,
             ignore_eos=bool(req.ignore_eos),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens is not False,  # null: the default, true
+            spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
             logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,

@@ -46,8 +46,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "reasoning_effort": (),
     "web_search_options": (),
     # vLLM's extra fields that clients send with their defaults: those values are this server's behaviour
-    "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,),
     "include_stop_str_in_output": (False,),
     "use_beam_search": (False,),
     "length_penalty": (1,),
@@ -67,9 +65,13 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    """`stream_options`: include_usage adds a last chunk with `usage` (and empty `choices`)."""
+    """`stream_options`: include_usage adds a last chunk with `usage` (and empty `choices`).
+    continuous_usage_stats (vLLM's): with include_usage, every chunk that carries a choice also
+    carries that choice's `usage` so far (its prompt's tokens, its completion tokens); an omitted
+    (null) include_usage then counts as true, as vLLM's default true does, and false turns both off."""
 
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class _SamplingRequest(_Strict):
@@ -92,6 +94,8 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None  # extension (vLLM)
     ignore_eos: bool | None = None  # extension (vLLM)
     include_stop_str_in_output: bool | None = None  # extension (vLLM): the text keeps the stop string found
+    skip_special_tokens: bool | None = None  # extension (vLLM): false keeps special tokens in the text
+    spaces_between_special_tokens: bool | None = None  # extension (vLLM): false joins consecutive added tokens
     n: int | None = Field(default=None, ge=1)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -106,7 +110,15 @@ class _SamplingRequest(_Strict):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        """Whether a stream ends with a usage chunk (stream_options.include_usage; see StreamOptions)."""
+        so = self.stream_options
+        return so is not None and bool(so.include_usage or (so.include_usage is None and so.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk with a choice carries that choice's usage so far (vLLM's
+        stream_options.continuous_usage_stats, only with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Callable
 
-from blockdraft.engine.detokenizer import IncrementalDetokenizer
+from blockdraft.engine.detokenizer import IncrementalDetokenizer, added_token_texts
 from blockdraft.engine.request import SpecStats
 
 
@@ -101,8 +101,7 @@ def token_bytes_decoder(tokenizer, text_of: Callable[[int], str] | None = None) 
     to_token = getattr(tokenizer, "convert_ids_to_tokens", None)
     if to_token is None:
         return lambda token_id: text_of(token_id).encode("utf-8")
-    added = {i: t.content if hasattr(t, "content") else str(t)
-             for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+    added = added_token_texts(tokenizer)
     byte_of = _byte_level_inverse(tokenizer)
 
     def bytes_of(token_id: int) -> bytes:
@@ -154,7 +153,8 @@ class TextOffsets:
 
     Token i's offset is the length in characters (str indices) of the text of the tokens before
     it, decoded as the engine decodes the completion text (the same IncrementalDetokenizer and
-    `token_decoder`, so `skip_special_tokens=True`: a special token adds no characters), counting
+    `token_decoder`, with the request's skip_special_tokens / spaces_between_special_tokens: by
+    default a special token adds no characters), counting
     only complete characters: a trailing incomplete UTF-8 character (byte-level BPE splits emoji /
     CJK characters across tokens) is left out until a later token completes it
     (IncrementalDetokenizer.num_complete_chars). So offsets are non-decreasing, a token that is
@@ -167,8 +167,10 @@ class TextOffsets:
     Raises: only the tokenizer's errors (e.g. for an id outside the vocabulary).
     """
 
-    def __init__(self, tokenizer) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, [])
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
+        """The flags: the choice's SamplingParams ones (its text is decoded with them)."""
+        self._detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip_special_tokens,
+                                             spaces_between_special_tokens=spaces_between_special_tokens)
 
     def __call__(self, token_ids: list[int]) -> list[int]:
         """The offsets (characters) of these tokens, which follow the tokens of earlier calls."""

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from blockdraft.engine.outputs import RequestOutput
+from blockdraft.sampling_params import SamplingParams
 from blockdraft.server import responses as R
 from blockdraft.server.async_engine import AsyncEngine, EngineDeadError, ServerBusyError, now
 from blockdraft.server.config import ModelInfo, ServerConfig
@@ -59,12 +60,14 @@ class _Cursor:
     Completions also hold back the logprob entries of tokens whose text is not sent yet (`held`,
     see CompletionFormat.chunk_choice). echo: the prompt text a completions `echo` stream still has
     to send (its first chunk carries it, with the prompt's logprobs); base: its length once sent
-    (the completion's text_offset values follow it).
+    (the completion's text_offset values follow it). params: the choice's SamplingParams (its
+    text's decoding flags, which completions' text_offset follows).
     """
 
-    def __init__(self, holdback: int, echo: str | None = None) -> None:
+    def __init__(self, holdback: int, echo: str | None = None, params: SamplingParams | None = None) -> None:
         self.holdback = holdback
         self.echo = echo
+        self.params = params
         self.base = 0
         self.chars = 0
         self.tokens = 0
@@ -95,7 +98,8 @@ class CompletionFormat:
         """Choice `index` of a whole response; with `plan.echo` its prompt first (text and logprobs)."""
         logprobs = None
         if out.logprobs is not None:
-            logprobs = R.completion_logprobs(out.logprobs, ctx.token_text, text_len=len(out.text))
+            offsets = _text_offsets(ctx, plan.params[index])
+            logprobs = R.completion_logprobs(out.logprobs, ctx.token_text, offsets, text_len=len(out.text))
         text = out.text
         if plan.echo:
             prompt_text = plan.prompt_texts[index]
@@ -135,7 +139,7 @@ class CompletionFormat:
         logprobs = None
         if entries is not None:
             if cursor.text_offsets is None:
-                cursor.text_offsets = R.TextOffsets(ctx.token_text.tokenizer)
+                cursor.text_offsets = _text_offsets(ctx, cursor.params)
             cursor.held += zip(entries, cursor.text_offsets([e["token_id"] for e in entries]))
             # offsets never decrease: the entries to send are a prefix of the held ones
             n = len(cursor.held) if finish is not None else sum(1 for _, o in cursor.held if o <= cursor.chars)
@@ -278,18 +282,22 @@ class Serving:
         head = {**meta, "object": self.fmt.object_chunk}
         if req.include_usage:
             head["usage"] = None  # OpenAI sends null usage on every chunk but the last
+        # vLLM's continuous_usage_stats: each chunk with a choice carries that choice's usage so far
+        continuous = req.continuous_usage
         holdback = max((len(s) for s in plan.params[0].stop), default=1) - 1
-        cursors = [_Cursor(holdback, plan.prompt_texts[i] if plan.echo else None) for i in range(len(plan.prompts))]
+        cursors = [_Cursor(holdback, plan.prompt_texts[i] if plan.echo else None, plan.params[i])
+                   for i in range(len(plan.prompts))]
         finals: dict[int, RequestOutput] = {}
         for i in range(len(cursors)):
             first = self.fmt.first_chunk_choice(i)
             if first is not None:
-                yield R.sse({**head, "choices": [first]})
+                usage = {"usage": R.usage(len(plan.prompts[i]), 0)} if continuous else {}
+                yield R.sse({**head, "choices": [first], **usage})
         try:
             async for batch in group.updates():
                 for i, out in sorted(batch.items()):
                     out = _shown(plan, out)
-                    frame = self._chunk(head, i, cursors[i], out)
+                    frame = self._chunk(head, i, cursors[i], out, continuous)
                     if frame is not None:
                         yield frame
                     if out.finished:
@@ -307,7 +315,10 @@ class Serving:
         yield R.SSE_DONE
         self._log(meta["id"], plan, outs, arrival)
 
-    def _chunk(self, head: dict, index: int, cursor: _Cursor, out: RequestOutput) -> bytes | None:
+    def _chunk(self, head: dict, index: int, cursor: _Cursor, out: RequestOutput,
+               continuous: bool = False) -> bytes | None:
+        """The SSE frame of choice `index`'s new output `out` (None when there is nothing to send);
+        continuous: it carries the choice's `usage` so far (prompt tokens, completion tokens)."""
         delta, entries = cursor.advance(out)
         if not delta and not entries and not out.finished and cursor.echo is None:
             return None
@@ -316,6 +327,8 @@ class Serving:
         if choice is None:
             return None
         chunk = {**head, "choices": [choice]}
+        if continuous:
+            chunk["usage"] = R.usage(len(out.prompt_token_ids), len(out.token_ids))
         if out.finished:
             chunk["spec_decode_stats"] = R.spec_stats([out.spec])
         return R.sse(chunk)
@@ -334,6 +347,13 @@ class Serving:
             "%s: %d choice(s), %d prompt tokens, %d completion tokens, finish=%s, %.3f s",
             rid, len(outs), plan.num_prompt_tokens, sum(len(o.token_ids) for o in outs), reasons, seconds,
         )
+
+
+def _text_offsets(ctx: ServerContext, params: SamplingParams | None) -> R.TextOffsets:
+    """A fresh TextOffsets for one choice, decoding as its text was (`params`' flags; None: the defaults)."""
+    if params is None:
+        return R.TextOffsets(ctx.token_text.tokenizer)
+    return R.TextOffsets(ctx.token_text.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
 
 
 def _stop_reason(finish: str | None, out: RequestOutput) -> int | str | None:

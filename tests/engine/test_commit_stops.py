@@ -22,12 +22,15 @@ class CharTokenizer:
 
 
 def _reference(tokenizer, params, eos, prompt_len, max_model_len, steps):
-    """The per-token commit loop (the engine's behaviour before tokens were committed as a slice)."""
-    detok, out = IncrementalDetokenizer(tokenizer, params.stop), []
+    """The per-token commit loop (the engine's behaviour before tokens were committed as a slice).
+    As in vLLM, an EOS / stop token id that ends the request is not detokenized (no text, no stop
+    string completed) unless include_stop_str_in_output."""
+    detok, out = IncrementalDetokenizer(tokenizer, params.stop, include_stop=params.include_stop_str_in_output), []
     for tokens in steps:
         for tok in tokens:
             out.append(tok)
-            stop_str = detok.append(tok)
+            ends = (not params.ignore_eos and tok in eos) or tok in params.stop_token_ids
+            stop_str = detok.append(tok) if params.include_stop_str_in_output or not ends else None
             if stop_str is not None:
                 return out, "stop", stop_str, detok.text
             if not params.ignore_eos and tok in eos:
@@ -47,6 +50,7 @@ def test_slice_commit_matches_per_token_commit():
         params = SamplingParams(
             max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.3,
             stop=rng.choice([None, ["cd"], ["b", "fgh"]]), stop_token_ids=rng.choice([[], [rng.randrange(8)]]),
+            include_stop_str_in_output=rng.random() < 0.3,
         )
         prompt_len, max_model_len = rng.randint(1, 5), rng.randint(6, 20)
         steps = [[rng.randrange(8) for _ in range(rng.randint(1, 5))] for _ in range(8)]

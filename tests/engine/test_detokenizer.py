@@ -170,3 +170,65 @@ def test_token_decoder_on_the_test_tokenizer_and_its_fallback(monkeypatch):
     monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True)
     monkeypatch.setattr(tok, "decode", lambda ids, skip_special_tokens: f"decoded {ids}")
     assert token_decoder(tok)([1, 2]) == "decoded [1, 2]"
+
+
+def test_special_tokens_kept_when_asked(tokenizer):
+    """skip_special_tokens=False: the special tokens' text (e.g. <|im_end|>) is in the text, which
+    is the tokenizer's decode with skip_special_tokens=False, token by token or a step at a time,
+    through the backend decoder too. Byte-level BPE puts no separator between tokens, so
+    spaces_between_special_tokens=False gives the same text (as in vLLM); stop strings match it."""
+    import random
+
+    body = tokenizer.encode(TEXT, add_special_tokens=False)
+    specials = sorted(set(tokenizer.all_special_ids))
+    eos = tokenizer.eos_token_id
+    ids = body[:20] + specials + body[20:40] + [eos, eos] + body[40:] + [eos]
+    want = tokenizer.decode(ids, skip_special_tokens=False)
+    assert tokenizer.decode([eos]) in want and want != tokenizer.decode(ids, skip_special_tokens=True)
+    assert token_decoder(tokenizer, skip_special_tokens=False)(ids) == want
+    rng = random.Random(0)
+    for spaces in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        lazy = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        i = 0
+        while i < len(ids):
+            n = rng.randint(1, 9)
+            for t in ids[i : i + n]:
+                detok.append(t)
+                assert want.startswith(detok.text)
+            lazy.extend(ids[i : i + n])
+            assert want.startswith(lazy.text)
+            i += n
+        detok.flush()
+        lazy.flush()
+        assert detok.text == lazy.text == want, spaces
+    eos_text = tokenizer.decode([eos])
+    stop = IncrementalDetokenizer(tokenizer, [eos_text], skip_special_tokens=False)
+    hit = stop.extend(ids)
+    assert hit == (ids.index(eos), eos_text) and stop.text == want[: want.index(eos_text)]
+    skipped = IncrementalDetokenizer(tokenizer, [eos_text])  # the default leaves it out of the text: no match
+    assert skipped.extend(ids) is None
+
+
+def test_spaces_between_special_tokens_on_a_decoder_that_joins_tokens_with_spaces():
+    """The word-level test tokenizer (no decoder: tokens joined by spaces; <eos> special, id 0):
+    False writes an added token right after another one bare ("<eos><eos>"), as vLLM's fast
+    detokenizer; other separators stay. With skip_special_tokens (default) the flag does nothing."""
+    from tests.conftest import make_tokenizer
+
+    tok = make_tokenizer()
+    ids = [0, 0, 5, 0, 0, 0, 6, 7, 0]
+    for flags, want in [
+        ({}, "w05x w06x w07x"),
+        ({"spaces_between_special_tokens": False}, "w05x w06x w07x"),
+        ({"skip_special_tokens": False}, "<eos> <eos> w05x <eos> <eos> <eos> w06x w07x <eos>"),
+        ({"skip_special_tokens": False, "spaces_between_special_tokens": False}, "<eos><eos> w05x <eos><eos><eos> w06x w07x <eos>"),
+    ]:
+        one = IncrementalDetokenizer(tok, [], **flags)
+        for t in ids:
+            one.append(t)
+        step = IncrementalDetokenizer(tok, [], **flags)
+        step.extend(ids[:4])
+        step.extend(ids[4:])
+        assert one.text == step.text == want, flags
+    assert make_tokenizer().decode(ids, skip_special_tokens=False) == "<eos> <eos> w05x <eos> <eos> <eos> w06x w07x <eos>"

@@ -136,6 +136,8 @@ def test_eos_stops_unless_ignored(llama_target):
         (dict(seed=-1), r"^seed must be an integer >= 0, got -1"),
         (dict(detokenize=0), r"detokenize must be True or False, got 0"),
         (dict(ignore_eos="yes"), r"ignore_eos must be True or False, got 'yes'"),
+        (dict(skip_special_tokens=0), r"skip_special_tokens must be True or False, got 0"),
+        (dict(spaces_between_special_tokens="no"), r"spaces_between_special_tokens must be True or False, got 'no'"),
         (dict(stop=["w01x"], detokenize=False), r"stop strings \['w01x'\] need the output text"),
         (dict(stop=5), r"^stop must be a string, a list of strings or None, got 5"),  # a str is allowed
         (dict(stop_token_ids=7), r"^stop_token_ids must be a list of token ids \(integers >= 0\) or None, got 7"),

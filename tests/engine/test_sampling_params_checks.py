@@ -31,6 +31,8 @@ def _set(**fields):
     (_set(min_p=2.0), r"^min_p must be a number in \[0, 1\] \(0 = off\), got 2.0"),
     (_set(stop_token_ids=[-3]), r"stop_token_ids entry must be an integer >= 0, got -3"),
     (_set(stop=5), r"^stop must be a string, a list of strings or None, got 5"),
+    (_set(skip_special_tokens=None), r"^skip_special_tokens must be True or False, got None"),
+    (_set(spaces_between_special_tokens=1), r"^spaces_between_special_tokens must be True or False, got 1"),
 ])
 def test_fields_changed_after_construction_are_checked_when_the_request_is_added(llm, change, match):
     p = SamplingParams(max_tokens=4)

@@ -95,6 +95,11 @@ CASES = [
     ("min-tokens-above-max-tokens", C, _c(min_tokens=9, max_tokens=4), {}, 400, "min_tokens must be <= max_tokens (4)"),
     ("min-tokens-negative", C, _c(min_tokens=-1), {}, 400, "min_tokens"),
     ("echo-not-bool", C, _c(echo="yes"), {}, 400, "echo"),
+    ("skip-special-tokens-not-bool", C, _c(skip_special_tokens="no"), {}, 400, "invalid 'skip_special_tokens'"),
+    ("spaces-between-special-tokens-int", CHAT, _chat(spaces_between_special_tokens=0), {}, 400,
+     "invalid 'spaces_between_special_tokens'"),
+    ("continuous-usage-stats-not-bool", C, _c(stream=True, stream_options={"continuous_usage_stats": "yes"}), {}, 400,
+     "stream_options.continuous_usage_stats"),
     ("max-tokens-zero-without-echo", C, _c(max_tokens=0, echo=False), {}, 400, "0 only with echo: true"),
     ("chat-echo", CHAT, _chat(echo=True), {}, 400, "'echo' is not supported"),
     ("best-of", C, _c(best_of=3), {}, 400, "best_of"),
@@ -206,8 +211,8 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
     assert http.post(C, json=_c(**vllm)).status_code == 200
     r = http.post(CHAT, json=_chat(**vllm, add_generation_prompt=True, chat_template_kwargs={}, continue_final_message=False))
     assert r.status_code == 200, r.text
-    r = http.post(C, json=_c(skip_special_tokens=False))
-    assert r.status_code == 400 and "skip_special_tokens" in r.json()["error"]["message"]
+    r = http.post(C, json=_c(use_beam_search=True))
+    assert r.status_code == 400 and "use_beam_search" in r.json()["error"]["message"]
     r = http.post(C, json=_c(echo=0))  # 0 is not the neutral `false`: types are strict
     assert r.status_code == 400
 

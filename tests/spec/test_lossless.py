@@ -149,3 +149,37 @@ def test_include_stop_str_in_output_speculative_equals_plain(llama_target, k, te
     summary = [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in plain]
     assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in spec] == summary
     assert all(o.finish_reason == "stop" and o.text.endswith(q.stop[0]) for o, q in zip(plain, params))
+
+
+@pytest.mark.parametrize("k", [3, 7])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_skip_special_tokens_false_speculative_equals_plain(llama_target, k, temperature):
+    """skip_special_tokens=False (vLLM's): <eos> (id 0, special; made frequent by a logit bias)
+    kept in the text; runs of it joined (spaces_between_special_tokens=False); stop strings that
+    span it; requests ended by it, with and without include_stop_str_in_output (the text keeps it
+    only with). Each variant on each of 5 prompts, one batch: speculative == plain in tokens,
+    text, finish and stop reason, greedy and seeded, drafts half right."""
+    prompts = random_prompts(5, seed=55 + k)
+    base = dict(max_tokens=40, temperature=temperature, logit_bias={0: 6.0}, skip_special_tokens=False)
+    variants = [
+        dict(ignore_eos=True),
+        dict(ignore_eos=True, spaces_between_special_tokens=False),
+        dict(ignore_eos=True, stop=["<eos> w", "<eos><eos>"], spaces_between_special_tokens=False),
+        dict(),  # ends at its first <eos>: no text for it
+        dict(include_stop_str_in_output=True),  # ... which the text then keeps
+    ]
+    params = [SamplingParams(seed=i, **base, **v) for i in range(5) for v in variants]
+    batch = [p for p in prompts for _ in variants]
+    full = make_llm(llama_target).generate(prompts, [SamplingParams(seed=i, ignore_eos=True, **base) for i in range(5)])
+    plain = make_llm(llama_target).generate(batch, params)
+    answers = {tuple(p): p + o.token_ids for p, o in zip(prompts, full)}
+    spec = _spec_llm(llama_target, k, answers, 0.5).generate(batch, params)
+    summary = [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in plain]
+    assert [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in spec] == summary
+    by_variant = [plain[v :: len(variants)] for v in range(len(variants))]
+    assert any("<eos>" in o.text for o in by_variant[0])
+    assert any("<eos><eos>" in o.text for o in by_variant[1])
+    assert any(o.stop_reason in ("<eos> w", "<eos><eos>") for o in by_variant[2])
+    for v, keeps in ((3, False), (4, True)):
+        ended = [o for o in by_variant[v] if o.finish_reason == "stop" and len(o.token_ids) > 1]
+        assert ended and all(o.token_ids[-1] == 0 and o.text.endswith("<eos>") == keeps for o in ended)
