@@ -51,11 +51,13 @@ STAGES = ("synth", "answers")
 
 
 class AnsweringStopped(Exception):
-    """The answering was told to stop (should_stop): `done` of `total` requests of `stage` are saved."""
+    """The answering was told to stop (should_stop): `done` of `total` requests of `stage` are saved.
+    Stopped within a wave, `dropped` of its `wave` requests had finished and are not kept (the wave
+    is saved whole or not at all: the module docstring); stopped between waves, both are 0."""
 
-    def __init__(self, stage: str, done: int, total: int):
+    def __init__(self, stage: str, done: int, total: int, dropped: int = 0, wave: int = 0):
         super().__init__(f"{stage}: stopped at {done} of {total}")
-        self.stage, self.done, self.total = stage, done, total
+        self.stage, self.done, self.total, self.dropped, self.wave = stage, done, total, dropped, wave
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -222,7 +224,8 @@ def answer_in_waves(journal: AnswerJournal, stage: str, llm, prompts: list[list[
 
     `should_stop` is checked before each engine step: once it returns True the wave in progress is
     dropped at once (its in-flight and queued requests aborted, its finished answers not kept: see
-    the module docstring) and AnsweringStopped is raised with the count of saved responses.
+    the module docstring) and AnsweringStopped is raised with the count of saved responses and,
+    stopped within a wave, of the finished ones dropped with it.
     Raises:
         AnsweringStopped: as above (the journal holds every wave completed before it).
         ValueError: a saved wave does not hold the requests its number stands for (a damaged journal).
@@ -258,8 +261,9 @@ def answer_in_waves(journal: AnswerJournal, stage: str, llm, prompts: list[list[
                                                       temperature, seed + first, should_stop=stop,
                                                       on_finished=lambda: bar.update(1))
             if any(r is None for r in responses):  # stopped within the wave: dropped whole
-                bar.update(-sum(r is not None for r in responses))
-                raise AnsweringStopped(stage, done, n)
+                finished = sum(r is not None for r in responses)
+                bar.update(-finished)
+                raise AnsweringStopped(stage, done, n, dropped=finished, wave=last - first)
             journal.save_wave(stage, k, first, responses, time.perf_counter() - t0)
             out[first:last] = responses
             done += last - first

@@ -162,11 +162,14 @@ def speed_hint(r: EvalResult, draft: str | Path) -> str | None:
             f"--num-speculative-tokens {k} to time that")
 
 
-def summary_line(r: EvalResult) -> str:
-    """One human-readable line of an evaluation (the JSON on stdout has every figure)."""
+def summary_line(r: EvalResult, drafter: str | None = None) -> str:
+    """One human-readable line of an evaluation (the JSON on stdout has every figure); `drafter`:
+    what was evaluated, named at the end of the parenthesis ("shipped", or the folder given)."""
     tau = "n/a" if r.acceptance_length is None else f"{r.acceptance_length:.2f}"
+    which = f", drafter {drafter}" if drafter else ""
     line = (f"{r.dataset} T={r.temperature:g}: acceptance length {tau} (K={r.num_speculative_tokens}, "
-            f"draft vocabulary {r.draft_vocab_size or 'full'}, {r.num_steps} verify steps, {r.num_prompts} prompt{'s' if r.num_prompts != 1 else ''})")
+            f"draft vocabulary {r.draft_vocab_size or 'full'}, {r.num_steps} verify steps, {r.num_prompts} "
+            f"prompt{'s' if r.num_prompts != 1 else ''}{which})")
     if r.identical_to_plain is not None:
         line += f" | identical to plain: {'yes' if r.identical_to_plain else 'NO'}"
         line += f" | speedup {r.plain_seconds / r.seconds:.2f}x (K={r.num_speculative_tokens}, this machine)"
@@ -195,10 +198,19 @@ def plot_per_position(results: dict[str, list[float]], path: str, title: str = "
 
 
 def main(args) -> int:
-    """CLI body of `blockdraft eval-drafter` (arguments from cli.py)."""
+    """CLI body of `blockdraft eval-drafter` (arguments from cli.py).
+
+    Raises:
+        ValueError: --plot empty, a folder, in a missing or unwritable folder, or not an image name
+            matplotlib writes (before any decoding); no drafter ships for --target with --draft
+            shipped / auto / left out; and evaluate_drafter's.
+    """
     from blockdraft.errors import check_writable_file
     from blockdraft.drafters import shipped_drafter
 
+    if args.plot is not None and not args.plot.strip():  # `if args.plot` below would skip it: no plot, unsaid
+        raise ValueError(f"--plot {args.plot!r} is empty: give the PNG file to write, e.g. 'acceptance.png', or "
+                         f"leave --plot out")
     if args.plot:  # fail before minutes of decoding, not after
         check_writable_file(args.plot, "--plot", example="acceptance.png")
         from matplotlib.backend_bases import FigureCanvasBase
@@ -211,6 +223,7 @@ def main(args) -> int:
 
     read_target_config(args.target, args.cache_dir)  # an unknown model is named as such, not as "no drafter"
     draft = args.draft or "shipped"
+    named = "shipped" if draft in ("shipped", "auto") else draft  # the summary line's name for it
     if draft in ("shipped", "auto"):  # the folder itself, so the JSON names what was evaluated
         draft = shipped_drafter(args.target, args.cache_dir)
         if draft is None:
@@ -222,7 +235,7 @@ def main(args) -> int:
                               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     out = result.to_dict() | {"target": args.target, "draft": str(draft)}
     print(json.dumps(out, indent=1, allow_nan=False))
-    print(summary_line(result), file=sys.stderr)
+    print(summary_line(result, named), file=sys.stderr)
     hint = speed_hint(result, draft)
     if hint:
         print(hint, file=sys.stderr)

@@ -14,6 +14,9 @@ Layout of `--out`:
                    by frequency, the target's EOS ids and pad id first; see blockdraft.spec.draft_vocab)
     summary.json   device, settings, data counts, final loss / per-slot accuracy, the last
                    validation ("val", null without --val-fraction)
+--out is a new or empty folder or one holding a run (resumed, its data/ reused): anything else is
+refused before anything loads (check_out_folder). A rerun for another --target is refused naming
+both targets (check_resume_target), and --no-resume says which checkpoint it discards.
 
 This is the engine path (CPU or GPU, any catalog target). The GPU runs behind the shipped drafters
 use training/gpu_run.py (made for a lent accelerator: pre-tokenized prompts, time budgets, data
@@ -131,9 +134,68 @@ def check_settings(settings: dict, args) -> None:
         raise ValueError(f"--train-vocab-size must be an integer >= 0 (0: full vocabulary), got {args.train_vocab_size!r}")
     if args.data and Path(args.data).is_file():
         raise ValueError(f"--data {args.data!r} is a file; expected a dataset folder (data-*.safetensors)")
-    taken = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists()), None)
+    check_out_folder(args.out, args.data)
+
+
+# What train-drafter writes inside --out (the module docstring's layout): folders, then files. data/
+# only without --data; checkpoint.new/ and .old/ are a checkpoint save's (training/atomic_folder.py).
+RUN_FOLDERS = {"data": "dataset", "checkpoint": "checkpoint", "drafter": "exported drafter"}
+RUN_FILES = {"train_log.jsonl": "training log", "summary.json": "summary"}
+# Any of these in --out marks a train-drafter run there (one that can be resumed or reused); summary.json
+# alone does not: it is a common file name, and a finished run holds the others too.
+RUN_MARKERS = ("checkpoint", "checkpoint.new", "checkpoint.old", "data", "drafter", "train_log.jsonl")
+
+
+def check_out_folder(out: str, data: str | None = None) -> None:
+    """--out, before anything loads: a folder train-drafter can write its run into (the module
+    docstring's layout) without overwriting anything of the user's.
+
+    Refused: an empty (or whitespace-only) --out, which would write the run into the current
+    folder; --out (or a folder above it) being a file; a path the run writes inside it that is
+    of the other kind (data/ without --data, checkpoint/, drafter/ a file; train_log.jsonl,
+    summary.json a folder), which the run would only fail on at its end; and a non-empty folder
+    holding no train-drafter run (none of RUN_MARKERS; the --data folder, when inside it, is the
+    run's own), whose files (say a summary.json of the user's) the run would overwrite. A folder
+    holding a run is its resume (or its data reused), and an empty or new one a new run.
+
+    Raises:
+        ValueError: naming --out, the offending path and what to do.
+    """
+    if not out.strip():
+        raise ValueError(f"--out {out!r} is empty (it would write the run into the current folder): give the run's "
+                         f"output folder, a new or empty one, e.g. --out runs/mine")
+    folder = Path(out)
+    taken = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if taken is not None and not taken.is_dir():  # the folder (or one above it) could never be made
-        raise ValueError(f"--out {args.out!r}: {str(taken)!r} is a file; --out is the run's output folder")
+        raise ValueError(f"--out {out!r}: {str(taken)!r} is a file; --out is the run's output folder")
+    if not folder.is_dir():
+        return  # a new folder
+    for name, what in RUN_FOLDERS.items():
+        path = folder / name
+        if (path.exists() or path.is_symlink()) and not path.is_dir() and not (name == "data" and data):
+            raise ValueError(f"--out {out!r}: {str(path)!r} is a file, where the run writes its {what} folder; "
+                             f"move it away or use another --out")
+    for name, what in RUN_FILES.items():
+        if (folder / name).is_dir():
+            raise ValueError(f"--out {out!r}: {str(folder / name)!r} is a folder, where the run writes its {what} "
+                             f"file; move it away or use another --out")
+    entries = sorted(p.name for p in folder.iterdir())
+    own = _top_entry_inside(Path(data), folder) if data else None  # a --data folder inside --out is the run's
+    foreign = [name for name in entries if name != own]
+    if foreign and not any(name in RUN_MARKERS for name in entries):
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"--out {out!r} is a folder that holds no train-drafter run ({shown}; a run has "
+                         f"{', '.join(n + '/' for n in RUN_FOLDERS)} or train_log.jsonl), and the run would write "
+                         f"{', '.join(RUN_FILES)} and its folders over it: pick a new or empty folder for --out")
+
+
+def _top_entry_inside(path: Path, folder: Path) -> str | None:
+    """The name of the entry of `folder` that `path` lies in (or is), None when outside it."""
+    try:
+        rel = path.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return None
+    return rel.parts[0] if rel.parts else None
 
 
 def check_mask_token(mask_token_id: int, tokenizer, target, flag: str = "--mask-token-id") -> None:
@@ -444,7 +506,8 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
     said on stderr; --synth-prompts are not written again): the dataset comes out the same as an
     uninterrupted call's. `should_stop` (a callable, checked between engine steps): once it returns
     True the wave in progress is dropped, one line on stderr says how many of how many requests are
-    saved and that the same command resumes, and KeyboardInterrupt is raised.
+    saved, how many finished answers of the dropped wave are not kept (answering_stopped_message)
+    and that the same command resumes, and KeyboardInterrupt is raised.
 
     Returns the TokenDataset (also saved to `folder`, then the journal removed; its info records
     device, dtype, max_num_seqs, wave_size; gen_seconds sums the waves of every run that made them).
@@ -501,10 +564,7 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
         responses = answer_in_waves(journal, "answers", llm, prompts, sampled, settings["max_new_tokens"], 0.7,
                                     args.seed, wave, should_stop, progress=True)
     except AnsweringStopped as e:
-        what = ("prompts answered" if e.stage == "answers" else
-                "--synth-prompts requests written (the prompts are answered after them)")
-        print(f"train-drafter: stopped answering: {e.done} of {e.total} {what} and saved in {journal.folder}; the "
-              f"same command resumes from there", file=sys.stderr, flush=True)
+        print(f"train-drafter: {answering_stopped_message(e, journal.folder, wave)}", file=sys.stderr, flush=True)
         raise KeyboardInterrupt from None
     finally:
         del llm
@@ -520,6 +580,26 @@ def build_dataset(target, settings: dict, args, folder: Path, target_path: str,
     data.save(folder)
     journal.remove()  # after the dataset is whole on disk: a kill in between keeps both, and the dataset is reused
     return data
+
+
+def answering_stopped_message(e, folder: Path, wave_size: int) -> str:
+    """build_dataset's line for an answering stopped by should_stop (`e`: an AnsweringStopped):
+    how many requests are saved in the journal `folder` and, stopped within a wave, how many
+    finished answers of that wave are not kept and why (a wave of WAVE_BATCHES x --max-num-seqs =
+    `wave_size` requests is saved whole, so the count on the progress bar before the stop can
+    exceed what is saved)."""
+    from blockdraft.training.answer_journal import WAVE_BATCHES
+
+    what = ("prompts answered" if e.stage == "answers" else
+            "--synth-prompts requests written (the prompts are answered after them)")
+    lost = ""
+    if e.dropped:
+        noun = "answer" if e.stage == "answers" else "request"
+        lost = (f" ({e.dropped} {noun}{'s' if e.dropped != 1 else ''} of the unfinished wave of {e.wave} "
+                f"{'are' if e.dropped != 1 else 'is'} not kept: {noun}s are saved a wave of {WAVE_BATCHES} x "
+                f"--max-num-seqs = {wave_size} at a time)")
+    return (f"stopped answering: {e.done} of {e.total} {what} and saved in {folder}{lost}; the same command resumes "
+            f"from there")
 
 
 def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: int,
@@ -622,6 +702,71 @@ def check_resume_settings(out: Path, cfg, train_vocab_size: int, drafter_config=
                      f"--out")
 
 
+def recorded_target(out: Path, data: Path) -> tuple[str, str | None] | None:
+    """(target name, its folder or None) the checkpoint in `out` was trained for, None without a
+    checkpoint or a record. Its state.json's "target" / "target_path" (Trainer.target_name);
+    a checkpoint written before they were recorded: the run's summary.json "target", else the
+    "target" / "target_path" of its dataset in `data` (OUT/data or --data: dataset info, or an
+    interrupted answering's journal.json). Reads only small files (no tensors)."""
+    from blockdraft.training.answer_journal import AnswerJournal
+    from blockdraft.training.dataset import SHARD_PATTERN
+    from blockdraft.training.trainer import read_checkpoint_state
+
+    state = read_checkpoint_state(out)
+    if state is None:
+        return None
+    if isinstance(state.get("target"), str):
+        return state["target"], state.get("target_path")
+    records = []
+    with contextlib.suppress(OSError, ValueError):
+        records.append(json.loads((out / "summary.json").read_text()))
+    shard = next(iter(sorted(data.glob(SHARD_PATTERN))), None) if data.is_dir() else None
+    if shard is not None:
+        from safetensors import safe_open
+
+        with contextlib.suppress(Exception):  # a damaged shard: reuse_dataset names it later
+            with safe_open(str(shard), framework="pt") as r:
+                records.append(json.loads((r.metadata() or {}).get("info", "{}")))
+    with contextlib.suppress(ValueError):
+        records.append(AnswerJournal(data).header())
+    for record in records:
+        if isinstance(record, dict) and isinstance(record.get("target"), str):
+            return record["target"], record.get("target_path")
+    return None
+
+
+def check_resume_target(out: Path, data: Path, target: str, target_path: str, own_data: bool) -> None:
+    """Refuse, before anything loads, to resume the checkpoint in `out` for another target than
+    the one it was trained for (recorded_target), saying only that: the drafter shape and mask token
+    that follow from the target (check_resume_settings) would differ too, flags never given. The
+    same target: its recorded name or folder is `target`, `target_path` or the catalog name of the
+    folder (as reuse_dataset compares a dataset's).
+
+    Args:
+        data: the run's dataset folder (OUT/data, or --data); own_data: it is OUT/data, whose
+            answers are the other target's too, so --no-resume alone would meet reuse_dataset's
+            refusal: the message says to remove it as well.
+    Raises:
+        ValueError: naming --out, both targets and the ways on (another --out, or --no-resume).
+    """
+    from blockdraft.model_loader import catalog_name
+
+    recorded = recorded_target(out, data)
+    if recorded is None:
+        return
+    name, path = recorded
+    if name in (target, target_path, catalog_name(target_path)) or (path is not None and path == target_path):
+        return
+    from blockdraft.training.answer_journal import AnswerJournal
+    from blockdraft.training.dataset import SHARD_PATTERN
+
+    answered = own_data and (any(data.glob(SHARD_PATTERN)) or AnswerJournal(data).folder.is_dir())
+    over = (f"or remove {data} (the answers of {name!r}) and pass --no-resume to start it over for {target!r}"
+            if answered else f"or --no-resume to start it over for {target!r}")
+    raise ValueError(f"this run (--out {out}) was made for target {name!r}, not {target!r}: use another --out, "
+                     f"{over}")
+
+
 def check_resume_dtype(out: Path, dtype: str, asked: str, device: str) -> None:
     """A run resumed from the checkpoint in `out` keeps the target dtype it started with: its
     features so far (and its data/) came from the target in that dtype, and a resume in another one
@@ -654,15 +799,18 @@ def train_drafter(args) -> dict:
     summary["val"]: the last).
 
     Raises:
-        ValueError: a flag's value (check_settings, check_against_target, ...), a --val-fraction that
-            leaves no answer to train on, a dataset made with
+        ValueError: a flag's value (check_settings, check_against_target, ...), an --out that is empty,
+            holds paths of the run's of the wrong kind or is a non-empty folder holding no run
+            (check_out_folder), a --val-fraction that leaves no answer to train on, a dataset made with
             other settings or --seed or answered in another target dtype (reuse_dataset; before any weights
-            load, --no-resume or not), or a checkpoint in `out` of another target dtype
-            (check_resume_dtype) or other training settings (Trainer.load_checkpoint), or an
+            load, --no-resume or not), or a checkpoint in `out` made for another target
+            (check_resume_target), of another target dtype
+            (check_resume_dtype) or of other training settings (Trainer.load_checkpoint), or an
             interrupted answering saved in the data folder with other settings
             (answer_journal.check_journal; before any weights load).
-        KeyboardInterrupt: after a first Ctrl-C / SIGTERM, once what was done is saved (the answers
-            so far, build_dataset; or a checkpoint and the drafter so far), or at once on a second.
+        StopRequested (a KeyboardInterrupt; exit_code 130 for Ctrl-C, 143 for SIGTERM): after a first
+            Ctrl-C / SIGTERM, once what was done is saved (the answers so far, build_dataset; or a
+            checkpoint and the drafter so far), or at once on a second.
     """
     plan = _plan_run(args)
     if isinstance(plan, dict):  # the run in --out is finished: its recorded summary, nothing loads
@@ -733,13 +881,17 @@ def _plan_run(args) -> _RunPlan | dict:
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
     asked_dtype, args.dtype = args.dtype, resolve_target_dtype(args.dtype, device)
+    out = Path(args.out)
+    folder = Path(args.data) if args.data else out / "data"
+    path, _, target_config = read_target_config(args.target, args.cache_dir)
     if not args.no_resume:  # before anything loads; a finished run's rerun does not ignore --dtype either
-        check_resume_dtype(Path(args.out), args.dtype, asked_dtype, device)
+        # another target first and alone: the shape flags that differ with it were never given
+        check_resume_target(out, folder, args.target, str(path), own_data=not args.data)
+        check_resume_dtype(out, args.dtype, asked_dtype, device)
     cfg = TrainConfig(steps=settings["steps"], batch_size=settings["batch_size"], max_len=args.max_len,
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
                       ckpt_every=args.ckpt_every, log_every=settings["log_every"], greedy_labels=args.greedy_labels,
                       val_every=resolve_val_every(args, settings), val_fraction=getattr(args, "val_fraction", 0.0))
-    path, _, target_config = read_target_config(args.target, args.cache_dir)
     if init:  # before building on its target_layer_ids: a drafter of another target is named as such
         from blockdraft.spec.dflash.checkpoint import check_drafter_fits
 
@@ -754,8 +906,6 @@ def _plan_run(args) -> _RunPlan | dict:
     drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
                           target_layer_ids=init[1].target_layer_ids if init else None, seed=args.seed, device=device)
-    out = Path(args.out)
-    folder = Path(args.data) if args.data else out / "data"
     asked = {name: settings[name] for name in DATA_SETTINGS if args.data is None or getattr(args, name, None) is not None}
     finished = None if args.no_resume else finished_run(out, folder, cfg, drafter.config, args.train_vocab_size, asked)
     if finished is not None:
@@ -774,23 +924,52 @@ def _plan_run(args) -> _RunPlan | dict:
     if chosen is not None:  # an interrupted answering's journal (answer_journal.py) is checked before loading too
         check_journal(AnswerJournal(folder), answering_setup(settings, args, str(path), target_config.vocab_size,
                                                              len(chosen[0]), device)[1], _other_data(args))
+    if args.no_resume:  # every check passed: the run goes ahead and starts its training over
+        say_discarded_checkpoint(out)
     return _RunPlan(args, settings, init, cfg, device, path, target_config, drafter, grown, out, folder, data, chosen)
+
+
+def say_discarded_checkpoint(out: Path) -> None:
+    """--no-resume over a checkpoint in `out`: one line on stderr saying it is discarded (the run's
+    first checkpoint replaces it), with its step and planned steps, so that a run's progress is not
+    thrown away unsaid. A damaged checkpoint (what --no-resume is for) is said as such."""
+    from blockdraft.training.trainer import read_checkpoint_state
+
+    try:
+        state = read_checkpoint_state(out)
+    except ValueError:
+        print(f"train-drafter: --no-resume: the damaged checkpoint in {out / 'checkpoint'} is discarded; the "
+              f"training starts over", file=sys.stderr, flush=True)
+        return
+    if state is None:
+        return
+    planned = (state.get("train_config") or {}).get("steps")
+    of = f" of {planned}" if planned is not None else ""
+    finished = " (finished)" if planned is not None and state["step"] >= planned else ""
+    print(f"train-drafter: --no-resume: discarding the checkpoint at step {state['step']}{of}{finished} in "
+          f"{out / 'checkpoint'}; the training starts over from step 0", file=sys.stderr, flush=True)
 
 
 def _answer(plan: _RunPlan, target):
     """The target answers plan.chosen into plan.folder (build_dataset), saving as it goes.
 
     Raises:
-        KeyboardInterrupt: after a first Ctrl-C / SIGTERM once the answers so far are saved (the
-            same command resumes the answering), or at once on a second.
+        StopRequested (a KeyboardInterrupt naming the signal): after a first Ctrl-C / SIGTERM once
+            the answers so far are saved (the same command resumes the answering), or at once on a
+            second.
     """
     with deferred_interrupt(ANSWERING_STOP) as stop:
-        data = build_dataset(target, plan.settings, plan.args, plan.folder, str(plan.path), plan.chosen, plan.device,
-                             should_stop=lambda: stop.hit)
+        try:
+            data = build_dataset(target, plan.settings, plan.args, plan.folder, str(plan.path), plan.chosen,
+                                 plan.device, should_stop=lambda: stop.hit)
+        except KeyboardInterrupt as e:  # build_dataset stopped (should_stop): exit by the signal that asked
+            if isinstance(e, StopRequested) or not stop.hit:
+                raise
+            raise stop.interrupt() from None
     if stop.hit:  # the signal came as the last wave finished: the answers are all saved, nothing trained yet
         print(f"train-drafter: stopped after answering: the dataset is saved in {plan.folder}; the same command "
               f"trains on it", file=sys.stderr, flush=True)
-        raise KeyboardInterrupt
+        raise stop.interrupt()
     return data
 
 
@@ -800,8 +979,8 @@ def _train_and_export(plan: _RunPlan, target, data) -> dict:
 
     Raises:
         ValueError: a checkpoint in out of other training settings (Trainer.load_checkpoint).
-        KeyboardInterrupt: after a first Ctrl-C / SIGTERM, once a checkpoint and the drafter so far
-            are saved, or at once on a second.
+        StopRequested (a KeyboardInterrupt naming the signal): after a first Ctrl-C / SIGTERM, once
+            a checkpoint and the drafter so far are saved, or at once on a second.
     """
     from blockdraft.model_loader import eos_token_ids
     from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, export_drafter
@@ -839,13 +1018,15 @@ def _train_and_export(plan: _RunPlan, target, data) -> dict:
     if args.train_vocab_size:
         draft_vocab = rank_dataset(train_data, target_config.vocab_size, lead, args.train_vocab_size)[0]
     trainer = Trainer(drafter, train_target, train_data, cfg, out, features=features, draft_vocab=draft_vocab,
-                      target_dtype=args.dtype, val_data=val_data)
+                      target_dtype=args.dtype, val_data=val_data, target_name=args.target, target_path=str(plan.path))
     resumed = trainer.load_checkpoint() if not args.no_resume else False
     if resumed:
         print(f"train-drafter: resuming the run in {out} at step {trainer.step} of {cfg.steps} (its checkpoint; "
               f"--no-resume starts over)", file=sys.stderr, flush=True)
     else:  # a run from step 0 (--no-resume, or no checkpoint: one interrupted before its first) logs anew
         (out / "train_log.jsonl").unlink(missing_ok=True)
+    if trainer.step < cfg.steps:
+        print(f"train-drafter: {BAR_LEGEND}", file=sys.stderr, flush=True)
     with deferred_interrupt() as stop:
         final = trainer.fit(progress=True, should_stop=lambda: stop.hit)
     if not final and trainer.history:  # nothing left to train (a finished run re-exported): its last log
@@ -861,7 +1042,7 @@ def _train_and_export(plan: _RunPlan, target, data) -> dict:
         print(f"train-drafter: stopped at step {trainer.step} of {trainer.cfg.steps}; checkpoint saved in "
               f"{out / 'checkpoint'} (the same command resumes it) and the drafter as trained so far exported to "
               f"{out / 'drafter'} (--draft takes it)", file=sys.stderr, flush=True)
-        raise KeyboardInterrupt
+        raise stop.interrupt()
     run = {**settings, "block_size": args.block_size, "max_len": args.max_len, "lr": args.lr, "seed": args.seed,
            "val_fraction": cfg.val_fraction, "val_every": cfg.val_every}
     summary = {"target": args.target, "settings": run, "drafter": str(out / "drafter"), "device": device,
@@ -878,8 +1059,33 @@ def _train_and_export(plan: _RunPlan, target, data) -> dict:
     return summary
 
 
+# What the training bar's postfix shows (fit_together's _postfix), said once before the first step.
+BAR_LEGEND = ("the bar shows loss: the decay-weighted mean cross-entropy (nats) over the draft slots 1..B-1 (slot "
+              "k weighted exp(-(k-1)/gamma), gamma 7 for a block of 16), not capped by ln(vocabulary size): an "
+              "untrained drafter's logits through the target's LM head can be large and wrong, so it may start in "
+              "the tens; tau: 1 + a1 + a1*a2 + ..., a rough acceptance-length proxy; aK: top-1 accuracy of draft "
+              "slot K, n/a when no training block had a label at slot K (each sampled anchor had fewer than K answer "
+              "tokens after it); each over the steps since the last log line")
+
+
 class _Flag:
     hit = False
+    signum = signal.SIGINT  # the first stop signal's, once hit
+
+    def interrupt(self) -> "StopRequested":
+        """The KeyboardInterrupt to raise once what was done is saved: exits 128 + this signal."""
+        return StopRequested(self.signum)
+
+
+class StopRequested(KeyboardInterrupt):
+    """train-drafter stopped by a signal (deferred_interrupt). `exit_code` is 128 + its number, the
+    status a shell reports for a process that signal ends: 130 for Ctrl-C (SIGINT), 143 for
+    SIGTERM (cli.main returns it; a plain KeyboardInterrupt exits 130)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what kill / timeout / job schedulers send
@@ -896,8 +1102,9 @@ def deferred_interrupt(note: str = TRAINING_STOP):
     instead of ending the process, so that training stops at the end of its step, checkpoints and
     exports (an interrupt inside an optimizer step would leave half-updated weights), or the
     answering stops between engine steps keeping its saved waves; `note` says which on stderr
-    after the signal's name. A second one raises KeyboardInterrupt at once. Off the main thread
-    (where signal handlers cannot be set) the flag just stays False."""
+    after the signal's name, and the flag's `signum` records it (`flag.interrupt()`: the
+    StopRequested to raise once saved). A second one raises StopRequested at once. Off the main
+    thread (where signal handlers cannot be set) the flag just stays False."""
     flag = _Flag()
     if threading.current_thread() is not threading.main_thread():
         yield flag
@@ -906,8 +1113,8 @@ def deferred_interrupt(note: str = TRAINING_STOP):
 
     def on_signal(signum, frame):
         if flag.hit:
-            raise KeyboardInterrupt
-        flag.hit = True
+            raise StopRequested(signum)
+        flag.hit, flag.signum = True, signum
         print(f"\ntrain-drafter: {signal.Signals(signum).name}: {note}", file=sys.stderr, flush=True)
 
     for sig in STOP_SIGNALS:
@@ -923,9 +1130,21 @@ def main(args) -> int:
     """CLI body of `blockdraft train-drafter` (arguments from cli.py)."""
     summary = train_drafter(args)
     print(json.dumps(summary, indent=1))
-    print(f"train-drafter: the drafter is {summary['drafter']}; decode with it: blockdraft generate "
-          f"--model {args.target} --draft {summary['drafter']} PROMPT (it drafts the whole block, K = block size "
-          f"- 1, unless --num-speculative-tokens K; `python -m blockdraft.bench.spec_k --model {args.target} "
-          f"--draft {summary['drafter']}` measures the fastest K), and measure its acceptance: blockdraft "
-          f"eval-drafter --model {args.target} --draft {summary['drafter']}", file=sys.stderr)
+    print(closing_message(summary, args.target, getattr(args, "train_vocab_size", 0)), file=sys.stderr)
     return 0
+
+
+def closing_message(summary: dict, target: str, train_vocab_size: int = 0) -> str:
+    """train-drafter's last stderr line: where the drafter is and the commands that use it (generate),
+    make generate decode at its fastest K (spec_k --write-default: speculative.json in the drafter
+    folder; without it the whole block, K = block size - 1, the slowest on a CPU) and measure its
+    acceptance (eval-drafter). With --train-vocab-size N, spec_k also times that draft vocabulary
+    (its --write-default would otherwise record the full one)."""
+    drafter = summary["drafter"]
+    vocab = f" --draft-vocab-sizes {train_vocab_size}" if train_vocab_size else ""
+    written = Path(drafter) / "speculative.json"
+    return (f"train-drafter: the drafter is {drafter}; decode with it: blockdraft generate --model {target} --draft "
+            f"{drafter} PROMPT (it drafts the whole block, K = block size - 1, unless --num-speculative-tokens K: "
+            f"slow on a CPU; `python -m blockdraft.bench.spec_k --model {target} --draft {drafter}{vocab} "
+            f"--write-default` times K = 1, 2, 3, 4, 7, 15 and writes the fastest to {written}, which generate then "
+            f"uses), and measure its acceptance: blockdraft eval-drafter --model {target} --draft {drafter}")

@@ -192,6 +192,9 @@ class Trainer:
             other layer ids, another max_len or another dataset size.
         target_dtype: the target's dtype ("float32" | "bfloat16"), recorded in the checkpoint's
             state.json (train-drafter refuses to resume a run in another; None: not recorded).
+        target_name / target_path: the target as the run named it (train-drafter's --target) and
+            its folder, recorded in state.json as "target" / "target_path" (train-drafter refuses
+            to resume a run for another target by that name first; None: not recorded).
         val_data: held-out sequences (dataset.split_validation) for `validate`, or None. Validation
             never reads `features` (its row indices are those of `data`): it runs the target on
             each validation batch, ceil(len(val_data) / cfg.batch_size) target + drafter forwards
@@ -214,6 +217,8 @@ class Trainer:
     target_dtype: str | None = None
     val_data: TokenDataset | None = None
     val_history: list = field(default_factory=list)
+    target_name: str | None = None
+    target_path: str | None = None
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -443,6 +448,8 @@ class Trainer:
                      "drafter_config": self.drafter.config.to_hf_dict(), "target_dtype": self.target_dtype,
                      "seconds": self.seconds(), "history": self.history, "val_history": self.val_history,
                      "files": files}
+            if self.target_name is not None:
+                state.update(target=self.target_name, target_path=self.target_path)
             write_synced(d / STATE_FILE, lambda p: p.write_text(json.dumps(state, indent=1)))
 
         self.out_dir.mkdir(parents=True, exist_ok=True)

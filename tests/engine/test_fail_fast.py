@@ -230,6 +230,9 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
              "p.txt': the file name must end in an image format matplotlib writes")
     _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--plot", str(tmp_path)],
              "is a folder: give a file path, e.g. ", "acceptance.png")
+    for empty in ("", " "):  # was: no plot, unsaid
+        _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--plot", empty],
+                 f"--plot {empty!r} is empty: give the PNG file to write, e.g. 'acceptance.png', or leave --plot out")
     if not torch.cuda.is_available():
         _refused(capsys, ["eval-drafter", "--target", m, "--draft", str(drafter), "--device", "cuda"],
                  "device (--device) 'cuda' asked for but torch sees no CUDA device (use 'cpu' or 'auto')")

@@ -144,8 +144,11 @@ def test_load_refusals(tmp_path):
     weights.pop("fc.weight")
     weights["lm_head.weight"] = torch.zeros(3, 3)
     save_file(weights, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"missing keys \['fc.weight'\].*unexpected keys \['lm_head.weight'\]"):
+    with pytest.raises(ValueError, match=r"missing keys \['fc.weight'\].*unexpected keys \['lm_head.weight'\]") as e:
         load_drafter(tmp_path, target_cfg)
+    # which drafter: the weight file and its config.json are named (the message alone did not say)
+    assert str(e.value).startswith(f"{tmp_path / 'model.safetensors'}: DFlash drafter weights do not match the config")
+    assert str(e.value).endswith(f"({tmp_path / 'config.json'})")
     with pytest.raises(ValueError, match="hidden_size"):
         load_drafter(tmp_path, tiny_target_config(hidden_size=128, head_dim=32))
 
@@ -156,3 +159,29 @@ def test_load_weights_reports_shape_mismatch():
     sd["norm.weight"] = torch.ones(3)
     with pytest.raises(ValueError, match="norm.weight: checkpoint \\(3,\\)"):
         model.load_weights(sd)
+
+
+def test_a_config_without_dflash_config_is_named_as_such(tmp_path):
+    """Was `dflash_config.mask_token_id must be an integer, got None`: a value of a block the file lacks."""
+    from blockdraft.spec.dflash.checkpoint import read_drafter_config
+
+    model = _drafter()
+    export_drafter(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dflash_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    message = f"{tmp_path / 'config.json'} has no dflash_config (not a DFlash drafter checkpoint?)"
+    with pytest.raises(ValueError) as e:
+        load_drafter(tmp_path, tiny_target_config())
+    assert str(e.value) == message
+    config["architectures"] = ["Qwen3ForCausalLM"]  # a target's config: why is said after it
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as e:
+        read_drafter_config(tmp_path)
+    assert str(e.value) == f"{message}: architectures ['Qwen3ForCausalLM'] is not a DFlash drafter; expected " \
+                           f"['DFlashDraftModel']"
+    # older files with the DFlash values at the top level and no dflash_config block still load
+    config = {**model.config.to_hf_dict(), "architectures": ["DFlashDraftModel"]}
+    config.update(config.pop("dflash_config"))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert read_drafter_config(tmp_path) == model.config

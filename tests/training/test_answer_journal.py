@@ -52,7 +52,7 @@ def _same_dataset(got: TokenDataset, want: TokenDataset) -> None:
 def test_an_interrupted_answering_resumes_into_the_uninterrupted_dataset(stage, signame, times, uninterrupted,
                                                                          tmp_path, capsys, monkeypatch):
     """A real SIGINT (SIGTERM) once the first wave of answers (of --synth-prompts requests) is saved:
-    the command exits 130 keeping that wave; the same command then answers only the rest and the
+    the command exits 130 (143) keeping that wave; the same command then answers only the rest and the
     dataset equals an uninterrupted run's (token ids, loss mask, order, sampled flags, info but
     timing). A second signal stops at once, keeping what is saved too."""
     from blockdraft.training import synth
@@ -71,7 +71,7 @@ def test_an_interrupted_answering_resumes_into_the_uninterrupted_dataset(stage, 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with monkeypatch.context() as mp:
         mp.setattr(AnswerJournal, "save_wave", save_then_signal)
-        assert main([*ARGS, "--out", str(out)]) == 130
+        assert main([*ARGS, "--out", str(out)]) == 128 + getattr(signal, signame)  # 130 SIGINT, 143 SIGTERM
     err = capsys.readouterr().err
     assert f"train-drafter: {signame}: stopping the answering now, keeping the answers saved so far" in err
     assert "blockdraft train-drafter: interrupted" in err
@@ -169,3 +169,50 @@ def test_a_journal_file_is_whole_or_absent(tmp_path, monkeypatch):
     assert journal.waves("answers")[1][:2] == (1, [[8, 9]])
     journal.remove()
     assert not (tmp_path / "data" / JOURNAL_DIR).exists() and (tmp_path / "data" / "data-00000.safetensors").is_file()
+
+
+def test_a_stop_within_a_wave_says_how_many_finished_answers_it_drops(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the target answers: the bar had shown 5 done, the line said "0 of 20 prompts
+    answered and saved" unexplained; now it counts the finished answers of the unfinished wave that
+    are not kept, and why (a wave is saved whole). No model: the engine and its answers are faked."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    import blockdraft.llm
+    from blockdraft.training import generate
+    from blockdraft.training.pipeline import build_dataset
+
+    calls = []
+
+    def answering(llm, prompts, *a, should_stop=None, on_finished=None, **k):
+        calls.append(len(prompts))
+        for _ in range(5):
+            on_finished()
+        return [[3, 4]] * 5 + [None] * (len(prompts) - 5)  # stopped with 5 of the wave finished
+
+    monkeypatch.setattr(blockdraft.llm, "LLM", lambda **kw: object())
+    monkeypatch.setattr(generate, "generate_with_engine", answering)
+    settings = {**_tiny_header()["settings"], "num_prompts": 20}
+    target = SimpleNamespace(tokenizer=None, config=SimpleNamespace(vocab_size=49152))
+    args = Namespace(target=NAME, dtype="float32", seed=0, max_num_seqs=4)  # waves of 4 x 4 = 16 prompts
+    with pytest.raises(KeyboardInterrupt):
+        build_dataset(target, settings, args, tmp_path / "data", "path", ([[1, 2]] * 20, {}, []),
+                      should_stop=lambda: bool(calls))  # asked once the wave runs
+    assert calls == [16]
+    partial = tmp_path / "data" / JOURNAL_DIR
+    assert (f"train-drafter: stopped answering: 0 of 20 prompts answered and saved in {partial} (5 answers of the "
+            f"unfinished wave of 16 are not kept: answers are saved a wave of 4 x --max-num-seqs = 16 at a time); "
+            f"the same command resumes from there") in capsys.readouterr().err
+    assert AnswerJournal(tmp_path / "data").waves("answers") == {}
+
+
+def test_a_stop_between_waves_drops_no_answer():
+    from blockdraft.training.answer_journal import AnsweringStopped
+    from blockdraft.training.pipeline import answering_stopped_message
+
+    assert answering_stopped_message(AnsweringStopped("answers", 16, 20), "/d/partial", 16) == (
+        "stopped answering: 16 of 20 prompts answered and saved in /d/partial; the same command resumes from there")
+    one = answering_stopped_message(AnsweringStopped("synth", 0, 8, dropped=1, wave=8), "/d/partial", 8)
+    assert "0 of 8 --synth-prompts requests written (the prompts are answered after them) and saved in /d/partial " \
+           "(1 request of the unfinished wave of 8 is not kept: requests are saved a wave of 4 x --max-num-seqs = 8 " \
+           "at a time)" in one

@@ -95,7 +95,23 @@ def test_json_names_the_drafter_folder_evaluated_for_shipped_too(tiny, capsys, m
     base = ["eval-drafter", "--target", str(model), "--num-prompts", "1", "--max-tokens", "2", "--device", "cpu"]
     for extra in (["--draft", "shipped"], []):
         assert main([*base, *extra]) == 0
-        assert json.loads(capsys.readouterr().out)["draft"] == str(drafter)
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["draft"] == str(drafter)
+        assert "prompt, drafter shipped)" in captured.err  # the summary line names what was evaluated
+    assert main([*base, "--draft", str(drafter)]) == 0
+    assert f"prompt, drafter {drafter})" in capsys.readouterr().err
+
+
+def test_help_says_what_eval_drafter_measures_on_which_prompts_and_writes():
+    import argparse
+
+    from blockdraft.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["eval-drafter"].format_help().split())
+    assert "Measure a DFlash drafter with the target: decode the first --num-prompts HumanEval or MT-bench prompts" in text
+    assert "acceptance length (tokens committed per verify step)" in text
+    assert "Writes every figure as one JSON object on stdout and a one-line summary naming the drafter on stderr" in text
 
 
 def test_a_slower_whole_block_run_points_to_the_k_decoding_uses(tiny):

@@ -534,3 +534,177 @@ def test_a_resume_in_another_target_dtype_is_refused_before_anything_is_written(
     assert f"train-drafter: resuming the run in {out} at step 1 of 2" in captured.err
     summary = json.loads(captured.out)
     assert summary["resumed"] and summary["dtype"] == "float32" and summary["final"]["step"] == 2
+
+
+@pytest.mark.parametrize("out", ["", "   "])
+def test_an_empty_out_is_refused_by_name(out, tmp_path, capsys, monkeypatch, no_weights):
+    """`--out ""` read as the current folder: the run was written there (exit 0); refused as
+    `--out afile.txt` is, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    err = _error(capsys, "--out", out)
+    assert (f"--out {out!r} is empty (it would write the run into the current folder): give the run's output "
+            f"folder, a new or empty one, e.g. --out runs/mine") in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, kind", [("drafter", "file"), ("checkpoint", "file"), ("data", "file"),
+                                        ("train_log.jsonl", "folder"), ("summary.json", "folder")])
+def test_a_run_path_of_the_wrong_kind_in_out_is_refused_before_anything_loads(name, kind, tmp_path, capsys,
+                                                                              no_weights):
+    """OUT/drafter as a file was only met at the very end of the run ("File exists", after the
+    answering and the training); now named at the start."""
+    path = tmp_path / name
+    if kind == "file":
+        path.write_text("mine")
+    else:
+        path.mkdir()
+    err = _error(capsys, "--out", str(tmp_path))
+    what = {"drafter": "exported drafter folder", "checkpoint": "checkpoint folder", "data": "dataset folder",
+            "train_log.jsonl": "training log file", "summary.json": "summary file"}[name]
+    assert (f"--out {str(tmp_path)!r}: {str(path)!r} is a {kind}, where the run writes its {what}; move it away or "
+            f"use another --out") in err
+    assert path.exists() and [p.name for p in tmp_path.iterdir()] == [name]  # untouched
+
+
+def test_a_data_file_in_out_is_no_matter_with_another_data_folder(tmp_path, capsys, monkeypatch):
+    """With --data, OUT/data is not written: a file of that name stays the user's."""
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "data").write_text("mine")
+    (tmp_path / "run" / "train_log.jsonl").write_text("")
+    _made_here(tmp_path / "shared")
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "run"), "--data",
+              str(tmp_path / "shared"), "--device", "cpu"])
+
+
+@pytest.mark.parametrize("files", [["summary.json"], ["notes.txt", "summary.json"], ["a", "b", "c", "d"]])
+def test_a_folder_of_other_files_is_refused_as_out(files, tmp_path, capsys, no_weights):
+    """A user's own summary.json in --out was overwritten silently: a non-empty folder holding no
+    run is refused, naming it, before anything loads."""
+    for name in files:
+        (tmp_path / name).write_text("mine")
+    err = _error(capsys, "--out", str(tmp_path))
+    shown = ", ".join(files[:3]) + (" and 1 more" if len(files) > 3 else "")
+    assert (f"--out {str(tmp_path)!r} is a folder that holds no train-drafter run ({shown}; a run has data/, "
+            f"checkpoint/, drafter/ or train_log.jsonl), and the run would write train_log.jsonl, summary.json and "
+            f"its folders over it: pick a new or empty folder for --out") in err
+    assert all((tmp_path / name).read_text() == "mine" for name in files)
+
+
+def test_a_run_folder_with_other_files_resumes_and_reuses_its_data(tmp_path, capsys, monkeypatch):
+    """A run's folder (its data/ here; a checkpoint or train_log.jsonl alike) with files of the
+    user's beside it is still its run: its data reused, a --data folder inside --out too."""
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    _made_here(tmp_path / "data")
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu"])
+    assert f"train-drafter: reusing the 2 sequences in {tmp_path / 'data'}" in capsys.readouterr().err
+    inside = tmp_path / "inside"
+    _made_here(inside / "answers")  # --data OUT/answers: the run's own, not a foreign file
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(inside), "--data", str(inside / "answers"),
+              "--device", "cpu"])
+    assert f"train-drafter: reusing the 2 sequences in {inside / 'answers'}" in capsys.readouterr().err
+
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+
+
+def _checkpoint_of(out, target=QWEN, step=1, steps=4):
+    """A checkpoint's state.json in `out` as a run for `target` writes it (the shipped drafter's
+    config for its shape; None: a state written before the target was recorded)."""
+    import json
+
+    drafter = json.loads((SHIPPED_DIR / (target or QWEN) / "config.json").read_text())
+    state = {"step": step, "drafter_config": drafter, "train_config": {"steps": steps}, "target_dtype": "float32",
+             **({"target": target, "target_path": f"/cache/models/{target}"} if target else {})}
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "state.json").write_text(json.dumps(state))
+
+
+def test_a_rerun_for_another_target_says_that_first_and_only(tmp_path, capsys, no_weights):
+    """A run made for Qwen rerun with SmolLM2 named the mask token and feature layers that differ
+    with the target ("rerun with those"), flags never given; now the targets alone."""
+    out = tmp_path / "run"
+    _checkpoint_of(out)
+    err = _error(capsys, "--out", str(out), "--device", "cpu")
+    assert (f"this run (--out {out}) was made for target '{QWEN}', not '{NAME}': use another --out, or --no-resume "
+            f"to start it over for '{NAME}'") in err
+    assert "--mask-token-id" not in err and "rerun with those" not in err
+    # its answers in OUT/data are Qwen's too: --no-resume alone would meet the dataset's refusal, so it is said
+    _dataset(out / "data", {"target": QWEN, "vocab_size": 151936}, ids=(151644, 872, 151643, 9, 151645))
+    err = _error(capsys, "--out", str(out), "--device", "cpu")
+    assert (f"this run (--out {out}) was made for target '{QWEN}', not '{NAME}': use another --out, or remove "
+            f"{out / 'data'} (the answers of '{QWEN}') and pass --no-resume to start it over for '{NAME}'") in err
+    # ... which is what --no-resume meets: the dataset check names the target
+    err = _error(capsys, "--out", str(out), "--device", "cpu", "--no-resume")
+    assert f"the dataset in {out / 'data'} was made with target '{QWEN}'" in err and "discarding" not in err
+
+
+def test_a_checkpoint_that_records_no_target_is_held_to_its_datasets(tmp_path, capsys, no_weights):
+    out = tmp_path / "run"
+    _checkpoint_of(out, target=None)
+    _dataset(out / "data", {"target": QWEN, "vocab_size": 151936}, ids=(151644, 872, 151643, 9, 151645))
+    err = _error(capsys, "--out", str(out), "--device", "cpu")
+    assert f"this run (--out {out}) was made for target '{QWEN}', not '{NAME}'" in err and "--mask-token-id" not in err
+
+
+def test_no_resume_says_which_checkpoint_it_discards(tmp_path, capsys, monkeypatch):
+    """--no-resume over an unfinished checkpoint threw its steps away unsaid."""
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    _made_here(tmp_path / "data")
+    _checkpoint_of(tmp_path, target=NAME, step=3, steps=2000)
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu", "--no-resume"])
+    assert (f"train-drafter: --no-resume: discarding the checkpoint at step 3 of 2000 in {tmp_path / 'checkpoint'}; "
+            f"the training starts over from step 0") in capsys.readouterr().err
+    (tmp_path / "checkpoint" / "state.json").write_text("{")  # damaged: what --no-resume is for
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path), "--device", "cpu", "--no-resume"])
+    assert f"--no-resume: the damaged checkpoint in {tmp_path / 'checkpoint'} is discarded" in capsys.readouterr().err
+
+
+def test_the_closing_line_gives_the_command_that_sets_the_fastest_k():
+    from blockdraft.training.pipeline import closing_message
+
+    line = closing_message({"drafter": "/runs/a/drafter"}, NAME)
+    assert (f"`python -m blockdraft.bench.spec_k --model {NAME} --draft /runs/a/drafter --write-default` times K = "
+            f"1, 2, 3, 4, 7, 15 and writes the fastest to /runs/a/drafter/speculative.json, which generate then uses"
+            ) in line
+    assert "--draft /runs/a/drafter --draft-vocab-sizes 256 --write-default" in closing_message(
+        {"drafter": "/runs/a/drafter"}, NAME, 256)
+
+
+def test_a_sigterm_stop_exits_143_and_ctrl_c_130(monkeypatch, capsys):
+    """128 + the signal, as a shell reports it (SIGTERM exited 130, Ctrl-C's status)."""
+    import signal
+
+    from blockdraft.training import pipeline
+
+    for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        def stopped(args, sig=sig):
+            with pipeline.deferred_interrupt() as stop:
+                signal.raise_signal(sig)
+            assert stop.hit
+            raise stop.interrupt()
+
+        monkeypatch.setattr(pipeline, "train_drafter", stopped)
+        assert main(["train-drafter", "--target", NAME, "--tiny"]) == code
+        assert "blockdraft train-drafter: interrupted" in capsys.readouterr().err
+
+
+def test_help_says_what_the_bar_shows_and_the_exit_statuses():
+    import argparse
+
+    from blockdraft.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["train-drafter"].format_help().split())
+    assert "exports OUT/drafter as trained so far (exit 130; 143 for SIGTERM)" in text
+    assert ("The progress bar shows loss: the decay-weighted mean cross-entropy (nats) over the draft slots of a "
+            "block, which starts far above ln(vocabulary size) for an untrained drafter") in text
+    assert "aK: the top-1 accuracy of draft slot K (n/a: no label reached slot K in the steps since the last log line)" \
+        in text
+    assert "--tiny only proves the pipeline" in text

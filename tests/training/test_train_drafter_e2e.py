@@ -40,6 +40,12 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     first = capsys.readouterr()
     summary = json.loads(first.out)
     assert f"train-drafter: the drafter is {out / 'drafter'}; decode with it: blockdraft generate" in first.err
+    # the command that makes generate use the fastest K (the whole block, K = 15, is the slowest on a CPU)
+    assert (f"python -m blockdraft.bench.spec_k --model {NAME} --draft {out / 'drafter'} --write-default` times K = "
+            f"1, 2, 3, 4, 7, 15 and writes the fastest to {out / 'drafter' / 'speculative.json'}") in first.err
+    # what the bar's numbers are, said once before the first step (its loss starts far above ln V)
+    assert "train-drafter: the bar shows loss: the decay-weighted mean cross-entropy (nats) over the draft slots" in first.err
+    assert "aK: top-1 accuracy of draft slot K, n/a when no training block had a label at slot K" in first.err
     assert "more than the" not in first.err  # --tiny's batch of 4 = the 4 sequences
     assert summary["data"]["num_sequences"] == 4 and summary["final"]["step"] == 3
     assert summary["val"] is None and summary["settings"]["val_fraction"] == 0.0  # no --val-fraction: none
@@ -47,6 +53,8 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     assert summary["device"] == resolve_device("auto")  # the default, resolved (cpu without CUDA)
     assert summary["dtype"] == TARGET_DTYPE_AUTO[summary["device"]]  # --dtype auto, resolved (float32 on cpu)
     assert (out / "checkpoint" / "state.json").is_file() and (out / "data" / "data-00000.safetensors").is_file()
+    # the checkpoint records its target: a rerun for another is refused by that name first (test_train_drafter_checks)
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["target"] == NAME
 
     # The same command again: the run is finished; said so (was silent), nothing loads or trains, exit 0.
     class Loading(Exception):
@@ -283,8 +291,9 @@ def test_init_from_a_trained_drafter_grows_it_and_keeps_its_shape(tmp_path, caps
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_stops_after_the_step_saves_a_checkpoint_and_the_rerun_resumes(tmp_path, capsys, monkeypatch, signame):
     """A real SIGINT (Ctrl-C) or SIGTERM (kill, timeout, job schedulers) during step 2 of 4: the step
-    finishes, a checkpoint of step 2 is written and the drafter so far exported, the command exits 130
-    saying so; the same command resumes at step 2 (was: an interrupt lost the run)."""
+    finishes, a checkpoint of step 2 is written and the drafter so far exported, the command exits 128 +
+    the signal (130 for SIGINT, 143 for SIGTERM: was 130 for both) saying so; the same command resumes
+    at step 2 (was: an interrupt lost the run)."""
     import os
     import signal
 
@@ -304,7 +313,7 @@ def test_ctrl_c_stops_after_the_step_saves_a_checkpoint_and_the_rerun_resumes(tm
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with monkeypatch.context() as mp:
         mp.setattr(Trainer, "train_step", interrupted_step)
-        assert main(args) == 130
+        assert main(args) == {"SIGINT": 130, "SIGTERM": 143}[signame]
     err = capsys.readouterr().err
     assert f"train-drafter: {signame}: stopping after this step" in err
     assert (f"train-drafter: stopped at step 2 of 4; checkpoint saved in {out / 'checkpoint'} (the same command "

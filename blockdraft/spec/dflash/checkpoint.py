@@ -35,13 +35,27 @@ def load_drafter(
     Raises:
         FileNotFoundError: no config.json or no *.safetensors in `path`.
         ValueError: config refused (DFlashConfig.from_hf_dict), target mismatch
-            (validate_against_target), or weights that do not match the config.
+            (validate_against_target), or weights that do not match the config (names the weight
+            files and config.json, the missing, unexpected and misshapen tensors).
     """
     path = Path(path)
     config = read_drafter_config(path, target_config)
     model = empty_drafter(config, dtype, device)
-    model.load_weights(_read_safetensors(path))
+    weights = _read_safetensors(path)
+    try:
+        model.load_weights(weights)
+    except ValueError as e:  # name the files: the message alone does not say which drafter
+        raise ValueError(f"{_weights_files(path)}: {e} ({path / 'config.json'})") from e
     return model
+
+
+def _weights_files(path: Path) -> str:
+    """The weight files _read_safetensors reads in drafter folder `path`, for messages: its
+    *.safetensors, else its 8-bit pack."""
+    from blockdraft.drafters.pack import PACK_FILE
+
+    files = sorted(path.glob("*.safetensors")) or [path / PACK_FILE]
+    return ", ".join(str(f) for f in files)
 
 
 def read_drafter_config(path: str | Path, target_config: ModelConfig | None = None) -> DFlashConfig:
@@ -50,8 +64,9 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
     Reads no weights: callers run it before loading anything (blockdraft.preflight).
     Raises:
         FileNotFoundError: `path` is not a folder, or has no config.json.
-        ValueError: config.json is not valid JSON, is refused (DFlashConfig.from_hf_dict), or does
-            not fit the target (validate_against_target); the message names the drafter folder.
+        ValueError: config.json is not valid JSON, is refused (DFlashConfig.from_hf_dict; one
+            without a dflash_config block is named as such), or does not fit the target
+            (validate_against_target); the message names the drafter folder or its config.json.
     """
     path = Path(path)
     if not path.is_dir():
@@ -77,6 +92,9 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
         config = DFlashConfig.from_hf_dict(raw)
     except (ValueError, KeyError) as e:
         detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        if "dflash_config" not in raw:  # say what is missing, not a value of the absent block
+            why = "" if detail.startswith("dflash_config") else f": {detail}"
+            raise ValueError(f"{config_file} has no dflash_config (not a DFlash drafter checkpoint?){why}") from e
         raise ValueError(f"drafter {path}: {detail}") from e
     if target_config is not None:
         check_drafter_fits(config, path, target_config)
