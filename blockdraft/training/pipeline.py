@@ -15,7 +15,7 @@ Layout of `--out`:
     summary.json   device, settings, data counts, final loss / per-slot accuracy, the last
                    validation ("val", null without --val-fraction)
 --out is a new or empty folder or one holding a run (resumed, its data/ reused): anything else is
-refused before anything loads (check_out_folder). A rerun for another --target is refused naming
+refused before anything loads (run_folder.check_out_folder). A rerun for another --target is refused naming
 both targets (check_resume_target), and --no-resume says which checkpoint it discards.
 
 This is the engine path (CPU or GPU, any catalog target). The GPU runs behind the shipped drafters
@@ -34,6 +34,9 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from blockdraft.training.run_folder import (check_out_folder, check_resume_dtype, check_resume_settings,
+                                             check_resume_target, dtype_flag, finished_run, say_discarded_checkpoint)
 
 # `--tiny`: a smoke run in seconds on the CPU (CI); any option given explicitly still wins.
 TINY = dict(num_prompts=8, max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, synth_openers="general",
@@ -135,67 +138,6 @@ def check_settings(settings: dict, args) -> None:
     if args.data and Path(args.data).is_file():
         raise ValueError(f"--data {args.data!r} is a file; expected a dataset folder (data-*.safetensors)")
     check_out_folder(args.out, args.data)
-
-
-# What train-drafter writes inside --out (the module docstring's layout): folders, then files. data/
-# only without --data; checkpoint.new/ and .old/ are a checkpoint save's (training/atomic_folder.py).
-RUN_FOLDERS = {"data": "dataset", "checkpoint": "checkpoint", "drafter": "exported drafter"}
-RUN_FILES = {"train_log.jsonl": "training log", "summary.json": "summary"}
-# Any of these in --out marks a train-drafter run there (one that can be resumed or reused); summary.json
-# alone does not: it is a common file name, and a finished run holds the others too.
-RUN_MARKERS = ("checkpoint", "checkpoint.new", "checkpoint.old", "data", "drafter", "train_log.jsonl")
-
-
-def check_out_folder(out: str, data: str | None = None) -> None:
-    """--out, before anything loads: a folder train-drafter can write its run into (the module
-    docstring's layout) without overwriting anything of the user's.
-
-    Refused: an empty (or whitespace-only) --out, which would write the run into the current
-    folder; --out (or a folder above it) being a file; a path the run writes inside it that is
-    of the other kind (data/ without --data, checkpoint/, drafter/ a file; train_log.jsonl,
-    summary.json a folder), which the run would only fail on at its end; and a non-empty folder
-    holding no train-drafter run (none of RUN_MARKERS; the --data folder, when inside it, is the
-    run's own), whose files (say a summary.json of the user's) the run would overwrite. A folder
-    holding a run is its resume (or its data reused), and an empty or new one a new run.
-
-    Raises:
-        ValueError: naming --out, the offending path and what to do.
-    """
-    if not out.strip():
-        raise ValueError(f"--out {out!r} is empty (it would write the run into the current folder): give the run's "
-                         f"output folder, a new or empty one, e.g. --out runs/mine")
-    folder = Path(out)
-    taken = next((p for p in (folder, *folder.parents) if p.exists()), None)
-    if taken is not None and not taken.is_dir():  # the folder (or one above it) could never be made
-        raise ValueError(f"--out {out!r}: {str(taken)!r} is a file; --out is the run's output folder")
-    if not folder.is_dir():
-        return  # a new folder
-    for name, what in RUN_FOLDERS.items():
-        path = folder / name
-        if (path.exists() or path.is_symlink()) and not path.is_dir() and not (name == "data" and data):
-            raise ValueError(f"--out {out!r}: {str(path)!r} is a file, where the run writes its {what} folder; "
-                             f"move it away or use another --out")
-    for name, what in RUN_FILES.items():
-        if (folder / name).is_dir():
-            raise ValueError(f"--out {out!r}: {str(folder / name)!r} is a folder, where the run writes its {what} "
-                             f"file; move it away or use another --out")
-    entries = sorted(p.name for p in folder.iterdir())
-    own = _top_entry_inside(Path(data), folder) if data else None  # a --data folder inside --out is the run's
-    foreign = [name for name in entries if name != own]
-    if foreign and not any(name in RUN_MARKERS for name in entries):
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ValueError(f"--out {out!r} is a folder that holds no train-drafter run ({shown}; a run has "
-                         f"{', '.join(n + '/' for n in RUN_FOLDERS)} or train_log.jsonl), and the run would write "
-                         f"{', '.join(RUN_FILES)} and its folders over it: pick a new or empty folder for --out")
-
-
-def _top_entry_inside(path: Path, folder: Path) -> str | None:
-    """The name of the entry of `folder` that `path` lies in (or is), None when outside it."""
-    try:
-        rel = path.resolve().relative_to(folder.resolve())
-    except ValueError:
-        return None
-    return rel.parts[0] if rel.parts else None
 
 
 def check_mask_token(mask_token_id: int, tokenizer, target, flag: str = "--mask-token-id") -> None:
@@ -374,7 +316,7 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
     answered_in = info.get("dtype")  # None: not recorded (an older dataset, or gpu_run's)
     dtype_differs = answered_in is not None and answered_in != dtype
     if dtype_differs and (args.data is None or asked_dtype != "auto"):
-        differ.append(("--dtype", answered_in, _dtype_flag(asked_dtype, dtype, device).removeprefix("--dtype ")))
+        differ.append(("--dtype", answered_in, dtype_flag(asked_dtype, dtype, device).removeprefix("--dtype ")))
     if differ:
         other = " (or another --data folder)" if args.data else ""
         only = [w for w, _, _ in differ]
@@ -406,12 +348,6 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
               f"run trains it in {dtype} (--dtype {asked_dtype} on {device}): pass --dtype {answered_in} to "
               f"train in the dtype that answered", file=sys.stderr)
     return data
-
-
-def _dtype_flag(asked: str, dtype: str, device: str) -> str:
-    """--dtype as the user gave it, with what it resolved to when that differs: "--dtype float32" or
-    "--dtype auto (bfloat16 on cuda)"."""
-    return f"--dtype {asked}" + (f" ({dtype} on {device})" if asked != dtype else "")
 
 
 def select_training_prompts(tokenizer, settings: dict, args) -> tuple[list[list[int]], dict, list[str]]:
@@ -602,47 +538,6 @@ def answering_stopped_message(e, folder: Path, wave_size: int) -> str:
             f"from there")
 
 
-def finished_run(out: Path, data: Path, cfg, drafter_config, train_vocab_size: int,
-                 data_settings: dict | None = None) -> dict | None:
-    """The summary of a run already finished in `out` (its dataset in `data`) with these training
-    settings, None otherwise.
-
-    Finished: its checkpoint reached cfg.steps with the same drafter shape and training settings
-    (resuming it would train nothing) and summary.json was written after the export. Said on stderr
-    with how to train more, as a resumed finished HF Trainer run would: a rerun is not an error, but
-    it must not look as if it trained. Any other checkpoint is left to Trainer.load_checkpoint
-    (resume, or refuse naming the settings that differ). `data_settings`: the data flags asked for;
-    one that differs from the finished run's dataset makes this None too, so that the dataset
-    check (reuse_dataset) refuses it by name instead of the rerun ignoring it.
-    """
-    from blockdraft.training.dataset import data_settings_differences
-    from blockdraft.training.trainer import checkpoint_differences, read_checkpoint_state
-
-    state = read_checkpoint_state(out)
-    summary = out / "summary.json"
-    if (state is None or state["step"] < cfg.steps or not summary.is_file()
-            or not (out / "drafter" / "config.json").is_file()  # removed since: export it again
-            or state["drafter_config"] != drafter_config.to_hf_dict()
-            or checkpoint_differences(state, cfg, train_vocab_size)):
-        return None
-    made = json.loads(summary.read_text()).get("data", {}).get("settings", {})
-    if data_settings_differences(made, data_settings or {}):
-        return None
-    print(f"train-drafter: {out} already holds a finished run ({state['step']} of {cfg.steps} steps done; its "
-          f"drafter: {out / 'drafter'}), so there is nothing to train. To train more, start a new run from it: "
-          f"--init-from {out / 'drafter'} --out NEW_FOLDER (with --data {data} to reuse its answers); a larger "
-          f"--steps in this --out is refused (the learning-rate schedule was set for {cfg.steps}), --no-resume "
-          f"trains this --out again from scratch", file=sys.stderr)
-    return {**json.loads(summary.read_text()), "drafter": str(out / "drafter")}  # where it is now (moved runs)
-
-
-# train-drafter's flag for each TrainConfig field a checkpoint records (others by their own name);
-# --val-fraction decides which answers are trained on (split_validation), so it is one of them;
-# --val-every, like --log-every and --ckpt-every, may change on resume (trainer.RESUMABLE_CHANGES)
-RESUME_FLAGS = {"steps": "--steps", "batch_size": "--batch-size", "max_len": "--max-len", "num_anchors": "--num-anchors",
-                "lr": "--lr", "seed": "--seed", "greedy_labels": "--greedy-labels",
-                "train_vocab_size": "--train-vocab-size", "val_fraction": "--val-fraction"}
-
 VAL_EVERY_LOGS = 10  # --val-every's default (train-drafter and gpu_run): this many --log-every intervals
 
 
@@ -665,128 +560,6 @@ def split_answers(data, args):
     from blockdraft.training.dataset import split_validation
 
     return split_validation(data, getattr(args, "val_fraction", 0.0), args.seed, name="--val-fraction")
-
-
-# train-drafter's flag for each drafter config entry a checkpoint's shape check compares
-SHAPE_FLAGS = {"num_hidden_layers": "--num-layers", "intermediate_size": "--intermediate-size",
-               "block_size": "--block-size", "mask_token_id": "--mask-token-id",
-               "target_layer_ids": "--num-feature-layers (target_layer_ids)"}
-
-
-def check_resume_settings(out: Path, cfg, train_vocab_size: int, drafter_config=None) -> None:
-    """Refuse, before anything loads, to resume the checkpoint in `out` with other training settings
-    or another drafter shape (`drafter_config`, a DFlashConfig; the checks Trainer.load_checkpoint
-    makes once the target, answers and features are ready), naming each flag as given then and now.
-
-    Raises:
-        ValueError: a setting differs (the message says how to go on).
-    """
-    from blockdraft.training.trainer import (checkpoint_difference_items, drafter_config_differences,
-                                             read_checkpoint_state)
-
-    state = read_checkpoint_state(out)
-    items = [] if state is None else checkpoint_difference_items(state, cfg, train_vocab_size)
-    if state is not None and drafter_config is not None:
-        shape = drafter_config_differences(state["drafter_config"], drafter_config.to_hf_dict())
-        named = [item for item in shape if item[0] in SHAPE_FLAGS]  # entries that follow from them left out
-        items += [(SHAPE_FLAGS.get(k, k), v, now) for k, v, now in (named or shape)]
-    if not items:
-        return
-
-    def shown(value) -> str:
-        return ("on" if value else "off") if isinstance(value, bool) else str(value)
-
-    differ = ", ".join(f"{RESUME_FLAGS.get(k, k)} {shown(v)} (now {shown(now)})" for k, v, now in items)
-    raise ValueError(f"the run in {out} (its checkpoint, step {state['step']}) was trained with {differ}: rerun with "
-                     f"those to resume it (or to see it is finished), or start over with --no-resume or in another "
-                     f"--out")
-
-
-def recorded_target(out: Path, data: Path) -> tuple[str, str | None] | None:
-    """(target name, its folder or None) the checkpoint in `out` was trained for, None without a
-    checkpoint or a record. Its state.json's "target" / "target_path" (Trainer.target_name);
-    a checkpoint written before they were recorded: the run's summary.json "target", else the
-    "target" / "target_path" of its dataset in `data` (OUT/data or --data: dataset info, or an
-    interrupted answering's journal.json). Reads only small files (no tensors)."""
-    from blockdraft.training.answer_journal import AnswerJournal
-    from blockdraft.training.dataset import SHARD_PATTERN
-    from blockdraft.training.trainer import read_checkpoint_state
-
-    state = read_checkpoint_state(out)
-    if state is None:
-        return None
-    if isinstance(state.get("target"), str):
-        return state["target"], state.get("target_path")
-    records = []
-    with contextlib.suppress(OSError, ValueError):
-        records.append(json.loads((out / "summary.json").read_text()))
-    shard = next(iter(sorted(data.glob(SHARD_PATTERN))), None) if data.is_dir() else None
-    if shard is not None:
-        from safetensors import safe_open
-
-        with contextlib.suppress(Exception):  # a damaged shard: reuse_dataset names it later
-            with safe_open(str(shard), framework="pt") as r:
-                records.append(json.loads((r.metadata() or {}).get("info", "{}")))
-    with contextlib.suppress(ValueError):
-        records.append(AnswerJournal(data).header())
-    for record in records:
-        if isinstance(record, dict) and isinstance(record.get("target"), str):
-            return record["target"], record.get("target_path")
-    return None
-
-
-def check_resume_target(out: Path, data: Path, target: str, target_path: str, own_data: bool) -> None:
-    """Refuse, before anything loads, to resume the checkpoint in `out` for another target than
-    the one it was trained for (recorded_target), saying only that: the drafter shape and mask token
-    that follow from the target (check_resume_settings) would differ too, flags never given. The
-    same target: its recorded name or folder is `target`, `target_path` or the catalog name of the
-    folder (as reuse_dataset compares a dataset's).
-
-    Args:
-        data: the run's dataset folder (OUT/data, or --data); own_data: it is OUT/data, whose
-            answers are the other target's too, so --no-resume alone would meet reuse_dataset's
-            refusal: the message says to remove it as well.
-    Raises:
-        ValueError: naming --out, both targets and the ways on (another --out, or --no-resume).
-    """
-    from blockdraft.model_loader import catalog_name
-
-    recorded = recorded_target(out, data)
-    if recorded is None:
-        return
-    name, path = recorded
-    if name in (target, target_path, catalog_name(target_path)) or (path is not None and path == target_path):
-        return
-    from blockdraft.training.answer_journal import AnswerJournal
-    from blockdraft.training.dataset import SHARD_PATTERN
-
-    answered = own_data and (any(data.glob(SHARD_PATTERN)) or AnswerJournal(data).folder.is_dir())
-    over = (f"or remove {data} (the answers of {name!r}) and pass --no-resume to start it over for {target!r}"
-            if answered else f"or --no-resume to start it over for {target!r}")
-    raise ValueError(f"this run (--out {out}) was made for target {name!r}, not {target!r}: use another --out, "
-                     f"{over}")
-
-
-def check_resume_dtype(out: Path, dtype: str, asked: str, device: str) -> None:
-    """A run resumed from the checkpoint in `out` keeps the target dtype it started with: its
-    features so far (and its data/) came from the target in that dtype, and a resume in another one
-    (say a CPU run moved to a GPU with --dtype auto) would mix fp32 and bf16 silently. `dtype`: the
-    resolved --dtype `asked` on `device`, so an `auto` that resolves to the recorded dtype passes.
-    A checkpoint written before the dtype was recorded is not checked: its run may have been either
-    (--dtype bfloat16, or auto on CUDA, existed already), so it resumes as it did.
-
-    Raises:
-        ValueError: the checkpoint records another dtype (names both and what to do); raised
-            before anything in `out` is written.
-    """
-    from blockdraft.training.trainer import read_checkpoint_state
-
-    recorded = (read_checkpoint_state(out) or {}).get("target_dtype")
-    if recorded is not None and recorded != dtype:
-        now = _dtype_flag(asked, dtype, device)
-        raise ValueError(f"the run in {out} was trained with the target in {recorded} (its checkpoint); this run asks "
-                         f"for {now}: continue it (or rerun it if finished) with --dtype {recorded}, or use a new "
-                         f"--out to train in {dtype}")
 
 
 def train_drafter(args) -> dict:
@@ -927,27 +700,6 @@ def _plan_run(args) -> _RunPlan | dict:
     if args.no_resume:  # every check passed: the run goes ahead and starts its training over
         say_discarded_checkpoint(out)
     return _RunPlan(args, settings, init, cfg, device, path, target_config, drafter, grown, out, folder, data, chosen)
-
-
-def say_discarded_checkpoint(out: Path) -> None:
-    """--no-resume over a checkpoint in `out`: one line on stderr saying it is discarded (the run's
-    first checkpoint replaces it), with its step and planned steps, so that a run's progress is not
-    thrown away unsaid. A damaged checkpoint (what --no-resume is for) is said as such."""
-    from blockdraft.training.trainer import read_checkpoint_state
-
-    try:
-        state = read_checkpoint_state(out)
-    except ValueError:
-        print(f"train-drafter: --no-resume: the damaged checkpoint in {out / 'checkpoint'} is discarded; the "
-              f"training starts over", file=sys.stderr, flush=True)
-        return
-    if state is None:
-        return
-    planned = (state.get("train_config") or {}).get("steps")
-    of = f" of {planned}" if planned is not None else ""
-    finished = " (finished)" if planned is not None and state["step"] >= planned else ""
-    print(f"train-drafter: --no-resume: discarding the checkpoint at step {state['step']}{of}{finished} in "
-          f"{out / 'checkpoint'}; the training starts over from step 0", file=sys.stderr, flush=True)
 
 
 def _answer(plan: _RunPlan, target):
