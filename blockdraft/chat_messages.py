@@ -1,6 +1,7 @@
 """Chat messages: the one check and normalisation of roles, content and names, shared by the
 Python API (`LLM.chat`, `LLM.generate` with conversations) and the server's request models
-(blockdraft.server.protocol), so both give the chat template the same messages."""
+(blockdraft.server.protocol), so both give the chat template the same messages; and the one
+rendering through the chat template with vLLM's template controls (render_chat)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ ECHOED_EMPTY_KEYS = ("tool_calls", "refusal", "function_call", "audio", "annotat
 _CONTENT_SHAPE = "content must be a string or a list of {'type': 'text', 'text': str} parts"
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (vLLM refuses them too)
 TEMPLATE_CALL_ARGS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
     "tokenizer_kwargs",
 })
@@ -169,7 +170,7 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
             characters).
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError("this model has no chat template; send a plain text prompt (LLM.generate, /v1/completions) instead", "messages")
+        raise ChatTemplateError("this model has no chat template; give LLM.generate a plain text prompt instead", "messages")
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be true: set "
                                 "add_generation_prompt to false to continue the last message", "continue_final_message")
@@ -188,5 +189,7 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              continue_final_message=continue_final_message, **extra)
     except Exception as e:  # jinja2 TemplateError, or raise_exception() inside the template
-        raise ChatTemplateError(f"the chat template rejected these messages: {str(e)[:200]}", "messages") from None
+        # transformers refuses continue_final_message for a template that rewrites the final message
+        param = "continue_final_message" if continue_final_message and "continue_final_message" in str(e) else "messages"
+        raise ChatTemplateError(f"the chat template rejected these messages: {str(e)[:200]}", param) from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -169,6 +169,15 @@ def test_chat_continue_final_message_and_template_kwargs(llm):
         llm.tokenizer.chat_template = llm.tokenizer.chat_template.removesuffix("{% if think %} w09x{% endif %}")
 
 
+def test_chat_without_a_template_points_to_generate(llm):
+    saved, llm.tokenizer.chat_template = llm.tokenizer.chat_template, None
+    try:
+        with pytest.raises(ValueError, match="this model has no chat template; give LLM.generate a plain text prompt"):
+            llm.chat([OK])
+    finally:
+        llm.tokenizer.chat_template = saved
+
+
 @pytest.mark.parametrize(
     "message, match",
     [

@@ -97,6 +97,8 @@ def chat_prompt(req, tokenizer, add_generation_prompt: bool | None = None) -> li
             add_generation_prompt, or without an assistant message last; a reserved
             chat_template_kwargs key; the template refused the conversation), its field as param.
     """
+    if not getattr(tokenizer, "chat_template", None):  # said here: render_chat's words are for the Python API
+        raise APIError(400, "this model has no chat template; use /v1/completions with a plain prompt", param="messages")
     if add_generation_prompt is None:
         add_generation_prompt = getattr(req, "add_generation_prompt", True)
     try:

@@ -67,7 +67,7 @@ class _Cursor:
     def __init__(self, holdback: int, echo: str | None = None, params: SamplingParams | None = None) -> None:
         self.holdback = holdback
         self.echo = echo
-        self.params = params
+        self.params = params if params is not None else SamplingParams()  # None: the default flags
         self.base = 0
         self.chars = 0
         self.tokens = 0
@@ -349,10 +349,8 @@ class Serving:
         )
 
 
-def _text_offsets(ctx: ServerContext, params: SamplingParams | None) -> R.TextOffsets:
-    """A fresh TextOffsets for one choice, decoding as its text was (`params`' flags; None: the defaults)."""
-    if params is None:
-        return R.TextOffsets(ctx.token_text.tokenizer)
+def _text_offsets(ctx: ServerContext, params: SamplingParams) -> R.TextOffsets:
+    """A fresh TextOffsets for one choice, decoding as its text was (`params`' flags)."""
     return R.TextOffsets(ctx.token_text.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens)
 
 

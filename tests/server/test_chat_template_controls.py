@@ -47,6 +47,7 @@ def test_template_controls_reach_the_template(tokenizer):
     ({"continue_final_message": True}, "continue_final_message and add_generation_prompt cannot both be true"),
     ({"continue_final_message": True, "add_generation_prompt": False}, "must be an assistant message; it is a 'user'"),
     ({"chat_template_kwargs": {"tokenize": True, "chat_template": "x"}}, "may not set chat_template, tokenize"),
+    ({"chat_template_kwargs": {"messages": []}}, "may not set messages"),
 ])
 def test_conflicts_and_reserved_arguments_are_refused_by_name(tokenizer, fields, match):
     with pytest.raises(APIError, match=match) as e:
@@ -64,3 +65,23 @@ def test_the_server_takes_them(plain_server):
     assert cue.status_code == cont.status_code == 200, (cue.text, cont.text)
     # the continued prompt lacks the final assistant cue: one token fewer
     assert cont.json()["usage"]["prompt_tokens"] == cue.json()["usage"]["prompt_tokens"] - 1
+
+
+def test_a_template_that_cannot_continue_names_continue_final_message():
+    """transformers refuses continue_final_message when the template rewrites the final message;
+    the 400 names that field, not the messages."""
+    tok = make_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m.content | upper }}{% endfor %}"  # w06x w07x -> W06X W07X
+    req = parse_request(ChatCompletionRequest, {"messages": [USER, PARTIAL], "add_generation_prompt": False,
+                                                "continue_final_message": True})
+    with pytest.raises(APIError, match="the chat template rejected these messages") as e:
+        chat_prompt(req, tok)
+    assert e.value.status == 400 and e.value.param == "continue_final_message"
+
+
+def test_no_chat_template_points_to_completions():
+    tok = make_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(APIError, match="no chat template; use /v1/completions") as e:
+        _ids(tok)
+    assert e.value.param == "messages"
