@@ -75,8 +75,9 @@ def test_hand_computed_survivors(kw, kept):
     assert drawn <= kept and kept - drawn <= {7}  # token 7 (probability 1e-4 when kept) may go undrawn
 
 
-def test_the_cases_check_the_order_and_renormalisation():
-    """The hand-computed numbers above, recomputed in float64 from probabilities as vLLM does."""
+def test_the_hand_computed_cases_are_right():
+    """A check of this file's fixtures, not of the sampler: the hand-computed numbers above,
+    recomputed in float64 from probabilities as vLLM does (CASES pins the sampler to them)."""
     def probs(t):
         e = [math.exp(v / t) for v in LOGITS]
         return [x / sum(e) for x in e]
