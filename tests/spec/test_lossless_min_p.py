@@ -66,6 +66,14 @@ def test_plain_decoding_with_min_p_equals_a_step_by_step_reference_and_min_p_cha
     assert got[2] == bare[2]  # the greedy row ignores min_p
 
 
+def _known_answer_llm(target, k: int, answers: dict, p_right: float):
+    """An LLM whose speculator drafts the known plain answers, each draft right with p_right."""
+    spec = KnownAnswerSpeculator(k, answers, VOCAB, p_right=p_right, seed=k)
+    llm = make_llm(target, speculator=spec)
+    spec.engine = llm.engine
+    return llm
+
+
 @pytest.mark.parametrize("k", [3, 7])
 def test_speculative_equals_plain_with_min_p_seeded_and_mixed(llama_target, k):
     prompts = random_prompts(6, seed=40 + k)
@@ -73,9 +81,7 @@ def test_speculative_equals_plain_with_min_p_seeded_and_mixed(llama_target, k):
     plain = _tokens(make_llm(llama_target), prompts, params)
     answers = {tuple(p): p + o for p, o in zip(prompts, plain)}
     for p_right in (1.0, 0.5):
-        spec = KnownAnswerSpeculator(k, answers, VOCAB, p_right=p_right, seed=k)
-        llm = make_llm(llama_target, speculator=spec)
-        spec.engine = llm.engine
+        llm = _known_answer_llm(llama_target, k, answers, p_right)
         assert _tokens(llm, prompts, params) == plain, p_right
         stats = llm.engine.stats.spec
         for idx in ([0], [1, 3, 5], [3]):  # other batch mates (other hints, other rows): the same tokens
@@ -95,10 +101,7 @@ def test_speculative_equals_plain_with_min_p_only_on_sampled_rows(llama_target, 
     plain = _tokens(make_llm(llama_target), prompts, params)
     answers = {tuple(p): p + o for p, o in zip(prompts, plain)}
     for p_right in (0.5, 1.0):
-        spec = KnownAnswerSpeculator(k, answers, VOCAB, p_right=p_right, seed=k)
-        llm = make_llm(llama_target, speculator=spec)
-        spec.engine = llm.engine
-        assert _tokens(llm, prompts, params) == plain, p_right
+        assert _tokens(_known_answer_llm(llama_target, k, answers, p_right), prompts, params) == plain, p_right
 
 
 @pytest.mark.parametrize("graphs", [False, True])
