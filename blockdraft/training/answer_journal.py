@@ -40,6 +40,7 @@ import torch
 from blockdraft.training.dataset import data_settings_differences, save_safetensors_atomic
 
 JOURNAL_DIR = "partial"  # not data-*.safetensors: reuse_dataset never takes it for a finished dataset
+JOURNAL_FILE = "journal.json"  # in JOURNAL_DIR: written first, so a journal without it holds nothing to resume
 FORMAT = 1
 # max_num_seqs batches per wave: the engine drains (runs fewer requests at once) at each wave's end, so
 # more batches per wave cost less throughput, and fewer lose less to an interrupt (on the CPU, 4 x 32
@@ -96,7 +97,7 @@ class AnswerJournal:
         Raises:
             ValueError: it is not valid JSON (names the file and how to start over).
         """
-        path = self.folder / "journal.json"
+        path = self.folder / JOURNAL_FILE
         if not path.is_file():
             return None
         try:
@@ -108,11 +109,11 @@ class AnswerJournal:
         """Create the journal with `header` (its journal.json) unless it exists (check_journal
         compares an existing one first). Files left without a journal.json (a removal cut short)
         are deleted first: nothing says what they were made with."""
-        if (self.folder / "journal.json").is_file():
+        if (self.folder / JOURNAL_FILE).is_file():
             return
         self.remove()
         self.folder.mkdir(parents=True)
-        write_json_atomic(self.folder / "journal.json", header)
+        write_json_atomic(self.folder / JOURNAL_FILE, header)
 
     def _read(self, path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         from safetensors import safe_open
@@ -175,11 +176,14 @@ def answering_header(target: str, target_path: str, vocab_size: int, settings: d
 def journal_differences(recorded: dict, now: dict) -> list[tuple[str, object, object]]:
     """(flag, recorded, now) for each way the journal header `recorded` differs from `now` (both
     answering_header dicts), in flag order. The target counts as the same when its name or its
-    resolved folder matches (a catalog name then its folder is the same model)."""
+    resolved folder matches (run_folder.same_target: a catalog name then its folder is the same
+    model, and a folder is the same however its path is spelled)."""
+    from blockdraft.training.run_folder import same_target
+
     differ = []
     if recorded.get("format") != now["format"]:
         differ.append(("journal format", recorded.get("format"), now["format"]))
-    if recorded.get("target") != now["target"] and recorded.get("target_path") != now["target_path"]:
+    if not same_target(recorded.get("target"), recorded.get("target_path"), now["target"], now["target_path"]):
         differ.append(("--target", repr(recorded.get("target")), repr(now["target"])))
     if recorded.get("vocab_size") != now["vocab_size"]:
         differ.append(("vocab size", recorded.get("vocab_size"), now["vocab_size"]))

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockdraft.training.run_folder import (check_out_folder, check_resume_dtype, check_resume_settings,
-                                             check_resume_target, dtype_flag, finished_run, say_discarded_checkpoint)
+                                             check_resume_target, dtype_flag, finished_run, same_target,
+                                             say_discarded_checkpoint)
 
 # `--tiny`: a smoke run in seconds on the CPU (CI); any option given explicitly still wins.
 TINY = dict(num_prompts=8, max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, synth_openers="general",
@@ -68,6 +69,17 @@ ANSWER_MAX_NUM_SEQS = {"cpu": 32, "cuda": 512}
 # last bits (up to 1.2e-5 in log-probabilities measured: answer_journal.py), flipping only near-ties.
 TARGET_DTYPE_AUTO = {"cpu": "float32", "cuda": "bfloat16"}
 TARGET_DTYPES = ("auto", "float32", "bfloat16")
+
+# What the training bar's postfix shows (fit_together's _postfix): said once on stderr before the first
+# step ("the bar shows " + it) and in train-drafter --help. The loss is not capped by ln(V), a uniform
+# guess's: 84.9 at step 1 of `train-drafter --target smollm2-135m-instruct --tiny` on the CPU, ln V 10.8.
+BAR_LEGEND = ("loss: the decay-weighted mean cross-entropy (nats) over the draft slots 1..B-1 (slot k weighted "
+              "exp(-(k-1)/gamma), gamma 7 for a block of 16); a new (untrained) drafter's starts well above "
+              "ln(vocabulary size), a uniform guess's, as its logits through the target's LM head are large and "
+              "wrong (e.g. 84.9 at step 1 of SmolLM2's --tiny run, ln V 10.8); tau: 1 + a1 + a1*a2 + ..., a rough "
+              "acceptance-length proxy; aK: top-1 accuracy of draft slot K, n/a when no training block had a label "
+              "at slot K (each sampled anchor had fewer than K answer tokens after it); each over the steps since "
+              "the last log line")
 
 MAX_BLOCK_SIZE = 64  # released DFlash drafters use 8-16; a block costs B query tokens per anchor
 MAX_SYNTH_PROMPTS = 1_000_000  # far above any useful run; beyond it the request list alone exhausts memory
@@ -290,7 +302,6 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
             (a new --out, removing the folder, or the --dtype / --seed it was made with when only that
             differs).
     """
-    from blockdraft.model_loader import catalog_name
     from blockdraft.training.dataset import SHARD_PATTERN, TokenDataset, data_settings_differences
 
     if not any(folder.glob(SHARD_PATTERN)):
@@ -298,8 +309,7 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
     data = TokenDataset.load(folder)
     info, made = data.info, data.info.get("settings", {})
     differ = []  # (what, recorded, requested)
-    if "target" in info and info["target"] not in (args.target, target_path, catalog_name(target_path)) \
-            and info.get("target_path") != target_path:
+    if "target" in info and not same_target(info["target"], info.get("target_path"), args.target, target_path):
         differ.append(("target", repr(info["target"]), repr(args.target)))
     if info.get("vocab_size", vocab_size) != vocab_size:
         differ.append(("vocab size", info["vocab_size"], vocab_size))
@@ -640,6 +650,7 @@ def _plan_run(args) -> _RunPlan | dict:
     from blockdraft.training.answer_journal import AnswerJournal, check_journal
     from blockdraft.training.build import init_from, new_drafter
     from blockdraft.training.trainer import TrainConfig
+    from blockdraft.weights.fetch import model_folder
     from blockdraft.weights.loader import load_tokenizer
 
     settings = resolve_settings(args)
@@ -656,11 +667,16 @@ def _plan_run(args) -> _RunPlan | dict:
     asked_dtype, args.dtype = args.dtype, resolve_target_dtype(args.dtype, device)
     out = Path(args.out)
     folder = Path(args.data) if args.data else out / "data"
-    path, _, target_config = read_target_config(args.target, args.cache_dir)
-    if not args.no_resume:  # before anything loads; a finished run's rerun does not ignore --dtype either
+    # The target's folder as far as it is known without downloading a catalog model (GBs) or
+    # converting a .gguf: the resume checks that need no target config come before that.
+    where = model_folder(args.target, args.cache_dir)
+    if not args.no_resume:  # a finished run's rerun does not ignore --dtype either
         # another target first and alone: the shape flags that differ with it were never given
-        check_resume_target(out, folder, args.target, str(path), own_data=not args.data)
+        check_resume_target(out, folder, args.target, None if where is None else str(where), own_data=not args.data)
         check_resume_dtype(out, args.dtype, asked_dtype, device)
+    path, _, target_config = read_target_config(args.target, args.cache_dir)
+    if not args.no_resume and where is None:  # a .gguf target: its folder is known now
+        check_resume_target(out, folder, args.target, str(path), own_data=not args.data)
     cfg = TrainConfig(steps=settings["steps"], batch_size=settings["batch_size"], max_len=args.max_len,
                       num_anchors=settings["num_anchors"], lr=args.lr, seed=args.seed,
                       ckpt_every=args.ckpt_every, log_every=settings["log_every"], greedy_labels=args.greedy_labels,
@@ -778,7 +794,7 @@ def _train_and_export(plan: _RunPlan, target, data) -> dict:
     else:  # a run from step 0 (--no-resume, or no checkpoint: one interrupted before its first) logs anew
         (out / "train_log.jsonl").unlink(missing_ok=True)
     if trainer.step < cfg.steps:
-        print(f"train-drafter: {BAR_LEGEND}", file=sys.stderr, flush=True)
+        print(f"train-drafter: the bar shows {BAR_LEGEND}", file=sys.stderr, flush=True)
     with deferred_interrupt() as stop:
         final = trainer.fit(progress=True, should_stop=lambda: stop.hit)
     if not final and trainer.history:  # nothing left to train (a finished run re-exported): its last log
@@ -809,15 +825,6 @@ def _train_and_export(plan: _RunPlan, target, data) -> dict:
                if init else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
-
-
-# What the training bar's postfix shows (fit_together's _postfix), said once before the first step.
-BAR_LEGEND = ("the bar shows loss: the decay-weighted mean cross-entropy (nats) over the draft slots 1..B-1 (slot "
-              "k weighted exp(-(k-1)/gamma), gamma 7 for a block of 16), not capped by ln(vocabulary size): an "
-              "untrained drafter's logits through the target's LM head can be large and wrong, so it may start in "
-              "the tens; tau: 1 + a1 + a1*a2 + ..., a rough acceptance-length proxy; aK: top-1 accuracy of draft "
-              "slot K, n/a when no training block had a label at slot K (each sampled anchor had fewer than K answer "
-              "tokens after it); each over the steps since the last log line")
 
 
 class _Flag:

@@ -15,9 +15,11 @@ from pathlib import Path
 # only without --data; checkpoint.new/ and .old/ are a checkpoint save's (training/atomic_folder.py).
 RUN_FOLDERS = {"data": "dataset", "checkpoint": "checkpoint", "drafter": "exported drafter"}
 RUN_FILES = {"train_log.jsonl": "training log", "summary.json": "summary"}
-# Any of these in --out marks a train-drafter run there (one that can be resumed or reused); summary.json
-# alone does not: it is a common file name, and a finished run holds the others too.
-RUN_MARKERS = ("checkpoint", "checkpoint.new", "checkpoint.old", "data", "drafter", "train_log.jsonl")
+# Any of these in --out marks a train-drafter run there (one that can be resumed or reused); data/ and
+# drafter/, common folder names (a project's own data/), mark one only by what a run writes in them
+# (run_markers). summary.json alone marks none: it is a common file name, and a finished run holds the
+# others too.
+RUN_MARKERS = ("checkpoint", "checkpoint.new", "checkpoint.old", "train_log.jsonl")
 
 
 def check_out_folder(out: str, data: str | None = None) -> None:
@@ -25,12 +27,14 @@ def check_out_folder(out: str, data: str | None = None) -> None:
     layout in pipeline.py's module docstring) without overwriting anything of the user's.
 
     Refused: an empty (or whitespace-only) --out, which would write the run into the current
-    folder; --out (or a folder above it) being a file; a path the run writes inside it that is
-    of the other kind (data/ without --data, checkpoint/, drafter/ a file; train_log.jsonl,
-    summary.json a folder), which the run would only fail on at its end; and a non-empty folder
-    holding no train-drafter run (none of RUN_MARKERS; the --data folder, when inside it, is the
-    run's own), whose files (say a summary.json of the user's) the run would overwrite. A folder
-    holding a run is its resume (or its data reused), and an empty or new one a new run.
+    folder; --out (or a folder above it) being a file, or a symbolic link to nothing (the run
+    would fail making it once the target loaded); a path the run writes inside it that is of the
+    other kind (data/ without --data, checkpoint/, drafter/ a file; train_log.jsonl, summary.json
+    a folder), which the run would only fail on at its end; and a non-empty folder holding no
+    train-drafter run (run_markers finds none; hidden files such as .DS_Store aside, and the --data
+    folder, when inside it, being the run's own), whose files (say a summary.json, or a data/ of
+    the user's) the run would write beside and over. A folder holding a run is its resume (or its
+    data reused), and an empty or new one a new run.
 
     Raises:
         ValueError: naming --out, the offending path and what to do.
@@ -39,6 +43,10 @@ def check_out_folder(out: str, data: str | None = None) -> None:
         raise ValueError(f"--out {out!r} is empty (it would write the run into the current folder): give the run's "
                          f"output folder, a new or empty one, e.g. --out runs/mine")
     folder = Path(out)
+    dangling = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:  # it would count as a new folder, and the run fail making it once the target loaded
+        raise ValueError(f"--out {out!r}: {str(dangling)!r} is a symbolic link to {str(dangling.readlink())!r}, "
+                         f"which does not exist: create that folder, or use another --out")
     taken = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if taken is not None and not taken.is_dir():  # the folder (or one above it) could never be made
         raise ValueError(f"--out {out!r}: {str(taken)!r} is a file; --out is the run's output folder")
@@ -55,12 +63,50 @@ def check_out_folder(out: str, data: str | None = None) -> None:
                              f"file; move it away or use another --out")
     entries = sorted(p.name for p in folder.iterdir())
     own = _top_entry_inside(Path(data), folder) if data else None  # a --data folder inside --out is the run's
-    foreign = [name for name in entries if name != own]
-    if foreign and not any(name in RUN_MARKERS for name in entries):
+    # hidden files (.DS_Store, .gitkeep) and an empty folder of the run's (a data/ whose answers were
+    # removed to answer again) hold nothing the run would overwrite
+    foreign = [name for name in entries if name != own and not name.startswith(".")
+               and not (name in RUN_FOLDERS and _empty_folder(folder / name))]
+    if foreign and not run_markers(folder):
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ValueError(f"--out {out!r} is a folder that holds no train-drafter run ({shown}; a run has "
-                         f"{', '.join(n + '/' for n in RUN_FOLDERS)} or train_log.jsonl), and the run would write "
-                         f"{', '.join(RUN_FILES)} and its folders over it: pick a new or empty folder for --out")
+                         f"checkpoint/, train_log.jsonl, a data/ of answers or an exported drafter/), and the run "
+                         f"would write {', '.join(RUN_FILES)} and its folders over it: pick a new or empty folder "
+                         f"for --out")
+
+
+def run_markers(folder: Path) -> list[str]:
+    """What marks a train-drafter run in `folder`: checkpoint/ (or a save's checkpoint.new/, .old/)
+    and train_log.jsonl by name (RUN_MARKERS); "data" when data/ holds a dataset's shards
+    (dataset.SHARD_PATTERN) or an interrupted answering's journal (answer_journal.JOURNAL_DIR /
+    JOURNAL_FILE); "drafter" when drafter/config.json is a DFlash drafter's
+    (spec.dflash.config.is_dflash_config). An empty data/, or one of the user's own files, marks
+    nothing."""
+    found = [name for name in RUN_MARKERS if (folder / name).exists() or (folder / name).is_symlink()]
+    data = folder / "data"
+    if data.is_dir():
+        from blockdraft.training.answer_journal import JOURNAL_DIR, JOURNAL_FILE
+        from blockdraft.training.dataset import SHARD_PATTERN
+
+        if any(data.glob(SHARD_PATTERN)) or (data / JOURNAL_DIR / JOURNAL_FILE).is_file():
+            found.append("data")
+    config = folder / "drafter" / "config.json"
+    if config.is_file():
+        from blockdraft.spec.dflash.config import is_dflash_config
+
+        with contextlib.suppress(OSError, ValueError):  # not JSON, or not UTF-8: not a drafter train-drafter wrote
+            raw = json.loads(config.read_text())
+            if isinstance(raw, dict) and is_dflash_config(raw):
+                found.append("drafter")
+    return found
+
+
+def _empty_folder(path: Path) -> bool:
+    """`path` is a folder with nothing in it (one that cannot be listed counts as not empty)."""
+    try:
+        return path.is_dir() and not any(path.iterdir())
+    except OSError:
+        return False
 
 
 def _top_entry_inside(path: Path, folder: Path) -> str | None:
@@ -187,27 +233,55 @@ def recorded_target(out: Path, data: Path) -> tuple[str, str | None] | None:
     return None
 
 
-def check_resume_target(out: Path, data: Path, target: str, target_path: str, own_data: bool) -> None:
+def same_target(name: str | None, path: str | None, target: str, target_path: str | None = None) -> bool:
+    """Whether a run, dataset or answering journal recorded for target `name` (its folder `path`;
+    None: not recorded) was made for `target` (its folder `target_path`; None: not known). The same:
+    a recorded name or folder that is `target`, `target_path` or the catalog name of either
+    (weights.fetch.catalog_name_of: the folder `fetch` made for a catalog model is that model), or
+    two paths of one folder or file however spelled (relative or absolute, through a symbolic link:
+    compared resolved against the current folder). Catalog names compare as names. Reads only the
+    folders' fetch markers."""
+    from blockdraft.weights.catalog import CATALOG
+    from blockdraft.weights.fetch import catalog_name_of
+
+    def names(*values) -> set[str]:
+        given = {v for v in values if isinstance(v, str) and v}
+        return given | {catalog_name_of(v) for v in given}
+
+    def resolved(values: set[str]) -> set[Path]:
+        paths = set()
+        for value in values - set(CATALOG):
+            with contextlib.suppress(OSError, RuntimeError, ValueError):  # a link loop, a NUL byte
+                paths.add(Path(value).expanduser().resolve())
+        return paths
+
+    recorded, asked = names(name, path), names(target, target_path)
+    return bool(recorded & asked) or bool(resolved(recorded) & resolved(asked))
+
+
+def check_resume_target(out: Path, data: Path, target: str, target_path: str | None, own_data: bool) -> None:
     """Refuse, before anything loads, to resume the checkpoint in `out` for another target than
     the one it was trained for (recorded_target), saying only that: the drafter shape and mask token
     that follow from the target (check_resume_settings) would differ too, flags never given. The
-    same target: its recorded name or folder is `target`, `target_path` or the catalog name of the
-    folder (as reuse_dataset compares a dataset's).
+    same target: same_target (as reuse_dataset compares a dataset's).
 
     Args:
+        target_path: the target's folder: before anything is downloaded or converted,
+            weights.fetch.model_folder's (a catalog name's cache folder, fetched or not, or a local
+            HF folder); None where only resolving the target tells it (a .gguf file, whose folder
+            is named by its hash): a recorded target not the same by name then passes, to be
+            checked again with the folder once it is resolved.
         data: the run's dataset folder (OUT/data, or --data); own_data: it is OUT/data, whose
             answers are the other target's too, so --no-resume alone would meet reuse_dataset's
             refusal: the message says to remove it as well.
     Raises:
         ValueError: naming --out, both targets and the ways on (another --out, or --no-resume).
     """
-    from blockdraft.model_loader import catalog_name
-
     recorded = recorded_target(out, data)
     if recorded is None:
         return
     name, path = recorded
-    if name in (target, target_path, catalog_name(target_path)) or (path is not None and path == target_path):
+    if target_path is None or same_target(name, path, target, target_path):
         return
     from blockdraft.training.answer_journal import AnswerJournal
     from blockdraft.training.dataset import SHARD_PATTERN

@@ -299,7 +299,7 @@ def fetch_model(name: str, cache_dir: str | os.PathLike | None = None, progress:
     """
     entry = get_entry(name)
     root = cache_root(cache_dir)
-    folder = root / "models" / entry.name
+    folder = _catalog_folder(entry, cache_dir)
     if is_complete(folder):
         return folder
     gguf_path = ensure_gguf(entry, root, progress)
@@ -353,9 +353,10 @@ def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.Path
     value = str(name_or_path)
     if value in CATALOG:
         return fetch_model(value, cache_dir, progress)
-    path = Path(value).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
+    path = model_folder(value)
+    if path is not None:
         return path
+    path = Path(value).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return convert_gguf(path, cache_dir, progress)
     if path.is_dir():
@@ -363,6 +364,23 @@ def resolve_model_path(name_or_path: str | os.PathLike, cache_dir: str | os.Path
     if path.is_file():
         raise ValueError(f"model file {value!r} is not a .gguf file; expected {_EXPECTED_MODEL}")
     raise _no_such_model(name_or_path)
+
+
+def model_folder(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The folder resolve_model_path returns for `name_or_path`, found without downloading,
+    converting or hashing anything: a catalog name's cache folder (fetched or not yet), a local HF
+    folder (with config.json) itself; None for a .gguf file (its folder is named by its sha256) and
+    for what resolve_model_path refuses."""
+    value = str(name_or_path)
+    if value in CATALOG:
+        return _catalog_folder(CATALOG[value], cache_dir)
+    path = Path(value).expanduser()
+    return path if path.is_dir() and (path / "config.json").is_file() else None
+
+
+def _catalog_folder(entry: CatalogEntry, cache_dir: str | os.PathLike | None) -> Path:
+    """Where fetch_model puts the catalog model `entry`."""
+    return cache_root(cache_dir) / "models" / entry.name
 
 
 def check_model_exists(name_or_path: str | os.PathLike) -> None:

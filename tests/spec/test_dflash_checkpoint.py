@@ -162,26 +162,50 @@ def test_load_weights_reports_shape_mismatch():
 
 
 def test_a_config_without_dflash_config_is_named_as_such(tmp_path):
-    """Was `dflash_config.mask_token_id must be an integer, got None`: a value of a block the file lacks."""
+    """Was `dflash_config.mask_token_id must be an integer, got None`: a value of a block the file lacks.
+    Said so only of a config.json that is no DFlash drafter's at all (no dflash_config, DFlash
+    architecture or top-level DFlash keys); an older drafter config with its DFlash values at the top
+    level, which still loads, keeps its value's error, the missing block said after it."""
     from blockdraft.spec.dflash.checkpoint import read_drafter_config
 
     model = _drafter()
     export_drafter(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     del config["dflash_config"]
+    for key in ("block_size", "num_target_layers"):
+        config.pop(key, None)
+    config["architectures"] = ["Qwen3ForCausalLM"]  # a target's config: why is said after it
     (tmp_path / "config.json").write_text(json.dumps(config))
     message = f"{tmp_path / 'config.json'} has no dflash_config (not a DFlash drafter checkpoint?)"
     with pytest.raises(ValueError) as e:
         load_drafter(tmp_path, tiny_target_config())
-    assert str(e.value) == message
-    config["architectures"] = ["Qwen3ForCausalLM"]  # a target's config: why is said after it
+    assert str(e.value) == f"{message}: architectures ['Qwen3ForCausalLM'] is not a DFlash drafter; expected " \
+                           f"['DFlashDraftModel']"
+    del config["architectures"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError) as e:
         read_drafter_config(tmp_path)
-    assert str(e.value) == f"{message}: architectures ['Qwen3ForCausalLM'] is not a DFlash drafter; expected " \
-                           f"['DFlashDraftModel']"
+    assert str(e.value) == f"{message}: architectures [] is not a DFlash drafter; expected ['DFlashDraftModel']"
+
     # older files with the DFlash values at the top level and no dflash_config block still load
-    config = {**model.config.to_hf_dict(), "architectures": ["DFlashDraftModel"]}
-    config.update(config.pop("dflash_config"))
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    legacy = {**model.config.to_hf_dict(), "architectures": ["DFlashDraftModel"]}
+    legacy.update(legacy.pop("dflash_config"))
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
     assert read_drafter_config(tmp_path) == model.config
+    # ... and a bad value in one is named as such (it was "has no dflash_config", the value dropped)
+    block = f" ({tmp_path / 'config.json'} has no dflash_config block: its DFlash values are read from the top " \
+            f"level, as in older drafter configs)"
+    for changes, detail in (({"mask_token_id": "x"}, "dflash_config.mask_token_id must be an integer, got 'x'"),
+                            ({"mask_token_id": None}, "dflash_config.mask_token_id must be an integer, got None"),
+                            ({"target_layer_ids": "1,2"},
+                             "dflash_config.target_layer_ids must be a list of integers, got '1,2'")):
+        (tmp_path / "config.json").write_text(json.dumps({**legacy, **changes}))
+        with pytest.raises(ValueError) as e:
+            read_drafter_config(tmp_path)
+        assert str(e.value) == f"drafter {tmp_path}: {detail}{block}"
+    # a DFlash architecture without any DFlash value: its missing value, not "not a DFlash drafter"
+    bare = {k: v for k, v in legacy.items() if k not in ("mask_token_id", "target_layer_ids", "block_size")}
+    (tmp_path / "config.json").write_text(json.dumps(bare))
+    with pytest.raises(ValueError) as e:
+        read_drafter_config(tmp_path)
+    assert str(e.value) == f"drafter {tmp_path}: dflash_config.mask_token_id must be an integer, got None{block}"

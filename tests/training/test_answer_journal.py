@@ -130,6 +130,24 @@ def test_a_journal_of_other_settings_is_refused_by_name_before_the_weights_load(
     assert json.loads((partial / "journal.json").read_text()) == _tiny_header(max_new_tokens=8, seed=3)
 
 
+def test_a_journal_made_for_a_local_folder_is_its_target_however_the_path_is_spelled(tmp_path, monkeypatch):
+    """Compared as raw strings, a journal made for --target models/m was another target's for the
+    same folder given as /abs/models/m (or through a link)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "n").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "models" / "m")
+    settings = _tiny_header()["settings"]
+
+    def header(target):
+        return answering_header(target, target, 49152, settings, 0, "float32", 8)
+
+    for spelled in (str(tmp_path / "models" / "m"), "./models/m/", str(tmp_path / "link")):
+        assert answer_journal.journal_differences(header("models/m"), header(spelled)) == []
+    assert answer_journal.journal_differences(header("models/m"), header(str(tmp_path / "models" / "n"))) == [
+        ("--target", "'models/m'", repr(str(tmp_path / "models" / "n")))]
+
+
 def test_a_journal_file_is_whole_or_absent(tmp_path, monkeypatch):
     """An interrupt (a second Ctrl-C, a kill) while a wave, the requests or the dataset is being
     written leaves the previous files readable and no half file under a journal or dataset name."""

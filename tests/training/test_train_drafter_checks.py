@@ -586,9 +586,9 @@ def test_a_folder_of_other_files_is_refused_as_out(files, tmp_path, capsys, no_w
         (tmp_path / name).write_text("mine")
     err = _error(capsys, "--out", str(tmp_path))
     shown = ", ".join(files[:3]) + (" and 1 more" if len(files) > 3 else "")
-    assert (f"--out {str(tmp_path)!r} is a folder that holds no train-drafter run ({shown}; a run has data/, "
-            f"checkpoint/, drafter/ or train_log.jsonl), and the run would write train_log.jsonl, summary.json and "
-            f"its folders over it: pick a new or empty folder for --out") in err
+    assert (f"--out {str(tmp_path)!r} is a folder that holds no train-drafter run ({shown}; a run has "
+            f"checkpoint/, train_log.jsonl, a data/ of answers or an exported drafter/), and the run would write "
+            f"train_log.jsonl, summary.json and its folders over it: pick a new or empty folder for --out") in err
     assert all((tmp_path / name).read_text() == "mine" for name in files)
 
 
@@ -607,6 +607,90 @@ def test_a_run_folder_with_other_files_resumes_and_reuses_its_data(tmp_path, cap
         main(["train-drafter", "--target", NAME, "--tiny", "--out", str(inside), "--data", str(inside / "answers"),
               "--device", "cpu"])
     assert f"train-drafter: reusing the 2 sequences in {inside / 'answers'}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("inside", [[], ["corpus.csv"], ["partial/answers-00000.safetensors"]])
+def test_a_project_folder_with_a_data_folder_of_its_own_is_refused_as_out(inside, tmp_path, capsys, no_weights):
+    """Any data/ marked a run: `--out .` in a project with a data/ folder wrote the run into it and
+    beside its files. A data/ counts only with a dataset's shards or an answering journal in it."""
+    (tmp_path / "README.md").write_text("mine")
+    (tmp_path / "data").mkdir()
+    for name in inside:
+        (tmp_path / "data" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / name).write_text("mine")
+    before = _files(tmp_path)
+    err = _error(capsys, "--out", str(tmp_path))
+    shown = "README.md, data" if inside else "README.md"  # an empty data/ holds nothing to overwrite
+    assert f"--out {str(tmp_path)!r} is a folder that holds no train-drafter run ({shown}; a run has " in err
+    assert _files(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "data"]
+
+
+def test_only_what_a_run_writes_marks_data_and_drafter_folders(tmp_path):
+    import json
+
+    from blockdraft.training.answer_journal import JOURNAL_DIR, JOURNAL_FILE
+    from blockdraft.training.run_folder import check_out_folder, run_markers
+
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "data" / JOURNAL_DIR).mkdir(parents=True)
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert run_markers(tmp_path) == []  # a journal folder without its journal.json; a target model's config
+    with pytest.raises(ValueError, match="holds no train-drafter run"):
+        check_out_folder(str(tmp_path))
+    (tmp_path / "drafter" / "config.json").write_text("{")  # not JSON: no drafter either
+    assert run_markers(tmp_path) == []
+    (tmp_path / "data" / JOURNAL_DIR / JOURNAL_FILE).write_text("{}")  # an interrupted answering
+    assert run_markers(tmp_path) == ["data"]
+    check_out_folder(str(tmp_path))
+    (tmp_path / "drafter" / "config.json").write_text((SHIPPED_DIR / NAME / "config.json").read_text())
+    assert run_markers(tmp_path) == ["data", "drafter"]
+    (tmp_path / "data" / JOURNAL_DIR / JOURNAL_FILE).unlink()
+    assert run_markers(tmp_path) == ["drafter"]  # an exported DFlash drafter (dflash_config)
+    check_out_folder(str(tmp_path))
+    shards = tmp_path / "shards"
+    _made_here(shards / "data")
+    assert run_markers(shards) == ["data"]  # a finished answering: its dataset shards
+    (shards / "train_log.jsonl").write_text("")
+    (shards / "checkpoint.new").mkdir()
+    assert run_markers(shards) == ["checkpoint.new", "train_log.jsonl", "data"]
+
+
+def test_an_out_that_is_a_link_to_nothing_is_refused_by_name(tmp_path, capsys, no_weights):
+    """It counted as a new folder: the run loaded the target, then failed making it."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    for out in (str(link), f"{link}/", str(link / "run")):
+        err = _error(capsys, "--out", out)
+        assert (f"--out {out!r}: {str(link)!r} is a symbolic link to {str(tmp_path / 'gone')!r}, which does not "
+                f"exist: create that folder, or use another --out") in err
+    assert link.is_symlink() and not (tmp_path / "gone").exists()
+
+
+def test_hidden_files_and_the_spelling_of_out_are_no_matter(tmp_path, capsys, monkeypatch):
+    """A folder holding only .DS_Store / .gitkeep was refused as holding no run; --out runs/x/ and
+    a relative --out are the plain path."""
+    from blockdraft.training.run_folder import check_out_folder
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "x").mkdir(parents=True)
+    for name in (".DS_Store", ".gitkeep"):
+        (tmp_path / "runs" / "x" / name).write_text("")
+    for out in ("runs/x", "runs/x/", str(tmp_path / "runs" / "x") + "/", "./runs/x"):
+        check_out_folder(out)
+    (tmp_path / "runs" / "x" / "summary.json").write_text("mine")  # a user's file beside them: refused as before
+    for out in ("runs/x", "runs/x/"):
+        with pytest.raises(ValueError, match=f"--out {out!r} is a folder that holds no train-drafter run "
+                                             r"\(summary.json; a run has"):
+            check_out_folder(out)
+    (tmp_path / "runs" / "x" / "summary.json").unlink()
+    # a run's folder given relative and with a trailing slash: its data reused as with the plain path
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    _made_here(tmp_path / "runs" / "x" / "data")
+    for out in ("runs/x/", "runs/x"):
+        with pytest.raises(_Loading):
+            main(["train-drafter", "--target", NAME, "--tiny", "--out", out, "--device", "cpu"])
+        assert "train-drafter: reusing the 2 sequences in runs/x/data" in capsys.readouterr().err
 
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
@@ -649,6 +733,101 @@ def test_a_checkpoint_that_records_no_target_is_held_to_its_datasets(tmp_path, c
     _dataset(out / "data", {"target": QWEN, "vocab_size": 151936}, ids=(151644, 872, 151643, 9, 151645))
     err = _error(capsys, "--out", str(out), "--device", "cpu")
     assert f"this run (--out {out}) was made for target '{QWEN}', not '{NAME}'" in err and "--mask-token-id" not in err
+
+
+@pytest.fixture
+def no_fetch(monkeypatch, no_weights):
+    """Fails the test if the target is resolved (a catalog model not in the cache is downloaded
+    there, GBs; a .gguf converted): the checks here come before it."""
+    import blockdraft.weights.fetch
+
+    def fail(*a, **k):
+        pytest.fail("the target was resolved (downloaded or converted) before the check")
+
+    for name in ("resolve_model_path", "fetch_model", "convert_gguf"):
+        monkeypatch.setattr(blockdraft.weights.fetch, name, fail)
+
+
+def test_the_resume_refusals_come_before_the_target_is_fetched(tmp_path, capsys, no_fetch):
+    """read_target_config (which downloads a catalog target not yet cached) ran before the resume
+    checks: the target and dtype refusals now come first, the target's folder taken as known."""
+    import json
+
+    from blockdraft.weights.fetch import cache_root
+
+    out = tmp_path / "run"
+    _checkpoint_of(out)  # made for Qwen: another catalog name decides it
+    err = _error(capsys, "--out", str(out), "--device", "cpu")
+    assert f"this run (--out {out}) was made for target '{QWEN}', not '{NAME}'" in err
+    err = _error(capsys, "--out", str(out), "--device", "cpu", "--target", str(cache_root() / "models" / NAME))
+    assert f"was made for target '{QWEN}', not '{cache_root() / 'models' / NAME}'" in err  # a local folder too
+    mine = tmp_path / "mine"
+    _checkpoint_of(mine, target=NAME)  # made for this target in float32
+    err = _error(capsys, "--out", str(mine), "--device", "cpu", "--dtype", "bfloat16")
+    assert f"the run in {mine} was trained with the target in float32 (its checkpoint)" in err
+    # the recorded target in its cache folder, asked for by name (or the other way round): the same target
+    state = json.loads((mine / "checkpoint" / "state.json").read_text())
+    state.update(target=str(cache_root() / "models" / NAME), target_path=str(cache_root() / "models" / NAME))
+    (mine / "checkpoint" / "state.json").write_text(json.dumps(state))
+    err = _error(capsys, "--out", str(mine), "--device", "cpu", "--dtype", "bfloat16")
+    assert "was made for target" not in err and "was trained with the target in float32" in err
+
+
+def test_a_gguf_target_is_held_to_the_recorded_one_once_resolved(tmp_path, capsys, monkeypatch, no_weights):
+    """A .gguf's folder is named by its hash: known only once converted, when a run recorded for
+    another target is refused; before it nothing is decided by the other name."""
+    import blockdraft.weights.fetch
+    from blockdraft.training.run_folder import check_resume_target
+    from blockdraft.weights.fetch import cache_root
+
+    out = tmp_path / "run"
+    _checkpoint_of(out)
+    check_resume_target(out, out / "data", str(tmp_path / "model.gguf"), None, own_data=True)  # undecided: passes
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.setattr(blockdraft.weights.fetch, "convert_gguf", lambda *a, **k: cache_root() / "models" / NAME)
+    err = _error(capsys, "--out", str(out), "--device", "cpu", "--target", str(tmp_path / "model.gguf"))
+    assert f"this run (--out {out}) was made for target '{QWEN}', not '{tmp_path / 'model.gguf'}'" in err
+
+
+def _model_folder(folder):
+    """A local model folder as resolve_model_path takes it (its config.json; nothing else read here)."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_a_local_target_folder_is_the_same_however_its_path_is_spelled(tmp_path, monkeypatch):
+    """A run recorded for models/m and resumed as /abs/models/m (or through a link) was refused as made
+    for another target: paths are compared resolved; another folder is still refused."""
+    import json
+    from argparse import Namespace
+
+    from blockdraft.training.pipeline import reuse_dataset
+    from blockdraft.training.run_folder import check_resume_target
+
+    monkeypatch.chdir(tmp_path)
+    model, other = _model_folder(tmp_path / "models" / "m"), _model_folder(tmp_path / "models" / "n")
+    (tmp_path / "link").symlink_to(model)
+    out = tmp_path / "run"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "state.json").write_text(json.dumps(
+        {"step": 1, "drafter_config": {}, "target": "models/m", "target_path": "models/m"}))
+    _dataset(out / "data", {"target": "models/m", "target_path": "models/m", "vocab_size": 49152,
+                            "settings": _settings(), "dtype": "float32", "seed": 0})
+    args = Namespace(target=None, data=None, seed=0, dtype="float32")
+    for spelled in (str(model), "./models/m/", str(tmp_path / "link"), "models/../models/m"):
+        check_resume_target(out, out / "data", spelled, spelled, own_data=True)
+        args.target = spelled
+        assert reuse_dataset(out / "data", _settings(), args, spelled, 49152) is not None
+    from blockdraft.training.run_folder import same_target  # both compare with it, as the answering journal does
+
+    assert same_target("models/m", "models/m", str(tmp_path / "link")) and not same_target("models/m", None, str(other))
+    with pytest.raises(ValueError, match=f"this run \\(--out {out}\\) was made for target 'models/m', not '{other}'"):
+        check_resume_target(out, out / "data", str(other), str(other), own_data=True)
+    args.target = str(other)
+    with pytest.raises(ValueError, match=f"the dataset in {out / 'data'} was made with target 'models/m'"):
+        reuse_dataset(out / "data", _settings(), args, str(other), 49152)
+    assert same_target(QWEN, None, QWEN) and not same_target(QWEN, None, NAME)  # catalog names as names
 
 
 def test_no_resume_says_which_checkpoint_it_discards(tmp_path, capsys, monkeypatch):
@@ -703,8 +882,12 @@ def test_help_says_what_the_bar_shows_and_the_exit_statuses():
     sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
     text = " ".join(sub.choices["train-drafter"].format_help().split())
     assert "exports OUT/drafter as trained so far (exit 130; 143 for SIGTERM)" in text
-    assert ("The progress bar shows loss: the decay-weighted mean cross-entropy (nats) over the draft slots of a "
-            "block, which starts far above ln(vocabulary size) for an untrained drafter") in text
-    assert "aK: the top-1 accuracy of draft slot K (n/a: no label reached slot K in the steps since the last log line)" \
-        in text
+    assert ("The progress bar shows loss: the decay-weighted mean cross-entropy (nats) over the draft slots 1..B-1 "
+            "(slot k weighted exp(-(k-1)/gamma), gamma 7 for a block of 16); a new (untrained) drafter's starts well "
+            "above ln(vocabulary size), a uniform guess's") in text
+    assert ("aK: top-1 accuracy of draft slot K, n/a when no training block had a label at slot K (each sampled anchor "
+            "had fewer than K answer tokens after it); each over the steps since the last log line. --tiny") in text
     assert "--tiny only proves the pipeline" in text
+    from blockdraft.training.pipeline import BAR_LEGEND
+
+    assert f"The progress bar shows {BAR_LEGEND}." in text  # word for word the legend on stderr (e2e test)

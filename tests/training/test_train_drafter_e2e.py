@@ -17,7 +17,7 @@ from blockdraft.preflight import resolve_device
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec.dflash.checkpoint import load_drafter
 from blockdraft.training import corpora
-from blockdraft.training.pipeline import TARGET_DTYPE_AUTO
+from blockdraft.training.pipeline import BAR_LEGEND, TARGET_DTYPE_AUTO
 from blockdraft.weights.fetch import cache_root, find_wheel, is_complete
 
 NAME = "smollm2-135m-instruct"
@@ -43,7 +43,8 @@ def test_train_drafter_tiny_writes_a_drafter_the_engine_uses_losslessly(tmp_path
     # the command that makes generate use the fastest K (the whole block, K = 15, is the slowest on a CPU)
     assert (f"python -m blockdraft.bench.spec_k --model {NAME} --draft {out / 'drafter'} --write-default` times K = "
             f"1, 2, 3, 4, 7, 15 and writes the fastest to {out / 'drafter' / 'speculative.json'}") in first.err
-    # what the bar's numbers are, said once before the first step (its loss starts far above ln V)
+    # what the bar's numbers are, said once before the first step (its loss starts well above ln V), as --help says
+    assert f"train-drafter: the bar shows {BAR_LEGEND}\n" in first.err
     assert "train-drafter: the bar shows loss: the decay-weighted mean cross-entropy (nats) over the draft slots" in first.err
     assert "aK: top-1 accuracy of draft slot K, n/a when no training block had a label at slot K" in first.err
     assert "more than the" not in first.err  # --tiny's batch of 4 = the 4 sequences

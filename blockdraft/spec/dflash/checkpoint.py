@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from blockdraft.config import ModelConfig
 from blockdraft.errors import param_error
-from blockdraft.spec.dflash.config import DFlashConfig, build_target_layer_ids
+from blockdraft.spec.dflash.config import DFlashConfig, build_target_layer_ids, is_dflash_config
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
 
 WEIGHTS_FILE = "model.safetensors"
@@ -65,8 +65,9 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
     Raises:
         FileNotFoundError: `path` is not a folder, or has no config.json.
         ValueError: config.json is not valid JSON, is refused (DFlashConfig.from_hf_dict; one
-            without a dflash_config block is named as such), or does not fit the target
-            (validate_against_target); the message names the drafter folder or its config.json.
+            that is no DFlash drafter's at all, config.is_dflash_config, is named as such), or does
+            not fit the target (validate_against_target); the message names the drafter folder or
+            its config.json.
     """
     path = Path(path)
     if not path.is_dir():
@@ -92,9 +93,12 @@ def read_drafter_config(path: str | Path, target_config: ModelConfig | None = No
         config = DFlashConfig.from_hf_dict(raw)
     except (ValueError, KeyError) as e:
         detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-        if "dflash_config" not in raw:  # say what is missing, not a value of the absent block
+        if not is_dflash_config(raw):  # say what is missing, not a value of the absent block
             why = "" if detail.startswith("dflash_config") else f": {detail}"
             raise ValueError(f"{config_file} has no dflash_config (not a DFlash drafter checkpoint?){why}") from e
+        if "dflash_config" not in raw and detail.startswith("dflash_config."):  # an older file: the keys on top
+            detail += (f" ({config_file} has no dflash_config block: its DFlash values are read from the top level, "
+                       f"as in older drafter configs)")
         raise ValueError(f"drafter {path}: {detail}") from e
     if target_config is not None:
         check_drafter_fits(config, path, target_config)

@@ -47,6 +47,10 @@ _NEUTRAL_VALUES = {
     "attention_sink_bias": (False, "attention-sink biases are not supported"),
 }
 _PLAIN_PROJECTORS = (None, "dflash")
+# Keys only a DFlash drafter's config.json holds at its top level: older files carry the DFlash values
+# there, without a dflash_config block (from_hf_dict reads both). Other DFlash knobs (sliding_window,
+# final_logit_softcapping, ...) are common target-model keys as well, so they mark nothing.
+_TOP_LEVEL_DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "block_size", "num_target_layers")
 DEFAULT_BLOCK_SIZE = 16  # z-lab `DFlashDraftModel.block_size` when the checkpoint has none
 
 
@@ -340,6 +344,16 @@ def _value(cfg: dict, dcfg: dict, name: str, default=None):
     if name in dcfg:
         return dcfg[name]
     return cfg.get(name, default)
+
+
+def is_dflash_config(cfg: dict) -> bool:
+    """Whether the config.json dict `cfg` is a DFlash drafter's (one from_hf_dict loads, or refuses
+    for a value): a dflash_config block, a DFlash architecture (DFlash 2 included) or DFlash keys at
+    its top level (an older file). A target model's config is none of these."""
+    archs = cfg.get("architectures") or []
+    archs = [archs] if isinstance(archs, str) else archs
+    return ("dflash_config" in cfg or any(a in (ARCHITECTURE, "DFlash2DraftModel") for a in archs if isinstance(a, str))
+            or any(key in cfg for key in _TOP_LEVEL_DFLASH_KEYS))
 
 
 def _check_architecture(cfg: dict) -> None:
