@@ -69,8 +69,9 @@ def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> l
 
 def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:
     """The text `echo` returns for each prompt of a /v1/completions request: a text prompt as given,
-    a token-id prompt decoded (with skip_special_tokens=True, the output text's default, whatever
-    the request's skip_special_tokens), as vLLM does.
+    a token-id prompt decoded with its special tokens kept (as vLLM: tokenizer.decode's default),
+    so that either way the echoed prompt holds their text and the prompt tokens' text_offset
+    (responses.echo_logprobs) counts it.
 
     Args:
         prompts: completion_prompts' token ids of `req`'s prompts (one list per prompt).
@@ -78,7 +79,7 @@ def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> l
     """
     p = req.prompt
     texts = [p] if isinstance(p, str) or isinstance(p[0], int) else p
-    decode = token_decoder(tokenizer)
+    decode = token_decoder(tokenizer, skip_special_tokens=False)
     return [t if isinstance(t, str) else decode(ids) for t, ids in zip(texts, prompts, strict=True)]
 
 

@@ -221,8 +221,8 @@ def echo_logprobs(prompt_token_ids: list[int], prompt_entries: list[dict | None]
     prompt_entries: RequestOutput.prompt_logprobs (None first, then one dict per prompt token), so
     the first prompt token's `token_logprobs` and `top_logprobs` entries are null. `text_offset`
     counts characters from the start of the echoed text: the prompt tokens' offsets (TextOffsets
-    over the prompt ids, capped at len(prompt_text)), then the completion's shifted by
-    len(prompt_text).
+    over the prompt ids with special tokens kept, as the echoed prompt holds them: echo_texts;
+    capped at len(prompt_text)), then the completion's shifted by len(prompt_text).
 
     Raises:
         ValueError: prompt_entries and prompt_token_ids differ in length (the engine scored another
@@ -231,7 +231,7 @@ def echo_logprobs(prompt_token_ids: list[int], prompt_entries: list[dict | None]
     if len(prompt_entries) != len(prompt_token_ids):
         raise ValueError(f"{len(prompt_entries)} prompt logprob entries for {len(prompt_token_ids)} prompt tokens")
     base = len(prompt_text)
-    starts = [min(o, base) for o in TextOffsets(token_text.tokenizer)(prompt_token_ids)]
+    starts = [min(o, base) for o in TextOffsets(token_text.tokenizer, skip_special_tokens=False)(prompt_token_ids)]
     out = {
         "tokens": [token_text(t) for t in prompt_token_ids],
         "token_logprobs": [None if e is None else e["logprob"] for e in prompt_entries],

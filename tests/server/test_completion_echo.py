@@ -94,6 +94,22 @@ def test_echo_without_logprobs_and_several_prompts(plain_server):
     assert echoed["usage"] == plain["usage"]
 
 
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text", "token-ids"])
+def test_echoed_special_tokens_keep_their_text_and_offsets(plain_server, as_ids):
+    """A special token in the prompt (<eos>, id 0) is echoed with its text, a text prompt as given
+    and a token-id prompt decoded with it (vLLM: tokenizer.decode's default), and the prompt
+    tokens' text_offset slice the echoed text token by token."""
+    ids = [12, 0, 40, 7]
+    text = f"{word(12)} <eos> {word(40)} {word(7)}"  # the tiny tokenizer's decode of `ids`, specials kept
+    body = _post(plain_server, prompt=ids if as_ids else text, max_tokens=2, logprobs=0)
+    choice = body["choices"][0]
+    echoed = choice["text"][: len(text)]
+    assert echoed == text, choice["text"]
+    offsets = choice["logprobs"]["text_offset"][: len(ids)]
+    pieces = [echoed[a:b] for a, b in zip(offsets, offsets[1:] + [len(text)])]
+    assert [piece.strip() for piece in pieces] == [word(12), "<eos>", word(40), word(7)], (offsets, pieces)
+
+
 def _stream(server, **over) -> tuple[list[dict], dict]:
     """(the choice of every chunk, the usage chunk)."""
     body = {**LM_EVAL, **over, "stream": True, "stream_options": {"include_usage": True}}
