@@ -14,7 +14,8 @@ MAX_NAME_CHARS = 256  # longest `name` of a message (OpenAI's participant name)
 # (no tools here).
 ECHOED_EMPTY_KEYS = ("tool_calls", "refusal", "function_call", "audio", "annotations")
 _CONTENT_SHAPE = "content must be a string or a list of {'type': 'text', 'text': str} parts"
-# apply_chat_template's own arguments: chat_template_kwargs may not set them (vLLM refuses them too)
+# apply_chat_template's own arguments: chat_template_kwargs may not set them, so each control is said once, by
+# its own field (vLLM refuses chat_template and tokenize there and lets the others override their fields)
 TEMPLATE_CALL_ARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",

@@ -215,14 +215,17 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Strict):
     """POST /tokenize (vLLM's): exactly one of `prompt` (text, as /v1/completions encodes it;
     add_special_tokens default true) and `messages` (a conversation through the chat template, as
-    /v1/chat/completions renders it; add_generation_prompt default true). return_token_strs: also
-    each token's string (the tokenizer's convert_ids_to_tokens)."""
+    /v1/chat/completions renders it, with its template controls add_generation_prompt (default
+    true), continue_final_message and chat_template_kwargs). return_token_strs: also each token's
+    string (the tokenizer's convert_ids_to_tokens)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -29,6 +29,19 @@ def test_tokenize_counts_what_completions_and_chat_count_and_detokenize_returns_
     assert strs["token_strs"] == TEXT.split() and strs["tokens"] == r["tokens"]
 
 
+def test_tokenize_takes_the_chat_template_controls(plain_server):
+    """continue_final_message and chat_template_kwargs as chat completions takes them: the same count."""
+    client = openai_client(plain_server)
+    conv = [*MESSAGES, {"role": "assistant", "content": word(9)}]
+    controls = {"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"x": 1}}
+    r = httpx.post(plain_server.url + "/tokenize", json={"messages": conv, **controls})
+    assert r.status_code == 200, r.text
+    answered = client.chat.completions.create(model=MODEL_NAME, messages=conv, max_tokens=1, extra_body=controls)
+    assert r.json()["count"] == answered.usage.prompt_tokens
+    bad = httpx.post(plain_server.url + "/tokenize", json={"messages": MESSAGES, "continue_final_message": True})
+    assert bad.status_code == 400 and "continue_final_message" in bad.text
+
+
 def test_bad_tokenize_requests_name_the_problem(plain_server):
     url = plain_server.url
     for path, body, status, words in [
