@@ -176,9 +176,9 @@ def answering_header(target: str, target_path: str, vocab_size: int, settings: d
 def journal_differences(recorded: dict, now: dict) -> list[tuple[str, object, object]]:
     """(flag, recorded, now) for each way the journal header `recorded` differs from `now` (both
     answering_header dicts), in flag order. The target counts as the same when its name or its
-    resolved folder matches (run_folder.same_target: a catalog name then its folder is the same
+    resolved folder matches (weights.fetch.same_target: a catalog name then its folder is the same
     model, and a folder is the same however its path is spelled)."""
-    from blockdraft.training.run_folder import same_target
+    from blockdraft.weights.fetch import same_target
 
     differ = []
     if recorded.get("format") != now["format"]:

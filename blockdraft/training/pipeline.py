@@ -36,8 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockdraft.training.run_folder import (check_out_folder, check_resume_dtype, check_resume_settings,
-                                             check_resume_target, dtype_flag, finished_run, same_target,
-                                             say_discarded_checkpoint)
+                                             check_resume_target, dtype_flag, finished_run, say_discarded_checkpoint)
 
 # `--tiny`: a smoke run in seconds on the CPU (CI); any option given explicitly still wins.
 TINY = dict(num_prompts=8, max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, synth_openers="general",
@@ -303,6 +302,7 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
             differs).
     """
     from blockdraft.training.dataset import SHARD_PATTERN, TokenDataset, data_settings_differences
+    from blockdraft.weights.fetch import same_target
 
     if not any(folder.glob(SHARD_PATTERN)):
         return None

@@ -233,32 +233,6 @@ def recorded_target(out: Path, data: Path) -> tuple[str, str | None] | None:
     return None
 
 
-def same_target(name: str | None, path: str | None, target: str, target_path: str | None = None) -> bool:
-    """Whether a run, dataset or answering journal recorded for target `name` (its folder `path`;
-    None: not recorded) was made for `target` (its folder `target_path`; None: not known). The same:
-    a recorded name or folder that is `target`, `target_path` or the catalog name of either
-    (weights.fetch.catalog_name_of: the folder `fetch` made for a catalog model is that model), or
-    two paths of one folder or file however spelled (relative or absolute, through a symbolic link:
-    compared resolved against the current folder). Catalog names compare as names. Reads only the
-    folders' fetch markers."""
-    from blockdraft.weights.catalog import CATALOG
-    from blockdraft.weights.fetch import catalog_name_of
-
-    def names(*values) -> set[str]:
-        given = {v for v in values if isinstance(v, str) and v}
-        return given | {catalog_name_of(v) for v in given}
-
-    def resolved(values: set[str]) -> set[Path]:
-        paths = set()
-        for value in values - set(CATALOG):
-            with contextlib.suppress(OSError, RuntimeError, ValueError):  # a link loop, a NUL byte
-                paths.add(Path(value).expanduser().resolve())
-        return paths
-
-    recorded, asked = names(name, path), names(target, target_path)
-    return bool(recorded & asked) or bool(resolved(recorded) & resolved(asked))
-
-
 def check_resume_target(out: Path, data: Path, target: str, target_path: str | None, own_data: bool) -> None:
     """Refuse, before anything loads, to resume the checkpoint in `out` for another target than
     the one it was trained for (recorded_target), saying only that: the drafter shape and mask token
@@ -277,6 +251,8 @@ def check_resume_target(out: Path, data: Path, target: str, target_path: str | N
     Raises:
         ValueError: naming --out, both targets and the ways on (another --out, or --no-resume).
     """
+    from blockdraft.weights.fetch import same_target
+
     recorded = recorded_target(out, data)
     if recorded is None:
         return

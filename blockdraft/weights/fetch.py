@@ -12,6 +12,7 @@ that is renamed into place at the end, so an interrupted run never leaves a half
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -71,6 +72,29 @@ def catalog_name_of(model: str) -> str:
         return model
     entry = CATALOG.get(marker.get("name")) if isinstance(marker, dict) else None
     return entry.name if entry is not None and marker.get("sha256") == entry.sha256 else model
+
+
+def same_target(name: str | None, path: str | None, target: str, target_path: str | None = None) -> bool:
+    """Whether a run, dataset or answering journal recorded for target `name` (its folder `path`;
+    None: not recorded) was made for `target` (its folder `target_path`; None: not known). The same:
+    a recorded name or folder that is `target`, `target_path` or the catalog name of either
+    (catalog_name_of: the folder `fetch` made for a catalog model is that model), or
+    two paths of one folder or file however spelled (relative or absolute, through a symbolic link:
+    compared resolved against the current folder). Catalog names compare as names. Reads only the
+    folders' fetch markers."""
+    def names(*values) -> set[str]:
+        given = {v for v in values if isinstance(v, str) and v}
+        return given | {catalog_name_of(v) for v in given}
+
+    def resolved(values: set[str]) -> set[Path]:
+        paths = set()
+        for value in values - set(CATALOG):
+            with contextlib.suppress(OSError, RuntimeError, ValueError):  # a link loop, a NUL byte
+                paths.add(Path(value).expanduser().resolve())
+        return paths
+
+    recorded, asked = names(name, path), names(target, target_path)
+    return bool(recorded & asked) or bool(resolved(recorded) & resolved(asked))
 
 
 def sha256_file(path: Path, progress: bool = False) -> str:

@@ -819,7 +819,7 @@ def test_a_local_target_folder_is_the_same_however_its_path_is_spelled(tmp_path,
         check_resume_target(out, out / "data", spelled, spelled, own_data=True)
         args.target = spelled
         assert reuse_dataset(out / "data", _settings(), args, spelled, 49152) is not None
-    from blockdraft.training.run_folder import same_target  # both compare with it, as the answering journal does
+    from blockdraft.weights.fetch import same_target  # both compare with it, as the answering journal does
 
     assert same_target("models/m", "models/m", str(tmp_path / "link")) and not same_target("models/m", None, str(other))
     with pytest.raises(ValueError, match=f"this run \\(--out {out}\\) was made for target 'models/m', not '{other}'"):
