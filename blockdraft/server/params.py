@@ -31,6 +31,8 @@ class Plan:
     prompt_texts[i]: the text echoed for choice i (`echo_texts`; set by the caller), else None.
     prompt_logprobs: vLLM's `prompt_logprobs: N` (not with a stream): the N alternatives each
         choice's (completions) or the response's (chat) `prompt_logprobs` lists; else None.
+    response_role: chat's message / delta role: "assistant", or with add_generation_prompt false
+        the last message's role (vLLM's get_chat_request_role: the answer continues that turn).
     """
 
     prompts: list[list[int]]
@@ -40,6 +42,7 @@ class Plan:
     prompt_only: bool = False
     prompt_texts: list[str] | None = None
     prompt_logprobs: int | None = None
+    response_role: str = "assistant"
 
 
 def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> list[list[int]]:
@@ -139,6 +142,8 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
     plan = Plan([], [], sum(len(p) for p in prompts), echo=echo, prompt_only=echo and req.max_tokens == 0,
                 prompt_logprobs=_prompt_logprobs(req, config, model))
+    if isinstance(req, ChatCompletionRequest) and not req.add_generation_prompt:
+        plan.response_role = req.messages[-1].role
     if plan.prompt_only and req.min_tokens:  # the engine runs max_tokens 1 here: check against what was sent
         raise APIError(400, f"min_tokens must be 0 with max_tokens 0 (echo: the prompt alone), got {req.min_tokens}",
                        param="min_tokens")

@@ -113,7 +113,7 @@ class CompletionFormat:
             choice["prompt_logprobs"] = R.prompt_logprobs(out.prompt_logprobs, plan.prompt_logprobs, ctx.token_text)
         return choice
 
-    def first_chunk_choice(self, index: int) -> dict | None:
+    def first_chunk_choice(self, index: int, plan: Plan) -> dict | None:
         return None
 
     def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None,
@@ -172,15 +172,15 @@ class ChatFormat:
 
     def choice(self, ctx: ServerContext, index: int, out: RequestOutput, plan: Plan) -> dict:
         """Choice `index` of a whole response: the assistant `message` with `out`'s text, its
-        `logprobs` object when asked (else None), finish_reason and stop_reason. `plan` is unused
-        (chat carries prompt_logprobs at the top level, not per choice)."""
+        `logprobs` object when asked (else None), finish_reason and stop_reason; the message's role
+        is plan.response_role (chat carries prompt_logprobs at the top level, not per choice)."""
         logprobs = None if out.logprobs is None else R.chat_logprobs(out.logprobs, ctx.token_text)
-        message = {"role": "assistant", "content": out.text}
+        message = {"role": plan.response_role, "content": out.text}
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason}
 
-    def first_chunk_choice(self, index: int) -> dict | None:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None,
+    def first_chunk_choice(self, index: int, plan: Plan) -> dict | None:
+        return {"index": index, "delta": {"role": plan.response_role, "content": ""}, "logprobs": None, "finish_reason": None,
                 "stop_reason": None}
 
     def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None,
@@ -289,7 +289,7 @@ class Serving:
                    for i in range(len(plan.prompts))]
         finals: dict[int, RequestOutput] = {}
         for i in range(len(cursors)):
-            first = self.fmt.first_chunk_choice(i)
+            first = self.fmt.first_chunk_choice(i, plan)
             if first is not None:
                 usage = {"usage": R.usage(len(plan.prompts[i]), 0)} if continuous else {}
                 yield R.sse({**head, "choices": [first], **usage})

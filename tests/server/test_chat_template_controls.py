@@ -4,6 +4,8 @@ continue_final_message and chat_template_kwargs reach the tokenizer's chat templ
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -85,3 +87,20 @@ def test_no_chat_template_points_to_completions():
     with pytest.raises(APIError, match="no chat template; use /v1/completions") as e:
         _ids(tok)
     assert e.value.param == "messages"
+
+
+def test_the_answer_continues_the_last_turns_role_without_a_generation_prompt(plain_server):
+    """vLLM's get_chat_request_role: add_generation_prompt false answers in the last message's role
+    (whole and streamed); with the assistant cue, or continuing an assistant turn, "assistant"."""
+    url, headers = plain_server.url + "/v1/chat/completions", plain_server.headers()
+    body = {"model": MODEL_NAME, "messages": [USER], "max_tokens": 2, "temperature": 0}
+    roles = {}
+    for name, over in {"cue": {}, "no cue": {"add_generation_prompt": False},
+                       "continue": {"messages": [USER, PARTIAL], "add_generation_prompt": False,
+                                    "continue_final_message": True}}.items():
+        r = httpx.post(url, json={**body, **over}, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        with httpx.stream("POST", url, json={**body, **over, "stream": True}, headers=headers, timeout=60) as s:
+            first = next(line for line in s.iter_lines() if line.startswith("data: {"))
+        roles[name] = (r.json()["choices"][0]["message"]["role"], json.loads(first[6:])["choices"][0]["delta"]["role"])
+    assert roles == {"cue": ("assistant",) * 2, "no cue": ("user",) * 2, "continue": ("assistant",) * 2}
