@@ -45,8 +45,9 @@ class SamplingParams:
     same for the prompt (vLLM's prompt_logprobs): None, or N >= 0 for the log-probability of each
     prompt token given the tokens before it plus its N most likely alternatives (the first prompt
     token has None), within the same `max_logprobs`; such a request recomputes its whole prompt
-    (no prefix-cache hit). detokenize: build the output text (default); False leaves `text` empty and skips decoding each new token (token ids only, e.g. training
-    data; vLLM's `detokenize`), so it cannot be combined with stop strings.
+    (no prefix-cache hit). detokenize: build the output text (default); False leaves `text` empty
+    and skips decoding each new token (token ids only, e.g. training data; vLLM's `detokenize`), so
+    it cannot be combined with stop strings.
     skip_special_tokens: leave special tokens (e.g. `<|im_end|>`, an EOS kept by ignore_eos) out of
     the text (default, vLLM's); False writes them in it (stop strings then match them too). As in
     vLLM, the EOS or stop_token_ids token that ends a request adds no text unless
@@ -59,11 +60,11 @@ class SamplingParams:
     every token already in the output: presence once, frequency once per occurrence (0 = off).
     repetition_penalty: > 0 (1 = off), at most float32's largest value; the logit of every token
     in the prompt or the output is divided by it when positive and multiplied by it otherwise
-    (CTRL, Keskar et al. 2019, section 4.1, as vLLM and transformers apply it). logit_bias: {token id: bias} added to those tokens'
-    logits (OpenAI's logit_bias; biases finite, in [-100, 100]; ids checked against the vocabulary
+    (CTRL, Keskar et al. 2019, section 4.1, as vLLM and transformers apply it). logit_bias:
+    {token id: bias} added to those tokens' logits (OpenAI's logit_bias; biases finite, in [-100, 100]; ids checked against the vocabulary
     when the engine takes the request), before the penalties. Bias and penalties act on the logits
-    before temperature, min_p, top-k and top-p, greedy rows included; logprobs stay those of the raw model
-    (vLLM's default). min_tokens: 0 <= min_tokens <= max_tokens (vLLM's extension): until the output
+    before temperature, min_p, top-k and top-p, greedy rows included; logprobs stay those of the
+    raw model (vLLM's default). min_tokens: 0 <= min_tokens <= max_tokens (vLLM's extension): until the output
     has this many tokens, EOS (unless ignore_eos) and stop_token_ids are masked out of the logits
     and stop strings are not looked for. n: completions per prompt in `LLM.generate` (vLLM's n;
     RequestOutput.outputs holds them): completion j of a seeded request uses seed + j, unseeded
