@@ -44,8 +44,8 @@ class IncrementalDetokenizer:
         as its bare text, without the separator the tokenizer's decoder puts between tokens (vLLM's
         fast detokenizer rule; `added_token_texts`); True (default) leaves the decoder's text.
         Stop strings are matched in the text as built, special tokens included when kept.
-        With the defaults the cost is what it was before these flags (one `is None` test per
-        decode; measured on Qwen2.5's tokenizer: 0.66 us per token either way); with
+        With the defaults the work is what it was before these flags (one `is None` test per
+        decode); with
         spaces_between_special_tokens False (and a tokenizer with added tokens) tokens are decoded
         one by one, as with stop strings."""
         self.tokenizer = tokenizer
