@@ -158,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(default 0: off)")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="> 0; logits of tokens in the prompt or the output are divided by it when positive, "
-                        "multiplied when negative (default 1: off; vLLM's and transformers' repetition_penalty)")
+                        "multiplied otherwise (default 1: off; vLLM's and transformers' repetition_penalty)")
     g.add_argument("--min-tokens", type=int, default=0,
                    help="no end of text, stop token or stop string before this many output tokens, 0 <= N <= "
                         "--max-tokens (default 0; vLLM's min_tokens)")

@@ -222,7 +222,8 @@ class LLM:
                 value), a dict whose keys are neither a prompt's nor a chat message's, both, or
                 include others (e.g. "multi_modal_data"; names the keys found and the allowed
                 ones), a bad chat message (its index, value and the allowed roles), a token id
-                outside the vocabulary, prompt longer than the context, mismatched params list, a
+                outside the vocabulary or a prompt longer than the context (naming the prompt's
+                index when there are several), mismatched params list, a
                 SamplingParams field out of range (also one set after construction), `logprobs`
                 or `prompt_logprobs` above `max_logprobs`; nothing of the batch is queued then.
         """
@@ -244,8 +245,15 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
         # one engine request per completion (SamplingParams.n), grouped back per prompt at the end
         runs = [(i, toks, q) for i, (toks, p) in enumerate(zip(token_lists, params)) for q in p.completions()]
-        for _, toks, q in runs:  # the whole batch first: a bad prompt queues nothing
-            self.engine.check_request(toks, q)
+        for i, toks, q in runs:  # the whole batch first: a bad prompt queues nothing
+            try:
+                self.engine.check_request(toks, q)
+            except ValueError as e:
+                # a field's error (param_error) names the field and value; the others (a token id
+                # outside the vocabulary, a prompt too long) need the prompt's index in a batch
+                if len(token_lists) == 1 or type(e) is not ValueError or hasattr(e, "param"):
+                    raise
+                raise ValueError(f"prompt {i}: {e}") from None
         if not token_lists:  # vLLM returns [] too; stepping would only advance others' requests
             return []
         ids = [f"req-{next(self._ids)}" for _ in runs]
@@ -381,7 +389,10 @@ class LLM:
                 included: names the type and value), a dict of unknown keys (names them and the
                 allowed ones); each prompt is checked by `_tokenize_one`.
         """
-        if isinstance(prompts, dict) and _dict_kind(prompts, "prompts") == "prompt":
+        if isinstance(prompts, dict) and _dict_kind(prompts, "prompts") == "message":
+            raise ValueError(f"prompts is a single chat message {prompts!r:.80}: a conversation is a list of "
+                             f"messages, so give [message, ...] (or use LLM.chat)")
+        if isinstance(prompts, dict):
             prompts = [prompts]  # one TextPrompt / TokensPrompt, as vLLM takes it
         elif isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and len(prompts) > 0 and (
                 _is_token_id(prompts[0])

@@ -3,7 +3,9 @@ tokenizer (`load_target`), and the facts about it the engine needs (`eos_token_i
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -89,10 +91,58 @@ def resolve_dtype(dtype: str, hf_config: dict, device: str = "cpu") -> torch.dty
     return resolved
 
 
+# The end-of-text / end-of-turn markers llama.cpp also ends generation on for a GGUF model
+# (llama-vocab.cpp, its end-of-generation tokens). An HF release lists them in its
+# generation_config.json instead (Qwen2.5: eos_token_id [151645 <|im_end|>, 151643 <|endoftext|>]),
+# which vLLM adds to the stop ids; a GGUF carries no generation_config.json.
+GGUF_END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+                          "<end_of_utterance>")
+
+
 def eos_token_ids(target: LoadedTarget) -> tuple[int, ...]:
-    """The target's stop ids, sorted: config.json's eos_token_id(s) plus the tokenizer's EOS."""
+    """The target's stop ids, sorted: config.json's eos_token_id(s), the tokenizer's EOS, and the
+    end-of-generation ids a user of the model expects to stop on: generation_config.json's
+    eos_token_id(s) when the folder has one (as vLLM), else, for a folder converted from a GGUF,
+    the tokenizer's special tokens named in GGUF_END_OF_GENERATION (as llama.cpp). For the catalog
+    Qwen2.5 models: (151643 <|endoftext|>, 151645 <|im_end|>); SmolLM2: (0, 2), the same pair.
+
+    Raises:
+        ValueError: a generation_config.json that is not JSON or whose eos_token_id is not an int
+            or a list of ints (names the file and the value).
+    """
     ids = set(target.config.eos_token_ids)
     tok_eos = getattr(target.tokenizer, "eos_token_id", None)
     if tok_eos is not None:
         ids.add(int(tok_eos))
+    folder = Path(target.path)
+    generation_config = folder / "generation_config.json"
+    if generation_config.is_file():
+        ids.update(_generation_config_eos(generation_config))
+    elif _converted_from_gguf(folder):
+        added = getattr(target.tokenizer, "added_tokens_decoder", None) or {}
+        ids.update(int(i) for i, tok in added.items()
+                   if getattr(tok, "special", False) and getattr(tok, "content", None) in GGUF_END_OF_GENERATION)
     return tuple(sorted(ids))
+
+
+def _generation_config_eos(file: Path) -> set[int]:
+    """generation_config.json's eos_token_id(s) (an int, a list of ints, or absent / null)."""
+    try:
+        value = json.loads(file.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"{file} is not a JSON object: {e}") from None
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{file}: eos_token_id must be a token id >= 0 or a list of them, got {value!r}")
+    return set(values)
+
+
+def _converted_from_gguf(folder: Path) -> bool:
+    """True for a folder `blockdraft fetch` / a .gguf path converted (its marker names the GGUF)."""
+    from blockdraft.weights.fetch import MARKER
+
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and "gguf" in marker

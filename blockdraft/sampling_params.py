@@ -103,7 +103,9 @@ class SamplingParams:
         self._resolved_seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**31)
 
     def verify(self) -> None:
-        """Normalise `stop` / `stop_token_ids` to lists and check every field (raises ValueError)."""
+        """Normalise `stop` / `stop_token_ids` to lists and numpy / other non-builtin numbers to int /
+        float, then check every field (raises ValueError)."""
+        self._builtin_numbers()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple, type(None))):
@@ -112,7 +114,7 @@ class SamplingParams:
             raise param_error("stop_token_ids", f"stop_token_ids must be a list of token ids (integers >= 0) or None, "
                                                 f"got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = [_builtin_int(t) for t in self.stop_token_ids or []]
         _check_int("max_tokens", self.max_tokens, low=1, high=INT64_MAX)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise param_error("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
@@ -121,7 +123,7 @@ class SamplingParams:
                                              f"(float32's largest), got {self.temperature!r}")
         if self.temperature < GREEDY_BELOW_TEMPERATURE:
             self.temperature = 0.0
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise param_error("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not -1 <= self.top_k <= INT64_MAX:
             raise param_error("top_k", f"top_k must be an integer: 0 or -1 (off) or in [1, 2**63 - 1], got {self.top_k!r}")
@@ -170,6 +172,17 @@ class SamplingParams:
             raise param_error("stop", f"stop strings {self.stop!r} need the output text: drop them or keep "
                                       f"detokenize=True")
 
+    def _builtin_numbers(self) -> None:
+        """numpy (or any numbers.Integral / numbers.Real) values of the numeric fields as int / float,
+        so that e.g. np.float32(0.9) for top_p is taken as vLLM takes it; bools are left to the
+        checks, which refuse them."""
+        for name in _INT_FIELDS:
+            setattr(self, name, _builtin_int(getattr(self, name)))
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value) not in (int, float):
+                setattr(self, name, float(value))
+
     @property
     def greedy(self) -> bool:
         """True when the request decodes with argmax (temperature == 0)."""
@@ -191,6 +204,12 @@ class SamplingParams:
         construction, or by `for_request` for the copy one request runs with)."""
         return self.seed if self.seed is not None else self._resolved_seed
 
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's `clone`): changing its stop lists or logit_bias leaves this one as is.
+        Its random seed (an unseeded one's) is this one's; a request still draws its own
+        (`for_request`)."""
+        return copy.deepcopy(self)
+
     def completions(self) -> list["SamplingParams"]:
         """One SamplingParams (n = 1) per completion of `n`: completion j of a seeded request uses
         (seed + j) mod 2**63 (the choices differ, each stays reproducible, seeds stay in the
@@ -210,6 +229,17 @@ class SamplingParams:
         clone = copy.copy(self)
         clone._resolved_seed = (rng or random.SystemRandom()).randrange(2**31)
         return clone
+
+
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens", "n")
+_REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _builtin_int(value):
+    """`value` as an int when it is a non-builtin integer (numpy, ...), else unchanged."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
+        return int(value)
+    return value
 
 
 def check_max_logprobs(max_logprobs) -> None:

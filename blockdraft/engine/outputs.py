@@ -113,6 +113,10 @@ class CompletionOutput:
         """Sum of the completion's token log-probabilities (nats), None without logprobs (vLLM's)."""
         return None if self.logprobs is None else sum(e["logprob"] for e in self.logprobs)
 
+    def finished(self) -> bool:
+        """True once the completion has ended (a finish_reason is set; vLLM's `finished()`)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

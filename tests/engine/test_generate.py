@@ -227,6 +227,7 @@ def test_llm_seed_makes_unseeded_runs_reproducible(llama_target):
     assert _ids(make_llm(llama_target, seed=8).generate(prompts, params)) != _ids(a)
     c = a[0].outputs[0]
     assert c.cumulative_logprob == pytest.approx(sum(e["logprob"] for e in a[0].logprobs)) and c.cumulative_logprob < 0
+    assert c.finished() and c.finish_reason == "length"  # vLLM's CompletionOutput.finished()
     with pytest.raises(ValueError, match="seed must be None or an integer >= 0, got -1"):
         make_llm(llama_target, seed=-1)
 

@@ -69,6 +69,7 @@ def test_the_trial_prompt_runs(llm):
         ([{"prompt_token_ids": "w05x"}], r"prompt 0: 'prompt_token_ids' must be a list of token ids, got str 'w05x'"),
         # a chat message among prompts: a conversation is a list of messages
         ([{"prompt": TEXT}, CONV[0]], r"prompt 1 is a single chat message .*: a conversation is a list of messages"),
+        (CONV[0], r"prompts is a single chat message .*: a conversation is a list of messages, so give \[message"),
         # a prompt dict inside a conversation is a bad message
         ([CONV[0], {"prompt": TEXT}], r"chat message 1 has keys \['prompt'\] that are not supported; a message's "
                                       r"keys are 'role', 'content', 'name'"),
@@ -87,3 +88,23 @@ def test_output_prompt_is_the_text_given_as_vllm(llm):
     assert [o.prompt for o in outs[:4]] == [TEXT, TEXT, None, None]
     assert outs[4].prompt == llm.tokenizer.decode(llm.encode_chat(CONV)) and "w05x w17x" in outs[4].prompt
     assert llm.chat(CONV, PARAMS)[0].prompt == outs[4].prompt
+
+
+def test_engine_checks_in_a_batch_name_the_prompt(llm):
+    """The checks the engine runs on a whole batch (vocabulary, context) say which prompt failed."""
+    ids = llm.tokenizer.encode(TEXT)
+    vocab, context = llm.engine.vocab_size, llm.engine.max_model_len
+    with pytest.raises(ValueError, match=rf"^prompt 2: prompt has token id -3, outside the vocabulary \[0, {vocab}\)"):
+        llm.generate([TEXT, ids, [5, -3]], PARAMS)
+    with pytest.raises(ValueError, match=rf"^prompt 1: prompt has {context} tokens but the engine's context"):
+        llm.generate([TEXT, [5] * context], PARAMS)
+    with pytest.raises(ValueError, match=r"^prompt has token id -3"):  # one prompt: nothing to name
+        llm.generate([[5, -3]], PARAMS)
+    with pytest.raises(ValueError, match=r"^prompt 1: logit_bias has token id") as e:
+        llm.generate([TEXT, TEXT], [PARAMS, SamplingParams(max_tokens=4, logit_bias={vocab: 1.0})])
+    assert not hasattr(e.value, "param")
+    limit = llm.engine.max_logprobs  # a field's error names the field and its value, not the prompt
+    with pytest.raises(ValueError, match=rf"^logprobs must be <= {limit}") as e:
+        llm.generate([TEXT, TEXT], [PARAMS, SamplingParams(max_tokens=4, logprobs=limit + 1)])
+    assert e.value.param == "logprobs"
+    assert not llm.engine.has_unfinished_requests()

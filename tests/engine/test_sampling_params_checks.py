@@ -137,3 +137,42 @@ def test_min_p_takes_0_to_1_and_its_errors_name_it():
         with pytest.raises(ValueError, match=r"^min_p must be a number in \[0, 1\] \(0 = off\), got ") as e:
             SamplingParams(min_p=bad)
         assert e.value.param == "min_p" and repr(bad) in str(e.value)
+
+
+def test_numpy_numbers_are_taken_as_python_ones(llm):
+    """A vLLM script may pass numpy scalars (np.float32 top_p, np.int64 max_tokens): taken as the
+    int / float they hold (before, refused as if out of range); the same tokens as Python numbers."""
+    np = pytest.importorskip("numpy")
+    given = SamplingParams(max_tokens=np.int64(6), temperature=np.float32(0.5), top_p=np.float32(0.75),
+                           top_k=np.int16(20), min_p=np.float64(0.05), seed=np.int32(3), n=np.int8(1),
+                           stop_token_ids=[np.int64(7)], presence_penalty=np.float16(0.5), min_tokens=np.uint8(1),
+                           ignore_eos=True)
+    for name in ("max_tokens", "top_k", "seed", "n", "min_tokens"):
+        assert type(getattr(given, name)) is int, name
+    for name in ("temperature", "top_p", "min_p", "presence_penalty"):
+        assert type(getattr(given, name)) is float, name
+    assert given.stop_token_ids == [7] and type(given.stop_token_ids[0]) is int
+    plain = SamplingParams(max_tokens=6, temperature=float(np.float32(0.5)), top_p=float(np.float32(0.75)), top_k=20,
+                           min_p=0.05, seed=3, stop_token_ids=[7], presence_penalty=0.5, min_tokens=1, ignore_eos=True)
+    assert llm.generate(PROMPT, given)[0].token_ids == llm.generate(PROMPT, plain)[0].token_ids
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("top_p", True, r"^top_p must be in \(0, 1\], got True$"),  # a bool is not a number here (as for temperature)
+    ("max_tokens", 3.0, r"^max_tokens must be an integer >= 1, got 3.0$"),
+    ("temperature", "0.5", r"^temperature must be a number >= 0, got '0.5'$"),
+])
+def test_non_numbers_stay_refused(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+def test_clone_is_a_deep_copy(llm):
+    """vLLM's SamplingParams.clone(): the copy's lists and logit_bias are its own; it samples alike."""
+    p = SamplingParams(max_tokens=6, temperature=0.9, seed=5, stop=["x"], stop_token_ids=[7], logit_bias={3: 1.0},
+                       ignore_eos=True)
+    q = p.clone()
+    assert q == p and q is not p
+    q.stop.append("y"), q.stop_token_ids.append(8), q.logit_bias.update({4: 2.0})
+    assert (p.stop, p.stop_token_ids, p.logit_bias) == (["x"], [7], {3: 1.0})
+    assert llm.generate(PROMPT, p.clone())[0].token_ids == llm.generate(PROMPT, p)[0].token_ids

@@ -65,3 +65,17 @@ def test_stops_inside_the_answers_equal_plain_decoding(engines, plain_greedy):
     out = _same(spec, plain, SamplingParams(max_tokens=32, stop_token_ids=[stop_id], stop=[stop_text]))
     assert out[0].finish_reason == "stop" and out[1].finish_reason == "stop"  # the stops really fired
     assert len(out[0].token_ids) <= 13 and stop_text not in out[1].text
+
+
+def test_endoftext_ends_a_raw_completion_as_in_vllm(engines):
+    """<|endoftext|> (151643) is in Qwen2.5's generation_config.json eos ids, which vLLM stops on and
+    a GGUF does not carry: decoding stops there, with no text, with the drafter as without it."""
+    spec, plain = engines
+    assert spec.engine.eos_token_ids == plain.engine.eos_token_ids == (151643, 151645)
+    # a finished chat turn: the model's next token is <|endoftext|> (checked under ignore_eos)
+    prompt = "<|im_start|>user\nCapital of France? One word.<|im_end|>\n<|im_start|>assistant\nParis<|im_end|>\n"
+    on = plain.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert on.token_ids[0] == 151643 and len(on.token_ids) == 8
+    for llm in (spec, plain):
+        out = llm.generate([prompt], SamplingParams(max_tokens=8))[0]
+        assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == ([151643], "", "stop", None)
