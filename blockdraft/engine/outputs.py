@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from blockdraft.engine.request import SpecStats
 from blockdraft.sampling_params import SamplingParams
 
@@ -38,10 +40,12 @@ class ScheduledRequest:
         prompt rows before the prompt's last one; the last scored token may be the first token of
         the next chunk.
     logits_context: for a sampling request whose params adjust the logits (penalties, logit bias,
-        min_tokens: blockdraft.sample.penalties), (prompt token ids, committed output token ids, the
-        stop token ids min_tokens masks while the output is shorter: EOS unless ignore_eos, and
-        stop_token_ids; empty once it is not); else None. The lists are the request's own
-        (read-only here), so a step that samples never copies them.
+        min_tokens: blockdraft.sample.penalties), (the prompt's distinct token ids, sorted, [U]
+        int64 on the CPU (Request.prompt_token_set, computed once), or None when no repetition
+        penalty reads them; committed output token ids; the stop token ids min_tokens masks while
+        the output is shorter: EOS unless ignore_eos, and stop_token_ids; empty once it is not);
+        else None. The list and tensor are the request's own (read-only here), so a step that
+        samples never copies them.
     """
 
     request_id: str
@@ -53,7 +57,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     prompt_logprob_token_ids: Sequence[int] = ()  # a shared empty default: nothing allocated per step
     prompt_logprob_offset: int = 0
-    logits_context: tuple[list[int], list[int], tuple[int, ...]] | None = None
+    logits_context: tuple[torch.Tensor | None, list[int], tuple[int, ...]] | None = None
 
 
 @dataclass

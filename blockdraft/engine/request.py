@@ -14,6 +14,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from blockdraft.sampling_params import SamplingParams
 
 
@@ -108,6 +110,7 @@ class Request:
     # SamplingParams.prompt_logprobs: the prompt tokens' entries computed so far, in order (None for
     # the first token, then RequestOutput.prompt_logprobs' dicts); stays [] when not asked for
     prompt_logprobs: list[dict | None] = field(default_factory=list)
+    _prompt_token_set: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
@@ -119,6 +122,13 @@ class Request:
         rows must then be computed, not taken from the prefix cache)."""
         return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
             self.prompt_token_ids)
+
+    def prompt_token_set(self) -> torch.Tensor:
+        """The prompt's distinct token ids, sorted: [U] int64 on the CPU, computed once (the
+        repetition penalty's prompt tokens, every step the request samples; sample.penalties)."""
+        if self._prompt_token_set is None:
+            self._prompt_token_set = torch.unique(torch.tensor(self.prompt_token_ids, dtype=torch.long))
+        return self._prompt_token_set
 
     @property
     def num_tokens(self) -> int:

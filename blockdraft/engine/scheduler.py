@@ -38,6 +38,8 @@ import math
 from collections import deque
 from collections.abc import Collection
 
+import torch
+
 from blockdraft.config import SchedulerConfig
 from blockdraft.engine.kv_cache_manager import KVCacheManager
 from blockdraft.engine.outputs import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
@@ -399,13 +401,15 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
 
 
-def _logits_context(req: Request) -> tuple[list[int], list[int], tuple[int, ...]]:
-    """ScheduledRequest.logits_context of a request that samples this step."""
+def _logits_context(req: Request) -> tuple[torch.Tensor | None, list[int], tuple[int, ...]]:
+    """ScheduledRequest.logits_context of a request that samples this step (the prompt's token set
+    only when the repetition penalty reads it)."""
     params = req.sampling_params
     masked: tuple[int, ...] = ()
     if len(req.output_token_ids) < params.min_tokens:
         masked = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(req.eos_token_ids))
-    return req.prompt_token_ids, req.output_token_ids, masked
+    prompt = req.prompt_token_set() if params.repetition_penalty != 1.0 else None
+    return prompt, req.output_token_ids, masked
 
 
 def _add_prompt_logprob_rows(sr: ScheduledRequest, req: Request) -> None:

@@ -66,9 +66,11 @@ def penalty_entries(
     """Host-side entries for the logits rows of one step (sampling requests in row order).
 
     Args:
-        histories: per sampling request, its ScheduledRequest.logits_context (prompt token ids,
-            committed output token ids, the stop ids min_tokens masks while the output is
-            shorter), or None when its params adjust no logits (its rows get no entries).
+        histories: per sampling request, its ScheduledRequest.logits_context (the prompt's
+            distinct token ids as a sorted int64 tensor, or its token ids as a sequence, or None
+            when the repetition penalty is off; committed output token ids; the stop ids
+            min_tokens masks while the output is shorter), or None when its params adjust no
+            logits (its rows get no entries).
         drafts: per sampling request, the draft tokens its step verifies (k of them: it owns
             k + 1 consecutive logits rows, in the order of `histories`).
         params: per sampling request, its SamplingParams.
@@ -93,8 +95,8 @@ def penalty_entries(
 
 def _request_entries(prompt, output, masked, drafts, p: SamplingParams, row0: int) -> list[torch.Tensor]:
     """One request's entries for its len(drafts) + 1 rows starting at logits row `row0` (`prompt`:
-    its token ids; `masked`: the stop ids min_tokens masks at rows whose output position is below
-    it).
+    as `penalty_entries`' histories; `masked`: the stop ids min_tokens masks at rows whose output
+    position is below it).
 
     Two kinds of token: the dynamic ones (in the output, the drafts, logit_bias or masked; few)
     get per-row counts, bias and masks; a token only in the prompt gets the same entry on every row
@@ -116,7 +118,8 @@ def _request_entries(prompt, output, masked, drafts, p: SamplingParams, row0: in
     repeated = counts > 0
     static = torch.empty(0, dtype=torch.long)  # tokens only in the prompt
     if p.repetition_penalty != 1.0:
-        prompt_set = torch.unique(torch.tensor(list(prompt), dtype=torch.long))
+        prompt_set = prompt if isinstance(prompt, torch.Tensor) else torch.unique(torch.tensor(list(prompt),
+                                                                                             dtype=torch.long))
         repeated |= torch.isin(tokens, prompt_set)[None, :]
         static = prompt_set[~torch.isin(prompt_set, tokens)]
     bias = torch.zeros(u, dtype=torch.float32)
