@@ -247,6 +247,9 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server and uvicorn log level (default info)")
     s.add_argument("--no-request-log", action="store_true", help="no per-request log lines (they never hold prompt text)")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage carries prompt_tokens_details.cached_tokens: prompt tokens served from the prefix "
+                        "cache (--enable-prefix-caching; 0 without it), as vLLM's flag (default off)")
     s.set_defaults(func=_serve)
 
 

@@ -485,7 +485,8 @@ class LLM:
 def _per_prompt(outs: list[RequestOutput], prompt_index: list[int]) -> list[RequestOutput]:
     """Outputs of the engine requests (in order; prompt_index[r]: the prompt of request r) -> one
     RequestOutput per prompt: its only completion, or for n > 1 the first one with `choices` set
-    to all of them (CompletionOutput j = completion j) and `spec` counting them all."""
+    to all of them (CompletionOutput j = completion j) and `spec` counting them all (its other
+    fields, num_cached_tokens among them, are the first one's)."""
     grouped: dict[int, list[RequestOutput]] = {}
     for out, i in zip(outs, prompt_index):
         grouped.setdefault(i, []).append(out)

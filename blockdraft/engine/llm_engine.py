@@ -366,4 +366,5 @@ class LLMEngine:
             logprobs=list(req.logprobs) if req.sampling_params.logprobs is not None else None,
             num_new_tokens=num_new,
             prompt_logprobs=list(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else None,
+            num_cached_tokens=req.num_cached_tokens or 0,  # None: never admitted (aborted while waiting)
         )

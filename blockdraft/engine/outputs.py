@@ -132,6 +132,11 @@ class RequestOutput:
     stop_reason: the stop string or stop_token_ids id that ended the request (vLLM's); None while
         running and when it ended at EOS, max_tokens / the context, or was aborted.
     ttft_s / latency_s: time to first token and total time, seconds from arrival.
+    num_cached_tokens: prompt tokens whose KV came from the prefix cache when the request was first
+        admitted (vLLM's; whole KV pages, so a multiple of kv_block_size); 0 with prefix caching
+        off, on a miss, before admission, and for a request asking for prompt_logprobs (its prompt
+        is recomputed). A readmission after preemption does not change it. With n > 1 in
+        `LLM.generate`, the first completion's request's value.
     logprobs: with SamplingParams.logprobs, one {"token_id", "logprob", "top": [(token_id,
         logprob), ...]} per output token (an end-of-text token included), natural log; else None.
     prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None for the
@@ -161,6 +166,7 @@ class RequestOutput:
     prompt_logprobs: list[dict | None] | None = None
     choices: list[CompletionOutput] | None = field(default=None, repr=False)
     prompt: str | None = None
+    num_cached_tokens: int = 0
 
     @property
     def outputs(self) -> list[CompletionOutput]:

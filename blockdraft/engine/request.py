@@ -100,6 +100,10 @@ class Request:
     num_registered_pages: int = 0
     prefix_serial: int = 0
     spec_stats: SpecStats = field(default_factory=SpecStats)
+    # prompt tokens whose KV came from the prefix cache at the request's first admission (None
+    # until it is admitted; 0 with caching off or a miss); set once, so a readmission after
+    # preemption, which may hit its own pages, leaves it as it was (vLLM's num_cached_tokens)
+    num_cached_tokens: int | None = None
     num_preemptions: int = 0
     # tokens computed before it decodes again after a preemption (its prompt and output then; the
     # last is recomputed by the step that samples): engine.scheduler.is_prefilling

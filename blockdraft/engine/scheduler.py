@@ -29,7 +29,9 @@ step is a prefill chunk at start_position > 0, as chunked prefill already runs (
 asking for prompt log-probabilities it has not got yet: every prompt row's logits are needed, so it
 recomputes its prompt, as in vLLM; `_add_prompt_logprob_rows` marks the rows). Pages are offered
 to the cache by `cache_computed` after each committed step, and before they are freed
-(finish, preemption), so a preempted request's pages stay cached for its readmission.
+(finish, preemption), so a preempted request's pages stay cached for its readmission. The hit
+of a request's first admission, in tokens, is kept in `Request.num_cached_tokens`
+(RequestOutput.num_cached_tokens); a readmission does not change it.
 """
 
 from __future__ import annotations
@@ -333,6 +335,8 @@ class Scheduler:
                 break
             if hit is not None:
                 self.kv.record_lookup(req.num_tokens, req.num_computed_tokens)
+            if req.num_cached_tokens is None:  # first admission only: kept over preemption
+                req.num_cached_tokens = hit or 0
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

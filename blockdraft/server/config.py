@@ -23,6 +23,9 @@ class ServerConfig:
     max_pending: engine requests (choices: prompts x n) admitted and unfinished; beyond it new
         requests get 429, and one request with more choices than this gets 400.
     log_requests: log one line per request (ids, token counts, timings; never prompt text).
+    enable_prompt_tokens_details: `usage` carries `prompt_tokens_details: {"cached_tokens": N}`,
+        the prompt tokens served from the prefix cache (vLLM's --enable-prompt-tokens-details;
+        RequestOutput.num_cached_tokens); off by default, as in vLLM.
 
     Raises:
         ValueError: a limit out of range, naming it.
@@ -40,6 +43,7 @@ class ServerConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     max_pending: int = 1024
     log_requests: bool = True
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         # param_error: `blockdraft serve` then names the flag ("max_n (--max-n) must be >= 1, got 0")

@@ -38,6 +38,7 @@ def config_from_args(args) -> ServerConfig:
         max_logprobs=args.max_logprobs,
         max_pending=args.max_pending,
         log_requests=not args.no_request_log,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

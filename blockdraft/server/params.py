@@ -24,6 +24,7 @@ class Plan:
 
     prompts[i] / params[i]: engine request of choice i (choice i = prompt i // n, sample i % n).
     num_prompt_tokens: usage.prompt_tokens (each distinct prompt counted once).
+    n: choices per prompt.
     echo: /v1/completions `echo: true`: each choice's text and logprobs begin with its prompt's
         (whose log-probabilities the engine computes: SamplingParams.prompt_logprobs = logprobs).
     prompt_only: `echo` with `max_tokens: 0`: the engine generates one token (as vLLM does), which
@@ -43,6 +44,7 @@ class Plan:
     prompt_texts: list[str] | None = None
     prompt_logprobs: int | None = None
     response_role: str = "assistant"
+    n: int = 1
 
 
 def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> list[list[int]]:
@@ -141,7 +143,7 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
     logprobs = _logprobs(req, config, model)
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
     plan = Plan([], [], sum(len(p) for p in prompts), echo=echo, prompt_only=echo and req.max_tokens == 0,
-                prompt_logprobs=_prompt_logprobs(req, config, model))
+                prompt_logprobs=_prompt_logprobs(req, config, model), n=n)
     if isinstance(req, ChatCompletionRequest) and not req.add_generation_prompt:
         plan.response_role = req.messages[-1].role
     if plan.prompt_only and req.min_tokens:  # the engine runs max_tokens 1 here: check against what was sent

@@ -25,13 +25,18 @@ def sse(obj: dict) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    """OpenAI's `usage` object: prompt, completion and total token counts."""
-    return {
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> dict:
+    """OpenAI's `usage` object: prompt, completion and total token counts, and with
+    `num_cached_tokens` (not None) `prompt_tokens_details: {"cached_tokens": N}`, the prompt tokens
+    served from the prefix cache (ServerConfig.enable_prompt_tokens_details)."""
+    out = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
     }
+    if num_cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return out
 
 
 def spec_stats(stats: list[SpecStats]) -> dict:

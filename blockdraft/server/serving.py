@@ -271,7 +271,8 @@ class Serving:
             **meta,
             "object": self.fmt.object_full,
             "choices": [self.fmt.choice(self.ctx, i, o, plan) for i, o in enumerate(outs)],
-            "usage": R.usage(plan.num_prompt_tokens, sum(len(o.token_ids) for o in outs)),
+            "usage": R.usage(plan.num_prompt_tokens, sum(len(o.token_ids) for o in outs),
+                             self._cached_tokens(plan, outs)),
             "spec_decode_stats": R.spec_stats([o.spec for o in outs]),
         }
         if plan.prompt_logprobs is not None and self.fmt.prompt_logprobs_in_body:  # one prompt: any choice's
@@ -310,10 +311,19 @@ class Serving:
         outs = [finals[i] for i in range(len(cursors))]
         if req.include_usage:
             num_out = sum(len(o.token_ids) for o in outs)
-            tail = {**head, "choices": [], "usage": R.usage(plan.num_prompt_tokens, num_out)}
+            usage = R.usage(plan.num_prompt_tokens, num_out, self._cached_tokens(plan, outs))
+            tail = {**head, "choices": [], "usage": usage}
             yield R.sse({**tail, "spec_decode_stats": R.spec_stats([o.spec for o in outs])})
         yield R.SSE_DONE
         self._log(meta["id"], plan, outs, arrival)
+
+    def _cached_tokens(self, plan: Plan, outs: list[RequestOutput]) -> int | None:
+        """usage.prompt_tokens_details.cached_tokens (None: --enable-prompt-tokens-details off):
+        prompt tokens served from the prefix cache, counted as prompt_tokens is, once per prompt
+        (its first choice's RequestOutput.num_cached_tokens), summed over the prompts."""
+        if not self.ctx.config.enable_prompt_tokens_details:
+            return None
+        return sum(o.num_cached_tokens for o in outs[:: plan.n])
 
     def _chunk(self, head: dict, index: int, cursor: _Cursor, out: RequestOutput,
                continuous: bool = False) -> bytes | None:
