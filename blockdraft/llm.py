@@ -253,7 +253,9 @@ class LLM:
                 # outside the vocabulary, a prompt too long) need the prompt's index in a batch
                 if len(token_lists) == 1 or type(e) is not ValueError or hasattr(e, "param"):
                     raise
-                raise ValueError(f"prompt {i}: {e}") from None
+                message = str(e)
+                raise ValueError(f"prompt {i} {message[len('prompt '):]}" if message.startswith("prompt ")
+                                 else f"prompt {i}: {message}") from None
         if not token_lists:  # vLLM returns [] too; stepping would only advance others' requests
             return []
         ids = [f"req-{next(self._ids)}" for _ in runs]

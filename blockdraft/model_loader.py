@@ -4,6 +4,7 @@ tokenizer (`load_target`), and the facts about it the engine needs (`eos_token_i
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,35 +92,47 @@ def resolve_dtype(dtype: str, hf_config: dict, device: str = "cpu") -> torch.dty
     return resolved
 
 
-# The end-of-text / end-of-turn markers llama.cpp also ends generation on for a GGUF model
-# (llama-vocab.cpp, its end-of-generation tokens). An HF release lists them in its
-# generation_config.json instead (Qwen2.5: eos_token_id [151645 <|im_end|>, 151643 <|endoftext|>]),
-# which vLLM adds to the stop ids; a GGUF carries no generation_config.json.
-GGUF_END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
-                          "<end_of_utterance>")
+# The end-of-text / end-of-turn markers llama.cpp also ends generation on for a GGUF model (a
+# subset of llama-vocab.cpp's end-of-generation token texts; it also reads the GGUF's eot / eom ids,
+# which the converted folder does not keep). An HF release lists them in its generation_config.json
+# instead (Qwen2.5: eos_token_id [151645 <|im_end|>, 151643 <|endoftext|>]), which vLLM adds to the
+# stop ids; a GGUF carries no generation_config.json.
+GGUF_END_OF_GENERATION = ("<|endoftext|>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
+                          "<end_of_turn>", "<end_of_utterance>", "<|return|>", "<|call|>", "<EOT>", "_<EOT>")
 
 
 def eos_token_ids(target: LoadedTarget) -> tuple[int, ...]:
-    """The target's stop ids, sorted: config.json's eos_token_id(s), the tokenizer's EOS, and the
-    end-of-generation ids a user of the model expects to stop on: generation_config.json's
-    eos_token_id(s) when the folder has one (as vLLM), else, for a folder converted from a GGUF,
-    the tokenizer's special tokens named in GGUF_END_OF_GENERATION (as llama.cpp). For the catalog
-    Qwen2.5 models: (151643 <|endoftext|>, 151645 <|im_end|>); SmolLM2: (0, 2), the same pair.
+    """The target's stop ids, sorted (`model_eos_ids` of its folder, config and tokenizer).
 
     Raises:
-        ValueError: a generation_config.json that is not JSON or whose eos_token_id is not an int
-            or a list of ints (names the file and the value).
+        ValueError: as `model_eos_ids`.
     """
-    ids = set(target.config.eos_token_ids)
-    tok_eos = getattr(target.tokenizer, "eos_token_id", None)
+    return model_eos_ids(target.path, target.config.eos_token_ids, target.tokenizer)
+
+
+def model_eos_ids(path, config_eos: Sequence[int], tokenizer) -> tuple[int, ...]:
+    """A model's stop ids, sorted: config.json's eos_token_id(s) (`config_eos`), the tokenizer's
+    EOS, and the end-of-generation ids a user of the model expects to stop on: generation_config.json's
+    eos_token_id(s) when the folder `path` has one (as vLLM), else, for a folder converted from a
+    GGUF, the tokenizer's special tokens named in GGUF_END_OF_GENERATION (as llama.cpp). For the
+    catalog Qwen2.5 models: (151643 <|endoftext|>, 151645 <|im_end|>); SmolLM2: (0, 2), the same pair.
+
+    Raises:
+        ValueError: a generation_config.json that is not a JSON object or whose eos_token_id is not
+            an int or a list of ints (names the file and the value).
+    """
+    ids = {int(i) for i in config_eos}
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
     if tok_eos is not None:
         ids.add(int(tok_eos))
-    folder = Path(target.path)
+    folder = Path(path)
+    if not folder.is_dir():  # a model built in memory (tests, random-weight shapes)
+        return tuple(sorted(ids))
     generation_config = folder / "generation_config.json"
     if generation_config.is_file():
         ids.update(_generation_config_eos(generation_config))
     elif _converted_from_gguf(folder):
-        added = getattr(target.tokenizer, "added_tokens_decoder", None) or {}
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         ids.update(int(i) for i, tok in added.items()
                    if getattr(tok, "special", False) and getattr(tok, "content", None) in GGUF_END_OF_GENERATION)
     return tuple(sorted(ids))

@@ -30,8 +30,8 @@ from blockdraft.spec.draft_vocab import coverage, rank_dataset, read_draft_vocab
 from blockdraft.training.dataset import TokenDataset
 
 VOCAB_SIZE = 151936  # Qwen2.5 config.json vocab_size
-# <|im_end|> (config.json / tokenizer eos_token) and <|endoftext|> (also in Qwen2.5's
-# generation_config.json eos_token_id list).
+# <|im_end|> (config.json / tokenizer eos_token) and <|endoftext|> (in Qwen2.5's generation_config.json
+# eos_token_id list): both end generation (model_loader.model_eos_ids).
 EOS_IDS = (151645, 151643)
 ASSISTANT_CUE = (151644, 77091, 198)  # "<|im_start|>" "assistant" "\n"
 SIZES = (8192, 16384, 32768, 65536)
@@ -75,7 +75,8 @@ def ranked_file(path: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
         ValueError: not a draft vocabulary, ranked for another vocabulary size, fewer than
             max(SIZES) ids, or the stop ids not first.
     """
-    raw = json.loads(open(path).read())
+    with open(path) as f:
+        raw = json.load(f)
     if raw.get("format") != "blockdraft-draft-vocab/1":
         raise ValueError(f"{path}: format {raw.get('format')!r}, expected 'blockdraft-draft-vocab/1'")
     meta = dict(raw.get("metadata") or {})
@@ -84,8 +85,10 @@ def ranked_file(path: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
     ids, counts = torch.tensor(raw["token_ids"]), torch.tensor(raw["counts"])
     if ids.numel() < max(SIZES):
         raise ValueError(f"{path} holds {ids.numel()} ids; coverage up to {max(SIZES)} needs that many")
-    if tuple(ids[: len(EOS_IDS)].tolist()) != EOS_IDS:
-        raise ValueError(f"{path} does not start with the stop ids {EOS_IDS}")
+    # either order: train-drafter puts the stop ids first sorted (151643, 151645), the GPU recipe
+    # in the order the tokenizer / config named them
+    if set(ids[: len(EOS_IDS)].tolist()) != set(EOS_IDS):
+        raise ValueError(f"{path} does not start with the stop ids {EOS_IDS} (in any order)")
     meta.pop("coverage", None)
     return ids, counts, meta
 

@@ -276,8 +276,10 @@ class LLMEngine:
 
         Per token, in this order: a completed stop string, EOS (unless ignore_eos), a stop token
         id, then max_tokens / max_model_len. `req.stop_reason` (vLLM's): the stop string or stop
-        token id that ended the request; None for EOS (also an EOS id listed in stop_token_ids, as
-        vLLM checks EOS first) and for length. The token-id and length limits are found first, so
+        token id that ended the request; None for the tokenizer's EOS (also when listed in
+        stop_token_ids, as vLLM checks EOS first; every EOS id when the tokenizer names none of
+        them) and for length; the id of another of the model's EOS ids (vLLM puts
+        generation_config's extra eos ids among the stop token ids). The token-id and length limits are found first, so
         only the detokenizer runs per token; the tokens are then committed as one slice.
         As in vLLM, the EOS or stop token id that ends the request is not detokenized (it adds no
         text, and cannot complete a stop string) unless include_stop_str_in_output.
@@ -294,6 +296,9 @@ class LLMEngine:
                 if tokens[i] in stop_ids:
                     # vLLM: the EOS check comes first and records no stop_reason; a stop_token_ids hit records the id
                     eos = not params.ignore_eos and tokens[i] in req.eos_token_ids
+                    # only the tokenizer's EOS: vLLM puts the model's other eos ids among the stop ids
+                    primary = getattr(self.tokenizer, "eos_token_id", None)
+                    eos = eos and (tokens[i] == primary or primary not in req.eos_token_ids)
                     end, reason, stop_reason = i + 1, "stop", None if eos else tokens[i]
                     text_end = end if params.include_stop_str_in_output else i  # vLLM: no text for the stop token
                     break

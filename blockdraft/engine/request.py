@@ -114,7 +114,7 @@ class Request:
     # SamplingParams.prompt_logprobs: the prompt tokens' entries computed so far, in order (None for
     # the first token, then RequestOutput.prompt_logprobs' dicts); stays [] when not asked for
     prompt_logprobs: list[dict | None] = field(default_factory=list)
-    _prompt_token_set: torch.Tensor | None = field(default=None, repr=False)
+    _prompt_token_set: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:

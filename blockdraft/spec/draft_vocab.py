@@ -36,10 +36,10 @@ def leading_ids(eos_ids: Iterable[int], pad_id: int | None) -> tuple[int, ...]:
     """The ids a draft vocabulary puts first whatever their counts: the target's EOS ids (sorted),
     then its pad id unless it is one of them (None: none added).
 
-    The pad id is included because some targets also stop on it: Qwen2.5's `<|endoftext|>` (151643)
-    is the tokenizer's pad token and an EOS id in its generation_config.json, but not the
-    config.json / tokenizer EOS (`<|im_end|>`, 151645), and rarely or never occurs in the training
-    answers, so a frequency ranking alone could leave it out of the slice.
+    The pad id is included because some targets also stop on it and it rarely or never occurs in
+    the training answers, so a frequency ranking alone could leave it out of the slice. (Qwen2.5's
+    `<|endoftext|>`, 151643, is its pad token and an EOS id of its generation_config.json; since
+    the engine stops on it too, model_loader.model_eos_ids lists it among the EOS ids.)
     Args:
         eos_ids: the target's stop ids (any order, duplicates allowed). pad_id: its pad id or None.
     Returns:

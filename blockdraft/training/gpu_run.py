@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.model_loader import model_eos_ids
 from blockdraft.training import answering
 from blockdraft.training.answering import log as _log
 from blockdraft.training.generate import sampling_plan
@@ -93,18 +94,17 @@ def prep(target: str, out: Path, num_prompts: int, max_prompt_tokens: int, seed:
                         ("mtbench", encode_prompts(tok, corpora.eval_prompts("mtbench", cache_dir), 10**9)[0])):
         tensors[f"{name}_ids"], tensors[f"{name}_offsets"] = _pack_lists(lists)
     out.mkdir(parents=True, exist_ok=True)
-    info = {"target": target, "stats": stats, "eos_ids": _eos_ids(load_hf_config(path), tok), "pad_id": _pad_id(tok)}
+    info = {"target": target, "stats": stats, "eos_ids": _eos_ids(path, load_hf_config(path), tok), "pad_id": _pad_id(tok)}
     save_file(tensors, str(out / "prompts.safetensors"), metadata={"info": json.dumps(info)})
     (out / "config.json").write_text(json.dumps(load_hf_config(path), indent=1))
     return info
 
 
-def _eos_ids(cfg: dict, tok) -> list[int]:
+def _eos_ids(path, cfg: dict, tok) -> list[int]:
+    """The stop ids the engine decodes to (model_loader.model_eos_ids), so that answers made with
+    transformers end where the engine's do."""
     eos = cfg.get("eos_token_id")
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    return sorted(ids)
+    return list(model_eos_ids(path, eos if isinstance(eos, list) else [eos] if eos is not None else [], tok))
 
 
 def _pad_id(tok) -> int:

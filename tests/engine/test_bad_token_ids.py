@@ -19,7 +19,7 @@ def llm(tmp_path_factory):
 def test_bad_prompt_id_is_refused_and_the_llm_still_works(llm, bad):
     params = SamplingParams(max_tokens=3)
     vocab = llm.target.config.vocab_size
-    with pytest.raises(ValueError, match=rf"prompt has token id {bad}, outside the vocabulary \[0, {vocab}\)"):
+    with pytest.raises(ValueError, match=rf"^prompt 1 has token id {bad}, outside the vocabulary \[0, {vocab}\)"):
         llm.generate([[1, 2, 3], [1, bad]], params)  # the good first prompt is not queued either
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[1, 2, 3]], params)

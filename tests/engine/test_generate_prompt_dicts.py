@@ -94,9 +94,9 @@ def test_engine_checks_in_a_batch_name_the_prompt(llm):
     """The checks the engine runs on a whole batch (vocabulary, context) say which prompt failed."""
     ids = llm.tokenizer.encode(TEXT)
     vocab, context = llm.engine.vocab_size, llm.engine.max_model_len
-    with pytest.raises(ValueError, match=rf"^prompt 2: prompt has token id -3, outside the vocabulary \[0, {vocab}\)"):
+    with pytest.raises(ValueError, match=rf"^prompt 2 has token id -3, outside the vocabulary \[0, {vocab}\)"):
         llm.generate([TEXT, ids, [5, -3]], PARAMS)
-    with pytest.raises(ValueError, match=rf"^prompt 1: prompt has {context} tokens but the engine's context"):
+    with pytest.raises(ValueError, match=rf"^prompt 1 has {context} tokens but the engine's context"):
         llm.generate([TEXT, [5] * context], PARAMS)
     with pytest.raises(ValueError, match=r"^prompt has token id -3"):  # one prompt: nothing to name
         llm.generate([[5, -3]], PARAMS)

@@ -68,8 +68,9 @@ def test_stops_inside_the_answers_equal_plain_decoding(engines, plain_greedy):
 
 
 def test_endoftext_ends_a_raw_completion_as_in_vllm(engines):
-    """<|endoftext|> (151643) is in Qwen2.5's generation_config.json eos ids, which vLLM stops on and
-    a GGUF does not carry: decoding stops there, with no text, with the drafter as without it."""
+    """<|endoftext|> (151643) is in Qwen2.5's generation_config.json eos ids, which vLLM adds to the
+    stop token ids and a GGUF does not carry: decoding stops there, with no text and the id as
+    stop_reason, with the drafter as without it."""
     spec, plain = engines
     assert spec.engine.eos_token_ids == plain.engine.eos_token_ids == (151643, 151645)
     # a finished chat turn: the model's next token is <|endoftext|> (checked under ignore_eos)
@@ -78,4 +79,4 @@ def test_endoftext_ends_a_raw_completion_as_in_vllm(engines):
     assert on.token_ids[0] == 151643 and len(on.token_ids) == 8
     for llm in (spec, plain):
         out = llm.generate([prompt], SamplingParams(max_tokens=8))[0]
-        assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == ([151643], "", "stop", None)
+        assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == ([151643], "", "stop", 151643)

@@ -4,7 +4,9 @@ formula, drafts count for the rows after them, and bad values are refused by nam
 import pytest
 import torch
 
-from blockdraft.sample.penalties import apply_penalties, penalty_entries
+from blockdraft.engine.request import Request
+from blockdraft.engine.scheduler import _logits_context
+from blockdraft.sample.penalties import PENALTY_FIELDS, apply_penalties, penalty_entries
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
 from tests.sample.penalty_reference import dense_adjusted
@@ -29,6 +31,13 @@ def test_entries_equal_the_dense_formula_row_by_row_with_drafts(pres, freq, rep)
     logits = torch.randn(rows, vocab, generator=g) * 3
     histories = [(pr, out, ()) if p.adjusts_logits else None for pr, out, _, p in reqs]
     entries = penalty_entries(histories, [d for _, _, d, _ in reqs], [p for *_, p in reqs])
+    # the engine's form (scheduler._logits_context): the prompt's token set, None without a
+    # repetition penalty; the same entries, in the same order
+    engine_form = [(torch.unique(torch.tensor(pr)) if p.repetition_penalty != 1.0 else None, out, ())
+                   if p.adjusts_logits else None for pr, out, _, p in reqs]
+    again = penalty_entries(engine_form, [d for _, _, d, _ in reqs], [p for *_, p in reqs])
+    for name in PENALTY_FIELDS:
+        assert torch.equal(getattr(again, name), getattr(entries, name)), name
     got = apply_penalties(logits.to(torch.bfloat16), entries)
     assert got.dtype == torch.float32
     r = 0
@@ -110,3 +119,13 @@ def test_min_tokens_masks_the_stop_ids_at_rows_below_it_only():
         SamplingParams(min_tokens=5, max_tokens=4)
     with pytest.raises(ValueError, match="min_tokens must be an integer >= 0, got -1"):
         SamplingParams(min_tokens=-1)
+
+
+def test_the_scheduler_passes_the_prompt_set_once_computed_and_only_for_the_repetition_penalty():
+    """The prompt's distinct ids are computed once per request (not every step) and reach the
+    penalties only when the repetition penalty reads them."""
+    rep = Request("r", [5, 3, 5, 9, 3], SamplingParams(repetition_penalty=1.3))
+    ctx = _logits_context(rep)
+    assert torch.equal(ctx[0], torch.tensor([3, 5, 9])) and ctx[0] is _logits_context(rep)[0]
+    assert ctx[0] is rep.prompt_token_set()
+    assert _logits_context(Request("f", [5, 3], SamplingParams(frequency_penalty=0.5)))[0] is None

@@ -94,6 +94,10 @@ def test_counted_once_per_prompt_as_prompt_tokens_is(servers):
     assert both["prompt_tokens"] == 2 * one and both["prompt_tokens_details"] == {"cached_tokens": 2 * cached}
     three = _usage(servers["on"], "completions", prompt, n=3, temperature=0.8, seed=1)
     assert three["prompt_tokens"] == one and three["prompt_tokens_details"] == {"cached_tokens": cached}
+    # a cached prompt and a new one, 2 choices each: each prompt's first choice counts (not prompt 0's two)
+    fresh = _prompt(11)
+    mixed = _usage(servers["on"], "completions", [prompt, fresh], n=2, temperature=0.8, seed=1)
+    assert mixed["prompt_tokens_details"] == {"cached_tokens": cached}
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])

@@ -68,7 +68,8 @@ def test_rank_refuses_out_of_vocab_and_mismatched_sequences():
 
 
 def test_leading_ids_are_the_sorted_eos_ids_then_the_pad_id_once():
-    assert leading_ids([151645], 151643) == (151645, 151643)  # Qwen2.5: <|im_end|>, then <|endoftext|> (pad)
+    assert leading_ids([151645], 151643) == (151645, 151643)  # an EOS, then a pad id the target does not stop on
+    assert leading_ids([151643, 151645], 151643) == (151643, 151645)  # Qwen2.5's: both stop ids, the pad among them
     assert leading_ids((7, 3, 7), 5) == (3, 7, 5)  # EOS sorted and deduplicated, the pad after them
     assert leading_ids([2], 2) == (2,)  # a pad that is an EOS id (SmolLM2) is not repeated
     assert leading_ids([4, 1], None) == (1, 4)  # no pad token: nothing added

@@ -61,3 +61,10 @@ def test_bad_generation_config_is_refused_by_name(tmp_path, text, match):
     with pytest.raises(ValueError, match=match) as e:
         eos_token_ids(_target(tmp_path))
     assert "generation_config.json" in str(e.value)
+
+
+def test_a_model_built_in_memory_reads_no_files(tmp_path, monkeypatch):
+    """A placeholder path ("<tiny>", random-weight shapes) is not a folder: nothing is looked up."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "<tiny>").write_text("not a folder")
+    assert eos_token_ids(_target("<tiny>", config_eos=(3,), tok_eos=None)) == (3,)

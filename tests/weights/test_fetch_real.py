@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from blockdraft.config import ModelConfig
+from blockdraft.model_loader import model_eos_ids
 from blockdraft.weights import fetch
 from blockdraft.weights.loader import load_hf_config, load_state_dict, load_tokenizer
 
@@ -38,6 +39,8 @@ def test_fetch_smollm2_config_and_tokenizer(smollm2):
 
     tok = load_tokenizer(folder)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
+    # the stop ids: <|im_end|> and, a GGUF conversion's end-of-text special, <|endoftext|> (llama.cpp's rule)
+    assert model_eos_ids(folder, mc.eos_token_ids, tok) == (0, 2)
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
 
