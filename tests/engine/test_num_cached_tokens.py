@@ -3,12 +3,11 @@ at the request's first admission, in whole pages; 0 with caching off or a miss; 
 readmission after preemption keeps it. The scheduler part runs without a model; the rest on the
 tiny random fp32 target (tests.conftest), plain and DFlash, whole and streamed."""
 
-from blockdraft.config import SchedulerConfig
-from blockdraft.engine.kv_cache_manager import KVCacheManager
 from blockdraft.engine.request import Request
-from blockdraft.engine.scheduler import Scheduler
 from blockdraft.sampling_params import SamplingParams
 from tests.conftest import make_llm, random_prompts
+from tests.engine.test_prefix_cache import _run_prefill_and_finish as _prefill_and_finish
+from tests.engine.test_prefix_cache import _sched
 from tests.engine.test_prefix_cache_generate import _batch, _dflash_llm
 
 BS = 4  # tokens per KV page (make_llm's kv_block_size)
@@ -17,20 +16,6 @@ PROMPT = random_prompts(1, seed=7, low=30, high=31)[0]  # 30 tokens: 7 full page
 
 
 # -- the scheduler (no model) ----------------------------------------------------------------
-
-
-def _sched(blocks=16, caching=True):
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), KVCacheManager(blocks, BS, caching))
-
-
-def _prefill_and_finish(s, req):
-    """Admit, compute the whole prompt and one output token as the engine commits them, finish."""
-    s.add_request(req)
-    sr = s.schedule().requests[0]
-    req.num_computed_tokens += len(sr.token_ids)
-    req.output_token_ids.append(5)
-    s.cache_computed(req)
-    s.finish(req)
 
 
 def test_the_first_admission_records_the_hit_in_tokens():
