@@ -279,8 +279,9 @@ class LLMEngine:
         token id that ended the request; None for the tokenizer's EOS (also when listed in
         stop_token_ids, as vLLM checks EOS first; every EOS id when the tokenizer names none of
         them) and for length; the id of another of the model's EOS ids (vLLM puts
-        generation_config's extra eos ids among the stop token ids). The token-id and length limits are found first, so
-        only the detokenizer runs per token; the tokens are then committed as one slice.
+        generation_config's extra eos ids among the stop token ids). The token-id and length
+        limits are found first, so only the detokenizer runs per token; the tokens are then
+        committed as one slice.
         As in vLLM, the EOS or stop token id that ends the request is not detokenized (it adds no
         text, and cannot complete a stop string) unless include_stop_str_in_output.
         """

@@ -94,7 +94,8 @@ def prep(target: str, out: Path, num_prompts: int, max_prompt_tokens: int, seed:
                         ("mtbench", encode_prompts(tok, corpora.eval_prompts("mtbench", cache_dir), 10**9)[0])):
         tensors[f"{name}_ids"], tensors[f"{name}_offsets"] = _pack_lists(lists)
     out.mkdir(parents=True, exist_ok=True)
-    info = {"target": target, "stats": stats, "eos_ids": _eos_ids(path, load_hf_config(path), tok), "pad_id": _pad_id(tok)}
+    info = {"target": target, "stats": stats, "eos_ids": _eos_ids(path, load_hf_config(path), tok),
+            "pad_id": _pad_id(tok)}
     save_file(tensors, str(out / "prompts.safetensors"), metadata={"info": json.dumps(info)})
     (out / "config.json").write_text(json.dumps(load_hf_config(path), indent=1))
     return info
