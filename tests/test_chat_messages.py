@@ -79,7 +79,8 @@ def test_chat_of_no_conversations_gives_an_empty_list(llm, monkeypatch):
 @pytest.mark.parametrize(
     "prompts, match",
     [
-        ({"role": "user", "content": "w05x"}, "prompts must be a str, a list of token ids, .* got dict"),
+        ({"role": "user", "content": "w05x"}, r"prompts is a single chat message .*: a conversation is a list of "
+                                              r"messages, so give \[message, \.\.\.\] \(or use LLM.chat\)"),
         (5, "prompts must be a str, .* got int 5"),
         ([None], "prompt 0 must be a str, a list of token ids, a prompt dict or a conversation .* got NoneType None"),
         (["w05x", 7.5], "prompt 1 must be a str, .* got float 7.5"),
