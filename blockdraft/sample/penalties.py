@@ -67,10 +67,10 @@ def penalty_entries(
 
     Args:
         histories: per sampling request, its ScheduledRequest.logits_context (the prompt's
-            distinct token ids as a sorted int64 tensor, or its token ids as a sequence, or None
-            when the repetition penalty is off; committed output token ids; the stop ids
-            min_tokens masks while the output is shorter), or None when its params adjust no
-            logits (its rows get no entries).
+            distinct token ids, a sorted [U] int64 CPU tensor (Request.prompt_token_set), read
+            only with a repetition penalty, None without one; committed output token ids; the
+            stop ids min_tokens masks while the output is shorter), or None when its params
+            adjust no logits (its rows get no entries).
         drafts: per sampling request, the draft tokens its step verifies (k of them: it owns
             k + 1 consecutive logits rows, in the order of `histories`).
         params: per sampling request, its SamplingParams.
@@ -118,10 +118,8 @@ def _request_entries(prompt, output, masked, drafts, p: SamplingParams, row0: in
     repeated = counts > 0
     static = torch.empty(0, dtype=torch.long)  # tokens only in the prompt
     if p.repetition_penalty != 1.0:
-        prompt_set = prompt if isinstance(prompt, torch.Tensor) else torch.unique(torch.tensor(list(prompt),
-                                                                                             dtype=torch.long))
-        repeated |= torch.isin(tokens, prompt_set)[None, :]
-        static = prompt_set[~torch.isin(prompt_set, tokens)]
+        repeated |= torch.isin(tokens, prompt)[None, :]
+        static = prompt[~torch.isin(prompt, tokens)]
     bias = torch.zeros(u, dtype=torch.float32)
     if bias_map:
         bias[torch.searchsorted(tokens, bias_t)] = torch.tensor(list(bias_map.values()), dtype=torch.float32)
