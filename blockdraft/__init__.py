@@ -1,8 +1,8 @@
 """blockdraft: an LLM inference engine built around DFlash block-diffusion speculative decoding."""
 
-from blockdraft.sampling_params import SamplingParams
+from blockdraft.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass, field
 
 from blockdraft.errors import param_error
+from blockdraft.structured.params import StructuredOutputsParams  # noqa: F401  (vLLM's import path)
 
 # Largest `logprobs` an engine accepts unless built with another max_logprobs (vLLM's default and
 # the server's ServerConfig.max_logprobs): each alternative costs a top-k over the vocabulary.
@@ -69,6 +70,10 @@ class SamplingParams:
     and stop strings are not looked for. n: completions per prompt in `LLM.generate` (vLLM's n;
     RequestOutput.outputs holds them): completion j of a seeded request uses seed + j, unseeded
     ones sample independently; an LLMEngine request is always one completion (n = 1).
+    structured_outputs: a StructuredOutputsParams (vLLM's): the output follows a JSON Schema, a
+    regex, a choice of strings or a grammar (blockdraft.structured: llguidance masks the logits of
+    every row, draft rows included, so speculative output stays equal to plain output); the
+    request ends when the constraint is complete. None: unconstrained.
 
     Raises:
         ValueError: naming the offending field and the allowed range (at construction, and again
@@ -96,6 +101,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +174,12 @@ class SamplingParams:
                     raise param_error("logit_bias", f"logit_bias of token {t} must be a number in [-100, 100], got {b!r}")
                 bias[t] = float(b)
             self.logit_bias = bias
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise param_error("structured_outputs", f"structured_outputs must be a StructuredOutputsParams "
+                                                        f"(blockdraft.StructuredOutputsParams) or None, got "
+                                                        f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.verify()
         if self.stop and not self.detokenize:
             raise param_error("stop", f"stop strings {self.stop!r} need the output text: drop them or keep "
                                       f"detokenize=True")

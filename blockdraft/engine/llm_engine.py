@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from blockdraft.engine.request import Request, SpecStats
 from blockdraft.engine.scheduler import Scheduler
 from blockdraft.errors import param_error
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_logprobs_limit, check_max_logprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class LLMEngine:
         self._finished_unreported: list[Request] = []
         self.async_scheduling = async_scheduling
         self._inflight = None  # (its Requests, launched step) launched but not read back yet
+        self._grammars = None  # blockdraft.structured.grammar.GrammarCompiler, at the first constrained request
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (after `check_request`; nothing is queued when it raises).
@@ -95,6 +99,8 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params)
         params = params.for_request(self.seed_rng)  # unseeded: its own seed (vLLM: independent samples)
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        if params.structured_outputs is not None:
+            req.grammar = self._grammar_compiler().matcher(params.structured_outputs)
         self.scheduler.add_request(req)
         self._requests[request_id] = req
         detok = (IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
@@ -118,7 +124,9 @@ class LLMEngine:
                 after construction is checked here); `n` != 1; `logprobs` or `prompt_logprobs`
                 above `max_logprobs`; a prompt, stop_token_ids or logit_bias token id outside
                 [0, vocab_size) (names the first one); an empty prompt; a prompt that leaves no
-                room for one output token within `max_model_len` (names the lengths).
+                room for one output token within `max_model_len` (names the lengths); a
+                structured_outputs constraint that does not compile (names its field and why).
+            ImportError: structured_outputs without the llguidance package.
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__} {params!r:.80}")
@@ -133,6 +141,8 @@ class LLMEngine:
                 bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
                 if bad is not None:
                     raise ValueError(f"{what} has token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self._grammar_compiler().check(params.structured_outputs)
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -141,6 +151,15 @@ class LLMEngine:
                 f"tokens (max_model_len; by default the smaller of the model's max positions and the KV pool; "
                 f"at most {self.max_model_len - 1} prompt tokens leave room for one output token)"
             )
+
+    def _grammar_compiler(self):
+        """The engine's GrammarCompiler (built once: llguidance reads the tokenizer's vocabulary)."""
+        if self._grammars is None:
+            from blockdraft.structured.grammar import GrammarCompiler
+
+            vocab_size = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
+            self._grammars = GrammarCompiler(self.tokenizer, vocab_size, tuple(self.eos_token_ids))
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its KV pages (no-op for unknown or finished ids)."""
@@ -275,7 +294,8 @@ class LLMEngine:
         """Commit tokens, stopping exactly at the first stop condition.
 
         Per token, in this order: a completed stop string, EOS (unless ignore_eos), a stop token
-        id, then max_tokens / max_model_len. `req.stop_reason` (vLLM's): the stop string or stop
+        id, the token that completes a structured-output grammar (finish_reason "stop", stop_reason
+        None; the grammar state advances over the committed tokens), then max_tokens / max_model_len. `req.stop_reason` (vLLM's): the stop string or stop
         token id that ended the request; None for the tokenizer's EOS (also when listed in
         stop_token_ids, as vLLM checks EOS first; every EOS id when the tokenizer names none of
         them) and for length; the id of another of the model's EOS ids (vLLM puts
@@ -290,6 +310,8 @@ class LLMEngine:
         room = max(1, min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens))
         end = min(len(tokens), room)
         reason, stop_reason = ("length" if end == room else None), None
+        if req.grammar is not None:
+            end, reason = self._advance_grammar(req, tokens, end, reason)
         stop_ids = self._stop_ids[req.request_id]
         text_end = end  # tokens that reach the detokenizer
         if stop_ids:
@@ -313,6 +335,19 @@ class LLMEngine:
         if reason is not None:
             req.stop_reason = stop_reason
             self._finish(req, reason)
+
+    def _advance_grammar(self, req: Request, tokens: list[int], end: int, reason: str | None) -> tuple[int, str | None]:
+        """Advance `req`'s grammar over tokens[:end] -> (end, reason): cut after the token that
+        completes it ("stop"), or before one it refuses ("abort", logged: only a row whose every
+        allowed token was masked, e.g. by min_tokens, samples one)."""
+        n, complete = req.grammar.advance(tokens[:end])
+        if complete:
+            return n, "stop"
+        if n < end:
+            logger.warning("request %s: token %d breaks its structured-output grammar (%s); ending it",
+                           req.request_id, tokens[n], req.grammar.error or "no token was allowed")
+            return n, "abort"
+        return end, reason
 
     def _trim_drafts(self, req: Request, drafts: list[int]) -> list[int]:
         """Drop drafts that would not fit the context (max_model_len).

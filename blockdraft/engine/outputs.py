@@ -46,6 +46,8 @@ class ScheduledRequest:
         the output is shorter: EOS unless ignore_eos, and stop_token_ids; empty once it is not);
         else None. The list and tensor are the request's own (read-only here), so a step that
         samples never copies them.
+    grammar: for a sampling request with SamplingParams.structured_outputs, its grammar state
+        (Request.grammar: the runner masks its logits rows with it), else None.
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class ScheduledRequest:
     prompt_logprob_token_ids: Sequence[int] = ()  # a shared empty default: nothing allocated per step
     prompt_logprob_offset: int = 0
     logits_context: tuple[torch.Tensor | None, list[int], tuple[int, ...]] | None = None
+    grammar: object | None = None
 
 
 @dataclass

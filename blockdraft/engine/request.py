@@ -114,6 +114,9 @@ class Request:
     # SamplingParams.prompt_logprobs: the prompt tokens' entries computed so far, in order (None for
     # the first token, then RequestOutput.prompt_logprobs' dicts); stays [] when not asked for
     prompt_logprobs: list[dict | None] = field(default_factory=list)
+    # SamplingParams.structured_outputs: the grammar state over output_token_ids
+    # (blockdraft.structured.grammar.RequestGrammar; set by the engine), else None
+    grammar: object | None = None
     _prompt_token_set: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

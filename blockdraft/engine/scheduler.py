@@ -389,6 +389,7 @@ class Scheduler:
             block_ids=list(req.block_ids),
             sampling_params=req.sampling_params,
             logits_context=_logits_context(req) if reaches_end and req.sampling_params.adjusts_logits else None,
+            grammar=req.grammar if reaches_end else None,
         )
         if req.needs_prompt_logprobs:
             _add_prompt_logprob_rows(sr, req)

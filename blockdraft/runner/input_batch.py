@@ -21,6 +21,7 @@ from blockdraft.attention.metadata import PADDING_SLOT, AttentionMetadata
 from blockdraft.engine.outputs import SchedulerOutput
 from blockdraft.host_tensor import host_tensor
 from blockdraft.runner.staging import stage_to_device
+from blockdraft.sample.bitmask import bitmask_words
 from blockdraft.sample.penalties import PENALTY_FIELDS, PenaltyEntries, penalty_entries
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
@@ -120,6 +121,7 @@ def build_input_batch(
     kmax = max(num_drafts, default=0)
     sampling = SamplingTensors.from_params(params, "cpu", repeats=[k + 1 for k in num_drafts])
     penalties = _penalties(so, sample_req, histories, params)
+    bitmask = _token_bitmask(so, sample_req)
     host = {
         "input_ids": ids_pos[0],
         "positions": ids_pos[1],
@@ -134,6 +136,7 @@ def build_input_batch(
         "sample_num_drafts": layout.sample_num_drafts,
         **{f"sampling.{f}": getattr(sampling, f) for f in SAMPLING_FIELDS},
         **({f"penalties.{f}": getattr(penalties, f) for f in PENALTY_FIELDS} if penalties is not None else {}),
+        **({"token_bitmask": bitmask} if bitmask is not None else {}),
     }
     dev = stage_to_device(host, device)
     meta = AttentionMetadata(
@@ -160,6 +163,7 @@ def build_input_batch(
         sampling=dataclasses.replace(
             sampling, **{f: dev[f"sampling.{f}"] for f in SAMPLING_FIELDS},
             penalties=None if penalties is None else PenaltyEntries(**{f: dev[f"penalties.{f}"] for f in PENALTY_FIELDS}),
+            token_bitmask=dev.get("token_bitmask"),
         ),
         num_reqs=num_reqs,
         num_rows=num_rows,
@@ -178,6 +182,25 @@ def _penalties(so: SchedulerOutput, sample_req: list[int], histories: list, para
         sr = so.requests[i]
         drafts.append(sr.token_ids[len(sr.token_ids) - sr.num_spec_tokens:])
     return penalty_entries(histories, drafts, params)
+
+
+def _token_bitmask(so: SchedulerOutput, sample_req: list[int]) -> torch.Tensor | None:
+    """[L, ceil(V / 32)] int32 allowed tokens of each logits row (SamplingTensors.token_bitmask):
+    a constrained request's 1 + k rows from its grammar state and drafts
+    (RequestGrammar.fill_bitmask), every other row all ones; None when no request is constrained."""
+    grammars = [so.requests[i].grammar for i in sample_req]
+    if all(g is None for g in grammars):
+        return None
+    rows = [so.requests[i].num_spec_tokens + 1 for i in sample_req]
+    vocab_size = next(g for g in grammars if g is not None).vocab_size
+    bitmask = torch.full((sum(rows), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    start = 0
+    for i, grammar, n in zip(sample_req, grammars, rows):
+        if grammar is not None:
+            token_ids = so.requests[i].token_ids
+            grammar.fill_bitmask(bitmask[start:start + n], token_ids[len(token_ids) - (n - 1):] if n > 1 else [])
+        start += n
+    return bitmask
 
 
 class _Layout(NamedTuple):

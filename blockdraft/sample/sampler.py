@@ -38,6 +38,7 @@ import torch
 
 from blockdraft.host_tensor import host_tensor
 from blockdraft.layers.fused_ops import argmax as fused_argmax
+from blockdraft.sample.bitmask import apply_token_bitmask_
 from blockdraft.sample.penalties import PenaltyEntries, apply_penalties
 from blockdraft.sampling_params import SamplingParams
 
@@ -411,6 +412,10 @@ class SamplingTensors:
     penalties: presence / frequency / repetition penalty entries over these rows
     (blockdraft.sample.penalties; None: no row has penalties), applied before sampling, greedy
     rows included. `from_params` leaves it None: the runner builds it from the requests' histories.
+    token_bitmask: [N, ceil(V / 32)] int32 allowed tokens per row (blockdraft.sample.bitmask; rows
+    of requests with a structured-output constraint, all bits set elsewhere), or None: no row is
+    constrained. Applied to the logits in place before the penalties, so log-probabilities read the
+    masked logits, as vLLM's do.
     """
 
     temperature: torch.Tensor
@@ -424,11 +429,12 @@ class SamplingTensors:
     any_min_p: bool
     max_top_k: int | None
     penalties: PenaltyEntries | None = None
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def argmax_only(self) -> bool:
-        """Every row's token is the argmax of its raw logits: all greedy and no penalties."""
-        return self.all_greedy and self.penalties is None
+        """Every row's token is the argmax of its raw logits: all greedy, no penalties, no token mask."""
+        return self.all_greedy and self.penalties is None and self.token_bitmask is None
 
     @classmethod
     def from_params(
@@ -514,16 +520,19 @@ class SamplingTensors:
         )
 
     def _check_no_penalties(self, method: str) -> None:
-        if self.penalties is not None:
-            raise ValueError(f"SamplingTensors.{method} cannot move rows with penalties: their entries index the "
-                             f"original rows")
+        if self.penalties is not None or self.token_bitmask is not None:
+            raise ValueError(f"SamplingTensors.{method} cannot move rows with penalties or a token bitmask: they "
+                             f"index the original rows")
 
     def sample(self, logits: torch.Tensor, positions: torch.Tensor, compiled: bool = False) -> torch.Tensor:
         """sample() with these rows' parameters and hints, after their penalties (if any).
 
-        logits [N, V], positions [N] -> [N] int64. With penalties the rows are sampled from a
-        penalised float32 copy (blockdraft.sample.penalties.apply_penalties); `logits` is unchanged.
+        logits [N, V], positions [N] -> [N] int64. With a token bitmask, `logits` itself is masked
+        first (disallowed tokens -inf, in place). With penalties the rows are then sampled from a
+        penalised float32 copy (blockdraft.sample.penalties.apply_penalties).
         """
+        if self.token_bitmask is not None:
+            apply_token_bitmask_(logits, self.token_bitmask)
         if self.penalties is not None:
             logits = apply_penalties(logits, self.penalties)
         return sample(

@@ -1,0 +1,243 @@
+"""Grammar-constrained decoding with llguidance: compile a request's constraint once, then give the
+token masks of each step's logits rows and advance over the tokens it commits.
+
+Speculative decoding stays lossless under a constraint: row i of a verify step (the target's
+token after the first i drafts) is masked with the grammar state after those i drafts, which is
+the state plain decoding has there whenever the drafts are accepted; rows past the first draft the
+grammar refuses can never be emitted (that draft is rejected), so their masks do not matter and
+allow everything. vLLM does the same (v1 structured_output, `validate_tokens` + rollback).
+
+A request ends as soon as its grammar is complete (llguidance's `is_stopped`: no token but EOS
+could follow), with finish_reason "stop": vLLM samples the forced EOS in one more step, so its
+token ids end with that EOS and ours do not; the text is the same.
+
+llguidance is imported only when a request asks for a constraint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import torch
+
+from blockdraft.errors import param_error
+from blockdraft.structured.params import StructuredOutputsParams
+
+COMPILE_CACHE_SIZE = 128  # distinct constraints whose compiled grammar an engine keeps
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:  # a dependency of the package; a bare checkout may lack it
+        raise ImportError("structured outputs need the llguidance package: pip install llguidance") from e
+    return llguidance
+
+
+def grammar_source(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar (its JSON text) of a constraint (vLLM's guidance backend's mapping).
+
+    Raises:
+        ValueError: a GBNF grammar that cannot be converted, or a structural tag without
+            `structures` / whose begin string no trigger starts (names the field).
+    """
+    llg = _llguidance()
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        return _json_grammar(params, {"type": "object"} if kind == "json_object" else params.json)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+    if kind == "grammar":
+        try:
+            return llg.grammar_from("grammar", params.grammar)
+        except ValueError as e:
+            raise param_error("grammar", f"structured_outputs.grammar: {e}") from None
+    return _structural_tag_grammar(params)
+
+
+def _json_grammar(params: StructuredOutputsParams, schema) -> str:
+    llg = _llguidance()
+    if isinstance(schema, str):
+        schema = json.loads(schema)
+    if params.disable_additional_properties and isinstance(schema, dict):
+        schema = copy.deepcopy(schema)
+        _close_objects(schema)
+    options: dict = {"whitespace_flexible": not params.disable_any_whitespace}
+    if params.whitespace_pattern is not None:
+        options["whitespace_pattern"] = params.whitespace_pattern
+    return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+
+
+def _close_objects(schema) -> None:
+    """additionalProperties: false on every (sub)schema that lists properties without saying."""
+    if isinstance(schema, list):
+        for item in schema:
+            _close_objects(item)
+        return
+    if not isinstance(schema, dict):
+        return
+    for value in schema.values():
+        if isinstance(value, (dict, list)):
+            _close_objects(value)
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+
+
+def _structural_tag_grammar(params: StructuredOutputsParams) -> str:
+    llg = _llguidance()
+    tag = params.structural_tag
+    tag = json.loads(tag) if isinstance(tag, str) else tag
+    triggers, structures = tag.get("triggers"), tag.get("structures")
+    if not isinstance(triggers, list) or not isinstance(structures, list) or not structures:
+        raise param_error("structural_tag", "structured_outputs.structural_tag needs a list of `triggers` and a "
+                                            "non-empty list of `structures` ({begin, schema, end})")
+    tags = []
+    for s in structures:
+        if not isinstance(s, dict) or not {"begin", "schema", "end"} <= s.keys():
+            raise param_error("structural_tag", f"each structural_tag structure needs begin, schema and end, "
+                                                f"got {s!r:.80}")
+        trigger = next((t for t in triggers if isinstance(t, str) and s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise param_error("structural_tag", f"structural_tag: no trigger starts the begin string "
+                                                f"{s['begin']!r} (triggers {triggers!r:.80})")
+        tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=_json_grammar(params, s["schema"]),
+                                  end=s["end"]))
+    return llg.StructTag.to_grammar(tags)
+
+
+class GrammarCompiler:
+    """Compiles constraints against one model's tokenizer and vocabulary.
+
+    Args:
+        tokenizer: the engine's tokenizer: a transformers tokenizer backed by the `tokenizers`
+            library (its `backend_tokenizer`), whose decoder llguidance reads (byte-level BPE:
+            Qwen, Llama 3, SmolLM2, GPT-2).
+        vocab_size: the model's logits width V (>= the tokenizer's; ids past it are never allowed).
+        eos_token_ids: the model's end-of-generation ids: allowed wherever the grammar may end.
+    Raises:
+        ValueError: a tokenizer llguidance cannot read (names why).
+    Building the llguidance tokenizer takes ~0.7 s for Qwen's 152K vocabulary: once per engine,
+    at the first constrained request.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        llg = _llguidance()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None or not eos_token_ids:
+            raise ValueError(f"structured outputs need a tokenizer backed by the tokenizers library and an EOS id; "
+                             f"{type(tokenizer).__name__} has {'no backend_tokenizer' if backend is None else 'no EOS id'}")
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        try:
+            self.ll_tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        except ValueError as e:
+            raise ValueError(f"structured outputs cannot use this tokenizer ({type(tokenizer).__name__}): {e}") from None
+        self.vocab_size = vocab_size
+        self._sources: dict[str, str] = {}  # StructuredOutputsParams.key() -> grammar, most recent last
+
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Compile (cached) and raise if the constraint is invalid.
+
+        Raises:
+            ValueError: naming the constraint's field and llguidance's message (a bad regex,
+                schema or grammar, or one that no token sequence of this vocabulary can match).
+        """
+        self._compile(params)
+
+    def matcher(self, params: StructuredOutputsParams) -> "RequestGrammar":
+        """A fresh grammar state for one request (raises as `check`)."""
+        llg = _llguidance()
+        return RequestGrammar(llg.LLMatcher(self.ll_tokenizer, self._compile(params), log_level=0),
+                              self.vocab_size)
+
+    def _compile(self, params: StructuredOutputsParams) -> str:
+        """The checked grammar of `params`, from a cache of the last COMPILE_CACHE_SIZE."""
+        key = params.key()
+        source = self._sources.pop(key, None) or self._checked_source(params)
+        self._sources[key] = source
+        if len(self._sources) > COMPILE_CACHE_SIZE:
+            del self._sources[next(iter(self._sources))]
+        return source
+
+    def _checked_source(self, params: StructuredOutputsParams) -> str:
+        llg = _llguidance()
+        kind = params.kind
+        try:
+            source = grammar_source(params)
+        except (ValueError, TypeError) as e:
+            if getattr(e, "param", None):
+                raise
+            raise param_error(kind, f"structured_outputs.{kind} is invalid: {e}") from None
+        error = llg.LLMatcher.validate_grammar(source, self.ll_tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise param_error(kind, f"structured_outputs.{kind} is invalid: {error}")
+        return source
+
+
+class RequestGrammar:
+    """One request's grammar state (an llguidance matcher) over its committed output tokens.
+
+    Args:
+        matcher: llguidance.LLMatcher at the start of the output.
+        vocab_size: V, the logits width its masks cover.
+    """
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    def fill_bitmask(self, out: torch.Tensor, drafts: list[int]) -> None:
+        """Write the masks of one sampling request's logits rows.
+
+        Args:
+            out: [len(drafts) + 1, ceil(V / 32)] int32, contiguous, on the CPU: row i gets the
+                tokens allowed after the committed output and drafts[:i] (bit t % 32 of word
+                t // 32 set = token t allowed; llguidance's layout); rows after the first draft the
+                grammar refuses get all bits set (never emitted).
+            drafts: the K drafts this step verifies (0 for a plain decode row).
+        The matcher ends where it started (the drafts are rolled back).
+        """
+        m = self.matcher
+        valid = m.validate_tokens(drafts) if drafts else 0
+        self._fill_row(out, 0)
+        consumed = 0
+        for i in range(valid):
+            if m.is_stopped():  # only EOS may follow, which llguidance does not record: same mask
+                out[i + 1] = out[i]
+                continue
+            m.consume_token(drafts[i])
+            consumed += 1
+            self._fill_row(out, i + 1)
+        if consumed:
+            m.rollback(consumed)
+        if valid + 1 < out.shape[0]:
+            out[valid + 1:] = -1
+
+    def _fill_row(self, out: torch.Tensor, row: int) -> None:
+        view = out[row]
+        self.matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+
+    def advance(self, tokens: list[int]) -> tuple[int, bool]:
+        """Commit output tokens, up to the one that completes the grammar.
+
+        Returns:
+            (n, complete): tokens[:n] were committed; complete: the grammar then allows nothing
+            but EOS (the request ends after tokens[n - 1]). n < len(tokens) and not complete:
+            tokens[n] broke the grammar (a step that sampled from a row with no token allowed,
+            e.g. every allowed token masked by min_tokens); the request should end.
+        """
+        m = self.matcher
+        for n, token in enumerate(tokens):
+            if not m.consume_token(token):
+                return n, False
+            if m.is_stopped():
+                return n + 1, True
+        return len(tokens), False
+
+    @property
+    def error(self) -> str:
+        """llguidance's error message once the grammar is broken, else ""."""
+        return self.matcher.get_error()
