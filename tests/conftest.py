@@ -48,6 +48,21 @@ def make_tokenizer(vocab_size: int = VOCAB):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
+def make_ascii_tokenizer():
+    """A real fast byte-level BPE tokenizer of VOCAB ids that llguidance reads (structured outputs):
+    0 is "<eos>", token i in 1..95 is the printable ASCII character chr(31 + i) (space to "~"), no
+    merges, so any printable text tokenizes character by character and texts are exact."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's byte-to-unicode map: "!".."~" stand for themselves, the space byte for U+0120
+    chars = {i: "\u0120" if i == 1 else chr(31 + i) for i in range(1, VOCAB)}
+    tok = Tokenizer(models.BPE({"<eos>": EOS_ID, **{c: i for i, c in chars.items()}}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
 def tiny_config(arch: str = "llama", **over) -> ModelConfig:
     base = dict(
         arch=arch, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -3,6 +3,8 @@ plain greedy, graphs really replayed, padded buckets included. `python -m pytest
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -102,6 +104,25 @@ def test_min_p_requests_on_graphs_equal_enforce_eager_and_plain_fp32(k):
     bare = [SamplingParams(max_tokens=40, ignore_eos=True, seed=p.seed, temperature=p.temperature, top_k=p.top_k,
                            top_p=p.top_p) for p in params]  # fmt: skip
     assert _tokens(cuda_llm(target, None, enforce_eager=True), prompts, bare) != want  # min_p filtered something
+
+
+@pytest.mark.parametrize("k", [None, 7], ids=["plain", "k7"])
+def test_constrained_requests_on_graphs_equal_enforce_eager_and_plain_fp32(k):
+    """Structured outputs (token bitmasks staged with the batch and applied between the target and
+    tail graphs; no async continuation for those requests) on graphed steps give the eager engine's
+    tokens, and the speculative ones plain decoding's. The device needs the llguidance wheel."""
+    pytest.importorskip("llguidance")
+    from tests.conftest import make_ascii_tokenizer
+    from tests.spec.test_lossless_structured import CONSTRAINTS, _params as constrained_params
+
+    target = dataclasses.replace(cuda_tiny_target(torch.float32, seed=4), tokenizer=make_ascii_tokenizer())
+    prompts = random_prompts(len(CONSTRAINTS), seed=10)
+    for temperature in (0.0, 0.9):
+        params = constrained_params(temperature)
+        want = _tokens(cuda_llm(target, None, enforce_eager=True), prompts, params)
+        with graph_runs() as (target_runs, _):
+            assert _tokens(cuda_llm(target, k), prompts, params) == want
+        assert target_runs
 
 
 def test_chunked_prefill_and_mixed_steps_run_eagerly_between_replays():

@@ -1,0 +1,121 @@
+"""Structured outputs stay lossless under speculation: every verify row is masked with the grammar
+state after the drafts before it, so oracle drafts (whole blocks accepted), half-right drafts,
+random drafts and a DFlash drafter give plain decoding's constrained output token for token,
+greedy and seeded, in batches mixed with unconstrained requests, under KV-pool preemption; the
+outputs follow their constraints and end when the grammar completes."""
+
+import dataclasses
+import json
+import math
+import re
+
+import pytest
+
+from blockdraft import SamplingParams, StructuredOutputsParams as SO
+from tests.conftest import EOS_ID, VOCAB, make_ascii_tokenizer, make_llm, random_prompts
+from tests.spec.doubles import KnownAnswerSpeculator
+from tests.spec.test_lossless_dflash import _dflash_llm
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 5}},
+          "required": ["n", "s"]}
+CONSTRAINTS = [
+    SO(regex="[a-e]{3,12}"),
+    SO(choice=["alpha", "beta", "gamma delta"]),
+    SO(json=SCHEMA, disable_any_whitespace=True),
+    SO(grammar='start: item ("," item)*\nitem: /[0-9]{1,3}/'),
+    None,  # an unconstrained batch mate
+    SO(regex="(ab|cd)+!"),
+]
+
+
+@pytest.fixture(scope="module")
+def target(llama_target):
+    """The tiny llama with a tokenizer llguidance reads (token i = chr(31 + i))."""
+    return dataclasses.replace(llama_target, tokenizer=make_ascii_tokenizer())
+
+
+def _params(temperature: float, max_tokens: int = 40) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, structured_outputs=so,
+                           ignore_eos=so is None) for i, so in enumerate(CONSTRAINTS)]
+
+
+def _outs(outs):
+    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs]
+
+
+def _follows(so: SO | None, text: str, finish_reason: str) -> bool:
+    """Whether a finished output satisfies its constraint (a "length" one only has to be cut short)."""
+    if so is None or finish_reason == "length":
+        return True
+    if so.regex is not None:
+        return re.fullmatch(so.regex, text) is not None
+    if so.choice is not None:
+        return text in so.choice
+    if so.json is not None:
+        value = json.loads(text)
+        return set(value) == {"n", "s"} and isinstance(value["n"], int) and len(value["s"]) <= 5
+    return re.fullmatch(r"[0-9]{1,3}(,[0-9]{1,3})*", text) is not None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("k", [3, 7])
+def test_constrained_speculative_output_equals_plain(target, temperature, k):
+    prompts, params = random_prompts(len(CONSTRAINTS), seed=70 + k), _params(temperature)
+    plain = make_llm(target).generate(prompts, params)
+    want = _outs(plain)
+    for so, o in zip(CONSTRAINTS, plain):
+        assert _follows(so, o.text, o.finish_reason), (so, o.text)
+    # the choice ends when the grammar does: finish "stop", no EOS token sampled after it
+    assert want[1][2] == "stop" and EOS_ID not in want[1][0] and want[1][1] in CONSTRAINTS[1].choice
+    answers = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain)}
+    engines = {"dflash": _dflash_llm(target, k)}
+    for p_right in (1.0, 0.5, 0.0):
+        oracle = KnownAnswerSpeculator(k, answers, VOCAB, p_right=p_right, seed=k)
+        engines[f"oracle-{p_right}"] = make_llm(target, speculator=oracle)
+        oracle.engine = engines[f"oracle-{p_right}"].engine
+    for name, llm in engines.items():
+        assert _outs(llm.generate(prompts, params)) == want, name
+    # whole blocks were accepted under the masks, completing grammars mid-block included
+    assert engines["oracle-1.0"].engine.stats.spec.acceptance_length > 2.5
+
+
+def test_constrained_requests_survive_preemption(target):
+    """A pool far smaller than the batch needs: requests are preempted and recomputed; their grammar
+    state (over committed tokens) is kept, so outputs equal the roomy engine's."""
+    prompts, params = random_prompts(len(CONSTRAINTS), seed=5), _params(0.0, max_tokens=48)
+    want = _outs(make_llm(target).generate(prompts, params))
+    small = _dflash_llm(target, 3, num_kv_blocks=24)
+    seen, preempt = [], small.engine.scheduler._preempt
+    small.engine.scheduler._preempt = lambda r: (seen.append(r.sampling_params.structured_outputs), preempt(r))
+    assert _outs(small.generate(prompts, params)) == want
+    assert any(so is not None for so in seen)
+
+
+def test_logprobs_are_those_of_the_masked_logits(target):
+    """As vLLM's: a constrained row's distribution covers only the allowed tokens (the others get
+    -inf, also among the top alternatives when fewer tokens are allowed)."""
+    out = make_llm(target).generate(random_prompts(1, seed=3), SamplingParams(
+        max_tokens=6, logprobs=3, structured_outputs=SO(regex="[ab]+")))[0]
+    allowed = {ord("a") - 31, ord("b") - 31, EOS_ID}
+    assert len(out.logprobs) == len(out.token_ids)
+    for entry in out.logprobs:
+        top = dict(entry["top"])
+        assert entry["token_id"] in allowed and math.isfinite(entry["logprob"])
+        assert all(math.isinf(lp) for t, lp in top.items() if t not in allowed)
+        assert math.isclose(sum(math.exp(lp) for t, lp in top.items() if t in allowed), 1.0, rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_constrained_requests_on_the_graph_step_code(target, async_scheduling):
+    """The padded uniform-step code the CUDA graphs capture, run eagerly on the CPU (bitmask applied
+    between the target and tail steps), with async scheduling on: constrained requests never
+    continue before their tokens are read back, the unconstrained ones still may, and the output is
+    plain decoding's."""
+    prompts, params = random_prompts(len(CONSTRAINTS), seed=11), _params(0.9)
+    want = _outs(make_llm(target).generate(prompts, params))
+    kw = dict(attention_backend="dense", graph_mode="eager", max_num_seqs=8, async_scheduling=async_scheduling)
+    llm = _dflash_llm(target, 3, stacked=True, **kw)
+    assert _outs(llm.generate(prompts, params)) == want
+    unconstrained = [SamplingParams(max_tokens=24, ignore_eos=True)] * 3
+    llm.generate(random_prompts(3, seed=12), unconstrained)
+    assert (llm.engine.stats.num_async_steps > 0) == async_scheduling

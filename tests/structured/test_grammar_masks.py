@@ -1,0 +1,122 @@
+"""GrammarCompiler / RequestGrammar over the tiny ASCII tokenizer (token i is chr(31 + i), 0 is
+EOS): the masks of a verify step's rows follow the drafts, the state is left where it was,
+advancing stops at the token that completes the grammar, errors name the field."""
+
+import pytest
+import torch
+
+from blockdraft import StructuredOutputsParams as SO
+from blockdraft.sample.bitmask import bitmask_words
+from blockdraft.structured import grammar as grammar_mod
+from blockdraft.structured.grammar import GrammarCompiler, _close_objects
+from tests.conftest import EOS_ID, VOCAB, make_ascii_tokenizer, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(make_ascii_tokenizer(), VOCAB, (EOS_ID,))
+
+
+def _rows(grammar, drafts):
+    out = torch.zeros(len(drafts) + 1, bitmask_words(VOCAB), dtype=torch.int32)
+    grammar.fill_bitmask(out, drafts)
+    return [set(((row[:, None] >> torch.arange(32)) & 1).flatten()[:VOCAB].nonzero().flatten().tolist()) for row in out]
+
+
+ALL = set(range(VOCAB))
+
+
+def T(text: str) -> list[int]:
+    """The token ids of `text`."""
+    return [ord(c) - 31 for c in text]
+
+
+def test_each_verify_row_is_masked_with_the_state_after_the_drafts_before_it(compiler):
+    g = compiler.matcher(SO(regex="[a-e]+"))
+    letters = set(T("abcde"))
+    # "c" fits, "z" does not: rows after the refused draft are never emitted and allow everything
+    assert _rows(g, T("czb")) == [letters, letters | {EOS_ID}, ALL, ALL]
+    assert _rows(g, []) == [letters]  # the drafts were rolled back
+    assert g.advance(T("c")) == (1, False)
+    assert _rows(g, T("de")) == [letters | {EOS_ID}] * 3
+
+
+def test_rows_after_a_draft_that_completes_the_grammar_allow_only_eos(compiler):
+    g = compiler.matcher(SO(regex="(ok|no)!"))
+    ok, no = T("ok!"), T("no!")
+    # llguidance takes one EOS after the end: the second is refused, so the row after it is free
+    assert _rows(g, ok + [EOS_ID, EOS_ID]) == [{ok[0], no[0]}, {ok[1]}, {ok[2]}, {EOS_ID}, {EOS_ID}, ALL]
+    assert _rows(g, ok[:1]) == [{ok[0], no[0]}, {ok[1]}]  # the EOS after completion was not rolled back too far
+    assert g.advance(ok + [EOS_ID]) == (3, True)  # ends at the completing token, before EOS
+
+
+def test_a_refused_token_stops_the_advance_and_names_the_error(compiler):
+    g = compiler.matcher(SO(regex="(ok|no)!"))
+    assert g.advance(T("oh")) == (1, False)
+    assert g.error
+
+
+@pytest.mark.parametrize("so, first", [
+    (SO(choice=["yes", "no", "never"]), set(T("yn"))),
+    (SO(grammar='root ::= "a" | "b" root'), set(T("ab"))),  # GBNF, as vLLM's examples write it
+    (SO(grammar='start: "c"+'), set(T("c"))),  # Lark
+    (SO(json={"type": "object"}), set(T("{"))),
+    (SO(json_object=True), set(T("{"))),
+    (SO(json={"type": "array"}), set(T("["))),
+])
+def test_choices_grammars_and_schemas(compiler, so, first):
+    assert _rows(compiler.matcher(so), []) == [first]
+
+
+def test_json_options(compiler):
+    tight = compiler.matcher(SO(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                disable_any_whitespace=True))
+    assert tight.advance(T('{"a"')) == (4, False)
+    assert _rows(tight, []) == [set(T(":"))]  # no space before the colon
+    closed = compiler.matcher(SO(json={"type": "object", "properties": {"a": {"type": "integer"}}},
+                                 disable_additional_properties=True, disable_any_whitespace=True))
+    assert _rows(closed, T('{"')) [2] == set(T("a"))  # no other property name may start
+
+
+def test_constraints_compile_once(compiler, monkeypatch):
+    calls = []
+    source = grammar_mod.grammar_source
+    monkeypatch.setattr(grammar_mod, "grammar_source", lambda p: calls.append(p) or source(p))
+    for _ in range(3):
+        compiler.check(SO(regex="[0-9]+"))
+        compiler.matcher(SO(regex="[0-9]+"))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("so, words", [
+    (SO(regex="(ab"), ["structured_outputs.regex is invalid"]),
+    (SO(grammar="start: undefined_rule"), ["structured_outputs.grammar", "undefined_rule"]),
+    (SO(grammar="root ::= ("), ["structured_outputs.grammar"]),
+    (SO(json={"type": "object", "properties": {"a": {"type": "no-such-type"}}}), ["structured_outputs.json is invalid"]),
+    (SO(structural_tag={"triggers": ["<f"]}), ["structural_tag", "structures"]),
+    (SO(structural_tag={"triggers": ["<g"], "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}]}),
+     ["no trigger starts", "<f>"]),
+])
+def test_bad_constraints_raise_naming_the_field(compiler, so, words):
+    with pytest.raises(ValueError) as e:
+        compiler.check(so)
+    for w in words:
+        assert w in str(e.value)
+    assert e.value.param == so.kind
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="structured outputs cannot use this tokenizer.*decoder"):
+        GrammarCompiler(make_tokenizer(), VOCAB, (EOS_ID,))  # word-level, no decoder
+
+
+def test_disable_additional_properties_closes_every_object_that_lists_properties():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
+                                               "c": {"type": "array", "items": {"properties": {"d": {}}}}},
+              "$defs": {"e": {"properties": {}, "additionalProperties": True}}}
+    _close_objects(schema)
+    assert schema["additionalProperties"] is False
+    assert schema["properties"]["a"]["additionalProperties"] is False
+    assert schema["properties"]["c"]["items"]["additionalProperties"] is False
+    assert schema["$defs"]["e"]["additionalProperties"] is True  # said explicitly: kept
+    assert "additionalProperties" not in schema["properties"]["c"]  # an array

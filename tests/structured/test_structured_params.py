@@ -1,0 +1,61 @@
+"""StructuredOutputsParams: exactly one constraint, typed fields, errors that name the field; and
+SamplingParams takes it (vLLM's names and import paths)."""
+
+import pytest
+
+from blockdraft import SamplingParams, StructuredOutputsParams
+from blockdraft.sampling_params import StructuredOutputsParams as FromSamplingParams
+
+
+@pytest.mark.parametrize("kw, kind", [
+    (dict(json={"type": "object"}), "json"),
+    (dict(json='{"type": "integer"}'), "json"),
+    (dict(regex="[a-z]+"), "regex"),
+    (dict(choice=["yes", "no"]), "choice"),
+    (dict(grammar='root ::= "a" | "b"'), "grammar"),
+    (dict(json_object=True), "json_object"),
+    (dict(structural_tag={"triggers": ["<f"], "structures": []}), "structural_tag"),
+    (dict(choice=("a",), json_object=False), "choice"),  # a tuple is taken; json_object False is no constraint
+])
+def test_one_constraint_names_its_kind(kw, kind):
+    assert StructuredOutputsParams(**kw).kind == kind
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(), ["exactly one of", "none"]),
+    (dict(regex="a", choice=["b"]), ["exactly one of", "'regex', 'choice'"]),
+    (dict(json_object=False), ["exactly one of", "none"]),
+    (dict(choice=[]), ["choice", "non-empty list"]),
+    (dict(choice=["a", ""]), ["choice", "non-empty list"]),
+    (dict(choice="yes"), ["choice", "non-empty list"]),
+    (dict(regex=""), ["regex", "non-empty string"]),
+    (dict(grammar=5), ["grammar", "non-empty string"]),
+    (dict(json="{not json"), ["json", "not valid JSON"]),
+    (dict(json="[1, 2]"), ["json", "JSON object"]),
+    (dict(json=[{"type": "object"}]), ["json", "dict or its JSON text", "list"]),
+    (dict(json_object="yes"), ["json_object", "True or False"]),
+    (dict(regex="a", disable_any_whitespace=1), ["disable_any_whitespace", "True or False"]),
+    (dict(json_object=True, whitespace_pattern=""), ["whitespace_pattern", "non-empty string"]),
+])
+def test_bad_constraints_are_refused_naming_the_field(kw, words):
+    with pytest.raises(ValueError) as e:
+        StructuredOutputsParams(**kw)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_sampling_params_take_it_and_check_it_again():
+    so = StructuredOutputsParams(choice=["a", "b"])
+    params = SamplingParams(structured_outputs=so)
+    assert params.structured_outputs is so and FromSamplingParams is StructuredOutputsParams
+    so.choice = []  # changed after construction: the engine's verify() sees it
+    with pytest.raises(ValueError, match="choice"):
+        params.verify()
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams.*dict"):
+        SamplingParams(structured_outputs={"choice": ["a"]})
+
+
+def test_equal_constraints_share_a_key():
+    a = StructuredOutputsParams(json={"b": 1, "a": 2})
+    assert a.key() == StructuredOutputsParams(json={"a": 2, "b": 1}).key()
+    assert a.key() != StructuredOutputsParams(json={"a": 2, "b": 1}, disable_any_whitespace=True).key()
