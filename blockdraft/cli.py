@@ -162,6 +162,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--min-tokens", type=int, default=0,
                    help="no end of text, stop token or stop string before this many output tokens, 0 <= N <= "
                         "--max-tokens (default 0; vLLM's min_tokens)")
+    g.add_argument("--structured-outputs", default=None, metavar="JSON",
+                   help="constrain the answer, as vLLM's structured_outputs: a JSON object with one of json (a JSON "
+                        "Schema), regex, choice (a list of strings), grammar (Lark or GBNF) or json_object (true), "
+                        "e.g. '{\"choice\": [\"yes\", \"no\"]}'; the answer ends when the constraint is "
+                        "complete (default: none)")
     add_dtype_flag(g)
     add_cache_dir_flag(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -425,11 +430,13 @@ def _serve(args) -> int:
 
 def _generate(args) -> int:
     from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_logprobs_limit
+    from blockdraft.structured.params import structured_outputs_from_json
 
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.seed, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+        structured_outputs=None if args.structured_outputs is None else structured_outputs_from_json(args.structured_outputs),
     )
     # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)
     check_logprobs_limit(params, DEFAULT_MAX_LOGPROBS, remedy="vLLM's default, fixed for the CLI")

@@ -54,10 +54,10 @@ def make_ascii_tokenizer():
     merges, so any printable text tokenizes character by character and texts are exact."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    # GPT-2's byte-to-unicode map: "!".."~" stand for themselves, the space byte for U+0120
-    chars = {i: "\u0120" if i == 1 else chr(31 + i) for i in range(1, VOCAB)}
-    tok = Tokenizer(models.BPE({"<eos>": EOS_ID, **{c: i for i, c in chars.items()}}, []))
+    char_of = bytes_to_unicode()  # GPT-2's byte -> vocabulary character map
+    tok = Tokenizer(models.BPE({"<eos>": EOS_ID, **{char_of[31 + i]: i for i in range(1, VOCAB)}}, []))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")

@@ -94,3 +94,25 @@ class StructuredOutputsParams:
         """A string equal for equal constraints (the compile cache's key)."""
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
         return json.dumps(fields, sort_keys=True, default=str)
+
+
+def structured_outputs_from_json(text: str) -> StructuredOutputsParams:
+    """StructuredOutputsParams from a JSON object with its field names (the CLI's --structured-outputs,
+    the server's `structured_outputs`), e.g. '{"choice": ["yes", "no"]}'.
+
+    Raises:
+        ValueError: not JSON, not an object, an unknown field (names it and the fields allowed),
+            or as StructuredOutputsParams.
+    """
+    try:
+        fields = json.loads(text)
+    except ValueError as e:
+        raise param_error("structured_outputs", f"structured_outputs is not valid JSON ({e}): {text[:80]!r}") from None
+    if not isinstance(fields, dict):
+        raise param_error("structured_outputs", f"structured_outputs must be a JSON object such as "
+                                                f"'{{\"choice\": [\"yes\", \"no\"]}}', got {text[:80]!r}")
+    unknown = sorted(set(fields) - set(StructuredOutputsParams.__dataclass_fields__))
+    if unknown:
+        raise param_error("structured_outputs", f"structured_outputs has unknown field(s) {unknown}; allowed: "
+                                                f"{', '.join(StructuredOutputsParams.__dataclass_fields__)}")
+    return StructuredOutputsParams(**fields)

@@ -59,3 +59,30 @@ def test_equal_constraints_share_a_key():
     a = StructuredOutputsParams(json={"b": 1, "a": 2})
     assert a.key() == StructuredOutputsParams(json={"a": 2, "b": 1}).key()
     assert a.key() != StructuredOutputsParams(json={"a": 2, "b": 1}, disable_any_whitespace=True).key()
+
+
+def test_generate_cli_structured_outputs_with_and_without_the_drafter(tmp_path, capsys):
+    """`blockdraft generate --structured-outputs`: the answer follows the regex and ends with it, the
+    drafter's answer is plain decoding's; a misspelt field is refused before anything loads."""
+    import json
+    import re
+
+    from blockdraft.cli import main
+    from tests.conftest import make_ascii_tokenizer
+    from tests.server.tiny_model import write_tiny_drafter, write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    make_ascii_tokenizer().save_pretrained(str(model))
+    drafter = write_tiny_drafter(tmp_path / "drafter", model)
+    regex = "(ab|cd)+!"
+    outs = {}
+    for name, flags in {"plain": ["--no-draft"], "draft": ["--draft", str(drafter)]}.items():
+        code = main(["generate", "xyz", "--raw", "--model", str(model), "--max-tokens", "40", "--json",
+                     "--structured-outputs", json.dumps({"regex": regex}), *flags])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        outs[name] = json.loads(out)
+    assert outs["draft"]["token_ids"] == outs["plain"]["token_ids"]
+    assert re.fullmatch(regex, outs["plain"]["text"]) and outs["plain"]["finish_reason"] == "stop"
+    assert main(["generate", "xyz", "--model", str(model), "--structured-outputs", '{"chioce": ["a"]}']) == 2
+    assert "unknown field(s) ['chioce']" in capsys.readouterr().err
