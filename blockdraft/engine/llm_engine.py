@@ -277,6 +277,8 @@ class LLMEngine:
             drafts = run_out.draft_token_ids.get(rid)
             if drafts and not req.is_finished:
                 req.spec_token_ids = self._trim_drafts(req, drafts)
+                if req.grammar is not None:  # the tokens its grammar forces replace the drafter's there
+                    req.spec_token_ids = req.grammar.steer_drafts(req.spec_token_ids)
 
     def _record_drafts(self, req: Request, num_drafts: int, accepted: int) -> None:
         """Count a verify step (before its tokens are appended) in the request's and the engine's

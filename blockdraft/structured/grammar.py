@@ -220,6 +220,31 @@ class RequestGrammar:
         view = out[row]
         self.matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
 
+    def steer_drafts(self, drafts: list[int]) -> list[int]:
+        """The drafts with each one the grammar forces put in its place (SGLang's jump-forward
+        tokens, as drafts): along the drafts the grammar accepts, a position where it forces a
+        token (llguidance's compute_ff_tokens) gets that token. The target's masked row there
+        allows nothing else, so the replaced draft could only have been rejected; the output is
+        unchanged either way (verification decides), only acceptance grows. Stops at the first
+        draft the grammar refuses or at the grammar's end; the matcher ends where it started.
+
+        drafts: the K proposed drafts (token ids) -> K token ids.
+        """
+        m, out, consumed = self.matcher, list(drafts), 0
+        for i, draft in enumerate(out):
+            if m.is_stopped():
+                break
+            forced = m.compute_ff_tokens()
+            token = forced[0] if forced else draft
+            if m.validate_tokens([token]) != 1:
+                break
+            m.consume_token(token)
+            consumed += 1
+            out[i] = token
+        if consumed:
+            m.rollback(consumed)
+        return out
+
     def advance(self, tokens: list[int]) -> tuple[int, bool]:
         """Commit output tokens, up to the one that completes the grammar.
 

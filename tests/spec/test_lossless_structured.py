@@ -119,3 +119,17 @@ def test_constrained_requests_on_the_graph_step_code(target, async_scheduling):
     unconstrained = [SamplingParams(max_tokens=24, ignore_eos=True)] * 3
     llm.generate(random_prompts(3, seed=12), unconstrained)
     assert (llm.engine.stats.num_async_steps > 0) == async_scheduling
+
+
+def test_tokens_the_grammar_forces_are_drafted_and_accepted(target):
+    """Random drafts (never the answer) under a grammar that forces most tokens: the forced tokens
+    replace the drafts, so whole blocks are accepted; the output is still plain decoding's."""
+    prompts = random_prompts(3, seed=13)
+    params = SamplingParams(max_tokens=40, structured_outputs=SO(regex="(the quick brown fox;){2}"))
+    plain = make_llm(target).generate(prompts, params)
+    assert all(o.text == "the quick brown fox;" * 2 and o.finish_reason == "stop" for o in plain)
+    oracle = KnownAnswerSpeculator(7, {}, VOCAB, p_right=0.0, seed=3)  # no answers: random drafts
+    llm = make_llm(target, speculator=oracle)
+    oracle.engine = llm.engine
+    assert _outs(llm.generate(prompts, params)) == _outs(plain)
+    assert llm.engine.stats.spec.acceptance_length > 7

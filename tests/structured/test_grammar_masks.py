@@ -120,3 +120,13 @@ def test_disable_additional_properties_closes_every_object_that_lists_properties
     assert schema["properties"]["c"]["items"]["additionalProperties"] is False
     assert schema["$defs"]["e"]["additionalProperties"] is True  # said explicitly: kept
     assert "additionalProperties" not in schema["properties"]["c"]  # an array
+
+
+def test_forced_tokens_replace_the_drafts_up_to_the_first_refused_one(compiler):
+    g = compiler.matcher(SO(regex="abc(d|e)+!"))
+    assert g.steer_drafts(T("zzzd")) == T("abcd")  # forced a, b, c; d is the drafter's, and allowed
+    assert g.steer_drafts(T("zzzqx")) == T("abcqx")  # q refused: the rest is left as drafted
+    assert g.steer_drafts(T("abc")) == T("abc")
+    assert _rows(g, []) == [set(T("a"))]  # the matcher is where it was
+    assert g.advance(T("abcde!")) == (6, True)
+    assert g.steer_drafts(T("xy")) == T("xy")  # after the end: nothing to steer

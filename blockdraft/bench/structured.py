@@ -1,0 +1,252 @@
+"""Structured outputs with and without DFlash: plain vs speculative decoding of constrained answers.
+
+One process loads the target once; plain decoding and DFlash (the shipped drafter unless --draft)
+answer each task interleaved (blockdraft.side_by_side), `--repeats` times, medians. Each task is a
+chat prompt with a constraint (JSON Schemas, a regex, a choice). Prints a table per task and
+pooled (tokens, tok/s, acceptance length, speedup, identical answers, answer follows its
+constraint) and the host time the grammar takes per step (masks and advancing), and writes JSON.
+
+    python -m blockdraft.bench.structured --repeats 3 --json docs/benchmarks/structured-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+PLAIN, DFLASH = "plain", "dflash"
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+SIGNATURE = {"type": "object", "additionalProperties": False, "required": ["name", "parameters", "returns"],
+             "properties": {"name": {"type": "string"}, "returns": {"type": "string"},
+                            "parameters": {"type": "array", "maxItems": 4, "items": {
+                                "type": "object", "additionalProperties": False, "required": ["name", "type"],
+                                "properties": {"name": {"type": "string"}, "type": {"type": "string"}}}}}}
+TODO = {"type": "object", "additionalProperties": False, "required": ["tasks"],
+        "properties": {"tasks": {"type": "array", "maxItems": 3, "items": {
+            "type": "object", "additionalProperties": False, "required": ["title", "done"],
+            "properties": {"title": {"type": "string", "maxLength": 40}, "done": {"type": "boolean"}}}}}}
+REQUEST = {"type": "object", "additionalProperties": False, "required": ["method", "url", "headers"],
+           "properties": {"method": {"enum": ["GET", "POST", "PUT", "DELETE"]}, "url": {"type": "string"},
+                          "headers": {"type": "object", "additionalProperties": {"type": "string"}}}}
+
+# (name, prompt, StructuredOutputsParams fields)
+TASKS = [
+    ("person", "Describe a fictional programmer as JSON: name, age and languages.", {"json": PERSON}),
+    ("signature", "Describe the Python function `def clamp(x: float, low: float, high: float) -> float` as JSON: "
+                  "its name, its parameters (name and type) and its return type.", {"json": SIGNATURE}),
+    ("todo", "Write a to-do list of three tasks for releasing a Python package, as JSON.", {"json": TODO}),
+    ("http", "Write the HTTP request that creates a user through a REST API, as JSON with method, url and "
+             "headers.", {"json": REQUEST}),
+    ("json_object", "Give the three primary colours and their hex codes as a JSON object.", {"json_object": True}),
+    ("date", "When was Python 3.0 released? Answer with the date only.", {"regex": r"\d{4}-\d{2}-\d{2}"}),
+    ("choice", "Is this review positive or negative? 'The library is fast and its docs are clear.'",
+     {"choice": ["positive", "negative"]}),
+]
+
+
+def follows(fields: dict, text: str) -> bool:
+    """Whether `text` satisfies the task's constraint (JSON parses with the required keys; the
+    regex matches the whole text; the choice is one of them)."""
+    if "regex" in fields:
+        return re.fullmatch(fields["regex"], text) is not None
+    if "choice" in fields:
+        return text in fields["choice"]
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    schema = fields.get("json", {})
+    return isinstance(value, dict) and set(schema.get("required", ())) <= set(value)
+
+
+class GrammarTimer:
+    """Host seconds spent in the grammar (RequestGrammar.fill_bitmask and advance) while active."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> "GrammarTimer":
+        from blockdraft.structured.grammar import RequestGrammar
+
+        self._saved = RequestGrammar.fill_bitmask, RequestGrammar.advance
+        for name, fn in zip(("fill_bitmask", "advance"), self._saved):
+            setattr(RequestGrammar, name, self._timed(fn))
+        return self
+
+    def _timed(self, fn):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        from blockdraft.structured.grammar import RequestGrammar
+
+        RequestGrammar.fill_bitmask, RequestGrammar.advance = self._saved
+
+
+def task_rows(runs: dict, grammar_s: dict, steps: dict) -> list[dict]:
+    """One row per task from {task: {label: TimedRun}}: tokens, tok/s (medians), acceptance
+    length, speedup (plain median / DFlash median), identical, follows, grammar ms per step."""
+    rows = []
+    for name, fields in ((t[0], t[2]) for t in TASKS if t[0] in runs):
+        plain, spec = runs[name][PLAIN], runs[name][DFLASH]
+        s = spec.output.spec
+        rows.append({
+            "task": name,
+            "tokens": plain.output.num_output_tokens,
+            "plain_tokens_per_s": plain.tokens_per_s,
+            "dflash_tokens_per_s": spec.tokens_per_s,
+            "acceptance_length": (s.num_accepted_tokens + s.num_steps) / s.num_steps if s.num_steps else None,
+            "speedup": plain.median_seconds / spec.median_seconds,
+            "identical": spec.output.token_ids == plain.output.token_ids and spec.deterministic and plain.deterministic,
+            "follows": follows(fields, plain.output.text) and plain.output.finish_reason == "stop",
+            "grammar_ms_per_step": {label: 1e3 * grammar_s[name][label] / max(steps[name][label], 1)
+                                    for label in (PLAIN, DFLASH)},
+            "text": plain.output.text,
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the tasks; exit 1 when a DFlash answer differs from plain decoding's.
+
+    Bad flags are usage errors (exit 2) before anything loads; a bad --model / --draft is one
+    `error:` line, exit 2.
+    """
+    from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
+    from blockdraft.drafters import SHIPPED
+    from blockdraft.errors import flag_message, refuse_unwritable
+    from blockdraft.preflight import DTYPE_CHOICES
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name or model folder (default %(default)s)")
+    p.add_argument("--draft", default=SHIPPED, help="drafter folder or 'shipped' (default)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="drafts per step (default: the drafter's recorded K)")
+    p.add_argument("--tasks", default=",".join(t[0] for t in TASKS),
+                   help="comma-separated task names (default: all: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer at most (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per task and engine, >= 1; medians (default %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights/KV dtype (default %(default)s)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the table and all timings here")
+    p.add_argument("--cache-dir", default=None)
+    add_threads_flag(p)
+    args = p.parse_args(argv)
+    apply_threads_flag(p, args.threads)
+    names = [n for n in args.tasks.split(",") if n]
+    unknown = sorted(set(names) - {t[0] for t in TASKS})
+    if unknown or not names:
+        p.error(f"--tasks: unknown task(s) {unknown}; choose from {', '.join(t[0] for t in TASKS)}")
+    for flag, value in (("--repeats", args.repeats), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    refuse_unwritable(p, "--json", args.json)
+    try:
+        return _measure(args, argv, names)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {flag_message(e, p._option_string_actions)}", file=sys.stderr)
+        return 2
+
+
+def _measure(args, argv: list[str] | None, names: list[str]) -> int:
+    """main's body after the flags are checked: load, run every task side by side, report."""
+    import torch
+
+    from blockdraft.drafters import resolve_draft
+    from blockdraft.llm import LLM
+    from blockdraft.model_loader import load_target
+    from blockdraft.sampling_params import SamplingParams
+    from blockdraft.side_by_side import compare_engines
+    from blockdraft.structured.params import StructuredOutputsParams
+
+    draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
+    target = load_target(args.model, args.dtype, cache_dir=args.cache_dir)
+    pool = dict(num_kv_blocks=128, kv_block_size=16)
+    engines = {PLAIN: LLM(target=target, **pool),
+               DFLASH: LLM(target=target, draft=draft, num_speculative_tokens=args.num_speculative_tokens, **pool)}
+    runs, grammar_s, steps = {}, {}, {}
+    for name, prompt, fields in (t for t in TASKS if t[0] in names):
+        params = SamplingParams(max_tokens=args.max_tokens, structured_outputs=StructuredOutputsParams(**fields))
+        chat = [{"role": "user", "content": prompt}]
+        for engine in engines.values():  # untimed: the grammar's one-time compile and oneDNN's first shapes
+            engine.generate([chat], dataclasses.replace(params, max_tokens=8))
+        grammar_s[name], steps[name] = {PLAIN: 0.0, DFLASH: 0.0}, {PLAIN: 0, DFLASH: 0}
+        timers = {label: GrammarTimer() for label in engines}
+        timed = {label: _counting(engine, timers[label], steps[name], label) for label, engine in engines.items()}
+        runs[name] = {label: rs[0] for label, rs in compare_engines(
+            timed, [chat], params, args.repeats, warmup_tokens=0).items()}
+        for label, timer in timers.items():
+            grammar_s[name][label] = timer.seconds
+        print(f"  {name}: done", file=sys.stderr, flush=True)
+    rows = task_rows(runs, grammar_s, steps)
+    pooled = _pooled(runs)
+    k = engines[DFLASH].speculator.num_speculative_tokens
+    print(f"{args.model} ({target.dtype}), drafter {draft}, K = {k}, {args.repeats} repeats (medians), "
+          f"{torch.get_num_threads()} threads")
+    print("| task | tokens | plain tok/s | DFlash tok/s | acceptance length | speedup | identical | follows | "
+          "grammar ms/step plain / DFlash |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        tau = "n/a" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        g = r["grammar_ms_per_step"]
+        print(f"| {r['task']} | {r['tokens']} | {r['plain_tokens_per_s']:.1f} | {r['dflash_tokens_per_s']:.1f} | {tau} | "
+              f"{r['speedup']:.2f}x | {r['identical']} | {r['follows']} | {g[PLAIN]:.2f} / {g[DFLASH]:.2f} |")
+    tau = "n/a" if pooled["acceptance_length"] is None else f"{pooled['acceptance_length']:.2f}"
+    print(f"| all (pooled) | {pooled['tokens']} | {pooled['plain_tokens_per_s']:.1f} | "
+          f"{pooled['dflash_tokens_per_s']:.1f} | {tau} | {pooled['speedup']:.2f}x | "
+          f"{all(r['identical'] for r in rows)} | {all(r['follows'] for r in rows)} | |")
+    if args.json:
+        evidence = {
+            "measured": datetime.date.today().isoformat(),
+            "command": "python -m blockdraft.bench.structured " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+            "target": args.model, "drafter": str(draft), "num_speculative_tokens": k,
+            "dtype": str(target.dtype).replace("torch.", ""), "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "pooled": pooled, "tasks": rows,
+            "seconds": {n: {label: r.seconds for label, r in rs.items()} for n, rs in runs.items()},
+        }
+        Path(args.json).write_text(json.dumps(evidence, indent=1))
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _counting(engine, timer: GrammarTimer, steps: dict, label: str):
+    """`engine` whose `generate` runs inside `timer` and adds its engine steps to steps[label]."""
+    class Counted:
+        def generate(self, prompts, params):
+            before = engine.engine.stats.num_steps
+            with timer:
+                out = engine.generate(prompts, params)
+            steps[label] += engine.engine.stats.num_steps - before
+            return out
+    return Counted()
+
+
+def _pooled(runs: dict) -> dict:
+    """Totals over tasks: tokens, tok/s (sum of tokens / sum of median seconds), acceptance length
+    over all verify steps, speedup (sum of plain medians / sum of DFlash medians)."""
+    plain = [rs[PLAIN] for rs in runs.values()]
+    spec = [rs[DFLASH] for rs in runs.values()]
+    tokens = sum(r.output.num_output_tokens for r in plain)
+    steps = sum(r.output.spec.num_steps for r in spec)
+    accepted = sum(r.output.spec.num_accepted_tokens for r in spec)
+    plain_s, spec_s = sum(r.median_seconds for r in plain), sum(r.median_seconds for r in spec)
+    return {"tokens": tokens, "plain_tokens_per_s": tokens / plain_s, "dflash_tokens_per_s": tokens / spec_s,
+            "acceptance_length": (accepted + steps) / steps if steps else None, "speedup": plain_s / spec_s}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

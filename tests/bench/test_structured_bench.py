@@ -1,0 +1,62 @@
+"""bench.structured: the per-task table from timed runs, the constraint check, flag errors; and one
+real run of a task on the shipped Qwen drafter (slow)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from blockdraft.bench.structured import DFLASH, PLAIN, TASKS, follows, main, task_rows
+from blockdraft.engine.request import SpecStats
+from blockdraft.side_by_side import TimedRun
+
+
+def run(tokens, seconds, text="", steps=0, accepted=0, finish="stop"):
+    out = SimpleNamespace(token_ids=tokens, num_output_tokens=len(tokens), spec=SpecStats(steps, steps, accepted),
+                          text=text, finish_reason=finish)
+    return TimedRun(out, [seconds], [seconds])
+
+
+def test_rows_give_speedup_acceptance_identity_and_constraint_per_task():
+    runs = {"person": {PLAIN: run([1, 2, 3], 3.0, '{"name": "a", "age": 1, "languages": []}'),
+                       DFLASH: run([1, 2, 3], 1.0, steps=1, accepted=2)},
+            "date": {PLAIN: run([4], 1.0, "2008-12-03", finish="length"), DFLASH: run([5], 1.0)}}
+    rows = task_rows(runs, {"person": {PLAIN: 0.003, DFLASH: 0.002}, "date": {PLAIN: 0.0, DFLASH: 0.0}},
+                     {"person": {PLAIN: 3, DFLASH: 1}, "date": {PLAIN: 1, DFLASH: 1}})
+    person, date = rows
+    assert person["speedup"] == pytest.approx(3.0) and person["acceptance_length"] == pytest.approx(3.0)
+    assert person["identical"] and person["follows"]
+    assert person["grammar_ms_per_step"] == pytest.approx({PLAIN: 1.0, DFLASH: 2.0})
+    assert not date["identical"] and not date["follows"]  # another answer; cut by length
+
+
+@pytest.mark.parametrize("fields, text, ok", [
+    ({"regex": r"\d{4}"}, "2008", True), ({"regex": r"\d{4}"}, "2008 ", False),
+    ({"choice": ["a", "b"]}, "b", True), ({"choice": ["a", "b"]}, "c", False),
+    ({"json": {"required": ["x"]}}, '{"x": 1}', True), ({"json": {"required": ["x"]}}, '{"y": 1}', False),
+    ({"json_object": True}, "{}", True), ({"json_object": True}, "[", False),
+])
+def test_follows(fields, text, ok):
+    assert follows(fields, text) is ok
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "person,nope"], "unknown task(s) ['nope']"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+])
+def test_bad_flags_are_usage_errors_before_loading(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_one_task_on_the_shipped_drafter_writes_the_table(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["--tasks", "http", "--repeats", "1", "--max-tokens", "64", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["tasks"]
+    assert row["identical"] and row["follows"] and row["acceptance_length"] > 1
+    assert result["pooled"]["tokens"] == row["tokens"] and "| http |" in capsys.readouterr().out
+    assert {t[0] for t in TASKS} >= {"person", "http", "date", "choice"}
