@@ -180,6 +180,7 @@ class AsyncEngine:
             EngineDeadError: the engine thread is not running, or the server is shutting down (fail_open).
             ServerBusyError: more than `max_pending` engine requests would be unfinished.
             ValueError: the engine refused a prompt (the group's other requests are dropped).
+            ImportError: structured outputs asked of a server without llguidance (dropped too).
         """
         if not self.alive:
             raise EngineDeadError("the engine is not running")
@@ -196,7 +197,7 @@ class AsyncEngine:
         self._commands.put(_Add(list(zip(group.request_ids, prompts, params)), arrival, done))
         try:
             await asyncio.wrap_future(done)
-        except ValueError:
+        except (ValueError, ImportError):
             self._forget(group)
             raise
         except BaseException:  # cancelled while waiting: the requests may be in the engine already
@@ -289,7 +290,7 @@ class AsyncEngine:
                 added.append(rid)
                 if self.metrics is not None:
                     self.metrics.on_added(rid, len(prompt), cmd.arrival)
-        except ValueError as e:
+        except (ValueError, ImportError) as e:  # refused (ImportError: no llguidance); the engine runs on
             for rid in added:
                 self.engine.abort_request(rid)
             self._needs_step = bool(added)

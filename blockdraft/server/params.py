@@ -6,6 +6,8 @@ reaches the engine thread, so a bad request can never disturb requests already r
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
 from blockdraft.chat_messages import ChatTemplateError, render_chat
@@ -14,8 +16,13 @@ from blockdraft.sampling_params import SamplingParams
 from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError
 from blockdraft.server.protocol import ChatCompletionRequest, CompletionRequest
+from blockdraft.structured.params import StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+# the `.param` values of StructuredOutputsParams' and the grammar compiler's ValueErrors: its fields,
+# and "structured_outputs" for the whole (none or several constraints; a tokenizer it cannot use)
+STRUCTURED_PARAMS = frozenset(f.name for f in dataclasses.fields(StructuredOutputsParams)) | {"structured_outputs"}
 
 
 @dataclass
@@ -34,6 +41,9 @@ class Plan:
         choice's (completions) or the response's (chat) `prompt_logprobs` lists; else None.
     response_role: chat's message / delta role: "assistant", or with add_generation_prompt false
         the last message's role (vLLM's get_chat_request_role: the answer continues that turn).
+    constraint_field: the request field whose output constraint every choice follows
+        ("structured_outputs" or "response_format"; params[i].structured_outputs), else None:
+        where engine_refusal points a constraint the engine cannot compile.
     """
 
     prompts: list[list[int]]
@@ -45,6 +55,7 @@ class Plan:
     prompt_logprobs: int | None = None
     response_role: str = "assistant"
     n: int = 1
+    constraint_field: str | None = None
 
 
 def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> list[list[int]]:
@@ -127,7 +138,8 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
         APIError(400): `stream_options` without `stream: true`; n / choices / max_tokens / stop /
             logprobs over the server limits; `prompt_logprobs` > 0 with `stream: true`, or over the
             logprobs limit; `min_tokens` > 0 with echo and `max_tokens: 0`; a prompt too long for
-            the context or the KV pool; or a value SamplingParams refuses.
+            the context or the KV pool; a constraint structured_outputs refuses; or a value
+            SamplingParams refuses.
     """
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
@@ -141,9 +153,10 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
                        param="n" if n > 1 else "prompt")
     stop = _stop_strings(req.stop, config)
     logprobs = _logprobs(req, config, model)
+    constraint, constraint_field = structured_outputs(req)
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
     plan = Plan([], [], sum(len(p) for p in prompts), echo=echo, prompt_only=echo and req.max_tokens == 0,
-                prompt_logprobs=_prompt_logprobs(req, config, model), n=n)
+                prompt_logprobs=_prompt_logprobs(req, config, model), n=n, constraint_field=constraint_field)
     if isinstance(req, ChatCompletionRequest) and not req.add_generation_prompt:
         plan.response_role = req.messages[-1].role
     if plan.prompt_only and req.min_tokens:  # the engine runs max_tokens 1 here: check against what was sent
@@ -153,7 +166,8 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
         # echo with max_tokens 0: one token generated and left out, which the context must hold
         max_tokens = _max_tokens(req, len(ids), config, model, i, asked=1 if plan.prompt_only else None)
         # one engine request per choice: SamplingParams.completions (choice j of a seeded request: seed + j)
-        choices = _sampling_params(req, max_tokens, stop, logprobs, n, model, echo, plan.prompt_logprobs).completions()
+        choices = _sampling_params(req, max_tokens, stop, logprobs, n, model, echo, plan.prompt_logprobs,
+                                   constraint).completions()
         plan.prompts += [ids] * n
         plan.params += choices
     return plan
@@ -161,11 +175,12 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
 
 def _sampling_params(
     req, max_tokens: int, stop: list[str], logprobs: int | None, n: int, model: ModelInfo, echo: bool = False,
-    prompt_logprobs: int | None = None,
+    prompt_logprobs: int | None = None, constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's SamplingParams for one prompt, its `n` choices included (APIError(400) for a
     value it refuses). The prompt is scored for `echo` with logprobs (that many alternatives) and for
-    `prompt_logprobs`, with the larger count (each answer slices its own)."""
+    `prompt_logprobs`, with the larger count (each answer slices its own). constraint: every
+    choice's structured_outputs (`structured_outputs(req)`), or None."""
     scored = [v for v in (logprobs if echo else None, prompt_logprobs) if v is not None]
     for t in req.stop_token_ids or []:
         if not 0 <= t < model.vocab_size:
@@ -192,9 +207,68 @@ def _sampling_params(
             logit_bias=_logit_bias(req.logit_bias, model),
             min_tokens=req.min_tokens or 0,
             prompt_logprobs=max(scored) if scored else None,  # echo scores the prompt too (vLLM)
+            structured_outputs=constraint,
         )
     except ValueError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
+
+
+def structured_outputs(req) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The output constraint of a request and the field it came from, as vLLM reads them:
+    `structured_outputs` (its fields, StructuredOutputsRequest.params) or `response_format`
+    (json_object -> StructuredOutputsParams(json_object=True), json_schema -> json=its schema;
+    text -> none). (None, None) without a constraint.
+
+    Raises:
+        APIError(400): both structured_outputs and a JSON response_format (says which to drop), or
+            a constraint StructuredOutputsParams refuses (param: its field, as the request wrote
+            it, constraint_error).
+    """
+    fmt = req.response_format
+    json_format = fmt is not None and fmt.type != "text"
+    if req.structured_outputs is not None and json_format:
+        raise APIError(400, f'give structured_outputs or response_format {{"type": "{fmt.type}"}}, not both: '
+                            f'drop response_format (structured_outputs.json takes a JSON Schema, '
+                            f'structured_outputs.json_object true any JSON object), or drop structured_outputs',
+                       param="structured_outputs")
+    field = "structured_outputs" if req.structured_outputs is not None else "response_format"
+    try:
+        if req.structured_outputs is not None:
+            return req.structured_outputs.params(), field
+        if not json_format:
+            return None, None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True), field
+        return StructuredOutputsParams(json=fmt.json_schema.json_schema), field
+    except ValueError as e:
+        raise constraint_error(e, field) from None
+
+
+def constraint_error(error: Exception, field: str) -> APIError:
+    """The 400 for a constraint that StructuredOutputsParams or the engine's grammar compiler
+    refused (`error`: their ValueError, whose `.param` is a StructuredOutputsParams field or
+    "structured_outputs"; or the ImportError of a server without llguidance), named as the request
+    wrote it: `field` "structured_outputs": param "structured_outputs.<field>" (e.g.
+    "structured_outputs.regex"), the message as it is; `field` "response_format": param
+    "response_format", and the message's structured_outputs.json reads
+    response_format.json_schema.schema (any other structured_outputs name: response_format)."""
+    message, param = str(error), getattr(error, "param", None)
+    if field == "response_format":
+        message = re.sub(r"\bstructured_outputs\.json\b", "response_format.json_schema.schema", message)
+        return APIError(400, re.sub(r"\bstructured_outputs(\.\w+)?", "response_format", message), param=field)
+    return APIError(400, message, param=field if param in (None, field) else f"{field}.{param}")
+
+
+def engine_refusal(error: Exception, plan: Plan) -> APIError:
+    """The 400 for a request the engine refused when it was submitted (LLMEngine.check_request's
+    ValueError, with its `.param` when it has one; or an ImportError: structured outputs without
+    llguidance on the server). An error about the output constraint (a regex, schema or grammar
+    that does not compile, or a tokenizer the compiler cannot read) names the request's field
+    (constraint_error with plan.constraint_field)."""
+    param = getattr(error, "param", None)
+    if plan.constraint_field is not None and (param in STRUCTURED_PARAMS or isinstance(error, ImportError)):
+        return constraint_error(error, plan.constraint_field)
+    return APIError(400, str(error), param=param)
 
 
 def _logit_bias(bias: dict[str, float] | None, model: ModelInfo) -> dict[int, float] | None:

@@ -4,7 +4,10 @@ Strict: no type coercion ("5" is not an int, true is not a number); unknown fiel
 OpenAI fields this server does not implement are refused with a message naming the field unless
 they carry their neutral value (e.g. `best_of: 1`, `tools: []`, or null), which changes
 nothing; a request class that defines one of them (CompletionRequest.echo) takes it as its own
-field instead. Range checks that depend on the server's limits or the model live in params.py.
+field instead. vLLM's `guided_*` fields, removed in its v0.12, are refused with the name of their
+replacement (REMOVED_GUIDED_FIELDS). Range checks that depend on the server's limits or the model
+live in params.py, which also turns `response_format` / `structured_outputs` into the engine's
+StructuredOutputsParams.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from blockdraft.chat_messages import (  # noqa: F401  (MAX_NAME_CHARS: re-export
     template_message,
 )
 from blockdraft.server.errors import APIError
+from blockdraft.structured.params import StructuredOutputsParams
 
 # field -> its neutral values (accepted because they change nothing; null is always neutral),
 # unless the request class has the field (`echo` is a field of CompletionRequest, not of chat).
@@ -36,7 +40,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "functions": ([],),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),
-    "response_format": ({"type": "text"},),
     "store": (False,),
     "metadata": ({},),
     "service_tier": ("auto", "default"),
@@ -57,6 +60,18 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "priority": (0,),
 }
 
+# vLLM's structured-output request fields before v0.12 -> the field that replaced each (None: none,
+# drop it). Refused with that hint when not null: vLLM >= 0.12 ignores them, and the output would
+# silently be unconstrained.
+REMOVED_GUIDED_FIELDS: dict[str, str | None] = {
+    "guided_json": "structured_outputs.json",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_whitespace_pattern": "structured_outputs.whitespace_pattern",
+    "guided_decoding_backend": None,
+}
+
 MAX_SEED = 2**63 - 1
 
 
@@ -72,6 +87,109 @@ class StreamOptions(_Strict):
 
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+
+
+RESPONSE_FORMATS = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                    '{"name": ..., "schema": {...}}}')
+
+
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema` (OpenAI's): the output is one JSON value valid under `schema`.
+
+    name: required, as by OpenAI; unused (as in vLLM). schema: the JSON Schema, a JSON object
+    (required here: OpenAI's optional schema has no meaning without one). strict, description:
+    accepted and unused: the schema is always enforced, as in vLLM (strict: true does not add
+    additionalProperties: false; structured_outputs.disable_additional_properties does).
+    """
+
+    name: str
+    json_schema: dict[str, Any] = Field(alias="schema")  # `schema` would shadow BaseModel.schema
+    strict: bool | None = None
+    description: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, data: Any) -> Any:
+        return _json_object(data, '{"name": ..., "schema": {...}, "strict": true}')
+
+    @field_validator("json_schema", mode="before")
+    @classmethod
+    def _schema_object(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            raise ValueError(f"must be a JSON Schema: a JSON object such as {{\"type\": \"object\", \"properties\": "
+                             f"{{...}}}}, got {_json_type(v)} {json.dumps(v)[:80]}")
+        return v
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format` (both endpoints, as vLLM): {"type": "text"} (no constraint),
+    {"type": "json_object"} (any JSON object) or {"type": "json_schema", "json_schema":
+    JsonSchemaFormat}; json_schema is required with that type and refused with the others.
+    params.structured_outputs turns it into StructuredOutputsParams."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, data: Any) -> Any:
+        return _json_object(data, RESPONSE_FORMATS)
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a "json_schema" object: {"name": ..., "schema": {...}, '
+                             '"strict": true}')
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f'"json_schema" goes only with type "json_schema", got type "{self.type}"')
+        return self
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` request field (both endpoints): the fields of
+    blockdraft.StructuredOutputsParams, which `params()` builds: exactly one of json (a JSON
+    Schema object or its JSON text), regex, choice (strings), grammar (Lark or GBNF), json_object
+    (true), structural_tag (object or JSON text); options disable_any_whitespace,
+    disable_additional_properties, whitespace_pattern (null = default). Types are checked here,
+    the rest by StructuredOutputsParams (params.structured_outputs) and the engine's compiler."""
+
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")  # `json` shadows BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_object(cls, data: Any) -> Any:
+        return _json_object(data, 'an object with one of json, regex, choice, grammar, json_object, structural_tag, '
+                                  'e.g. {"regex": "[0-9]+"}')
+
+    @field_validator("json_schema", "structural_tag", mode="before")
+    @classmethod
+    def _object_or_text(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, (dict, str)):
+            raise ValueError(f"must be a JSON object or its JSON text, got {_json_type(v)} {json.dumps(v)[:80]}")
+        return v
+
+    def params(self) -> StructuredOutputsParams:
+        """The StructuredOutputsParams of these fields.
+
+        Raises:
+            ValueError: as StructuredOutputsParams (none or several constraints, an empty regex,
+                choice or grammar, JSON text that is not a JSON object); `.param` names its field.
+        """
+        return StructuredOutputsParams(
+            json=self.json_schema, regex=self.regex, choice=self.choice, grammar=self.grammar,
+            json_object=self.json_object, structural_tag=self.structural_tag,
+            disable_any_whitespace=bool(self.disable_any_whitespace),
+            disable_additional_properties=bool(self.disable_additional_properties),
+            whitespace_pattern=self.whitespace_pattern,
+        )
 
 
 class _SamplingRequest(_Strict):
@@ -100,6 +218,8 @@ class _SamplingRequest(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id; accepted, used for nothing
+    response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
+    structured_outputs: StructuredOutputsRequest | None = None  # extension (vLLM); not with a JSON response_format
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -240,9 +360,11 @@ def parse_request(cls: type[BaseModel], body: dict) -> BaseModel:
     """Validate a decoded JSON body into `cls`.
 
     Raises:
-        APIError(400): an unsupported field with a non-neutral value, an unknown field, a wrong
-            type or an out-of-range value; the message names the field (first problem only).
+        APIError(400): an unsupported field with a non-neutral value, one of vLLM's removed
+            guided_* fields (not null; names its replacement), an unknown field, a wrong type or
+            an out-of-range value; the message names the field (first problem only).
     """
+    _refuse_removed_guided_fields(body)
     body = _drop_neutral_unsupported(body, cls)
     try:
         return cls.model_validate(body)
@@ -250,8 +372,23 @@ def parse_request(cls: type[BaseModel], body: dict) -> BaseModel:
         raise _first_error(e) from None
 
 
+def _refuse_removed_guided_fields(body: dict) -> None:
+    """APIError(400) for the first of vLLM's removed guided_* fields (REMOVED_GUIDED_FIELDS) that
+    `body` gives a non-null value, naming the field that replaced it; null ones are left to
+    `_drop_neutral_unsupported`'s rule (null is neutral) and dropped there."""
+    for name, replacement in REMOVED_GUIDED_FIELDS.items():
+        if body.get(name) is None:
+            continue
+        if replacement is None:
+            hint = "this server has one structured-output backend (llguidance): drop the field"
+        else:
+            key = replacement.split(".")[1]
+            hint = f'send {replacement} instead: {{"structured_outputs": {{"{key}": ...}}}}'
+        raise APIError(400, f"'{name}' was removed in vLLM 0.12 and is not supported; {hint}", param=name)
+
+
 def _drop_neutral_unsupported(body: dict, cls: type[BaseModel]) -> dict:
-    out = dict(body)
+    out = {k: v for k, v in body.items() if not (k in REMOVED_GUIDED_FIELDS and v is None)}
     for name, neutral in UNSUPPORTED_FIELDS.items():
         if name not in out or name in cls.model_fields:
             continue
@@ -292,6 +429,24 @@ def _same(value, neutral) -> bool:
     if isinstance(value, bool) != isinstance(neutral, bool):
         return False
     return value == neutral
+
+
+def _json_object(data: Any, allowed: str) -> Any:
+    """`data` when it is a JSON object (a dict); else ValueError("must be {allowed}, got ...")."""
+    if not isinstance(data, dict):
+        raise ValueError(f"must be {allowed}, got {_json_type(data)} {json.dumps(data)[:80]}")
+    return data
+
+
+def _json_type(v: Any) -> str:
+    """The JSON type name of a decoded JSON value (for messages): "a string", "an array", ..."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
 
 
 def _is_int(x) -> bool:

@@ -5,6 +5,9 @@ accepted_per_position, acceptance_length} (acceptance_length = mean tokens per v
 accepted + 1; null without drafts). Non-streaming responses carry it summed over the choices; in a
 stream, the chunk that finishes a choice carries that choice's stats and the usage chunk (when
 asked for) carries the sum.
+
+Every log-probability in an answer is at least MIN_LOGPROB (-9999.0, as vLLM writes them): the
+tokens a structured-output grammar masks have -inf, which JSON cannot carry.
 """
 
 from __future__ import annotations
@@ -15,6 +18,16 @@ from typing import Callable
 
 from blockdraft.engine.detokenizer import IncrementalDetokenizer, added_token_texts
 from blockdraft.engine.request import SpecStats
+
+
+# The lowest log-probability an answer carries (vLLM's): a token that a structured-output grammar
+# masks has -inf, which JSON cannot carry (the JSON response would fail, a stream would send -Infinity).
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(logprob: float) -> float:
+    """`logprob` (a float <= 0) floored at MIN_LOGPROB: -inf (a masked token) and NaN give MIN_LOGPROB."""
+    return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB
 
 
 def sse(obj: dict) -> bytes:
@@ -212,7 +225,7 @@ def completion_logprobs(entries: list[dict], token_text: TokenText, offsets: Tex
         starts = [min(o, text_len) for o in starts]
     return {
         "tokens": [token_text(e["token_id"]) for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
+        "token_logprobs": [finite_logprob(e["logprob"]) for e in entries],
         "top_logprobs": [_completion_top(e, token_text) for e in entries],
         "text_offset": starts,
     }
@@ -239,7 +252,7 @@ def echo_logprobs(prompt_token_ids: list[int], prompt_entries: list[dict | None]
     starts = [min(o, base) for o in TextOffsets(token_text.tokenizer, skip_special_tokens=False)(prompt_token_ids)]
     out = {
         "tokens": [token_text(t) for t in prompt_token_ids],
-        "token_logprobs": [None if e is None else e["logprob"] for e in prompt_entries],
+        "token_logprobs": [None if e is None else finite_logprob(e["logprob"]) for e in prompt_entries],
         "top_logprobs": [None if e is None else _completion_top(e, token_text) for e in prompt_entries],
         "text_offset": starts,
     }
@@ -260,9 +273,10 @@ def prompt_logprobs(entries: list[dict | None], num_top: int, token_text: TokenT
         if e is None:
             out.append(None)
             continue
-        item = {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": token_text(e["token_id"])}}
+        item = {str(e["token_id"]): {"logprob": finite_logprob(e["logprob"]), "rank": e["rank"],
+                                     "decoded_token": token_text(e["token_id"])}}
         for rank, (t, lp) in enumerate(e["top"][:num_top], start=1):
-            item.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": token_text(t)})
+            item.setdefault(str(t), {"logprob": finite_logprob(lp), "rank": rank, "decoded_token": token_text(t)})
         out.append(item)
     return out
 
@@ -280,8 +294,8 @@ def _completion_top(entry: dict, token_text: TokenText) -> dict[str, float]:
     up to N + 1 entries. The sampled token is written last, so where its text is also an
     alternative's key (two tokens that decode alone to U+FFFD) its own logprob is the one kept.
     Chat completions differ (OpenAI's top_logprobs 0 is an empty list): chat_logprobs adds nothing."""
-    top = {token_text(t): lp for t, lp in entry["top"]}
-    top[token_text(entry["token_id"])] = entry["logprob"]  # an existing key keeps its place
+    top = {token_text(t): finite_logprob(lp) for t, lp in entry["top"]}
+    top[token_text(entry["token_id"])] = finite_logprob(entry["logprob"])  # an existing key keeps its place
     return top
 
 
@@ -294,7 +308,7 @@ def chat_logprobs(entries: list[dict], token_text: TokenText, token_ids: bool = 
 
     def item(token_id: int, logprob: float) -> dict:
         text = token_text(token_id)
-        return {**({"token_id": token_id} if token_ids else {}), "token": text, "logprob": logprob,
+        return {**({"token_id": token_id} if token_ids else {}), "token": text, "logprob": finite_logprob(logprob),
                 "bytes": token_text.bytes(token_id)}
 
     content = [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]} for e in entries]

@@ -26,7 +26,7 @@ from blockdraft.server.async_engine import AsyncEngine, EngineDeadError, ServerB
 from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError, error_body, model_not_found
 from blockdraft.server.http import ClientDisconnected, EventStreamResponse, read_json_object, until_disconnect
-from blockdraft.server.params import Plan, build_plan, chat_prompt, completion_prompts, echo_texts
+from blockdraft.server.params import Plan, build_plan, chat_prompt, completion_prompts, echo_texts, engine_refusal
 from blockdraft.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 logger = logging.getLogger("blockdraft.server")
@@ -256,10 +256,17 @@ class Serving:
             raise model_not_found(req.model, name)
 
     async def _submit(self, plan: Plan, arrival: float, rid: str):
+        """Queue the plan's choices as one group (AsyncEngine.submit).
+
+        Raises:
+            APIError: 400 for a choice the engine refuses (params.engine_refusal: its field named,
+                e.g. structured_outputs.regex for a regex that does not compile), 429 past
+                --max-pending, 503 once the engine has stopped.
+        """
         try:
             return await self.ctx.engine.submit(plan.prompts, plan.params, arrival, prefix=rid)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        except (ValueError, ImportError) as e:
+            raise engine_refusal(e, plan) from None
         except ServerBusyError as e:
             raise APIError(429, str(e), code="server_busy") from None
         except EngineDeadError as e:

@@ -118,7 +118,7 @@ class GrammarCompiler:
         vocab_size: the model's logits width V (>= the tokenizer's; ids past it are never allowed).
         eos_token_ids: the model's end-of-generation ids: allowed wherever the grammar may end.
     Raises:
-        ValueError: a tokenizer llguidance cannot read (names why).
+        ValueError: a tokenizer llguidance cannot read (names why; `.param` "structured_outputs").
     Building the llguidance tokenizer takes ~0.7 s for Qwen's 152K vocabulary: once per engine,
     at the first constrained request.
     """
@@ -127,15 +127,17 @@ class GrammarCompiler:
         llg = _llguidance()
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None or not eos_token_ids:
-            raise ValueError(f"structured outputs need a tokenizer backed by the tokenizers library and an EOS id; "
-                             f"{type(tokenizer).__name__} has {'no backend_tokenizer' if backend is None else 'no EOS id'}")
+            raise param_error("structured_outputs", f"structured_outputs need a tokenizer backed by the tokenizers "
+                                                    f"library and an EOS id; {type(tokenizer).__name__} has "
+                                                    f"{'no backend_tokenizer' if backend is None else 'no EOS id'}")
         backend = copy.copy(backend)
         backend.no_padding()
         backend.no_truncation()
         try:
             self.ll_tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
         except ValueError as e:
-            raise ValueError(f"structured outputs cannot use this tokenizer ({type(tokenizer).__name__}): {e}") from None
+            raise param_error("structured_outputs", f"structured_outputs cannot use this tokenizer "
+                                                    f"({type(tokenizer).__name__}): {e}") from None
         self.vocab_size = vocab_size
         self._sources: dict[str, str] = {}  # StructuredOutputsParams.key() -> grammar, most recent last
 
