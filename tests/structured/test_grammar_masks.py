@@ -106,7 +106,7 @@ def test_bad_constraints_raise_naming_the_field(compiler, so, words):
 
 
 def test_a_tokenizer_llguidance_cannot_read_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="structured outputs cannot use this tokenizer.*decoder"):
+    with pytest.raises(ValueError, match="structured_outputs cannot use this tokenizer.*decoder"):
         GrammarCompiler(make_tokenizer(), VOCAB, (EOS_ID,))  # word-level, no decoder
 
 
