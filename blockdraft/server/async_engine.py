@@ -189,6 +189,9 @@ class AsyncEngine:
         if self.num_pending + len(prompts) > self.max_pending:
             raise ServerBusyError(f"{self.num_pending} choices are in flight and this request adds {len(prompts)} (limit "
                                   f"{self.max_pending}, --max-pending); retry later")
+        if any(p.structured_outputs is not None for p in params):
+            # compiled off the engine thread: the engine then only copies the grammar state
+            await asyncio.to_thread(self.engine.prepare_structured_outputs, params)
         n = next(self._ids)
         group = RequestGroup([f"{prefix}-{n}-{i}" for i in range(len(prompts))])
         for i, rid in enumerate(group.request_ids):

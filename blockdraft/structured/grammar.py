@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 
 import torch
 
@@ -139,31 +140,34 @@ class GrammarCompiler:
             raise param_error("structured_outputs", f"structured_outputs cannot use this tokenizer "
                                                     f"({type(tokenizer).__name__}): {e}") from None
         self.vocab_size = vocab_size
-        self._sources: dict[str, str] = {}  # StructuredOutputsParams.key() -> grammar, most recent last
+        # StructuredOutputsParams.key() -> a matcher at the start (most recent last); requests get copies
+        self._templates: dict[str, object] = {}
+        self._lock = threading.Lock()  # a server compiles in a worker thread while the engine thread copies
 
     def check(self, params: StructuredOutputsParams) -> None:
-        """Compile (cached) and raise if the constraint is invalid.
+        """Compile (cached; thread-safe) and raise if the constraint is invalid.
 
         Raises:
             ValueError: naming the constraint's field and llguidance's message (a bad regex,
-                schema or grammar, or one that no token sequence of this vocabulary can match).
+                schema or grammar).
         """
-        self._compile(params)
+        self._template(params)
 
     def matcher(self, params: StructuredOutputsParams) -> "RequestGrammar":
-        """A fresh grammar state for one request (raises as `check`)."""
-        llg = _llguidance()
-        return RequestGrammar(llg.LLMatcher(self.ll_tokenizer, self._compile(params), log_level=0),
-                              self.vocab_size)
+        """A fresh grammar state for one request: a copy of the compiled one (raises as `check`)."""
+        return RequestGrammar(self._template(params).deep_copy(), self.vocab_size)
 
-    def _compile(self, params: StructuredOutputsParams) -> str:
-        """The checked grammar of `params`, from a cache of the last COMPILE_CACHE_SIZE."""
+    def _template(self, params: StructuredOutputsParams):
+        """The compiled matcher of `params`, from a cache of the last COMPILE_CACHE_SIZE constraints."""
         key = params.key()
-        source = self._sources.pop(key, None) or self._checked_source(params)
-        self._sources[key] = source
-        if len(self._sources) > COMPILE_CACHE_SIZE:
-            del self._sources[next(iter(self._sources))]
-        return source
+        with self._lock:
+            template = self._templates.pop(key, None)
+            if template is None:
+                template = _llguidance().LLMatcher(self.ll_tokenizer, self._checked_source(params), log_level=0)
+            self._templates[key] = template
+            if len(self._templates) > COMPILE_CACHE_SIZE:
+                del self._templates[next(iter(self._templates))]
+        return template
 
     def _checked_source(self, params: StructuredOutputsParams) -> str:
         llg = _llguidance()

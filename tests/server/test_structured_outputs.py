@@ -274,6 +274,21 @@ def test_the_server_keeps_serving_after_refused_constraints(url):
     assert httpx.get(url + "/health", timeout=30).status_code == 200
 
 
+def test_constraints_compile_off_the_engine_thread(url, monkeypatch):
+    """The server compiles a new constraint in a worker thread before queueing the request, so
+    the engine thread, which steps every other request, only copies the compiled state."""
+    import threading
+
+    from blockdraft.structured.grammar import GrammarCompiler
+
+    threads, compile_source = [], GrammarCompiler._checked_source
+    monkeypatch.setattr(GrammarCompiler, "_checked_source",
+                        lambda self, p: threads.append(threading.current_thread().name) or compile_source(self, p))
+    body = _ok(url, "completions", structured_outputs={"regex": "[a-c]{2}d{1,3}"})
+    assert re.fullmatch("[a-c]{2}d{1,3}", _texts(body)[0])
+    assert threads and "blockdraft-engine" not in threads
+
+
 def test_text_format_and_null_fields_are_unconstrained(url):
     kw = dict(temperature=0.0, ignore_eos=True, max_tokens=12)
     ref = _texts(_ok(url, "completions", **kw))
