@@ -170,18 +170,29 @@ class GrammarCompiler:
         return template
 
     def _checked_source(self, params: StructuredOutputsParams) -> str:
-        llg = _llguidance()
+        """The llguidance grammar of `params`, checked against the tokenizer; an error names the
+        field it comes from (whitespace_pattern and structural tags' schemas are checked alone)."""
         kind = params.kind
+        if params.whitespace_pattern is not None:
+            self._validate("whitespace_pattern", _llguidance().LLMatcher.grammar_from_regex(params.whitespace_pattern))
         try:
             source = grammar_source(params)
         except (ValueError, TypeError) as e:
             if getattr(e, "param", None):
                 raise
             raise param_error(kind, f"structured_outputs.{kind} is invalid: {e}") from None
-        error = llg.LLMatcher.validate_grammar(source, self.ll_tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise param_error(kind, f"structured_outputs.{kind} is invalid: {error}")
+        if kind == "structural_tag":  # nested grammars are compiled lazily: check each schema now
+            tag = params.structural_tag
+            for s in (json.loads(tag) if isinstance(tag, str) else tag)["structures"]:
+                self._validate(kind, _json_grammar(params, s["schema"]), f" (the schema of {s['begin']!r})")
+        self._validate(kind, source)
         return source
+
+    def _validate(self, field: str, source: str, where: str = "") -> None:
+        """Raise a param_error about `field` when llguidance refuses `source` (warnings pass)."""
+        error = _llguidance().LLMatcher.validate_grammar(source, self.ll_tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise param_error(field, f"structured_outputs.{field}{where} is invalid: {error}")
 
 
 class RequestGrammar:

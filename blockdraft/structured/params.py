@@ -64,7 +64,7 @@ class StructuredOutputsParams:
                     parsed = json.loads(value)
                 except ValueError as e:
                     raise param_error(name, f"structured_outputs.{name} is not valid JSON ({e}): {value[:80]!r}") from None
-                if not isinstance(parsed, dict) and not (name == "json" and isinstance(parsed, bool)):
+                if not isinstance(parsed, dict):
                     raise param_error(name, f"structured_outputs.{name} must be a JSON object, got {value[:80]!r}")
             elif value is not None and not isinstance(value, dict):
                 raise param_error(name, f"structured_outputs.{name} must be a dict or its JSON text, got "

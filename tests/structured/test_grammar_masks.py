@@ -94,6 +94,8 @@ def test_constraints_compile_once(compiler, monkeypatch):
     (SO(grammar="root ::= ("), ["structured_outputs.grammar"]),
     (SO(json={"type": "object", "properties": {"a": {"type": "no-such-type"}}}), ["structured_outputs.json is invalid"]),
     (SO(structural_tag={"triggers": ["<f"]}), ["structural_tag", "structures"]),
+    (SO(structural_tag={"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {"type": "foo"}, "end": "</f>"}]}),
+     ["structured_outputs.structural_tag (the schema of '<f>') is invalid", "foo"]),
     (SO(structural_tag={"triggers": ["<g"], "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}]}),
      ["no trigger starts", "<f>"]),
 ])
@@ -103,6 +105,12 @@ def test_bad_constraints_raise_naming_the_field(compiler, so, words):
     for w in words:
         assert w in str(e.value)
     assert e.value.param == so.kind
+
+
+def test_a_bad_whitespace_pattern_is_named_as_such(compiler):
+    with pytest.raises(ValueError, match="structured_outputs.whitespace_pattern is invalid") as e:
+        compiler.check(SO(json_object=True, whitespace_pattern="(a"))
+    assert e.value.param == "whitespace_pattern"
 
 
 def test_a_tokenizer_llguidance_cannot_read_is_refused_with_the_reason():

@@ -32,6 +32,7 @@ def test_one_constraint_names_its_kind(kw, kind):
     (dict(grammar=5), ["grammar", "non-empty string"]),
     (dict(json="{not json"), ["json", "not valid JSON"]),
     (dict(json="[1, 2]"), ["json", "JSON object"]),
+    (dict(json="true"), ["json", "JSON object"]),  # a boolean schema: llguidance takes objects only
     (dict(json=[{"type": "object"}]), ["json", "dict or its JSON text", "list"]),
     (dict(json_object="yes"), ["json_object", "True or False"]),
     (dict(regex="a", disable_any_whitespace=1), ["disable_any_whitespace", "True or False"]),
