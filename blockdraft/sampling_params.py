@@ -66,7 +66,7 @@ class SamplingParams:
     when the engine takes the request), before the penalties. Bias and penalties act on the logits
     before temperature, min_p, top-k and top-p, greedy rows included; logprobs stay those of the
     raw model (vLLM's default). min_tokens: 0 <= min_tokens <= max_tokens (vLLM's extension): until the output
-    has this many tokens, EOS (unless ignore_eos) and stop_token_ids are masked out of the logits
+    has this many tokens, EOS (also with ignore_eos, as vLLM) and stop_token_ids are masked out of the logits
     and stop strings are not looked for. n: completions per prompt in `LLM.generate` (vLLM's n;
     RequestOutput.outputs holds them): completion j of a seeded request uses seed + j, unseeded
     ones sample independently; an LLMEngine request is always one completion (n = 1).

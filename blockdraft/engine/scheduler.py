@@ -412,7 +412,8 @@ def _logits_context(req: Request) -> tuple[torch.Tensor | None, list[int], tuple
     params = req.sampling_params
     masked: tuple[int, ...] = ()
     if len(req.output_token_ids) < params.min_tokens:
-        masked = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(req.eos_token_ids))
+        # every EOS id even with ignore_eos, as vLLM (its min-tokens processor masks all_stop_token_ids)
+        masked = tuple(params.stop_token_ids) + tuple(req.eos_token_ids)
     prompt = req.prompt_token_set() if params.repetition_penalty != 1.0 else None
     return prompt, req.output_token_ids, masked
 

@@ -6,7 +6,7 @@ parameter definitions; repetition penalty from CTRL, Keskar et al. 2019, section
 logits row that predicts output position q of a request, with c(t) the number of times token t
 occurs in the output before q and b_t the request's logit_bias of t (0 if none),
 
-    x_t <- -inf      if q < min_tokens and t is EOS (unless ignore_eos) or a stop token id
+    x_t <- -inf      if q < min_tokens and t is an EOS id (ignore_eos or not, as vLLM) or a stop token id
     x_t <- x_t + b_t
     x_t <- x_t / r   if t is in the prompt or c(t) > 0, and x_t > 0
     x_t <- x_t * r   if t is in the prompt or c(t) > 0, and x_t <= 0

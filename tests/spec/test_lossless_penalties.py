@@ -8,7 +8,7 @@ import torch
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
 from tests.sample.penalty_reference import dense_adjusted
-from tests.conftest import VOCAB, make_llm, random_prompts
+from tests.conftest import EOS_ID, VOCAB, make_llm, random_prompts
 from tests.models._hf_oracle import run_prefill
 from tests.spec.doubles import KnownAnswerSpeculator
 from tests.spec.test_lossless_dflash import _dflash_llm
@@ -145,6 +145,18 @@ def test_min_tokens_defers_stop_ids_and_strings_and_speculation_keeps_plain_outp
     spec.engine = llm.engine
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
     assert llm.engine.stats.spec.num_accepted_tokens > 0
+
+
+def test_min_tokens_masks_eos_also_with_ignore_eos_as_vllm(llama_target):
+    """vLLM's min-tokens processor masks every stop id, EOS included, whatever ignore_eos says: with
+    EOS biased to be the argmax, the first min_tokens tokens are others, then EOS follows (and,
+    ignored, repeats); speculation (a DFlash drafter) gives the same tokens."""
+    prompts = random_prompts(3, seed=22)
+    params = SamplingParams(max_tokens=16, min_tokens=6, ignore_eos=True, logit_bias={EOS_ID: 100.0})
+    plain = [o.token_ids for o in make_llm(llama_target).generate(prompts, params)]
+    for ids in plain:
+        assert EOS_ID not in ids[:6] and ids[6:] == [EOS_ID] * 10
+    assert [o.token_ids for o in _dflash_llm(llama_target, 3).generate(prompts, params)] == plain
 
 
 def test_min_tokens_defers_stop_strings():
