@@ -314,11 +314,12 @@ class LLMEngine:
 
         Per token, in this order: a completed stop string, EOS (unless ignore_eos), a stop token
         id, the token that completes a structured-output grammar (finish_reason "stop", stop_reason
-        None; the grammar state advances over the committed tokens), then max_tokens / max_model_len. `req.stop_reason` (vLLM's): the stop string or stop
-        token id that ended the request; None for the tokenizer's EOS (also when listed in
-        stop_token_ids, as vLLM checks EOS first; every EOS id when the tokenizer names none of
-        them) and for length; the id of another of the model's EOS ids (vLLM puts
-        generation_config's extra eos ids among the stop token ids). The token-id and length
+        None; the grammar state advances over the committed tokens), then max_tokens /
+        max_model_len. `req.stop_reason` (vLLM's): the stop string or stop token id that ended the
+        request; None for the tokenizer's EOS (also when listed in stop_token_ids, as vLLM checks
+        EOS first; every EOS id when the tokenizer names none of them), for a completed grammar and
+        for length; the id of another of the model's EOS ids (vLLM puts generation_config's extra
+        eos ids among the stop token ids). The token-id and length
         limits are found first, so only the detokenizer runs per token; the tokens are then
         committed as one slice.
         As in vLLM, the EOS or stop token id that ends the request is not detokenized (it adds no

@@ -43,8 +43,8 @@ class ScheduledRequest:
         min_tokens: blockdraft.sample.penalties), (the prompt's distinct token ids, sorted, [U]
         int64 on the CPU (Request.prompt_token_set, computed once), or None when no repetition
         penalty reads them; committed output token ids; the stop token ids min_tokens masks while
-        the output is shorter: the EOS ids (also with ignore_eos, as vLLM) and stop_token_ids; empty once it is not);
-        else None. The list and tensor are the request's own (read-only here), so a step that
+        the output is shorter: the EOS ids (also with ignore_eos, as vLLM) and stop_token_ids;
+        empty once it is not); else None. The list and tensor are the request's own (read-only here), so a step that
         samples never copies them.
     grammar: for a sampling request with SamplingParams.structured_outputs, its grammar state
         (Request.grammar: the runner masks its logits rows with it), else None.

@@ -162,8 +162,9 @@ class GrammarCompiler:
         key = params.key()
         with self._lock:
             template = self._templates.pop(key, None)
-            if template is None:
-                template = _llguidance().LLMatcher(self.ll_tokenizer, self._checked_source(params), log_level=0)
+        if template is None:  # compiled outside the lock: a copy for a cached constraint never waits on it
+            template = _llguidance().LLMatcher(self.ll_tokenizer, self._checked_source(params), log_level=0)
+        with self._lock:
             self._templates[key] = template
             if len(self._templates) > COMPILE_CACHE_SIZE:
                 del self._templates[next(iter(self._templates))]
