@@ -121,7 +121,7 @@ def build_input_batch(
     kmax = max(num_drafts, default=0)
     sampling = SamplingTensors.from_params(params, "cpu", repeats=[k + 1 for k in num_drafts])
     penalties = _penalties(so, sample_req, histories, params)
-    bitmask = _token_bitmask(so, sample_req)
+    bitmask, bitmask_rows = _token_bitmask(so, sample_req)
     host = {
         "input_ids": ids_pos[0],
         "positions": ids_pos[1],
@@ -136,7 +136,7 @@ def build_input_batch(
         "sample_num_drafts": layout.sample_num_drafts,
         **{f"sampling.{f}": getattr(sampling, f) for f in SAMPLING_FIELDS},
         **({f"penalties.{f}": getattr(penalties, f) for f in PENALTY_FIELDS} if penalties is not None else {}),
-        **({"token_bitmask": bitmask} if bitmask is not None else {}),
+        **({"token_bitmask": bitmask, "token_bitmask_rows": bitmask_rows} if bitmask is not None else {}),
     }
     dev = stage_to_device(host, device)
     meta = AttentionMetadata(
@@ -163,7 +163,7 @@ def build_input_batch(
         sampling=dataclasses.replace(
             sampling, **{f: dev[f"sampling.{f}"] for f in SAMPLING_FIELDS},
             penalties=None if penalties is None else PenaltyEntries(**{f: dev[f"penalties.{f}"] for f in PENALTY_FIELDS}),
-            token_bitmask=dev.get("token_bitmask"),
+            token_bitmask=dev.get("token_bitmask"), token_bitmask_rows=dev.get("token_bitmask_rows"),
         ),
         num_reqs=num_reqs,
         num_rows=num_rows,
@@ -184,23 +184,25 @@ def _penalties(so: SchedulerOutput, sample_req: list[int], histories: list, para
     return penalty_entries(histories, drafts, params)
 
 
-def _token_bitmask(so: SchedulerOutput, sample_req: list[int]) -> torch.Tensor | None:
-    """[L, ceil(V / 32)] int32 allowed tokens of each logits row (SamplingTensors.token_bitmask):
-    a constrained request's 1 + k rows from its grammar state and drafts
-    (RequestGrammar.fill_bitmask), every other row all ones; None when no request is constrained."""
+def _token_bitmask(so: SchedulerOutput, sample_req: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The token masks of the constrained requests' logits rows (SamplingTensors.token_bitmask):
+    ([C, ceil(V / 32)] int32, each such request's 1 + k rows from its grammar state and drafts,
+    RequestGrammar.fill_bitmask; [C] int64 their logits rows), or (None, None) when no request
+    is constrained."""
     grammars = [so.requests[i].grammar for i in sample_req]
     if all(g is None for g in grammars):
-        return None
-    rows = [so.requests[i].num_spec_tokens + 1 for i in sample_req]
-    vocab_size = next(g for g in grammars if g is not None).vocab_size
-    bitmask = torch.full((sum(rows), bitmask_words(vocab_size)), -1, dtype=torch.int32)
-    start = 0
-    for i, grammar, n in zip(sample_req, grammars, rows):
-        if grammar is not None:
-            token_ids = so.requests[i].token_ids
-            grammar.fill_bitmask(bitmask[start:start + n], token_ids[len(token_ids) - (n - 1):] if n > 1 else [])
-        start += n
-    return bitmask
+        return None, None
+    counts = [so.requests[i].num_spec_tokens + 1 for i in sample_req]
+    starts = list(itertools.accumulate([0] + counts[:-1]))
+    constrained = [j for j, g in enumerate(grammars) if g is not None]
+    rows = [starts[j] + r for j in constrained for r in range(counts[j])]
+    bitmask = torch.empty((len(rows), bitmask_words(grammars[constrained[0]].vocab_size)), dtype=torch.int32)
+    at = 0
+    for j in constrained:
+        n, token_ids = counts[j], so.requests[sample_req[j]].token_ids
+        grammars[j].fill_bitmask(bitmask[at:at + n], token_ids[len(token_ids) - (n - 1):] if n > 1 else [])
+        at += n
+    return bitmask, host_tensor(rows, torch.long)
 
 
 class _Layout(NamedTuple):

@@ -10,6 +10,20 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def apply_token_bitmask_rows_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """`apply_token_bitmask_` on some rows of `logits` only, in place; returns `logits`.
+
+    Args:
+        logits: [N, V] float. bitmask: [C, ceil(V / 32)] int32, the masks of rows `rows`.
+        rows: [C] int64 distinct row indices into `logits` (same device), or None: every row (C = N).
+    A batch with one constrained request masks its 1 + K rows, not the whole batch's [N, V].
+    """
+    if rows is None:
+        return apply_token_bitmask_(logits, bitmask)
+    sub = logits.index_select(0, rows)
+    return logits.index_copy_(0, rows, apply_token_bitmask_(sub, bitmask))
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """Set the logits of disallowed tokens to -inf, in place; returns `logits`.
 

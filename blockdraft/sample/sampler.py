@@ -38,7 +38,7 @@ import torch
 
 from blockdraft.host_tensor import host_tensor
 from blockdraft.layers.fused_ops import argmax as fused_argmax
-from blockdraft.sample.bitmask import apply_token_bitmask_
+from blockdraft.sample.bitmask import apply_token_bitmask_rows_
 from blockdraft.sample.penalties import PenaltyEntries, apply_penalties
 from blockdraft.sampling_params import SamplingParams
 
@@ -412,10 +412,10 @@ class SamplingTensors:
     penalties: presence / frequency / repetition penalty entries over these rows
     (blockdraft.sample.penalties; None: no row has penalties), applied before sampling, greedy
     rows included. `from_params` leaves it None: the runner builds it from the requests' histories.
-    token_bitmask: [N, ceil(V / 32)] int32 allowed tokens per row (blockdraft.sample.bitmask; rows
-    of requests with a structured-output constraint, all bits set elsewhere), or None: no row is
-    constrained. Applied to the logits in place before the penalties, so log-probabilities read the
-    masked logits, as vLLM's do.
+    token_bitmask: [C, ceil(V / 32)] int32 allowed tokens of the rows `token_bitmask_rows` ([C]
+    int64: the rows of requests with a structured-output constraint; None: all N rows)
+    (blockdraft.sample.bitmask), or None: no row is constrained. Applied to the logits in place
+    before the penalties, so log-probabilities read the masked logits, as vLLM's do.
     """
 
     temperature: torch.Tensor
@@ -430,6 +430,7 @@ class SamplingTensors:
     max_top_k: int | None
     penalties: PenaltyEntries | None = None
     token_bitmask: torch.Tensor | None = None
+    token_bitmask_rows: torch.Tensor | None = None
 
     @property
     def argmax_only(self) -> bool:
@@ -532,7 +533,7 @@ class SamplingTensors:
         penalised float32 copy (blockdraft.sample.penalties.apply_penalties).
         """
         if self.token_bitmask is not None:
-            apply_token_bitmask_(logits, self.token_bitmask)
+            apply_token_bitmask_rows_(logits, self.token_bitmask, self.token_bitmask_rows)
         if self.penalties is not None:
             logits = apply_penalties(logits, self.penalties)
         return sample(

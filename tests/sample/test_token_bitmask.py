@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from blockdraft.sample.bitmask import apply_token_bitmask_, bitmask_words
+from blockdraft.sample.bitmask import apply_token_bitmask_, apply_token_bitmask_rows_, bitmask_words
 
 
 def _dense_allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -38,3 +38,15 @@ def test_a_mask_of_one_token_leaves_only_it():
 def test_a_bitmask_that_does_not_fit_is_refused(shape, dtype):
     with pytest.raises(ValueError, match=r"token bitmask must be int32 \[1, 3\] for logits \[1, 70\]"):
         apply_token_bitmask_(torch.zeros(1, 70), torch.zeros(shape, dtype=dtype))
+
+
+def test_masks_of_some_rows_leave_the_others_untouched():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 70, generator=g)
+    want = logits.clone()
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([4, 1])
+    apply_token_bitmask_(want[4:5], bitmask[:1])
+    apply_token_bitmask_(want[1:2], bitmask[1:])
+    assert apply_token_bitmask_rows_(logits, bitmask, rows) is logits and torch.equal(logits, want)
+    assert not torch.isinf(logits[[0, 2, 3, 5]]).any()
