@@ -9,7 +9,7 @@ from blockdraft.sampling_params import SamplingParams
 from blockdraft.server.errors import APIError
 from blockdraft.server.params import chat_prompt
 from blockdraft.server.protocol import ChatCompletionRequest, parse_request
-from tests.server.tiny_model import write_tiny_model
+from tests.server.tiny_model import word, write_tiny_model
 
 ALLOWED = "allowed roles: 'system', 'user', 'assistant'"
 OK = {"role": "user", "content": "w05x w17x"}
@@ -228,3 +228,22 @@ def test_echoed_empty_assistant_keys_are_dropped_in_both(llm):
         llm.chat([OK, {**turn, "tool_calls": [{"id": "c1"}]}])
     with pytest.raises(APIError, match=r"audio is not supported"):
         parse_request(ChatCompletionRequest, {"messages": [{**turn, "audio": {"id": "a"}}]})
+
+
+def test_chat_takes_tools_and_refuses_bad_ones_naming_them(llm):
+    """LLM.chat(tools=...) gives the template the checked tools (vLLM's keyword); bad ones are
+    refused as the server refuses them, before anything is queued."""
+    tool = {"type": "function", "function": {"name": word(44), "parameters": {"type": "object"}}}  # a word of the vocabulary
+    saved = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = saved + "{% for t in tools or [] %} {{ t.function.name }}{% endfor %}"
+    try:
+        with_tools = llm.encode_chat([OK], tools=[tool])
+        assert llm.tokenizer.decode(with_tools).endswith(word(44)) and with_tools != llm.encode_chat([OK])
+        for tools, match in (([tool, tool], rf"tools\[1\]\.function\.name '{word(44)}' is also the name of tools\[0\]"),
+                             ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+                              r"tools\[0\]\.function\.parameters must be a JSON Schema of an object")):
+            with pytest.raises(ValueError, match=match):
+                llm.chat([OK], SamplingParams(max_tokens=2), tools=tools)
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.tokenizer.chat_template = saved
