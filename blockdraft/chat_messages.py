@@ -1,18 +1,27 @@
 """Chat messages: the one check and normalisation of roles, content and names, shared by the
 Python API (`LLM.chat`, `LLM.generate` with conversations) and the server's request models
 (blockdraft.server.protocol), so both give the chat template the same messages; and the one
-rendering through the chat template with vLLM's template controls (render_chat)."""
+rendering through the chat template with vLLM's template controls (render_chat).
+
+Tool use (OpenAI's format): an assistant message may carry `tool_calls` (each {"id", "type":
+"function", "function": {"name", "arguments": JSON text}}; its content may then be null), and a
+"tool" message answers one of them by its `tool_call_id`. Templates get the arguments parsed into a
+dict, as vLLM gives them (Qwen's and Hermes' templates write `arguments | tojson`)."""
 
 from __future__ import annotations
 
+import json
+
 # OpenAI's `developer` role is taken too, given to the chat template as `system` (template_message).
-CHAT_ROLES = ("system", "user", "assistant", "developer")
-MESSAGE_KEYS = ("role", "content", "name")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
 MAX_NAME_CHARS = 256  # longest `name` of a message (OpenAI's participant name)
 # Keys an OpenAI client sends back in a conversation's earlier assistant messages (the SDK's
-# message.model_dump()); null or [] they carry nothing and are dropped, with a value they are refused
-# (no tools here).
-ECHOED_EMPTY_KEYS = ("tool_calls", "refusal", "function_call", "audio", "annotations")
+# message.model_dump()); null or [] they carry nothing and are dropped, with a value they are
+# refused. `tool_calls` null or [] is dropped too (drop_echoed_empty_keys); with calls it is taken.
+ECHOED_EMPTY_KEYS = ("refusal", "function_call", "audio", "annotations")
+TOOL_CALL_KEYS = ("id", "type", "function")
+_TOOL_CALL_SHAPE = '{"id": str, "type": "function", "function": {"name": str, "arguments": "<JSON object text>"}}'
 _CONTENT_SHAPE = "content must be a string or a list of {'type': 'text', 'text': str} parts"
 # apply_chat_template's own arguments: chat_template_kwargs may not set them, so each control is said once, by
 # its own field (vLLM refuses chat_template and tokenize there and lets the others override their fields)
@@ -76,47 +85,125 @@ def content_text(content: str | list) -> str:
     return "\n".join(p["text"] if isinstance(p, dict) else p.text for p in content)
 
 
-def template_message(role: str, content: str | list, name: str | None = None) -> dict:
-    """A checked message as the chat template gets it: {"role", "content"} plus "name" when given.
+def template_message(role: str, content: str | list | None, name: str | None = None,
+                     tool_calls: list[dict] | None = None, tool_call_id: str | None = None) -> dict:
+    """A checked message as the chat template gets it: {"role", "content"} plus "name",
+    "tool_calls" (check_tool_calls' form: arguments parsed) and "tool_call_id" when given.
 
     OpenAI documents `developer` messages as taking the place of `system` messages (for newer
     models); chat templates know only `system`, so a developer message is given as a system one
-    and renders exactly as it. Templates that do not use `name` ignore it (as with vLLM).
+    and renders exactly as it. Templates that do not use `name` ignore it (as with vLLM). A null
+    content (an assistant message with tool_calls) is given as "", which templates can join.
     """
-    out = {"role": "system" if role == "developer" else role, "content": content_text(content)}
+    out = {"role": "system" if role == "developer" else role, "content": "" if content is None else content_text(content)}
     if name is not None:
         out["name"] = name
+    if tool_calls:
+        out["tool_calls"] = tool_calls
+    if tool_call_id is not None:
+        out["tool_call_id"] = tool_call_id
     return out
 
 
 def drop_echoed_empty_keys(message: dict) -> dict:
-    """`message` without its ECHOED_EMPTY_KEYS whose values are null or [] (the dict itself when it
-    has none).
+    """`message` without its ECHOED_EMPTY_KEYS and `tool_calls` whose values are null or [] (the
+    dict itself when it has none).
 
     Raises:
-        ValueError: one of those keys with another value, naming it (tool calls, refusals and
-            audio are not supported).
+        ValueError: one of ECHOED_EMPTY_KEYS with another value, naming it (refusals, audio,
+            annotations and the deprecated function_call are not supported).
     """
-    present = [k for k in ECHOED_EMPTY_KEYS if k in message]
-    if not present:
-        return message
+    present = [k for k in (*ECHOED_EMPTY_KEYS, "tool_calls") if k in message]
     for k in present:
-        if message[k] not in (None, []):
-            raise ValueError(f"{k} is not supported (this server has no tools or audio); send it as null or [], or "
-                             f"leave it out")
-    return {k: v for k, v in message.items() if k not in present}
+        if k == "function_call" and message[k] not in (None, []):
+            raise ValueError("function_call (OpenAI's deprecated form) is not supported; send tool_calls instead")
+        if message[k] not in (None, []) and k != "tool_calls":
+            raise ValueError(f"{k} is not supported in a message; send it as null or [], or leave it out")
+    empty = [k for k in present if message[k] in (None, [])]
+    return {k: v for k, v in message.items() if k not in empty} if empty else message
+
+
+def check_tool_fields(role: str, content, tool_calls, tool_call_id) -> list[dict] | None:
+    """Check a message's tool-use fields against its role; return its tool calls as the chat
+    template gets them (check_tool_calls), or None.
+
+    Rules (OpenAI's): tool_calls only in assistant messages, tool_call_id only in tool messages,
+    which need one (a non-empty string: the id of the call they answer); content may be null (or
+    left out) only in an assistant message with tool_calls.
+    Raises:
+        ValueError: naming the field and what is allowed.
+    """
+    if tool_calls and role != "assistant":
+        raise ValueError(f"tool_calls is only allowed in assistant messages, not in a {role!r} message")
+    if tool_call_id is not None and role != "tool":
+        raise ValueError(f"tool_call_id is only allowed in tool messages, not in a {role!r} message")
+    if role == "tool" and (not isinstance(tool_call_id, str) or not tool_call_id):
+        raise ValueError(f"a tool message needs tool_call_id, the id of the assistant's tool call it answers (a "
+                         f"non-empty string), got {tool_call_id!r:.60}")
+    if content is None and not (role == "assistant" and tool_calls):
+        raise ValueError("content is required: only an assistant message with tool_calls may have null content")
+    return check_tool_calls(tool_calls) if tool_calls else None
+
+
+def check_tool_calls(tool_calls) -> list[dict]:
+    """An assistant message's `tool_calls` in OpenAI's format, checked, as the chat template gets
+    them: [{"id", "type": "function", "function": {"name", "arguments": dict}}]. `arguments` is
+    the JSON text of an object (or, as vLLM also takes it, that object); its parsed object is
+    given, as vLLM gives it (an empty string or null: {}). `type` may be left out.
+
+    Raises:
+        ValueError: not a list of dicts, other keys, a missing or empty id or name, a type other
+            than "function", arguments that are not a JSON object; names tool_calls[j] and the field.
+    """
+    if not isinstance(tool_calls, list):
+        raise ValueError(f"tool_calls must be a list of {_TOOL_CALL_SHAPE}, got {type(tool_calls).__name__}")
+    out = []
+    for j, call in enumerate(tool_calls):
+        where = f"tool_calls[{j}]"
+        if not isinstance(call, dict) or sorted(set(call) - set(TOOL_CALL_KEYS)):
+            raise ValueError(f"{where} must be {_TOOL_CALL_SHAPE}, got {json.dumps(call, default=str)[:100]}")
+        if not isinstance(call.get("id"), str) or not call["id"]:
+            raise ValueError(f"{where}.id must be a non-empty string (the id its tool message answers), got "
+                             f"{call.get('id')!r:.60}")
+        if call.get("type", "function") != "function":
+            raise ValueError(f"{where}.type must be 'function', got {call.get('type')!r:.40}")
+        out.append({"id": call["id"], "type": "function", "function": _checked_function(call.get("function"), where)})
+    return out
+
+
+def _checked_function(function, where: str) -> dict:
+    """A tool call's {"name", "arguments"} with arguments parsed (see check_tool_calls)."""
+    if not isinstance(function, dict) or sorted(set(function) - {"name", "arguments"}):
+        raise ValueError(f"{where}.function must be {{'name': str, 'arguments': '<JSON object text>'}}, got "
+                         f"{json.dumps(function, default=str)[:100]}")
+    name, arguments = function.get("name"), function.get("arguments")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}.function.name must be a non-empty string, got {name!r:.60}")
+    if arguments is None or arguments == "":
+        arguments = {}
+    elif isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as e:
+            raise ValueError(f"{where}.function.arguments is not valid JSON ({e}): {arguments[:80]!r}") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where}.function.arguments must be the JSON text of an object, got "
+                         f"{json.dumps(arguments, default=str)[:80]}")
+    return {"name": name, "arguments": arguments}
 
 
 def template_messages(messages) -> list[dict]:
     """Check a conversation given to the Python API and return its messages as the chat template
     gets them (template_message), accepting what the server accepts: roles system / user /
-    assistant / developer, string or text-part content, an optional string `name` (<=
-    MAX_NAME_CHARS characters), and ECHOED_EMPTY_KEYS when null or [].
+    assistant / developer / tool, string or text-part content, an optional string `name` (<=
+    MAX_NAME_CHARS characters), an assistant's `tool_calls` and a tool message's `tool_call_id`
+    (check_tool_fields), and ECHOED_EMPTY_KEYS when null or [].
 
     Raises:
         ValueError: an empty conversation, or the first bad message, naming its index and value:
-            not a dict, keys other than role / content / name, no "content", bad content, an
-            unsupported role, a bad name.
+            not a dict, keys other than MESSAGE_KEYS, no "content" (only an assistant message with
+            tool_calls may leave it out or null), bad content, an unsupported role, a bad name,
+            bad tool fields.
     """
     if not messages:
         raise ValueError("chat conversation is empty: give at least one message")
@@ -132,16 +219,19 @@ def template_messages(messages) -> list[dict]:
         if extra:
             raise ValueError(f"chat message {i} has keys {extra!r:.80} that are not supported; a message's keys are "
                              f"{', '.join(map(repr, MESSAGE_KEYS))}")
-        if "content" not in message:
+        if "content" not in message and not (message.get("role") == "assistant" and message.get("tool_calls")):
             raise ValueError(f"chat message {i} has no 'content': {message!r:.80}; give "
                              f"{{'role': one of {list(CHAT_ROLES)}, 'content': str}}")
+        content = message.get("content")
         try:
-            check_content_parts(message["content"])
+            if content is not None:
+                check_content_parts(content)
             check_role(message.get("role"))
             _check_name(message.get("name"))
+            calls = check_tool_fields(message["role"], content, message.get("tool_calls"), message.get("tool_call_id"))
         except ValueError as e:
             raise ValueError(f"chat message {i}: {e}") from None
-        out.append(template_message(message["role"], message["content"], message.get("name")))
+        out.append(template_message(message["role"], content, message.get("name"), calls, message.get("tool_call_id")))
     return out
 
 
@@ -155,13 +245,15 @@ def _check_name(name) -> None:
 
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+                continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> list[int]:
     """Token ids of `messages` (as template_messages returns them) through the tokenizer's chat
     template, with vLLM's template controls: add_generation_prompt (end with the assistant cue),
     continue_final_message (leave the last, assistant, message open so the answer continues it;
     needs add_generation_prompt False), chat_template_kwargs (extra template variables, e.g.
-    {"enable_thinking": False}; not apply_chat_template's own arguments, TEMPLATE_CALL_ARGS).
-    The one rendering of the Python API (LLM.chat) and the server (params.chat_prompt).
+    {"enable_thinking": False}; not apply_chat_template's own arguments, TEMPLATE_CALL_ARGS),
+    tools (checked tool definitions, blockdraft.tools.check_tools: the template's `tools`; None or
+    [] renders none). The one rendering of the Python API (LLM.chat) and the server (params.chat_prompt).
 
     Raises:
         ChatTemplateError (a ValueError; .param names the field): the tokenizer has no chat
@@ -187,8 +279,8 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
         raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)} (arguments of the template "
                                 "call, not template variables)", "chat_template_kwargs")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             continue_final_message=continue_final_message, **extra)
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                             tokenize=False, continue_final_message=continue_final_message, **extra)
     except Exception as e:  # jinja2 TemplateError, or raise_exception() inside the template
         # transformers refuses continue_final_message for a template that rewrites the final message
         param = "continue_final_message" if continue_final_message and "continue_final_message" in str(e) else "messages"

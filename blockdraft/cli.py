@@ -255,6 +255,12 @@ def _add_serve_parser(sub, default_model: str) -> None:
     s.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage carries prompt_tokens_details.cached_tokens: prompt tokens served from the prefix "
                         "cache (--enable-prefix-caching; 0 without it), as vLLM's flag (default off)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="chat requests may use tool_choice \"auto\" (the default with tools): --tool-call-parser "
+                        "finds the model's calls in its answer, as vLLM's flag (needs --tool-call-parser)")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="format of the model's tool calls for tool_choice \"auto\": hermes (<tool_call>{...}"
+                        "</tool_call>: Qwen2.5, Hermes)")
     s.set_defaults(func=_serve)
 
 

@@ -10,6 +10,7 @@ import random
 from collections.abc import Iterator
 
 from blockdraft.chat_messages import MESSAGE_KEYS, render_chat, template_messages
+from blockdraft.tools.definitions import check_tools
 from blockdraft.config import (
     DEFAULT_ADMISSION_MAX_WAIT_STEPS,
     default_admission_batch_ratio,
@@ -322,25 +323,31 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = False, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """`generate` for one conversation or a list of conversations (chat template applied), as
         vLLM's `LLM.chat`. An empty list is no conversations and gives [] (as vLLM's LLM.chat);
         [[]] is one empty conversation and is refused.
 
         messages: a conversation (a list of {"role", "content"} dicts; roles system / user /
-            assistant / developer, the last rendered as system; content a str or a list of
-            {"type": "text", "text": str} parts; an optional str "name"), as the server takes
-            them, or a list of conversations.
+            assistant / developer / tool, developer rendered as system; content a str or a list of
+            {"type": "text", "text": str} parts; an optional str "name"; an assistant message's
+            OpenAI `tool_calls`, whose JSON arguments the template gets parsed, and a tool
+            message's `tool_call_id`), as the server takes them, or a list of conversations.
         add_generation_prompt: end the prompt with the template's assistant cue (vLLM's keyword,
             passed on to the chat template); False renders the conversation alone.
         continue_final_message: leave the last message (an assistant one) open, so the answer
             continues it (vLLM's keyword; needs add_generation_prompt=False).
         chat_template_kwargs: extra variables for the chat template (vLLM's keyword), not
             apply_chat_template's own arguments.
+        tools: OpenAI tool definitions ({"type": "function", "function": {"name", "description",
+            "parameters"}}) for the chat template (vLLM's keyword; Qwen2.5's template then asks
+            for <tool_call> blocks). The answer is text: constrain it with
+            SamplingParams(structured_outputs=...) or parse it (blockdraft.tools.parsers).
         Raises:
             ValueError: as `generate`; a message whose role is not one of the allowed ones, with
                 other keys, or without string / text-part content names the message's index and
-                value; a template control the template cannot honour
+                value; bad tool fields of a message or bad tools (blockdraft.tools.check_tools:
+                names tools[i] and the field); a template control the template cannot honour
                 (blockdraft.chat_messages.ChatTemplateError: render_chat).
         """
         if not isinstance(messages, (list, tuple)):
@@ -354,29 +361,33 @@ class LLM:
         convs = list(messages) if not messages or isinstance(messages[0], list) else [messages]
         prompts = [self.encode_chat(c, add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message,
-                                    chat_template_kwargs=chat_template_kwargs) for c in convs]
+                                    chat_template_kwargs=chat_template_kwargs, tools=tools) for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm)
         for out, ids in zip(outs, prompts):  # vLLM's output.prompt: the template's text
             out.prompt = self.tokenizer.decode(ids)
         return outs
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
-                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[int]:
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of a conversation through the model's chat template, with the assistant cue
         unless add_generation_prompt is False (the template controls: LLM.chat). Messages are
         checked and given to the template as the server gives them
         (blockdraft.chat_messages.template_messages: developer as system, text parts joined, `name`
-        passed on), and rendered by the server's function (render_chat), so both give the same ids.
+        passed on, tool calls' arguments parsed), and rendered by the server's function
+        (render_chat), so both give the same ids. tools: OpenAI tool definitions for the template
+        (checked as the server checks them: blockdraft.tools.check_tools), or None.
 
         Raises:
             ValueError: an empty conversation or a bad message (blockdraft.chat_messages: the
-                message index, the value, the allowed roles / keys); ChatTemplateError (a
-                ValueError) for what render_chat refuses.
+                message index, the value, the allowed roles / keys); bad tools (names tools[i]);
+                ChatTemplateError (a ValueError) for what render_chat refuses.
         """
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"a chat conversation must be a list of {{'role', 'content'}} dicts, got {_shown(messages)}")
         return render_chat(self.tokenizer, template_messages(messages), add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+                           continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                           tools=None if tools is None else check_tools(tools))
 
     def _tokenize_all(self, prompts) -> list[list[int]]:
         """Token ids of each prompt (see `generate`; `_prompt_list` and the errors)."""
@@ -522,7 +533,7 @@ PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt
 
 
 def _dict_kind(d: dict, where: str) -> str:
-    """"message" for a chat message ({"role", "content"[, "name"]}: a key of MESSAGE_KEYS, none of
+    """"message" for a chat message ({"role", "content", ...}: a key of MESSAGE_KEYS, none of
     PROMPT_KEYS), "prompt" for a prompt dict (exactly one of PROMPT_KEYS, nothing else).
 
     where: how the error names the dict ("prompt 3", "prompts").

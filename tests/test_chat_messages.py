@@ -9,7 +9,7 @@ from blockdraft.sampling_params import SamplingParams
 from blockdraft.server.errors import APIError
 from blockdraft.server.params import chat_prompt
 from blockdraft.server.protocol import ChatCompletionRequest, parse_request
-from tests.server.tiny_model import write_tiny_model
+from tests.server.tiny_model import word, write_tiny_model
 
 ALLOWED = "allowed roles: 'system', 'user', 'assistant'"
 OK = {"role": "user", "content": "w05x w17x"}
@@ -183,14 +183,28 @@ def test_chat_without_a_template_points_to_generate(llm):
     "message, match",
     [
         ({"role": "user", "content": "w05x", "tools": []},
-         r"chat message 0 has keys \['tools'\] that are not supported; a message's keys are 'role', 'content', 'name'"),
-        ({"role": "user", "content": "w05x", "tool_calls": [{"id": "c1"}]}, "chat message 0: tool_calls is not supported"),
+         r"chat message 0 has keys \['tools'\] that are not supported; a message's keys are 'role', 'content', 'name', "
+         r"'tool_calls', 'tool_call_id'"),
+        ({"role": "user", "content": "w05x", "tool_calls": [{"id": "c1"}]},
+         "chat message 0: tool_calls is only allowed in assistant messages, not in a 'user' message"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{x"}}]},
+         r"chat message 0: tool_calls\[0\]\.function\.arguments is not valid JSON"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "[1]"}}]},
+         r"chat message 0: tool_calls\[0\]\.function\.arguments must be the JSON text of an object, got \[1\]"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+         r"chat message 0: tool_calls\[0\]\.id must be a non-empty string"),
+        ({"role": "assistant", "content": None}, "chat message 0: content is required: only an assistant message with "
+                                                 "tool_calls may have null content"),
+        ({"role": "user", "content": "w05x", "tool_call_id": "c1"},
+         "chat message 0: tool_call_id is only allowed in tool messages, not in a 'user' message"),
+        ({"role": "tool", "content": "w05x"}, "chat message 0: a tool message needs tool_call_id"),
         ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
          "chat message 0: content part 0 has type 'image_url', which is not supported; only 'text' parts are"),
         ({"role": "user", "content": [{"type": "text"}]}, r"chat message 0: content part 0 must be \{'type': 'text', 'text': str\}"),
         ({"role": "user", "content": "w05x", "name": 5}, "chat message 0: name must be a string, got int 5"),
         ({"role": "user", "content": "w05x", "name": "x" * 257}, "chat message 0: name must be at most 256 characters, got 257"),
-        ({"role": "tool", "content": "w05x"}, "role 'tool' is not supported; allowed roles: 'system', 'user', 'assistant', 'developer'"),
+        ({"role": "robot", "content": "w05x"},
+         "role 'robot' is not supported; allowed roles: 'system', 'user', 'assistant', 'developer', 'tool'"),
     ],
 )
 def test_api_refuses_what_the_server_refuses(llm, message, match):
@@ -210,7 +224,26 @@ def test_echoed_empty_assistant_keys_are_dropped_in_both(llm):
     assert a.prompt_token_ids == b.prompt_token_ids
     req = parse_request(ChatCompletionRequest, {"messages": [OK, echoed]})
     assert req.messages[1].template_message() == {"role": "assistant", "content": "w03x"}
-    with pytest.raises(ValueError, match=r"chat message 1: tool_calls is not supported"):
+    with pytest.raises(ValueError, match=r"chat message 1: tool_calls\[0\]\.function must be"):
         llm.chat([OK, {**turn, "tool_calls": [{"id": "c1"}]}])
     with pytest.raises(APIError, match=r"audio is not supported"):
         parse_request(ChatCompletionRequest, {"messages": [{**turn, "audio": {"id": "a"}}]})
+
+
+def test_chat_takes_tools_and_refuses_bad_ones_naming_them(llm):
+    """LLM.chat(tools=...) gives the template the checked tools (vLLM's keyword); bad ones are
+    refused as the server refuses them, before anything is queued."""
+    tool = {"type": "function", "function": {"name": word(44), "parameters": {"type": "object"}}}  # a word of the vocabulary
+    saved = llm.tokenizer.chat_template
+    llm.tokenizer.chat_template = saved + "{% for t in tools or [] %} {{ t.function.name }}{% endfor %}"
+    try:
+        with_tools = llm.encode_chat([OK], tools=[tool])
+        assert llm.tokenizer.decode(with_tools).endswith(word(44)) and with_tools != llm.encode_chat([OK])
+        for tools, match in (([tool, tool], rf"tools\[1\]\.function\.name '{word(44)}' is also the name of tools\[0\]"),
+                             ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+                              r"tools\[0\]\.function\.parameters must be a JSON Schema of an object")):
+            with pytest.raises(ValueError, match=match):
+                llm.chat([OK], SamplingParams(max_tokens=2), tools=tools)
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        llm.tokenizer.chat_template = saved

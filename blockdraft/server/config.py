@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from blockdraft.errors import param_error
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
+from blockdraft.server.tool_calls import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,15 @@ class ServerConfig:
     enable_prompt_tokens_details: `usage` carries `prompt_tokens_details: {"cached_tokens": N}`,
         the prompt tokens served from the prefix cache (vLLM's --enable-prompt-tokens-details;
         RequestOutput.num_cached_tokens); off by default, as in vLLM.
+    enable_auto_tool_choice: requests may use tool_choice "auto" (the default with tools): the
+        tool_call_parser finds the calls in the answer (vLLM's --enable-auto-tool-choice; needs
+        tool_call_parser).
+    tool_call_parser: the format of a model's tool calls in free text, one of TOOL_CALL_PARSERS
+        ("hermes": <tool_call>{...}</tool_call>, Qwen2.5 / Hermes), or None.
 
     Raises:
-        ValueError: a limit out of range, naming it.
+        ValueError: a limit out of range, naming it; enable_auto_tool_choice without
+            tool_call_parser; an unknown tool_call_parser.
     """
 
     host: str = "127.0.0.1"
@@ -44,6 +51,8 @@ class ServerConfig:
     max_pending: int = 1024
     log_requests: bool = True
     enable_prompt_tokens_details: bool = False
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         # param_error: `blockdraft serve` then names the flag ("max_n (--max-n) must be >= 1, got 0")
@@ -59,6 +68,12 @@ class ServerConfig:
                 raise param_error(name, f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_logprobs < 0:
             raise param_error("max_logprobs", f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise param_error("tool_call_parser", f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                                                  f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise param_error("enable_auto_tool_choice", "enable_auto_tool_choice needs tool_call_parser (--tool-call-parser "
+                                                         "hermes): the format in which the model writes its tool calls")
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ def config_from_args(args) -> ServerConfig:
         max_pending=args.max_pending,
         log_requests=not args.no_request_log,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

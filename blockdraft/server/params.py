@@ -16,7 +16,9 @@ from blockdraft.sampling_params import SamplingParams
 from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError
 from blockdraft.server.protocol import ChatCompletionRequest, CompletionRequest
+from blockdraft.server.tool_calls import ToolPlan
 from blockdraft.structured.params import StructuredOutputsParams
+from blockdraft.tools.definitions import required_calls_schema, tool_parameters
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -42,8 +44,11 @@ class Plan:
     response_role: chat's message / delta role: "assistant", or with add_generation_prompt false
         the last message's role (vLLM's get_chat_request_role: the answer continues that turn).
     constraint_field: the request field whose output constraint every choice follows
-        ("structured_outputs" or "response_format"; params[i].structured_outputs), else None:
-        where engine_refusal points a constraint the engine cannot compile.
+        ("structured_outputs", "response_format", or for a tool_choice "tools[i].function.parameters"
+        / "tools"; params[i].structured_outputs), else None: where engine_refusal points a
+        constraint the engine cannot compile.
+    tool_calls: chat's tool_choice plan (named, required or auto: each choice's text becomes
+        tool calls, server.tool_calls), else None (plain text).
     """
 
     prompts: list[list[int]]
@@ -56,6 +61,7 @@ class Plan:
     response_role: str = "assistant"
     n: int = 1
     constraint_field: str | None = None
+    tool_calls: ToolPlan | None = None
 
 
 def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> list[list[int]]:
@@ -107,7 +113,8 @@ def chat_prompt(req, tokenizer, add_generation_prompt: bool | None = None) -> li
     with the assistant cue).
 
     Messages reach the template as ChatMessage.template_message() gives them: developer as system,
-    `name` passed on when given.
+    `name` passed on when given, tool calls with their arguments parsed. The request's `tools`
+    reach the template too, whatever its tool_choice ("none" included, as vLLM by default).
 
     Raises:
         APIError(400): whatever render_chat refuses (no chat template; continue_final_message with
@@ -122,7 +129,8 @@ def chat_prompt(req, tokenizer, add_generation_prompt: bool | None = None) -> li
         return render_chat(tokenizer, [m.template_message() for m in req.messages],
                            add_generation_prompt=add_generation_prompt,
                            continue_final_message=getattr(req, "continue_final_message", False),
-                           chat_template_kwargs=getattr(req, "chat_template_kwargs", None))
+                           chat_template_kwargs=getattr(req, "chat_template_kwargs", None),
+                           tools=getattr(req, "tools", None))
     except ChatTemplateError as e:
         raise APIError(400, str(e), param=e.param) from None
 
@@ -138,8 +146,8 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
         APIError(400): `stream_options` without `stream: true`; n / choices / max_tokens / stop /
             logprobs over the server limits; `prompt_logprobs` > 0 with `stream: true`, or over the
             logprobs limit; `min_tokens` > 0 with echo and `max_tokens: 0`; a prompt too long for
-            the context or the KV pool; a constraint structured_outputs refuses; or a value
-            SamplingParams refuses.
+            the context or the KV pool; a constraint structured_outputs refuses; a tool_choice
+            tool_plan refuses; or a value SamplingParams refuses.
     """
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
@@ -154,9 +162,13 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
     stop = _stop_strings(req.stop, config)
     logprobs = _logprobs(req, config, model)
     constraint, constraint_field = structured_outputs(req)
+    tools = tool_plan(req, config, constraint_field) if isinstance(req, ChatCompletionRequest) else None
+    if tools is not None and tools.constraint is not None:
+        constraint, constraint_field = tools.constraint, tools.constraint_field
     echo = isinstance(req, CompletionRequest) and bool(req.echo)
     plan = Plan([], [], sum(len(p) for p in prompts), echo=echo, prompt_only=echo and req.max_tokens == 0,
-                prompt_logprobs=_prompt_logprobs(req, config, model), n=n, constraint_field=constraint_field)
+                prompt_logprobs=_prompt_logprobs(req, config, model), n=n, constraint_field=constraint_field,
+                tool_calls=tools)
     if isinstance(req, ChatCompletionRequest) and not req.add_generation_prompt:
         plan.response_role = req.messages[-1].role
     if plan.prompt_only and req.min_tokens:  # the engine runs max_tokens 1 here: check against what was sent
@@ -167,7 +179,7 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
         max_tokens = _max_tokens(req, len(ids), config, model, i, asked=1 if plan.prompt_only else None)
         # one engine request per choice: SamplingParams.completions (choice j of a seeded request: seed + j)
         choices = _sampling_params(req, max_tokens, stop, logprobs, n, model, echo, plan.prompt_logprobs,
-                                   constraint).completions()
+                                   constraint, keep_special=tools is not None and tools.mode == "auto").completions()
         plan.prompts += [ids] * n
         plan.params += choices
     return plan
@@ -175,12 +187,14 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
 
 def _sampling_params(
     req, max_tokens: int, stop: list[str], logprobs: int | None, n: int, model: ModelInfo, echo: bool = False,
-    prompt_logprobs: int | None = None, constraint: StructuredOutputsParams | None = None,
+    prompt_logprobs: int | None = None, constraint: StructuredOutputsParams | None = None, keep_special: bool = False,
 ) -> SamplingParams:
     """The request's SamplingParams for one prompt, its `n` choices included (APIError(400) for a
     value it refuses). The prompt is scored for `echo` with logprobs (that many alternatives) and for
     `prompt_logprobs`, with the larger count (each answer slices its own). constraint: every
-    choice's structured_outputs (`structured_outputs(req)`), or None."""
+    choice's structured_outputs (`structured_outputs(req)` or the tool_choice's), or None.
+    keep_special: the text keeps special tokens (skip_special_tokens False) whatever the request
+    says: tool_choice "auto", as vLLM's hermes parser asks (some models' <tool_call> is special)."""
     scored = [v for v in (logprobs if echo else None, prompt_logprobs) if v is not None]
     for t in req.stop_token_ids or []:
         if not 0 <= t < model.vocab_size:
@@ -198,7 +212,7 @@ def _sampling_params(
             stop_token_ids=req.stop_token_ids,
             ignore_eos=bool(req.ignore_eos),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
-            skip_special_tokens=req.skip_special_tokens is not False,  # null: the default, true
+            skip_special_tokens=req.skip_special_tokens is not False and not keep_special,  # null: the default, true
             spaces_between_special_tokens=req.spaces_between_special_tokens is not False,
             logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0,
@@ -244,15 +258,66 @@ def structured_outputs(req) -> tuple[StructuredOutputsParams | None, str | None]
         raise constraint_error(e, field) from None
 
 
+def tool_plan(req: ChatCompletionRequest, config: ServerConfig, constraint_field: str | None) -> ToolPlan | None:
+    """What the request's tool_choice (ChatCompletionRequest.tool_choice_mode) asks, as vLLM:
+    None for "none" or no tools (plain text); "auto": the server's --tool-call-parser finds the
+    calls in free text; a named function: the answer constrained to its parameters schema;
+    "required": to vLLM's array of calls (server.tool_calls).
+
+    Args:
+        constraint_field: the request's own constraint field (structured_outputs(req)), or None.
+    Raises:
+        APIError(400): "auto" on a server without --enable-auto-tool-choice and
+            --tool-call-parser (as vLLM; says so, and what to send instead); a named or required
+            tool_choice with structured_outputs or a JSON response_format (both constrain the
+            answer); tools whose $defs clash (required).
+    """
+    (mode, name), tools = req.tool_choice_mode, req.tools or []
+    parallel = req.parallel_tool_calls is not False
+    if mode == "none" or not tools:
+        return None
+    if mode == "auto":
+        if not (config.enable_auto_tool_choice and config.tool_call_parser):
+            given = "tool_choice \"auto\"" if req.tool_choice is not None else "tools without tool_choice (default \"auto\")"
+            raise APIError(400, f'{given} needs the server started with --enable-auto-tool-choice and '
+                                f'--tool-call-parser (as vLLM); send tool_choice "none", "required" or '
+                                f'{{"type": "function", "function": {{"name": ...}}}} instead', param="tool_choice")
+        return ToolPlan("auto", parallel=parallel)
+    if constraint_field is not None:
+        what = '"required"' if mode == "required" else f"naming the function {name!r}"
+        raise APIError(400, f"tool_choice {what} constrains the answer to tool calls, so it cannot be combined with "
+                            f"{constraint_field}: drop one of them", param="tool_choice")
+    if mode == "required":
+        try:
+            schema = required_calls_schema(tools, parallel)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tools") from None
+        return ToolPlan("required", parallel=parallel, constraint=_tool_constraint(schema), constraint_field="tools")
+    index = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
+    return ToolPlan("named", name=name, parallel=parallel,
+                    constraint=_tool_constraint(tool_parameters(tools, name)),
+                    constraint_field=f"tools[{index}].function.parameters")
+
+
+def _tool_constraint(schema: dict) -> StructuredOutputsParams:
+    """The constraint of a tool_choice's JSON Schema: objects that list properties take no others
+    unless the schema says so (disable_additional_properties), as vLLM's default backend (xgrammar,
+    strict mode) generates them: a call's arguments are the function's declared parameters."""
+    return StructuredOutputsParams(json=schema, disable_additional_properties=True)
+
+
 def constraint_error(error: Exception, field: str) -> APIError:
     """The 400 for a constraint that StructuredOutputsParams or the engine's grammar compiler
     refused (`error`: their ValueError, whose `.param` is a StructuredOutputsParams field or
     "structured_outputs"; or the ImportError of a server without llguidance), named as the request
-    wrote it: `field` "structured_outputs": param "structured_outputs.<field>" (e.g.
+    wrote it: `field` "tools[i].function.parameters" or "tools" (a tool_choice's constraint): param
+    `field`, and the message's structured_outputs[.json] reads `field`; `field` "structured_outputs": param "structured_outputs.<field>" (e.g.
     "structured_outputs.regex"), the message as it is; `field` "response_format": param
     "response_format", and the message's structured_outputs.json reads
     response_format.json_schema.schema (any other structured_outputs name: response_format)."""
     message, param = str(error), getattr(error, "param", None)
+    if field.startswith("tools"):  # a tool_choice's schema: the tool's parameters ("tools": required's array)
+        return APIError(400, re.sub(r"\bstructured_outputs(\.\w+)?", field, message), param=field)
     if field == "response_format":
         message = re.sub(r"\bstructured_outputs\.json\b", "response_format.json_schema.schema", message)
         return APIError(400, re.sub(r"\bstructured_outputs(\.\w+)?", "response_format", message), param=field)

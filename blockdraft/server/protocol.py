@@ -3,8 +3,8 @@
 Strict: no type coercion ("5" is not an int, true is not a number); unknown fields are refused.
 OpenAI fields this server does not implement are refused with a message naming the field unless
 they carry their neutral value (e.g. `best_of: 1`, `tools: []`, or null), which changes
-nothing; a request class that defines one of them (CompletionRequest.echo) takes it as its own
-field instead. vLLM's `guided_*` fields, removed in its v0.12, are refused with the name of their
+nothing; a request class that defines one of them (CompletionRequest.echo; chat's tools,
+tool_choice and parallel_tool_calls) takes it as its own field instead. vLLM's `guided_*` fields, removed in its v0.12, are refused with the name of their
 replacement (REMOVED_GUIDED_FIELDS). Range checks that depend on the server's limits or the model
 live in params.py, which also turns `response_format` / `structured_outputs` into the engine's
 StructuredOutputsParams.
@@ -22,12 +22,14 @@ from blockdraft.chat_messages import (  # noqa: F401  (MAX_NAME_CHARS: re-export
     MAX_NAME_CHARS,
     check_content_parts,
     check_role,
+    check_tool_fields,
     content_text,
     drop_echoed_empty_keys,
     template_message,
 )
 from blockdraft.server.errors import APIError
 from blockdraft.structured.params import StructuredOutputsParams
+from blockdraft.tools.definitions import check_tool_choice, check_tools, resolve_tool_choice
 
 # field -> its neutral values (accepted because they change nothing; null is always neutral),
 # unless the request class has the field (`echo` is a field of CompletionRequest, not of chat).
@@ -279,25 +281,37 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    """One chat message. Roles: system, developer (rendered as system), user, assistant. Content: a
-    string or text parts. name: OpenAI's optional participant name, passed on to the chat template.
-    tool_calls, refusal, function_call, audio, annotations: only null or [] (clients echo an
-    earlier assistant message whole; chat_messages.ECHOED_EMPTY_KEYS), dropped.
-    Checked and rendered by blockdraft.chat_messages, as the Python API's messages are."""
+    """One chat message. Roles: system, developer (rendered as system), user, assistant, tool.
+    Content: a string or text parts; null (or left out) only in an assistant message with
+    tool_calls. name: OpenAI's optional participant name, passed on to the chat template.
+    tool_calls (assistant): OpenAI's [{"id", "type": "function", "function": {"name", "arguments":
+    JSON text}}], given to the template with the arguments parsed; tool_call_id (tool, required
+    there): the call a tool result answers. refusal, function_call, audio, annotations: only null
+    or [] (clients echo an earlier assistant message whole; chat_messages.ECHOED_EMPTY_KEYS),
+    dropped. Checked and rendered by blockdraft.chat_messages, as the Python API's messages are."""
 
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None
     name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    _template_calls: list[dict] | None = None  # tool_calls as the template gets them (_tool_fields)
 
     @model_validator(mode="before")
     @classmethod
     def _echoed_keys(cls, data: Any) -> Any:
-        return drop_echoed_empty_keys(data) if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        data = drop_echoed_empty_keys(data)
+        if "content" not in data and data.get("role") == "assistant" and data.get("tool_calls"):
+            data = {**data, "content": None}  # OpenAI lets a tool-calling assistant message leave it out
+        return data
 
     @field_validator("content", mode="before")
     @classmethod
     def _content_shape(cls, v: Any) -> Any:
-        check_content_parts(v)
+        if v is not None:
+            check_content_parts(v)
         return v
 
     @field_validator("role")
@@ -305,23 +319,49 @@ class ChatMessage(_Strict):
     def _known_role(cls, v: str) -> str:
         return check_role(v, CHAT_ROLES)
 
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        self._template_calls = check_tool_fields(self.role, self.content, self.tool_calls, self.tool_call_id)
+        return self
+
     @property
     def text(self) -> str:
-        return content_text(self.content)
+        return "" if self.content is None else content_text(self.content)
 
     def template_message(self) -> dict:
         """The message as the chat template gets it (blockdraft.chat_messages.template_message):
-        {"role", "content"} plus "name" when given; developer given as system."""
-        return template_message(self.role, self.content, self.name)
+        {"role", "content"} plus "name", "tool_calls" (arguments parsed) and "tool_call_id" when
+        given; developer given as system."""
+        return template_message(self.role, self.content, self.name, self._template_calls, self.tool_call_id)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class _ToolsRequest(_Strict):
+    """`tools` (OpenAI's function definitions, given to the chat template), shared by chat
+    completions and /tokenize. Checked by blockdraft.tools.check_tools (unique names, parameters a
+    JSON Schema object); `tools` holds the checked definitions."""
+
+    tools: list[Any] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _checked_tools(cls, v: Any) -> Any:
+        return None if v is None else check_tools(v)
+
+
+class ChatCompletionRequest(_SamplingRequest, _ToolsRequest):
     """/v1/chat/completions. logprobs: return per-token log-probabilities; top_logprobs: how many
     alternatives per token (needs logprobs: true). max_completion_tokens: newer name of max_tokens.
     vLLM's template controls (params.chat_prompt): add_generation_prompt (default true: end with
     the assistant cue), continue_final_message (render the last, assistant, message open so the
     answer continues it; needs add_generation_prompt false), chat_template_kwargs (extra variables
-    for the chat template, e.g. {"enable_thinking": false}; not apply_chat_template's own arguments)."""
+    for the chat template, e.g. {"enable_thinking": false}; not apply_chat_template's own arguments).
+
+    Tool calling (OpenAI's, as vLLM): `tools` (see _ToolsRequest), `tool_choice` ("none", "auto",
+    "required" or {"type": "function", "function": {"name": ...}}; default "auto" with tools, else
+    "none"; anything but "none" needs `tools`, a named function one of them), parallel_tool_calls
+    (false: at most one call). `tool_choice_mode` is the choice in effect (resolve_tool_choice):
+    ("none" | "auto" | "required" | "named", the named function or None); params.tool_plan acts
+    on it."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
@@ -330,13 +370,33 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    _tool_choice_mode: tuple[str, str | None] = ("none", None)
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, v: Any) -> Any:
+        return None if v is None else check_tool_choice(v)
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_its_tool(self) -> "ChatCompletionRequest":
+        try:
+            self._tool_choice_mode = resolve_tool_choice(self.tools, self.tool_choice)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        return self
+
+    @property
+    def tool_choice_mode(self) -> tuple[str, str | None]:
+        return self._tool_choice_mode
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_ToolsRequest):
     """POST /tokenize (vLLM's): exactly one of `prompt` (text, as /v1/completions encodes it;
     add_special_tokens default true) and `messages` (a conversation through the chat template, as
     /v1/chat/completions renders it, with its template controls add_generation_prompt (default
-    true), continue_final_message and chat_template_kwargs). return_token_strs: also each token's
+    true), continue_final_message and chat_template_kwargs, and `tools`). return_token_strs: also each token's
     string (the tokenizer's convert_ids_to_tokens)."""
 
     model: str | None = None

@@ -28,6 +28,7 @@ from blockdraft.server.errors import APIError, error_body, model_not_found
 from blockdraft.server.http import ClientDisconnected, EventStreamResponse, read_json_object, until_disconnect
 from blockdraft.server.params import Plan, build_plan, chat_prompt, completion_prompts, echo_texts, engine_refusal
 from blockdraft.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from blockdraft.server.tool_calls import ToolStream
 
 logger = logging.getLogger("blockdraft.server")
 
@@ -61,11 +62,14 @@ class _Cursor:
     see CompletionFormat.chunk_choice). echo: the prompt text a completions `echo` stream still has
     to send (its first chunk carries it, with the prompt's logprobs); base: its length once sent
     (the completion's text_offset values follow it). params: the choice's SamplingParams (its
-    text's decoding flags, which completions' text_offset follows).
+    text's decoding flags, which completions' text_offset follows). tools: chat's tool-call parsing
+    of this choice (a ToolStream, when the request's tool_choice asks for calls), else None.
     """
 
-    def __init__(self, holdback: int, echo: str | None = None, params: SamplingParams | None = None) -> None:
+    def __init__(self, holdback: int, echo: str | None = None, params: SamplingParams | None = None,
+                 tools: ToolStream | None = None) -> None:
         self.holdback = holdback
+        self.tools = tools
         self.echo = echo
         self.params = params if params is not None else SamplingParams()  # None: the default flags
         self.base = 0
@@ -173,10 +177,14 @@ class ChatFormat:
     def choice(self, ctx: ServerContext, index: int, out: RequestOutput, plan: Plan) -> dict:
         """Choice `index` of a whole response: the assistant `message` with `out`'s text, its
         `logprobs` object when asked (else None), finish_reason and stop_reason; the message's role
-        is plan.response_role (chat carries prompt_logprobs at the top level, not per choice)."""
+        is plan.response_role (chat carries prompt_logprobs at the top level, not per choice).
+        With a tool_choice plan (plan.tool_calls) the text becomes the message's tool_calls and
+        content, and finish_reason follows vLLM's (server.tool_calls.ToolPlan.message)."""
         logprobs = None if out.logprobs is None else R.chat_logprobs(out.logprobs, ctx.token_text)
-        message = {"role": plan.response_role, "content": out.text}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason,
+        message, finish = {"role": plan.response_role, "content": out.text}, out.finish_reason
+        if plan.tool_calls is not None:
+            message, finish = plan.tool_calls.message(plan.response_role, out.text, out.finish_reason)
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": out.stop_reason}
 
     def first_chunk_choice(self, index: int, plan: Plan) -> dict | None:
@@ -184,13 +192,21 @@ class ChatFormat:
                 "stop_reason": None}
 
     def chunk_choice(self, ctx, index: int, cursor: _Cursor, delta: str, entries, finish: str | None,
-                     out: RequestOutput) -> dict:
+                     out: RequestOutput) -> dict | None:
         """The choice of one stream chunk: `delta` (the new text, {} when none), the logprob
         `entries` of this chunk's tokens (None: not asked), `finish` (None until the last chunk)
-        and, with it, the stop_reason. Never None: chat sends every chunk it is given (`cursor`
-        is unused; the completions format needs it)."""
+        and, with it, the stop_reason. Without tool calls never None: chat sends every chunk it is
+        given. With tool calls (cursor.tools) the new text goes through the choice's parser: the
+        delta carries the content and tool_calls items it completes, finish_reason follows vLLM's
+        (ToolStream.delta), and a chunk with nothing to say (text held back, no logprobs) is None."""
         logprobs = None if entries is None else R.chat_logprobs(entries, ctx.token_text)
-        return {"index": index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs, "finish_reason": finish,
+        if cursor.tools is None:
+            message = {"content": delta} if delta else {}
+        else:
+            message, finish = cursor.tools.delta(delta, finish)
+            if not message and logprobs is None and finish is None:
+                return None
+        return {"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish,
                 "stop_reason": _stop_reason(finish, out)}
 
 
@@ -293,7 +309,8 @@ class Serving:
         # vLLM's continuous_usage_stats: each chunk with a choice carries that choice's usage so far
         continuous = req.continuous_usage
         holdback = max((len(s) for s in plan.params[0].stop), default=1) - 1
-        cursors = [_Cursor(holdback, plan.prompt_texts[i] if plan.echo else None, plan.params[i])
+        cursors = [_Cursor(holdback, plan.prompt_texts[i] if plan.echo else None, plan.params[i],
+                           None if plan.tool_calls is None else ToolStream(plan.tool_calls))
                    for i in range(len(plan.prompts))]
         finals: dict[int, RequestOutput] = {}
         for i in range(len(cursors)):

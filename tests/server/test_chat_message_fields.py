@@ -32,8 +32,8 @@ def tokenizer(request, tmp_path_factory):
     return load_tokenizer(resolve_model_path(request.param))
 
 
-def _prompt(tokenizer, messages) -> list[int]:
-    return chat_prompt(parse_request(ChatCompletionRequest, {"messages": messages}), tokenizer)
+def _prompt(tokenizer, messages, **fields) -> list[int]:
+    return chat_prompt(parse_request(ChatCompletionRequest, {"messages": messages, **fields}), tokenizer)
 
 
 def _conv(first_role: str, **first_fields):
@@ -88,8 +88,9 @@ def test_bad_name_is_refused_naming_the_field(name, match):
 
 
 def test_unknown_roles_are_still_refused_and_the_allowed_ones_listed():
-    with pytest.raises(APIError, match="role 'tool' is not supported; allowed roles: 'system', 'user', 'assistant', 'developer'"):
-        parse_request(ChatCompletionRequest, {"messages": [{"role": "tool", "content": "w05x"}]})
+    with pytest.raises(APIError, match="role 'robot' is not supported; allowed roles: 'system', 'user', 'assistant', "
+                                       "'developer', 'tool'"):
+        parse_request(ChatCompletionRequest, {"messages": [{"role": "robot", "content": "w05x"}]})
 
 
 # The Python API (LLM.encode_chat, which LLM.chat and LLM.generate use) renders what the server
@@ -100,7 +101,13 @@ PARITY = {
                    {"role": "user", "content": [{"type": "text", "text": f"{word(12)} {word(40)}"}]}],
     "name": [{"role": "user", "content": word(12), "name": word(7)}, {"role": "assistant", "content": word(13)},
              {"role": "user", "content": word(14)}],
+    "tool-call": [{"role": "user", "content": word(12)},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                  {"role": "tool", "tool_call_id": "call-1", "content": word(20)}],
 }
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 def _api_prompt(tokenizer, messages, **kw) -> list[int]:
@@ -114,6 +121,21 @@ def _api_prompt(tokenizer, messages, **kw) -> list[int]:
 @pytest.mark.parametrize("case", sorted(PARITY))
 def test_python_api_renders_the_same_prompt_ids_as_the_server(tokenizer, case):
     assert _api_prompt(tokenizer, PARITY[case]) == _prompt(tokenizer, PARITY[case])
+
+
+def test_python_api_renders_tools_and_tool_calls_as_the_server_does(tokenizer):
+    """Tools and a tool-call turn with its result reach the template the same way from LLM.chat's
+    messages and the server's request; the template gets the call's arguments parsed (Qwen's writes
+    `arguments | tojson`: an object, not a quoted string)."""
+    api = _api_prompt(tokenizer, PARITY["tool-call"], tools=[WEATHER_TOOL])
+    assert api == _prompt(tokenizer, PARITY["tool-call"], tools=[WEATHER_TOOL])
+    if tokenizer.chat_template.startswith("{% for m in messages %}"):
+        return  # the tiny template renders neither tools nor calls
+    text = tokenizer.decode(api)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert f"<tool_response>\n{word(20)}\n</tool_response>" in text
+    assert _api_prompt(tokenizer, PARITY["tool-call"]) != api  # without tools: no tools section
 
 
 def test_python_api_passes_name_on_as_the_server_does(tokenizer):

@@ -107,3 +107,16 @@ def test_max_model_len_is_passed_to_the_engine(monkeypatch):
         assert main([*argv, "--max-model-len", "300"]) == 2
         assert main(argv) == 2
     assert seen == [300, None, 300, None]
+
+
+def test_serve_refuses_auto_tool_choice_without_a_parser(capsys):
+    """vLLM's rule: --enable-auto-tool-choice needs --tool-call-parser; refused before the model loads."""
+    from blockdraft.cli import _parser, main
+    from blockdraft.server.launch import config_from_args
+
+    assert main(["serve", "--model", "/nonexistent-model", "--enable-auto-tool-choice"]) == 2
+    err = capsys.readouterr().err
+    assert ("enable_auto_tool_choice (--enable-auto-tool-choice) needs tool_call_parser (--tool-call-parser hermes)"
+            in err and "nonexistent" not in err), err
+    config = config_from_args(_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
+    assert config.enable_auto_tool_choice and config.tool_call_parser == "hermes"
