@@ -55,7 +55,7 @@ def test_the_trial_prompt_runs(llm):
         ([{"prompt": TEXT, "multi_modal_data": {}}],
          r"prompt 0 is a dict with keys \['prompt', 'multi_modal_data'\]: \['multi_modal_data'\] not supported "
          r"\(text-only prompts\); a prompt dict has exactly one of \['prompt', 'prompt_token_ids'\]; a chat message has "
-         r"\['role', 'content', 'name'\]"),
+         r"\['role', 'content', 'name', 'tool_calls', 'tool_call_id'\]"),
         ([{"prompt": TEXT, "role": "user"}],
          r"prompt 0 is a dict with keys \['prompt', 'role'\], both prompt and chat-message keys: a prompt dict"),
         ([{"text": TEXT}], r"prompt 0 is a dict with keys \['text'\], neither a prompt nor a chat message: a prompt dict"),
