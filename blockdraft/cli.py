@@ -164,9 +164,10 @@ def _parser() -> argparse.ArgumentParser:
                         "--max-tokens (default 0; vLLM's min_tokens)")
     g.add_argument("--structured-outputs", default=None, metavar="JSON",
                    help="constrain the answer, as vLLM's structured_outputs: a JSON object with one of json (a JSON "
-                        "Schema), regex, choice (a list of strings), grammar (Lark or GBNF) or json_object (true), "
-                        "e.g. '{\"choice\": [\"yes\", \"no\"]}'; the answer ends when the constraint is "
-                        "complete (default: none)")
+                        "Schema), regex, choice (a list of strings), grammar (Lark or GBNF), json_object (true) or "
+                        "structural_tag, and for JSON the options disable_any_whitespace, "
+                        "disable_additional_properties, whitespace_pattern; e.g. '{\"choice\": [\"yes\", \"no\"]}'; "
+                        "the answer ends when the constraint is complete (default: none)")
     add_dtype_flag(g)
     add_cache_dir_flag(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")

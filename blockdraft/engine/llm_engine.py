@@ -102,7 +102,7 @@ class LLMEngine:
         params = params.for_request(self.seed_rng)  # unseeded: its own seed (vLLM: independent samples)
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         if params.structured_outputs is not None:
-            req.grammar = self._grammar_compiler().matcher(params.structured_outputs)
+            req.grammar = self._grammar_compiler().matcher(params.structured_outputs, block_eos=params.ignore_eos)
         self.scheduler.add_request(req)
         self._requests[request_id] = req
         detok = (IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
@@ -358,14 +358,15 @@ class LLMEngine:
 
     def _advance_grammar(self, req: Request, tokens: list[int], end: int, reason: str | None) -> tuple[int, str | None]:
         """Advance `req`'s grammar over tokens[:end] -> (end, reason): cut after the token that
-        completes it ("stop"), or before one it refuses ("abort", logged: only a row whose every
-        allowed token was masked, e.g. by min_tokens, samples one)."""
+        completes it ("stop"), or before one it refuses ("abort", logged without its text: a row
+        whose every allowed token was masked, e.g. by min_tokens, samples one, and llguidance
+        refuses the special token it allows for a grammar that spells that token's text)."""
         n, complete = req.grammar.advance(tokens[:end])
         if complete:
             return n, "stop"
         if n < end:
-            logger.warning("request %s: token %d breaks its structured-output grammar (%s); ending it",
-                           req.request_id, tokens[n], req.grammar.error or "no token was allowed")
+            logger.warning("request %s: output token id %d (position %d) breaks its structured-output grammar; "
+                           "ending it (finish_reason abort)", req.request_id, tokens[n], len(req.output_token_ids) + n)
             return n, "abort"
         return end, reason
 

@@ -49,14 +49,23 @@ def grammar_source(params: StructuredOutputsParams) -> str:
         return _json_grammar(params, {"type": "object"} if kind == "json_object" else params.json)
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(params.regex)
-    if kind == "choice":
-        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in params.choice))
+    if kind == "choice":  # a regex: a Lark rule of N alternatives stops working at llguidance's 2,000 items
+        return llg.LLMatcher.grammar_from_regex("|".join(_regex_literal(c) for c in params.choice))
     if kind == "grammar":
         try:
             return llg.grammar_from("grammar", params.grammar)
         except ValueError as e:
             raise param_error("grammar", f"structured_outputs.grammar: {e}") from None
     return _structural_tag_grammar(params)
+
+
+# the characters that mean something in a (Rust `regex`) pattern; every other one stands for itself
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def _regex_literal(text: str) -> str:
+    """A regex matching exactly `text`."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
 
 
 def _json_grammar(params: StructuredOutputsParams, schema) -> str:
@@ -95,12 +104,15 @@ def _structural_tag_grammar(params: StructuredOutputsParams) -> str:
     if not isinstance(triggers, list) or not isinstance(structures, list) or not structures:
         raise param_error("structural_tag", "structured_outputs.structural_tag needs a list of `triggers` and a "
                                             "non-empty list of `structures` ({begin, schema, end})")
+    if not all(isinstance(t, str) and t for t in triggers):
+        raise param_error("structural_tag", f"structural_tag triggers must be non-empty strings, got {triggers!r:.80}")
     tags = []
     for s in structures:
-        if not isinstance(s, dict) or not {"begin", "schema", "end"} <= s.keys():
-            raise param_error("structural_tag", f"each structural_tag structure needs begin, schema and end, "
-                                                f"got {s!r:.80}")
-        trigger = next((t for t in triggers if isinstance(t, str) and s["begin"].startswith(t)), None)
+        if (not isinstance(s, dict) or not {"begin", "schema", "end"} <= s.keys() or not isinstance(s["schema"], dict)
+                or not all(isinstance(s[k], str) and s[k] for k in ("begin", "end"))):
+            raise param_error("structural_tag", f"each structural_tag structure needs begin and end (non-empty "
+                                                f"strings) and schema (an object), got {s!r:.80}")
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
         if trigger is None:
             raise param_error("structural_tag", f"structural_tag: no trigger starts the begin string "
                                                 f"{s['begin']!r} (triggers {triggers!r:.80})")
@@ -139,7 +151,7 @@ class GrammarCompiler:
         except ValueError as e:
             raise param_error("structured_outputs", f"structured_outputs cannot use this tokenizer "
                                                     f"({type(tokenizer).__name__}): {e}") from None
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         # StructuredOutputsParams.key() -> a matcher at the start (most recent last); requests get copies
         self._templates: dict[str, object] = {}
         self._lock = threading.Lock()  # a server compiles in a worker thread while the engine thread copies
@@ -153,9 +165,11 @@ class GrammarCompiler:
         """
         self._template(params)
 
-    def matcher(self, params: StructuredOutputsParams) -> "RequestGrammar":
-        """A fresh grammar state for one request: a copy of the compiled one (raises as `check`)."""
-        return RequestGrammar(self._template(params).deep_copy(), self.vocab_size)
+    def matcher(self, params: StructuredOutputsParams, block_eos: bool = False) -> "RequestGrammar":
+        """A fresh grammar state for one request: a copy of the compiled one (raises as `check`).
+        block_eos: mask the EOS ids while the grammar can go on (SamplingParams.ignore_eos)."""
+        return RequestGrammar(self._template(params).deep_copy(), self.vocab_size,
+                              self.eos_token_ids if block_eos else ())
 
     def _template(self, params: StructuredOutputsParams):
         """The compiled matcher of `params`, from a cache of the last COMPILE_CACHE_SIZE constraints."""
@@ -202,10 +216,13 @@ class RequestGrammar:
     Args:
         matcher: llguidance.LLMatcher at the start of the output.
         vocab_size: V, the logits width its masks cover.
+        blocked_eos: EOS ids masked while the grammar is not complete (a request with ignore_eos:
+            it then runs until its grammar allows nothing but EOS, instead of sampling an EOS the
+            grammar would end on); () for none.
     """
 
-    def __init__(self, matcher, vocab_size: int) -> None:
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, blocked_eos: tuple[int, ...] = ()) -> None:
+        self.matcher, self.vocab_size, self.blocked_eos = matcher, vocab_size, blocked_eos
 
     def fill_bitmask(self, out: torch.Tensor, drafts: list[int]) -> None:
         """Write the masks of one sampling request's logits rows.
@@ -237,6 +254,10 @@ class RequestGrammar:
     def _fill_row(self, out: torch.Tensor, row: int) -> None:
         view = out[row]
         self.matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+        if self.blocked_eos and not self.matcher.is_stopped():
+            for t in self.blocked_eos:  # clear bit t % 32 of word t // 32 (as an int32: bit 31 is the sign)
+                bit = t % 32
+                view[t // 32] &= ~(1 << bit) if bit < 31 else 2**31 - 1
 
     def steer_drafts(self, drafts: list[int]) -> list[int]:
         """The drafts with each one the grammar forces put in its place (SGLang's jump-forward

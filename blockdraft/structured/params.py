@@ -32,7 +32,8 @@ class StructuredOutputsParams:
     Options (JSON only): disable_any_whitespace: no whitespace between JSON tokens (default: any
     JSON whitespace). disable_additional_properties: objects whose schema lists `properties` take no
     others unless the schema says so (JSON Schema's default allows them). whitespace_pattern: a
-    regex for the whitespace allowed between JSON tokens instead.
+    regex for the whitespace allowed between JSON tokens instead. disable_fallback: accepted as in
+    vLLM; there is one backend (llguidance), so nothing ever falls back.
 
     Raises:
         ValueError: none or several constraints, or a field of the wrong type (names the field).
@@ -47,6 +48,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    disable_fallback: bool = False
 
     def __post_init__(self) -> None:
         self.verify()
@@ -79,7 +81,7 @@ class StructuredOutputsParams:
                 raise param_error("choice", f"structured_outputs.choice must be a non-empty list of non-empty "
                                             f"strings, got {self.choice!r:.80}")
             self.choice = list(self.choice)
-        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise param_error(name, f"structured_outputs.{name} must be True or False, got {value!r}")
@@ -91,9 +93,16 @@ class StructuredOutputsParams:
         return next(f for f in CONSTRAINT_FIELDS if getattr(self, f) not in (None, False))
 
     def key(self) -> str:
-        """A string equal for equal constraints (the compile cache's key)."""
+        """A string equal for equal constraints (the compile cache's key).
+
+        Raises:
+            ValueError: a JSON value nested too deeply to serialise (Python's recursion limit).
+        """
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        return json.dumps(fields, sort_keys=True, default=str)
+        try:
+            return json.dumps(fields, sort_keys=True, default=str)
+        except RecursionError:
+            raise param_error(self.kind, f"structured_outputs.{self.kind} is nested too deeply") from None
 
 
 def structured_outputs_from_json(text: str) -> StructuredOutputsParams:

@@ -133,3 +133,16 @@ def test_tokens_the_grammar_forces_are_drafted_and_accepted(target):
     oracle.engine = llm.engine
     assert _outs(llm.generate(prompts, params)) == _outs(plain)
     assert llm.engine.stats.spec.acceptance_length > 7
+
+
+def test_ignore_eos_runs_the_grammar_to_its_end(target):
+    """With ignore_eos the EOS ids are masked until the grammar is complete: "[a-e]{3,12}" gives
+    12 letters (the tiny model would take EOS after 3), speculation or not."""
+    prompts = random_prompts(3, seed=14)
+    params = SamplingParams(max_tokens=30, ignore_eos=True, logit_bias={EOS_ID: 50.0},
+                            structured_outputs=SO(regex="[a-e]{3,12}"))
+    plain = make_llm(target).generate(prompts, params)
+    assert all(len(o.text) == 12 and o.finish_reason == "stop" for o in plain)
+    unblocked = make_llm(target).generate(prompts, dataclasses.replace(params, ignore_eos=False))
+    assert all(len(o.text) == 3 for o in unblocked)  # EOS as soon as the grammar allows it
+    assert _outs(_dflash_llm(target, 3).generate(prompts, params)) == _outs(plain)

@@ -94,6 +94,12 @@ def test_constraints_compile_once(compiler, monkeypatch):
     (SO(grammar="root ::= ("), ["structured_outputs.grammar"]),
     (SO(json={"type": "object", "properties": {"a": {"type": "no-such-type"}}}), ["structured_outputs.json is invalid"]),
     (SO(structural_tag={"triggers": ["<f"]}), ["structural_tag", "structures"]),
+    (SO(structural_tag={"triggers": ["<a"], "structures": [{"begin": 1, "schema": {}, "end": "x"}]}),
+     ["needs begin and end (non-empty strings) and schema (an object)"]),
+    (SO(structural_tag={"triggers": [""], "structures": [{"begin": "", "schema": {}, "end": "x"}]}),
+     ["triggers must be non-empty strings"]),
+    (SO(structural_tag={"triggers": ["<a"], "structures": [{"begin": "<a>", "schema": {}, "end": None}]}),
+     ["needs begin and end"]),
     (SO(structural_tag={"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": {"type": "foo"}, "end": "</f>"}]}),
      ["structured_outputs.structural_tag (the schema of '<f>') is invalid", "foo"]),
     (SO(structural_tag={"triggers": ["<g"], "structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}]}),
@@ -105,6 +111,37 @@ def test_bad_constraints_raise_naming_the_field(compiler, so, words):
     for w in words:
         assert w in str(e.value)
     assert e.value.param == so.kind
+
+
+def test_a_choice_of_thousands_and_of_regex_characters(compiler):
+    """Choices compile as one regex (a Lark rule of 2,000 alternatives stopped working), each
+    string literal, regex characters included."""
+    many = compiler.matcher(SO(choice=[f"option {i}" for i in range(3000)]))
+    assert many.advance(T("option 2999")) == (11, True)
+    odd = ["a.b|c (d)", "x\\y", "a-b~c#d&e$", "[^]*"]
+    for text in odd:
+        assert compiler.matcher(SO(choice=odd)).advance(T(text)) == (len(text), True), text
+    assert compiler.matcher(SO(choice=odd)).advance(T("abb")) == (1, False)  # "a.b" is no wildcard
+
+
+def test_ignore_eos_masks_eos_until_the_grammar_is_complete(compiler):
+    plain, blocked = (compiler.matcher(SO(regex="[0-9]{1,3}"), block_eos=b) for b in (False, True))
+    digits = set(T("0123456789"))
+    assert _rows(plain, T("12")) == [digits, digits | {EOS_ID}, digits | {EOS_ID}]
+    assert _rows(blocked, T("12")) == [digits, digits, digits]
+    assert blocked.advance(T("123")) == (3, True)
+    assert _rows(blocked, []) == [{EOS_ID}]  # complete: EOS is all that is left
+
+
+def test_blocking_an_id_in_a_words_top_bit():
+    """Token ids 31 mod 32 sit in an int32 word's sign bit."""
+    from blockdraft.structured.grammar import RequestGrammar
+
+    g = GrammarCompiler(make_ascii_tokenizer(), VOCAB, (T(">")[0], EOS_ID)).matcher(SO(regex="a>?"), block_eos=True)
+    assert T(">")[0] % 32 == 31
+    assert g.advance(T("a")) == (1, False)
+    assert _rows(g, []) == [set()]  # ">" and EOS were the only ways on
+    assert isinstance(g, RequestGrammar)
 
 
 def test_a_bad_whitespace_pattern_is_named_as_such(compiler):

@@ -56,6 +56,21 @@ def test_sampling_params_take_it_and_check_it_again():
         SamplingParams(structured_outputs={"choice": ["a"]})
 
 
+def test_a_schema_nested_too_deeply_is_a_value_error():
+    schema = node = {}
+    for _ in range(3000):
+        node["properties"] = {"a": {}}
+        node = node["properties"]["a"]
+    with pytest.raises(ValueError, match="structured_outputs.json is nested too deeply"):
+        StructuredOutputsParams(json=schema).key()
+
+
+def test_disable_fallback_is_taken_as_vllm_takes_it():
+    assert StructuredOutputsParams(regex="a", disable_fallback=True).disable_fallback
+    with pytest.raises(ValueError, match="disable_fallback must be True or False"):
+        StructuredOutputsParams(regex="a", disable_fallback="yes")
+
+
 def test_equal_constraints_share_a_key():
     a = StructuredOutputsParams(json={"b": 1, "a": 2})
     assert a.key() == StructuredOutputsParams(json={"a": 2, "b": 1}).key()
