@@ -182,6 +182,10 @@ class AsyncEngine:
             ValueError: the engine refused a prompt (the group's other requests are dropped).
             ImportError: structured outputs asked of a server without llguidance (dropped too).
         """
+        if any(p.structured_outputs is not None for p in params):
+            # compiled off the engine thread (the engine then copies the grammar state), and first:
+            # nothing may await between the checks below and queueing the requests
+            await asyncio.to_thread(self.engine.prepare_structured_outputs, params)
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         if self._closing is not None:
@@ -189,9 +193,6 @@ class AsyncEngine:
         if self.num_pending + len(prompts) > self.max_pending:
             raise ServerBusyError(f"{self.num_pending} choices are in flight and this request adds {len(prompts)} (limit "
                                   f"{self.max_pending}, --max-pending); retry later")
-        if any(p.structured_outputs is not None for p in params):
-            # compiled off the engine thread: the engine then only copies the grammar state
-            await asyncio.to_thread(self.engine.prepare_structured_outputs, params)
         n = next(self._ids)
         group = RequestGroup([f"{prefix}-{n}-{i}" for i in range(len(prompts))])
         for i, rid in enumerate(group.request_ids):

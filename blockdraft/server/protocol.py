@@ -152,7 +152,8 @@ class StructuredOutputsRequest(_Strict):
     blockdraft.StructuredOutputsParams, which `params()` builds: exactly one of json (a JSON
     Schema object or its JSON text), regex, choice (strings), grammar (Lark or GBNF), json_object
     (true), structural_tag (object or JSON text); options disable_any_whitespace,
-    disable_additional_properties, whitespace_pattern (null = default). Types are checked here,
+    disable_additional_properties, whitespace_pattern, disable_fallback (vLLM's; no effect: one
+    backend) (null = default). Types are checked here,
     the rest by StructuredOutputsParams (params.structured_outputs) and the engine's compiler."""
 
     json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")  # `json` shadows BaseModel.json
@@ -164,6 +165,7 @@ class StructuredOutputsRequest(_Strict):
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = None
+    disable_fallback: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -190,7 +192,7 @@ class StructuredOutputsRequest(_Strict):
             json_object=self.json_object, structural_tag=self.structural_tag,
             disable_any_whitespace=bool(self.disable_any_whitespace),
             disable_additional_properties=bool(self.disable_additional_properties),
-            whitespace_pattern=self.whitespace_pattern,
+            whitespace_pattern=self.whitespace_pattern, disable_fallback=bool(self.disable_fallback),
         )
 
 

@@ -192,6 +192,8 @@ class GrammarCompiler:
             self._validate("whitespace_pattern", _llguidance().LLMatcher.grammar_from_regex(params.whitespace_pattern))
         try:
             source = grammar_source(params)
+        except RecursionError:  # a schema nested past Python's limit (deepcopy, _close_objects)
+            raise param_error(kind, f"structured_outputs.{kind} is nested too deeply") from None
         except (ValueError, TypeError) as e:
             if getattr(e, "param", None):
                 raise

@@ -66,6 +66,8 @@ class StructuredOutputsParams:
                     parsed = json.loads(value)
                 except ValueError as e:
                     raise param_error(name, f"structured_outputs.{name} is not valid JSON ({e}): {value[:80]!r}") from None
+                except RecursionError:
+                    raise param_error(name, f"structured_outputs.{name} is nested too deeply") from None
                 if not isinstance(parsed, dict):
                     raise param_error(name, f"structured_outputs.{name} must be a JSON object, got {value[:80]!r}")
             elif value is not None and not isinstance(value, dict):
@@ -115,6 +117,8 @@ def structured_outputs_from_json(text: str) -> StructuredOutputsParams:
     """
     try:
         fields = json.loads(text)
+    except RecursionError:
+        raise param_error("structured_outputs", "structured_outputs is nested too deeply") from None
     except ValueError as e:
         raise param_error("structured_outputs", f"structured_outputs is not valid JSON ({e}): {text[:80]!r}") from None
     if not isinstance(fields, dict):

@@ -134,12 +134,17 @@ def required_calls_schema(tools: list[dict], parallel: bool = True) -> dict:
     The tools' `$defs` are lifted to the top (their `$ref`s point at the document root).
 
     Raises:
-        ValueError: two tools whose $defs give one name different schemas (names it).
+        ValueError: two tools whose $defs give one name different schemas (names it), or $defs
+            that is not an object.
     """
     options, defs = [], {}
     for tool in tools:
         parameters = copy.deepcopy(tool["function"].get("parameters") or NO_PARAMETERS)
-        for key, schema in parameters.pop("$defs", {}).items():
+        tool_defs = parameters.pop("$defs", None) or {}
+        if not isinstance(tool_defs, dict):
+            raise ValueError(f"tool {tool['function']['name']!r}: parameters.$defs must be an object (name -> "
+                             f"schema), got {tool_defs!r:.60}")
+        for key, schema in tool_defs.items():
             if key in defs and defs[key] != schema:
                 raise ValueError(f"tools define $defs {key!r} with different schemas; tool_choice 'required' needs "
                                  f"one schema per $defs name")

@@ -144,7 +144,7 @@ class RequiredCallsParser:
     def _call(self, element: str) -> CallsDelta:
         try:
             value = json.loads(element)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
             return CallsDelta()
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or "parameters" not in value:
             return CallsDelta()
@@ -238,7 +238,7 @@ def parse_hermes_call(body: str) -> tuple[str, str] | None:
     {"name": non-empty str, "arguments": object (optional)} JSON."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None

@@ -332,6 +332,8 @@ def test_request_fields_become_structured_outputs_params(kind):
         assert _constraint({"structured_outputs": {field: value, "disable_any_whitespace": None}}, kind) == (
             S(**{field: value}), "structured_outputs")
     assert _constraint({"structured_outputs": {"regex": "a+"}, "response_format": {"type": "text"}}, kind)[0] == S(regex="a+")
+    assert _constraint({"structured_outputs": {"regex": "a+", "disable_fallback": True}}, kind)[0] == S(
+        regex="a+", disable_fallback=True)  # vLLM's field, taken (one backend: nothing falls back)
 
 
 def test_each_choice_gets_the_constraint():
@@ -401,3 +403,69 @@ def test_smollm2_json_schema_answer_is_valid_json_under_the_schema():
                           timeout=300).json()
         assert body["choices"][0]["finish_reason"] == "stop", body
         assert isinstance(json.loads(body["choices"][0]["text"]), dict)
+
+
+def _slow_compile_engine(monkeypatch, max_pending: int):
+    """An AsyncEngine over the tiny ASCII model whose constraints take 0.3 s to compile."""
+    import dataclasses
+    import time
+
+    from blockdraft.server.async_engine import AsyncEngine
+    from tests.conftest import make_ascii_tokenizer, make_llm, tiny_target
+
+    llm = make_llm(dataclasses.replace(tiny_target("llama"), tokenizer=make_ascii_tokenizer()))
+    compile_ = llm.engine.prepare_structured_outputs
+    monkeypatch.setattr(llm.engine, "prepare_structured_outputs", lambda p: (time.sleep(0.3), compile_(p)))
+    return AsyncEngine(llm.engine, max_pending=max_pending)
+
+
+def test_max_pending_holds_for_requests_that_compile_a_constraint(monkeypatch):
+    """The checks come after the compile (nothing awaits between them and queueing), so three
+    constrained requests submitted at once to a server admitting two: two in, one ServerBusyError."""
+    import asyncio
+    import time
+
+    from blockdraft.sampling_params import SamplingParams, StructuredOutputsParams
+    from blockdraft.server.async_engine import ServerBusyError
+
+    engine = _slow_compile_engine(monkeypatch, max_pending=2)
+    params = [SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-c]+"))]
+
+    async def run():
+        engine.start()
+        try:
+            results = await asyncio.gather(*(engine.submit([[5, 6]], params, time.time()) for _ in range(3)),
+                                           return_exceptions=True)
+            for r in results:
+                if not isinstance(r, BaseException):
+                    await r.results()
+            return results
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(run())
+    assert sum(isinstance(r, ServerBusyError) for r in results) == 1 and len(results) == 3
+
+
+def test_a_shutdown_during_the_compile_refuses_the_request(monkeypatch):
+    import asyncio
+    import time
+
+    from blockdraft.sampling_params import SamplingParams, StructuredOutputsParams
+    from blockdraft.server.async_engine import EngineDeadError
+
+    engine = _slow_compile_engine(monkeypatch, max_pending=8)
+    params = [SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-c]+"))]
+
+    async def run():
+        engine.start()
+        try:
+            pending = asyncio.ensure_future(engine.submit([[5, 6]], params, time.time()))
+            await asyncio.sleep(0.1)
+            engine.fail_open("the server is shutting down")
+            with pytest.raises(EngineDeadError, match="shutting down"):
+                await asyncio.wait_for(pending, 10)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())

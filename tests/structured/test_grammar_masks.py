@@ -175,3 +175,15 @@ def test_forced_tokens_replace_the_drafts_up_to_the_first_refused_one(compiler):
     assert _rows(g, []) == [set(T("a"))]  # the matcher is where it was
     assert g.advance(T("abcde!")) == (6, True)
     assert g.steer_drafts(T("xy")) == T("xy")  # after the end: nothing to steer
+
+
+def test_schemas_nested_past_pythons_recursion_limit_are_value_errors(compiler):
+    schema = node = {"type": "object"}
+    for _ in range(1200):
+        node["properties"] = {"a": {"type": "object"}}
+        node = node["properties"]["a"]
+    with pytest.raises(ValueError, match="structured_outputs.json is nested too deeply") as e:
+        compiler.check(SO(json=schema, disable_additional_properties=True))  # deepcopy + closing recurse
+    assert e.value.param == "json"
+    with pytest.raises(ValueError, match="structured_outputs.json is nested too deeply"):
+        SO(json="[" * 50_000)  # as JSON text: json.loads recurses

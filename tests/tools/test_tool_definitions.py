@@ -99,3 +99,13 @@ def test_the_schemas_compile_and_constrain(tmp_path):
                                                    disable_additional_properties=True))
     ids = tok.encode('[{"name": "nope"', add_special_tokens=False)
     assert bad.advance(ids)[0] < len(ids)
+
+
+@pytest.mark.parametrize("defs", [None, [1], "x"])
+def test_required_calls_take_defs_only_as_an_object(defs):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": defs}}}
+    if defs is None:  # null: no $defs
+        assert required_calls_schema([tool])["type"] == "array"
+        return
+    with pytest.raises(ValueError, match=r"tool 'f': parameters.\$defs must be an object"):
+        required_calls_schema([tool])

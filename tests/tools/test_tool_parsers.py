@@ -113,3 +113,13 @@ def test_named_parser_streams_arguments_and_an_empty_answer_is_still_a_call():
 def test_required_parser_gives_parameters_as_json_text():
     content, calls = parse_whole(RequiredCallsParser(), '[ {"name": "f", "parameters": {"city": "Zürich"}} ]')
     assert content == "" and calls[0]["function"] == {"name": "f", "arguments": '{"city": "Zürich"}'}
+
+
+def test_answers_nested_past_pythons_recursion_limit_are_not_calls():
+    from blockdraft.tools.parsers import HermesParser, RequiredCallsParser, parse_whole
+
+    deep = "[" * 50_000
+    assert parse_whole(HermesParser(), f"<tool_call>{deep}</tool_call>")[1] == []
+    balanced = deep + "]" * 50_000
+    assert parse_whole(HermesParser(), f"<tool_call>{balanced}</tool_call>")[1] == []
+    assert parse_whole(RequiredCallsParser(), '[{"name": "f", "parameters": ' + balanced + "}]")[1] == []
