@@ -70,17 +70,20 @@ def follows(fields: dict, text: str) -> bool:
 
 
 class GrammarTimer:
-    """Host seconds spent in the grammar (RequestGrammar.fill_bitmask and advance) while active."""
+    """Host seconds spent in the grammar while active: a step's masks (input_batch's
+    fill_bitmasks), advancing over committed tokens and steering drafts (RequestGrammar)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
 
     def __enter__(self) -> "GrammarTimer":
+        from blockdraft.runner import input_batch
         from blockdraft.structured.grammar import RequestGrammar
 
-        self._saved = RequestGrammar.fill_bitmask, RequestGrammar.advance
-        for name, fn in zip(("fill_bitmask", "advance"), self._saved):
-            setattr(RequestGrammar, name, self._timed(fn))
+        self._saved = [(owner, name, getattr(owner, name)) for owner, name in (
+            (input_batch, "fill_bitmasks"), (RequestGrammar, "advance"), (RequestGrammar, "steer_drafts"))]
+        for owner, name, fn in self._saved:
+            setattr(owner, name, self._timed(fn))
         return self
 
     def _timed(self, fn):
@@ -93,9 +96,8 @@ class GrammarTimer:
         return timed
 
     def __exit__(self, *exc) -> None:
-        from blockdraft.structured.grammar import RequestGrammar
-
-        RequestGrammar.fill_bitmask, RequestGrammar.advance = self._saved
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
 
 
 def task_rows(runs: dict, grammar_s: dict, steps: dict) -> list[dict]:

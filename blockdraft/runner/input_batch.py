@@ -24,6 +24,7 @@ from blockdraft.runner.staging import stage_to_device
 from blockdraft.sample.bitmask import bitmask_words
 from blockdraft.sample.penalties import PENALTY_FIELDS, PenaltyEntries, penalty_entries
 from blockdraft.sample.sampler import SamplingTensors
+from blockdraft.structured.grammar import fill_bitmasks
 from blockdraft.sampling_params import SamplingParams
 
 # SamplingTensors' per-row tensors, staged with the batch (in the float32 / int64 copies)
@@ -187,8 +188,8 @@ def _penalties(so: SchedulerOutput, sample_req: list[int], histories: list, para
 def _token_bitmask(so: SchedulerOutput, sample_req: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The token masks of the constrained requests' logits rows (SamplingTensors.token_bitmask):
     ([C, ceil(V / 32)] int32, each such request's 1 + k rows from its grammar state and drafts,
-    RequestGrammar.fill_bitmask; [C] int64 their logits rows), or (None, None) when no request
-    is constrained."""
+    structured.grammar.fill_bitmasks; [C] int64 their logits rows), or (None, None) when no
+    request is constrained."""
     grammars = [so.requests[i].grammar for i in sample_req]
     if all(g is None for g in grammars):
         return None, None
@@ -196,12 +197,13 @@ def _token_bitmask(so: SchedulerOutput, sample_req: list[int]) -> tuple[torch.Te
     starts = list(itertools.accumulate([0] + counts[:-1]))
     constrained = [j for j, g in enumerate(grammars) if g is not None]
     rows = [starts[j] + r for j in constrained for r in range(counts[j])]
-    bitmask = torch.empty((len(rows), bitmask_words(grammars[constrained[0]].vocab_size)), dtype=torch.int32)
-    at = 0
+    bitmask = torch.full((len(rows), bitmask_words(grammars[constrained[0]].vocab_size)), -1, dtype=torch.int32)
+    items, at = [], 0
     for j in constrained:
         n, token_ids = counts[j], so.requests[sample_req[j]].token_ids
-        grammars[j].fill_bitmask(bitmask[at:at + n], token_ids[len(token_ids) - (n - 1):] if n > 1 else [])
+        items.append((grammars[j], at, token_ids[len(token_ids) - (n - 1):] if n > 1 else []))
         at += n
+    fill_bitmasks(items, bitmask)
     return bitmask, host_tensor(rows, torch.long)
 
 

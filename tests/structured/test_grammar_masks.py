@@ -8,7 +8,7 @@ import torch
 from blockdraft import StructuredOutputsParams as SO
 from blockdraft.sample.bitmask import bitmask_words
 from blockdraft.structured import grammar as grammar_mod
-from blockdraft.structured.grammar import GrammarCompiler, _close_objects
+from blockdraft.structured.grammar import GrammarCompiler, _close_objects, fill_bitmasks
 from tests.conftest import EOS_ID, VOCAB, make_ascii_tokenizer, make_tokenizer
 
 
@@ -17,10 +17,22 @@ def compiler():
     return GrammarCompiler(make_ascii_tokenizer(), VOCAB, (EOS_ID,))
 
 
+def _allowed(out):
+    return [set(((row[:, None] >> torch.arange(32)) & 1).flatten()[:VOCAB].nonzero().flatten().tolist()) for row in out]
+
+
 def _rows(grammar, drafts):
+    """The masks of one request's rows, computed one by one (RequestGrammar.fill_bitmask) and, for
+    a request without blocked EOS, by the parallel executor as a step computes them (beside
+    another request's rows): both must agree, and leave the grammar where it was."""
     out = torch.zeros(len(drafts) + 1, bitmask_words(VOCAB), dtype=torch.int32)
     grammar.fill_bitmask(out, drafts)
-    return [set(((row[:, None] >> torch.arange(32)) & 1).flatten()[:VOCAB].nonzero().flatten().tolist()) for row in out]
+    if not grammar.blocked_eos:
+        other = grammar.__class__(grammar.matcher.deep_copy(), VOCAB, (), grammar.executor)
+        batch = torch.full((2 * (len(drafts) + 1), bitmask_words(VOCAB)), -1, dtype=torch.int32)
+        fill_bitmasks([(other, 0, list(drafts)), (grammar, len(drafts) + 1, list(drafts))], batch)
+        assert torch.equal(batch[len(drafts) + 1:], out) and torch.equal(batch[:len(drafts) + 1], out)
+    return _allowed(out)
 
 
 ALL = set(range(VOCAB))
@@ -44,9 +56,9 @@ def test_each_verify_row_is_masked_with_the_state_after_the_drafts_before_it(com
 def test_rows_after_a_draft_that_completes_the_grammar_allow_only_eos(compiler):
     g = compiler.matcher(SO(regex="(ok|no)!"))
     ok, no = T("ok!"), T("no!")
-    # llguidance takes one EOS after the end: the second is refused, so the row after it is free
-    assert _rows(g, ok + [EOS_ID, EOS_ID]) == [{ok[0], no[0]}, {ok[1]}, {ok[2]}, {EOS_ID}, {EOS_ID}, ALL]
-    assert _rows(g, ok[:1]) == [{ok[0], no[0]}, {ok[1]}]  # the EOS after completion was not rolled back too far
+    # the request ends at "!": rows after the one it completes are never emitted, so left free
+    assert _rows(g, ok + [EOS_ID, EOS_ID]) == [{ok[0], no[0]}, {ok[1]}, {ok[2]}, {EOS_ID}, ALL, ALL]
+    assert _rows(g, ok[:1]) == [{ok[0], no[0]}, {ok[1]}]  # rolled back to the start
     assert g.advance(ok + [EOS_ID]) == (3, True)  # ends at the completing token, before EOS
 
 
