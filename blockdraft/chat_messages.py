@@ -20,6 +20,12 @@ MAX_NAME_CHARS = 256  # longest `name` of a message (OpenAI's participant name)
 # message.model_dump()); null or [] they carry nothing and are dropped, with a value they are
 # refused. `tool_calls` null or [] is dropped too (drop_echoed_empty_keys); with calls it is taken.
 ECHOED_EMPTY_KEYS = ("refusal", "function_call", "audio", "annotations")
+# What the OpenAI SDK adds to an assistant message it returns, derived from the message itself, so a
+# client that appends that message to the conversation sends it: dropped whatever its value
+# (`parsed`: .parse()'s object of the content; a tool call's stream `index`; `parsed_arguments`).
+SDK_DERIVED_KEYS = ("parsed",)
+SDK_DERIVED_CALL_KEYS = ("index",)
+SDK_DERIVED_FUNCTION_KEYS = ("parsed_arguments",)
 TOOL_CALL_KEYS = ("id", "type", "function")
 _TOOL_CALL_SHAPE = '{"id": str, "type": "function", "function": {"name": str, "arguments": "<JSON object text>"}}'
 _CONTENT_SHAPE = "content must be a string or a list of {'type': 'text', 'text': str} parts"
@@ -106,13 +112,15 @@ def template_message(role: str, content: str | list | None, name: str | None = N
 
 
 def drop_echoed_empty_keys(message: dict) -> dict:
-    """`message` without its ECHOED_EMPTY_KEYS and `tool_calls` whose values are null or [] (the
-    dict itself when it has none).
+    """`message` without its ECHOED_EMPTY_KEYS and `tool_calls` whose values are null or [], and
+    without SDK_DERIVED_KEYS (the dict itself when it has none).
 
     Raises:
         ValueError: one of ECHOED_EMPTY_KEYS with another value, naming it (refusals, audio,
             annotations and the deprecated function_call are not supported).
     """
+    if any(k in message for k in SDK_DERIVED_KEYS):
+        message = {k: v for k, v in message.items() if k not in SDK_DERIVED_KEYS}
     present = [k for k in (*ECHOED_EMPTY_KEYS, "tool_calls") if k in message]
     for k in present:
         if k == "function_call" and message[k] not in (None, []):
@@ -160,7 +168,7 @@ def check_tool_calls(tool_calls) -> list[dict]:
     out = []
     for j, call in enumerate(tool_calls):
         where = f"tool_calls[{j}]"
-        if not isinstance(call, dict) or sorted(set(call) - set(TOOL_CALL_KEYS)):
+        if not isinstance(call, dict) or sorted(set(call) - {*TOOL_CALL_KEYS, *SDK_DERIVED_CALL_KEYS}):
             raise ValueError(f"{where} must be {_TOOL_CALL_SHAPE}, got {json.dumps(call, default=str)[:100]}")
         if not isinstance(call.get("id"), str) or not call["id"]:
             raise ValueError(f"{where}.id must be a non-empty string (the id its tool message answers), got "
@@ -173,7 +181,7 @@ def check_tool_calls(tool_calls) -> list[dict]:
 
 def _checked_function(function, where: str) -> dict:
     """A tool call's {"name", "arguments"} with arguments parsed (see check_tool_calls)."""
-    if not isinstance(function, dict) or sorted(set(function) - {"name", "arguments"}):
+    if not isinstance(function, dict) or sorted(set(function) - {"name", "arguments", *SDK_DERIVED_FUNCTION_KEYS}):
         raise ValueError(f"{where}.function must be {{'name': str, 'arguments': '<JSON object text>'}}, got "
                          f"{json.dumps(function, default=str)[:100]}")
     name, arguments = function.get("name"), function.get("arguments")
@@ -186,6 +194,8 @@ def _checked_function(function, where: str) -> dict:
             arguments = json.loads(arguments)
         except ValueError as e:
             raise ValueError(f"{where}.function.arguments is not valid JSON ({e}): {arguments[:80]!r}") from None
+        except RecursionError:
+            raise ValueError(f"{where}.function.arguments is nested too deeply") from None
     if not isinstance(arguments, dict):
         raise ValueError(f"{where}.function.arguments must be the JSON text of an object, got "
                          f"{json.dumps(arguments, default=str)[:80]}")

@@ -247,3 +247,26 @@ def test_chat_takes_tools_and_refuses_bad_ones_naming_them(llm):
         assert not llm.engine.has_unfinished_requests()
     finally:
         llm.tokenizer.chat_template = saved
+
+
+def test_an_assistant_message_as_the_openai_sdk_returns_it_is_taken():
+    """Agent loops append the SDK's own message: .parse() adds `parsed`, a stream accumulation
+    adds each call's `index`, .parse() with tools adds `parsed_arguments`: derived data, dropped."""
+    from blockdraft.chat_messages import check_tool_calls, drop_echoed_empty_keys
+
+    call = {"index": 0, "id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": '{"a": 1}', "parsed_arguments": {"a": 1}}}
+    message = {"role": "assistant", "content": '{"x": 1}', "parsed": {"x": 1}, "refusal": None, "tool_calls": [call]}
+    assert drop_echoed_empty_keys(message) == {"role": "assistant", "content": '{"x": 1}', "tool_calls": [call]}
+    assert check_tool_calls([call]) == [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
+    req = parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "q"}, message,
+                                                             {"role": "tool", "tool_call_id": "c1", "content": "1"}]})
+    assert len(req.messages) == 3
+
+
+def test_tool_call_arguments_nested_too_deeply_are_a_value_error():
+    from blockdraft.chat_messages import check_tool_calls
+
+    deep = "[" * 3000 + "]" * 3000
+    with pytest.raises(ValueError, match=r"tool_calls\[0\].function.arguments is nested too deeply"):
+        check_tool_calls([{"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}])

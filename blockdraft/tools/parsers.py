@@ -235,12 +235,16 @@ class HermesParser:
 
 def parse_hermes_call(body: str) -> tuple[str, str] | None:
     """(name, arguments JSON text) of a hermes block's body, or None when it is not
-    {"name": non-empty str, "arguments": object (optional)} JSON."""
+    {"name": non-empty str, "arguments": object (optional)} JSON: a block with other keys (e.g. a
+    model writing "parameters") stays content rather than becoming a call whose arguments are lost
+    (vLLM's parser fails on it and gives the whole answer as content)."""
     try:
         value = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    if set(value) - {"name", "arguments"}:
         return None
     arguments = value.get("arguments", {})
     if not isinstance(arguments, dict):

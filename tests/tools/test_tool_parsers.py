@@ -123,3 +123,14 @@ def test_answers_nested_past_pythons_recursion_limit_are_not_calls():
     balanced = deep + "]" * 50_000
     assert parse_whole(HermesParser(), f"<tool_call>{balanced}</tool_call>")[1] == []
     assert parse_whole(RequiredCallsParser(), '[{"name": "f", "parameters": ' + balanced + "}]")[1] == []
+
+
+def test_a_hermes_block_with_other_keys_stays_content():
+    """A model writing "parameters" instead of "arguments": content, not a call with lost arguments."""
+    from blockdraft.tools.parsers import HermesParser, parse_whole
+
+    text = '<tool_call>\n{"name": "get_weather", "parameters": {"city": "Rome"}}\n</tool_call>'
+    content, calls = parse_whole(HermesParser(), text)
+    assert calls == [] and '"parameters"' in content
+    content, calls = parse_whole(HermesParser(), '<tool_call>{"name": "ping"}</tool_call>')
+    assert [c["function"] for c in calls] == [{"name": "ping", "arguments": "{}"}] and not content
