@@ -4,8 +4,9 @@ token masks of each step's logits rows and advance over the tokens it commits.
 Speculative decoding stays lossless under a constraint: row i of a verify step (the target's
 token after the first i drafts) is masked with the grammar state after those i drafts, which is
 the state plain decoding has there whenever the drafts are accepted; rows past the first draft the
-grammar refuses can never be emitted (that draft is rejected), so their masks do not matter and
-allow everything. vLLM does the same (v1 structured_output, `validate_tokens` + rollback).
+grammar refuses, or past the one that completes it, can never be emitted (that draft is rejected;
+the request ends at that token), so their masks do not matter and allow everything. vLLM does the
+same (v1 structured_output, `validate_tokens` + rollback).
 
 A request ends as soon as its grammar is complete (llguidance's `is_stopped`: no token but EOS
 could follow), with finish_reason "stop": vLLM samples the forced EOS in one more step, so its
@@ -219,10 +220,11 @@ class RequestGrammar:
     Args:
         matcher: llguidance.LLMatcher at the start of the output.
         vocab_size: V, the logits width its masks cover.
-        executor: the llguidance.LLExecutor that `fill_bitmasks` computes a step's masks on.
         blocked_eos: EOS ids masked while the grammar is not complete (a request with ignore_eos:
             it then runs until its grammar allows nothing but EOS, instead of sampling an EOS the
             grammar would end on); () for none.
+        executor: the llguidance.LLExecutor that `fill_bitmasks` computes a step's masks on, or
+            None (one by one).
     """
 
     def __init__(self, matcher, vocab_size: int, blocked_eos: tuple[int, ...] = (), executor=None) -> None:
@@ -265,11 +267,12 @@ class RequestGrammar:
 
     def steer_drafts(self, drafts: list[int]) -> list[int]:
         """The drafts with each one the grammar forces put in its place (SGLang's jump-forward
-        tokens, as drafts): along the drafts the grammar accepts, a position where it forces a
-        token (llguidance's compute_ff_tokens) gets that token. The target's masked row there
-        allows nothing else, so the replaced draft could only have been rejected; the output is
-        unchanged either way (verification decides), only acceptance grows. Stops at the first
-        draft the grammar refuses or at the grammar's end; the matcher ends where it started.
+        tokens, as drafts): along the drafts the grammar accepts, a position where it forces text
+        gets llguidance's canonical token for it (compute_ff_tokens). The output is unchanged
+        whatever the drafts (verification decides); acceptance usually grows (the bench's tasks:
+        2.89 -> 3.11, docs/benchmarks/structured-cpu.md), though the mask may also allow another
+        tokenization of the forced text, which the replaced draft may have been. Stops at the
+        first draft the grammar refuses or at the grammar's end; the matcher ends where it started.
 
         drafts: the K proposed drafts (token ids) -> K token ids.
         """
