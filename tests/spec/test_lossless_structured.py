@@ -146,3 +146,23 @@ def test_ignore_eos_runs_the_grammar_to_its_end(target):
     unblocked = make_llm(target).generate(prompts, dataclasses.replace(params, ignore_eos=False))
     assert all(len(o.text) == 3 for o in unblocked)  # EOS as soon as the grammar allows it
     assert _outs(_dflash_llm(target, 3).generate(prompts, params)) == _outs(plain)
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_a_stop_string_inside_an_accepted_block_under_a_grammar(target, include_stop, temperature):
+    """A forced grammar (whole blocks accepted through the forced drafts) with a stop string that
+    falls inside a block: the stop cuts the output where plain decoding cuts it, text and
+    stop_reason included, with random drafts (K = 7) and a DFlash drafter (K = 3)."""
+    prompts = random_prompts(3, seed=15)
+    params = SamplingParams(max_tokens=40, temperature=temperature, seed=3, stop=["brown"],
+                            include_stop_str_in_output=include_stop,
+                            structured_outputs=SO(regex="(the quick brown fox;){2}"))
+    plain = _outs(make_llm(target).generate(prompts, params))
+    assert all(o[1] == "the quick " + "brown" * include_stop and o[2:] == ("stop", "brown") for o in plain)
+    oracle = KnownAnswerSpeculator(7, {}, VOCAB, p_right=0.0, seed=4)
+    llm = make_llm(target, speculator=oracle)
+    oracle.engine = llm.engine
+    assert _outs(llm.generate(prompts, params)) == plain
+    assert llm.engine.stats.spec.acceptance_length > 4  # the stop fell inside an accepted block
+    assert _outs(_dflash_llm(target, 3).generate(prompts, params)) == plain
