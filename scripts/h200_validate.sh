@@ -14,6 +14,7 @@
 #   (optional) bash scripts/h200_validate.sh ksweep [K ...]: the load bench per K, side by side
 #   (optional) bash scripts/h200_validate.sh ksweep1 [K ...]: batch 1 per K, 32 prompts one at a time
 #      (CODE=oldcode: the earlier commit's code, staged as for `before`)
+#   (optional) bash scripts/h200_validate.sh structured [K ...]: constrained answers, plain vs DFlash, per K
 #   (optional) bash scripts/h200_validate.sh steps: the 0.5B and 8B random-weight batch-1 steps, the earlier
 #      commit's code (staged as for `before`) beside this one, and this code's 0.5B batch-1 profile
 #   (optional) bash scripts/h200_validate.sh admission [R ...]: the load bench (512 requests, 32 in flight) per
@@ -96,6 +97,11 @@ ksweep1) # batch 1 per K over 32 HumanEval prompts one at a time, the shipped dr
       --batch-sizes 1 --num-prompts 32 --max-tokens 128 --engines ours --no-plot --out "$OUT/b1-k$k$tag" \
       > "$OUT/b1-k$k$tag.log" 2>&1
     echo "K=$k $code rc $?"; tail -5 "$OUT/b1-k$k$tag.log"; done ;;
+structured) # constrained answers (JSON Schema, regex, choice), plain vs DFlash, per K (default 15 5)
+  shift; cd /tmp/tcode && for k in ${@:-15 5}; do
+    python3 -m blockdraft.bench.structured --model "$MODEL" --device cuda --draft-vocab-size 32768 \
+      --num-speculative-tokens "$k" --repeats 3 --json "$OUT/structured-k$k.json" > "$OUT/structured-k$k.log" 2>&1
+    echo "K=$k rc $?"; tail -11 "$OUT/structured-k$k.log"; done ;;
 steps) # batch-1 steps of the 0.5B and 8B random-weight shapes (K = 15, B = 16, 5 draft layers), the earlier
   # commit's code (/tmp/oldcode, staged as for `before`) and this code side by side, then this code's 0.5B profile
   for shape in qwen2.5-0.5b qwen3-8b; do for code in oldcode tcode; do
@@ -144,5 +150,5 @@ PY
   cd /tmp/tcode && python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
     --draft-vocab-size 32768 --out "$OUT/profile-qwen3-8b-b1.json" > "$OUT/profile-qwen3-8b-b1.txt" 2>&1
   echo "profile rc $?"; grep -E "^wall|^kernels|^GPU busy" "$OUT/profile-qwen3-8b-b1.txt" ;;
-*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|steps|admission|cutblock|drafters|before|kernels" >&2; exit 2 ;;
+*) echo "usage: bash scripts/h200_validate.sh stage|stash|prep|suite|exclusive|load|bench|ksweep|ksweep1|structured|steps|admission|cutblock|drafters|before|kernels" >&2; exit 2 ;;
 esac

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
     from blockdraft.drafters import SHIPPED
     from blockdraft.errors import flag_message, refuse_unwritable
-    from blockdraft.preflight import DTYPE_CHOICES
+    from blockdraft.engine_args import add_draft_vocab_size_flag
+    from blockdraft.preflight import DEVICE_CHOICES, DTYPE_CHOICES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name or model folder (default %(default)s)")
@@ -144,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer at most (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per task and engine, >= 1; medians (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights/KV dtype (default %(default)s)")
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                   help="auto (default) = cuda if available, else cpu")
+    add_draft_vocab_size_flag(p)
     p.add_argument("--json", default=None, metavar="PATH", help="write the table and all timings here")
     p.add_argument("--cache-dir", default=None)
     add_threads_flag(p)
@@ -171,15 +175,18 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
     from blockdraft.drafters import resolve_draft
     from blockdraft.llm import LLM
     from blockdraft.model_loader import load_target
+    from blockdraft.preflight import resolve_device
     from blockdraft.sampling_params import SamplingParams
     from blockdraft.side_by_side import compare_engines
     from blockdraft.structured.params import StructuredOutputsParams
 
     draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
-    target = load_target(args.model, args.dtype, cache_dir=args.cache_dir)
-    pool = dict(num_kv_blocks=128, kv_block_size=16)
+    device = resolve_device(args.device)
+    target = load_target(args.model, args.dtype, device=device, cache_dir=args.cache_dir)
+    pool = dict(num_kv_blocks=128, kv_block_size=16, device=device)
     engines = {PLAIN: LLM(target=target, **pool),
-               DFLASH: LLM(target=target, draft=draft, num_speculative_tokens=args.num_speculative_tokens, **pool)}
+               DFLASH: LLM(target=target, draft=draft, num_speculative_tokens=args.num_speculative_tokens,
+                           draft_vocab_size=args.draft_vocab_size, **pool)}
     runs, grammar_s, steps = {}, {}, {}
     for name, prompt, fields in (t for t in TASKS if t[0] in names):
         params = SamplingParams(max_tokens=args.max_tokens, structured_outputs=StructuredOutputsParams(**fields))
@@ -197,7 +204,7 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
     rows = task_rows(runs, grammar_s, steps)
     pooled = _pooled(runs)
     k = engines[DFLASH].speculator.num_speculative_tokens
-    print(f"{args.model} ({target.dtype}), drafter {draft}, K = {k}, {args.repeats} repeats (medians), "
+    print(f"{args.model} ({target.dtype}, {device}), drafter {draft}, K = {k}, {args.repeats} repeats (medians), "
           f"{torch.get_num_threads()} threads")
     print("| task | tokens | plain tok/s | DFlash tok/s | acceptance length | speedup | identical | follows | "
           "grammar ms/step plain / DFlash |")
@@ -215,9 +222,10 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
         evidence = {
             "measured": datetime.date.today().isoformat(),
             "command": "python -m blockdraft.bench.structured " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+            "machine": (torch.cuda.get_device_name() if device == "cuda"
+                        else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"),
             "target": args.model, "drafter": str(draft), "num_speculative_tokens": k,
-            "dtype": str(target.dtype).replace("torch.", ""), "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "dtype": str(target.dtype).replace("torch.", ""), "device": device, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "pooled": pooled, "tasks": rows,
             "seconds": {n: {label: r.seconds for label, r in rs.items()} for n, rs in runs.items()},
         }

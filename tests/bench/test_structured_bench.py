@@ -44,6 +44,7 @@ def test_follows(fields, text, ok):
     (["--tasks", "person,nope"], "unknown task(s) ['nope']"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
 ])
 def test_bad_flags_are_usage_errors_before_loading(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -54,8 +55,10 @@ def test_bad_flags_are_usage_errors_before_loading(argv, message, capsys):
 @pytest.mark.slow
 def test_one_task_on_the_shipped_drafter_writes_the_table(tmp_path, capsys):
     out = tmp_path / "s.json"
-    assert main(["--tasks", "http", "--repeats", "1", "--max-tokens", "64", "--json", str(out)]) == 0
+    assert main(["--tasks", "http", "--repeats", "1", "--max-tokens", "64", "--device", "cpu",
+                 "--draft-vocab-size", "0", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["device"] == "cpu"
     (row,) = result["tasks"]
     assert row["identical"] and row["follows"] and row["acceptance_length"] > 1
     assert result["pooled"]["tokens"] == row["tokens"] and "| http |" in capsys.readouterr().out
