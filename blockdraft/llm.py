@@ -216,6 +216,8 @@ class LLM:
         Returns:
             one finished RequestOutput per prompt, in input order; with SamplingParams(n=N) its
             `outputs` holds the N completions (vLLM's `o.outputs[j].text`), run as N requests.
+            With truncate_prompt_tokens, its prompt_token_ids (and prompt_logprobs) are those of
+            the truncated prompt and its `prompt` the text given, as vLLM's.
         Raises:
             TypeError: sampling_params of another type (e.g. a dict: build SamplingParams(**d)).
             ValueError: prompts of another type (e.g. None), an empty prompt, a prompt of another
@@ -223,8 +225,9 @@ class LLM:
                 value), a dict whose keys are neither a prompt's nor a chat message's, both, or
                 include others (e.g. "multi_modal_data"; names the keys found and the allowed
                 ones), a bad chat message (its index, value and the allowed roles), a token id
-                outside the vocabulary or a prompt longer than the context (naming the prompt's
-                index when there are several), mismatched params list, a
+                outside the vocabulary or a prompt longer than the context, both checked after
+                SamplingParams.truncate_prompt_tokens cut the prompt (naming the prompt's index
+                when there are several), truncate_prompt_tokens above max_model_len, mismatched params list, a
                 SamplingParams field out of range (also one set after construction), `logprobs`
                 or `prompt_logprobs` above `max_logprobs`; nothing of the batch is queued then.
         """

@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass, field
 
 from blockdraft.errors import param_error
+from blockdraft.prompt_truncation import check_truncate_prompt_tokens
 from blockdraft.structured.params import StructuredOutputsParams  # noqa: F401  (vLLM's import path)
 
 # Largest `logprobs` an engine accepts unless built with another max_logprobs (vLLM's default and
@@ -74,6 +75,12 @@ class SamplingParams:
     regex, a choice of strings or a grammar (blockdraft.structured: llguidance masks the logits of
     every row, draft rows included, so speculative output stays equal to plain output); the
     request ends when the constraint is complete. None: unconstrained.
+    truncate_prompt_tokens: None (default: the whole prompt), -1 or k >= 1 (vLLM's): the engine
+    keeps only the last k prompt tokens (left truncation; -1: the last max_model_len), before it
+    checks the prompt against the context, so an overlong prompt is accepted; the output's
+    prompt_token_ids, prompt_logprobs, prefix caching and the repetition penalty see the kept
+    tokens (RequestOutput.prompt keeps the text given, as vLLM). k above the engine's
+    max_model_len is refused when the engine takes the request (blockdraft.prompt_truncation).
 
     Raises:
         ValueError: naming the offending field and the allowed range (at construction, and again
@@ -102,6 +109,7 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +166,7 @@ class SamplingParams:
             raise param_error("repetition_penalty", f"repetition_penalty must be a number > 0 and <= {FLOAT32_MAX:.6g} "
                                                     f"(float32's largest; 1 = off), got {rp!r}")
         _check_int("n", self.n, low=1)
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         _check_int("min_tokens", self.min_tokens, low=0, high=INT64_MAX)
         if self.min_tokens > self.max_tokens:
             raise param_error("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
@@ -243,7 +252,7 @@ class SamplingParams:
         return clone
 
 
-_INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens", "n")
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens", "n", "truncate_prompt_tokens")
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 

@@ -13,6 +13,7 @@ from blockdraft.engine.outputs import ModelRunnerOutput, RequestOutput, Schedule
 from blockdraft.engine.request import Request, SpecStats
 from blockdraft.engine.scheduler import Scheduler
 from blockdraft.errors import param_error
+from blockdraft.prompt_truncation import truncate_prompt
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_logprobs_limit, check_max_logprobs
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class LLMEngine:
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_request(prompt_token_ids, params)
+        prompt_token_ids = self.check_request(prompt_token_ids, params)  # truncated (truncate_prompt_tokens)
         params = params.for_request(self.seed_rng)  # unseeded: its own seed (vLLM: independent samples)
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         if params.structured_outputs is not None:
@@ -113,20 +114,25 @@ class LLMEngine:
         self._stop_ids[request_id] = frozenset(params.stop_token_ids).union(eos)
         self.stats.num_prompt_tokens += len(prompt_token_ids)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """Raise unless the request could be queued; queues nothing (callers check a whole batch first).
 
         Args:
             prompt_token_ids: the prompt's token ids (non-empty).
             params: its SamplingParams (n == 1).
+        Returns:
+            the prompt `add_request` queues: its last params.truncate_prompt_tokens tokens
+            (blockdraft.prompt_truncation), or `prompt_token_ids` itself without truncation. The
+            checks below are on that prompt, as vLLM truncates before it validates.
 
         Raises:
             TypeError: `params` is not a SamplingParams.
             ValueError: a field of `params` out of range (SamplingParams.verify: a field changed
                 after construction is checked here); `n` != 1; `logprobs` or `prompt_logprobs`
                 above `max_logprobs`; a prompt, stop_token_ids or logit_bias token id outside
-                [0, vocab_size) (names the first one); an empty prompt; a prompt that leaves no
-                room for one output token within `max_model_len` (names the lengths); a
+                [0, vocab_size) (names the first one); an empty prompt; truncate_prompt_tokens
+                above `max_model_len`; a (truncated) prompt that leaves no room for one output
+                token within `max_model_len` (names the lengths); a
                 structured_outputs constraint that does not compile (names its field and why).
             ImportError: structured_outputs without the llguidance package.
         """
@@ -137,6 +143,7 @@ class LLMEngine:
             raise param_error("n", f"n must be 1 for an LLMEngine request (one completion each), got {params.n}: "
                                    f"LLM.generate runs n > 1 as n requests (SamplingParams.completions)")
         check_logprobs_limit(params, self.max_logprobs)
+        prompt_token_ids = truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len)
         if self.vocab_size is not None:
             for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
                               ("logit_bias", list(params.logit_bias or ()))):
@@ -148,11 +155,16 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError("prompt is empty: give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
+            # -1 keeps max_model_len tokens (vLLM's value), which leave no room: say what fits
+            cut = "" if params.truncate_prompt_tokens is None else (
+                f" (after truncate_prompt_tokens={params.truncate_prompt_tokens}; "
+                f"truncate_prompt_tokens={self.max_model_len - 1} keeps that many)")
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens but the engine's context is {self.max_model_len} "
                 f"tokens (max_model_len; by default the smaller of the model's max positions and the KV pool; "
-                f"at most {self.max_model_len - 1} prompt tokens leave room for one output token)"
+                f"at most {self.max_model_len - 1} prompt tokens leave room for one output token){cut}"
             )
+        return prompt_token_ids
 
     def prepare_structured_outputs(self, params: list[SamplingParams]) -> None:
         """Compile the constraints of `params` (SamplingParams.structured_outputs) ahead of
