@@ -42,8 +42,8 @@ def tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -> int |
     if truncate_prompt_tokens == -1:
         return max_model_len
     if truncate_prompt_tokens > max_model_len:
-        raise param_error(FIELD, f"{FIELD} must be at most the engine's max_model_len ({max_model_len} tokens) "
-                                 f"or -1 (that many), got {truncate_prompt_tokens}")
+        raise param_error(FIELD, f"{FIELD} must be -1 or at most {max_model_len} (the engine's max_model_len), "
+                                 f"got {truncate_prompt_tokens}")
     return truncate_prompt_tokens
 
 
