@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from blockdraft.chat_messages import ChatTemplateError, render_chat
 from blockdraft.engine.detokenizer import token_decoder
+from blockdraft.prompt_truncation import truncate_prompt
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError
@@ -31,8 +32,10 @@ STRUCTURED_PARAMS = frozenset(f.name for f in dataclasses.fields(StructuredOutpu
 class Plan:
     """What to run for one HTTP request.
 
-    prompts[i] / params[i]: engine request of choice i (choice i = prompt i // n, sample i % n).
-    num_prompt_tokens: usage.prompt_tokens (each distinct prompt counted once).
+    prompts[i] / params[i]: engine request of choice i (choice i = prompt i // n, sample i % n);
+        a prompt cut by truncate_prompt_tokens is the truncated one (truncated_prompts).
+    num_prompt_tokens: usage.prompt_tokens (each distinct prompt counted once, after truncation,
+        as vLLM counts the prompt the engine ran).
     n: choices per prompt.
     echo: /v1/completions `echo: true`: each choice's text and logprobs begin with its prompt's
         (whose log-probabilities the engine computes: SamplingParams.prompt_logprobs = logprobs).
@@ -89,20 +92,42 @@ def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> l
     return out
 
 
-def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:
+def echo_texts(req: CompletionRequest, prompts: list[list[int]], tokenizer,
+               kept: list[list[int]] | None = None) -> list[str]:
     """The text `echo` returns for each prompt of a /v1/completions request: a text prompt as given,
     a token-id prompt decoded with its special tokens kept (as vLLM: tokenizer.decode's default),
     so that either way the echoed prompt holds their text and the prompt tokens' text_offset
-    (responses.echo_logprobs) counts it.
+    (responses.echo_logprobs) counts it. A prompt that truncate_prompt_tokens cut is echoed as the
+    decoded tokens kept, text prompts too: the echoed tokens, their logprobs and text_offset then
+    describe one text (vLLM echoes the whole text given, which its offsets do not index).
 
     Args:
         prompts: completion_prompts' token ids of `req`'s prompts (one list per prompt).
+        kept: the token ids each prompt runs with (truncated_prompts); None: `prompts`.
     Raises: only the tokenizer's errors.
     """
     p = req.prompt
     texts = [p] if isinstance(p, str) or isinstance(p[0], int) else p
+    kept = prompts if kept is None else kept
     decode = token_decoder(tokenizer, skip_special_tokens=False)
-    return [t if isinstance(t, str) else decode(ids) for t, ids in zip(texts, prompts, strict=True)]
+    return [t if isinstance(t, str) and len(k) == len(ids) else decode(k)
+            for t, ids, k in zip(texts, prompts, kept, strict=True)]
+
+
+def truncated_prompts(req, prompts: list[list[int]], model: ModelInfo) -> list[list[int]]:
+    """Each prompt cut to its last `req.truncate_prompt_tokens` tokens (vLLM's field; -1: the last
+    max_model_len; None: unchanged), before usage is counted and the context checked, so that an
+    overlong prompt with truncation is answered (blockdraft.prompt_truncation).
+
+    Raises:
+        APIError(400, param "truncate_prompt_tokens"): 0, below -1 or above max_model_len (vLLM
+            refuses a value above max_model_len too).
+    """
+    try:
+        return [truncate_prompt(ids, req.truncate_prompt_tokens, model.max_model_len) for ids in prompts]
+    except ValueError as e:
+        message = str(e).replace("(the engine's max_model_len)", "(this model's max_model_len in /v1/models)")
+        raise APIError(400, message, param="truncate_prompt_tokens") from None
 
 
 def chat_prompt(req, tokenizer, add_generation_prompt: bool | None = None) -> list[int]:
@@ -140,17 +165,19 @@ def build_plan(req, prompts: list[list[int]], config: ServerConfig, model: Model
 
     Args:
         req: a CompletionRequest or ChatCompletionRequest (pydantic-validated).
-        prompts: the token ids of each prompt (completion_prompts / chat_prompt), non-empty.
+        prompts: the token ids of each prompt (completion_prompts / chat_prompt), non-empty;
+            cut here when the request has truncate_prompt_tokens (truncated_prompts).
         config: the server's limits. model: the served model's vocab size, context and limits.
     Raises:
-        APIError(400): `stream_options` without `stream: true`; n / choices / max_tokens / stop /
-            logprobs over the server limits; `prompt_logprobs` > 0 with `stream: true`, or over the
+        APIError(400): a truncate_prompt_tokens truncated_prompts refuses; `stream_options`
+            without `stream: true`; n / choices / max_tokens / stop / logprobs over the server limits; `prompt_logprobs` > 0 with `stream: true`, or over the
             logprobs limit; `min_tokens` > 0 with echo and `max_tokens: 0`; a prompt too long for
             the context or the KV pool; a constraint structured_outputs refuses; a tool_choice
             tool_plan refuses; or a value SamplingParams refuses.
     """
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    prompts = truncated_prompts(req, prompts, model)  # before usage and the context check (vLLM)
     n = req.n or 1
     if n > config.max_n:
         raise APIError(400, f"n must be <= {config.max_n} (the server's --max-n), got {n}", param="n")
@@ -222,6 +249,7 @@ def _sampling_params(
             min_tokens=req.min_tokens or 0,
             prompt_logprobs=max(scored) if scored else None,  # echo scores the prompt too (vLLM)
             structured_outputs=constraint,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,  # prompts are cut already: the engine keeps them
         )
     except ValueError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None
@@ -369,10 +397,12 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
     context = min(model.max_model_len, model.kv_capacity_tokens)
     room = context - prompt_len
     if room < 1:
+        cut = "" if req.truncate_prompt_tokens is None else (  # -1 keeps max_model_len tokens: no room
+            f" (after truncate_prompt_tokens {req.truncate_prompt_tokens}; {context - 1} keeps that many)")
         raise APIError(
             400,
             f"prompt {index} has {prompt_len} tokens; this model's context is {context} tokens (max_model_len in "
-            f"/v1/models), so at most {context - 1} prompt tokens leave room for one output token",
+            f"/v1/models), so at most {context - 1} prompt tokens leave room for one output token{cut}",
             param="prompt" if isinstance(req, CompletionRequest) else "messages",
         )
     if asked is None:

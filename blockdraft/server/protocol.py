@@ -211,6 +211,9 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key string) -> bias in [-100, 100]
     min_tokens: int | None = Field(default=None, ge=0)  # extension (vLLM): no stop before this many tokens
     prompt_logprobs: int | None = Field(default=None, ge=0)  # extension (vLLM): score the prompt's tokens
+    # extension (vLLM): keep the prompt's last k tokens (-1: max_model_len); the values are checked
+    # by blockdraft.prompt_truncation (params.truncated_prompts), one message for the API and the server
+    truncate_prompt_tokens: int | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)

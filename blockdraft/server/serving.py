@@ -240,9 +240,9 @@ class Serving:
         prompts = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, self.fmt.prompts, ctx, req)
         plan = build_plan(req, prompts, ctx.config, ctx.model)
         if plan.echo:
-            texts = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, echo_texts, req, prompts,
-                                                                     ctx.tokenizer)  # fmt: skip
             n = len(plan.prompts) // len(prompts)  # choice c is prompt c // n
+            texts = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, echo_texts, req, prompts,
+                                                                     ctx.tokenizer, plan.prompts[::n])  # fmt: skip
             plan.prompt_texts = [texts[c // n] for c in range(len(plan.prompts))]
         rid = f"{self.fmt.id_prefix}-{uuid.uuid4().hex}"
         group = await self._submit(plan, arrival, rid)
