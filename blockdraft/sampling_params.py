@@ -81,6 +81,17 @@ class SamplingParams:
     prompt_token_ids, prompt_logprobs, prefix caching and the repetition penalty see the kept
     tokens (RequestOutput.prompt keeps the text given, as vLLM). k above the engine's
     max_model_len is refused when the engine takes the request (blockdraft.prompt_truncation).
+    allowed_token_ids: vLLM's: only these token ids may be sampled (every other logit -inf); a
+    non-empty list of ids in the vocabulary (checked when the engine takes the request), or None.
+    bad_words: vLLM's: strings the output must not contain as tokens. Each word, its leading
+    whitespace stripped, is tokenized alone and, when that gives as many tokens with another first
+    one, also after a space (blockdraft.sample.bad_words); at each position the last token of such a
+    sequence is banned when the output's tokens before it end with the rest of it (a one-token word
+    is always banned). Only output tokens count, not the prompt's. Both act on the sampled
+    distribution only, after logit_bias, min_tokens and the penalties (no bias lifts a masked
+    token; a grammar's mask applies too): as in vLLM, logprobs stay those of the raw logits, and
+    with speculation each verify row counts the drafts before it as output, so the output stays
+    plain decoding's.
 
     Raises:
         ValueError: naming the offending field and the allowed range (at construction, and again
@@ -110,6 +121,8 @@ class SamplingParams:
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -183,6 +196,7 @@ class SamplingParams:
                     raise param_error("logit_bias", f"logit_bias of token {t} must be a number in [-100, 100], got {b!r}")
                 bias[t] = float(b)
             self.logit_bias = bias
+        self._check_token_masks()
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise param_error("structured_outputs", f"structured_outputs must be a StructuredOutputsParams "
@@ -192,6 +206,31 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise param_error("stop", f"stop strings {self.stop!r} need the output text: drop them or keep "
                                       f"detokenize=True")
+
+    def _check_token_masks(self) -> None:
+        """Check and normalise allowed_token_ids (a non-empty list of ints >= 0, numpy ints taken as
+        ints) and bad_words (a list of strings with a non-space character); both stay None when None."""
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)):
+                raise param_error("allowed_token_ids", f"allowed_token_ids must be a list of token ids (integers >= 0) "
+                                                       f"or None, got {allowed!r}"[:300])
+            if not allowed:  # vLLM refuses it too: every logit would be -inf
+                raise param_error("allowed_token_ids", "allowed_token_ids must not be empty: give at least one token "
+                                                       "id, or None for no restriction")
+            self.allowed_token_ids = [_builtin_int(t) for t in allowed]
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, low=0, what="allowed_token_ids entry")
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)):  # a bare string would ban each of its characters
+                raise param_error("bad_words", f"bad_words must be a list of strings or None, got {words!r}"[:300])
+            for w in words:
+                # vLLM strips leading whitespace; an empty word has no token to ban
+                if not isinstance(w, str) or not w.strip():
+                    raise param_error("bad_words", f"bad_words entries must be strings with a non-space character, "
+                                                   f"got {w!r}"[:300])
+            self.bad_words = list(words)
 
     def _builtin_numbers(self) -> None:
         """numpy (or any numbers.Integral / numbers.Real) values of the numeric fields as int / float,
@@ -218,6 +257,11 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """True when penalties, a logit bias or min_tokens change the logits (blockdraft.sample.penalties)."""
         return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
+    def masks_tokens(self) -> bool:
+        """True when allowed_token_ids or bad_words remove tokens from the sampled distribution."""
+        return self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def resolved_seed(self) -> int:

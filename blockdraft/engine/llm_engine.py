@@ -14,6 +14,8 @@ from blockdraft.engine.request import Request, SpecStats
 from blockdraft.engine.scheduler import Scheduler
 from blockdraft.errors import param_error
 from blockdraft.prompt_truncation import truncate_prompt
+from blockdraft.sample.bad_words import bad_words_token_ids
+from blockdraft.sample.token_mask import RequestTokenMask
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_logprobs_limit, check_max_logprobs
 
 logger = logging.getLogger(__name__)
@@ -104,6 +106,8 @@ class LLMEngine:
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         if params.structured_outputs is not None:
             req.grammar = self._grammar_compiler().matcher(params.structured_outputs, block_eos=params.ignore_eos)
+        if params.masks_tokens:
+            req.token_mask = RequestTokenMask(*self._token_mask_inputs(params))
         self.scheduler.add_request(req)
         self._requests[request_id] = req
         detok = (IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output,
@@ -129,10 +133,11 @@ class LLMEngine:
             TypeError: `params` is not a SamplingParams.
             ValueError: a field of `params` out of range (SamplingParams.verify: a field changed
                 after construction is checked here); `n` != 1; `logprobs` or `prompt_logprobs`
-                above `max_logprobs`; a prompt, stop_token_ids or logit_bias token id outside
-                [0, vocab_size) (names the first one); an empty prompt; truncate_prompt_tokens
-                above `max_model_len`; a (truncated) prompt that leaves no room for one output
-                token within `max_model_len` (names the lengths); a
+                above `max_logprobs`; a prompt, stop_token_ids, logit_bias or allowed_token_ids
+                token id outside [0, vocab_size), or a bad word tokenized to one (names the
+                first one; `.param` the field, the prompt excepted); an empty prompt;
+                truncate_prompt_tokens above `max_model_len`; a (truncated) prompt that leaves no
+                room for one output token within `max_model_len` (names the lengths); a
                 structured_outputs constraint that does not compile (names its field and why).
             ImportError: structured_outputs without the llguidance package.
         """
@@ -149,7 +154,10 @@ class LLMEngine:
                               ("logit_bias", list(params.logit_bias or ()))):
                 bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
                 if bad is not None:
-                    raise ValueError(f"{what} has token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+                    message = f"{what} has token id {bad}, outside the vocabulary [0, {self.vocab_size})"
+                    raise ValueError(message) if what == "prompt" else param_error(what, message)
+        if params.masks_tokens:
+            self._token_mask_inputs(params)
         if params.structured_outputs is not None:
             self._grammar_compiler().check(params.structured_outputs)
         if not prompt_token_ids:
@@ -180,6 +188,23 @@ class LLMEngine:
             if p.structured_outputs is not None:
                 p.structured_outputs.verify()
                 self._grammar_compiler().check(p.structured_outputs)
+
+    def _token_mask_inputs(self, params: SamplingParams) -> tuple[int, list[int] | None, list[list[int]]]:
+        """RequestTokenMask's arguments for params.allowed_token_ids / bad_words: (the logits width
+        V, the allowed ids, the bad words' token sequences, blockdraft.sample.bad_words).
+
+        Raises:
+            ValueError: about allowed_token_ids or bad_words (`.param`) when an id, or a word's
+                token, lies outside [0, V) (a tokenizer larger than the model's logits).
+        """
+        vocab_size = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
+        sequences = bad_words_token_ids(params.bad_words or (), self.tokenizer)
+        for what, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("bad_words", [t for seq in sequences for t in seq])):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise param_error(what, f"{what} has token id {bad}, outside the vocabulary [0, {vocab_size})")
+        return vocab_size, params.allowed_token_ids, sequences
 
     def _grammar_compiler(self):
         """The engine's GrammarCompiler (built once: llguidance reads the tokenizer's vocabulary)."""

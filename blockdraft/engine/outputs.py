@@ -48,6 +48,10 @@ class ScheduledRequest:
         samples never copies them.
     grammar: for a sampling request with SamplingParams.structured_outputs, its grammar state
         (Request.grammar: the runner masks its logits rows with it), else None.
+    token_mask: for a sampling request with allowed_token_ids or bad_words, its
+        blockdraft.sample.token_mask.RequestTokenMask (Request.token_mask), else None.
+        output_token_ids: its committed output token ids when that mask reads them (bad words of
+        several tokens; the request's own list, read-only here), else empty.
     """
 
     request_id: str
@@ -61,6 +65,8 @@ class ScheduledRequest:
     prompt_logprob_offset: int = 0
     logits_context: tuple[torch.Tensor | None, list[int], tuple[int, ...]] | None = None
     grammar: object | None = None
+    token_mask: object | None = None
+    output_token_ids: Sequence[int] = ()
 
 
 @dataclass

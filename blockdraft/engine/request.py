@@ -117,6 +117,9 @@ class Request:
     # SamplingParams.structured_outputs: the grammar state over output_token_ids
     # (blockdraft.structured.grammar.RequestGrammar; set by the engine), else None
     grammar: object | None = None
+    # SamplingParams.allowed_token_ids / bad_words: their masks (blockdraft.sample.token_mask.
+    # RequestTokenMask; set by the engine), else None
+    token_mask: object | None = None
     _prompt_token_set: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -208,6 +208,7 @@ class Scheduler:
                 sample=True,
                 block_ids=list(req.block_ids),
                 sampling_params=req.sampling_params,
+                token_mask=req.token_mask,  # a static one: a mask that reads the output is not continued
             ))
         if i != len(self.running):
             return None
@@ -255,7 +256,7 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(
                     request_id=req.request_id, token_ids=[PLACEHOLDER_TOKEN] * q, start_position=start,
                     num_spec_tokens=num_spec_tokens, sample=True, block_ids=list(req.block_ids),
-                    sampling_params=req.sampling_params,
+                    sampling_params=req.sampling_params, token_mask=req.token_mask,  # static, as above
                 ))  # fmt: skip
                 continue
             if req.num_tokens - req.num_computed_tokens != 1 or len(req.spec_token_ids) != num_spec_tokens:
@@ -390,6 +391,8 @@ class Scheduler:
             sampling_params=req.sampling_params,
             logits_context=_logits_context(req) if reaches_end and req.sampling_params.adjusts_logits else None,
             grammar=req.grammar if reaches_end else None,
+            token_mask=req.token_mask if reaches_end else None,
+            output_token_ids=req.output_token_ids if reaches_end and _mask_reads_output(req) else (),
         )
         if req.needs_prompt_logprobs:
             _add_prompt_logprob_rows(sr, req)
@@ -416,6 +419,11 @@ def _logits_context(req: Request) -> tuple[torch.Tensor | None, list[int], tuple
         masked = tuple(params.stop_token_ids) + tuple(req.eos_token_ids)
     prompt = req.prompt_token_set() if params.repetition_penalty != 1.0 else None
     return prompt, req.output_token_ids, masked
+
+
+def _mask_reads_output(req: Request) -> bool:
+    """Whether the request's token mask (allowed_token_ids / bad_words) depends on its output tokens."""
+    return req.token_mask is not None and req.token_mask.reads_output
 
 
 def _add_prompt_logprob_rows(sr: ScheduledRequest, req: Request) -> None:

@@ -123,6 +123,7 @@ def build_input_batch(
     sampling = SamplingTensors.from_params(params, "cpu", repeats=[k + 1 for k in num_drafts])
     penalties = _penalties(so, sample_req, histories, params)
     bitmask, bitmask_rows = _token_bitmask(so, sample_req)
+    mask, mask_rows = _sampling_mask(so, sample_req)
     host = {
         "input_ids": ids_pos[0],
         "positions": ids_pos[1],
@@ -138,6 +139,7 @@ def build_input_batch(
         **{f"sampling.{f}": getattr(sampling, f) for f in SAMPLING_FIELDS},
         **({f"penalties.{f}": getattr(penalties, f) for f in PENALTY_FIELDS} if penalties is not None else {}),
         **({"token_bitmask": bitmask, "token_bitmask_rows": bitmask_rows} if bitmask is not None else {}),
+        **({"sampling_mask": mask, "sampling_mask_rows": mask_rows} if mask is not None else {}),
     }
     dev = stage_to_device(host, device)
     meta = AttentionMetadata(
@@ -165,6 +167,7 @@ def build_input_batch(
             sampling, **{f: dev[f"sampling.{f}"] for f in SAMPLING_FIELDS},
             penalties=None if penalties is None else PenaltyEntries(**{f: dev[f"penalties.{f}"] for f in PENALTY_FIELDS}),
             token_bitmask=dev.get("token_bitmask"), token_bitmask_rows=dev.get("token_bitmask_rows"),
+            sampling_mask=dev.get("sampling_mask"), sampling_mask_rows=dev.get("sampling_mask_rows"),
         ),
         num_reqs=num_reqs,
         num_rows=num_rows,
@@ -178,11 +181,7 @@ def _penalties(so: SchedulerOutput, sample_req: list[int], histories: list, para
     """
     if all(h is None for h in histories):
         return None
-    drafts = []
-    for i in sample_req:
-        sr = so.requests[i]
-        drafts.append(sr.token_ids[len(sr.token_ids) - sr.num_spec_tokens:])
-    return penalty_entries(histories, drafts, params)
+    return penalty_entries(histories, [_drafts(so.requests[i]) for i in sample_req], params)
 
 
 def _token_bitmask(so: SchedulerOutput, sample_req: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -193,18 +192,49 @@ def _token_bitmask(so: SchedulerOutput, sample_req: list[int]) -> tuple[torch.Te
     grammars = [so.requests[i].grammar for i in sample_req]
     if all(g is None for g in grammars):
         return None, None
-    counts = [so.requests[i].num_spec_tokens + 1 for i in sample_req]
-    starts = list(itertools.accumulate([0] + counts[:-1]))
-    constrained = [j for j, g in enumerate(grammars) if g is not None]
-    rows = [starts[j] + r for j in constrained for r in range(counts[j])]
-    bitmask = torch.full((len(rows), bitmask_words(grammars[constrained[0]].vocab_size)), -1, dtype=torch.int32)
-    items, at = [], 0
-    for j in constrained:
-        n, token_ids = counts[j], so.requests[sample_req[j]].token_ids
-        items.append((grammars[j], at, token_ids[len(token_ids) - (n - 1):] if n > 1 else []))
-        at += n
+    firsts, rows = _masked_rows(so, sample_req, grammars)
+    bitmask = torch.full((len(rows), bitmask_words(next(g for g in grammars if g is not None).vocab_size)), -1,
+                         dtype=torch.int32)
+    items = [(g, first, _drafts(so.requests[i])) for i, g, first in zip(sample_req, grammars, firsts) if g is not None]
     fill_bitmasks(items, bitmask)
     return bitmask, host_tensor(rows, torch.long)
+
+
+def _sampling_mask(so: SchedulerOutput, sample_req: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The allowed_token_ids / bad_words masks of the step's logits rows (SamplingTensors.sampling_mask):
+    ([C, ceil(V / 32)] int32, each such request's 1 + k rows from its output tokens and drafts,
+    sample.token_mask.RequestTokenMask.fill; [C] int64 their logits rows), or (None, None) when
+    no request has them."""
+    masks = [so.requests[i].token_mask for i in sample_req]
+    if all(m is None for m in masks):
+        return None, None
+    firsts, rows = _masked_rows(so, sample_req, masks)
+    out = torch.empty((len(rows), bitmask_words(next(m for m in masks if m is not None).vocab_size)), dtype=torch.int32)
+    for i, m, first in zip(sample_req, masks, firsts):
+        if m is not None:
+            sr = so.requests[i]
+            m.fill(out[first:first + sr.num_spec_tokens + 1], sr.output_token_ids, _drafts(sr))
+    return out, host_tensor(rows, torch.long)
+
+
+def _masked_rows(so: SchedulerOutput, sample_req: list[int], masks: list) -> tuple[list[int | None], list[int]]:
+    """For the sampling requests whose entry of `masks` is not None (the others get None): the
+    first row of their block in a [C, W] mask tensor, and their logits rows ([C], in order)."""
+    firsts: list[int | None] = []
+    rows: list[int] = []
+    row0 = 0  # a request's first logits row: its 1 + k rows follow the earlier requests'
+    for i, m in zip(sample_req, masks):
+        n = so.requests[i].num_spec_tokens + 1
+        firsts.append(len(rows) if m is not None else None)
+        if m is not None:
+            rows += range(row0, row0 + n)
+        row0 += n
+    return firsts, rows
+
+
+def _drafts(sr) -> list[int]:
+    """The drafts a sampling request's step verifies: the last num_spec_tokens of its token_ids."""
+    return sr.token_ids[len(sr.token_ids) - sr.num_spec_tokens:] if sr.num_spec_tokens else []
 
 
 class _Layout(NamedTuple):

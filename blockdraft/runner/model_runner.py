@@ -149,8 +149,8 @@ class ModelRunner:
     def can_continue(self, step: LaunchedStep) -> bool:
         """Whether `launch_continuation` can follow `step`: a graphed uniform step without
         log-probabilities (their logits live in the graph's output buffer, which the next replay
-        overwrites before `finish` reads them), penalties, a logit bias, a grammar or min_tokens not
-        yet reached (`_continuable`). False without continuation graphs (async scheduling off)."""
+        overwrites before `finish` reads them), penalties, a logit bias, a grammar, bad words of
+        several tokens or min_tokens not yet reached (`_continuable`). False without continuation graphs (async scheduling off)."""
         if not step.graphed or self.graphs.continuation is None:
             return False
         return all(_continuable(sr) for sr in step.so.requests)
@@ -225,8 +225,8 @@ class ModelRunner:
         """Whether `launch_join` can follow `step`: uniform-step graphs with async scheduling
         (continuation graphs built), every request of `step` samples one token without drafts to
         verify, and none asks for log-probabilities (the join's replay would overwrite the logits
-        before `finish` reads them), has penalties, a logit bias, a grammar or min_tokens not yet
-        reached (`_continuable`)."""
+        before `finish` reads them), has penalties, a logit bias, a grammar, bad words of several
+        tokens or min_tokens not yet reached (`_continuable`)."""
         if self.graphs is None or self.graphs.continuation is None or step.batch.kmax:
             return False
         if len(step.batch.sample_req) != len(step.so.requests):
@@ -370,11 +370,14 @@ def _continuable(sr) -> bool:
     """Whether a request (its ScheduledRequest `sr` in the step launched last) may take part in a
     step launched before that one is read back: not when it asks for log-probabilities (its logits
     must be read first) or has penalties or a logit bias (their entries are laid out per step from
-    its output tokens, which the host does not have yet) or a structured-output grammar (its masks
-    follow the committed tokens); with min_tokens only once its output has that many tokens
-    (min_tokens masks nothing after that)."""
+    its output tokens, which the host does not have yet) or a structured-output grammar or bad
+    words of several tokens (their masks follow the committed tokens; allowed_token_ids and
+    one-token bad words give the same mask every step, so they do not stop it); with min_tokens
+    only once its output has that many tokens (min_tokens masks nothing after that)."""
     params = sr.sampling_params
     if params.logprobs is not None or params.has_penalties or params.logit_bias or sr.grammar is not None:
+        return False
+    if sr.token_mask is not None and sr.token_mask.reads_output:
         return False
     output = sr.logits_context[1] if sr.logits_context is not None else None
     return not params.min_tokens or (output is not None and len(output) >= params.min_tokens)

@@ -1,4 +1,5 @@
-"""Token masks of grammar-constrained rows (blockdraft.structured), applied to logits in place."""
+"""Token bitmasks of logits rows: a grammar's (blockdraft.structured) and allowed_token_ids /
+bad_words' (blockdraft.sample.token_mask), built on the host and applied to logits on the device."""
 
 from __future__ import annotations
 
@@ -8,6 +9,23 @@ import torch
 def bitmask_words(vocab_size: int) -> int:
     """int32 words per row of a token bitmask: ceil(V / 32)."""
     return (vocab_size + 31) // 32
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """[V] bool (True = allowed) -> [ceil(V / 32)] int32 in `apply_token_bitmask_`'s layout (the
+    bits past V are clear)."""
+    v = allowed.shape[0]
+    bits = torch.zeros(bitmask_words(v) * 32, dtype=torch.int64)
+    bits[:v] = allowed
+    words = (bits.view(-1, 32) << torch.arange(32)).sum(1)  # distinct powers of two: exact, in [0, 2**32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 is int32's sign
+
+
+def disallow_tokens_(row: torch.Tensor, token_ids) -> None:
+    """Clear the bits of `token_ids` (ints in [0, V)) in one bitmask row ([ceil(V / 32)] int32, CPU), in place."""
+    for t in token_ids:
+        bit = t % 32
+        row[t // 32] &= ~(1 << bit) if bit < 31 else 2**31 - 1  # ~(1 << 31) is not an int32: keep bits 0..30
 
 
 def apply_token_bitmask_rows_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

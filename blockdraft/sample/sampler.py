@@ -416,6 +416,9 @@ class SamplingTensors:
     int64: the rows of requests with a structured-output constraint; None: all N rows)
     (blockdraft.sample.bitmask), or None: no row is constrained. Applied to the logits in place
     before the penalties, so log-probabilities read the masked logits, as vLLM's do.
+    sampling_mask / sampling_mask_rows: the same layout for the rows of requests with
+    allowed_token_ids or bad_words (blockdraft.sample.token_mask), or None; applied to the copy
+    that is sampled, after the penalties, so log-probabilities read the raw logits, as vLLM's do.
     """
 
     temperature: torch.Tensor
@@ -431,11 +434,13 @@ class SamplingTensors:
     penalties: PenaltyEntries | None = None
     token_bitmask: torch.Tensor | None = None
     token_bitmask_rows: torch.Tensor | None = None
+    sampling_mask: torch.Tensor | None = None
+    sampling_mask_rows: torch.Tensor | None = None
 
     @property
     def argmax_only(self) -> bool:
         """Every row's token is the argmax of its raw logits: all greedy, no penalties, no token mask."""
-        return self.all_greedy and self.penalties is None and self.token_bitmask is None
+        return self.all_greedy and self.penalties is None and self.token_bitmask is None and self.sampling_mask is None
 
     @classmethod
     def from_params(
@@ -521,7 +526,7 @@ class SamplingTensors:
         )
 
     def _check_no_penalties(self, method: str) -> None:
-        if self.penalties is not None or self.token_bitmask is not None:
+        if self.penalties is not None or self.token_bitmask is not None or self.sampling_mask is not None:
             raise ValueError(f"SamplingTensors.{method} cannot move rows with penalties or a token bitmask: they "
                              f"index the original rows")
 
@@ -530,12 +535,16 @@ class SamplingTensors:
 
         logits [N, V], positions [N] -> [N] int64. With a token bitmask, `logits` itself is masked
         first (disallowed tokens -inf, in place). With penalties the rows are then sampled from a
-        penalised float32 copy (blockdraft.sample.penalties.apply_penalties).
+        penalised float32 copy (blockdraft.sample.penalties.apply_penalties), and with a sampling
+        mask from a copy masked after them (`logits` keeps the raw values for log-probabilities).
         """
         if self.token_bitmask is not None:
             apply_token_bitmask_rows_(logits, self.token_bitmask, self.token_bitmask_rows)
         if self.penalties is not None:
             logits = apply_penalties(logits, self.penalties)
+        if self.sampling_mask is not None:
+            copy = logits if self.penalties is not None else logits.clone()  # apply_penalties copied already
+            logits = apply_token_bitmask_rows_(copy, self.sampling_mask, self.sampling_mask_rows)
         return sample(
             logits,
             self.temperature,

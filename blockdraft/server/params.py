@@ -223,9 +223,10 @@ def _sampling_params(
     keep_special: the text keeps special tokens (skip_special_tokens False) whatever the request
     says: tool_choice "auto", as vLLM's hermes parser asks (some models' <tool_call> is special)."""
     scored = [v for v in (logprobs if echo else None, prompt_logprobs) if v is not None]
-    for t in req.stop_token_ids or []:
-        if not 0 <= t < model.vocab_size:
-            raise APIError(400, f"stop_token_ids has {t}, outside the vocabulary [0, {model.vocab_size})", param="stop_token_ids")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        for t in getattr(req, name) or []:
+            if not 0 <= t < model.vocab_size:
+                raise APIError(400, f"{name} has {t}, outside the vocabulary [0, {model.vocab_size})", param=name)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -250,6 +251,8 @@ def _sampling_params(
             prompt_logprobs=max(scored) if scored else None,  # echo scores the prompt too (vLLM)
             structured_outputs=constraint,
             truncate_prompt_tokens=req.truncate_prompt_tokens,  # prompts are cut already: the engine keeps them
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
         )
     except ValueError as e:
         raise APIError(400, str(e), param=getattr(e, "param", None)) from None

@@ -217,6 +217,8 @@ class _SamplingRequest(_Strict):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)
+    allowed_token_ids: list[int] | None = None  # extension (vLLM): only these ids may be sampled
+    bad_words: list[str] | None = None  # extension (vLLM): words whose tokens the output never spells
     ignore_eos: bool | None = None  # extension (vLLM)
     include_stop_str_in_output: bool | None = None  # extension (vLLM): the text keeps the stop string found
     skip_special_tokens: bool | None = None  # extension (vLLM): false keeps special tokens in the text

@@ -125,6 +125,32 @@ def test_constrained_requests_on_graphs_equal_enforce_eager_and_plain_fp32(k):
         assert target_runs
 
 
+@pytest.mark.parametrize("k", [None, 7], ids=["plain", "k7"])
+def test_masked_requests_on_graphs_equal_enforce_eager_fp32(k):
+    """allowed_token_ids / bad_words (masks staged with the batch, applied between the target and
+    tail graphs) on graphed steps with async scheduling give the eager engine's tokens: bad words
+    of several tokens never continue unread; static masks do (async steps run), their mask reused
+    by the continuation graphs."""
+    from tests.spec.test_lossless_token_masks import ALLOWED, _free, _params as masked_params
+    from tests.conftest import word
+
+    target = cuda_tiny_target(torch.float32, seed=4)
+    prompts = random_prompts(10, seed=10)
+    static = [SamplingParams(max_tokens=40, ignore_eos=True, allowed_token_ids=ALLOWED, bad_words=[word(5)],
+                             temperature=0.8 * (i % 2), seed=i) for i in range(4)]
+    for temperature in (0.0, 0.9):
+        eager = cuda_llm(target, None, enforce_eager=True)  # its answers before another engine is built
+        params = masked_params(_free(eager, prompts, temperature), temperature, penalties=temperature == 0.0)
+        want, want_static = _tokens(eager, prompts, params), _tokens(eager, prompts[:4], static)
+        llm = cuda_llm(target, k, async_scheduling=True)
+        with graph_runs() as (target_runs, _):
+            assert _tokens(llm, prompts, params) == want
+        assert target_runs
+        before = llm.engine.stats.num_async_steps
+        assert _tokens(llm, prompts[:4], static) == want_static
+        assert llm.engine.stats.num_async_steps > before
+
+
 def test_chunked_prefill_and_mixed_steps_run_eagerly_between_replays():
     target = cuda_tiny_target(torch.float32, seed=4)
     prompts, params = random_prompts(12, seed=4, low=10, high=40), _params(12, 24)

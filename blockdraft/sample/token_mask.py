@@ -1,0 +1,69 @@
+"""One request's allowed_token_ids and bad_words as the token bitmasks of a step's logits rows.
+
+Lossless under speculative decoding for the same reason as the grammar's masks
+(blockdraft.structured.grammar): row i of a verify step predicts the token after the first i
+drafts, so its bad-word bans are computed from the output followed by drafts[:i], exactly what
+plain decoding sees at that position whenever those drafts are accepted (and a row after a
+rejected draft is never emitted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from blockdraft.sample.bad_words import banned_tokens
+from blockdraft.sample.bitmask import disallow_tokens_, pack_bitmask
+
+
+class RequestTokenMask:
+    """The tokens one request may sample at each of its logits rows.
+
+    Args:
+        vocab_size: V, the logits width.
+        allowed_token_ids: SamplingParams.allowed_token_ids (ids in [0, V)), or None: every token.
+        bad_words: the request's bad-word token sequences (sample.bad_words.bad_words_token_ids),
+            each non-empty, ids in [0, V).
+    Allowed ids and one-token bad words give the same mask at every row (`static_row`); longer
+    bad words depend on the output tokens (`reads_output`), so a request with them cannot be
+    stepped before its previous step's tokens are read back (async scheduling).
+    """
+
+    def __init__(self, vocab_size: int, allowed_token_ids: Sequence[int] | None,
+                 bad_words: Sequence[Sequence[int]] = ()) -> None:
+        self.vocab_size = vocab_size
+        if allowed_token_ids is None:
+            allowed = torch.ones(vocab_size, dtype=torch.bool)
+        else:
+            allowed = torch.zeros(vocab_size, dtype=torch.bool)
+            allowed[list(allowed_token_ids)] = True
+        allowed[[s[0] for s in bad_words if len(s) == 1]] = False  # banned everywhere
+        self.static_row = pack_bitmask(allowed)  # [ceil(V / 32)] int32
+        self.sequences = [list(s) for s in bad_words if len(s) > 1]
+        # output tokens a row's bans can depend on: the longest sequence's prefix
+        self.history = max((len(s) for s in self.sequences), default=1) - 1
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether the masks depend on the output tokens (a bad word of several tokens)."""
+        return bool(self.sequences)
+
+    def fill(self, out: torch.Tensor, output_token_ids: Sequence[int], drafts: Sequence[int]) -> None:
+        """Write the masks of one sampling request's logits rows (every bit of `out` is overwritten).
+
+        Args:
+            out: [len(drafts) + 1, ceil(V / 32)] int32 on the CPU: row i gets the tokens allowed
+                after the output and drafts[:i] (bit t % 32 of word t // 32 set = token t allowed).
+            output_token_ids: the request's committed output tokens (only the last `history` are
+                read; unused without `reads_output`).
+            drafts: the K drafts this step verifies ([] for a plain decode row).
+        """
+        out[:] = self.static_row
+        if not self.sequences:
+            return
+        n_out = len(output_token_ids)
+        tail = list(output_token_ids[max(0, n_out - self.history):]) + list(drafts)
+        base = len(tail) - len(drafts)
+        for i in range(len(drafts) + 1):
+            disallow_tokens_(out[i], banned_tokens(self.sequences, tail[:base + i]))
