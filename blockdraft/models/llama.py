@@ -128,11 +128,13 @@ class CausalLM(UsesFusedOps, nn.Module):
         self.pack_weights = pack_weights
         self.packed = False
         self.model = DecoderStack(config, backend)
+        self.attention_backend = backend  # the function every layer attends with (set_attention_backend)
         # Tied: compute_logits uses embed_tokens (no second parameter).
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Use the paged attention function `backend` in every layer (see blockdraft.attention.backends)."""
+        self.attention_backend = backend
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 

@@ -280,11 +280,24 @@ class ModelRunner:
         out.forward_time_s, out.draft_time_s = step.timer.seconds()
         return out
 
+    def _bind_attention(self) -> None:
+        """Point the target's and the drafter's attention at this runner's backend. Engines may
+        share one loaded target (LLM(target=...)), and each points the layers at its own backend
+        when it is built: an earlier engine with another backend would otherwise run the later
+        one's (and read metadata it does not build). Identity checks only when nothing changed."""
+        spec = self.attention_backend
+        if getattr(self.model, "attention_backend", spec.attention) is not spec.attention:
+            self.model.set_attention_backend(spec.attention)
+        drafter = getattr(self.speculator, "drafter", None)
+        if drafter is not None and getattr(drafter, "attention_backend", spec) is not spec:
+            drafter.set_attention_backend(spec)
+
     def _enqueue(
         self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer, graphed: bool, loaded: bool = False,
         prompt: PromptLogprobs | None = None,
     ) -> LaunchedStep:
         """Enqueue a laid-out step (`prompt`: prompt rows to score, eager steps only)."""
+        self._bind_attention()
         if graphed:
             logits, packed = self._replay(batch, timer, loaded)
             fetch = start_fetch(packed[: len(batch.sample_req)])
