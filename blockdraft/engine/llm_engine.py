@@ -195,7 +195,10 @@ class LLMEngine:
 
         Raises:
             ValueError: about allowed_token_ids or bad_words (`.param`) when an id, or a word's
-                token, lies outside [0, V) (a tokenizer larger than the model's logits).
+                token, lies outside [0, V) (a tokenizer larger than the model's logits); about
+                allowed_token_ids when no allowed id can ever be sampled (each is a one-token bad
+                word) or, with min_tokens, none before min_tokens (each is an EOS or stop token id):
+                such rows would have every token masked.
         """
         vocab_size = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
         sequences = bad_words_token_ids(params.bad_words or (), self.tokenizer)
@@ -204,6 +207,16 @@ class LLMEngine:
             bad = next((t for t in ids if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise param_error(what, f"{what} has token id {bad}, outside the vocabulary [0, {vocab_size})")
+        if params.allowed_token_ids:
+            allowed = set(params.allowed_token_ids) - {seq[0] for seq in sequences if len(seq) == 1}
+            if not allowed:
+                raise param_error("allowed_token_ids", f"bad_words ban every id of allowed_token_ids "
+                                  f"{sorted(params.allowed_token_ids)[:8]}: no token could be sampled")
+            stops = set(self.eos_token_ids).union(params.stop_token_ids or ())
+            if params.min_tokens and allowed <= stops:
+                raise param_error("allowed_token_ids", f"allowed_token_ids {sorted(allowed)[:8]} are all EOS or stop "
+                                  f"token ids, which min_tokens={params.min_tokens} masks: no token could be "
+                                  f"sampled before min_tokens")
         return vocab_size, params.allowed_token_ids, sequences
 
     def _grammar_compiler(self):
@@ -368,6 +381,8 @@ class LLMEngine:
         room = max(1, min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens))
         end = min(len(tokens), room)
         reason, stop_reason = ("length" if end == room else None), None
+        if req.token_mask is not None:
+            end, reason = self._check_token_mask(req, tokens, end, reason)
         if req.grammar is not None:
             end, reason = self._advance_grammar(req, tokens, end, reason)
         stop_ids = self._stop_ids[req.request_id]
@@ -393,6 +408,18 @@ class LLMEngine:
         if reason is not None:
             req.stop_reason = stop_reason
             self._finish(req, reason)
+
+    def _check_token_mask(self, req: Request, tokens: list[int], end: int, reason: str | None) -> tuple[int, str | None]:
+        """Cut tokens[:end] before the first one `req`'s allowed_token_ids / bad_words forbid
+        ("abort", logged without its text): sampled only from a row whose every token was
+        masked (RequestTokenMask.first_disallowed), so the output never holds a forbidden token."""
+        n = req.token_mask.first_disallowed(req.output_token_ids, tokens[:end])
+        if n is None:
+            return end, reason
+        logger.warning("request %s: every token of output position %d is masked (allowed_token_ids / bad_words, "
+                       "min_tokens, a grammar); ending it (finish_reason abort)", req.request_id,
+                       len(req.output_token_ids) + n)
+        return n, "abort"
 
     def _advance_grammar(self, req: Request, tokens: list[int], end: int, reason: str | None) -> tuple[int, str | None]:
         """Advance `req`'s grammar over tokens[:end] -> (end, reason): cut after the token that

@@ -40,9 +40,13 @@ class RequestTokenMask:
             allowed[list(allowed_token_ids)] = True
         allowed[[s[0] for s in bad_words if len(s) == 1]] = False  # banned everywhere
         self.static_row = pack_bitmask(allowed)  # [ceil(V / 32)] int32
+        self._static_allowed = allowed
         self.sequences = [list(s) for s in bad_words if len(s) > 1]
         # output tokens a row's bans can depend on: the longest sequence's prefix
         self.history = max((len(s) for s in self.sequences), default=1) - 1
+        self._prefixes: dict[int, list[list[int]]] = {}  # a sequence's last token -> the prefixes that ban it
+        for seq in self.sequences:
+            self._prefixes.setdefault(seq[-1], []).append(seq[:-1])
 
     @property
     def reads_output(self) -> bool:
@@ -67,3 +71,20 @@ class RequestTokenMask:
         base = len(tail) - len(drafts)
         for i in range(len(drafts) + 1):
             disallow_tokens_(out[i], banned_tokens(self.sequences, tail[:base + i]))
+
+    def first_disallowed(self, output_token_ids: Sequence[int], tokens: Sequence[int]) -> int | None:
+        """The index of the first of `tokens` (sampled after `output_token_ids`, in order) that
+        its masks forbid, or None. A row whose every token is masked (allowed ids that are all
+        banned words, or only an EOS that min_tokens masks, or a grammar's tokens that a bad word
+        bans) still samples a token (every logit -inf); the engine ends the request before it.
+        Host cost: one lookup per token, plus the bad words that end with it."""
+        past = list(output_token_ids[max(0, len(output_token_ids) - self.history):]) if self.history else []
+        for i, t in enumerate(tokens):
+            if not (0 <= t < self.vocab_size) or not self._static_allowed[t]:
+                return i
+            for prefix in self._prefixes.get(t, ()):
+                if len(prefix) <= len(past) and past[len(past) - len(prefix):] == prefix:
+                    return i
+            if self.history:
+                past.append(t)
+        return None

@@ -27,6 +27,7 @@ from blockdraft.chat_messages import (  # noqa: F401  (MAX_NAME_CHARS: re-export
     drop_echoed_empty_keys,
     template_message,
 )
+from blockdraft.prompt_truncation import ALLOWED as TRUNCATION_VALUES
 from blockdraft.server.errors import APIError
 from blockdraft.structured.params import StructuredOutputsParams
 from blockdraft.tools.definitions import check_tool_choice, check_tools, resolve_tool_choice
@@ -58,7 +59,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "continue_final_message": (False,),
     "chat_template_kwargs": ({},),
     "return_tokens_as_token_ids": (False,),
-    "truncate_prompt_tokens": (),
     "priority": (0,),
 }
 
@@ -229,6 +229,13 @@ class _SamplingRequest(_Strict):
     user: str | None = None  # OpenAI's end-user id; accepted, used for nothing
     response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
     structured_outputs: StructuredOutputsRequest | None = None  # extension (vLLM); not with a JSON response_format
+
+    @field_validator("truncate_prompt_tokens", mode="before")
+    @classmethod
+    def _truncation_form(cls, v: Any) -> Any:
+        if v is None or (isinstance(v, int) and not isinstance(v, bool)):
+            return v  # the range: params.truncated_prompts, one message with the Python API's
+        raise ValueError(f"truncate_prompt_tokens must be {TRUNCATION_VALUES}, got {json.dumps(v)}")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -63,3 +63,29 @@ def test_a_word_tokenized_outside_the_vocabulary_is_refused(llama_target):
         big.generate([PROMPT], SamplingParams(max_tokens=2, bad_words=["w05x", "w07x w150x"]))
     assert e.value.param == "bad_words" and not big.engine.has_unfinished_requests()
     assert big.generate([PROMPT], SamplingParams(max_tokens=2, bad_words=["w05x w07x"]))[0].num_output_tokens == 2
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(allowed_token_ids=[5, 7], bad_words=["w05x", "w07x"]),
+     r"^bad_words ban every id of allowed_token_ids \[5, 7\]: no token could be sampled"),
+    (dict(allowed_token_ids=[0], min_tokens=2), r"^allowed_token_ids \[0\] are all EOS or stop token ids, which "
+                                                r"min_tokens=2 masks"),
+    (dict(allowed_token_ids=[0, 9], stop_token_ids=[9], min_tokens=1), r"^allowed_token_ids \[0, 9\] are all EOS"),
+])
+def test_masks_that_leave_no_token_are_refused_up_front(llm, fields, message):
+    with pytest.raises(ValueError, match=message) as e:
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, **fields))
+    assert e.value.param == "allowed_token_ids" and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_row_with_every_token_masked_ends_the_request_before_it(llama_target, speculative):
+    """allowed_token_ids [5] with the bad word "w05x w05x": after one 5 nothing is allowed. The row
+    still samples a token (every logit -inf); the engine ends the request ("abort") without it."""
+    from tests.spec.test_lossless_dflash import _dflash_llm
+
+    engine = _dflash_llm(llama_target, 3) if speculative else make_llm(llama_target)
+    for temperature in (0.0, 1.0):
+        out = engine.generate([PROMPT], SamplingParams(max_tokens=6, temperature=temperature, seed=3,
+                                                       allowed_token_ids=[5], bad_words=["w05x w05x"]))[0].outputs[0]
+        assert (out.token_ids, out.finish_reason) == ([5], "abort")

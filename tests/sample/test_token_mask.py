@@ -76,3 +76,13 @@ def test_sampling_mask_changes_the_sample_but_not_the_logits_logprobs_read():
     tokens = st.sample(logits, torch.tensor([1, 1]))
     assert tokens[0] == 9 and tokens[1] != 9
     assert torch.equal(logits, before)
+
+
+def test_first_disallowed_finds_the_token_a_fully_masked_row_sampled():
+    m = RequestTokenMask(16, [1, 2, 3, 9], [[9], [1, 2], [3, 1, 2]])
+    assert m.first_disallowed([], [1, 3, 2, 2]) is None  # 2 after 1 is banned, after 3 it is not
+    assert m.first_disallowed([], [3, 1, 2]) == 2  # the 2 after 1
+    assert m.first_disallowed([7, 1], [2]) == 0  # the prefix may lie in the committed output
+    assert m.first_disallowed([5, 3], [1, 3]) is None  # "3 1" then 3: no sequence ends with 3
+    assert m.first_disallowed([], [4]) == 0 and m.first_disallowed([], [9]) == 0  # not allowed / one-token word
+    assert RequestTokenMask(16, None).first_disallowed([], [15, 0]) is None

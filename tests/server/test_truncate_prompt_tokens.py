@@ -145,13 +145,13 @@ def test_a_value_above_max_model_len_is_a_400(servers, kind):
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
-@pytest.mark.parametrize("bad", [0, -2])
-def test_zero_and_values_below_minus_one_are_a_400(servers, kind, bad):
+@pytest.mark.parametrize("bad", [0, -2, "5", 1.5, True])
+def test_zero_values_below_minus_one_and_other_types_are_a_400(servers, kind, bad):
     error = _error(_post(servers["plain"], kind, "w05x w06x", truncate_prompt_tokens=bad))
     assert error["param"] == "truncate_prompt_tokens"
-    assert error["message"].startswith("truncate_prompt_tokens must be None (no truncation), -1 (keep the last "
-                                       "max_model_len tokens) or an integer >= 1")
-    assert error["message"].endswith(f"got {bad}")
+    assert ("truncate_prompt_tokens must be None (no truncation), -1 (keep the last max_model_len tokens) or an "
+            "integer >= 1") in error["message"]
+    assert error["message"].endswith(f"got {json.dumps(bad)}")
 
 
 def test_minus_one_keeps_max_model_len_tokens_which_leave_no_room(servers):
