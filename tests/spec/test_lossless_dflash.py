@@ -24,6 +24,20 @@ def _dflash_llm(target, k, block_size=16, mask_token_id=None, full_block=True, s
     return make_llm(target, speculator=spec, **kw)
 
 
+def dflash_and_oracle_llms(target, k: int, answers: dict[tuple[int, ...], list[int]], vocab_size: int) -> dict:
+    """{name: LLM}: a random DFlash drafter and known-answer drafters that draft `answers`
+    (prompt -> prompt + plain output) right with probability 1, 0.5 and 0: whole blocks accepted,
+    half of them, none."""
+    from tests.spec.doubles import KnownAnswerSpeculator
+
+    engines = {"dflash": _dflash_llm(target, k)}
+    for p_right in (1.0, 0.5, 0.0):
+        oracle = KnownAnswerSpeculator(k, answers, vocab_size, p_right=p_right, seed=k)
+        engines[f"oracle-{p_right}"] = make_llm(target, speculator=oracle)
+        oracle.engine = engines[f"oracle-{p_right}"].engine
+    return engines
+
+
 @pytest.mark.parametrize("k, full_block", [(1, True), (3, True), (7, True), (15, True), (3, False)])
 def test_dflash_greedy_parity_batch_sizes_and_max_tokens(llama_target, k, full_block):
     """Whole 16-row draft blocks (the default) for every K, and blocks cut to K + 1 rows (full_block=False)."""

@@ -14,7 +14,7 @@ import pytest
 from blockdraft import SamplingParams, StructuredOutputsParams as SO
 from tests.conftest import EOS_ID, VOCAB, make_ascii_tokenizer, make_llm, random_prompts
 from tests.spec.doubles import KnownAnswerSpeculator
-from tests.spec.test_lossless_dflash import _dflash_llm
+from tests.spec.test_lossless_dflash import _dflash_llm, dflash_and_oracle_llms
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 5}},
           "required": ["n", "s"]}
@@ -68,11 +68,7 @@ def test_constrained_speculative_output_equals_plain(target, temperature, k):
     # the choice ends when the grammar does: finish "stop", no EOS token sampled after it
     assert want[1][2] == "stop" and EOS_ID not in want[1][0] and want[1][1] in CONSTRAINTS[1].choice
     answers = {tuple(p): p + o.token_ids for p, o in zip(prompts, plain)}
-    engines = {"dflash": _dflash_llm(target, k)}
-    for p_right in (1.0, 0.5, 0.0):
-        oracle = KnownAnswerSpeculator(k, answers, VOCAB, p_right=p_right, seed=k)
-        engines[f"oracle-{p_right}"] = make_llm(target, speculator=oracle)
-        oracle.engine = engines[f"oracle-{p_right}"].engine
+    engines = dflash_and_oracle_llms(target, k, answers, VOCAB)
     for name, llm in engines.items():
         assert _outs(llm.generate(prompts, params)) == want, name
     # whole blocks were accepted under the masks, completing grammars mid-block included

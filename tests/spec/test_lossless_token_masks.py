@@ -12,8 +12,7 @@ import pytest
 
 from blockdraft import SamplingParams
 from tests.conftest import EOS_ID, VOCAB, make_llm, random_prompts, word
-from tests.spec.doubles import KnownAnswerSpeculator
-from tests.spec.test_lossless_dflash import _dflash_llm
+from tests.spec.test_lossless_dflash import _dflash_llm, dflash_and_oracle_llms
 
 ALLOWED = [3, 5, 7, 9, 11, 13, 17, 19, 23, 29]
 
@@ -82,11 +81,7 @@ def test_masked_speculative_output_equals_plain(llama_target, temperature, k):
     plain = [o.token_ids for o in plain_llm.generate(prompts, params)]
     _check_masks(free_answers, params, plain)
     answers = {tuple(p): p + o for p, o in zip(prompts, plain)}
-    engines = {"dflash": _dflash_llm(llama_target, k)}
-    for p_right in (1.0, 0.5, 0.0):
-        oracle = KnownAnswerSpeculator(k, answers, VOCAB, p_right=p_right, seed=k)
-        engines[f"oracle-{p_right}"] = make_llm(llama_target, speculator=oracle)
-        oracle.engine = engines[f"oracle-{p_right}"].engine
+    engines = dflash_and_oracle_llms(llama_target, k, answers, VOCAB)
     for name, llm in engines.items():
         assert [o.token_ids for o in llm.generate(prompts, params)] == plain, name
     # whole blocks were accepted, so bans inside blocks were computed from drafts
