@@ -225,6 +225,7 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
             "machine": (torch.cuda.get_device_name() if device == "cuda"
                         else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"),
             "target": args.model, "drafter": str(draft), "num_speculative_tokens": k,
+            "draft_vocab_size": args.draft_vocab_size,  # None: the size the drafter's speculative.json records
             "dtype": str(target.dtype).replace("torch.", ""), "device": device, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "pooled": pooled, "tasks": rows,
             "seconds": {n: {label: r.seconds for label, r in rs.items()} for n, rs in runs.items()},

@@ -410,10 +410,16 @@ class LLMEngine:
             self._finish(req, reason)
 
     def _check_token_mask(self, req: Request, tokens: list[int], end: int, reason: str | None) -> tuple[int, str | None]:
-        """Cut tokens[:end] before the first one `req`'s allowed_token_ids / bad_words forbid
-        ("abort", logged without its text): sampled only from a row whose every token was
-        masked (RequestTokenMask.first_disallowed), so the output never holds a forbidden token."""
+        """Cut tokens[:end] before the first one `req`'s allowed_token_ids / bad_words forbid, or
+        an EOS / stop id below min_tokens ("abort", logged without its text): sampled only from a
+        row whose every token was masked (RequestTokenMask.first_disallowed), so the output never
+        holds a forbidden token."""
         n = req.token_mask.first_disallowed(req.output_token_ids, tokens[:end])
+        params = req.sampling_params
+        short = max(0, min(end, params.min_tokens - len(req.output_token_ids)))  # positions min_tokens masks
+        if short:  # min_tokens masks the EOS ids (also with ignore_eos, as vLLM) and stop ids below it
+            stops = set(req.eos_token_ids).union(params.stop_token_ids or ())
+            n = next((i for i in range(short if n is None else min(n, short)) if tokens[i] in stops), n)
         if n is None:
             return end, reason
         logger.warning("request %s: every token of output position %d is masked (allowed_token_ids / bad_words, "

@@ -330,6 +330,7 @@ class ModelRunner:
     def _enqueue_prefill(self, so: SchedulerOutput, batch: InputBatch, timer: StepTimer) -> LaunchedStep:
         """A padded prefill step of a few requests: its target graph, the sampler only when a row
         samples, its tail graph (runner.prefill_graphs). Not continuable (graphed=False)."""
+        self._bind_attention()  # graph mode "eager" runs the models here
         prefill = self.graphs.prefill
         logits, aux = prefill.run(batch)
         logits = logits[: len(batch.sample_req)]  # the real requests' rows (every request samples)

@@ -40,7 +40,7 @@ class RequestTokenMask:
             allowed[list(allowed_token_ids)] = True
         allowed[[s[0] for s in bad_words if len(s) == 1]] = False  # banned everywhere
         self.static_row = pack_bitmask(allowed)  # [ceil(V / 32)] int32
-        self._static_allowed = allowed
+        self._static_allowed = bytearray(allowed.numpy().tobytes())  # host lookups: one byte per token
         self.sequences = [list(s) for s in bad_words if len(s) > 1]
         # output tokens a row's bans can depend on: the longest sequence's prefix
         self.history = max((len(s) for s in self.sequences), default=1) - 1

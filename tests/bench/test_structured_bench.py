@@ -58,7 +58,7 @@ def test_one_task_on_the_shipped_drafter_writes_the_table(tmp_path, capsys):
     assert main(["--tasks", "http", "--repeats", "1", "--max-tokens", "64", "--device", "cpu",
                  "--draft-vocab-size", "0", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["device"] == "cpu"
+    assert result["device"] == "cpu" and result["draft_vocab_size"] == 0
     (row,) = result["tasks"]
     assert row["identical"] and row["follows"] and row["acceptance_length"] > 1
     assert result["pooled"]["tokens"] == row["tokens"] and "| http |" in capsys.readouterr().out

@@ -89,3 +89,14 @@ def test_a_row_with_every_token_masked_ends_the_request_before_it(llama_target, 
         out = engine.generate([PROMPT], SamplingParams(max_tokens=6, temperature=temperature, seed=3,
                                                        allowed_token_ids=[5], bad_words=["w05x w05x"]))[0].outputs[0]
         assert (out.token_ids, out.finish_reason) == ([5], "abort")
+
+
+def test_a_fully_masked_row_never_ends_the_request_before_min_tokens(llama_target):
+    """allowed [0 (EOS), 5] with the bad word "w05x w05x" and min_tokens 5: after one 5 only the
+    EOS is allowed, which min_tokens masks; the all -inf row may sample the EOS (id 0), which must
+    not end the request with "stop" before min_tokens."""
+    llm = make_llm(llama_target)
+    for temperature in (0.0, 1.0):
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=8, min_tokens=5, temperature=temperature, seed=1,
+                                                    allowed_token_ids=[0, 5], bad_words=["w05x w05x"]))[0].outputs[0]
+        assert (out.token_ids, out.finish_reason) == ([5], "abort")

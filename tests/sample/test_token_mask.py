@@ -86,3 +86,20 @@ def test_first_disallowed_finds_the_token_a_fully_masked_row_sampled():
     assert m.first_disallowed([5, 3], [1, 3]) is None  # "3 1" then 3: no sequence ends with 3
     assert m.first_disallowed([], [4]) == 0 and m.first_disallowed([], [9]) == 0  # not allowed / one-token word
     assert RequestTokenMask(16, None).first_disallowed([], [15, 0]) is None
+
+
+def test_first_disallowed_and_the_row_masks_apply_one_rule():
+    """The commit-time check (first_disallowed) forbids exactly the tokens the row masks (fill) clear."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        seqs = [[rng.randrange(6) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(1, 4))]
+        allowed = sorted(rng.sample(range(V), 40)) + list(range(6)) if rng.random() < 0.5 else None
+        m = RequestTokenMask(V, allowed, seqs)
+        output, drafts = [rng.randrange(6) for _ in range(rng.randint(0, 4))], [rng.randrange(6) for _ in range(3)]
+        rows = torch.empty(4, bitmask_words(V), dtype=torch.int32)
+        m.fill(rows, output, drafts)
+        for i, row_allowed in enumerate(_allowed(rows)):
+            for t in range(V):
+                assert (m.first_disallowed(output + drafts[:i], [t]) is None) == (t in row_allowed), (seqs, t)
