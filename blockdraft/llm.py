@@ -253,11 +253,16 @@ class LLM:
             try:
                 self.engine.check_request(toks, q)
             except ValueError as e:
-                # a field's error (param_error) names the field and value; the others (a token id
-                # outside the vocabulary, a prompt too long) need the prompt's index in a batch
-                if len(token_lists) == 1 or type(e) is not ValueError or hasattr(e, "param"):
-                    raise
+                # a field's error (param_error) names the field and value; a token id outside the
+                # vocabulary (the prompt's or a field's) and a prompt too long also need the
+                # prompt's index in a batch (a field's keeps its .param)
                 message = str(e)
+                vocabulary = "outside the vocabulary" in message
+                if len(token_lists) == 1 or (hasattr(e, "param") and not vocabulary) or (
+                        not hasattr(e, "param") and type(e) is not ValueError):
+                    raise
+                if hasattr(e, "param"):
+                    raise param_error(e.param, f"prompt {i}: {message}") from None
                 raise ValueError(f"prompt {i} {message[len('prompt '):]}" if message.startswith("prompt ")
                                  else f"prompt {i}: {message}") from None
         if not token_lists:  # vLLM returns [] too; stepping would only advance others' requests

@@ -45,7 +45,7 @@ def llm(llama_target):
 
 
 def test_ids_outside_the_vocabulary_are_refused_when_the_request_is_added(llm):
-    with pytest.raises(ValueError, match=r"^allowed_token_ids has token id 96, outside the vocabulary \[0, 96\)") as e:
+    with pytest.raises(ValueError, match=r"^prompt 1: allowed_token_ids has token id 96, outside the vocabulary \[0, 96\)") as e:
         llm.generate([PROMPT] * 2, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, allowed_token_ids=[5, 96])])
     assert e.value.param == "allowed_token_ids"
     assert not llm.engine.has_unfinished_requests()  # the good first one was not queued either
