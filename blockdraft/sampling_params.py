@@ -91,7 +91,9 @@ class SamplingParams:
     distribution only, after logit_bias, min_tokens and the penalties (no bias lifts a masked
     token; a grammar's mask applies too): as in vLLM, logprobs stay those of the raw logits, and
     with speculation each verify row counts the drafts before it as output, so the output stays
-    plain decoding's.
+    plain decoding's. Where the masks (with min_tokens or a grammar) leave no token at a position,
+    the request ends before it (finish_reason "abort"); the engine refuses the cases it can see
+    up front (every allowed id banned, or only EOS / stop ids under min_tokens).
 
     Raises:
         ValueError: naming the offending field and the allowed range (at construction, and again
