@@ -88,6 +88,30 @@ def test_masked_speculative_output_equals_plain(llama_target, temperature, k):
     assert engines["oracle-1.0"].engine.stats.spec.acceptance_length > 0.8 * (k + 1)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "seeded"])
+def test_stops_inside_accepted_blocks_under_masks_equal_plain(llama_target, temperature):
+    """A stop token id and a stop string taken from the middle of each masked answer, and EOS
+    allowed: with whole blocks accepted (oracle drafts) the stop falls inside a verified block, and
+    the output, finish and stop reasons are plain decoding's."""
+    import dataclasses
+
+    k = 7
+    prompts = random_prompts(10, seed=61)
+    plain_llm = make_llm(llama_target)
+    params = _params(_free(plain_llm, prompts, temperature), temperature)
+    masked = [o.token_ids for o in plain_llm.generate(prompts, params)]
+    params = [dataclasses.replace(p, ignore_eos=False, stop_token_ids=[ids[13]], stop=[_text([ids[21]])])
+              for p, ids in zip(params, masked)]
+    want = [(o.token_ids, o.finish_reason, o.stop_reason) for o in plain_llm.generate(prompts, params)]
+    assert sum(reason == "stop" and len(ids) < 40 for ids, reason, _ in want) >= 8  # the stops were reached
+    answers = {tuple(p): p + ids for p, (ids, _, _) in zip(prompts, want)}
+    engines = dflash_and_oracle_llms(llama_target, k, answers, VOCAB)
+    for name, llm in engines.items():
+        got = [(o.token_ids, o.finish_reason, o.stop_reason) for o in llm.generate(prompts, params)]
+        assert got == want, name
+    assert engines["oracle-1.0"].engine.stats.spec.acceptance_length > 0.6 * (k + 1)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_masked_requests_on_the_graph_step_code(llama_target, async_scheduling):
     """The padded uniform-step code the CUDA graphs capture, run eagerly on the CPU (the masks
@@ -95,7 +119,7 @@ def test_masked_requests_on_the_graph_step_code(llama_target, async_scheduling):
     tokens never continue before their tokens are read back; allowed_token_ids and one-token bad
     words (the same mask every step) still do, and the output is plain decoding's."""
     prompts = random_prompts(5, seed=11)
-    plain = make_llm(llama_target)  # every plain answer first: a later LLM would reset the shared model's attention
+    plain = make_llm(llama_target)
     params = _params(_free(plain, prompts, 0.0), 0.0, penalties=False)
     want = [o.token_ids for o in plain.generate(prompts, params)]
     static_prompts = random_prompts(3, seed=12)
