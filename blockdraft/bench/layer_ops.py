@@ -83,9 +83,8 @@ def attention_backend(name: str) -> AttentionBackend:
 
 
 def set_attention_backend(model: CausalLM, backend: AttentionBackend) -> None:
-    """Point every decoder layer's attention at `backend`."""
-    for layer in model.model.layers:
-        layer.self_attn.backend = backend
+    """Point every decoder layer's attention at `backend` (CausalLM.set_attention_backend)."""
+    model.set_attention_backend(backend)
 
 
 def count_cuda_kernels(fn: Callable[[], object]) -> list[str]:
