@@ -14,7 +14,13 @@ the two candidates were, not either path's exact logits; bf16 logits of magnitud
 To see through that rounding, the same check can also run on a float32 copy of the target
 (`llm_fp32`: the weights loaded again in float32): its top-2 gap is the closest thing to the gap
 in exact arithmetic that the issue's 1e-2 threshold is about (a bf16 gap of one step, 0.125 at
-logits of 16-32, may be a float32 gap of 0.003 or of 0.12).
+logits of 16-32, may be a float32 gap of 0.003 or of 0.12). The float32 model also says which of
+the two tokens it would pick (`fp32_picks`): where it picks the candidate's, the divergence is the
+bf16 plain path's rounding, not an error of speculation (gpu.md, session 41).
+
+Constrained requests (a grammar masks the logits, bench.structured) are judged by the gap between
+the two divergent tokens themselves (`pair_gap`): the unconstrained top two may include a token
+the grammar forbids, while each path picked the best token the grammar allows.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ from __future__ import annotations
 from blockdraft.sampling_params import SamplingParams
 
 NEAR_TIE_GAP = 1e-2  # issue 5: bf16 divergences allowed where the top-2 logit gap is below this
+TOP_N = 20  # log-probs read per context: the two divergent tokens are looked up among these
 
 
 def divergence_gaps(
     llm, prompts: list[list[int]], candidate: list[list[int]], reference: list[list[int]], first_mismatch: list,
-    llm_fp32=None,
+    llm_fp32=None, constrained: bool = False,
 ) -> list[dict]:
     """The top-2 gap at the first divergence of every mismatched request.
 
@@ -37,13 +44,18 @@ def divergence_gaps(
         first_mismatch: per request, the index of the first differing token or None
             (bench.measure.compare_outputs).
         llm_fp32: a plain LLM over a float32 copy of the target, or None (no float32 check).
+        constrained: the outputs were constrained by a grammar: "near_tie" (and "near_tie_fp32")
+            then mean pair_gap < NEAR_TIE_GAP instead of the unconstrained top two's.
     Returns:
         One dict per mismatched request: {"request", "index", "reference_token", "candidate_token",
         "top2_gap" (float, top-1 minus top-2 log-prob, nats = logit units), "top2_tokens" ([2] ids),
         "both_in_top2" (the two divergent tokens are the top two), "near_tie" (both_in_top2 and
-        top2_gap < NEAR_TIE_GAP)}; with `llm_fp32` also "top2_gap_fp32", "top2_tokens_fp32" and
-        "near_tie_fp32" (the same judgement on the float32 target's logits). Requests that only
-        differ in length (no divergent token) are skipped.
+        top2_gap < NEAR_TIE_GAP), "pair_gap" (|log-prob of the reference token - that of the
+        candidate token|, nats; None when either is outside the top TOP_N)}; with `llm_fp32` also
+        "top2_gap_fp32", "top2_tokens_fp32", "pair_gap_fp32", "near_tie_fp32" (the same judgement
+        on the float32 target's logits) and "fp32_picks" ("candidate" or "reference": the one of
+        the two tokens the float32 target scores higher; None when neither is in its top TOP_N).
+        Requests that only differ in length (no divergent token) are skipped.
     """
     rows = []
     for i, d in enumerate(first_mismatch):
@@ -53,31 +65,38 @@ def divergence_gaps(
     if not rows:
         return []
     contexts = [prompts[i] + reference[i][:d] for i, d in rows]
-    tops = _top2(llm, contexts)
-    tops_fp32 = _top2(llm_fp32, contexts) if llm_fp32 is not None else [None] * len(rows)
+    tops = _top(llm, contexts)
+    tops_fp32 = _top(llm_fp32, contexts) if llm_fp32 is not None else [None] * len(rows)
     result = []
     for (i, d), top, top_fp32 in zip(rows, tops, tops_fp32):
-        pair = {reference[i][d], candidate[i][d]}
-        (t1, t2), gap = top
-        both = pair == {t1, t2}
-        row = {
-            "request": i, "index": d, "reference_token": reference[i][d], "candidate_token": candidate[i][d],
-            "top2_gap": gap, "top2_tokens": [t1, t2], "both_in_top2": both,
-            "near_tie": both and gap < NEAR_TIE_GAP,
-        }  # fmt: skip
+        ref, cand = reference[i][d], candidate[i][d]
+        row = {"request": i, "index": d, "reference_token": ref, "candidate_token": cand}
+        row |= _judge(top, ref, cand, constrained, "")
         if top_fp32 is not None:
-            (f1, f2), gap32 = top_fp32
-            row |= {"top2_gap_fp32": gap32, "top2_tokens_fp32": [f1, f2],
-                    "near_tie_fp32": pair == {f1, f2} and gap32 < NEAR_TIE_GAP}  # fmt: skip
+            row |= _judge(top_fp32, ref, cand, constrained, "_fp32")
+            lp = dict(top_fp32)
+            scored = {name: lp[t] for name, t in (("reference", ref), ("candidate", cand)) if t in lp}
+            row["fp32_picks"] = max(scored, key=scored.get) if scored else None
         result.append(row)
     return result
 
 
-def _top2(llm, contexts: list[list[int]]) -> list[tuple[tuple[int, int], float]]:
-    """Per context: the two most likely next tokens and their log-prob gap (top-1 minus top-2)."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2, detokenize=False)
-    out = []
-    for o in llm.generate(contexts, params):
-        (t1, lp1), (t2, lp2) = o.logprobs[0]["top"][:2]  # best first
-        out.append(((t1, t2), float(lp1 - lp2)))
+def _judge(top: list[tuple[int, float]], ref: int, cand: int, constrained: bool, suffix: str) -> dict:
+    """The gap fields of one context's top TOP_N (best first), keys suffixed with `suffix`; the
+    float32 judgement ("_fp32") has no both_in_top2 key, as before pair_gap was added."""
+    (t1, lp1), (t2, lp2) = top[:2]
+    lp = dict(top)
+    both = {ref, cand} == {t1, t2}
+    pair_gap = abs(lp[ref] - lp[cand]) if ref in lp and cand in lp else None
+    near = (pair_gap is not None and pair_gap < NEAR_TIE_GAP) if constrained else (both and lp1 - lp2 < NEAR_TIE_GAP)
+    out = {f"top2_gap{suffix}": float(lp1 - lp2), f"top2_tokens{suffix}": [t1, t2],
+           f"pair_gap{suffix}": None if pair_gap is None else float(pair_gap), f"near_tie{suffix}": near}
+    if not suffix:
+        out["both_in_top2"] = both
     return out
+
+
+def _top(llm, contexts: list[list[int]]) -> list[list[tuple[int, float]]]:
+    """Per context: the TOP_N most likely next tokens and their log-probs, best first."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOP_N, detokenize=False)
+    return [[(int(t), float(lp)) for t, lp in o.logprobs[0]["top"]] for o in llm.generate(contexts, params)]

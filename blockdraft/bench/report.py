@@ -114,10 +114,13 @@ def _num(x, fmt: str = ".2f", width: int = 9) -> str:
 
 def _mismatch_tag(p: dict) -> str:
     """"m/n", with "m/n (t ties)" when the mismatches were checked for near-ties (t of them are),
-    and "m/n (t ties; f in fp32)" when they were also checked on the float32 target."""
+    and "m/n (t ties; f in fp32; k fp32 = dflash)" when they were also checked on the float32
+    target (k: divergences where the float32 model picks DFlash's token)."""
     tag = f"{p['mismatched_requests']}/{p['num_requests']}"
     if p["mismatched_requests"] and "near_ties" in p:
         fp32 = f"; {p['near_ties_fp32']} in fp32" if "near_ties_fp32" in p else ""
+        if "fp32_picks_dflash" in p:
+            fp32 += f"; {p['fp32_picks_dflash']} fp32 = dflash"
         tag += f" ({p['near_ties']} {'tie' if p['near_ties'] == 1 else 'ties'}{fp32})"
     return tag
 
@@ -158,7 +161,9 @@ def format_table(report: dict) -> str:
     if any(p.get("mismatched_requests") and "near_ties" in p for p in report["parity"]):
         lines.append("mismatch 'm/n (t ties)': m of n requests differ from our plain decoding; t of them first "
                      "differ at a near-tie (top-2 logit gap < 1e-2; every gap in the JSON's parity divergences); "
-                     "'f in fp32': f by the gap of the same model loaded in float32 (no bf16 rounding)")
+                     "'f in fp32': f by the gap of the same model loaded in float32 (no bf16 rounding); "
+                     "'k fp32 = dflash': at k of them the float32 model picks our DFlash's token (bf16 rounding "
+                     "of the plain step chose the other)")
     if report["device"].get("type") == "cpu":
         lines.append("HBM floor and step criteria: n/a on the CPU (they are GPU criteria; see the JSON)")
     else:

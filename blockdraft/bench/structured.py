@@ -5,6 +5,10 @@ answer each task interleaved (blockdraft.side_by_side), `--repeats` times, media
 chat prompt with a constraint (JSON Schemas, a regex, a choice). Prints a table per task and
 pooled (tokens, tok/s, acceptance length, speedup, identical answers, answer follows its
 constraint) and the host time the grammar takes per step (masks and advancing), and writes JSON.
+A DFlash answer that differs from plain decoding's is checked for a near-tie at its first
+divergent token (bench.near_ties, judged by the two tokens' own gap since a grammar masks the
+rest; in bf16 also on the target loaded in float32); the run fails (exit 1) only for a
+divergence that is not a near-tie, or for answers that change from run to run.
 
     python -m blockdraft.bench.structured --repeats 3 --json docs/benchmarks/structured-cpu.json
 """
@@ -119,6 +123,7 @@ def task_rows(runs: dict, grammar_s: dict, steps: dict) -> list[dict]:
             "grammar_ms_per_step": {label: 1e3 * grammar_s[name][label] / max(steps[name][label], 1)
                                     for label in (PLAIN, DFLASH)},
             "text": plain.output.text,
+            "divergence": None,  # judge_divergences: the first divergent token's gaps
         })
     return rows
 
@@ -202,6 +207,12 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
             grammar_s[name][label] = timer.seconds
         print(f"  {name}: done", file=sys.stderr, flush=True)
     rows = task_rows(runs, grammar_s, steps)
+    if any(r["divergence"] is None and not r["identical"] for r in rows):
+        target_fp32 = None if target.dtype == torch.float32 else load_target(
+            args.model, "float32", device=device, cache_dir=args.cache_dir)
+        llm_fp32 = None if target_fp32 is None else LLM(target=target_fp32, **pool)
+        judge_divergences(rows, runs, engines[PLAIN], llm_fp32)
+        del llm_fp32, target_fp32
     pooled = _pooled(runs)
     k = engines[DFLASH].speculator.num_speculative_tokens
     print(f"{args.model} ({target.dtype}, {device}), drafter {draft}, K = {k}, {args.repeats} repeats (medians), "
@@ -213,11 +224,15 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
         tau = "n/a" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         g = r["grammar_ms_per_step"]
         print(f"| {r['task']} | {r['tokens']} | {r['plain_tokens_per_s']:.1f} | {r['dflash_tokens_per_s']:.1f} | {tau} | "
-              f"{r['speedup']:.2f}x | {r['identical']} | {r['follows']} | {g[PLAIN]:.2f} / {g[DFLASH]:.2f} |")
+              f"{r['speedup']:.2f}x | {_identical_tag(r)} | {r['follows']} | {g[PLAIN]:.2f} / {g[DFLASH]:.2f} |")
     tau = "n/a" if pooled["acceptance_length"] is None else f"{pooled['acceptance_length']:.2f}"
     print(f"| all (pooled) | {pooled['tokens']} | {pooled['plain_tokens_per_s']:.1f} | "
           f"{pooled['dflash_tokens_per_s']:.1f} | {tau} | {pooled['speedup']:.2f}x | "
           f"{all(r['identical'] for r in rows)} | {all(r['follows'] for r in rows)} | |")
+    if not all(r["identical"] for r in rows):
+        print("identical 'False (tie, gap g; fp32 gap f, fp32 = dflash)': the first divergent token's two candidates "
+              "differ by g nats (< 1e-2: a near-tie; bf16 logits of 16-32 are 0.125 apart), f on the target "
+              "loaded in float32, which picks DFlash's token or plain's (bench.near_ties)")
     if args.json:
         evidence = {
             "measured": datetime.date.today().isoformat(),
@@ -231,7 +246,44 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
             "seconds": {n: {label: r.seconds for label, r in rs.items()} for n, rs in runs.items()},
         }
         Path(args.json).write_text(json.dumps(evidence, indent=1))
-    return 0 if all(r["identical"] for r in rows) else 1
+    return 0 if all(r["identical"] or (r["divergence"] or {}).get("near_tie") for r in rows) else 1
+
+
+def judge_divergences(rows: list[dict], runs: dict, llm, llm_fp32=None) -> None:
+    """Give each row whose DFlash answer diverges from plain decoding's a "divergence" (in place).
+
+    Args:
+        rows: task_rows(runs, ...) output; rows with identical token ids are left alone.
+        runs: {task: {PLAIN / DFLASH: TimedRun}} whose outputs have `prompt_token_ids` and `token_ids`.
+        llm: a plain LLM over the target (the bench's plain engine).
+        llm_fp32: a plain LLM over the target loaded in float32, or None.
+    Sets row["divergence"] to bench.near_ties.divergence_gaps' dict for the first divergent token,
+    judged with constrained=True (the grammar masked every other token).
+    """
+    from blockdraft.bench.measure import compare_outputs
+    from blockdraft.bench.near_ties import divergence_gaps
+
+    for r in rows:
+        plain, spec = runs[r["task"]][PLAIN].output, runs[r["task"]][DFLASH].output
+        first = compare_outputs([spec.token_ids], [plain.token_ids])["first_mismatch"]
+        gaps = divergence_gaps(llm, [list(plain.prompt_token_ids)], [spec.token_ids], [plain.token_ids], first,
+                               llm_fp32, constrained=True)
+        if gaps:
+            r["divergence"] = gaps[0]
+
+
+def _identical_tag(row: dict) -> str:
+    """"True", "False", or for a judged divergence "False (tie|gap g[; fp32 gap f, fp32 = dflash|plain])"."""
+    d = row["divergence"]
+    if row["identical"] or d is None:
+        return str(row["identical"])
+    gap = "n/a" if d["pair_gap"] is None else f"{d['pair_gap']:.3g}"
+    tag = f"False ({'tie, ' if d['near_tie'] else ''}gap {gap}"
+    if "fp32_picks" in d:
+        gap32 = "n/a" if d["pair_gap_fp32"] is None else f"{d['pair_gap_fp32']:.3g}"
+        picks = {"candidate": "dflash", "reference": "plain"}.get(d["fp32_picks"], "neither")
+        tag += f"; fp32 gap {gap32}, fp32 = {picks}"
+    return tag + ")"
 
 
 def _counting(engine, timer: GrammarTimer, steps: dict, label: str):

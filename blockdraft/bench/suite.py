@@ -255,7 +255,8 @@ def add_divergence_gaps(workload: Workload, settings: Settings, cells: list[Cell
     the target is built for this only when some row has mismatches; when the target runs in a
     lower precision and was loaded from a folder (not random weights), a second one over its
     weights loaded again in float32 also judges each divergence ("near_ties_fp32",
-    bench.near_ties: the gap without bf16 rounding).
+    bench.near_ties: the gap without bf16 rounding; "fp32_picks_dflash": how many of them the
+    float32 model resolves as our DFlash did).
     """
     from blockdraft.bench.engines.ours import OurEngine, PoolPlan
     from blockdraft.bench.near_ties import divergence_gaps
@@ -286,6 +287,7 @@ def add_divergence_gaps(workload: Workload, settings: Settings, cells: list[Cell
             p["near_ties"] = sum(d["near_tie"] for d in p["divergences"])
             if engine_fp32 is not None:
                 p["near_ties_fp32"] = sum(d["near_tie_fp32"] for d in p["divergences"])
+                p["fp32_picks_dflash"] = sum(d["fp32_picks"] == "candidate" for d in p["divergences"])
     finally:
         del engine, engine_fp32, target_fp32  # the float32 weights too, before the cache is emptied
         _release(workload.device)

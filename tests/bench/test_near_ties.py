@@ -46,6 +46,31 @@ def test_gap_at_the_first_divergence_of_each_mismatched_request(target):
     assert got[0]["near_tie"] == (got[0]["top2_gap"] < NEAR_TIE_GAP)
     assert got[0]["reference_token"] == reference[0][3] and got[0]["candidate_token"] == top[1][0]
     assert not got[1]["both_in_top2"] and not got[1]["near_tie"]
+    assert got[0]["pair_gap"] == pytest.approx(got[0]["top2_gap"], abs=1e-6)  # the top two: the same gap
+    top1 = dict(_top(llm, prompts[1] + reference[1][:5], n=20))
+    assert got[1]["pair_gap"] == pytest.approx(top1[reference[1][5]] - top1[third], abs=1e-4)  # another batch
+
+
+def test_constrained_divergences_are_judged_by_the_two_tokens_gap(target, monkeypatch):
+    """Under a grammar each path picks the best token it allows, so the unconstrained top two say
+    nothing: with constrained=True a divergence to the third-ranked token is a near-tie when the
+    two divergent tokens' own gap is under the bound (raised here above that gap)."""
+    from blockdraft.bench import near_ties
+
+    llm = make_llm(target)
+    prompts = random_prompts(1, seed=4)
+    reference = _greedy(llm, prompts, 8)
+    third = _top(llm, prompts[0] + reference[0][:5])[2][0]
+    candidate = [reference[0][:5] + [third] + reference[0][6:]]
+    first = compare_outputs(candidate, reference)["first_mismatch"]
+    (plain,) = divergence_gaps(llm, prompts, candidate, reference, first)
+    monkeypatch.setattr(near_ties, "NEAR_TIE_GAP", plain["pair_gap"] + 1e-3)
+    (loose,) = divergence_gaps(llm, prompts, candidate, reference, first)
+    (masked,) = divergence_gaps(llm, prompts, candidate, reference, first, constrained=True)
+    assert not loose["near_tie"]  # not the top two: never a tie unconstrained
+    assert masked["near_tie"] and masked["pair_gap"] == pytest.approx(plain["pair_gap"])
+    monkeypatch.setattr(near_ties, "NEAR_TIE_GAP", plain["pair_gap"] - 1e-3)
+    assert not divergence_gaps(llm, prompts, candidate, reference, first, constrained=True)[0]["near_tie"]
 
 
 def test_a_float32_copy_of_the_target_judges_the_same_divergences(target):
@@ -69,6 +94,10 @@ def test_a_float32_copy_of_the_target_judges_the_same_divergences(target):
     assert got["near_tie_fp32"] == (set(got["top2_tokens_fp32"]) == {reference[0][2], runner_up}
                                     and got["top2_gap_fp32"] < NEAR_TIE_GAP)
     assert "top2_gap_fp32" not in divergence_gaps(llm, prompts, candidate, reference, first)[0]
+    lp32 = dict(_top(llm_fp32, prompts[0] + reference[0][:2], n=20))
+    picks = "candidate" if lp32[runner_up] > lp32[reference[0][2]] else "reference"
+    assert got["fp32_picks"] == picks
+    assert got["pair_gap_fp32"] == pytest.approx(abs(lp32[runner_up] - lp32[reference[0][2]]), abs=1e-4)
 
 
 def test_length_only_differences_and_equal_outputs_are_skipped(target):
@@ -118,4 +147,5 @@ def test_suite_judges_a_bf16_target_from_a_folder_in_float32_too(tmp_path):
     (d,) = parity[0]["divergences"]
     assert {"top2_gap_fp32", "top2_tokens_fp32", "near_tie_fp32"} <= set(d)
     assert parity[0]["near_ties_fp32"] == int(d["near_tie_fp32"])
-    assert _mismatch_tag(parity[0]).endswith("in fp32)")
+    assert parity[0]["fp32_picks_dflash"] == int(d["fp32_picks"] == "candidate")
+    assert _mismatch_tag(parity[0]).endswith(f"in fp32; {parity[0]['fp32_picks_dflash']} fp32 = dflash)")

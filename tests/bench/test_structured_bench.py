@@ -62,3 +62,32 @@ def test_one_task_on_the_shipped_drafter_writes_the_table(tmp_path, capsys):
     (row,) = result["tasks"]
     assert row["identical"] and row["follows"] and row["acceptance_length"] > 1
     assert result["pooled"]["tokens"] == row["tokens"] and "| http |" in capsys.readouterr().out
+
+
+def test_a_divergence_is_judged_at_its_first_token_and_a_near_tie_passes(monkeypatch):
+    """judge_divergences reads the two divergent tokens' gap on the plain engine (and on a float32
+    one); the table tags the row, and the exit rule accepts a near-tie only."""
+    from blockdraft.bench import near_ties
+    from blockdraft.bench.structured import _identical_tag, judge_divergences
+    from blockdraft.sampling_params import SamplingParams
+    from tests.conftest import make_llm, random_prompts, tiny_target
+
+    llm = make_llm(tiny_target("qwen3", seed=11))
+    (prompt,) = random_prompts(1, seed=4)
+    ref = list(llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids)
+    top = llm.generate([prompt + ref[:2]], SamplingParams(max_tokens=1, ignore_eos=True, logprobs=3))[0].logprobs[0]["top"]
+    cand = ref[:2] + [top[2][0]]  # the third-ranked token: allowed by a grammar, not the top two
+    runs = {"todo": {PLAIN: run(ref, 1.0), DFLASH: run(cand, 1.0, steps=1, accepted=2)}}
+    for r in runs["todo"].values():
+        r.output.prompt_token_ids = prompt
+    (row,) = task_rows(runs, {"todo": {PLAIN: 0.0, DFLASH: 0.0}}, {"todo": {PLAIN: 1, DFLASH: 1}})
+    assert row["divergence"] is None and _identical_tag(row) == "False"
+    judge_divergences([row], runs, llm, llm_fp32=llm)
+    d = row["divergence"]
+    assert (d["index"], d["reference_token"], d["candidate_token"]) == (2, ref[2], top[2][0])
+    assert d["pair_gap"] == pytest.approx(top[0][1] - top[2][1], abs=1e-4) and d["fp32_picks"] == "reference"
+    assert not d["near_tie"] and _identical_tag(row).startswith("False (gap ")
+    assert _identical_tag(row).endswith("fp32 = plain)")
+    monkeypatch.setattr(near_ties, "NEAR_TIE_GAP", d["pair_gap"] + 1e-3)
+    judge_divergences([row], runs, llm)
+    assert row["divergence"]["near_tie"] and _identical_tag(row).startswith("False (tie, gap ")
