@@ -52,7 +52,9 @@ class InputBatch:
     list) and sample_req_index the same on the device; sample_num_drafts: [S] its k; kmax: max k
     (rows of sampling request s are padded to kmax + 1 in `logits_rows` [S, kmax+1], -1 =
     padding). sampling: per logits row parameters (SamplingTensors, [L] rows). num_reqs /
-    num_rows: the real (unpadded) request and row counts.
+    num_rows: the real (unpadded) request and row counts. grammar_masks: the constrained rows'
+    masks, written into sampling.token_bitmask by `GrammarMasks.fill` once the target forward
+    is enqueued (None: no constrained request).
     """
 
     input_ids: torch.Tensor
@@ -68,6 +70,40 @@ class InputBatch:
     sampling: SamplingTensors
     num_reqs: int
     num_rows: int
+    grammar_masks: GrammarMasks | None = None
+
+
+class GrammarMasks:
+    """A step's structured-output masks, computed while the GPU runs the target forward.
+
+    Only the sampler reads the masks, so the runner fills them after enqueueing the target
+    forward (`fill`, called by its sampling step): on CUDA the host's grammar work (0.1-0.8 ms
+    per DFlash step at K = 15 on the H200's host, docs/benchmarks/gpu.md session 41) then
+    overlaps the forward instead of preceding it, as vLLM overlaps its grammar bitmask with the
+    model's forward.
+
+    Args:
+        items: (grammar, first row, drafts) per constrained request (structured.grammar.fill_bitmasks).
+        host: [C, ceil(V / 32)] int32 on the CPU, every bit set (pinned on CUDA).
+        device: where the sampler reads the masks. On CUDA `tensor` is a device buffer that the
+            filled host masks reach by one asynchronous copy (stream-ordered before the sampler);
+            elsewhere it is `host` itself.
+    """
+
+    def __init__(self, items: list, host: torch.Tensor, device: torch.device) -> None:
+        self.items = items
+        self.host = host
+        self.tensor = host if device.type != "cuda" else torch.empty(host.shape, dtype=host.dtype, device=device)
+        self.filled = False
+
+    def fill(self) -> None:
+        """Compute the masks (once) and start their copy to the device; no host synchronisation."""
+        if self.filled:
+            return
+        fill_bitmasks(self.items, self.host)
+        if self.tensor is not self.host:
+            self.tensor.copy_(self.host, non_blocking=True)  # pinned source: the caching host allocator keeps it alive
+        self.filled = True
 
 
 def build_input_batch(
@@ -122,7 +158,7 @@ def build_input_batch(
     kmax = max(num_drafts, default=0)
     sampling = SamplingTensors.from_params(params, "cpu", repeats=[k + 1 for k in num_drafts])
     penalties = _penalties(so, sample_req, histories, params)
-    bitmask, bitmask_rows = _token_bitmask(so, sample_req)
+    grammar_masks, bitmask_rows = _grammar_masks(so, sample_req, device)
     mask, mask_rows = _sampling_mask(so, sample_req)
     host = {
         "input_ids": ids_pos[0],
@@ -138,7 +174,7 @@ def build_input_batch(
         "sample_num_drafts": layout.sample_num_drafts,
         **{f"sampling.{f}": getattr(sampling, f) for f in SAMPLING_FIELDS},
         **({f"penalties.{f}": getattr(penalties, f) for f in PENALTY_FIELDS} if penalties is not None else {}),
-        **({"token_bitmask": bitmask, "token_bitmask_rows": bitmask_rows} if bitmask is not None else {}),
+        **({"token_bitmask_rows": bitmask_rows} if grammar_masks is not None else {}),
         **({"sampling_mask": mask, "sampling_mask_rows": mask_rows} if mask is not None else {}),
     }
     dev = stage_to_device(host, device)
@@ -166,11 +202,13 @@ def build_input_batch(
         sampling=dataclasses.replace(
             sampling, **{f: dev[f"sampling.{f}"] for f in SAMPLING_FIELDS},
             penalties=None if penalties is None else PenaltyEntries(**{f: dev[f"penalties.{f}"] for f in PENALTY_FIELDS}),
-            token_bitmask=dev.get("token_bitmask"), token_bitmask_rows=dev.get("token_bitmask_rows"),
+            token_bitmask=None if grammar_masks is None else grammar_masks.tensor,  # GrammarMasks.fill writes it
+            token_bitmask_rows=dev.get("token_bitmask_rows"),
             sampling_mask=dev.get("sampling_mask"), sampling_mask_rows=dev.get("sampling_mask_rows"),
         ),
         num_reqs=num_reqs,
         num_rows=num_rows,
+        grammar_masks=grammar_masks,
     )
 
 
@@ -184,20 +222,20 @@ def _penalties(so: SchedulerOutput, sample_req: list[int], histories: list, para
     return penalty_entries(histories, [_drafts(so.requests[i]) for i in sample_req], params)
 
 
-def _token_bitmask(so: SchedulerOutput, sample_req: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The token masks of the constrained requests' logits rows (SamplingTensors.token_bitmask):
-    ([C, ceil(V / 32)] int32, each such request's 1 + k rows from its grammar state and drafts,
-    structured.grammar.fill_bitmasks; [C] int64 their logits rows), or (None, None) when no
-    request is constrained."""
+def _grammar_masks(so: SchedulerOutput, sample_req: list[int],
+                   device: torch.device) -> tuple[GrammarMasks | None, torch.Tensor | None]:
+    """The constrained requests' logits rows and their masks, still to compute
+    (SamplingTensors.token_bitmask): (GrammarMasks over [C, ceil(V / 32)] int32, each such
+    request's 1 + k rows from its grammar state and drafts once filled; [C] int64 their logits
+    rows), or (None, None) when no request is constrained."""
     grammars = [so.requests[i].grammar for i in sample_req]
     if all(g is None for g in grammars):
         return None, None
     firsts, rows = _masked_rows(so, sample_req, grammars)
-    bitmask = torch.full((len(rows), bitmask_words(next(g for g in grammars if g is not None).vocab_size)), -1,
-                         dtype=torch.int32)
+    host = torch.full((len(rows), bitmask_words(next(g for g in grammars if g is not None).vocab_size)), -1,
+                      dtype=torch.int32, pin_memory=device.type == "cuda")
     items = [(g, first, _drafts(so.requests[i])) for i, g, first in zip(sample_req, grammars, firsts) if g is not None]
-    fill_bitmasks(items, bitmask)
-    return bitmask, host_tensor(rows, torch.long)
+    return GrammarMasks(items, host, device), host_tensor(rows, torch.long)
 
 
 def _sampling_mask(so: SchedulerOutput, sample_req: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -398,7 +398,10 @@ def _continuable(sr) -> bool:
 
 
 def _sample(batch: InputBatch, logits: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-    """[L] int64 token per logits row."""
+    """[L] int64 token per logits row. Called right after the target forward is enqueued: the
+    grammar masks are computed here (InputBatch.grammar_masks), overlapping that forward on CUDA."""
+    if batch.grammar_masks is not None:
+        batch.grammar_masks.fill()
     if batch.sampling.argmax_only:  # what sample() returns for all-greedy rows, without the key positions
         return fused_argmax(logits, fused=False)  # torch.argmax (on the CPU over float32: faster, same ids)
     # the token sampled from row r sits at position r + 1: that position keys its noise
