@@ -3,6 +3,9 @@ bad_words' (blockdraft.sample.token_mask), built on the host and applied to logi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 
@@ -21,11 +24,23 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 is int32's sign
 
 
-def disallow_tokens_(row: torch.Tensor, token_ids) -> None:
-    """Clear the bits of `token_ids` (ints in [0, V)) in one bitmask row ([ceil(V / 32)] int32, CPU), in place."""
-    for t in token_ids:
-        bit = t % 32
-        row[t // 32] &= ~(1 << bit) if bit < 31 else 2**31 - 1  # ~(1 << 31) is not an int32: keep bits 0..30
+def disallow_tokens_(mask: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int]) -> None:
+    """Clear bit token_ids[n] of row rows[n] of `mask`, for every n, in place (one vectorised op past 8 tokens).
+
+    Args:
+        mask: [R, ceil(V / 32)] int32 bitmask rows on the CPU (any row stride).
+        rows: row indices in [0, R). token_ids: as many token ids in [0, V) (repeats allowed).
+    """
+    if not len(token_ids):
+        return
+    words = mask.numpy().view(np.uint32)  # unsigned: bit 31 is int32's sign bit
+    if len(token_ids) <= 8:  # a few element writes cost less than ufunc.at's set-up (~2.5 us)
+        for r, t in zip(rows, token_ids):
+            words[r, t >> 5] &= 0xFFFFFFFF ^ (1 << (t & 31))
+        return
+    t = np.asarray(token_ids, dtype=np.int64)
+    # ufunc.at, not words[...] &= ...: two tokens of one word must both clear their bit
+    np.bitwise_and.at(words, (np.asarray(rows, dtype=np.int64), t >> 5), ~(np.uint32(1) << (t & 31).astype(np.uint32)))
 
 
 def apply_token_bitmask_rows_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from blockdraft.sample.bad_words import banned_tokens
 from blockdraft.sample.bitmask import apply_token_bitmask_, bitmask_words, pack_bitmask
 from blockdraft.sample.sampler import SamplingTensors
 from blockdraft.sample.token_mask import RequestTokenMask
@@ -103,3 +104,111 @@ def test_first_disallowed_and_the_row_masks_apply_one_rule():
         for i, row_allowed in enumerate(_allowed(rows)):
             for t in range(V):
                 assert (m.first_disallowed(output + drafts[:i], [t]) is None) == (t in row_allowed), (seqs, t)
+
+
+# tokens of the randomised tests below: word boundaries, both int32 sign bits, and the last id of
+# a vocabulary that is no multiple of 32 (the last word is partly used)
+V_ODD = 101
+POOL = [0, 1, 2, 30, 31, 32, 33, 63, 64, 95, 96, 100]
+
+
+def _reference_fill(allowed, sequences, output, drafts) -> torch.Tensor:
+    """fill's rows by definition: row i allows `allowed` ([V] bool) less banned_tokens(sequences,
+    output + drafts[:i]), one token at a time, then packed; the whole output is passed."""
+    rows = []
+    for i in range(len(drafts) + 1):
+        row = allowed.clone()
+        for t in banned_tokens(sequences, output + drafts[:i]):
+            row[t] = False
+        rows.append(pack_bitmask(row))
+    return torch.stack(rows)
+
+
+def _random_sequences(rng) -> list[list[int]]:
+    """1-4 token bad words over POOL; some extend or reuse another's prefix, some end alike."""
+    seqs: list[list[int]] = []
+    for _ in range(rng.randint(1, 12)):
+        r = rng.random()
+        if seqs and r < 0.3:  # a shared prefix, another last token
+            other = rng.choice(seqs)
+            seq = other[:rng.randint(0, len(other) - 1)]
+            seq += [rng.choice(POOL) for _ in range(rng.randint(1, 4 - len(seq)))] if len(seq) < 4 else []
+        elif seqs and r < 0.45:  # the same last token after another prefix
+            seq = [rng.choice(POOL) for _ in range(rng.randint(0, 3))] + [rng.choice(seqs)[-1]]
+        else:
+            seq = [rng.choice(POOL) for _ in range(rng.randint(1, 4))]
+        seqs.append(seq[:4] or [rng.choice(POOL)])
+    return seqs
+
+
+def _random_tokens(rng, seqs, n: int) -> list[int]:
+    """n tokens from POOL with the bad words' prefixes spliced in (so rows match them)."""
+    out: list[int] = []
+    while len(out) < n:
+        out += rng.choice(seqs)[:-1] if rng.random() < 0.4 else [rng.choice(POOL)]
+    return out[:n]
+
+
+def test_fill_equals_the_reference_rule_over_random_bad_words():
+    """The indexed, vectorised fill writes exactly the reference rows (banned_tokens per row, one
+    bit at a time) for random words, outputs and drafts (K 0..15), with and without allowed ids."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(600):
+        seqs = _random_sequences(rng)
+        allowed_ids = rng.sample(range(V_ODD), rng.randint(1, V_ODD)) if rng.random() < 0.4 else None
+        m = RequestTokenMask(V_ODD, allowed_ids, seqs)
+        allowed = torch.zeros(V_ODD, dtype=torch.bool) if allowed_ids is not None else torch.ones(V_ODD, dtype=torch.bool)
+        if allowed_ids is not None:
+            allowed[allowed_ids] = True
+        allowed[[s[0] for s in seqs if len(s) == 1]] = False
+        output, drafts = _random_tokens(rng, seqs, rng.randint(0, 8)), _random_tokens(rng, seqs, rng.randint(0, 15))
+        out = torch.full((len(drafts) + 1, bitmask_words(V_ODD)), 7, dtype=torch.int32)
+        m.fill(out, output, drafts)
+        assert torch.equal(out, _reference_fill(allowed, seqs, output, drafts)), (seqs, output, drafts)
+
+
+def test_fill_bans_every_sequence_after_its_prefix():
+    """Each multi-token word, its prefix ending the output, the drafts or both, bans its last token
+    at the row after the prefix: fails when fill's index misses a sequence."""
+    import random
+
+    rng = random.Random(2)
+    for _ in range(100):
+        seqs = _random_sequences(rng)
+        m = RequestTokenMask(V_ODD, None, seqs)
+        for seq in (s for s in seqs if len(s) > 1):
+            lead = [rng.choice(POOL) for _ in range(rng.randint(0, 3))]
+            path = lead + seq[:-1]
+            split = rng.randint(len(lead), len(path))  # where the output ends and the drafts start
+            output, drafts = path[:split], path[split:] + [rng.choice(POOL) for _ in range(rng.randint(0, 2))]
+            out = torch.empty(len(drafts) + 1, bitmask_words(V_ODD), dtype=torch.int32)
+            m.fill(out, output, drafts)
+            assert seq[-1] not in _allowed_odd(out[len(path) - split]), (seq, output, drafts)
+
+
+def _allowed_odd(row: torch.Tensor) -> set[int]:
+    """The allowed token ids of one V_ODD bitmask row."""
+    x = torch.zeros(1, V_ODD)
+    apply_token_bitmask_(x, row[None])
+    return set(torch.nonzero(x[0] == 0).flatten().tolist())
+
+
+def test_disallow_tokens_clears_each_bit_once_for_few_and_many_tokens():
+    """Element writes (<= 8 tokens) and ufunc.at (more) agree with clearing one bit at a time,
+    with repeats and several tokens in one int32 word (bit 31 included)."""
+    import random
+
+    from blockdraft.sample.bitmask import disallow_tokens_
+
+    rng = random.Random(3)
+    for n in (1, 3, 8, 9, 40, 200):
+        rows = [rng.randrange(4) for _ in range(n)]
+        tokens = [rng.choice(POOL + [rng.randrange(V_ODD)]) for _ in range(n)]
+        mask = torch.full((4, bitmask_words(V_ODD)), -1, dtype=torch.int32)
+        disallow_tokens_(mask, rows, tokens)
+        want = torch.ones(4, bitmask_words(V_ODD) * 32, dtype=torch.bool)  # the bits past V stay set too
+        for r, t in zip(rows, tokens):
+            want[r, t] = False
+        assert torch.equal(mask, torch.stack([pack_bitmask(w) for w in want])), (rows, tokens)
