@@ -108,8 +108,9 @@ def test_min_p_requests_on_graphs_equal_enforce_eager_and_plain_fp32(k):
 
 @pytest.mark.parametrize("k", [None, 7], ids=["plain", "k7"])
 def test_constrained_requests_on_graphs_equal_enforce_eager_and_plain_fp32(k):
-    """Structured outputs (token bitmasks staged with the batch and applied between the target and
-    tail graphs; no async continuation for those requests) on graphed steps give the eager engine's
+    """Structured outputs (token bitmasks computed once the target graph is enqueued, copied to the
+    GPU and applied between the target and tail graphs; no async continuation for those requests)
+    on graphed steps give the eager engine's
     tokens, and the speculative ones plain decoding's. The device needs the llguidance wheel."""
     pytest.importorskip("llguidance")
     from tests.conftest import make_ascii_tokenizer

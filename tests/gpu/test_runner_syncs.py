@@ -85,3 +85,27 @@ def test_a_graphed_single_request_prefill_syncs_at_most_once(k):
         while llm.engine.has_unfinished_requests():
             counts.append(count_host_syncs(llm.engine.step))
         assert counts and max(counts) <= 1, counts
+
+
+@pytest.mark.parametrize("k", [None, 5], ids=["plain", "k5"])
+def test_constrained_requests_add_no_host_sync(k):
+    """Structured outputs: the grammar masks are computed after the target forward is enqueued and
+    reach the GPU by one asynchronous copy from pinned memory (InputBatch.grammar_masks): still at
+    most one synchronisation per step."""
+    pytest.importorskip("llguidance")
+    import dataclasses
+
+    from tests.conftest import make_ascii_tokenizer
+    from tests.spec.test_lossless_structured import CONSTRAINTS, _params as constrained_params
+
+    target = dataclasses.replace(cuda_tiny_target(torch.bfloat16, seed=4), tokenizer=make_ascii_tokenizer())
+    llm = cuda_llm(target, k)
+    prompts = random_prompts(len(CONSTRAINTS), seed=10)
+    params = constrained_params(0.9, max_tokens=24)
+    llm.generate(prompts, params)  # warm-up (grammar compiles, graphs) outside the count
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        llm.engine.add_request(f"r{i}", prompt, p)
+    counts = []
+    while llm.engine.has_unfinished_requests():
+        counts.append(count_host_syncs(llm.engine.step))
+    assert len(counts) > 5 and max(counts) <= 1, counts

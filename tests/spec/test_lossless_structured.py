@@ -162,3 +162,33 @@ def test_a_stop_string_inside_an_accepted_block_under_a_grammar(target, include_
     assert _outs(llm.generate(prompts, params)) == plain
     assert llm.engine.stats.spec.acceptance_length > 4  # the stop fell inside an accepted block
     assert _outs(_dflash_llm(target, 3).generate(prompts, params)) == plain
+
+
+@pytest.mark.parametrize("kw", [{}, dict(attention_backend="dense", graph_mode="eager")], ids=["eager", "graph-code"])
+def test_grammar_masks_are_computed_after_the_target_forward_is_enqueued(target, monkeypatch, kw):
+    """The masks only matter to the sampler, so each step computes them after enqueueing the target
+    forward (on CUDA the grammar's host work overlaps the GPU's): in every constrained step the
+    forward comes first, and the output is still plain decoding's."""
+    from blockdraft.runner import input_batch, model_runner
+
+    prompts, params = random_prompts(len(CONSTRAINTS), seed=13), _params(0.0, max_tokens=24)
+    want = _outs(make_llm(target).generate(prompts, params))
+    llm = _dflash_llm(target, 3, **kw)
+    events = []
+    fill = input_batch.fill_bitmasks
+    monkeypatch.setattr(input_batch, "fill_bitmasks", lambda *a: (events.append("masks"), fill(*a))[1])
+    runner = llm.engine.runner
+    for name in ("launch", "_forward", "_replay"):
+        inner = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *a, _f=inner, _e=name.strip("_"), **k: (events.append(_e), _f(*a, **k))[1])
+    graph_run = None
+    if runner.graphs is not None:  # the graph-step code: uniform and prefill steps' target steps
+        for graph in (runner.graphs.target, runner.graphs.prefill):
+            graph_run = graph.run
+            monkeypatch.setattr(graph, "run", lambda *a, _f=graph_run, **k: (events.append("target"), _f(*a, **k))[1])
+    assert _outs(llm.generate(prompts, params)) == want
+    assert events.count("masks") > 3
+    for i, e in enumerate(events):
+        if e == "masks":  # within its engine step (since the last launch) the target ran first
+            step = events[len(events[:i]) - events[:i][::-1].index("launch") - 1:i]
+            assert {"forward", "target"} & set(step), step
