@@ -152,6 +152,10 @@ def format_table(report: dict) -> str:
         )
     for name, reason in report["skipped"].items():
         lines.append(f"skipped {name}: {reason}")
+    if w.get("weights") == "random":
+        lines.append("random weights (--shape): the drafter guesses at random, so acceptance ~1 and DFlash slower than "
+                     "plain are expected; dflash-forced accepts every draft (its output is not the model's), the step "
+                     "cost at full acceptance. Real acceptance and speedups: --model with a trained --draft")
     if s.get("num_prompts"):
         lines.append(f"TTFT ms: the prefill-only run, all {s['num_prompts']} requests to their first token, 'batch' "
                      "at a time (not one request's time to first token)")

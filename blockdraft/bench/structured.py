@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.engine_args import add_draft_vocab_size_flag
     from blockdraft.preflight import DEVICE_CHOICES, DTYPE_CHOICES
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python -m blockdraft.bench.structured", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="catalog name or model folder (default %(default)s)")
     p.add_argument("--draft", default=SHIPPED, help="drafter folder or 'shipped' (default)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
@@ -215,7 +216,7 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
         del llm_fp32, target_fp32
     pooled = _pooled(runs)
     k = engines[DFLASH].speculator.num_speculative_tokens
-    print(f"{args.model} ({target.dtype}, {device}), drafter {draft}, K = {k}, {args.repeats} repeats (medians), "
+    print(f"{args.model} ({target.dtype}, {device}), drafter {draft}, K = {k}, {args.repeats} repeat{'s' if args.repeats > 1 else ''} (medians), "
           f"{torch.get_num_threads()} threads")
     print("| task | tokens | plain tok/s | DFlash tok/s | acceptance length | speedup | identical | follows | "
           "grammar ms/step plain / DFlash |")
@@ -229,6 +230,9 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
     print(f"| all (pooled) | {pooled['tokens']} | {pooled['plain_tokens_per_s']:.1f} | "
           f"{pooled['dflash_tokens_per_s']:.1f} | {tau} | {pooled['speedup']:.2f}x | "
           f"{all(r['identical'] for r in rows)} | {all(r['follows'] for r in rows)} | |")
+    if not all(r["follows"] for r in rows):
+        print("follows False: the plain answer breaks its constraint or did not end with 'stop' (an answer cut by "
+              "--max-tokens is incomplete)")
     if not all(r["identical"] for r in rows):
         print("identical 'False (tie, gap g; fp32 gap f, fp32 = dflash)': the first divergent token's two candidates "
               "differ by g nats (< 1e-2: a near-tie; bf16 logits of 16-32 are 0.125 apart), f on the target "

@@ -164,9 +164,10 @@ class LLMEngine:
             raise ValueError("prompt is empty: give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
             # -1 keeps max_model_len tokens (vLLM's value), which leave no room: say what fits
+            room = max(1, min(params.max_tokens, self.max_model_len - 1))  # output tokens the hint leaves room for
             cut = "" if params.truncate_prompt_tokens is None else (
                 f" (after truncate_prompt_tokens={params.truncate_prompt_tokens}; "
-                f"truncate_prompt_tokens={self.max_model_len - 1} keeps that many)")
+                f"truncate_prompt_tokens={self.max_model_len - room} leaves room for max_tokens={room})")
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens but the engine's context is {self.max_model_len} "
                 f"tokens (max_model_len; by default the smaller of the model's max positions and the KV pool; "
@@ -381,8 +382,11 @@ class LLMEngine:
         room = max(1, min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens))
         end = min(len(tokens), room)
         reason, stop_reason = ("length" if end == room else None), None
+        masked = None  # the position a fully masked row sampled, if any
         if req.token_mask is not None:
-            end, reason = self._check_token_mask(req, tokens, end, reason)
+            masked = self._first_masked(req, tokens, end)
+            if masked is not None:
+                end, reason = masked, "abort"
         if req.grammar is not None:
             end, reason = self._advance_grammar(req, tokens, end, reason)
         stop_ids = self._stop_ids[req.request_id]
@@ -406,26 +410,25 @@ class LLMEngine:
             req.logprobs += logprobs[:end]
         self._num_new[req.request_id] = self._num_new.get(req.request_id, 0) + end
         if reason is not None:
+            if reason == "abort" and end == masked:  # not when an earlier stop or the grammar's end came first
+                logger.warning("request %s: every token of output position %d is masked (allowed_token_ids / "
+                               "bad_words, min_tokens, a grammar); ending it (finish_reason abort)",
+                               req.request_id, len(req.output_token_ids))  # the tokens before it are committed
             req.stop_reason = stop_reason
             self._finish(req, reason)
 
-    def _check_token_mask(self, req: Request, tokens: list[int], end: int, reason: str | None) -> tuple[int, str | None]:
-        """Cut tokens[:end] before the first one `req`'s allowed_token_ids / bad_words forbid, or
-        an EOS / stop id below min_tokens ("abort", logged without its text): sampled only from a
-        row whose every token was masked (RequestTokenMask.first_disallowed), so the output never
-        holds a forbidden token."""
+    def _first_masked(self, req: Request, tokens: list[int], end: int) -> int | None:
+        """The index of the first of tokens[:end] that `req`'s allowed_token_ids / bad_words forbid,
+        or of an EOS / stop id below min_tokens, or None: such a token was sampled from a row whose
+        every token was masked (RequestTokenMask.first_disallowed), and the request ends before it
+        (finish_reason "abort", logged without its text), so the output never holds it."""
         n = req.token_mask.first_disallowed(req.output_token_ids, tokens[:end])
         params = req.sampling_params
         short = max(0, min(end, params.min_tokens - len(req.output_token_ids)))  # positions min_tokens masks
         if short:  # min_tokens masks the EOS ids (also with ignore_eos, as vLLM) and stop ids below it
             stops = set(req.eos_token_ids).union(params.stop_token_ids or ())
             n = next((i for i in range(short if n is None else min(n, short)) if tokens[i] in stops), n)
-        if n is None:
-            return end, reason
-        logger.warning("request %s: every token of output position %d is masked (allowed_token_ids / bad_words, "
-                       "min_tokens, a grammar); ending it (finish_reason abort)", req.request_id,
-                       len(req.output_token_ids) + n)
-        return n, "abort"
+        return n
 
     def _advance_grammar(self, req: Request, tokens: list[int], end: int, reason: str | None) -> tuple[int, str | None]:
         """Advance `req`'s grammar over tokens[:end] -> (end, reason): cut after the token that

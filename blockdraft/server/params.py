@@ -82,7 +82,7 @@ def completion_prompts(req: CompletionRequest, tokenizer, model: ModelInfo) -> l
         texts_or_ids = p
     out = []
     for i, item in enumerate(texts_or_ids):
-        ids = _encode_text(tokenizer, item) if isinstance(item, str) else list(item)
+        ids = _encode_text(tokenizer, item, req.add_special_tokens) if isinstance(item, str) else list(item)
         if not ids:
             raise APIError(400, f"prompt {i} is empty; give at least one token", param="prompt")
         bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
@@ -400,8 +400,10 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
     context = min(model.max_model_len, model.kv_capacity_tokens)
     room = context - prompt_len
     if room < 1:
+        want = max(1, min(asked or 1, context - 1))  # output tokens the hint leaves room for
         cut = "" if req.truncate_prompt_tokens is None else (  # -1 keeps max_model_len tokens: no room
-            f" (after truncate_prompt_tokens {req.truncate_prompt_tokens}; {context - 1} keeps that many)")
+            f" (after truncate_prompt_tokens {req.truncate_prompt_tokens}; {context - want} leaves room for "
+            f"{want} output token{'s' if want > 1 else ''})")
         raise APIError(
             400,
             f"prompt {index} has {prompt_len} tokens; this model's context is {context} tokens (max_model_len in "
@@ -409,7 +411,9 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
             param="prompt" if isinstance(req, CompletionRequest) else "messages",
         )
     if asked is None:
-        default = COMPLETIONS_DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest) else config.max_tokens_limit
+        # completions: 16 when left out (OpenAI's, vLLM's), the rest of the context when sent as null (vLLM's)
+        default = (COMPLETIONS_DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest)
+                   and "max_tokens" not in req.model_fields_set else config.max_tokens_limit)
         return max(1, min(default, room))
     if asked < 1:
         hint = " (0 only with echo: true, which returns the prompt scored)" if isinstance(req, CompletionRequest) else ""
@@ -475,7 +479,7 @@ def _prompt_logprobs(req, config: ServerConfig, model: ModelInfo) -> int | None:
     return value
 
 
-def _encode_text(tokenizer, text: str) -> list[int]:
+def _encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     if not text:
         return []
-    return tokenizer.encode(text)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -60,6 +60,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "chat_template_kwargs": ({},),
     "return_tokens_as_token_ids": (False,),
     "priority": (0,),
+    "add_special_tokens": (False,),  # chat's default (the template writes the special tokens); a field of completions
 }
 
 # vLLM's structured-output request fields before v0.12 -> the field that replaced each (None: none,
@@ -201,7 +202,7 @@ class _SamplingRequest(_Strict):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0)  # no upper bound, as vLLM (OpenAI caps it at 2)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension (vLLM): 0 or -1 disables
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension (vLLM): 0 disables
@@ -269,6 +270,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Any
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = None
+    add_special_tokens: bool = True  # extension (vLLM): text prompts tokenized with the tokenizer's special tokens (e.g. a BOS)
 
     @field_validator("prompt", mode="before")
     @classmethod

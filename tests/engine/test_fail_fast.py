@@ -213,6 +213,13 @@ def test_flag_is_named_only_where_the_command_has_it():
     error = param_error("max_model_len", "max_model_len must be None or an integer >= 1 (tokens), got 0")
     assert flag_message(error, {"--max-model-len"}) == "max_model_len (--max-model-len) must be an integer >= 1 (tokens), got 0"
     assert flag_message(error, set()) == str(error)  # the Python API's message keeps it
+    # a field inside a flag's JSON names the flag after it (the field's own param is not a flag)
+    error = param_error("choice", "structured_outputs.choice must be a non-empty list, got []")
+    flags = {"--structured-outputs"}
+    assert flag_message(error, flags) == "structured_outputs.choice (--structured-outputs) must be a non-empty list, got []"
+    assert flag_message(ValueError("structured_outputs.regex is invalid: (a"), flags).startswith(
+        "structured_outputs.regex (--structured-outputs) is invalid")
+    assert flag_message(error, {"--max-tokens"}) == str(error)
 
 
 def test_other_commands_check_before_loading(tiny, tmp_path, capsys):

@@ -77,8 +77,10 @@ def test_an_overlong_prompt_is_refused_without_truncation_and_runs_with_it(llama
     assert len(out.token_ids) == 6 and out.prompt_token_ids == long[-30:]
     # -1 keeps max_model_len tokens (vLLM's value), which leave no room for an output token here
     with pytest.raises(ValueError, match=r"prompt has 64 tokens but the engine's context is 64 tokens .* \(after "
-                                         r"truncate_prompt_tokens=-1; truncate_prompt_tokens=63 keeps that many\)$"):
+                                         r"truncate_prompt_tokens=-1; truncate_prompt_tokens=58 leaves room for max_tokens=6\)$"):
         llm.generate([long], SamplingParams(truncate_prompt_tokens=-1, **kw))
+    hinted = llm.generate([long], SamplingParams(truncate_prompt_tokens=58, **kw))[0]
+    assert hinted.prompt_token_ids == long[-58:] and len(hinted.token_ids) == 6  # the hint's value runs in full
     out = llm.generate([long], SamplingParams(truncate_prompt_tokens=63, **kw))[0]
     assert out.prompt_token_ids == long[-63:] and len(out.token_ids) == 1  # the context's last token
     with pytest.raises(ValueError, match=r"^truncate_prompt_tokens must be -1 or at most 64 \(the engine's "

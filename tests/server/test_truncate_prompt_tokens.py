@@ -156,9 +156,11 @@ def test_zero_values_below_minus_one_and_other_types_are_a_400(servers, kind, ba
 
 def test_minus_one_keeps_max_model_len_tokens_which_leave_no_room(servers):
     """vLLM's -1: the last max_model_len tokens, the whole context; the 400 says what fits."""
-    error = _error(_post(servers["plain"], "completions", LONG_TEXT, truncate_prompt_tokens=-1))
+    error = _error(_post(servers["plain"], "completions", LONG_TEXT, truncate_prompt_tokens=-1, max_tokens=None))
     assert error["param"] == "prompt"
     assert error["message"].startswith(f"prompt 0 has {CONTEXT} tokens; this model's context is {CONTEXT} tokens")
-    assert error["message"].endswith(f"(after truncate_prompt_tokens -1; {CONTEXT - 1} keeps that many)")
+    assert error["message"].endswith(f"(after truncate_prompt_tokens -1; {CONTEXT - 1} leaves room for 1 output token)")
+    error = _error(_post(servers["plain"], "completions", LONG_TEXT, truncate_prompt_tokens=-1, max_tokens=5))
+    assert error["message"].endswith(f"(after truncate_prompt_tokens -1; {CONTEXT - 5} leaves room for 5 output tokens)")
     short = _ok(servers["plain"], "completions", LONG_IDS[:10], truncate_prompt_tokens=-1)
     assert short["usage"]["prompt_tokens"] == 10  # a prompt that fits is unchanged

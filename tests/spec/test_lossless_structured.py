@@ -192,3 +192,24 @@ def test_grammar_masks_are_computed_after_the_target_forward_is_enqueued(target,
         if e == "masks":  # within its engine step (since the last launch) the target ran first
             step = events[len(events[:i]) - events[:i][::-1].index("launch") - 1:i]
             assert {"forward", "target"} & set(step), step
+
+
+def test_a_grammar_that_completes_before_a_fully_masked_row_ends_with_stop_and_no_warning(target, caplog):
+    """allowed_token_ids without the EOS and a grammar that completes: the row after the completing
+    token allows nothing (the grammar only the EOS, the allowed ids not it), so it samples some
+    token. With whole blocks accepted that token lands in the verified block after the completion;
+    the request still ends with "stop" at the grammar's end, as in plain decoding, and logs no
+    abort warning (found by a trial: the warning was logged for a request that finished well)."""
+    from tests.spec.test_lossless_dflash import dflash_and_oracle_llms
+
+    prompts = random_prompts(3, seed=21)
+    letters = [ord(c) - 31 for c in "abcde"]  # make_ascii_tokenizer: token i is chr(31 + i)
+    params = SamplingParams(max_tokens=20, allowed_token_ids=letters, structured_outputs=SO(regex="abc|dd"))
+    plain = make_llm(target).generate(prompts, params)
+    assert all(o.finish_reason == "stop" and o.text in ("abc", "dd") for o in plain)
+    answers = {tuple(p): list(p) + list(o.token_ids) for p, o in zip(prompts, plain)}
+    for name, llm in dflash_and_oracle_llms(target, 3, answers, VOCAB).items():
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="blockdraft.engine.llm_engine"):
+            assert _outs(llm.generate(prompts, params)) == _outs(plain), name
+        assert not [r for r in caplog.records if "masked" in r.getMessage()], (name, caplog.text)
