@@ -35,12 +35,13 @@ def flag_message(error: BaseException, flags) -> str:
     (the option strings of the command that ran): "top_p must ..." -> "top_p (--top-p) must ...".
     Python wording a flag's value cannot take is dropped there: "must be None or an integer >= 1"
     reads "must be an integer >= 1" (a flag left out is the None). A message without a param_error
-    parameter, or one the command has no flag for, is unchanged; a message that starts with a
-    field inside a flag's JSON ("structured_outputs.regex is invalid ...") names that flag after it."""
+    parameter, or one the command has no flag for, is unchanged; a message that starts with its
+    parameter as a field inside a flag's JSON ("structured_outputs.regex is invalid ...", param
+    "regex") names that flag after it."""
     message = str(error)
     param = getattr(error, "param", None)
-    head = re.match(r"(\w+)\.[\w.]+", message)  # "structured_outputs.choice must ...": a field of a flag's JSON
-    if head and flag_of(head.group(1)) in flags:
+    head = re.match(r"(\w+)\.([\w.]+)", message)  # "structured_outputs.choice must ...": a field of a flag's JSON
+    if head and param in head.group(2).split(".") and flag_of(head.group(1)) in flags:
         return f"{head.group(0)} ({flag_of(head.group(1))}){message[head.end():]}"
     if param is None or flag_of(param) not in flags:
         return message

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from blockdraft.bench.structured import DFLASH, PLAIN, follows, main, task_rows
+from blockdraft.bench.structured import DFLASH, PLAIN, follows, main, passes, task_rows
 from blockdraft.engine.request import SpecStats
 from blockdraft.side_by_side import TimedRun
 
@@ -66,7 +66,8 @@ def test_one_task_on_the_shipped_drafter_writes_the_table(tmp_path, capsys):
 
 def test_a_divergence_is_judged_at_its_first_token_and_a_near_tie_passes(monkeypatch):
     """judge_divergences reads the two divergent tokens' gap on the plain engine (and on a float32
-    one); the table tags the row, and the exit rule accepts a near-tie only."""
+    one: here the same engine, so it picks plain's token by construction); the table tags the row,
+    and `passes` accepts a near-tie only."""
     from blockdraft.bench import near_ties
     from blockdraft.bench.structured import _identical_tag, judge_divergences
     from blockdraft.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ def test_a_divergence_is_judged_at_its_first_token_and_a_near_tie_passes(monkeyp
     ref = list(llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids)
     top = llm.generate([prompt + ref[:2]], SamplingParams(max_tokens=1, ignore_eos=True, logprobs=3))[0].logprobs[0]["top"]
     cand = ref[:2] + [top[2][0]]  # the third-ranked token: allowed by a grammar, not the top two
-    runs = {"todo": {PLAIN: run(ref, 1.0), DFLASH: run(cand, 1.0, steps=1, accepted=2)}}
+    runs = {"todo": {PLAIN: run(ref, 1.0), DFLASH: run(cand, 1.0, '{"tasks": []}', steps=1, accepted=2)}}
     for r in runs["todo"].values():
         r.output.prompt_token_ids = prompt
     (row,) = task_rows(runs, {"todo": {PLAIN: 0.0, DFLASH: 0.0}}, {"todo": {PLAIN: 1, DFLASH: 1}})
@@ -87,7 +88,26 @@ def test_a_divergence_is_judged_at_its_first_token_and_a_near_tie_passes(monkeyp
     assert (d["index"], d["reference_token"], d["candidate_token"]) == (2, ref[2], top[2][0])
     assert d["pair_gap"] == pytest.approx(top[0][1] - top[2][1], abs=1e-4) and d["fp32_picks"] == "reference"
     assert not d["near_tie"] and _identical_tag(row).startswith("False (gap ")
-    assert _identical_tag(row).endswith("fp32 = plain)")
+    assert _identical_tag(row).endswith("fp32 = plain)") and not passes(row)
     monkeypatch.setattr(near_ties, "NEAR_TIE_GAP", d["pair_gap"] + 1e-3)
     judge_divergences([row], runs, llm)
     assert row["divergence"]["near_tie"] and _identical_tag(row).startswith("False (tie, gap ")
+    assert passes(row)  # a near-tie, and DFlash's (fake) answer follows the schema
+    row["dflash_follows"] = False
+    assert not passes(row)
+
+
+@pytest.mark.parametrize("deterministic, identical, near_tie, dflash_follows, ok", [
+    (True, True, None, True, True),
+    (True, False, True, True, True),  # a near-tie, the DFlash answer still valid
+    (True, False, True, None, True),  # a near-tie, both cut by --max-tokens: cannot be judged, not failed
+    (True, False, True, False, False),  # a "tie" to a token the grammar refuses
+    (True, False, False, True, False),  # not a near-tie
+    (False, False, True, True, False),  # answers changed from run to run
+    (False, False, None, True, False),
+])
+def test_passes_only_stable_answers_equal_or_diverging_at_a_valid_near_tie(deterministic, identical, near_tie,
+                                                                          dflash_follows, ok):
+    row = {"deterministic": deterministic, "identical": identical, "dflash_follows": dflash_follows,
+           "divergence": None if near_tie is None else {"near_tie": near_tie}}
+    assert passes(row) is ok

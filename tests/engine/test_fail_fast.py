@@ -217,8 +217,11 @@ def test_flag_is_named_only_where_the_command_has_it():
     error = param_error("choice", "structured_outputs.choice must be a non-empty list, got []")
     flags = {"--structured-outputs"}
     assert flag_message(error, flags) == "structured_outputs.choice (--structured-outputs) must be a non-empty list, got []"
-    assert flag_message(ValueError("structured_outputs.regex is invalid: (a"), flags).startswith(
+    assert flag_message(param_error("regex", "structured_outputs.regex is invalid: (a"), flags).startswith(
         "structured_outputs.regex (--structured-outputs) is invalid")
+    # not for another parameter's message, nor a message without one (a file name such as model.gguf)
+    assert flag_message(param_error("draft", "structured_outputs.json x"), flags) == "structured_outputs.json x"
+    assert flag_message(ValueError("model.gguf is missing"), {"--model"}) == "model.gguf is missing"
     assert flag_message(error, {"--max-tokens"}) == str(error)
 
 

@@ -88,14 +88,20 @@ def test_a_graphed_single_request_prefill_syncs_at_most_once(k):
 
 
 @pytest.mark.parametrize("k", [None, 5], ids=["plain", "k5"])
-def test_constrained_requests_add_no_host_sync(k):
+def test_constrained_requests_add_no_host_sync(k, monkeypatch):
     """Structured outputs: the grammar masks are computed after the target forward is enqueued and
     reach the GPU by one asynchronous copy from pinned memory (InputBatch.grammar_masks): still at
-    most one synchronisation per step."""
+    most one synchronisation per step. Sync debug mode does not flag a non_blocking copy from
+    pageable memory (which would run synchronously), so the buffer's pinning is checked itself."""
     pytest.importorskip("llguidance")
     import dataclasses
 
+    from blockdraft.runner.input_batch import GrammarMasks
     from tests.conftest import make_ascii_tokenizer
+
+    pinned = []
+    fill = GrammarMasks.fill
+    monkeypatch.setattr(GrammarMasks, "fill", lambda self: (pinned.append(self.host.is_pinned()), fill(self))[1])
     from tests.spec.test_lossless_structured import CONSTRAINTS, _params as constrained_params
 
     target = dataclasses.replace(cuda_tiny_target(torch.bfloat16, seed=4), tokenizer=make_ascii_tokenizer())
@@ -109,3 +115,4 @@ def test_constrained_requests_add_no_host_sync(k):
     while llm.engine.has_unfinished_requests():
         counts.append(count_host_syncs(llm.engine.step))
     assert len(counts) > 5 and max(counts) <= 1, counts
+    assert pinned and all(pinned)
