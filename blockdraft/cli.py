@@ -447,7 +447,7 @@ def _generate(args) -> int:
     )
     # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)
     check_logprobs_limit(params, DEFAULT_MAX_LOGPROBS, remedy="vLLM's default, fixed for the CLI")
-    if not args.prompt.strip():
+    if not args.prompt:  # whitespace is a prompt, as in the Python API and vLLM
         raise ValueError("prompt is empty: give a non-empty prompt")
     if args.stream and args.json:
         raise ValueError("--stream prints the answer as it grows, --json one object at the end: give one of them")

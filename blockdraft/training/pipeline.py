@@ -35,8 +35,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockdraft.training.run_folder import (check_out_folder, check_resume_dtype, check_resume_settings,
-                                             check_resume_target, dtype_flag, finished_run, say_discarded_checkpoint)
+from blockdraft.training.run_folder import (check_data_folder, check_out_folder, check_resume_dtype,
+                                             check_resume_settings, check_resume_target, dtype_flag, finished_run,
+                                             say_discarded_checkpoint)
 
 # `--tiny`: a smoke run in seconds on the CPU (CI); any option given explicitly still wins.
 TINY = dict(num_prompts=8, max_prompt_tokens=128, max_new_tokens=16, synth_prompts=0, synth_openers="general",
@@ -149,6 +150,8 @@ def check_settings(settings: dict, args) -> None:
     if args.data and Path(args.data).is_file():
         raise ValueError(f"--data {args.data!r} is a file; expected a dataset folder (data-*.safetensors)")
     check_out_folder(args.out, args.data)
+    if args.data:
+        check_data_folder(args.data, args.out)
 
 
 def check_mask_token(mask_token_id: int, tokenizer, target, flag: str = "--mask-token-id") -> None:
@@ -234,6 +237,12 @@ def apply_init_shape(args, settings: dict):
                   else args.init_from)
     if not folder.is_dir():  # read_drafter_config's message is --draft's, which also takes 'auto'
         raise FileNotFoundError(_init_from_not_a_folder(folder))
+    if not (folder / "config.json").is_file():  # the same: say it for --init-from
+        nested = folder / "drafter"  # a train-drafter --out holds data/, checkpoint/, drafter/
+        hint = f" (did you mean {nested}?)" if (nested / "config.json").is_file() else ""
+        raise FileNotFoundError(f"no config.json in drafter folder {str(folder)!r}{hint}; --init-from takes a DFlash "
+                                f"checkpoint folder (config.json + *.safetensors or model.int8) or 'shipped' (the "
+                                f"drafter shipped for --target)")
     config = read_drafter_config(folder)
     if args.intermediate_size is not None and args.intermediate_size < config.intermediate_size:
         raise ValueError(f"--intermediate-size {args.intermediate_size} is below the --init-from drafter's "

@@ -1,5 +1,5 @@
 """What `train-drafter --out` holds, and whether this run may write or resume it: the checks made
-before anything loads (check_out_folder, check_resume_target, check_resume_dtype,
+before anything loads (check_out_folder, check_data_folder, check_resume_target, check_resume_dtype,
 check_resume_settings), a finished run found (finished_run) and a checkpoint --no-resume discards
 (say_discarded_checkpoint). The layout itself: training/pipeline.py's module docstring."""
 
@@ -73,6 +73,39 @@ def check_out_folder(out: str, data: str | None = None) -> None:
                          f"checkpoint/, train_log.jsonl, a data/ of answers or an exported drafter/), and the run "
                          f"would write {', '.join(RUN_FILES)} and its folders over it: pick a new or empty folder "
                          f"for --out")
+
+
+def check_data_folder(data: str, out: str) -> None:
+    """--data, before anything loads: a dataset folder train-drafter may read and (when it holds
+    no finished dataset) write its answers into, without touching anything of the user's.
+
+    Allowed: a new or empty folder (hidden files aside), or one that holds only a dataset's shards
+    (dataset.SHARD_PATTERN) and an interrupted answering's journal (answer_journal.JOURNAL_DIR).
+    Refused: --data being --out itself (the run's files would mix with the shards) and a folder
+    holding anything else, e.g. a drafter folder, whose loader would then read the shards as
+    weights, or a project's own files.
+
+    Raises:
+        ValueError: naming --data, the offending path or entries and what to do.
+    """
+    from blockdraft.training.answer_journal import JOURNAL_DIR
+    from blockdraft.training.dataset import SHARD_PATTERN
+
+    folder = Path(data)
+    with contextlib.suppress(OSError):
+        if folder.resolve() == Path(out).resolve():
+            raise ValueError(f"--data {data!r} is --out itself; give the dataset its own folder (without --data the "
+                             f"run keeps its answers in {str(Path(out) / 'data')!r})")
+    if not folder.is_dir():
+        return  # a new folder (a file was refused before)
+    foreign = sorted(p.name for p in folder.iterdir()
+                     if not p.name.startswith(".") and p.name != JOURNAL_DIR and not p.match(SHARD_PATTERN))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"--data {data!r} holds files that are not a train-drafter dataset ({shown}; a dataset folder "
+                         f"holds only {SHARD_PATTERN} shards): the run would write its shards beside them (in a "
+                         f"drafter folder the loader would then read them as weights); pick a new or empty folder, "
+                         f"or a dataset folder an earlier run wrote")
 
 
 def run_markers(folder: Path) -> list[str]:

@@ -891,3 +891,41 @@ def test_help_says_what_the_bar_shows_and_the_exit_statuses():
     from blockdraft.training.pipeline import BAR_LEGEND
 
     assert f"The progress bar shows {BAR_LEGEND}." in text  # word for word the legend on stderr (e2e test)
+
+
+@pytest.mark.parametrize("files", [["config.json", "model.safetensors"], ["notes.txt", "main.py"]])
+def test_a_data_folder_of_other_files_is_refused_before_anything_loads(files, tmp_path, capsys, no_weights):
+    """--data wrote its shards into any folder: into a drafter folder, whose loader then read them
+    as weights (a trial). A folder holding anything but a dataset's shards is refused, untouched."""
+    data = tmp_path / "folder"
+    data.mkdir()
+    for name in files:
+        (data / name).write_text("mine")
+    before = _files(data)
+    err = _error(capsys, "--out", str(tmp_path / "run"), "--data", str(data))
+    assert f"--data {str(data)!r} holds files that are not a train-drafter dataset ({', '.join(sorted(files))};" in err
+    assert _files(data) == before and not (tmp_path / "run").exists()
+
+
+def test_data_that_is_out_itself_is_refused(tmp_path, capsys, no_weights):
+    err = _error(capsys, "--out", str(tmp_path / "run"), "--data", str(tmp_path / "run"))
+    assert f"--data {str(tmp_path / 'run')!r} is --out itself; give the dataset its own folder" in err
+
+
+def test_a_dataset_folder_with_hidden_files_or_a_journal_is_accepted_as_data(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    _made_here(tmp_path / "shared")
+    (tmp_path / "shared" / ".DS_Store").write_text("")
+    (tmp_path / "shared" / "partial").mkdir()
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "run"), "--data",
+              str(tmp_path / "shared"), "--device", "cpu"])
+
+
+def test_init_from_a_run_folder_names_its_drafter_and_the_flag(tmp_path, capsys, no_weights):
+    """--init-from OUT (a run folder) said "draft takes ... or 'auto'", which --init-from refuses."""
+    (tmp_path / "old" / "drafter").mkdir(parents=True)
+    (tmp_path / "old" / "drafter" / "config.json").write_text("{}")
+    err = _error(capsys, "--out", str(tmp_path / "run"), "--init-from", str(tmp_path / "old"))
+    assert (f"no config.json in drafter folder {str(tmp_path / 'old')!r} (did you mean {tmp_path / 'old' / 'drafter'}?);"
+            f" --init-from takes a DFlash checkpoint folder") in err and "'auto'" not in err
