@@ -25,6 +25,7 @@ import datetime
 import json
 import platform
 import statistics
+import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -164,7 +165,7 @@ def _measure(args, argv: list[str] | None) -> int:
         doc = {
             "measured": datetime.date.today().isoformat(),
             "command": "python -m blockdraft.bench.prefix_cache "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
+            + shlex.join(argv if argv is not None else sys.argv[1:]),
             "machine": f"{platform.machine()}, {__import__('torch').get_num_threads()} threads",
             "model": args.model, "draft": draft, "dtype": str(target.dtype).replace("torch.", ""),
             "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens,

@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import platform
+import shlex
 import sys
 from pathlib import Path
 
@@ -215,7 +216,7 @@ def _measure(args, argv: list[str] | None, ks: list[tuple[int, int]], p) -> int:
               f"{r['cpu_speedup']:.2f}x | {r['identical']} |")
     evidence = {
         "measured": datetime.date.today().isoformat(),
-        "command": "python -m blockdraft.bench.spec_k " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m blockdraft.bench.spec_k " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()} CPU, {__import__('torch').get_num_threads()} threads",
         "target": args.model, "dtype": str(target.dtype).replace("torch.", ""),
         "max_tokens": args.max_tokens, "repeats": args.repeats, "plain_tokens_per_s": round(plain_tps, 2),

@@ -22,6 +22,7 @@ import datetime
 import json
 import platform
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -246,7 +247,7 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
     if args.json:
         evidence = {
             "measured": datetime.date.today().isoformat(),
-            "command": "python -m blockdraft.bench.structured " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python -m blockdraft.bench.structured " + shlex.join(argv if argv is not None else sys.argv[1:]),
             "machine": (torch.cuda.get_device_name() if device == "cuda"
                         else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"),
             "target": args.model, "drafter": str(draft), "num_speculative_tokens": k,
