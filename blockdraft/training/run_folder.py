@@ -27,7 +27,8 @@ def check_out_folder(out: str, data: str | None = None) -> None:
     layout in pipeline.py's module docstring) without overwriting anything of the user's.
 
     Refused: an empty (or whitespace-only) --out, which would write the run into the current
-    folder; --out (or a folder above it) being a file, or a symbolic link to nothing (the run
+    folder; a folder that takes no new file (--out, or the nearest existing one above it: read-only,
+    /proc); --out (or a folder above it) being a file, or a symbolic link to nothing (the run
     would fail making it once the target loaded); a path the run writes inside it that is of the
     other kind (data/ without --data, checkpoint/, drafter/ a file; train_log.jsonl, summary.json
     a folder), which the run would only fail on at its end; and a non-empty folder holding no
@@ -50,6 +51,7 @@ def check_out_folder(out: str, data: str | None = None) -> None:
     taken = next((p for p in (folder, *folder.parents) if p.exists()), None)
     if taken is not None and not taken.is_dir():  # the folder (or one above it) could never be made
         raise ValueError(f"--out {out!r}: {str(taken)!r} is a file; --out is the run's output folder")
+    _check_writable(out, folder if folder.is_dir() else taken)
     if not folder.is_dir():
         return  # a new folder
     for name, what in RUN_FOLDERS.items():
@@ -73,6 +75,22 @@ def check_out_folder(out: str, data: str | None = None) -> None:
                          f"checkpoint/, train_log.jsonl, a data/ of answers or an exported drafter/), and the run "
                          f"would write {', '.join(RUN_FILES)} and its folders over it: pick a new or empty folder "
                          f"for --out")
+
+
+def _check_writable(out: str, folder: Path | None) -> None:
+    """Refuse --out when `folder` (--out itself, or the nearest existing folder above a new one)
+    takes no new file: found by creating and removing one, since permission bits do not tell
+    (root, read-only mounts, immutable folders, /proc), so the run does not fail after loading."""
+    import tempfile
+
+    if folder is None:
+        return
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out!r}: cannot write in {str(folder)!r} ({e.strerror or e}); give a folder this "
+                         f"user can write") from None
 
 
 def check_data_folder(data: str, out: str) -> None:

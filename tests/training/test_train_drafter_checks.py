@@ -1,6 +1,8 @@
 """`blockdraft train-drafter` refuses bad flags, mismatched data and too-short prompt limits with
 messages that name the flag (as the user spells it), the value and what to do."""
 
+from pathlib import Path
+
 import pytest
 
 import blockdraft.llm
@@ -929,3 +931,11 @@ def test_init_from_a_run_folder_names_its_drafter_and_the_flag(tmp_path, capsys,
     err = _error(capsys, "--out", str(tmp_path / "run"), "--init-from", str(tmp_path / "old"))
     assert (f"no config.json in drafter folder {str(tmp_path / 'old')!r} (did you mean {tmp_path / 'old' / 'drafter'}?);"
             f" --init-from takes a DFlash checkpoint folder") in err and "'auto'" not in err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (a folder no file can be made in)")
+def test_an_out_no_file_can_be_written_in_is_refused_before_anything_loads(capsys, no_weights):
+    """A trial: --out under a folder that takes no file failed only once the run wrote, after the
+    target loaded (a read-only run folder: after the first training step)."""
+    err = _error(capsys, "--out", "/proc/blockdraft-no-such/run")
+    assert "--out '/proc/blockdraft-no-such/run': cannot write in '/proc' (" in err
