@@ -24,8 +24,8 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import shlex
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path

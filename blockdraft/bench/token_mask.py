@@ -93,7 +93,8 @@ def _allowed_arg(s: str) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m blockdraft.bench.token_mask`: print the table, write JSON with --out; returns the exit code."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python -m blockdraft.bench.token_mask", description=__doc__.split("\n")[0],
+                                allow_abbrev=False)
     p.add_argument("-k", "--num-speculative-tokens", type=int, nargs="+", default=[0, 5, 15])
     p.add_argument("--words", type=int, nargs="+", default=[0, 20, 200, 2000], help="multi-token bad words")
     p.add_argument("--allowed", type=_allowed_arg, nargs="+", default=[None, 49152],
@@ -104,12 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps op overhead steady)")
     p.add_argument("--out", help="write the rows as JSON here")
     args = p.parse_args(argv)
-    if any(k < 0 for k in args.num_speculative_tokens) or any(w < 0 for w in args.words):
-        p.error("-k and --words must be >= 0")
-    if any(a is not None and not 0 < a <= args.vocab for a in args.allowed):
-        p.error(f"--allowed sizes must lie in [1, --vocab {args.vocab}]")
-    if args.steps < 1 or args.repeats < 1:
-        p.error("--steps and --repeats must be >= 1")
+    for flag, values in (("-k", args.num_speculative_tokens), ("--words", args.words)):
+        bad = [v for v in values if v < 0]
+        if bad:
+            p.error(f"{flag} values must be >= 0, got {bad[0]}")
+    if args.vocab < 1:
+        p.error(f"--vocab must be >= 1, got {args.vocab}")
+    bad = [a for a in args.allowed if a is not None and not 0 < a <= args.vocab]
+    if bad:
+        p.error(f"--allowed sizes must lie in [1, --vocab {args.vocab}] (or 'none'), got {bad[0]}")
+    for flag, value in (("--steps", args.steps), ("--repeats", args.repeats), ("--threads", args.threads)):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
     refuse_unwritable(p, "--out", args.out)  # before the run, not when writing its result
     torch.set_num_threads(args.threads)
     rows = run(args.num_speculative_tokens, args.words, args.allowed, args.vocab, args.steps, args.repeats)

@@ -20,9 +20,15 @@ def test_runs_and_writes_a_row_per_case(tmp_path, capsys):
     assert "fill us" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flags", [["-k", "-1"], ["--allowed", "0"], ["--steps", "0"],
-                                   ["--out", "/nonexistent/x.json"]])
-def test_bad_flags_are_refused_before_running(flags, capsys):
+@pytest.mark.parametrize("flags, message", [
+    (["-k", "3", "-1"], "-k values must be >= 0, got -1"),
+    (["--words", "-2"], "--words values must be >= 0, got -2"),
+    (["--allowed", "0"], "--allowed sizes must lie in [1, --vocab 151936] (or 'none'), got 0"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--out", "/nonexistent/x.json"], "/nonexistent"),
+])
+def test_bad_flags_are_refused_naming_the_value_before_running(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(flags)
-    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+    assert e.value.code == 2 and message in capsys.readouterr().err
