@@ -82,8 +82,9 @@ def divergence_gaps(
 
 
 def _judge(top: list[tuple[int, float]], ref: int, cand: int, constrained: bool, suffix: str) -> dict:
-    """The gap fields of one context's top TOP_N (best first), keys suffixed with `suffix`; the
-    float32 judgement ("_fp32") has no both_in_top2 key, as before pair_gap was added."""
+    """The gap fields of one context's top TOP_N ([(token id, log-prob)], best first): top2_gap,
+    top2_tokens, pair_gap, near_tie, keys suffixed with `suffix` ("" or "_fp32"); both_in_top2
+    only without a suffix (divergence_gaps' documented keys)."""
     (t1, lp1), (t2, lp2) = top[:2]
     lp = dict(top)
     both = {ref, cand} == {t1, t2}
