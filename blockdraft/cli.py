@@ -14,6 +14,7 @@ from blockdraft.engine_args import (
     add_admission_flags,
     add_async_scheduling_flag,
     add_device_flags,
+    add_fp32_lm_head_flag,
     add_draft_flags,
     add_draft_vocab_size_flag,
     add_dtype_flag,
@@ -184,6 +185,7 @@ def _parser() -> argparse.ArgumentParser:
                         f"0 <= N <= {DEFAULT_MAX_LOGPROBS} (vLLM's SamplingParams(prompt_logprobs=N)): a table "
                         "after the answer, or a 'prompt_logprobs' list with --json, null first (default: none)")
     add_device_flags(g)
+    add_fp32_lm_head_flag(g)
     add_async_scheduling_flag(g)
     add_prefix_caching_flag(g)
     g.set_defaults(func=_generate)
@@ -241,6 +243,7 @@ def _add_serve_parser(sub, default_model: str) -> None:
                         "line prints the value in effect. Refused at start: above max_position_embeddings, or more "
                         "than the pool holds (on the CPU without --num-kv-blocks the pool grows to hold it)")
     add_device_flags(s)
+    add_fp32_lm_head_flag(s)
     add_async_scheduling_flag(s)
     add_mixed_prefill_flag(s)
     add_admission_flags(s)

@@ -54,6 +54,14 @@ def add_device_flags(p) -> None:
                         "prompts join decode steps (mixed prefill)")
 
 
+def add_fp32_lm_head_flag(p) -> None:
+    """--enable-fp32-lm-head (LLM(enable_fp32_lm_head=True)), for generate, serve and the benches."""
+    p.add_argument("--enable-fp32-lm-head", action="store_true",
+                   help="CUDA: float32 logits, the LM head's float32 accumulation of the bf16 weights instead of "
+                        "logits rounded to bf16 (vLLM's / SGLang's flag; weights stay bf16): greedy choices no "
+                        "longer hinge on bf16 ties, so plain and speculative decoding agree more often (default off)")
+
+
 def add_prefix_caching_flag(p) -> None:
     """--enable-prefix-caching (LLM(enable_prefix_caching=True))."""
     p.add_argument("--enable-prefix-caching", action="store_true",
@@ -147,6 +155,7 @@ def llm_from_args(args, draft, max_logprobs: int):
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_fp32_lm_head=args.enable_fp32_lm_head,
         max_model_len=args.max_model_len,
         max_logprobs=max_logprobs,
         # nothing to disable when --draft auto decodes plainly

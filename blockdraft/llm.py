@@ -99,6 +99,13 @@ class LLM:
             enable_prefix_caching). Same output; hits are counted in tokens in
             `engine.scheduler.kv.stats`. Off by default (vLLM defaults it on): on the GPU, fp32
             answers were identical, bf16 ones may flip at exact ties.
+        enable_fp32_lm_head: CUDA: the LM head returns its float32 accumulation of the bf16 / fp16
+            operands instead of rounding the logits to the model dtype (vLLM's and SGLang's
+            --enable-fp32-lm-head, here without upcasting the weights: same operand traffic).
+            Rounded bf16 logits tie wherever two tokens' logits are within one bf16 step (0.125
+            at |logit| in [16, 32)), and which one wins then depends on the batch shape: with
+            this on, plain and speculative decoding agree more often (README, "GPU path").
+            Off by default, as in vLLM.
         max_logprobs: the largest `SamplingParams.logprobs` / `prompt_logprobs` a request may ask for
             (default 20, as vLLM's max_logprobs); `generate` refuses more with a ValueError naming
             the field.
@@ -149,6 +156,7 @@ class LLM:
         draft_vocab_size: int | None = None,
         async_scheduling: bool | None = None,
         enable_prefix_caching: bool = False,
+        enable_fp32_lm_head: bool = False,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         mixed_prefill: bool | None = None,
         speculative_disable_by_batch_size: int | None = None,
@@ -172,6 +180,11 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
         )
         device, cache = pre.device, pre.cache
+        if not isinstance(enable_fp32_lm_head, bool):
+            raise param_error("enable_fp32_lm_head", f"enable_fp32_lm_head must be True or False, got {enable_fp32_lm_head!r}")
+        if enable_fp32_lm_head and device != "cuda":  # before the weights load
+            raise param_error("enable_fp32_lm_head", f"enable_fp32_lm_head runs on CUDA only (the device is {device!r}): "
+                              f"on the CPU, float32 weights (dtype float32) compute float32 logits")
         sched = dataclasses.replace(  # checks the values before any weights load
             pre.scheduler,
             admission_batch_ratio=(default_admission_batch_ratio(speculator is not None or pre.draft is not None)
@@ -191,7 +204,7 @@ class LLM:
             speculator = build_speculator(pre, self.target)
         self.speculator = speculator
         options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode,
-                       disable_by_batch_size=disable_by_batch_size)
+                       disable_by_batch_size=disable_by_batch_size, fp32_lm_head=enable_fp32_lm_head)
         self.engine = build_engine(self.target, cache, sched, speculator, device, async_scheduling,
                                     max_logprobs, mixed_prefill, **options)
         self.engine.seed_rng = None if seed is None else random.Random(seed)

@@ -92,16 +92,18 @@ admission) # the load bench (K=..., default 5; N=... requests, default 512; 32 i
     echo "ratio=$r rc $?"; grep -E "^ +32 ours" "$OUT/load-r$r.log"; done ;;
 ksweep1) # batch 1 per K over 32 HumanEval prompts one at a time, the shipped drafter (default 15 7 5 3);
   # CODE=oldcode runs the earlier commit's code (staged as for `before`), files named b1-k<K>-oldcode
-  shift; code=${CODE:-tcode}; tag=${CODE:+-$CODE}; cd "/tmp/$code" && for k in ${@:-15 7 5 3}; do
+  # FLAGS=... adds bench flags (e.g. --enable-fp32-lm-head), TAG=... names their files b1-k<K>-<TAG>
+  shift; code=${CODE:-tcode}; tag=${CODE:+-$CODE}${TAG:+-$TAG}; cd "/tmp/$code" && for k in ${@:-15 7 5 3}; do
     PYTHONPATH=/tmp/site:/tmp/$code python3 -m blockdraft.cli bench "${DRAFT[@]}" --num-speculative-tokens "$k" \
-      --batch-sizes 1 --num-prompts 32 --max-tokens 128 --engines ours --no-plot --out "$OUT/b1-k$k$tag" \
+      --batch-sizes 1 --num-prompts 32 --max-tokens 128 --engines ours --no-plot --out "$OUT/b1-k$k$tag" ${FLAGS:-} \
       > "$OUT/b1-k$k$tag.log" 2>&1
     echo "K=$k $code rc $?"; tail -5 "$OUT/b1-k$k$tag.log"; done ;;
-structured) # constrained answers (JSON Schema, regex, choice), plain vs DFlash, per K (default 15 5)
-  shift; cd /tmp/tcode && for k in ${@:-15 5}; do
-    python3 -m blockdraft.bench.structured --model "$MODEL" --device cuda --draft-vocab-size 32768 \
-      --num-speculative-tokens "$k" --repeats 3 --json "$OUT/structured-k$k.json" > "$OUT/structured-k$k.log" 2>&1
-    echo "K=$k rc $?"; tail -11 "$OUT/structured-k$k.log"; done ;;
+structured) # constrained answers (JSON Schema, regex, choice), plain vs DFlash, per K (default 15 5); FLAGS / TAG
+  # as for ksweep1
+  shift; tag=${TAG:+-$TAG}; cd /tmp/tcode && for k in ${@:-15 5}; do
+    python3 -m blockdraft.bench.structured --model "$MODEL" --device cuda --draft-vocab-size 32768 ${FLAGS:-} \
+      --num-speculative-tokens "$k" --repeats 3 --json "$OUT/structured-k$k$tag.json" > "$OUT/structured-k$k$tag.log" 2>&1
+    echo "K=$k rc $?"; tail -11 "$OUT/structured-k$k$tag.log"; done ;;
 steps) # batch-1 steps of the 0.5B and 8B random-weight shapes (K = 15, B = 16, 5 draft layers), the earlier
   # commit's code (/tmp/oldcode, staged as for `before`) and this code side by side, then this code's 0.5B profile
   for shape in qwen2.5-0.5b qwen3-8b; do for code in oldcode tcode; do

@@ -55,7 +55,7 @@ def add_bench_parser(sub) -> None:
     """Register the `bench` subcommand on an argparse subparsers object."""
     from blockdraft.bench.shapes import H200_HBM_BYTES_PER_S, SHAPES
     from blockdraft.bench.suite import ENGINE_CHOICES
-    from blockdraft.engine_args import add_draft_vocab_size_flag
+    from blockdraft.engine_args import add_draft_vocab_size_flag, add_fp32_lm_head_flag
     from blockdraft.weights.catalog import add_cache_dir_flag
 
     b = sub.add_parser("bench", help="throughput / step-time benchmark vs transformers and z-lab dflash",
@@ -104,6 +104,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--enforce-eager", action="store_true", default=None,
                    help="our LLM without CUDA graphs (enforce_eager=True): every step eager, so async scheduling off "
                         "and mixed prefill on")
+    add_fp32_lm_head_flag(b)
     b.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="our LLM's async scheduling (default: on when CUDA graphs are captured)")
     from blockdraft.engine_args import add_admission_flags, add_mixed_prefill_flag
@@ -294,7 +295,8 @@ def run_bench(args) -> int:
     options = check_llm_options({"enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,
                                  "async_scheduling": args.async_scheduling, "mixed_prefill": args.mixed_prefill,
                                  "admission_batch_ratio": args.admission_batch_ratio,
-                                 "admission_max_wait_steps": args.admission_max_wait_steps})
+                                 "admission_max_wait_steps": args.admission_max_wait_steps,
+                                 "enable_fp32_lm_head": args.enable_fp32_lm_head or None})
     forced = bool(args.shape) if args.forced is None else args.forced
     settings = Settings(parse_batch_sizes(args.batch_sizes), args.max_tokens, args.repeats, args.warmup, engines,
                         forced, args.num_speculative_tokens, options, args.num_prompts)

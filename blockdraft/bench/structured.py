@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
     from blockdraft.drafters import SHIPPED
     from blockdraft.errors import flag_message, refuse_unwritable
-    from blockdraft.engine_args import add_draft_vocab_size_flag
+    from blockdraft.engine_args import add_draft_vocab_size_flag, add_fp32_lm_head_flag
     from blockdraft.preflight import DEVICE_CHOICES, DTYPE_CHOICES
 
     p = argparse.ArgumentParser(prog="python -m blockdraft.bench.structured", description=__doc__.split("\n")[0],
@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                    help="auto (default) = cuda if available, else cpu")
     add_draft_vocab_size_flag(p)
+    add_fp32_lm_head_flag(p)
     p.add_argument("--json", default=None, metavar="PATH", help="write the table and all timings here")
     p.add_argument("--cache-dir", default=None)
     add_threads_flag(p)
@@ -197,9 +198,10 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
     device = resolve_device(args.device)
     target = load_target(args.model, args.dtype, device=device, cache_dir=args.cache_dir)
     pool = dict(num_kv_blocks=128, kv_block_size=16, device=device)
-    engines = {PLAIN: LLM(target=target, **pool),
+    head = dict(enable_fp32_lm_head=True) if args.enable_fp32_lm_head else {}  # not for the float32 judge
+    engines = {PLAIN: LLM(target=target, **pool, **head),
                DFLASH: LLM(target=target, draft=draft, num_speculative_tokens=args.num_speculative_tokens,
-                           draft_vocab_size=args.draft_vocab_size, **pool)}
+                           draft_vocab_size=args.draft_vocab_size, **pool, **head)}
     runs, grammar_s, steps = {}, {}, {}
     for name, prompt, fields in (t for t in TASKS if t[0] in names):
         params = SamplingParams(max_tokens=args.max_tokens, structured_outputs=StructuredOutputsParams(**fields))

@@ -143,10 +143,19 @@ class CausalLM(UsesFusedOps, nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(
-        self, hidden: torch.Tensor, out: torch.Tensor | None = None, upcast: bool = True
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None, upcast: bool = True, fp32_head: bool = False
     ) -> torch.Tensor:
         """hidden [N, hidden] (after the final norm) -> logits [N, vocab] float32 (upcast=True), the
         head's dtype (upcast=False), or `out`.
+
+        fp32_head (CUDA, bf16 / fp16 weights; vLLM's and SGLang's --enable-fp32-lm-head): the head's
+        matmul returns its float32 accumulation instead of rounding it to the weight dtype
+        (torch.mm out_dtype): the same operands, but logits that differ by less than one bf16 step
+        (0.125 at |logit| in [16, 32)) no longer tie, so greedy choices do not hinge on the
+        rounding. Returns float32 whatever `upcast`; `out` must then be float32. A no-op for
+        float32 weights.
+        Raises:
+            ValueError: fp32_head for bf16 / fp16 weights off CUDA.
 
         Pass only the rows you need (e.g. the last row of each prompt): the LM head is the
         largest matmul of a decode step. `out` ([N, vocab]): write there instead of a new tensor
@@ -160,6 +169,12 @@ class CausalLM(UsesFusedOps, nn.Module):
         """
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         weight = head.weight
+        if fp32_head and hidden.dtype != torch.float32:
+            if hidden.device.type != "cuda" or weight is None:  # CPU heads may be packed (no dense weight)
+                raise ValueError(f"fp32_head needs CUDA (torch.mm out_dtype), the hidden states are on {hidden.device}")
+            if out is None:
+                return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=out)
         if out is not None and weight is not None and out.dtype == weight.dtype and hidden.dtype == weight.dtype:
             return torch.mm(hidden, weight.t(), out=out)  # the LM heads have no bias
         logits = head.logits(hidden) if self.lm_head is None else head(hidden)

@@ -139,17 +139,20 @@ class TargetGraphs:
         kv_block_size: tokens per page.
         capture: capture CUDA graphs (else run the same static-shape code eagerly).
         pool: shared graph memory pool (capture mode).
+        fp32_head: logits buffer in float32, the LM head's float32 output (CausalLM.compute_logits
+            fp32_head); else in the model dtype.
     """
 
     def __init__(self, model, kv_caches, aux_layer_ids, buckets, rows_per_req, block_table_width, kv_block_size,
-                 capture: bool, pool=None) -> None:
+                 capture: bool, pool=None, fp32_head: bool = False) -> None:
         self.model, self.kv_caches, self.aux_layer_ids = model, kv_caches, tuple(aux_layer_ids)
         self.buckets, self.rows_per_req = list(buckets), rows_per_req
         self.block_table_width, self.kv_block_size = block_table_width, kv_block_size
         device = kv_caches[0][0].device
         self.inputs = StaticInputs.allocate(self.buckets[-1], rows_per_req, block_table_width, device)
         vocab = model.config.vocab_size
-        dtype = next(model.parameters()).dtype
+        self.fp32_head = fp32_head
+        dtype = torch.float32 if fp32_head else next(model.parameters()).dtype
         self.logits = torch.zeros(self.buckets[-1] * rows_per_req, vocab, dtype=dtype, device=device)
         self.tokens = torch.zeros(self.buckets[-1] * rows_per_req, dtype=torch.long, device=device)
         self.capture, self.pool = capture, pool
@@ -196,6 +199,6 @@ class TargetGraphs:
         meta = self.inputs.metadata(num_reqs, self.rows_per_req, self.kv_block_size)
         ids, positions = self.inputs.input_ids[:rows], self.inputs.positions[:rows]
         hidden, aux = self.model(ids, positions, self.kv_caches, meta, self.aux_layer_ids)
-        logits = self.model.compute_logits(hidden, out=self.logits[:rows])
+        logits = self.model.compute_logits(hidden, out=self.logits[:rows], fp32_head=self.fp32_head)
         self.model.greedy_tokens(logits, out=self.tokens[:rows])  # = sample() for greedy rows (ties: lowest id)
         return logits, aux

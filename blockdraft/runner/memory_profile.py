@@ -35,6 +35,7 @@ def num_kv_blocks_for_gpu(
     cuda_graphs: bool,
     device: torch.device,
     min_tokens: int | None = None,
+    fp32_head: bool = False,
 ) -> int:
     """KV pages that fit on `device` (see blockdraft.runner.kv_budget for the formula).
 
@@ -49,12 +50,14 @@ def num_kv_blocks_for_gpu(
         device: the CUDA device the model is on (profiled and measured there).
         min_tokens: the pool must hold one request of this many tokens (max_model_len; None: the
             model's max_position_embeddings).
+        fp32_head: the steps' LM head returns float32 logits (profiled so).
     Raises:
         ValueError: from num_kv_blocks_from_memory (utilization out of range, too little memory).
     """
     if not 0.0 < gpu_memory_utilization <= 1.0:  # fail before the profile run
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    activation = profile_activation_bytes(model, config, speculator, kv_block_size, max_num_batched_tokens, max_num_seqs, device)
+    activation = profile_activation_bytes(model, config, speculator, kv_block_size, max_num_batched_tokens, max_num_seqs,
+                                          device, fp32_head)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     dtype_bytes = next(model.parameters()).dtype.itemsize
@@ -76,7 +79,8 @@ def num_kv_blocks_for_gpu(
 
 @torch.inference_mode()
 def profile_activation_bytes(
-    model, config, speculator, kv_block_size: int, max_num_batched_tokens: int, max_num_seqs: int, device
+    model, config, speculator, kv_block_size: int, max_num_batched_tokens: int, max_num_seqs: int, device,
+    fp32_head: bool = False,
 ) -> int:
     """Peak bytes allocated above the baseline by one worst-case step (module docstring)."""
     rows = max_num_batched_tokens
@@ -87,21 +91,22 @@ def profile_activation_bytes(
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    _profile_step(model, speculator, kv, draft_kv, rows, max_num_seqs, kv_block_size, pages, device)
+    _profile_step(model, speculator, kv, draft_kv, rows, max_num_seqs, kv_block_size, pages, device, fp32_head)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del kv, draft_kv
     return peak
 
 
-def _profile_step(model, speculator, kv, draft_kv, rows, max_num_seqs, kv_block_size, pages, device) -> None:
+def _profile_step(model, speculator, kv, draft_kv, rows, max_num_seqs, kv_block_size, pages, device,
+                  fp32_head: bool = False) -> None:
     q = 1 if speculator is None else speculator.num_query_tokens
     aux_ids = () if speculator is None else tuple(speculator.aux_layer_ids)
     meta = build_metadata([rows], [rows], [list(range(pages))], kv_block_size, device=device)
     positions = torch.arange(rows, device=device)
     hidden, aux = model(torch.zeros(rows, dtype=torch.long, device=device), positions, kv, meta, aux_ids)
     num_logits = min(rows, max_num_seqs * q)
-    logits = model.compute_logits(hidden[-num_logits:], upcast=False)  # as the runner's steps
+    logits = model.compute_logits(hidden[-num_logits:], upcast=False, fp32_head=fp32_head)  # as the runner's steps
     # top-p: the full-vocabulary sort, the sampler's largest temporaries; min-p too: every filter runs
     params = [SamplingParams(temperature=1.0, top_p=0.9, min_p=0.05, seed=0)] * num_logits
     SamplingTensors.from_params(params, device).sample(logits, positions[-num_logits:] + 1)

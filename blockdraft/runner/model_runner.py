@@ -86,6 +86,8 @@ class ModelRunner:
             proposes no drafts (vLLM's disable_by_batch_size): the speculator only writes the
             step's context (`write_context`), and the next step decodes them plainly. Graphed
             steps always draft (their tail graph does): set it only without graphs.
+        fp32_head: eager steps take float32 logits from the LM head (CausalLM.compute_logits
+            fp32_head; the graphs were built with the same setting).
     Raises:
         ValueError: disable_by_batch_size with graphs, or with a speculator that has no write_context.
     """
@@ -101,11 +103,13 @@ class ModelRunner:
         graphs: StepGraphs | None = None,
         compiled_sampling: bool = False,
         disable_by_batch_size: int | None = None,
+        fp32_head: bool = False,
     ) -> None:
         if disable_by_batch_size is not None and (graphs is not None or not hasattr(speculator, "write_context")):
             raise ValueError(f"disable_by_batch_size={disable_by_batch_size!r} needs eager steps (no graphs) and a "
                              f"speculator with write_context (DFlashSpeculator)")
         self.disable_by_batch_size = disable_by_batch_size
+        self.fp32_head = fp32_head
         self.model = model
         self.compiled_sampling = compiled_sampling
         self.kv_caches = kv_caches
@@ -360,8 +364,8 @@ class ModelRunner:
         `prompt`: also score these prompt rows (PromptLogprobs.compute, from the same hidden states)."""
         hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.aux_layer_ids)
         if prompt is not None:
-            prompt.compute(self.model, hidden)
-        return self.model.compute_logits(hidden[batch.logits_indices], upcast=False), aux
+            prompt.compute(self.model, hidden, self.fp32_head)
+        return self.model.compute_logits(hidden[batch.logits_indices], upcast=False, fp32_head=self.fp32_head), aux
 
     def _propose(self, batch: InputBatch, aux, target, num_accepted) -> torch.Tensor | None:
         """Eager drafter step: write the drafter's context for committed rows, then draft for every

@@ -67,10 +67,11 @@ class PrefillGraphs:
         block_table_width: M pages per request. kv_block_size: tokens per page.
         capture / pool: capture CUDA graphs now (else run the same code eagerly) / the shared pool.
         request_buckets: ascending request counts (prefill_request_sizes); (1,) = single requests.
+        fp32_head: float32 logits from the LM head (as TargetGraphs).
     """
 
     def __init__(self, model, kv_caches, aux_layer_ids, draft, buckets, block_table_width, kv_block_size,
-                 capture: bool, pool=None, request_buckets=(1,)) -> None:
+                 capture: bool, pool=None, request_buckets=(1,), fp32_head: bool = False) -> None:
         self.model, self.kv_caches, self.aux_layer_ids = model, kv_caches, tuple(aux_layer_ids)
         self.draft, self.buckets, self.request_buckets = draft, list(buckets), list(request_buckets)
         self.block_table_width, self.kv_block_size = block_table_width, kv_block_size
@@ -79,7 +80,8 @@ class PrefillGraphs:
         max_reqs = self.request_buckets[-1]
         self.inputs = StaticInputs.allocate(max_reqs, 1, block_table_width, device, num_rows=self.buckets[-1])
         self.logits_index = torch.zeros(max_reqs, dtype=torch.long, device=device)
-        dtype = next(model.parameters()).dtype
+        self.fp32_head = fp32_head
+        dtype = torch.float32 if fp32_head else next(model.parameters()).dtype
         self.logits = torch.zeros(max_reqs, model.config.vocab_size, dtype=dtype, device=device)
         self.tokens = torch.zeros(max_reqs, dtype=torch.long, device=device)
         self.targets: dict[tuple[int, int], StaticGraph] = {}
@@ -135,7 +137,8 @@ class PrefillGraphs:
         ids, positions = self.inputs.input_ids[:num_rows], self.inputs.positions[:num_rows]
         hidden, aux = self.model(ids, positions, self.kv_caches, meta, self.aux_layer_ids)
         index = self.logits_index[:num_reqs]
-        logits = self.model.compute_logits(hidden.index_select(0, index), out=self.logits[:num_reqs])
+        logits = self.model.compute_logits(hidden.index_select(0, index), out=self.logits[:num_reqs],
+                                            fp32_head=self.fp32_head)
         self.model.greedy_tokens(logits, out=self.tokens[:num_reqs])
         return logits, aux
 

@@ -51,13 +51,14 @@ class PromptLogprobs:
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
 
-    def compute(self, model, hidden: torch.Tensor) -> None:
+    def compute(self, model, hidden: torch.Tensor, fp32_head: bool = False) -> None:
         """Score the rows: `hidden` [T, H] the step's final hidden states (after the final norm, as
-        `model.compute_logits` takes them). log_softmax of the raw logits, float32 (compute_logprobs)."""
+        `model.compute_logits` takes them, with its `fp32_head`). log_softmax of the raw logits,
+        float32 (compute_logprobs)."""
         k = max(self.num_top)
         parts = []
         for a in range(0, self.rows.shape[0], SLICE_ROWS):
-            logits = model.compute_logits(hidden[self.rows[a : a + SLICE_ROWS]], upcast=False)
+            logits = model.compute_logits(hidden[self.rows[a : a + SLICE_ROWS]], upcast=False, fp32_head=fp32_head)
             tokens = self.tokens[a : a + SLICE_ROWS]
             # vLLM's rank: the tokens at least as likely, itself included (a tie ranks it last);
             # raw logits, whose order log_softmax keeps

@@ -44,6 +44,7 @@ def build_runner(
     graph_mode: str | None = None,
     continuation_graphs: bool = True,
     disable_by_batch_size: int | None = None,
+    fp32_lm_head: bool = False,
 ) -> RunnerSetup:
     """Set the models' attention backend, size and allocate the KV pool, capture graphs.
 
@@ -64,6 +65,8 @@ def build_runner(
             its async_scheduling; without them `ModelRunner.can_continue` is always False).
         disable_by_batch_size: steps of this many requests or more decode without drafts
             (ModelRunner; needs graph mode "off").
+        fp32_lm_head: float32 logits from the LM head's bf16 / fp16 operands, eager and graphed
+            (CausalLM.compute_logits fp32_head; vLLM's --enable-fp32-lm-head); CUDA only.
     Raises:
         ValueError: weights on another device, an unknown graph mode or one the backend / device
             cannot do, num_kv_blocks None on a CPU device, a GPU memory budget that cannot hold
@@ -78,6 +81,9 @@ def build_runner(
     mode = _graph_mode(graph_mode, device, enforce_eager, backend)
     if cache.num_kv_blocks is None and device.type != "cuda":
         raise ValueError(f"num_kv_blocks must be given on {device}: sizing the KV pool from memory needs CUDA")
+    if fp32_lm_head and device.type != "cuda":
+        raise ValueError(f"enable_fp32_lm_head (--enable-fp32-lm-head) runs on CUDA only, the device is {device}: "
+                         f"on the CPU, --dtype float32 computes float32 logits")
     model.set_attention_backend(backend.attention)
     drafter = getattr(speculator, "drafter", None)
     if drafter is not None:
@@ -85,7 +91,8 @@ def build_runner(
     resolve_max_model_len(sched.max_model_len, config.max_position_embeddings, None, cache.kv_block_size)
     num_kv_blocks = cache.num_kv_blocks
     if num_kv_blocks is None:
-        num_kv_blocks = _pool_from_memory(model, config, speculator, cache, sched, device, mode == "capture")
+        num_kv_blocks = _pool_from_memory(model, config, speculator, cache, sched, device, mode == "capture",
+                                          fp32_lm_head)
     # A request must always fit the pool on its own, or preempting it could never make room.
     max_model_len = resolve_max_model_len(sched.max_model_len, config.max_position_embeddings, num_kv_blocks,
                                           cache.kv_block_size, pool_from_memory=cache.num_kv_blocks is None)
@@ -117,10 +124,10 @@ def build_runner(
             graphs = build_step_graphs(
                 model, kv_caches, speculator, sched.max_num_seqs, sched.max_num_batched_tokens,
                 math.ceil(max_model_len / cache.kv_block_size), cache.kv_block_size, capture=mode == "capture",
-                continuation=continuation_graphs,
+                continuation=continuation_graphs, fp32_head=fp32_lm_head,
             )
     runner = ModelRunner(model, kv_caches, cache.kv_block_size, device, speculator, backend, graphs,
-                         compiled_sampling=mode == "capture", disable_by_batch_size=disable_by_batch_size)
+                         compiled_sampling=mode == "capture", disable_by_batch_size=disable_by_batch_size, fp32_head=fp32_lm_head)
     return RunnerSetup(runner, num_kv_blocks, max_model_len)
 
 
@@ -155,12 +162,12 @@ def _graph_mode(mode: str | None, device: torch.device, enforce_eager: bool, bac
     return mode
 
 
-def _pool_from_memory(model, config, speculator, cache, sched, device, cuda_graphs: bool) -> int:
+def _pool_from_memory(model, config, speculator, cache, sched, device, cuda_graphs: bool, fp32_head: bool) -> int:
     from blockdraft.runner.memory_profile import num_kv_blocks_for_gpu
 
     return num_kv_blocks_for_gpu(
         model, config, speculator, cache.kv_block_size, sched.max_num_batched_tokens, sched.max_num_seqs,
-        cache.gpu_memory_utilization, cuda_graphs, device, min_tokens=sched.max_model_len,
+        cache.gpu_memory_utilization, cuda_graphs, device, min_tokens=sched.max_model_len, fp32_head=fp32_head,
     )
 
 

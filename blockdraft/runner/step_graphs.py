@@ -53,6 +53,7 @@ def build_step_graphs(
     kv_block_size: int,
     capture: bool,
     continuation: bool = True,
+    fp32_head: bool = False,
 ) -> StepGraphs | None:
     """Capture (or, capture=False, prepare to run eagerly) the uniform-step and prefill graphs.
 
@@ -70,6 +71,7 @@ def build_step_graphs(
         capture: True on CUDA; False runs the identical padded static-shape code eagerly.
         continuation: also build async scheduling's continuation graphs (capture time and pool
             memory are spent only when the engine can use them).
+        fp32_head: the LM head returns float32 logits (CausalLM.compute_logits fp32_head).
     Returns:
         None when no bucket fits (max_num_batched_tokens < Q) or the speculator is not a
         DFlashSpeculator (other speculators run eagerly).
@@ -90,7 +92,8 @@ def build_step_graphs(
     started = time.perf_counter()
     reserved_before = torch.cuda.memory_reserved() if capture else 0
     target = TargetGraphs(
-        model, kv_caches, aux_layer_ids, buckets, rows_per_req, block_table_width, kv_block_size, capture, pool
+        model, kv_caches, aux_layer_ids, buckets, rows_per_req, block_table_width, kv_block_size, capture, pool,
+        fp32_head=fp32_head,
     )
     draft = None if speculator is None else DraftStep(speculator, target)
     tail = StepTailGraphs(target, draft, capture, pool)
@@ -109,7 +112,7 @@ def build_step_graphs(
             draft_prefill = functools.partial(draft_after_prefill, speculator, prepare)
         request_buckets = prefill_request_sizes(max_num_seqs)
         prefill = PrefillGraphs(model, kv_caches, aux_layer_ids, draft_prefill, prefill_buckets, block_table_width,
-                                kv_block_size, capture, pool, request_buckets)
+                                kv_block_size, capture, pool, request_buckets, fp32_head=fp32_head)
         for num_rows in reversed(prefill_buckets):
             for num_reqs in reversed(request_buckets):
                 prefill.capture_bucket(num_reqs, num_rows)

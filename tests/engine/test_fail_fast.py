@@ -103,6 +103,8 @@ def test_generate_and_serve_refuse_a_bad_drafter_before_loading_the_target(tiny,
         (["--presence-penalty", "3"], "presence_penalty (--presence-penalty) must be a number in [-2, 2] (0 = off), got 3.0"),
         (["--repetition-penalty", "0"],
          "repetition_penalty (--repetition-penalty) must be a number > 0 and <= 3.40282e+38 (float32's largest; 1 = off), got 0.0"),
+        (["--enable-fp32-lm-head", "--device", "cpu"],
+         "enable_fp32_lm_head (--enable-fp32-lm-head) runs on CUDA only (the device is 'cpu'): on the CPU, float32 weights"),
     ],
 )
 def test_generate_refuses_bad_values_before_loading(tiny, capsys, flags, expected):

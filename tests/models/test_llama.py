@@ -310,3 +310,20 @@ def test_build_model_packs_by_default_only_where_supported():
     # bf16 only where oneDNN has a bf16 path on this CPU (not on AVX2-only ones)
     assert build_model(config, torch.bfloat16).pack_weights is (supported and cpu_has_fast_bf16())
     assert build_model(config, torch.float16).pack_weights is False
+
+
+def test_fp32_head_is_a_no_op_for_float32_weights_and_refused_off_cuda_for_bf16():
+    """compute_logits(fp32_head=True): float32 weights already give float32 logits (same values);
+    bf16 weights need CUDA's torch.mm out_dtype, and the CPU says so instead of rounding silently."""
+    from blockdraft.models import build_model
+    from tests.conftest import tiny_config
+
+    config = tiny_config("llama")
+    hidden = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    model = build_model(config, dtype=torch.float32, device="cpu")
+    model.init_random_weights_(std=0.08, seed=0)
+    assert torch.equal(model.compute_logits(hidden, fp32_head=True), model.compute_logits(hidden))
+    model_bf16 = build_model(config, dtype=torch.bfloat16, device="cpu")
+    model_bf16.init_random_weights_(std=0.08, seed=0)
+    with pytest.raises(ValueError, match="fp32_head needs CUDA .*on cpu"):
+        model_bf16.compute_logits(hidden.bfloat16(), fp32_head=True)
