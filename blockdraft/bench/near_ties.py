@@ -51,10 +51,11 @@ def divergence_gaps(
         "top2_gap" (float, top-1 minus top-2 log-prob, nats = logit units), "top2_tokens" ([2] ids),
         "both_in_top2" (the two divergent tokens are the top two), "near_tie" (both_in_top2 and
         top2_gap < NEAR_TIE_GAP), "pair_gap" (|log-prob of the reference token - that of the
-        candidate token|, nats; None when either is outside the top TOP_N)}; with `llm_fp32` also
-        "top2_gap_fp32", "top2_tokens_fp32", "pair_gap_fp32", "near_tie_fp32" (the same judgement
-        on the float32 target's logits) and "fp32_picks" ("candidate" or "reference": the one of
-        the two tokens the float32 target scores higher; None when neither is in its top TOP_N).
+        candidate token|, nats; read from the top TOP_N, or, when either token ranks below it (a
+        grammar may force one), from one more run that scores both tokens as prompt tokens)}; with
+        `llm_fp32` also "top2_gap_fp32", "top2_tokens_fp32", "pair_gap_fp32", "near_tie_fp32" (the
+        same judgement on the float32 target's logits) and "fp32_picks" ("candidate" or
+        "reference": the one of the two tokens the float32 target scores higher).
         Requests that only differ in length (no divergent token) are skipped.
     """
     rows = []
@@ -65,8 +66,9 @@ def divergence_gaps(
     if not rows:
         return []
     contexts = [prompts[i] + reference[i][:d] for i, d in rows]
-    tops = _top(llm, contexts)
-    tops_fp32 = _top(llm_fp32, contexts) if llm_fp32 is not None else [None] * len(rows)
+    pairs = [(reference[i][d], candidate[i][d]) for i, d in rows]
+    tops = _top(llm, contexts, pairs)
+    tops_fp32 = _top(llm_fp32, contexts, pairs) if llm_fp32 is not None else [None] * len(rows)
     result = []
     for (i, d), top, top_fp32 in zip(rows, tops, tops_fp32):
         ref, cand = reference[i][d], candidate[i][d]
@@ -74,30 +76,42 @@ def divergence_gaps(
         row |= _judge(top, ref, cand, constrained, "")
         if top_fp32 is not None:
             row |= _judge(top_fp32, ref, cand, constrained, "_fp32")
-            lp = dict(top_fp32)
-            scored = {name: lp[t] for name, t in (("reference", ref), ("candidate", cand)) if t in lp}
-            row["fp32_picks"] = max(scored, key=scored.get) if scored else None
+            lp = top_fp32[1]
+            row["fp32_picks"] = "candidate" if lp[cand] > lp[ref] else "reference"
         result.append(row)
     return result
 
 
-def _judge(top: list[tuple[int, float]], ref: int, cand: int, constrained: bool, suffix: str) -> dict:
-    """The gap fields of one context's top TOP_N ([(token id, log-prob)], best first): top2_gap,
-    top2_tokens, pair_gap, near_tie, keys suffixed with `suffix` ("" or "_fp32"); both_in_top2
-    only without a suffix (divergence_gaps' documented keys)."""
+def _judge(scored: tuple[list, dict[int, float]], ref: int, cand: int, constrained: bool, suffix: str) -> dict:
+    """The gap fields of one context's (top TOP_N [(token id, log-prob)], best first; the pair's
+    log-probs) (_top): top2_gap, top2_tokens, pair_gap, near_tie, keys suffixed with `suffix` (""
+    or "_fp32"); both_in_top2 only without a suffix (divergence_gaps' documented keys)."""
+    top, lp = scored
     (t1, lp1), (t2, lp2) = top[:2]
-    lp = dict(top)
     both = {ref, cand} == {t1, t2}
-    pair_gap = abs(lp[ref] - lp[cand]) if ref in lp and cand in lp else None
-    near = (pair_gap is not None and pair_gap < NEAR_TIE_GAP) if constrained else (both and lp1 - lp2 < NEAR_TIE_GAP)
+    pair_gap = abs(lp[ref] - lp[cand])
+    near = pair_gap < NEAR_TIE_GAP if constrained else (both and lp1 - lp2 < NEAR_TIE_GAP)
     out = {f"top2_gap{suffix}": float(lp1 - lp2), f"top2_tokens{suffix}": [t1, t2],
-           f"pair_gap{suffix}": None if pair_gap is None else float(pair_gap), f"near_tie{suffix}": near}
+           f"pair_gap{suffix}": float(pair_gap), f"near_tie{suffix}": near}
     if not suffix:
         out["both_in_top2"] = both
     return out
 
 
-def _top(llm, contexts: list[list[int]]) -> list[list[tuple[int, float]]]:
-    """Per context: the TOP_N most likely next tokens and their log-probs, best first."""
+def _top(llm, contexts: list[list[int]], pairs: list[tuple[int, int]]) -> list[tuple[list, dict[int, float]]]:
+    """Per context: (the TOP_N most likely next tokens [(id, log-prob)], best first; the log-probs
+    of its (reference, candidate) pair {id: log-prob}). The pair's come from the top list when both
+    are in it, else from one more run that scores each as the last prompt token after the context
+    (a prefill each: both log-probs then come from the same evaluation order)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOP_N, detokenize=False)
-    return [[(int(t), float(lp)) for t, lp in o.logprobs[0]["top"]] for o in llm.generate(contexts, params)]
+    tops = [[(int(t), float(lp)) for t, lp in o.logprobs[0]["top"]] for o in llm.generate(contexts, params)]
+    pair_lps = [{t: dict(top)[t] for t in pair} if set(pair) <= dict(top).keys() else None
+                for top, pair in zip(tops, pairs)]
+    low = [i for i, lps in enumerate(pair_lps) if lps is None]
+    if low:
+        scored = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=0, detokenize=False)
+        runs = llm.generate([contexts[i] + [t] for i in low for t in pairs[i]], scored)
+        for n, i in enumerate(low):
+            pair_lps[i] = {int(o.prompt_logprobs[-1]["token_id"]): float(o.prompt_logprobs[-1]["logprob"])
+                           for o in runs[2 * n : 2 * n + 2]}
+    return list(zip(tops, pair_lps))

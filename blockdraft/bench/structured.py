@@ -302,12 +302,10 @@ def _identical_tag(row: dict) -> str:
     d = row["divergence"]
     if row["identical"] or d is None:
         return str(row["identical"])
-    gap = "n/a" if d["pair_gap"] is None else f"{d['pair_gap']:.3g}"
-    tag = f"False ({'tie, ' if d['near_tie'] else ''}gap {gap}"
+    tag = f"False ({'tie, ' if d['near_tie'] else ''}gap {d['pair_gap']:.3g}"
     if "fp32_picks" in d:
-        gap32 = "n/a" if d["pair_gap_fp32"] is None else f"{d['pair_gap_fp32']:.3g}"
-        picks = {"candidate": "dflash", "reference": "plain"}.get(d["fp32_picks"], "neither")
-        tag += f"; fp32 gap {gap32}, fp32 = {picks}"
+        picks = {"candidate": "dflash", "reference": "plain"}[d["fp32_picks"]]
+        tag += f"; fp32 gap {d['pair_gap_fp32']:.3g}, fp32 = {picks}"
     return tag + ")"
 
 

@@ -51,6 +51,24 @@ def test_gap_at_the_first_divergence_of_each_mismatched_request(target):
     assert got[1]["pair_gap"] == pytest.approx(top1[reference[1][5]] - top1[third], abs=1e-4)  # another batch
 
 
+def test_a_divergent_token_below_the_top_20_still_gets_its_pair_gap(target):
+    """A grammar can force a token the unconstrained model ranks low: its log-prob is read by
+    scoring it as a prompt token, so pair_gap (and fp32_picks) are numbers, never missing."""
+    vocab = target.config.vocab_size
+    full = make_llm(target, max_logprobs=vocab)
+    prompts = random_prompts(1, seed=7)
+    reference = _greedy(full, prompts, 6)
+    ranked = _top(full, prompts[0] + reference[0][:2], n=vocab)
+    low = ranked[-1][0]  # the least likely token, far below the top 20
+    candidate = [reference[0][:2] + [low] + reference[0][3:]]
+    first = compare_outputs(candidate, reference)["first_mismatch"]
+    (got,) = divergence_gaps(make_llm(target), prompts, candidate, reference, first, make_llm(target), constrained=True)
+    lp = dict(ranked)
+    assert got["pair_gap"] == pytest.approx(lp[reference[0][2]] - lp[low], abs=1e-4)
+    assert got["pair_gap_fp32"] == pytest.approx(got["pair_gap"], abs=1e-4) and got["fp32_picks"] == "reference"
+    assert not got["near_tie"] and got["top2_tokens"] == [ranked[0][0], ranked[1][0]]
+
+
 def test_constrained_divergences_are_judged_by_the_two_tokens_gap(target, monkeypatch):
     """Under a grammar each path picks the best token it allows, so the unconstrained top two say
     nothing: with constrained=True a divergence to the third-ranked token is a near-tie when the
