@@ -159,11 +159,10 @@ def _expand(folder: Path, cache_dir) -> Path:
     Raises:
         ValueError: the pack is damaged (checkpoint.read_weights_file).
     """
-    from safetensors.torch import save_file
-
     from blockdraft.drafters.pack import PACK_FILE, unpack
     from blockdraft.spec.dflash.checkpoint import SPECULATIVE_FILE, read_weights_file
     from blockdraft.spec.draft_vocab import DRAFT_VOCAB_FILE
+    from blockdraft.weights.save import save_safetensors
     from blockdraft.weights.fetch import cache_root
 
     pack_path = folder / PACK_FILE
@@ -181,7 +180,7 @@ def _expand(folder: Path, cache_dir) -> Path:
         shutil.rmtree(dest, ignore_errors=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=dest.parent))
-    save_file(unpack(read_weights_file(pack_path)), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(unpack(read_weights_file(pack_path)), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     for name in sidecars:
         shutil.copy(folder / name, tmp / name)
     # mkdtemp makes the folder private; the copy is as readable as any other cache file

@@ -88,9 +88,8 @@ def write_average(out: str | Path, folders: list[str | Path], weights: list[floa
     Raises:
         ValueError: as average_drafters, or `out` exists and is not an empty folder.
     """
-    from safetensors.torch import save_file
-
     from blockdraft.drafters.pack import PACK_FILE, pack
+    from blockdraft.weights.save import save_safetensors
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -103,7 +102,7 @@ def write_average(out: str | Path, folders: list[str | Path], weights: list[floa
         if (Path(folders[0]) / name).is_file():
             shutil.copy(Path(folders[0]) / name, out / name)
     weights_file = out / (PACK_FILE if packed else "model.safetensors")
-    save_file(pack(bf16) if packed else bf16, str(weights_file), metadata={"format": "pt"})
+    save_safetensors(pack(bf16) if packed else bf16, str(weights_file), metadata={"format": "pt"})
     return weights_file
 
 

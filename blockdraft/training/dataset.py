@@ -173,11 +173,11 @@ def save_safetensors_atomic(tensors: dict, path: Path, metadata: dict[str, str] 
     written to `path`.tmp, flushed to disk, then renamed over `path` (os.replace). An interrupt
     (a second Ctrl-C, a kill) midway leaves the previous file or none, and at most a stray .tmp,
     never a half file that a later run would read back as data."""
-    from safetensors.torch import save_file
+    from blockdraft.weights.save import save_safetensors
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     with open(tmp, "rb") as f:  # renamed only once its bytes are on disk (a crash keeps the old file, not a hole)
         os.fsync(f.fileno())
     os.replace(tmp, path)

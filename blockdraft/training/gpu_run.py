@@ -64,13 +64,12 @@ def prep(target: str, out: Path, num_prompts: int, max_prompt_tokens: int, seed:
     later_turns: also up to this many multi-turn prompts (ShareGPT prefixes ending in a later user
     turn, prompts.select_later_turns), appended after the first-turn prompts, so the first-turn
     list (and the answers an earlier run gave to it) stays the same."""
-    from safetensors.torch import save_file
-
     from blockdraft.training import corpora
     from blockdraft.training.generate import encode_prompts
     from blockdraft.training.prompts import assert_no_eval_overlap, select_prompts
     from blockdraft.weights.fetch import resolve_model_path
     from blockdraft.weights.loader import load_hf_config, load_tokenizer
+    from blockdraft.weights.save import save_safetensors
 
     path = resolve_model_path(target, cache_dir=cache_dir)
     tok = load_tokenizer(path)
@@ -96,7 +95,7 @@ def prep(target: str, out: Path, num_prompts: int, max_prompt_tokens: int, seed:
     out.mkdir(parents=True, exist_ok=True)
     info = {"target": target, "stats": stats, "eos_ids": _eos_ids(path, load_hf_config(path), tok),
             "pad_id": _pad_id(tok)}
-    save_file(tensors, str(out / "prompts.safetensors"), metadata={"info": json.dumps(info)})
+    save_safetensors(tensors, str(out / "prompts.safetensors"), metadata={"info": json.dumps(info)})
     (out / "config.json").write_text(json.dumps(load_hf_config(path), indent=1))
     return info
 
@@ -380,8 +379,6 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
     in `inits` (name -> init_from state) also of the weights it started from (variant "init") and,
     when they have the same shape (not grown deeper or wider), of the 0.5 / 0.5 average of the
     trained and init weights ("avg")."""
-    from safetensors.torch import save_file
-
     from blockdraft.drafters.average import weighted_mean
     from blockdraft.drafters.pack import pack, unpack
     from blockdraft.spec.dflash.checkpoint import load_drafter
@@ -389,6 +386,7 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
     from blockdraft.training.build import init_from
     from blockdraft.training.generate import generate_with_hf
     from blockdraft.training.target import HFTarget
+    from blockdraft.weights.save import save_safetensors
 
     target = HFTarget(hf)
     seqs = {}
@@ -407,7 +405,7 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
             resp = generate_with_hf(hf, prompts, args.eval_max_tokens, [temp > 0] * len(prompts), eos, pad,
                                     temperature=max(temp, 1e-5), seed=args.seed + 17, batch_size=256)
             seqs[(ds, temp)] = ([torch.tensor(p + r) for p, r in zip(prompts, resp)], [len(p) for p in prompts])
-    save_file({f"{ds}_T{int(t)}_{i}": s.to(torch.int32) for (ds, t), (ss, _) in seqs.items() for i, s in enumerate(ss)},
+    save_safetensors({f"{ds}_T{int(t)}_{i}": s.to(torch.int32) for (ds, t), (ss, _) in seqs.items() for i, s in enumerate(ss)},
               str(work / "eval_sequences.safetensors"))
     out = {}
     specs = {s["name"]: s for s in drafter_specs(args.drafters)}
@@ -426,7 +424,7 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
         if spec.get("int8"):
             q = variants["bf16"].state_dict()
             packed = pack(q)
-            save_file(packed, str(work / name / "model.int8"))
+            save_safetensors(packed, str(work / name / "model.int8"))
             d8 = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
             d8.load_weights(unpack(packed))
             variants["int8"] = d8

@@ -435,15 +435,15 @@ class Trainer:
         sizes in "files") as one set: into `<out>/checkpoint.new/`, fsynced, then swapped in for
         `<out>/checkpoint/` (atomic_folder.replace_folder). An interruption anywhere leaves either
         the previous checkpoint or this one whole. Returns `<out>/checkpoint`."""
-        from safetensors.torch import save_file
+        from blockdraft.weights.save import save_safetensors
 
         weights = {k: v.detach().float().cpu().contiguous() for k, v in self.drafter.state_dict().items()}
 
         def fill(d: Path) -> None:
             files = {"drafter.safetensors": write_synced(d / "drafter.safetensors",
-                                                         lambda p: save_file(weights, str(p))),
+                                                         lambda p: save_safetensors(weights, str(p))),
                      "optimizer.safetensors": write_synced(d / "optimizer.safetensors",
-                                                           lambda p: save_file(self._optimizer_tensors(), str(p)))}
+                                                           lambda p: save_safetensors(self._optimizer_tensors(), str(p)))}
             state = {"step": self.step, "train_config": asdict(self.cfg), "train_vocab_size": self._train_vocab_size(),
                      "drafter_config": self.drafter.config.to_hf_dict(), "target_dtype": self.target_dtype,
                      "seconds": self.seconds(), "history": self.history, "val_history": self.val_history,

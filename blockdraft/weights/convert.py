@@ -162,7 +162,8 @@ def convert_gguf_to_folder(gguf_path: Path, out_dir: Path, progress: bool = True
         ValueError: unsupported architecture, unknown or missing tensors, no chat template.
     """
     import gguf
-    from safetensors.torch import save_file
+
+    from blockdraft.weights.save import save_safetensors
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     reader = gguf.GGUFReader(str(gguf_path))
@@ -172,7 +173,7 @@ def convert_gguf_to_folder(gguf_path: Path, out_dir: Path, progress: bool = True
     state = read_gguf_tensors(reader, arch, config, gguf_path, progress=progress)
     del reader  # drops the memory map before the big write
     check_tensors(state, expected_shapes(config), gguf_path)
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del state
     config.save_pretrained(str(out_dir))
     save_tokenizer(gguf_path, out_dir)

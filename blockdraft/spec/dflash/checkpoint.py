@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from blockdraft.config import ModelConfig
 from blockdraft.errors import param_error
 from blockdraft.spec.dflash.config import DFlashConfig, build_target_layer_ids, is_dflash_config
 from blockdraft.spec.dflash.draft_model import DFlashDraftModel
+from blockdraft.weights.save import save_safetensors
 
 WEIGHTS_FILE = "model.safetensors"
 # blockdraft's serving defaults for a drafter, kept next to (not inside) the z-lab config.json:
@@ -363,7 +364,7 @@ def export_drafter(model: DFlashDraftModel, path: str | Path) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_safetensors(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
 
 
