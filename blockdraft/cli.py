@@ -14,10 +14,10 @@ from blockdraft.engine_args import (
     add_admission_flags,
     add_async_scheduling_flag,
     add_device_flags,
-    add_fp32_lm_head_flag,
     add_draft_flags,
     add_draft_vocab_size_flag,
     add_dtype_flag,
+    add_fp32_lm_head_flag,
     add_mixed_prefill_flag,
     add_prefix_caching_flag,
 )
@@ -410,10 +410,10 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
     add_draft_vocab_size_flag(e)
     e.add_argument("--compare-plain", action="store_true", help="also decode without the drafter: equality + speedup")
     e.add_argument("--plot", default=None, help="write the per-position acceptance plot to this PNG")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
                    help="target and drafter weights and KV cache (default float32, the reference the acceptance "
                         "numbers in docs/ use; auto: what generate / demo / serve run, bf16 for catalog models, "
-                        "float32 on a CPU without native bf16)")
+                        "float32 on a CPU without native bf16; float16 as generate's, for GPUs without bf16)")
     add_device_flags(e)
     add_async_scheduling_flag(e)
     add_cache_dir_flag(e, "model and data cache")

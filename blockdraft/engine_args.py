@@ -59,7 +59,8 @@ def add_fp32_lm_head_flag(p) -> None:
     p.add_argument("--enable-fp32-lm-head", action="store_true",
                    help="CUDA: float32 logits, the LM head's float32 accumulation of the bf16 weights instead of "
                         "logits rounded to bf16 (vLLM's / SGLang's flag; weights stay bf16): greedy choices no "
-                        "longer hinge on bf16 ties, so plain and speculative decoding agree more often (default off)")
+                        "longer hinge on bf16 ties, so plain and speculative decoding agree more often (default off; "
+                        "refused on the CPU)")
 
 
 def add_prefix_caching_flag(p) -> None:

@@ -21,6 +21,8 @@ from blockdraft.engine.outputs import CompletionOutput, RequestOutput
 from blockdraft.engine_setup import (  # noqa: F401  (resolve_*: re-exported, they used to live here)
     build_engine,
     build_speculator,
+    check_bool_options,
+    check_fp32_lm_head,
     resolve_async_scheduling,
     resolve_disable_by_batch_size,
     resolve_mixed_prefill,
@@ -180,11 +182,8 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
         )
         device, cache = pre.device, pre.cache
-        if not isinstance(enable_fp32_lm_head, bool):
-            raise param_error("enable_fp32_lm_head", f"enable_fp32_lm_head must be True or False, got {enable_fp32_lm_head!r}")
-        if enable_fp32_lm_head and device != "cuda":  # before the weights load
-            raise param_error("enable_fp32_lm_head", f"enable_fp32_lm_head runs on CUDA only (the device is {device!r}): "
-                              f"on the CPU, float32 weights (dtype float32) compute float32 logits")
+        check_bool_options(enforce_eager=enforce_eager, enable_fp32_lm_head=enable_fp32_lm_head)
+        check_fp32_lm_head(enable_fp32_lm_head, device)  # before the weights load
         sched = dataclasses.replace(  # checks the values before any weights load
             pre.scheduler,
             admission_batch_ratio=(default_admission_batch_ratio(speculator is not None or pre.draft is not None)

@@ -285,8 +285,12 @@ def run_bench(args) -> int:
     from blockdraft.bench.suite import Settings, add_divergence_gaps, log, num_speculative_tokens, run_matrix
     from blockdraft.engine.scheduler import check_admission_settings
 
+    from blockdraft.bench.workload import resolve_device_dtype
+    from blockdraft.engine_setup import check_fp32_lm_head
+
     _check_source_flags(args)
     check_admission_settings(args.admission_batch_ratio, args.admission_max_wait_steps)  # before any model loads
+    check_fp32_lm_head(args.enable_fp32_lm_head, resolve_device_dtype(args.device, args.dtype)[0].type)
     if args.out:
         check_out_prefix(out_prefix(args.out))
     engines = tuple(e.strip().lower() for e in args.engines.split(",") if e.strip())

@@ -187,6 +187,7 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
     import torch
 
     from blockdraft.drafters import resolve_draft
+    from blockdraft.engine_setup import check_fp32_lm_head
     from blockdraft.llm import LLM
     from blockdraft.model_loader import load_target
     from blockdraft.preflight import resolve_device
@@ -196,6 +197,7 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
 
     draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
     device = resolve_device(args.device)
+    check_fp32_lm_head(args.enable_fp32_lm_head, device)  # before the target loads
     target = load_target(args.model, args.dtype, device=device, cache_dir=args.cache_dir)
     pool = dict(num_kv_blocks=128, kv_block_size=16, device=device)
     head = dict(enable_fp32_lm_head=True) if args.enable_fp32_lm_head else {}  # not for the float32 judge

@@ -154,8 +154,6 @@ class CausalLM(UsesFusedOps, nn.Module):
         (0.125 at |logit| in [16, 32)) no longer tie, so greedy choices do not hinge on the
         rounding. Returns float32 whatever `upcast`; `out` must then be float32. A no-op for
         float32 weights.
-        Raises:
-            ValueError: fp32_head for bf16 / fp16 weights off CUDA.
 
         Pass only the rows you need (e.g. the last row of each prompt): the LM head is the
         largest matmul of a decode step. `out` ([N, vocab]): write there instead of a new tensor
@@ -166,6 +164,8 @@ class CausalLM(UsesFusedOps, nn.Module):
         upcast=False (no `out`): the head's output in its own dtype, no float32 copy, for callers
         that take the argmax or upcast what they read themselves (the runner's eager steps: sampling
         and logprobs upcast; the DFlash drafter's full-vocabulary proposals).
+        Raises:
+            ValueError: fp32_head for bf16 / fp16 weights off CUDA.
         """
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         weight = head.weight

@@ -104,7 +104,7 @@ def test_generate_and_serve_refuse_a_bad_drafter_before_loading_the_target(tiny,
         (["--repetition-penalty", "0"],
          "repetition_penalty (--repetition-penalty) must be a number > 0 and <= 3.40282e+38 (float32's largest; 1 = off), got 0.0"),
         (["--enable-fp32-lm-head", "--device", "cpu"],
-         "enable_fp32_lm_head (--enable-fp32-lm-head) runs on CUDA only (the device is 'cpu'): on the CPU, float32 weights"),
+         "enable_fp32_lm_head (--enable-fp32-lm-head) runs on CUDA only, the device is 'cpu': leave it off there"),
     ],
 )
 def test_generate_refuses_bad_values_before_loading(tiny, capsys, flags, expected):
@@ -255,6 +255,13 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
     _refused(capsys, ["bench", "--shape", "tiny", "--num-speculative-tokens", "16", "--device", "cpu"],
              "block_size - 1 = 15", "got 16")
     _refused(capsys, ["bench", "--shape", "tiny", "--block-size", "1", "--device", "cpu"], "--block-size must be >= 2")
+    fp32_head = "enable_fp32_lm_head (--enable-fp32-lm-head) runs on CUDA only, the device is 'cpu'"
+    _refused(capsys, ["bench", "--model", m, "--device", "cpu", "--enable-fp32-lm-head"], fp32_head)
+    _refused(capsys, ["bench", "--shape", "tiny", "--device", "cpu", "--enable-fp32-lm-head"], fp32_head)
+    from blockdraft.bench.structured import main as structured_bench
+
+    assert structured_bench(["--model", m, "--draft", str(drafter), "--device", "cpu", "--enable-fp32-lm-head"]) == 2
+    assert fp32_head in capsys.readouterr().err
     _refused(capsys, ["generate", "hi", "--model", str(drafter)], "is a DFlash drafter",
              "give it as the draft, with the target it was trained for as the model")
     _refused(capsys, ["eval-drafter", "--target", "nope"], "unknown model 'nope'", f"catalog models: {DEFAULT_MODEL}")

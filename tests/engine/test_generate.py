@@ -235,11 +235,13 @@ def test_llm_seed_makes_unseeded_runs_reproducible(llama_target):
 def test_fp32_lm_head_is_refused_off_cuda_and_for_a_non_bool(llama_target):
     """LLM(enable_fp32_lm_head=...) as vLLM's flag, CUDA only here (torch.mm out_dtype): a clear error
     naming the parameter on the CPU, and for a value that is not a bool (e.g. the string "false")."""
-    with pytest.raises(ValueError, match=r"enable_fp32_lm_head runs on CUDA only \(the device is 'cpu'\)") as e:
+    with pytest.raises(ValueError, match=r"enable_fp32_lm_head runs on CUDA only, the device is 'cpu'") as e:
         make_llm(llama_target, enable_fp32_lm_head=True)
     assert e.value.param == "enable_fp32_lm_head"
     with pytest.raises(ValueError, match="enable_fp32_lm_head must be True or False, got 'false'"):
         make_llm(llama_target, enable_fp32_lm_head="false")
+    with pytest.raises(ValueError, match="enforce_eager must be True or False, got 'yes'"):  # was taken as on
+        make_llm(llama_target, enforce_eager="yes")
     assert make_llm(llama_target, enable_fp32_lm_head=False).generate([[5, 6]], SamplingParams(max_tokens=2))
 
 
