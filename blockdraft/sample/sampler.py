@@ -373,14 +373,19 @@ def compute_logprobs(
         num_top: number of top alternatives per row (0 allowed).
     Returns:
         token_logprob: [N] float32, log p(token_ids[i]).
-        top_ids: [N, num_top] int64, most likely tokens, descending by probability.
+        top_ids: [N, num_top] int64, most likely tokens, descending by probability; equal
+            log-probabilities (bf16 logits tie often) in ascending id order, as greedy argmax breaks
+            the tie, so a greedy token heads its own list (torch.topk leaves tie order unspecified).
         top_logprobs: [N, num_top] float32, their log-probabilities.
     """
     lp = torch.log_softmax(logits.to(torch.float32), dim=-1)
     token_logprob = lp.gather(1, token_ids.to(torch.int64)[:, None]).squeeze(1)
     k = min(int(num_top), lp.shape[-1])
     top_logprobs, top_ids = torch.topk(lp, k, dim=-1, largest=True, sorted=True)
-    return token_logprob, top_ids, top_logprobs
+    by_id = top_ids.argsort(dim=-1)  # ids ascending, then a stable sort by log-prob keeps that order in ties
+    top_ids, top_logprobs = top_ids.gather(1, by_id), top_logprobs.gather(1, by_id)
+    order = top_logprobs.argsort(dim=-1, descending=True, stable=True)
+    return token_logprob, top_ids.gather(1, order), top_logprobs.gather(1, order)
 
 
 def _to_int64(seed: int) -> int:

@@ -185,6 +185,21 @@ def test_compute_logprobs():
     assert ids0.shape == (5, 0) and tlp0.shape == (5, 0) and torch.allclose(lp0, lp)
 
 
+def test_tied_logprobs_are_listed_in_ascending_id_order_as_argmax_picks():
+    """A trial saw the greedy token listed second at an exact bf16 tie: ties now list the lower id
+    first (greedy's choice), whatever order torch.topk returned them in."""
+    logits = torch.full((3, 300), -5.0)
+    logits[0, [250, 7, 198, 220]] = torch.tensor([2.0, 1.0, 3.0, 3.0])  # 198 / 220 tie at the top
+    logits[1, [5, 90, 40, 2]] = 1.0  # a four-way tie
+    logits[2, [17, 9]] = torch.tensor([0.5, 0.25])  # no tie: the order by probability stays
+    toks = logits.argmax(-1)
+    _, ids, tlp = compute_logprobs(logits.to(torch.bfloat16), toks, 4)
+    assert ids[0].tolist() == [198, 220, 250, 7] and ids[0, 0] == toks[0]
+    assert ids[1].tolist() == [2, 5, 40, 90] and ids[1, 0] == toks[1]
+    assert ids[2, :2].tolist() == [17, 9]
+    assert bool((tlp[:, :-1] >= tlp[:, 1:]).all())
+
+
 def test_eager_row_chunking_gives_the_same_tokens(monkeypatch):
     import blockdraft.sample.sampler as sampler_mod
 
