@@ -476,14 +476,24 @@ def _drop_neutral_unsupported(body: dict, cls: type[BaseModel]) -> dict:
 
 
 def _first_error(e: ValidationError) -> APIError:
-    err = e.errors(include_url=False, include_input=False)[0]
+    err = e.errors(include_url=False)[0]
     loc = _loc(err["loc"])
     if err["type"] == "extra_forbidden":
         return APIError(400, f"unknown or unsupported field '{loc}'", param=loc)
     if err["type"] == "missing":
         return APIError(400, f"'{loc}' is required", param=loc)
-    msg = err["msg"].removeprefix("Value error, ")
-    return APIError(400, f"invalid '{loc}': {msg}", param=loc)
+    if err["type"] == "value_error":  # our validators name the value themselves
+        return APIError(400, f"invalid '{loc}': {err['msg'].removeprefix('Value error, ')}", param=loc)
+    return APIError(400, f"invalid '{loc}': {err['msg']}{_got(err.get('input'))}", param=loc)
+
+
+def _got(value) -> str:
+    """", got <value as JSON>" for a scalar the request sent (cut to 80 characters), else "" (an
+    object or array may be large, and its field is already named)."""
+    if value is not None and not isinstance(value, (str, int, float, bool)):
+        return ""
+    shown = json.dumps(value, ensure_ascii=False)
+    return f", got {shown if len(shown) <= 80 else shown[:77] + '...'}"
 
 
 def _loc(parts: tuple) -> str:

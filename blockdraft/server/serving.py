@@ -377,9 +377,11 @@ class Serving:
             )
             return
         reasons = ",".join(sorted({o.finish_reason or "?" for o in outs}))
+        # echo with max_tokens 0: the engine's one token is not part of the answer (usage says 0)
+        completion = 0 if plan.prompt_only else sum(len(o.token_ids) for o in outs)
         logger.info(
             "%s: %d choice(s), %d prompt tokens, %d completion tokens, finish=%s, %.3f s",
-            rid, len(outs), plan.num_prompt_tokens, sum(len(o.token_ids) for o in outs), reasons, seconds,
+            rid, len(outs), plan.num_prompt_tokens, completion, reasons, seconds,
         )
 
 
