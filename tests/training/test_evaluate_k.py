@@ -65,6 +65,8 @@ def test_cli_runs_on_the_device_asked_for(tiny, capsys):
     assert json.loads(capsys.readouterr().out)["dtype"] == "bfloat16"
     assert main([*base, "--dtype", "auto", "--device", "cpu"]) == 0
     assert json.loads(capsys.readouterr().out)["dtype"] == "float32"
+    assert main([*base, "--dtype", "float16", "--device", "cpu"]) == 0  # as generate takes it
+    assert json.loads(capsys.readouterr().out)["dtype"] == "float16"
 
 
 def test_no_verify_step_gives_null_not_nan(tiny, capsys):
