@@ -163,6 +163,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--min-tokens", type=int, default=0,
                    help="no end of text, stop token or stop string before this many output tokens, 0 <= N <= "
                         "--max-tokens (default 0; vLLM's min_tokens)")
+    g.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="end the answer where this text appears, left out of it (vLLM's SamplingParams(stop=...)); "
+                        "repeat the flag for several (default: none)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token, up to --max-tokens (vLLM's ignore_eos; for "
+                        "benchmarks)")
     g.add_argument("--structured-outputs", default=None, metavar="JSON",
                    help="constrain the answer, as vLLM's structured_outputs: a JSON object with one of json (a JSON "
                         "Schema), regex, choice (a list of strings), grammar (Lark or GBNF), json_object (true) or "
@@ -446,7 +452,7 @@ def _generate(args) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.seed, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
-        structured_outputs=None if args.structured_outputs is None else structured_outputs_from_json(args.structured_outputs),
+        stop=args.stop, ignore_eos=args.ignore_eos, structured_outputs=None if args.structured_outputs is None else structured_outputs_from_json(args.structured_outputs),
     )
     # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)
     check_logprobs_limit(params, DEFAULT_MAX_LOGPROBS, remedy="vLLM's default, fixed for the CLI")

@@ -100,6 +100,31 @@ def test_bad_values_are_refused_before_the_model_loads(value, message, capsys):
     assert message in err and "nonexistent" not in err, err
 
 
+def test_stop_and_ignore_eos_flags_reach_the_request(tiny, capsys, monkeypatch):
+    """generate --stop STR (repeatable) and --ignore-eos, as SamplingParams' stop / ignore_eos."""
+    from blockdraft.engine.llm_engine import LLMEngine
+
+    model, _ = tiny
+    seen, add = [], LLMEngine.add_request
+
+    def spy(self, request_id, prompt, params, *a, **kw):
+        seen.append(params)
+        return add(self, request_id, prompt, params, *a, **kw)
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    whole = _json(capsys, model, "--no-draft")
+    words = whole["text"].split()
+    assert len(words) >= 4, whole["text"]
+    cut = _json(capsys, model, "--no-draft", "--stop", "nothing-like-this", "--stop", words[3])
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == words[3]
+    assert cut["text"] == whole["text"][: whole["text"].index(words[3])]
+    assert seen[-1].stop == ["nothing-like-this", words[3]] and not seen[-1].ignore_eos
+    assert _json(capsys, model, "--no-draft", "--ignore-eos")["finish_reason"] == "length"
+    assert seen[-1].ignore_eos and not seen[-1].stop
+    code, _, err = _generate(capsys, model, "--stop", "")
+    assert code == 2 and "stop" in err
+
+
 def test_help_names_the_range_and_both_outputs():
     from blockdraft.cli import _command, _parser
 
