@@ -118,6 +118,9 @@ def _attend_row_by_row(
     speculative output must equal plain decoding token for token.
     """
     n = q.shape[0]
+    # _attend computes in float32: convert the keys once here, not once per row (exact, so each
+    # row still sees the values a one-row step converts)
+    keys, vals = keys.float(), vals.float()
     for j in range(n):
         length = seq_len - n + j + 1
         mask = _mask(length - 1, 1, length, window, True, q.device)
