@@ -466,12 +466,13 @@ def _generate(args) -> int:
     llm = llm_from_args(args, resolve_draft_from_args(args), max_logprobs=DEFAULT_MAX_LOGPROBS)
     prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
     t0 = time.perf_counter()
-    if stream:  # the text so far after each step; cumulative, and only growing (no stop strings here)
-        shown = 0
+    if stream:  # the text so far after each step, less what a stop string may still cut (as the server)
+        shown, holdback = 0, max((len(s) for s in params.stop), default=1) - 1
         for out in llm.generate_stream(prompt, params):
-            sys.stdout.write(out.text[shown:])
+            end = len(out.text) if out.finished else max(shown, len(out.text) - holdback)
+            sys.stdout.write(out.text[shown:end])
             sys.stdout.flush()
-            shown = len(out.text)
+            shown = end
         sys.stdout.write("\n")
     else:
         out = llm.generate(prompt, params)[0]

@@ -123,6 +123,12 @@ def test_stop_and_ignore_eos_flags_reach_the_request(tiny, capsys, monkeypatch):
     assert seen[-1].ignore_eos and not seen[-1].stop
     code, _, err = _generate(capsys, model, "--stop", "")
     assert code == 2 and "stop" in err
+    # streamed, a stop string spanning two tokens must not show its first part before it matches
+    stop = words[2] + " " + words[3]
+    for extra in ([], ["--draft", str(tiny[1])]):
+        code, out, err = _generate(capsys, model, *(extra or ["--no-draft"]), "--stream", "--stop", stop)
+        assert code == 0, err
+        assert out.startswith(whole["text"][: whole["text"].index(stop)] + "\n"), out
 
 
 def test_help_names_the_range_and_both_outputs():
