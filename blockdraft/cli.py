@@ -386,6 +386,7 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
 
 
 def _add_eval_drafter_parser(sub, default_model: str) -> None:
+    from blockdraft.preflight import DTYPE_CHOICES
     from blockdraft.weights.catalog import add_cache_dir_flag
 
     e = sub.add_parser("eval-drafter", help="acceptance length of a drafter on HumanEval / MT-bench prompts",
@@ -416,7 +417,7 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
     add_draft_vocab_size_flag(e)
     e.add_argument("--compare-plain", action="store_true", help="also decode without the drafter: equality + speedup")
     e.add_argument("--plot", default=None, help="write the per-position acceptance plot to this PNG")
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+    e.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help="target and drafter weights and KV cache (default float32, the reference the acceptance "
                         "numbers in docs/ use; auto: what generate / demo / serve run, bf16 for catalog models, "
                         "float32 on a CPU without native bf16; float16 as generate's, for GPUs without bf16)")

@@ -49,18 +49,6 @@ def check_bool_options(**options) -> None:
             raise param_error(name, f"{name} must be True or False, got {value!r}")
 
 
-def check_fp32_lm_head(enabled: bool, device: str) -> None:
-    """enable_fp32_lm_head (--enable-fp32-lm-head) needs CUDA (torch.mm out_dtype); checked
-    before any weights load.
-
-    Raises:
-        ValueError: enabled on another device (names the option and the device; .param).
-    """
-    if enabled and device != "cuda":
-        raise param_error("enable_fp32_lm_head", f"enable_fp32_lm_head runs on CUDA only, the device is {device!r}: "
-                          f"leave it off there (float32 weights, --dtype float32 / dtype='float32', give float32 logits anyway)")
-
-
 def resolve_async_scheduling(requested: bool | None, device, enforce_eager: bool, attention_backend, graph_mode) -> bool:
     """None -> True iff CUDA graphs are captured; True is checked (before any weights load).
 

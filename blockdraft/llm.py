@@ -22,7 +22,6 @@ from blockdraft.engine_setup import (  # noqa: F401  (resolve_*: re-exported, th
     build_engine,
     build_speculator,
     check_bool_options,
-    check_fp32_lm_head,
     resolve_async_scheduling,
     resolve_disable_by_batch_size,
     resolve_mixed_prefill,
@@ -40,6 +39,7 @@ from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names
     read_target_config,
     resolve_device,
 )
+from blockdraft.runner.setup import check_fp32_lm_head
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_max_logprobs
 
 
@@ -171,6 +171,8 @@ class LLM:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise param_error("seed", f"seed must be None or an integer >= 0, got {seed!r}")  # before any weights load, as preflight's checks
         disable_by_batch_size = check_disable_by_batch_size(speculative_disable_by_batch_size)
+        check_bool_options(enforce_eager=enforce_eager, enable_fp32_lm_head=enable_fp32_lm_head)
+        check_fp32_lm_head(enable_fp32_lm_head, resolve_device(device))  # before any drafter or weights
         if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
             model = catalog_name(target.path)
         pre = preflight(
@@ -182,8 +184,6 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
         )
         device, cache = pre.device, pre.cache
-        check_bool_options(enforce_eager=enforce_eager, enable_fp32_lm_head=enable_fp32_lm_head)
-        check_fp32_lm_head(enable_fp32_lm_head, device)  # before the weights load
         sched = dataclasses.replace(  # checks the values before any weights load
             pre.scheduler,
             admission_batch_ratio=(default_admission_batch_ratio(speculator is not None or pre.draft is not None)

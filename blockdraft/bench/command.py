@@ -286,7 +286,7 @@ def run_bench(args) -> int:
     from blockdraft.engine.scheduler import check_admission_settings
 
     from blockdraft.bench.workload import resolve_device_dtype
-    from blockdraft.engine_setup import check_fp32_lm_head
+    from blockdraft.runner.setup import check_fp32_lm_head
 
     _check_source_flags(args)
     check_admission_settings(args.admission_batch_ratio, args.admission_max_wait_steps)  # before any model loads
@@ -294,6 +294,9 @@ def run_bench(args) -> int:
     if args.out:
         check_out_prefix(out_prefix(args.out))
     engines = tuple(e.strip().lower() for e in args.engines.split(",") if e.strip())
+    if args.enable_fp32_lm_head and "ours" not in engines:
+        raise ValueError(f"--enable-fp32-lm-head sets our engine's LM head, and --engines {args.engines!r} leaves it "
+                         f"out: add 'ours' to --engines or drop the flag")
     # Our KV pools are sized explicitly (PoolPlan) so that several engines and the HF model share
     # one GPU; gpu_memory_utilization (which sizes a pool to most of the GPU) is therefore not used.
     options = check_llm_options({"enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,

@@ -101,8 +101,9 @@ def _judge(scored: tuple[list, dict[int, float]], ref: int, cand: int, constrain
 def _top(llm, contexts: list[list[int]], pairs: list[tuple[int, int]]) -> list[tuple[list, dict[int, float]]]:
     """Per context: (the TOP_N most likely next tokens [(id, log-prob)], best first; the log-probs
     of its (reference, candidate) pair {id: log-prob}). The pair's come from the top list when both
-    are in it, else from one more run that scores each as the last prompt token after the context
-    (a prefill each: both log-probs then come from the same evaluation order)."""
+    are in it, else from one more batched run that scores each as the last prompt token after the
+    context (both from prefill rows of the same length; in bf16 they can still differ from the top
+    list's in the last bits, so top2_gap and pair_gap may then come from different evaluations)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=TOP_N, detokenize=False)
     tops = [[(int(t), float(lp)) for t, lp in o.logprobs[0]["top"]] for o in llm.generate(contexts, params)]
     pair_lps = [{t: dict(top)[t] for t in pair} if set(pair) <= dict(top).keys() else None

@@ -187,10 +187,10 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
     import torch
 
     from blockdraft.drafters import resolve_draft
-    from blockdraft.engine_setup import check_fp32_lm_head
     from blockdraft.llm import LLM
     from blockdraft.model_loader import load_target
     from blockdraft.preflight import resolve_device
+    from blockdraft.runner.setup import check_fp32_lm_head
     from blockdraft.sampling_params import SamplingParams
     from blockdraft.side_by_side import compare_engines
     from blockdraft.structured.params import StructuredOutputsParams

@@ -170,8 +170,10 @@ class CausalLM(UsesFusedOps, nn.Module):
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         weight = head.weight
         if fp32_head and hidden.dtype != torch.float32:
-            if hidden.device.type != "cuda" or weight is None:  # CPU heads may be packed (no dense weight)
+            if hidden.device.type != "cuda":
                 raise ValueError(f"fp32_head needs CUDA (torch.mm out_dtype), the hidden states are on {hidden.device}")
+            if weight is None:  # only CPU heads are packed for oneDNN, but say so if one gets here
+                raise ValueError("fp32_head needs the LM head's dense weight, and this head was packed (pack_weights)")
             if out is None:
                 return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
             return torch.mm(hidden, weight.t(), out_dtype=torch.float32, out=out)

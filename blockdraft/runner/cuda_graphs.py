@@ -8,7 +8,7 @@ runner.input_batch) and replayed. Single-request prefill steps have their own gr
 (runner.prefill_graphs); other prefill, mixed and non-uniform steps, and R beyond the largest
 bucket, run eagerly. Inputs live in persistent max-size buffers; each bucket's graph reads
 leading slices of them, and every bucket writes its logits into one shared buffer in the model's
-dtype (the LM head writes there directly; see CausalLM.compute_logits), and its greedy tokens
+dtype, or float32 with fp32_head (the LM head writes there directly; see CausalLM.compute_logits), and its greedy tokens
 (argmax per row) into one int64 buffer that the step's tail graph reads (runner.step_tail): the
 argmax is captured here rather than in the tail so that one tail graph serves greedy and sampled
 steps (a sampled step overwrites the buffer with the sampler's tokens; the wasted argmax reads the
@@ -177,7 +177,8 @@ class TargetGraphs:
         return BatchPadding(bucket, bucket * q, self.inputs.table_width(reqs))
 
     def run(self, batch: InputBatch, load: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Load a padded batch and replay its bucket -> (logits [R_b*Q, V] model dtype, aux [R_b*Q, n*H] | None).
+        """Load a padded batch and replay its bucket -> (logits [R_b*Q, V] in the model dtype, float32 with
+        fp32_head; aux [R_b*Q, n*H] | None).
 
         load=False: the static inputs already hold the batch (a continuation advanced them in place).
 

@@ -89,7 +89,8 @@ class ModelRunner:
         fp32_head: eager steps take float32 logits from the LM head (CausalLM.compute_logits
             fp32_head; the graphs were built with the same setting).
     Raises:
-        ValueError: disable_by_batch_size with graphs, or with a speculator that has no write_context.
+        ValueError: disable_by_batch_size with graphs, or with a speculator that has no write_context;
+            graphs built with another fp32_head (graphed and eager steps would round logits differently).
     """
 
     def __init__(
@@ -108,6 +109,9 @@ class ModelRunner:
         if disable_by_batch_size is not None and (graphs is not None or not hasattr(speculator, "write_context")):
             raise ValueError(f"disable_by_batch_size={disable_by_batch_size!r} needs eager steps (no graphs) and a "
                              f"speculator with write_context (DFlashSpeculator)")
+        if graphs is not None and any(g is not None and g.fp32_head != fp32_head for g in (graphs.target, graphs.prefill)):
+            raise ValueError(f"the step graphs were built with another fp32_head than this runner's ({fp32_head}): build "
+                             f"them with the same setting (build_step_graphs fp32_head)")
         self.disable_by_batch_size = disable_by_batch_size
         self.fp32_head = fp32_head
         self.model = model
@@ -358,7 +362,7 @@ class ModelRunner:
 
     def _forward(self, batch: InputBatch, prompt: PromptLogprobs | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Eager target forward + LM head -> (logits [L, V] in logits_indices order, in the head's
-        dtype, aux features [T, n*H] | None). No float32 copy of the logits, as on the graphed path:
+        dtype (float32 with fp32_head), aux features [T, n*H] | None). No float32 copy of the logits, as on the graphed path:
         sampling and logprobs upcast what they read, and greedy argmax of bf16 logits equals that of
         their exact float32 cast (the copy of a verify step's [L, 152K] logits is pure overhead).
         `prompt`: also score these prompt rows (PromptLogprobs.compute, from the same hidden states)."""

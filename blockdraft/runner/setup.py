@@ -14,6 +14,7 @@ import torch
 
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_max_model_len
+from blockdraft.errors import param_error
 from blockdraft.models import allocate_kv_caches
 from blockdraft.runner.kv_budget import kv_bytes_per_page
 from blockdraft.runner.model_runner import ModelRunner
@@ -30,6 +31,18 @@ class RunnerSetup:
     runner: ModelRunner
     num_kv_blocks: int
     max_model_len: int
+
+
+def check_fp32_lm_head(enabled: bool, device: str) -> None:
+    """enable_fp32_lm_head (--enable-fp32-lm-head) needs CUDA (torch.mm out_dtype); checked
+    before any weights load.
+
+    Raises:
+        ValueError: enabled on another device (names the option and the device; .param).
+    """
+    if enabled and device != "cuda":
+        raise param_error("enable_fp32_lm_head", f"enable_fp32_lm_head runs on CUDA only, the device is {device!r}: "
+                          f"leave it off there (with float32 weights, --dtype float32, the logits are float32 anyway)")
 
 
 def build_runner(
@@ -81,9 +94,7 @@ def build_runner(
     mode = _graph_mode(graph_mode, device, enforce_eager, backend)
     if cache.num_kv_blocks is None and device.type != "cuda":
         raise ValueError(f"num_kv_blocks must be given on {device}: sizing the KV pool from memory needs CUDA")
-    if fp32_lm_head and device.type != "cuda":
-        raise ValueError(f"enable_fp32_lm_head (--enable-fp32-lm-head) runs on CUDA only, the device is {device}: "
-                         f"on the CPU, --dtype float32 computes float32 logits")
+    check_fp32_lm_head(fp32_lm_head, device.type)
     model.set_attention_backend(backend.attention)
     drafter = getattr(speculator, "drafter", None)
     if drafter is not None:

@@ -375,7 +375,9 @@ def compute_logprobs(
         token_logprob: [N] float32, log p(token_ids[i]).
         top_ids: [N, num_top] int64, most likely tokens, descending by probability; equal
             log-probabilities (bf16 logits tie often) in ascending id order, as greedy argmax breaks
-            the tie, so a greedy token heads its own list (torch.topk leaves tie order unspecified).
+            the tie (torch.topk leaves tie order unspecified), so a greedy token heads its own list
+            unless the tie runs past num_top entries (which of the tied ids topk keeps then is
+            torch's choice).
         top_logprobs: [N, num_top] float32, their log-probabilities.
     """
     lp = torch.log_softmax(logits.to(torch.float32), dim=-1)

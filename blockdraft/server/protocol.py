@@ -482,7 +482,7 @@ def _first_error(e: ValidationError) -> APIError:
         return APIError(400, f"unknown or unsupported field '{loc}'", param=loc)
     if err["type"] == "missing":
         return APIError(400, f"'{loc}' is required", param=loc)
-    if err["type"] == "value_error":  # our validators name the value themselves
+    if err["type"] == "value_error":  # our validators' own messages, each worded to stand alone
         return APIError(400, f"invalid '{loc}': {err['msg'].removeprefix('Value error, ')}", param=loc)
     return APIError(400, f"invalid '{loc}': {err['msg']}{_got(err.get('input'))}", param=loc)
 

@@ -406,7 +406,7 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
                                     temperature=max(temp, 1e-5), seed=args.seed + 17, batch_size=256)
             seqs[(ds, temp)] = ([torch.tensor(p + r) for p, r in zip(prompts, resp)], [len(p) for p in prompts])
     save_safetensors({f"{ds}_T{int(t)}_{i}": s.to(torch.int32) for (ds, t), (ss, _) in seqs.items() for i, s in enumerate(ss)},
-              str(work / "eval_sequences.safetensors"))
+                     str(work / "eval_sequences.safetensors"))
     out = {}
     specs = {s["name"]: s for s in drafter_specs(args.drafters)}
     for name, tr in trainers.items():

@@ -56,6 +56,28 @@ def test_graphs_with_fp32_head_equal_the_same_padded_step_run_eagerly(k):
     assert target_runs
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["enforce-eager", "graphs"])
+def test_every_target_lm_head_call_takes_the_fp32_head(eager, monkeypatch):
+    """Each place the engine computes the target's logits (eager steps, graphs, prompt log-probs)
+    asks for the float32 head and gets float32 logits."""
+    target = cuda_tiny_target(torch.bfloat16, seed=7)
+    calls, compute = [], type(target.model).compute_logits
+
+    def spy(self, hidden, *args, **kwargs):
+        logits = compute(self, hidden, *args, **kwargs)
+        if self is target.model:
+            calls.append((kwargs.get("fp32_head", False), logits.dtype))
+        return logits
+
+    monkeypatch.setattr(type(target.model), "compute_logits", spy)
+    llm = cuda_llm(target, 3, enable_fp32_lm_head=True, enforce_eager=eager)
+    calls.clear()  # capture and warm-up calls too were checked by the graphs' buffer dtype
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    llm.generate(random_prompts(3, seed=8), params)
+    llm.generate(random_prompts(2, seed=9), SamplingParams(max_tokens=12, ignore_eos=True))
+    assert calls and all(flag and dtype == torch.float32 for flag, dtype in calls), calls
+
+
 def test_fp32_head_logprobs_and_prompt_logprobs_are_float32_log_softmax():
     """Eager steps (prompt log-probs run eagerly) take the float32 head too: the reported
     log-probs are log_softmax of the float32 logits, not of bf16-rounded ones."""

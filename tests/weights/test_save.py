@@ -26,6 +26,18 @@ def test_saved_files_follow_the_umask(tmp_path):
     assert _mode(tmp_path / "private.safetensors") == 0o600
 
 
+def test_a_refused_mode_change_is_a_warning_not_a_failed_save(tmp_path, monkeypatch, caplog):
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "chmod", refuse)
+    save_safetensors({"a": torch.ones(2)}, tmp_path / "w.safetensors")
+    assert "could not set its permissions" in caplog.text
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "w.safetensors")["a"], torch.ones(2))
+
+
 def test_an_exported_drafter_is_readable_like_its_config(tmp_path):
     target = tiny_config("qwen3")
     drafter = random_drafter(target, num_layers=1, block_size=4, target_layer_ids=(0,), seed=0)
