@@ -100,14 +100,14 @@ def write_average(out: str | Path, folders: list[str | Path], weights: list[floa
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in SIDECARS:
         if (Path(folders[0]) / name).is_file():
-            shutil.copy(Path(folders[0]) / name, out / name)
+            shutil.copyfile(Path(folders[0]) / name, out / name)  # a new file's mode (umask), as the weights
     weights_file = out / (PACK_FILE if packed else "model.safetensors")
     save_safetensors(pack(bf16) if packed else bf16, str(weights_file), metadata={"format": "pt"})
     return weights_file
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m blockdraft.drafters.average", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m blockdraft.drafters.average", description=" ".join(__doc__.split("\n\n")[0].split()),
                                 allow_abbrev=False)
     p.add_argument("--draft", action="append", required=True, metavar="FOLDER",
                    help="a drafter folder (config.json + *.safetensors or model.int8); give two or more")

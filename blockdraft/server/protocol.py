@@ -243,7 +243,7 @@ class _SamplingRequest(_Strict):
     def _stop_shape(cls, v: Any) -> Any:
         if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
             return v
-        raise ValueError("stop must be a string or a list of strings")
+        raise ValueError(f"stop must be a string or a list of strings, got {json.dumps(v)[:80]}")
 
     @property
     def include_usage(self) -> bool:
@@ -471,7 +471,8 @@ def _drop_neutral_unsupported(body: dict, cls: type[BaseModel]) -> dict:
         value = out.pop(name)
         if value is not None and not any(_same(value, n) for n in neutral):
             allowed = " or ".join(json.dumps(n) for n in (*neutral, None))
-            raise APIError(400, f"'{name}' is not supported by this server (only {allowed} is accepted)", param=name)
+            raise APIError(400, f"'{name}' is not supported by this server (only {allowed} is accepted), got "
+                                f"{json.dumps(value)[:80]}", param=name)
     return out
 
 
