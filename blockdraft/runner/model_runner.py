@@ -362,9 +362,10 @@ class ModelRunner:
 
     def _forward(self, batch: InputBatch, prompt: PromptLogprobs | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Eager target forward + LM head -> (logits [L, V] in logits_indices order, in the head's
-        dtype (float32 with fp32_head), aux features [T, n*H] | None). No float32 copy of the logits, as on the graphed path:
-        sampling and logprobs upcast what they read, and greedy argmax of bf16 logits equals that of
-        their exact float32 cast (the copy of a verify step's [L, 152K] logits is pure overhead).
+        dtype (float32 with fp32_head), aux features [T, n*H] | None). No float32 copy of bf16
+        logits, as on the graphed path: sampling and logprobs upcast what they read, and greedy
+        argmax of bf16 logits equals that of their exact float32 cast (the copy of a verify step's
+        [L, 152K] logits is pure overhead).
         `prompt`: also score these prompt rows (PromptLogprobs.compute, from the same hidden states)."""
         hidden, aux = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.aux_layer_ids)
         if prompt is not None:
