@@ -112,8 +112,10 @@ def evaluate_drafter(
     outs = spec.generate(convs, params)
     seconds = time.perf_counter() - t0
     stats = spec.engine.stats.spec
+    # one entry per draft position 1..K, also where --max-tokens cut every block short of K drafts
+    accepted = list(stats.accepted_per_position) + [0] * max(0, k - len(stats.accepted_per_position))
     result = EvalResult(dataset, temperature, len(convs), max_tokens, stats.num_steps, stats.num_accepted_tokens,
-                        sum(len(o.token_ids) for o in outs), seconds, list(stats.accepted_per_position),
+                        sum(len(o.token_ids) for o in outs), seconds, accepted,
                         draft_vocab_size=pre.draft_vocab_size, num_speculative_tokens=k, device=pre.device,
                         dtype=str(loaded.dtype).removeprefix("torch."))
     if compare_plain:

@@ -39,6 +39,16 @@ def test_explicit_k_wins(tiny):
     assert r.num_speculative_tokens == 2 and len(r.accepted_per_position) <= 2
 
 
+def test_per_position_lists_have_k_entries_even_when_max_tokens_cuts_the_blocks(tiny):
+    """A trial saw 14 entries at K = 15 with --max-tokens 16: every block was cut short of K drafts,
+    so no step drafted the last positions. They are there, at 0 accepted."""
+    model, drafter = tiny
+    r = evaluate.evaluate_drafter(str(model), str(drafter), num_prompts=2, max_tokens=3)
+    assert r.num_speculative_tokens == 7
+    assert len(r.accepted_per_position) == len(r.per_position) == 7
+    assert r.accepted_per_position[-1] == 0 and sum(r.accepted_per_position) == r.num_accepted
+
+
 def test_summary_line_reads_the_result(tiny):
     model, drafter = tiny
     r = evaluate.evaluate_drafter(str(model), str(drafter), num_prompts=2, max_tokens=6, compare_plain=True)
