@@ -453,7 +453,8 @@ def _generate(args) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.seed, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
-        stop=args.stop, ignore_eos=args.ignore_eos, structured_outputs=None if args.structured_outputs is None else structured_outputs_from_json(args.structured_outputs),
+        stop=args.stop, ignore_eos=args.ignore_eos,
+        structured_outputs=None if args.structured_outputs is None else structured_outputs_from_json(args.structured_outputs),
     )
     # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)
     check_logprobs_limit(params, DEFAULT_MAX_LOGPROBS, remedy="vLLM's default, fixed for the CLI")

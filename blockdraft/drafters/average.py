@@ -107,7 +107,8 @@ def write_average(out: str | Path, folders: list[str | Path], weights: list[floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m blockdraft.drafters.average", description=" ".join(__doc__.split("\n\n")[0].split()),
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, unwrapped
+    p = argparse.ArgumentParser(prog="python -m blockdraft.drafters.average", description=summary,
                                 allow_abbrev=False)
     p.add_argument("--draft", action="append", required=True, metavar="FOLDER",
                    help="a drafter folder (config.json + *.safetensors or model.int8); give two or more")
