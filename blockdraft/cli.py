@@ -13,6 +13,7 @@ from blockdraft.cpu_threads import add_threads_flag, set_threads
 from blockdraft.engine_args import (
     add_admission_flags,
     add_async_scheduling_flag,
+    add_batch_invariant_flag,
     add_device_flags,
     add_draft_flags,
     add_draft_vocab_size_flag,
@@ -192,6 +193,7 @@ def _parser() -> argparse.ArgumentParser:
                         "after the answer, or a 'prompt_logprobs' list with --json, null first (default: none)")
     add_device_flags(g)
     add_fp32_lm_head_flag(g)
+    add_batch_invariant_flag(g)
     add_async_scheduling_flag(g)
     add_prefix_caching_flag(g)
     g.set_defaults(func=_generate)
@@ -250,6 +252,7 @@ def _add_serve_parser(sub, default_model: str) -> None:
                         "than the pool holds (on the CPU without --num-kv-blocks the pool grows to hold it)")
     add_device_flags(s)
     add_fp32_lm_head_flag(s)
+    add_batch_invariant_flag(s)
     add_async_scheduling_flag(s)
     add_mixed_prefill_flag(s)
     add_admission_flags(s)

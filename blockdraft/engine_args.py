@@ -63,6 +63,16 @@ def add_fp32_lm_head_flag(p) -> None:
                         "refused on the CPU)")
 
 
+def add_batch_invariant_flag(p) -> None:
+    """--batch-invariant (LLM(batch_invariant=True)), for generate, serve and the benches."""
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="CUDA: kernels whose result for a token does not depend on the batch around it (one "
+                        "decode row, a verify block, other requests in flight), so greedy speculative decoding "
+                        "equals plain decoding token for token and answers do not depend on the load (vLLM's "
+                        "VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference). Slower; default off. "
+                        "The CPU path is batch-invariant already")
+
+
 def add_prefix_caching_flag(p) -> None:
     """--enable-prefix-caching (LLM(enable_prefix_caching=True))."""
     p.add_argument("--enable-prefix-caching", action="store_true",
@@ -157,6 +167,7 @@ def llm_from_args(args, draft, max_logprobs: int):
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_fp32_lm_head=args.enable_fp32_lm_head,
+        batch_invariant=args.batch_invariant,
         max_model_len=args.max_model_len,
         max_logprobs=max_logprobs,
         # nothing to disable when --draft auto decodes plainly

@@ -39,7 +39,7 @@ from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names
     read_target_config,
     resolve_device,
 )
-from blockdraft.runner.setup import check_fp32_lm_head
+from blockdraft.runner.setup import check_batch_invariant, check_fp32_lm_head
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_max_logprobs
 
 
@@ -108,6 +108,13 @@ class LLM:
             at |logit| in [16, 32)), and which one wins then depends on the batch shape: with
             this on, plain and speculative decoding agree more often (README, "GPU path").
             Off by default, as in vLLM.
+        batch_invariant: CUDA: every matmul, the LM head and attention give a token's row the
+            same bits whatever else shares its step (a one-row decode, a K + 1-row verify block,
+            other requests in flight): greedy speculative decoding then equals plain decoding
+            token for token, and a request's answer does not depend on the batch it ran in
+            (vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference). Slower
+            (fixed-tile kernels; README "GPU path"); off by default. The CPU path is row-invariant
+            as it is, so there it changes nothing. Needs the 'triton' attention backend.
         max_logprobs: the largest `SamplingParams.logprobs` / `prompt_logprobs` a request may ask for
             (default 20, as vLLM's max_logprobs); `generate` refuses more with a ValueError naming
             the field.
@@ -159,6 +166,7 @@ class LLM:
         async_scheduling: bool | None = None,
         enable_prefix_caching: bool = False,
         enable_fp32_lm_head: bool = False,
+        batch_invariant: bool = False,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
         mixed_prefill: bool | None = None,
         speculative_disable_by_batch_size: int | None = None,
@@ -171,8 +179,10 @@ class LLM:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise param_error("seed", f"seed must be None or an integer >= 0, got {seed!r}")  # before any weights load, as preflight's checks
         disable_by_batch_size = check_disable_by_batch_size(speculative_disable_by_batch_size)
-        check_bool_options(enforce_eager=enforce_eager, enable_fp32_lm_head=enable_fp32_lm_head)
+        check_bool_options(enforce_eager=enforce_eager, enable_fp32_lm_head=enable_fp32_lm_head,
+                           batch_invariant=batch_invariant)  # fmt: skip
         check_fp32_lm_head(enable_fp32_lm_head, resolve_device(device))  # before any drafter or weights
+        check_batch_invariant(batch_invariant, resolve_device(device), attention_backend)
         if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
             model = catalog_name(target.path)
         pre = preflight(
@@ -203,7 +213,8 @@ class LLM:
             speculator = build_speculator(pre, self.target)
         self.speculator = speculator
         options = dict(enforce_eager=enforce_eager, attention_backend=attention_backend, graph_mode=graph_mode,
-                       disable_by_batch_size=disable_by_batch_size, fp32_lm_head=enable_fp32_lm_head)
+                       disable_by_batch_size=disable_by_batch_size, fp32_lm_head=enable_fp32_lm_head,
+                       batch_invariant=batch_invariant)  # fmt: skip
         self.engine = build_engine(self.target, cache, sched, speculator, device, async_scheduling,
                                     max_logprobs, mixed_prefill, **options)
         self.engine.seed_rng = None if seed is None else random.Random(seed)

@@ -448,6 +448,7 @@ def paged_attention_triton(
     num_kv_splits: int | None = None,
     multi_row: bool | None = None,
     block_m: int | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Write this forward's K/V (causal forwards only), then attend; an AttentionBackend.
 
@@ -470,6 +471,11 @@ def paged_attention_triton(
             shapes (`use_multi_row`). Benchmarks and tests force a path; callers leave it None.
         block_m: M of a multi-row program (query rows x GQA group), a power of two >= 16 and >=
             the group; None = `multi_row_block_m`. Tests force small tiles with it.
+        batch_invariant: each row's output the same bits whatever the batch (a decode row, a
+            verify row, a prefill row): the single-row kernel with INVARIANT_KV_SPLITS splits of
+            the row's own key tiles (both fixed, so the summation order depends on the row's
+            position alone); overrides multi_row and num_kv_splits. Used by batch-invariant mode
+            (`blockdraft.layers.fused_ops.set_batch_invariant`).
     Returns:
         [T, num_heads, head_dim] in q's dtype; padding rows are zero.
     Raises:
@@ -496,6 +502,8 @@ def paged_attention_triton(
     block_tokens = meta.num_block_tokens
     if block_m is not None and (block_m < _MIN_DOT or block_m & (block_m - 1) or block_m < group):
         raise ValueError(f"block_m must be a power of two >= max(16, GQA group {group}), got {block_m}")
+    if batch_invariant:
+        multi_row, num_kv_splits = False, INVARIANT_KV_SPLITS
     if multi_row is None:
         multi_row = use_multi_row(num_rows, num_reqs, block_tokens, group)
     rows_per_tile = 1
@@ -565,6 +573,12 @@ def paged_attention_triton(
 
 
 paged_attention_triton.accepts_kv_written = True  # see AttentionBackend
+paged_attention_triton.accepts_batch_invariant = True  # see blockdraft.layers.attention.Attention
+
+# KV splits of every row in batch-invariant mode: a constant, so the split boundaries (equal shares
+# of the row's own key tiles) and the merge's reduction tree depend on the row alone. 16 keeps one
+# decode row of a 2-KV-head model on 32 programs (the default rule gives it up to 32 splits).
+INVARIANT_KV_SPLITS = 16
 
 
 MULTI_ROW_MAX_GROUP = 4  # see use_multi_row

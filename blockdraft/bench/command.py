@@ -55,7 +55,7 @@ def add_bench_parser(sub) -> None:
     """Register the `bench` subcommand on an argparse subparsers object."""
     from blockdraft.bench.shapes import H200_HBM_BYTES_PER_S, SHAPES
     from blockdraft.bench.suite import ENGINE_CHOICES
-    from blockdraft.engine_args import add_draft_vocab_size_flag, add_fp32_lm_head_flag
+    from blockdraft.engine_args import add_batch_invariant_flag, add_draft_vocab_size_flag, add_fp32_lm_head_flag
     from blockdraft.weights.catalog import add_cache_dir_flag
 
     b = sub.add_parser("bench", help="throughput / step-time benchmark vs transformers and z-lab dflash",
@@ -105,6 +105,7 @@ def add_bench_parser(sub) -> None:
                    help="our LLM without CUDA graphs (enforce_eager=True): every step eager, so async scheduling off "
                         "and mixed prefill on")
     add_fp32_lm_head_flag(b)
+    add_batch_invariant_flag(b)
     b.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="our LLM's async scheduling (default: on when CUDA graphs are captured)")
     from blockdraft.engine_args import add_admission_flags, add_mixed_prefill_flag
@@ -286,24 +287,28 @@ def run_bench(args) -> int:
     from blockdraft.engine.scheduler import check_admission_settings
 
     from blockdraft.bench.workload import resolve_device_dtype
-    from blockdraft.runner.setup import check_fp32_lm_head
+    from blockdraft.runner.setup import check_batch_invariant, check_fp32_lm_head
 
     _check_source_flags(args)
     check_admission_settings(args.admission_batch_ratio, args.admission_max_wait_steps)  # before any model loads
-    check_fp32_lm_head(args.enable_fp32_lm_head, resolve_device_dtype(args.device, args.dtype)[0].type)
+    device_type = resolve_device_dtype(args.device, args.dtype)[0].type
+    check_fp32_lm_head(args.enable_fp32_lm_head, device_type)
+    check_batch_invariant(args.batch_invariant, device_type, args.attention_backend)
     if args.out:
         check_out_prefix(out_prefix(args.out))
     engines = tuple(e.strip().lower() for e in args.engines.split(",") if e.strip())
-    if args.enable_fp32_lm_head and "ours" not in engines:
-        raise ValueError(f"--enable-fp32-lm-head sets our engine's LM head, and --engines {args.engines!r} leaves it "
-                         f"out: add 'ours' to --engines or drop the flag")
+    for flag, on in (("--enable-fp32-lm-head", args.enable_fp32_lm_head), ("--batch-invariant", args.batch_invariant)):
+        if on and "ours" not in engines:
+            raise ValueError(f"{flag} sets our engine's kernels, and --engines {args.engines!r} leaves it out: add "
+                             f"'ours' to --engines or drop the flag")
     # Our KV pools are sized explicitly (PoolPlan) so that several engines and the HF model share
     # one GPU; gpu_memory_utilization (which sizes a pool to most of the GPU) is therefore not used.
     options = check_llm_options({"enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,
                                  "async_scheduling": args.async_scheduling, "mixed_prefill": args.mixed_prefill,
                                  "admission_batch_ratio": args.admission_batch_ratio,
                                  "admission_max_wait_steps": args.admission_max_wait_steps,
-                                 "enable_fp32_lm_head": args.enable_fp32_lm_head or None})
+                                 "enable_fp32_lm_head": args.enable_fp32_lm_head or None,
+                                 "batch_invariant": args.batch_invariant or None})
     forced = bool(args.shape) if args.forced is None else args.forced
     settings = Settings(parse_batch_sizes(args.batch_sizes), args.max_tokens, args.repeats, args.warmup, engines,
                         forced, args.num_speculative_tokens, options, args.num_prompts)

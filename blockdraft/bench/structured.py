@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     from blockdraft.cpu_threads import add_threads_flag, apply_threads_flag
     from blockdraft.drafters import SHIPPED
     from blockdraft.errors import flag_message, refuse_unwritable
-    from blockdraft.engine_args import add_draft_vocab_size_flag, add_fp32_lm_head_flag
+    from blockdraft.engine_args import add_batch_invariant_flag, add_draft_vocab_size_flag, add_fp32_lm_head_flag
     from blockdraft.preflight import DEVICE_CHOICES, DTYPE_CHOICES
 
     p = argparse.ArgumentParser(prog="python -m blockdraft.bench.structured", description=__doc__.split("\n")[0],
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="auto (default) = cuda if available, else cpu")
     add_draft_vocab_size_flag(p)
     add_fp32_lm_head_flag(p)
+    add_batch_invariant_flag(p)
     p.add_argument("--json", default=None, metavar="PATH", help="write the table and all timings here")
     p.add_argument("--cache-dir", default=None)
     add_threads_flag(p)
@@ -190,7 +191,7 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
     from blockdraft.llm import LLM
     from blockdraft.model_loader import load_target
     from blockdraft.preflight import resolve_device
-    from blockdraft.runner.setup import check_fp32_lm_head
+    from blockdraft.runner.setup import check_batch_invariant, check_fp32_lm_head
     from blockdraft.sampling_params import SamplingParams
     from blockdraft.side_by_side import compare_engines
     from blockdraft.structured.params import StructuredOutputsParams
@@ -198,9 +199,10 @@ def _measure(args, argv: list[str] | None, names: list[str]) -> int:
     draft = resolve_draft(args.draft, args.model, cache_dir=args.cache_dir)
     device = resolve_device(args.device)
     check_fp32_lm_head(args.enable_fp32_lm_head, device)  # before the target loads
+    check_batch_invariant(args.batch_invariant, device)
     target = load_target(args.model, args.dtype, device=device, cache_dir=args.cache_dir)
     pool = dict(num_kv_blocks=128, kv_block_size=16, device=device)
-    head = dict(enable_fp32_lm_head=True) if args.enable_fp32_lm_head else {}  # not for the float32 judge
+    head = dict(enable_fp32_lm_head=args.enable_fp32_lm_head, batch_invariant=args.batch_invariant)  # not the fp32 judge
     engines = {PLAIN: LLM(target=target, **pool, **head),
                DFLASH: LLM(target=target, draft=draft, num_speculative_tokens=args.num_speculative_tokens,
                            draft_vocab_size=args.draft_vocab_size, **pool, **head)}

@@ -272,8 +272,9 @@ def add_divergence_gaps(workload: Workload, settings: Settings, cells: list[Cell
     longest = max(len(pr) for pr in workload.prompts) + settings.max_tokens
     plan = PoolPlan(max(p["batch_size"] for p in todo), longest, 1)
     opts = {"enforce_eager": True} if workload.device.type == "cuda" else {}
-    if (settings.llm_options or {}).get("enable_fp32_lm_head"):  # judge the logits the runs decoded with
-        opts["enable_fp32_lm_head"] = True
+    for name in ("enable_fp32_lm_head", "batch_invariant"):  # judge with the logits the runs decoded with
+        if (settings.llm_options or {}).get(name):
+            opts[name] = True
     engine = OurEngine(workload.target, str(workload.device), plan, options=opts)
     engine_fp32 = target_fp32 = None
     try:

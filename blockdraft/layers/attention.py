@@ -112,6 +112,8 @@ class Attention(UsesFusedOps, nn.Module):
         else:
             q, k, v = self.project_qkv(x, cos, sin)
         extra = {"kv_written": True} if written else {}
+        if self.batch_invariant and getattr(self.backend, "accepts_batch_invariant", False):
+            extra["batch_invariant"] = True
         out = self.backend(
             q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, sliding_window=self.sliding_window, causal=self.causal,
             **extra,

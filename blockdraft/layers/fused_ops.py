@@ -32,9 +32,12 @@ class UsesFusedOps:
     """Mixin for modules with a kernel path. `fused_ops = False` forces the torch twins.
 
     Defaults to True when triton is importable; switch a whole model with `set_fused_ops`.
+    `batch_invariant = True` (`set_batch_invariant`) makes the module's CUDA matmuls and attention
+    give each row the same bits whatever the batch around it (slower; off by default).
     """
 
     fused_ops: bool = TRITON_AVAILABLE
+    batch_invariant: bool = False
 
 
 def set_fused_ops(model: nn.Module, enabled: bool) -> nn.Module:
@@ -48,6 +51,27 @@ def set_fused_ops(model: nn.Module, enabled: bool) -> nn.Module:
     for module in model.modules():
         if isinstance(module, UsesFusedOps):
             module.fused_ops = enabled
+    return model
+
+
+def set_batch_invariant(model: nn.Module, enabled: bool) -> nn.Module:
+    """Batch-invariant CUDA numerics for every submodule of `model` (True) or the fast kernels
+    (False); returns it. On: every linear layer and the LM head take
+    `blockdraft.kernels.invariant_gemm` (fixed tiles for any row count) and causal attention the
+    single-row kernel with a fixed KV split (`paged_attention_triton(batch_invariant=True)`), so a
+    token's logits do not depend on how many rows shared its step: greedy speculative decoding then
+    equals plain decoding token for token, and a request's output does not depend on what else was
+    in flight (vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference). The CPU
+    path is row-invariant already (tests/models/test_batch_invariance.py) and is unchanged.
+
+    Raises:
+        RuntimeError: enabled=True but triton is not installed.
+    """
+    if enabled and not TRITON_AVAILABLE:
+        raise RuntimeError("batch-invariant kernels need triton, which is not installed (pip install triton)")
+    for module in model.modules():
+        if isinstance(module, UsesFusedOps):
+            module.batch_invariant = enabled
     return model
 
 
@@ -78,7 +102,7 @@ def _kernels() -> SimpleNamespace:
     """The kernel functions, imported on first use (CPU-only runs never import triton)."""
     global _KERNELS
     if _KERNELS is None:
-        from blockdraft.kernels import activation, argmax, rms_norm, rope, skinny_gemm
+        from blockdraft.kernels import activation, argmax, invariant_gemm, rms_norm, rope, skinny_gemm
 
         _KERNELS = SimpleNamespace(
             rms_norm=rms_norm.rms_norm, fused_add_rms_norm=rms_norm.fused_add_rms_norm,
@@ -87,6 +111,7 @@ def _kernels() -> SimpleNamespace:
             skinny_config_for=skinny_gemm.config_for, skinny_linear=skinny_gemm.skinny_linear,
             skinny_fuses_swiglu=skinny_gemm.fuses_swiglu, skinny_swiglu=skinny_gemm.skinny_swiglu,
             skinny_swiglu_config_for=skinny_gemm.swiglu_config_for, argmax_rows=argmax.argmax_rows,
+            invariant_linear=invariant_gemm.invariant_linear,
         )  # fmt: skip
     return _KERNELS
 
@@ -262,15 +287,21 @@ def norm_rope_write_kv(
     return norm_rope(k, cos, sin, weight, eps, fused), False
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool = True) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool = True, invariant: bool = False
+) -> torch.Tensor:
     """x [rows, in] @ weight [out, in].T + bias [out] -> [rows, out] in x's dtype.
 
-    The skinny-GEMM kernel when `fused`, x is a CUDA tensor of 1-16 float16 / bfloat16 rows (unit
+    invariant (batch-invariant mode, `set_batch_invariant`): `invariant_gemm.invariant_linear`
+    for a CUDA x under `linear`'s other conditions below whatever the row count and `fused`
+    (then each row's bits depend on that row alone). Otherwise the skinny-GEMM kernel when `fused`, x is a CUDA tensor of 1-16 float16 / bfloat16 rows (unit
     column stride; weight and bias contiguous, same dtype), nothing needs autograd, autocast is
     off and `blockdraft.kernels.skinny_gemm.config_for` has tiles for the shape (it measured faster
     than cuBLAS there); else `F.linear`, whose errors (shape mismatches) it raises. The kernel
     agrees with F.linear within half-precision rounding (another summation order).
     """
+    if invariant and _skinny_eligible(True, x, weight, bias, any_dtype=True):
+        return _kernels().invariant_linear(x, weight, bias)
     config = _skinny_config(fused, x, weight, bias)
     if config is not None:
         return _kernels().skinny_linear(x, weight, bias, config)
@@ -278,26 +309,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fus
 
 
 def silu_mul_linear(
-    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool = True
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    fused: bool = True,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """SwiGLU's down projection: linear(silu_mul(gate, up), weight, bias) for gate / up [rows, in].
 
     Where `linear` would take the skinny-GEMM kernel and one launch measured faster for these
     rows and this shape (`skinny_gemm.fuses_swiglu`), that launch reads gate and up and forms
     silu(gate) * up on the fly, rounded as the activation kernel rounds it, so the result equals
-    the two-launch path bit for bit; else the two ops as `silu_mul` and `linear` dispatch them.
+    the two-launch path bit for bit; else the two ops as `silu_mul` and `linear` dispatch them
+    (always so when `invariant`).
     """
-    if (fused and gate.shape == up.shape and gate.dtype == up.dtype and up.stride(-1) == 1 and not _needs_autograd(up)
-            and (gate.is_cuda or _CPU_KERNELS) and gate.dim() == 2
+    if (fused and not invariant and gate.shape == up.shape and gate.dtype == up.dtype and up.stride(-1) == 1
+            and not _needs_autograd(up) and (gate.is_cuda or _CPU_KERNELS) and gate.dim() == 2
             and _kernels().skinny_fuses_swiglu(gate.shape[0], weight.shape[1], weight.shape[0])):  # fmt: skip
         config = _skinny_config(fused, gate, weight, bias)
         if config is not None:
             return _kernels().skinny_linear(gate, weight, bias, config, up=up)
-    return linear(silu_mul(gate, up, fused), weight, bias, fused)
+    return linear(silu_mul(gate, up, fused), weight, bias, fused, invariant)
 
 
 def swiglu_mlp(
-    x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, fused: bool = True
+    x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, fused: bool = True, invariant: bool = False
 ) -> torch.Tensor:
     """SwiGLU feed-forward without biases: down(silu(x @ W_gate.T) * (x @ W_up.T)).
 
@@ -308,14 +345,15 @@ def swiglu_mlp(
       otherwise the gate_up GEMM, then `silu_mul_linear` (one row of some shapes: the activation
           inside the down projection's launch; else the activation kernel and the GEMM).
     Where they do not (CPU, float32 on cuBLAS, autograd), the torch twins, as `linear` / `silu_mul`.
+    invariant: both projections as `linear(..., invariant=True)`, the activation kernel between them.
     """
-    if _skinny_eligible(fused, x, gate_up_weight, None):
+    if not invariant and _skinny_eligible(fused, x, gate_up_weight, None):
         swiglu = _kernels().skinny_swiglu_config_for(x.shape[0], gate_up_weight.shape[1], gate_up_weight.shape[0],
                                                      x.device)  # fmt: skip
         if swiglu is not None:
             return linear(_kernels().skinny_swiglu(x, gate_up_weight, swiglu), down_weight, None, fused)
-    gate, up = linear(x, gate_up_weight, None, fused).chunk(2, dim=-1)
-    return silu_mul_linear(gate, up, down_weight, None, fused)
+    gate, up = linear(x, gate_up_weight, None, fused, invariant).chunk(2, dim=-1)
+    return silu_mul_linear(gate, up, down_weight, None, fused, invariant)
 
 
 def _skinny_config(fused: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -325,13 +363,16 @@ def _skinny_config(fused: bool, x: torch.Tensor, weight: torch.Tensor, bias: tor
     return None
 
 
-def _skinny_eligible(fused: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """`linear`'s conditions for the skinny kernels, shape tables aside (see `linear`)."""
+def _skinny_eligible(
+    fused: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, any_dtype: bool = False
+) -> bool:
+    """`linear`'s conditions for the skinny kernels, shape tables aside (see `linear`); any_dtype
+    also admits float32 (the batch-invariant kernel)."""
     return bool(
         fused
         and (x.is_cuda or _CPU_KERNELS)
         and x.dim() == 2
-        and x.dtype in (torch.float16, torch.bfloat16)
+        and (x.dtype in (torch.float16, torch.bfloat16) or (any_dtype and x.dtype == torch.float32))
         and _one_dtype(x, weight, bias)
         and x.stride(1) == 1
         and weight.is_contiguous()

@@ -82,7 +82,8 @@ class Linear(UsesFusedOps, nn.Module):
     Parameters are left uninitialised (weights are always loaded). After `pack_()` the dense
     `weight` is dropped (set to None) and `packed_weight` is used instead. On CUDA, 1-16 rows of
     half precision take the skinny-GEMM kernel where it measured faster than cuBLAS
-    (`blockdraft.layers.fused_ops.linear`; `fused_ops = False` keeps cuBLAS).
+    (`blockdraft.layers.fused_ops.linear`; `fused_ops = False` keeps cuBLAS); in batch-invariant
+    mode (`batch_invariant`, `set_batch_invariant`) every row count takes one fixed-tile kernel.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -95,7 +96,7 @@ class Linear(UsesFusedOps, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias)
-        return linear(x, self.weight, self.bias, self.fused_ops)
+        return linear(x, self.weight, self.bias, self.fused_ops, self.batch_invariant)
 
     def pack_(self) -> None:
         """Replace the dense weight by a oneDNN-packed copy (CPU, fp32 / bf16; see module doc)."""

@@ -28,5 +28,6 @@ class GatedMLP(UsesFusedOps, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
         if self.fused_ops and gate_up.packed_weight is None and down.packed_weight is None:
-            return swiglu_mlp(x, gate_up.weight, down.weight, gate_up.fused_ops and down.fused_ops)
+            return swiglu_mlp(x, gate_up.weight, down.weight, gate_up.fused_ops and down.fused_ops,
+                              gate_up.batch_invariant or down.batch_invariant)
         return down(silu_and_mul(gate_up(x), self.fused_ops))

@@ -164,11 +164,16 @@ class CausalLM(UsesFusedOps, nn.Module):
         upcast=False (no `out`): the head's output in its own dtype, no float32 copy, for callers
         that take the argmax or upcast what they read themselves (the runner's eager steps: sampling
         and logprobs upcast; the DFlash drafter's full-vocabulary proposals).
+        Batch-invariant mode (`self.batch_invariant`, CUDA, dense head): the head's matmul is
+        `blockdraft.kernels.invariant_gemm.invariant_linear` (float32 out with fp32_head), so a row's
+        logits do not depend on the other rows; dtypes and `out` as above.
         Raises:
             ValueError: fp32_head for bf16 / fp16 weights off CUDA.
         """
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         weight = head.weight
+        if self.batch_invariant and hidden.is_cuda and weight is not None:
+            return self._invariant_logits(hidden, weight, out, upcast, fp32_head)
         if fp32_head and hidden.dtype != torch.float32:
             if hidden.device.type != "cuda":
                 raise ValueError(f"fp32_head needs CUDA (torch.mm out_dtype), the hidden states are on {hidden.device}")
@@ -180,6 +185,18 @@ class CausalLM(UsesFusedOps, nn.Module):
         if out is not None and weight is not None and out.dtype == weight.dtype and hidden.dtype == weight.dtype:
             return torch.mm(hidden, weight.t(), out=out)  # the LM heads have no bias
         logits = head.logits(hidden) if self.lm_head is None else head(hidden)
+        if out is not None:
+            return out.copy_(logits)
+        return logits.float() if upcast else logits
+
+    def _invariant_logits(self, hidden, weight, out, upcast: bool, fp32_head: bool) -> torch.Tensor:
+        """`compute_logits` in batch-invariant mode (same contract)."""
+        from blockdraft.kernels.invariant_gemm import invariant_linear
+
+        dtype = torch.float32 if fp32_head else weight.dtype
+        if out is not None and out.dtype == dtype:
+            return invariant_linear(hidden, weight, None, out_dtype=dtype, out=out)
+        logits = invariant_linear(hidden, weight, None, out_dtype=dtype)
         if out is not None:
             return out.copy_(logits)
         return logits.float() if upcast else logits

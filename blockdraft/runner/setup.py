@@ -15,6 +15,7 @@ import torch
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_max_model_len
 from blockdraft.errors import param_error
+from blockdraft.layers.fused_ops import set_batch_invariant
 from blockdraft.models import allocate_kv_caches
 from blockdraft.runner.kv_budget import kv_bytes_per_page
 from blockdraft.runner.model_runner import ModelRunner
@@ -45,6 +46,18 @@ def check_fp32_lm_head(enabled: bool, device: str) -> None:
                           f"leave it off there (with float32 weights, --dtype float32, the logits are float32 anyway)")
 
 
+def check_batch_invariant(enabled: bool, device: str, attention_backend: str | None = None) -> None:
+    """batch_invariant (--batch-invariant) on CUDA needs the Triton attention kernels; checked
+    before any weights load (build_runner checks a ready backend spec again).
+
+    Raises:
+        ValueError: enabled with attention_backend "dense" or "torch" on CUDA (names the option; .param).
+    """
+    if enabled and device == "cuda" and attention_backend not in (None, "triton"):
+        raise param_error("batch_invariant", f"batch_invariant on CUDA needs the 'triton' attention backend "
+                                             f"(its kernels), got {attention_backend!r}")  # fmt: skip
+
+
 def build_runner(
     model,
     config: ModelConfig,
@@ -58,6 +71,7 @@ def build_runner(
     continuation_graphs: bool = True,
     disable_by_batch_size: int | None = None,
     fp32_lm_head: bool = False,
+    batch_invariant: bool = False,
 ) -> RunnerSetup:
     """Set the models' attention backend, size and allocate the KV pool, capture graphs.
 
@@ -80,6 +94,11 @@ def build_runner(
             (ModelRunner; needs graph mode "off").
         fp32_lm_head: float32 logits from the LM head's bf16 / fp16 operands, eager and graphed
             (CausalLM.compute_logits fp32_head; vLLM's --enable-fp32-lm-head); CUDA only.
+        batch_invariant: the target's matmuls, LM head and attention give each row the same bits
+            whatever the batch (`blockdraft.layers.fused_ops.set_batch_invariant`), set on the
+            model before the memory profile and graph capture (a model takes the setting of the
+            last runner built on it). CUDA: needs the 'triton' backend; the CPU path is row-
+            invariant already, so there it changes nothing.
     Raises:
         ValueError: weights on another device, an unknown graph mode or one the backend / device
             cannot do, num_kv_blocks None on a CPU device, a GPU memory budget that cannot hold
@@ -95,6 +114,7 @@ def build_runner(
     if cache.num_kv_blocks is None and device.type != "cuda":
         raise ValueError(f"num_kv_blocks must be given on {device}: sizing the KV pool from memory needs CUDA")
     check_fp32_lm_head(fp32_lm_head, device.type)
+    _set_batch_invariant(model, batch_invariant, device, backend)
     model.set_attention_backend(backend.attention)
     drafter = getattr(speculator, "drafter", None)
     if drafter is not None:
@@ -140,6 +160,15 @@ def build_runner(
     runner = ModelRunner(model, kv_caches, cache.kv_block_size, device, speculator, backend, graphs,
                          compiled_sampling=mode == "capture", disable_by_batch_size=disable_by_batch_size, fp32_head=fp32_lm_head)
     return RunnerSetup(runner, num_kv_blocks, max_model_len)
+
+
+def _set_batch_invariant(model, enabled: bool, device: torch.device, backend: AttentionBackendSpec) -> None:
+    """Switch the target's batch-invariant kernels (see build_runner); CUDA needs the Triton backend."""
+    if enabled and device.type == "cuda" and not getattr(backend.attention, "accepts_batch_invariant", False):
+        raise param_error("batch_invariant", f"batch_invariant on CUDA needs the 'triton' attention backend "
+                                             f"(its kernels), got {backend.name!r}")  # fmt: skip
+    if device.type == "cuda" or not enabled:  # the CPU path is row-invariant as it is
+        set_batch_invariant(model, enabled)
 
 
 def resolve_graph_mode(

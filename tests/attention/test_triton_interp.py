@@ -245,3 +245,15 @@ def test_refuses_mixed_dtypes_bad_window_and_bad_splits():
     for block_m in (8, 24, 2):  # below 16, not a power of two, below the GQA group (2 here)
         with pytest.raises(ValueError, match="block_m"):
             case.run(functools.partial(paged_attention_triton, multi_row=True, block_m=block_m))
+
+
+@pytest.mark.parametrize("seed,window", [(20, None), (21, 5)])
+def test_batch_invariant_mode_equals_the_twin_whatever_path_is_asked(seed, window):
+    """batch_invariant=True runs the single-row kernel with INVARIANT_KV_SPLITS splits (overriding
+    multi_row / num_kv_splits): same results as the twin, padding rows zero. The bits' independence
+    of the batch is a property of the compiled kernels: tests/gpu/test_batch_invariant_gpu.py."""
+    kw = dict(num_heads=4, num_kv_heads=2, kv_block_size=8, sliding_window=window)
+    case, twin = random_case(seed, **kw), random_case(seed, **kw)
+    out = case.run(functools.partial(paged_attention_triton, batch_invariant=True, multi_row=True, num_kv_splits=2))
+    torch.testing.assert_close(out, twin.run(paged_attention_dense), **TOL[case.q.dtype])
+    assert torch.all(out[case.meta.row_req < 0] == 0)

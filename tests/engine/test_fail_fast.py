@@ -258,6 +258,8 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
     fp32_head = "enable_fp32_lm_head (--enable-fp32-lm-head) runs on CUDA only, the device is 'cpu'"
     _refused(capsys, ["bench", "--model", m, "--device", "cpu", "--enable-fp32-lm-head"], fp32_head)
     _refused(capsys, ["bench", "--shape", "tiny", "--device", "cpu", "--enable-fp32-lm-head"], fp32_head)
+    _refused(capsys, ["bench", "--shape", "tiny", "--device", "cpu", "--batch-invariant", "--engines", "hf"],
+             "--batch-invariant sets our engine's kernels, and --engines 'hf' leaves it out")
     from blockdraft.bench.structured import main as structured_bench
 
     assert structured_bench(["--model", m, "--draft", str(drafter), "--device", "cpu", "--enable-fp32-lm-head"]) == 2

@@ -245,6 +245,24 @@ def test_fp32_lm_head_is_refused_off_cuda_and_for_a_non_bool(llama_target):
     assert make_llm(llama_target, enable_fp32_lm_head=False).generate([[5, 6]], SamplingParams(max_tokens=2))
 
 
+def test_batch_invariant_is_accepted_on_the_cpu_and_refused_for_a_non_bool_or_a_non_triton_cuda_backend(llama_target):
+    """LLM(batch_invariant=True): the CPU path is row-invariant as it is (tests/models/
+    test_batch_invariance.py), so the answers are the same; on CUDA it needs the Triton kernels."""
+    prompts = random_prompts(3, seed=21)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = _ids(make_llm(llama_target).generate(prompts, params))
+    assert _ids(make_llm(llama_target, batch_invariant=True).generate(prompts, params)) == want
+    with pytest.raises(ValueError, match="batch_invariant must be True or False, got 1"):
+        make_llm(llama_target, batch_invariant=1)
+    from blockdraft.runner.setup import check_batch_invariant
+
+    with pytest.raises(ValueError, match="batch_invariant on CUDA needs the 'triton' attention backend .*got 'dense'") as e:
+        check_batch_invariant(True, "cuda", "dense")
+    assert e.value.param == "batch_invariant"
+    check_batch_invariant(True, "cuda", None)
+    check_batch_invariant(False, "cuda", "dense")
+
+
 def test_an_interrupted_generate_aborts_its_requests(llama_target, monkeypatch):
     """Ctrl-C inside generate (a notebook): the call's requests are aborted and their pages freed, so
     the next call does not first decode what this one abandoned."""
