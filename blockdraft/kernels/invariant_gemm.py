@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from blockdraft.kernels.linear_args import check_linear_args
+
 BLOCK_M = 64  # rows per program (`config_for`); fixed per weight shape, which the invariance rests on
 
 
@@ -121,23 +123,9 @@ def invariant_linear(
     Raises:
         ValueError: shapes, dtypes, devices or strides outside the above.
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be [rows, in] and weight [out, in], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"x, weight and bias must share one dtype, got {x.dtype}, {weight.dtype}, "
-                         f"{None if bias is None else bias.dtype}")  # fmt: skip
-    if weight.device != x.device or (bias is not None and bias.device != x.device):
-        raise ValueError(f"x, weight and bias must be on one device, got {x.device}, {weight.device}, "
-                         f"{None if bias is None else bias.device}")  # fmt: skip
-    if x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError(f"x needs unit column stride and weight must be contiguous, got strides {x.stride()} "
-                         f"and {weight.stride()}")  # fmt: skip
+    check_linear_args(x, weight, bias)
     rows, in_features = x.shape
     out_features = weight.shape[0]
-    if bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous [{out_features}], got {tuple(bias.shape)} with strides {bias.stride()}")
     out_dtype = out_dtype or x.dtype
     if out is None:
         out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)

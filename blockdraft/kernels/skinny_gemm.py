@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from blockdraft.kernels.linear_args import check_linear_args
+
 MAX_ROWS = 16  # the dot kernel's M tile; more rows go to cuBLAS
 # BLOCKDRAFT_SKINNY_GEMM=0 before start-up keeps every shape on cuBLAS (side-by-side benchmarks)
 ENABLED = os.environ.get("BLOCKDRAFT_SKINNY_GEMM", "1") != "0"
@@ -402,25 +404,10 @@ def skinny_linear(
     split_k = config.split_k
     if split_k < 1 or split_k & (split_k - 1) or (split_k > 1 and config.kernel != "dot"):
         raise ValueError(f"config.split_k must be a power of two (> 1 only for the dot kernel), got {split_k}")
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x must be [rows, in] and weight [out, in], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"x, weight and bias must share one dtype, got {x.dtype}, {weight.dtype}, "
-                         f"{None if bias is None else bias.dtype}")  # fmt: skip
-    if weight.device != x.device or (bias is not None and bias.device != x.device):
-        raise ValueError(f"x, weight and bias must be on one device, got {x.device}, {weight.device}, "
-                         f"{None if bias is None else bias.device}")  # fmt: skip
-    if x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError(f"x needs unit column stride and weight must be contiguous, got strides {x.stride()} "
-                         f"and {weight.stride()}")  # fmt: skip
+    check_linear_args(x, weight, bias)
     if up is not None and (up.shape != x.shape or up.dtype != x.dtype or up.device != x.device or up.stride(1) != 1):
         raise ValueError(f"up must match x ({tuple(x.shape)}, {x.dtype}, {x.device}, unit column stride), got "
                          f"{tuple(up.shape)}, {up.dtype}, {up.device}, strides {up.stride()}")  # fmt: skip
-    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous [{weight.shape[0]}], got {tuple(bias.shape)} "
-                         f"with strides {bias.stride()}")  # fmt: skip
     rows, in_features = x.shape
     out_features = weight.shape[0]
     if config.kernel == "dot" and rows > MAX_ROWS:

@@ -46,12 +46,7 @@ def set_fused_ops(model: nn.Module, enabled: bool) -> nn.Module:
     Raises:
         RuntimeError: enabled=True but triton is not installed.
     """
-    if enabled and not TRITON_AVAILABLE:
-        raise RuntimeError("fused ops need triton, which is not installed (pip install triton)")
-    for module in model.modules():
-        if isinstance(module, UsesFusedOps):
-            module.fused_ops = enabled
-    return model
+    return _set_on_modules(model, "fused_ops", enabled, "fused ops")
 
 
 def set_batch_invariant(model: nn.Module, enabled: bool) -> nn.Module:
@@ -67,11 +62,16 @@ def set_batch_invariant(model: nn.Module, enabled: bool) -> nn.Module:
     Raises:
         RuntimeError: enabled=True but triton is not installed.
     """
+    return _set_on_modules(model, "batch_invariant", enabled, "batch-invariant kernels")
+
+
+def _set_on_modules(model: nn.Module, attr: str, enabled: bool, what: str) -> nn.Module:
+    """Set `attr` on every UsesFusedOps submodule; refuse turning on Triton-backed `what` without triton."""
     if enabled and not TRITON_AVAILABLE:
-        raise RuntimeError("batch-invariant kernels need triton, which is not installed (pip install triton)")
+        raise RuntimeError(f"{what} need triton, which is not installed (pip install triton)")
     for module in model.modules():
         if isinstance(module, UsesFusedOps):
-            module.batch_invariant = enabled
+            setattr(module, attr, enabled)
     return model
 
 
@@ -293,8 +293,9 @@ def linear(
     """x [rows, in] @ weight [out, in].T + bias [out] -> [rows, out] in x's dtype.
 
     invariant (batch-invariant mode, `set_batch_invariant`): `invariant_gemm.invariant_linear`
-    for a CUDA x under `linear`'s other conditions below whatever the row count and `fused`
-    (then each row's bits depend on that row alone). Otherwise the skinny-GEMM kernel when `fused`, x is a CUDA tensor of 1-16 float16 / bfloat16 rows (unit
+    for a CUDA x of float16 / bfloat16 / float32 under the other conditions below, whatever the
+    row count and `fused` (each row's bits then depend on that row alone). Otherwise the
+    skinny-GEMM kernel when `fused`, x is a CUDA tensor of 1-16 float16 / bfloat16 rows (unit
     column stride; weight and bias contiguous, same dtype), nothing needs autograd, autocast is
     off and `blockdraft.kernels.skinny_gemm.config_for` has tiles for the shape (it measured faster
     than cuBLAS there); else `F.linear`, whose errors (shape mismatches) it raises. The kernel
@@ -334,7 +335,11 @@ def silu_mul_linear(
 
 
 def swiglu_mlp(
-    x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor, fused: bool = True, invariant: bool = False
+    x: torch.Tensor,
+    gate_up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    fused: bool = True,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """SwiGLU feed-forward without biases: down(silu(x @ W_gate.T) * (x @ W_up.T)).
 

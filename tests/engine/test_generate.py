@@ -256,7 +256,8 @@ def test_batch_invariant_is_accepted_on_the_cpu_and_refused_for_a_non_bool_or_a_
         make_llm(llama_target, batch_invariant=1)
     from blockdraft.runner.setup import check_batch_invariant
 
-    with pytest.raises(ValueError, match="batch_invariant on CUDA needs the 'triton' attention backend .*got 'dense'") as e:
+    refusal = "batch_invariant on CUDA needs the 'triton' attention backend .*got 'dense'"
+    with pytest.raises(ValueError, match=refusal) as e:
         check_batch_invariant(True, "cuda", "dense")
     assert e.value.param == "batch_invariant"
     check_batch_invariant(True, "cuda", None)

@@ -108,9 +108,15 @@ def test_batch_invariant_mode_routes_every_target_matmul_through_the_invariant_k
     llm = cuda_llm(target, None, batch_invariant=True, enforce_eager=True)
     used = {"invariant": 0, "other": 0}
     kernels = fused_ops._kernels()
+    def counting(real, key):
+        def call(*a, **kw):
+            used[key] += 1
+            return real(*a, **kw)
+
+        return call
+
     for name, key in (("invariant_linear", "invariant"), ("skinny_linear", "other"), ("skinny_swiglu", "other")):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _r=real, _k=key, **kw: used.__setitem__(_k, used[_k] + 1) or _r(*a, **kw))
+        monkeypatch.setattr(kernels, name, counting(getattr(kernels, name), key))
     monkeypatch.setattr(fused_ops.F, "linear", lambda *a, **kw: pytest.fail("cuBLAS linear in batch-invariant mode"))
     _tokens(llm, random_prompts(3, seed=14), SamplingParams(max_tokens=8, ignore_eos=True))
     assert used["invariant"] > 0 and used["other"] == 0, used
