@@ -12,11 +12,13 @@ fix as vLLM's VLLM_BATCH_INVARIANT / SGLang's --enable-deterministic-inference (
 Kernel (`_invariant_gemm_kernel`): program (row block of BLOCK_M rows, column block)
 accumulates tl.dot over K in BLOCK_K steps, in float32, in one fixed order, adds the bias in
 float32 and rounds once to the output dtype. The tiles depend only on (in_features,
-out_features, dtype) (`config_for`), never on the row count, and the row count is not a
-specialised kernel argument, so one compiled kernel serves every batch: the instruction that
+out_features, dtype, the GPU's shared memory) (`config_for`), never on the row count, and the row count is not a
+specialised kernel argument, so every batch runs the same compiled kernel: the instruction that
 sums row r's products is the same for 1 row, 16 rows or a 2,048-row prefill chunk, and padding
-rows (masked loads read 0) take no part in it (every tiling swept by
-`python -m blockdraft.bench.invariant_gemm --sweep` passed that check on the H100). No split-K
+rows (masked loads read 0) take no part in it (the 23 tilings of
+`python -m blockdraft.bench.invariant_gemm --sweep` that compiled on the H100 passed its check at
+three rows of a 2,048-row call against one-row calls). Triton still specialises the pointers' and
+strides' alignment, which changes how tiles are loaded, not the order of the sums. No split-K
 keeps one row's narrow projections on few programs, and fixed tiles cannot suit every row count:
 the price of the mode (docs/benchmarks/gpu.md, "Session 43").
 """
@@ -48,23 +50,50 @@ class InvariantConfig(NamedTuple):
     block_m: int = BLOCK_M
 
 
-@functools.lru_cache(maxsize=None)
-def config_for(in_features: int, out_features: int, dtype: torch.dtype) -> InvariantConfig:
-    """Tiles for a weight [out_features, in_features] of `dtype`; a function of the shape only.
+# Shared memory left aside for what Triton keeps beside the pipelined tiles (epilogue, barriers).
+_SMEM_MARGIN = 8192
 
-    64 rows per program, 32 output features for narrow outputs (<= 2,048: q/k/v, o and down
-    projections of small models) else 64, 256 input features per step for wide inputs (>= 4,096:
-    down projections) else 128, 4 pipeline stages for narrow outputs else 3. Fitted to the sweep
-    of `python -m blockdraft.bench.invariant_gemm --sweep` (H100, Qwen2.5-0.5B's shapes and LM
-    head at 1 / 16 / 192 / 2,048 rows, decode rows weighted most;
-    docs/benchmarks/gpu-2026-12-05-s43/invariant_gemm_sweep.json): against 16-row programs, one row
-    costs 0-1 us more per call (the down projection 5 us less) and 192 rows 2-3x less. float32
-    (tests) keeps 128-wide K steps and 2 stages to fit shared memory. Pure arithmetic, no errors."""
+
+@functools.lru_cache(maxsize=None)
+def config_for(
+    in_features: int, out_features: int, dtype: torch.dtype, max_smem: int | None = None
+) -> InvariantConfig:
+    """Tiles for a weight [out_features, in_features] of `dtype` on a GPU with `max_smem` bytes of
+    shared memory per block (None: no limit); a function of these alone, never of the row count.
+
+    64 rows per program; 32 output features for narrow outputs (<= 2,048: q/k/v, o and down
+    projections of small models) else 64; 256 input features per step for wide inputs (>= 4,096:
+    down projections, and every layer of 4,096-wide models such as Qwen3-8B, whose shapes were
+    not swept) else 128; 4 pipeline stages for narrow outputs else 3. Fitted to the sweep of
+    `python -m blockdraft.bench.invariant_gemm --sweep` (H100, Qwen2.5-0.5B's shapes and LM head
+    at 1 / 16 / 192 / 2,048 rows, decode rows weighted most;
+    docs/benchmarks/gpu-2026-12-05-s43/invariant_gemm_sweep.json): against the first tiles (16-row
+    programs), one row -5.2 to +0.8 us per call (the down projection 16.6 -> 11.4 us), 192 rows
+    1.9-2.9x faster, 2,048 rows 2.8-4.4x. Where the pipelined tiles ((block_m + block_n) x
+    block_k x stages elements) would not fit `max_smem` (GPUs with less shared memory than the
+    H100's 227 KiB: A100, sm86 / sm89), stages drop to 2, then block_k halves: those tiles were
+    not measured. float32 (tests) keeps 128-wide K steps and 2 stages. Pure arithmetic, no errors."""
     narrow = out_features <= 2048
+    block_n = 32 if narrow else 64
     block_k = 256 if in_features >= 4096 and dtype != torch.float32 else 128
     block_k = min(block_k, max(16, triton.next_power_of_2(in_features)))
     stages = 2 if dtype == torch.float32 else 4 if narrow else 3
-    return InvariantConfig(32 if narrow else 64, block_k, 4, stages, 64)
+    if max_smem is not None:
+        elem = torch.finfo(dtype).bits // 8
+        while stages * (BLOCK_M + block_n) * block_k * elem > max_smem - _SMEM_MARGIN and (stages > 2 or block_k > 32):
+            if stages > 2:
+                stages -= 1
+            else:
+                block_k //= 2
+    return InvariantConfig(block_n, block_k, 4, stages, BLOCK_M)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_shared_memory(device: torch.device) -> int | None:
+    """Shared memory per block (opt-in maximum) of a CUDA device, bytes; None off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -110,8 +139,8 @@ def invariant_linear(
             unit column stride (any row stride).
         weight: [out_features, in_features], contiguous, x's dtype and device.
         bias: contiguous [out_features] in x's dtype, or None.
-        out_dtype: the result's dtype (default x's): float32 keeps the float32 accumulation
-            unrounded (the LM head's --enable-fp32-lm-head).
+        out_dtype: the result's dtype (default x's; float16 / bfloat16 / float32): float32 keeps
+            the float32 accumulation unrounded (the LM head's --enable-fp32-lm-head).
         out: write there instead of a new tensor: [rows, out_features] of out_dtype, unit column
             stride (CUDA graphs' logits buffers).
         config: tiles (benchmarks and tests); None = `config_for` (what keeps rows invariant: the
@@ -120,6 +149,7 @@ def invariant_linear(
         [rows, out_features] (`out` when given). Agrees with F.linear within the output dtype's
         rounding (another summation order), and row i is the same bits for any x whose row i is
         the same (tests/gpu/test_batch_invariant_gpu.py).
+    CUDA tensors (CPU ones only under Triton's interpreter, in tests); no backward.
     Raises:
         ValueError: shapes, dtypes, devices or strides outside the above.
     """
@@ -127,6 +157,8 @@ def invariant_linear(
     rows, in_features = x.shape
     out_features = weight.shape[0]
     out_dtype = out_dtype or x.dtype
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     if out is None:
         out = torch.empty((rows, out_features), dtype=out_dtype, device=x.device)
     elif out.shape != (rows, out_features) or out.dtype != out_dtype or out.device != x.device or (
@@ -135,7 +167,7 @@ def invariant_linear(
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}")  # fmt: skip
     if rows == 0 or out_features == 0:
         return out
-    config = config or config_for(in_features, out_features, x.dtype)
+    config = config or config_for(in_features, out_features, x.dtype, _max_shared_memory(x.device))
     grid = (triton.cdiv(rows, config.block_m), triton.cdiv(out_features, config.block_n))
     _invariant_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, out, rows, out_features, in_features,

@@ -57,7 +57,8 @@ def set_batch_invariant(model: nn.Module, enabled: bool) -> nn.Module:
     token's logits do not depend on how many rows shared its step: greedy speculative decoding then
     equals plain decoding token for token, and a request's output does not depend on what else was
     in flight (vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference). The CPU
-    path is row-invariant already (tests/models/test_batch_invariance.py) and is unchanged.
+    path's packed oneDNN matmuls are row-invariant already (tests/models/test_batch_invariance.py)
+    and take no part: the flag switches CUDA kernels only.
 
     Raises:
         RuntimeError: enabled=True but triton is not installed.
@@ -294,14 +295,21 @@ def linear(
 
     invariant (batch-invariant mode, `set_batch_invariant`): `invariant_gemm.invariant_linear`
     for a CUDA x of float16 / bfloat16 / float32 under the other conditions below, whatever the
-    row count and `fused` (each row's bits then depend on that row alone). Otherwise the
+    row count and `fused` (each row's bits then depend on that row alone); a CUDA x outside
+    them raises ValueError (naming what fails) rather than fall back to cuBLAS. Otherwise the
     skinny-GEMM kernel when `fused`, x is a CUDA tensor of 1-16 float16 / bfloat16 rows (unit
     column stride; weight and bias contiguous, same dtype), nothing needs autograd, autocast is
     off and `blockdraft.kernels.skinny_gemm.config_for` has tiles for the shape (it measured faster
     than cuBLAS there); else `F.linear`, whose errors (shape mismatches) it raises. The kernel
     agrees with F.linear within half-precision rounding (another summation order).
     """
-    if invariant and _skinny_eligible(True, x, weight, bias, any_dtype=True):
+    if invariant and (x.is_cuda or _CPU_KERNELS):
+        if not _skinny_eligible(True, x, weight, bias, any_dtype=True):  # no silent fallback to cuBLAS
+            raise ValueError(
+                f"batch-invariant linear needs a 2-D float16 / bfloat16 / float32 x with unit column stride, a "
+                f"contiguous weight and bias of x's dtype, autocast off and no autograd; got x {tuple(x.shape)} "
+                f"{x.dtype} strides {x.stride()}, weight {weight.dtype} (contiguous: {weight.is_contiguous()}), "
+                f"autocast {torch.is_autocast_enabled(x.device.type)}, grad {_needs_autograd(x, weight, bias)}")
         return _kernels().invariant_linear(x, weight, bias)
     config = _skinny_config(fused, x, weight, bias)
     if config is not None:

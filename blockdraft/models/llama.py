@@ -143,7 +143,12 @@ class CausalLM(UsesFusedOps, nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(
-        self, hidden: torch.Tensor, out: torch.Tensor | None = None, upcast: bool = True, fp32_head: bool = False
+        self,
+        hidden: torch.Tensor,
+        out: torch.Tensor | None = None,
+        upcast: bool = True,
+        fp32_head: bool = False,
+        invariant: bool | None = None,
     ) -> torch.Tensor:
         """hidden [N, hidden] (after the final norm) -> logits [N, vocab] float32 (upcast=True), the
         head's dtype (upcast=False), or `out`.
@@ -164,15 +169,19 @@ class CausalLM(UsesFusedOps, nn.Module):
         upcast=False (no `out`): the head's output in its own dtype, no float32 copy, for callers
         that take the argmax or upcast what they read themselves (the runner's eager steps: sampling
         and logprobs upcast; the DFlash drafter's full-vocabulary proposals).
-        Batch-invariant mode (`self.batch_invariant`, CUDA, dense head): the head's matmul is
+        invariant: None = the model's batch-invariant mode (`self.batch_invariant`); False keeps the
+        fast head for this call (the DFlash drafter's proposals: drafts need no invariance). In
+        that mode (CUDA, dense head) the head's matmul is
         `blockdraft.kernels.invariant_gemm.invariant_linear` (float32 out with fp32_head), so a row's
         logits do not depend on the other rows; dtypes and `out` as above.
         Raises:
-            ValueError: fp32_head for bf16 / fp16 weights off CUDA.
+            ValueError: fp32_head for bf16 / fp16 weights off CUDA; in batch-invariant mode, hidden
+                states of another dtype than the head's, or a call that records autograd (the
+                kernel has no backward).
         """
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         weight = head.weight
-        if self.batch_invariant and hidden.is_cuda and weight is not None:
+        if (self.batch_invariant if invariant is None else invariant) and hidden.is_cuda and weight is not None:
             return self._invariant_logits(hidden, weight, out, upcast, fp32_head)
         if fp32_head and hidden.dtype != torch.float32:
             if hidden.device.type != "cuda":
@@ -192,6 +201,10 @@ class CausalLM(UsesFusedOps, nn.Module):
     def _invariant_logits(self, hidden, weight, out, upcast: bool, fp32_head: bool) -> torch.Tensor:
         """`compute_logits` in batch-invariant mode (same contract)."""
         from blockdraft.kernels.invariant_gemm import invariant_linear
+
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            raise ValueError("the batch-invariant LM head has no backward: call compute_logits under "
+                             "torch.no_grad() / inference_mode, or with invariant=False")
 
         dtype = torch.float32 if fp32_head else weight.dtype
         if out is not None and out.dtype == dtype:

@@ -23,6 +23,7 @@ from blockdraft.attention.backends import AttentionBackendSpec, select_attention
 from blockdraft.engine.outputs import PLACEHOLDER_TOKEN, ModelRunnerOutput, SchedulerOutput
 from blockdraft.host_tensor import host_tensor
 from blockdraft.layers.fused_ops import argmax as fused_argmax
+from blockdraft.layers.fused_ops import set_batch_invariant
 from blockdraft.runner.continuation import advanced_rows
 from blockdraft.runner.input_batch import BatchPadding, InputBatch, build_input_batch, stage_block_table
 from blockdraft.runner.prompt_logprobs import PromptLogprobs, plan_prompt_logprobs
@@ -88,6 +89,9 @@ class ModelRunner:
             steps always draft (their tail graph does): set it only without graphs.
         fp32_head: eager steps take float32 logits from the LM head (CausalLM.compute_logits
             fp32_head; the graphs were built with the same setting).
+        batch_invariant: the target runs its batch-invariant kernels (set on the model by
+            build_runner before the graphs were captured); each step re-applies the setting, since
+            another engine on the same loaded target may have changed it.
     Raises:
         ValueError: disable_by_batch_size with graphs, or with a speculator that has no write_context;
             graphs built with another fp32_head (graphed and eager steps would round logits differently).
@@ -105,6 +109,7 @@ class ModelRunner:
         compiled_sampling: bool = False,
         disable_by_batch_size: int | None = None,
         fp32_head: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         if disable_by_batch_size is not None and (graphs is not None or not hasattr(speculator, "write_context")):
             raise ValueError(f"disable_by_batch_size={disable_by_batch_size!r} needs eager steps (no graphs) and a "
@@ -114,6 +119,7 @@ class ModelRunner:
                              f"them with the same setting (build_step_graphs fp32_head)")
         self.disable_by_batch_size = disable_by_batch_size
         self.fp32_head = fp32_head
+        self.batch_invariant = batch_invariant
         self.model = model
         self.compiled_sampling = compiled_sampling
         self.kv_caches = kv_caches
@@ -289,10 +295,13 @@ class ModelRunner:
         return out
 
     def _bind_attention(self) -> None:
-        """Point the target's and the drafter's attention at this runner's backend. Engines may
-        share one loaded target (LLM(target=...)), and each points the layers at its own backend
-        when it is built: an earlier engine with another backend would otherwise run the later
-        one's (and read metadata it does not build). Identity checks only when nothing changed."""
+        """Point the target's and the drafter's attention at this runner's backend, and the
+        target's kernels at this runner's batch-invariant setting. Engines may share one loaded
+        target (LLM(target=...)), and each sets the layers up for itself when it is built: an
+        earlier engine would otherwise run the later one's backend (and read metadata it does not
+        build) or kernels. Attribute checks only when nothing changed."""
+        if getattr(self.model, "batch_invariant", False) != self.batch_invariant:
+            set_batch_invariant(self.model, self.batch_invariant)
         spec = self.attention_backend
         if getattr(self.model, "attention_backend", spec.attention) is not spec.attention:
             self.model.set_attention_backend(spec.attention)

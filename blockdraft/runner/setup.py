@@ -15,7 +15,7 @@ import torch
 from blockdraft.attention.backends import AttentionBackendSpec, select_attention_backend
 from blockdraft.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_max_model_len
 from blockdraft.errors import param_error
-from blockdraft.layers.fused_ops import set_batch_invariant
+from blockdraft.layers.fused_ops import TRITON_AVAILABLE, set_batch_invariant
 from blockdraft.models import allocate_kv_caches
 from blockdraft.runner.kv_budget import kv_bytes_per_page
 from blockdraft.runner.model_runner import ModelRunner
@@ -51,11 +51,13 @@ def check_batch_invariant(enabled: bool, device: str, attention_backend: str | N
     before any weights load (build_runner checks a ready backend spec again).
 
     Raises:
-        ValueError: enabled with attention_backend "dense" or "torch" on CUDA (names the option; .param).
+        ValueError: enabled on CUDA with attention_backend "dense" or "torch", or without triton
+            (names the option; .param). The CPU's conditions need the loaded weights: build_runner.
     """
-    if enabled and device == "cuda" and attention_backend not in (None, "triton"):
+    if enabled and device == "cuda" and (attention_backend not in (None, "triton") or not TRITON_AVAILABLE):
+        got = "triton is not installed" if attention_backend in (None, "triton") else f"got {attention_backend!r}"
         raise param_error("batch_invariant", f"batch_invariant on CUDA needs the 'triton' attention backend "
-                                             f"(its kernels), got {attention_backend!r}")  # fmt: skip
+                                             f"(its kernels): {got}")  # fmt: skip
 
 
 def build_runner(
@@ -96,14 +98,16 @@ def build_runner(
             (CausalLM.compute_logits fp32_head; vLLM's --enable-fp32-lm-head); CUDA only.
         batch_invariant: the target's matmuls, LM head and attention give each row the same bits
             whatever the batch (`blockdraft.layers.fused_ops.set_batch_invariant`), set on the
-            model before the memory profile and graph capture (a model takes the setting of the
-            last runner built on it). CUDA: needs the 'triton' backend; the CPU path is row-
-            invariant already, so there it changes nothing.
+            model before the memory profile and graph capture (each step of the runner re-applies
+            it: ModelRunner batch_invariant). CUDA: needs the 'triton' backend and the fused ops.
+            CPU: nothing to switch, the oneDNN-packed matmuls and the 'torch' backend are
+            row-invariant as they are; refused for unpacked weights or another backend.
     Raises:
         ValueError: weights on another device, an unknown graph mode or one the backend / device
             cannot do, num_kv_blocks None on a CPU device, a GPU memory budget that cannot hold
             one request, a KV pool the device's memory cannot allocate (names the pool's size), or
-            a max_model_len above the model's positions or the pool (resolve_max_model_len).
+            a max_model_len above the model's positions or the pool (resolve_max_model_len),
+            batch_invariant where its kernels cannot run (names the reason; .param batch_invariant).
     """
     device = torch.device(device)
     weights_device = next(model.parameters()).device
@@ -158,17 +162,30 @@ def build_runner(
                 continuation=continuation_graphs, fp32_head=fp32_lm_head,
             )
     runner = ModelRunner(model, kv_caches, cache.kv_block_size, device, speculator, backend, graphs,
-                         compiled_sampling=mode == "capture", disable_by_batch_size=disable_by_batch_size, fp32_head=fp32_lm_head)
+                         compiled_sampling=mode == "capture", disable_by_batch_size=disable_by_batch_size,
+                         fp32_head=fp32_lm_head, batch_invariant=model.batch_invariant)  # fmt: skip
     return RunnerSetup(runner, num_kv_blocks, max_model_len)
 
 
 def _set_batch_invariant(model, enabled: bool, device: torch.device, backend: AttentionBackendSpec) -> None:
-    """Switch the target's batch-invariant kernels (see build_runner); CUDA needs the Triton backend."""
-    if enabled and device.type == "cuda" and not getattr(backend.attention, "accepts_batch_invariant", False):
-        raise param_error("batch_invariant", f"batch_invariant on CUDA needs the 'triton' attention backend "
-                                             f"(its kernels), got {backend.name!r}")  # fmt: skip
-    if device.type == "cuda" or not enabled:  # the CPU path is row-invariant as it is
-        set_batch_invariant(model, enabled)
+    """Switch the target's batch-invariant kernels (see build_runner). CUDA: the Triton backend and
+    the fused ops (the torch twins' reductions are not row-invariant there). CPU: nothing to
+    switch; the oneDNN-packed matmuls and the 'torch' backend are row-invariant
+    (tests/models/test_batch_invariance.py), anything else is refused."""
+    if enabled and device.type == "cuda":
+        if not getattr(backend.attention, "accepts_batch_invariant", False):
+            raise param_error("batch_invariant", f"batch_invariant on CUDA needs the 'triton' attention backend "
+                                                 f"(its kernels), got {backend.name!r}")  # fmt: skip
+        if not model.fused_ops:
+            raise param_error("batch_invariant", "batch_invariant on CUDA needs the model's fused ops (Triton "
+                                                 "kernels); this model has them switched off (set_fused_ops)")  # fmt: skip
+    packed = getattr(model, "packed", False)
+    if enabled and device.type != "cuda" and (not packed or backend.name != "torch"):
+        why = "weights not packed for oneDNN" if not packed else f"the {backend.name!r} attention backend"
+        raise param_error("batch_invariant", f"batch_invariant on the CPU needs the oneDNN-packed weights (float32, "
+                                             f"or bfloat16 on a CPU with native bf16) and the 'torch' attention "
+                                             f"backend, whose results are row-invariant; this run has {why}")  # fmt: skip
+    set_batch_invariant(model, enabled and device.type == "cuda")
 
 
 def resolve_graph_mode(

@@ -157,7 +157,8 @@ def serve(args) -> int:
     sched = engine.scheduler.config  # the effective limits: the step budget's default depends on the device
     steps = (f"CUDA graphs {'on' if graphs else 'off'}, async scheduling {'on' if engine.async_scheduling else 'off'}, "
              f"mixed prefill {'on' if sched.mixed_prefill else 'off'}{_admission_note(sched)}, step budget "
-             f"{sched.max_num_batched_tokens} tokens, up to {sched.max_num_seqs} requests")
+             f"{sched.max_num_batched_tokens} tokens, up to {sched.max_num_seqs} requests"
+             f"{', batch-invariant kernels' if args.batch_invariant else ''}")
     context = _context_note(engine.max_model_len, llm.target.config.max_position_embeddings, engine.scheduler.kv,
                             args.max_model_len is not None)
     auth = "API key required on /v1/*" if config.api_key else "no API key (anyone who can reach the port)"

@@ -252,8 +252,12 @@ def test_batch_invariant_mode_equals_the_twin_whatever_path_is_asked(seed, windo
     """batch_invariant=True runs the single-row kernel with INVARIANT_KV_SPLITS splits (overriding
     multi_row / num_kv_splits): same results as the twin, padding rows zero. The bits' independence
     of the batch is a property of the compiled kernels: tests/gpu/test_batch_invariant_gpu.py."""
+    from blockdraft.attention.triton_attention import INVARIANT_KV_SPLITS
+
     kw = dict(num_heads=4, num_kv_heads=2, kv_block_size=8, sliding_window=window)
-    case, twin = random_case(seed, **kw), random_case(seed, **kw)
+    case, twin, single = (random_case(seed, **kw) for _ in range(3))
     out = case.run(functools.partial(paged_attention_triton, batch_invariant=True, multi_row=True, num_kv_splits=2))
     torch.testing.assert_close(out, twin.run(paged_attention_dense), **TOL[case.q.dtype])
     assert torch.all(out[case.meta.row_req < 0] == 0)
+    assert torch.equal(out, single.run(functools.partial(paged_attention_triton, multi_row=False,
+                                                         num_kv_splits=INVARIANT_KV_SPLITS)))  # fmt: skip

@@ -15,8 +15,7 @@ def test_needs_cuda(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_every_model_has_an_lm_head_and_the_sweep_holds_64_row_tiles():
-    from blockdraft.bench.skinny_gemm import SHAPES
-
-    assert set(invariant_gemm.LM_HEADS) == set(SHAPES)
-    assert {t[4] for t in invariant_gemm.SWEEP} == {16, 64}  # the shipped rule's 64 and the first tiles' 16
+def test_rows_below_one_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        invariant_gemm.main(["--rows", "1", "0"])
+    assert exc.value.code == 2 and "--rows must be >= 1, got [1, 0]" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from blockdraft.sampling_params import SamplingParams
 from tests.conftest import EOS_ID, make_llm, random_prompts, word
@@ -245,23 +246,41 @@ def test_fp32_lm_head_is_refused_off_cuda_and_for_a_non_bool(llama_target):
     assert make_llm(llama_target, enable_fp32_lm_head=False).generate([[5, 6]], SamplingParams(max_tokens=2))
 
 
-def test_batch_invariant_is_accepted_on_the_cpu_and_refused_for_a_non_bool_or_a_non_triton_cuda_backend(llama_target):
-    """LLM(batch_invariant=True): the CPU path is row-invariant as it is (tests/models/
-    test_batch_invariance.py), so the answers are the same; on CUDA it needs the Triton kernels."""
-    prompts = random_prompts(3, seed=21)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    want = _ids(make_llm(llama_target).generate(prompts, params))
-    assert _ids(make_llm(llama_target, batch_invariant=True).generate(prompts, params)) == want
+def test_batch_invariant_on_the_cpu_is_accepted_where_the_path_is_row_invariant_and_refused_elsewhere(llama_target):
+    """LLM(batch_invariant=True) on the CPU: the oneDNN-packed matmuls and the torch backend are
+    row-invariant as they are (tests/models/test_batch_invariance.py), so with packed weights the
+    answers are the same and nothing switches; unpacked weights (here a test target built without
+    packing) are refused by name. On CUDA it needs the Triton kernels."""
+    from blockdraft.layers.linear import cpu_packing_supported
+    from blockdraft.llm import LoadedTarget
+    from blockdraft.models import build_model
+    from blockdraft.runner.setup import check_batch_invariant
+    from tests.conftest import make_tokenizer, tiny_config
+
+    with pytest.raises(ValueError, match="batch_invariant on the CPU needs the oneDNN-packed weights .* this run "
+                                         "has weights not packed for oneDNN") as e:  # fmt: skip
+        make_llm(llama_target, batch_invariant=True)
+    assert e.value.param == "batch_invariant"
     with pytest.raises(ValueError, match="batch_invariant must be True or False, got 1"):
         make_llm(llama_target, batch_invariant=1)
-    from blockdraft.runner.setup import check_batch_invariant
-
     refusal = "batch_invariant on CUDA needs the 'triton' attention backend .*got 'dense'"
     with pytest.raises(ValueError, match=refusal) as e:
         check_batch_invariant(True, "cuda", "dense")
     assert e.value.param == "batch_invariant"
-    check_batch_invariant(True, "cuda", None)
     check_batch_invariant(False, "cuda", "dense")
+    if not cpu_packing_supported(torch.float32, "cpu"):
+        pytest.skip("oneDNN weight packing is not available")
+    config = tiny_config("llama")
+    model = build_model(config, dtype=torch.float32, device="cpu")
+    model.init_random_weights_(std=0.08, seed=0)  # packs the weights, as loading does
+    assert model.packed
+    packed = LoadedTarget(config, model, make_tokenizer(config.vocab_size), "<tiny-packed>")
+    prompts = random_prompts(3, seed=21)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = _ids(make_llm(packed).generate(prompts, params))
+    llm = make_llm(packed, batch_invariant=True)
+    assert _ids(llm.generate(prompts, params)) == want
+    assert not model.batch_invariant  # no CUDA kernel to switch
 
 
 def test_an_interrupted_generate_aborts_its_requests(llama_target, monkeypatch):

@@ -101,11 +101,19 @@ def test_dflash_equals_plain_greedy_in_bf16_and_answers_do_not_depend_on_the_bat
     assert spec_llm.engine.stats.spec.num_drafted_tokens > 0
 
 
-def test_batch_invariant_mode_routes_every_target_matmul_through_the_invariant_kernel(monkeypatch):
+@pytest.mark.parametrize("eager", [True, False], ids=["enforce-eager", "graphs"])
+def test_batch_invariant_mode_routes_every_target_matmul_through_the_invariant_kernel(eager, monkeypatch):
+    """Layers and LM head, in eager steps, graphs (their capture) and prompt log-probs; cuBLAS linear never."""
     from blockdraft.layers import fused_ops
 
     target = cuda_tiny_target(torch.bfloat16, seed=13)
-    llm = cuda_llm(target, None, batch_invariant=True, enforce_eager=True)
+    heads, invariant_logits = [], type(target.model)._invariant_logits
+
+    def head_spy(self, *args, **kwargs):
+        heads.append(1)
+        return invariant_logits(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target.model), "_invariant_logits", head_spy)
     used = {"invariant": 0, "other": 0}
     kernels = fused_ops._kernels()
     def counting(real, key):
@@ -118,8 +126,9 @@ def test_batch_invariant_mode_routes_every_target_matmul_through_the_invariant_k
     for name, key in (("invariant_linear", "invariant"), ("skinny_linear", "other"), ("skinny_swiglu", "other")):
         monkeypatch.setattr(kernels, name, counting(getattr(kernels, name), key))
     monkeypatch.setattr(fused_ops.F, "linear", lambda *a, **kw: pytest.fail("cuBLAS linear in batch-invariant mode"))
-    _tokens(llm, random_prompts(3, seed=14), SamplingParams(max_tokens=8, ignore_eos=True))
-    assert used["invariant"] > 0 and used["other"] == 0, used
+    llm = cuda_llm(target, None, batch_invariant=True, enforce_eager=eager)  # graphs captured under the spies
+    _tokens(llm, random_prompts(3, seed=14), SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=1))
+    assert used["invariant"] > 0 and used["other"] == 0 and heads, (used, len(heads))
 
 
 @pytest.mark.slow

@@ -3,8 +3,6 @@ steps, graphs and log-probs. `python -m pytest -q tests/gpu`."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -63,17 +61,27 @@ def test_every_target_lm_head_call_takes_the_fp32_head(eager, monkeypatch):
     """Each place the engine computes the target's logits (eager steps, graphs, prompt log-probs)
     asks for the float32 head and gets float32 logits. The drafter's proposals through the
     target's head (no draft head here) are drafts, not the target's choices: left out, as in vLLM."""
+    from blockdraft.spec.dflash.speculator import DFlashSpeculator
+
     target = cuda_tiny_target(torch.bfloat16, seed=7)
-    calls, compute = [], type(target.model).compute_logits
+    calls, compute, block_logits = [], type(target.model).compute_logits, DFlashSpeculator.block_logits
+    drafting = [False]
 
     def spy(self, hidden, *args, **kwargs):
         logits = compute(self, hidden, *args, **kwargs)
-        drafting = "/blockdraft/spec/" in sys._getframe(1).f_code.co_filename.replace("\\", "/")
-        if self is target.model and not drafting:
+        if self is target.model and not drafting[0]:
             calls.append((kwargs.get("fp32_head", False), logits.dtype))
         return logits
 
+    def drafts(self, *args, **kwargs):  # the drafter's proposals through the target's head
+        drafting[0] = True
+        try:
+            return block_logits(self, *args, **kwargs)
+        finally:
+            drafting[0] = False
+
     monkeypatch.setattr(type(target.model), "compute_logits", spy)
+    monkeypatch.setattr(DFlashSpeculator, "block_logits", drafts)
     llm = cuda_llm(target, 3, enable_fp32_lm_head=True, enforce_eager=eager)
     calls.clear()  # capture and warm-up calls too were checked by the graphs' buffer dtype
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)

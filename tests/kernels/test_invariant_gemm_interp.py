@@ -77,7 +77,12 @@ def test_bad_arguments_name_what_is_wrong(bad, match):
         invariant_linear(args["x"], args["w"], args["b"], out=args["out"])
 
 
-def test_tiles_depend_on_the_weight_shape_only():
+def test_shipped_tiles_are_the_swept_ones_and_shrink_to_fit_smaller_gpus():
+    h100, a100, ada = 232448, 166912, 101376  # shared memory per block (opt-in), bytes
+    assert config_for(4864, 896, torch.bfloat16, h100) == (32, 256, 4, 4, 64)  # as swept
+    assert config_for(4864, 896, torch.bfloat16, a100) == (32, 256, 4, 3, 64)  # 4 stages = 192 KiB
+    assert config_for(4864, 896, torch.bfloat16, ada) == (32, 128, 4, 2, 64)
+    assert config_for(4096, 24576, torch.bfloat16, ada) == (64, 128, 4, 2, 64)
     assert config_for(896, 896, torch.bfloat16) == (32, 128, 4, 4, 64)  # narrow outputs
     assert config_for(896, 151936, torch.bfloat16) == (64, 128, 4, 3, 64)  # an LM head
     assert config_for(4864, 896, torch.bfloat16) == (32, 256, 4, 4, 64)  # a down projection

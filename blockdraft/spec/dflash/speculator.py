@@ -36,7 +36,8 @@ class DraftTarget(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
         """[N, H] -> [N, V] float32 through the target's LM head (upcast=False: may keep the
-        head's dtype; the drafter passes it when it only takes the argmax)."""
+        head's dtype; the drafter passes it when it only takes the argmax). A target with
+        `batch_invariant` True also takes invariant=False (the fast head for drafts)."""
         ...
 
 
@@ -216,7 +217,9 @@ class DFlashSpeculator:
         if self.draft_head is not None:
             head = self.draft_head.logits  # model dtype
         else:  # the target's head: a float32 copy of [R*K, V] only when the caller needs it
-            head = functools.partial(self.target.compute_logits, upcast=upcast)
+            # drafts need no batch invariance: the fast head even when the target runs in that mode
+            fast = {"invariant": False} if getattr(self.target, "batch_invariant", False) else {}
+            head = functools.partial(self.target.compute_logits, upcast=upcast, **fast)
         logits = self.drafter.compute_logits(drafts_hidden, head, upcast)  # output_multiplier / softcapping
         return logits.view(num_reqs, k, -1)
 
