@@ -70,8 +70,7 @@ def add_batch_invariant_flag(p) -> None:
                         "decode row, a verify block, other requests in flight), so greedy speculative decoding "
                         "equals plain decoding token for token and answers do not depend on the load (vLLM's "
                         "VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference). Slower; default off. "
-                        "On the CPU the packed float32 / bf16 path is batch-invariant already (accepted, no "
-                        "change); refused where it is not (e.g. --dtype float16)")
+                        "Refused on the CPU, whose prefill attention depends on how a prompt is chunked")
 
 
 def add_prefix_caching_flag(p) -> None:

@@ -113,10 +113,10 @@ class LLM:
             other requests in flight): greedy speculative decoding then equals plain decoding
             token for token, and a request's answer does not depend on the batch it ran in
             (vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference). Slower
-            (fixed-tile kernels; README "GPU path"); off by default. Needs the 'triton' attention
-            backend. On the CPU the oneDNN-packed matmuls (float32, or bfloat16 on a CPU with
-            native bf16) and the 'torch' backend are row-invariant as they are: accepted there,
-            changing nothing, and refused for unpacked weights (e.g. float16) or another backend.
+            (fixed-tile kernels; README "GPU path"); off by default. CUDA only, with the 'triton'
+            attention backend: on the CPU, decode and verify rows are row-invariant as they are,
+            but a prompt's prefill attention depends on its chunking, which this mode does not
+            change (refused there; runner.setup.check_batch_invariant).
         max_logprobs: the largest `SamplingParams.logprobs` / `prompt_logprobs` a request may ask for
             (default 20, as vLLM's max_logprobs); `generate` refuses more with a ValueError naming
             the field.

@@ -297,10 +297,6 @@ def run_bench(args) -> int:
     if args.out:
         check_out_prefix(out_prefix(args.out))
     engines = tuple(e.strip().lower() for e in args.engines.split(",") if e.strip())
-    for flag, on in (("--enable-fp32-lm-head", args.enable_fp32_lm_head), ("--batch-invariant", args.batch_invariant)):
-        if on and "ours" not in engines:
-            raise ValueError(f"{flag} sets our engine's kernels, and --engines {args.engines!r} leaves it out: add "
-                             f"'ours' to --engines or drop the flag")
     # Our KV pools are sized explicitly (PoolPlan) so that several engines and the HF model share
     # one GPU; gpu_memory_utilization (which sizes a pool to most of the GPU) is therefore not used.
     options = check_llm_options({"enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,

@@ -1,5 +1,6 @@
-"""Micro-benchmark of the batch-invariant GEMM (`blockdraft.kernels.invariant_gemm`) on the GPU,
-beside cuBLAS and the default path, per linear shape of a model and row count.
+"""Time the batch-invariant GEMM beside cuBLAS and the default path, per linear shape and row count.
+
+The GEMM is `blockdraft.kernels.invariant_gemm` (--batch-invariant), on the GPU.
 
 Cells are us per call, timed as `blockdraft.bench.skinny_gemm.time_calls` times them (CUDA-graph
 replays over weight copies together >= 300 MB, so weights stream from HBM as in a model step).
@@ -97,13 +98,17 @@ def bench_shape(k: int, n: int, rows_list: list[int], sweep: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m blockdraft.bench.invariant_gemm", description=__doc__.split("\n")[0],
                                 allow_abbrev=False)
-    p.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], choices=sorted(SHAPES))
-    p.add_argument("--rows", nargs="+", type=int, default=[1, 16, 192, 2048])
+    p.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], choices=sorted(SHAPES),
+                   help="whose linear shapes (and LM head) to time (default qwen2.5-0.5b)")
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 16, 192, 2048],
+                   help="row counts per shape, each >= 1 (default 1 16 192 2048: a decode row, a verify block, "
+                        "32 verify blocks, a prefill chunk); repeats are timed once")
     p.add_argument("--sweep", action="store_true", help="also time a grid of tilings (minutes per shape)")
     p.add_argument("--out", default=None, help="write every record here (JSON)")
     args = p.parse_args(argv)
     if min(args.rows) < 1:
         p.error(f"--rows must be >= 1, got {args.rows}")
+    args.rows = sorted(set(args.rows))
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
         return 2

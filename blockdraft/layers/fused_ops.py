@@ -56,9 +56,9 @@ def set_batch_invariant(model: nn.Module, enabled: bool) -> nn.Module:
     single-row kernel with a fixed KV split (`paged_attention_triton(batch_invariant=True)`), so a
     token's logits do not depend on how many rows shared its step: greedy speculative decoding then
     equals plain decoding token for token, and a request's output does not depend on what else was
-    in flight (vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference). The CPU
-    path's packed oneDNN matmuls are row-invariant already (tests/models/test_batch_invariance.py)
-    and take no part: the flag switches CUDA kernels only.
+    in flight (vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference). The flag
+    switches CUDA kernels only (the engine refuses the mode on the CPU:
+    blockdraft.runner.setup.check_batch_invariant).
 
     Raises:
         RuntimeError: enabled=True but triton is not installed.

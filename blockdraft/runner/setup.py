@@ -47,13 +47,22 @@ def check_fp32_lm_head(enabled: bool, device: str) -> None:
 
 
 def check_batch_invariant(enabled: bool, device: str, attention_backend: str | None = None) -> None:
-    """batch_invariant (--batch-invariant) on CUDA needs the Triton attention kernels; checked
-    before any weights load (build_runner checks a ready backend spec again).
+    """batch_invariant (--batch-invariant) runs on CUDA with the Triton attention kernels; checked
+    before any weights load (build_runner checks a ready backend spec again). Not on the CPU: its
+    decode and verify rows are row-invariant as they are (tests/models/test_batch_invariance.py),
+    but its attention over prefill blocks of more than 32 rows is not (a prompt's answer can
+    depend on how its prefill was chunked, e.g. under load or with a prefix-cache hit), and this
+    mode does not change that.
 
     Raises:
-        ValueError: enabled on CUDA with attention_backend "dense" or "torch", or without triton
-            (names the option; .param). The CPU's conditions need the loaded weights: build_runner.
+        ValueError: enabled on another device, or on CUDA with attention_backend "dense" or
+            "torch", or without triton (names the option; .param).
     """
+    if enabled and device != "cuda":
+        raise param_error("batch_invariant", f"batch_invariant runs on CUDA only, the device is {device!r}: on the "
+                                             f"CPU a prompt's prefill attention depends on how it is chunked, which "
+                                             f"this mode does not change (decode and verify rows are row-invariant "
+                                             f"there as they are); leave it off")  # fmt: skip
     if enabled and device == "cuda" and (attention_backend not in (None, "triton") or not TRITON_AVAILABLE):
         got = "triton is not installed" if attention_backend in (None, "triton") else f"got {attention_backend!r}"
         raise param_error("batch_invariant", f"batch_invariant on CUDA needs the 'triton' attention backend "
@@ -99,9 +108,8 @@ def build_runner(
         batch_invariant: the target's matmuls, LM head and attention give each row the same bits
             whatever the batch (`blockdraft.layers.fused_ops.set_batch_invariant`), set on the
             model before the memory profile and graph capture (each step of the runner re-applies
-            it: ModelRunner batch_invariant). CUDA: needs the 'triton' backend and the fused ops.
-            CPU: nothing to switch, the oneDNN-packed matmuls and the 'torch' backend are
-            row-invariant as they are; refused for unpacked weights or another backend.
+            it: ModelRunner batch_invariant). CUDA only (check_batch_invariant), with the 'triton'
+            backend and the fused ops.
     Raises:
         ValueError: weights on another device, an unknown graph mode or one the backend / device
             cannot do, num_kv_blocks None on a CPU device, a GPU memory budget that cannot hold
@@ -168,24 +176,17 @@ def build_runner(
 
 
 def _set_batch_invariant(model, enabled: bool, device: torch.device, backend: AttentionBackendSpec) -> None:
-    """Switch the target's batch-invariant kernels (see build_runner). CUDA: the Triton backend and
-    the fused ops (the torch twins' reductions are not row-invariant there). CPU: nothing to
-    switch; the oneDNN-packed matmuls and the 'torch' backend are row-invariant
-    (tests/models/test_batch_invariance.py), anything else is refused."""
-    if enabled and device.type == "cuda":
+    """Switch the target's batch-invariant kernels (see build_runner): CUDA only, with the Triton
+    backend and the fused ops (the torch twins' reductions are not row-invariant there)."""
+    check_batch_invariant(enabled, device.type)
+    if enabled:
         if not getattr(backend.attention, "accepts_batch_invariant", False):
             raise param_error("batch_invariant", f"batch_invariant on CUDA needs the 'triton' attention backend "
                                                  f"(its kernels), got {backend.name!r}")  # fmt: skip
         if not model.fused_ops:
             raise param_error("batch_invariant", "batch_invariant on CUDA needs the model's fused ops (Triton "
                                                  "kernels); this model has them switched off (set_fused_ops)")  # fmt: skip
-    packed = getattr(model, "packed", False)
-    if enabled and device.type != "cuda" and (not packed or backend.name != "torch"):
-        why = "weights not packed for oneDNN" if not packed else f"the {backend.name!r} attention backend"
-        raise param_error("batch_invariant", f"batch_invariant on the CPU needs the oneDNN-packed weights (float32, "
-                                             f"or bfloat16 on a CPU with native bf16) and the 'torch' attention "
-                                             f"backend, whose results are row-invariant; this run has {why}")  # fmt: skip
-    set_batch_invariant(model, enabled and device.type == "cuda")
+    set_batch_invariant(model, enabled)
 
 
 def resolve_graph_mode(

@@ -105,6 +105,7 @@ def test_generate_and_serve_refuse_a_bad_drafter_before_loading_the_target(tiny,
          "repetition_penalty (--repetition-penalty) must be a number > 0 and <= 3.40282e+38 (float32's largest; 1 = off), got 0.0"),
         (["--enable-fp32-lm-head", "--device", "cpu"],
          "enable_fp32_lm_head (--enable-fp32-lm-head) runs on CUDA only, the device is 'cpu': leave it off there"),
+        (["--batch-invariant", "--device", "cpu"], "batch_invariant (--batch-invariant) runs on CUDA only, the device is 'cpu'"),
     ],
 )
 def test_generate_refuses_bad_values_before_loading(tiny, capsys, flags, expected):
@@ -258,8 +259,8 @@ def test_other_commands_check_before_loading(tiny, tmp_path, capsys):
     fp32_head = "enable_fp32_lm_head (--enable-fp32-lm-head) runs on CUDA only, the device is 'cpu'"
     _refused(capsys, ["bench", "--model", m, "--device", "cpu", "--enable-fp32-lm-head"], fp32_head)
     _refused(capsys, ["bench", "--shape", "tiny", "--device", "cpu", "--enable-fp32-lm-head"], fp32_head)
-    _refused(capsys, ["bench", "--shape", "tiny", "--device", "cpu", "--batch-invariant", "--engines", "hf"],
-             "--batch-invariant sets our engine's kernels, and --engines 'hf' leaves it out")
+    _refused(capsys, ["bench", "--shape", "tiny", "--device", "cpu", "--batch-invariant"],
+             "batch_invariant (--batch-invariant) runs on CUDA only, the device is 'cpu'")
     from blockdraft.bench.structured import main as structured_bench
 
     assert structured_bench(["--model", m, "--draft", str(drafter), "--device", "cpu", "--enable-fp32-lm-head"]) == 2

@@ -3,7 +3,6 @@
 import dataclasses
 
 import pytest
-import torch
 
 from blockdraft.sampling_params import SamplingParams
 from tests.conftest import EOS_ID, make_llm, random_prompts, word
@@ -246,19 +245,14 @@ def test_fp32_lm_head_is_refused_off_cuda_and_for_a_non_bool(llama_target):
     assert make_llm(llama_target, enable_fp32_lm_head=False).generate([[5, 6]], SamplingParams(max_tokens=2))
 
 
-def test_batch_invariant_on_the_cpu_is_accepted_where_the_path_is_row_invariant_and_refused_elsewhere(llama_target):
-    """LLM(batch_invariant=True) on the CPU: the oneDNN-packed matmuls and the torch backend are
-    row-invariant as they are (tests/models/test_batch_invariance.py), so with packed weights the
-    answers are the same and nothing switches; unpacked weights (here a test target built without
-    packing) are refused by name. On CUDA it needs the Triton kernels."""
-    from blockdraft.layers.linear import cpu_packing_supported
-    from blockdraft.llm import LoadedTarget
-    from blockdraft.models import build_model
+def test_batch_invariant_is_cuda_only_and_refused_for_a_non_bool_or_a_non_triton_backend(llama_target):
+    """LLM(batch_invariant=True) as vLLM's VLLM_BATCH_INVARIANT, CUDA only here: on the CPU a
+    prompt's prefill attention depends on its chunking (a trial: 5 of 33 SmolLM2 bf16 answers moved
+    with --max-num-batched-tokens 64), which the mode does not change, so it is refused by name
+    before any weights load; on CUDA it needs the Triton kernels."""
     from blockdraft.runner.setup import check_batch_invariant
-    from tests.conftest import make_tokenizer, tiny_config
 
-    with pytest.raises(ValueError, match="batch_invariant on the CPU needs the oneDNN-packed weights .* this run "
-                                         "has weights not packed for oneDNN") as e:  # fmt: skip
+    with pytest.raises(ValueError, match=r"batch_invariant runs on CUDA only, the device is 'cpu'") as e:
         make_llm(llama_target, batch_invariant=True)
     assert e.value.param == "batch_invariant"
     with pytest.raises(ValueError, match="batch_invariant must be True or False, got 1"):
@@ -268,19 +262,7 @@ def test_batch_invariant_on_the_cpu_is_accepted_where_the_path_is_row_invariant_
         check_batch_invariant(True, "cuda", "dense")
     assert e.value.param == "batch_invariant"
     check_batch_invariant(False, "cuda", "dense")
-    if not cpu_packing_supported(torch.float32, "cpu"):
-        pytest.skip("oneDNN weight packing is not available")
-    config = tiny_config("llama")
-    model = build_model(config, dtype=torch.float32, device="cpu")
-    model.init_random_weights_(std=0.08, seed=0)  # packs the weights, as loading does
-    assert model.packed
-    packed = LoadedTarget(config, model, make_tokenizer(config.vocab_size), "<tiny-packed>")
-    prompts = random_prompts(3, seed=21)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    want = _ids(make_llm(packed).generate(prompts, params))
-    llm = make_llm(packed, batch_invariant=True)
-    assert _ids(llm.generate(prompts, params)) == want
-    assert not model.batch_invariant  # no CUDA kernel to switch
+    assert make_llm(llama_target, batch_invariant=False).generate([[5, 6]], SamplingParams(max_tokens=2))
 
 
 def test_an_interrupted_generate_aborts_its_requests(llama_target, monkeypatch):
