@@ -4,6 +4,8 @@ attention, whole engines), so greedy DFlash == plain decoding token for token in
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -87,18 +89,27 @@ def _tokens(llm, prompts, params):
 
 
 @pytest.mark.parametrize("k", [5, 15])
-def test_dflash_equals_plain_greedy_in_bf16_and_answers_do_not_depend_on_the_batch(k):
+def test_dflash_equals_plain_in_bf16_greedy_sampled_and_stopped_and_answers_do_not_depend_on_the_batch(k):
+    """Greedy and seeded T = 0.8 requests side by side (the keyed sampler draws the same token from
+    the same logits), then the same with a stop token that ends request 0 inside a draft block."""
     target = cuda_tiny_target(torch.bfloat16, seed=11)
     prompts = random_prompts(7, seed=12)
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    params = [SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.8 if i % 2 else 0.0, seed=i)
+              for i in range(7)]  # fmt: skip
     plain_llm = cuda_llm(target, None, batch_invariant=True)
-    alone = [_tokens(plain_llm, [p], params)[0] for p in prompts]
+    alone = [_tokens(plain_llm, [p], [sp])[0] for p, sp in zip(prompts, params)]
     plain = _tokens(plain_llm, prompts, params)
     assert plain == alone, first_divergences(alone, plain)
     spec_llm = cuda_llm(target, k, batch_invariant=True)
     spec = _tokens(spec_llm, prompts, params)
     assert spec == plain, first_divergences(plain, spec)
     assert spec_llm.engine.stats.spec.num_drafted_tokens > 0
+    stop_id = plain[0][20]
+    stopped = [dataclasses.replace(sp, stop_token_ids=[stop_id]) for sp in params]
+    plain_stopped = _tokens(plain_llm, prompts, stopped)
+    assert len(plain_stopped[0]) <= 21 < len(plain[0])  # the stop fired (at its first occurrence)
+    spec_stopped = _tokens(spec_llm, prompts, stopped)
+    assert spec_stopped == plain_stopped, first_divergences(plain_stopped, spec_stopped)
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["enforce-eager", "graphs"])
