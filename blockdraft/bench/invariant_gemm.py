@@ -9,7 +9,8 @@ cuBLAS), invariant (the tiles `config_for` picks); with --sweep, the fastest til
 for each row count and the tiling with the least summed time over the row counts (what a table
 entry must be: one tiling per shape for every row count). Each swept tiling is also checked for
 invariance (four rows of a 300-row call the same bits as one-row calls); a tiling that fails is
-reported and never picked; one that does not compile (shared memory) is recorded as an error. Prints a table and writes JSON (`--out`).
+reported and never picked; one that does not compile (shared memory) is recorded as an error.
+Prints a table and writes JSON (`--out`).
 
     python -m blockdraft.bench.invariant_gemm --rows 1 16 192 2048 --out invariant_gemm.json
     python -m blockdraft.bench.invariant_gemm --sweep --out invariant_gemm_sweep.json

@@ -80,7 +80,8 @@ def config_for(
     stages = 2 if dtype == torch.float32 else 4 if narrow else 3
     if max_smem is not None:
         elem = torch.finfo(dtype).bits // 8
-        while stages * (BLOCK_M + block_n) * block_k * elem > max_smem - _SMEM_MARGIN and (stages > 2 or block_k > 32):
+        budget = max_smem - _SMEM_MARGIN
+        while stages * (BLOCK_M + block_n) * block_k * elem > budget and (stages > 2 or block_k > 32):
             if stages > 2:
                 stages -= 1
             else:
