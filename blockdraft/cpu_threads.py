@@ -7,6 +7,9 @@ free (GPU commands keep torch's default). torch's threads wait for each
 other at every op, so a thread whose core another job holds stalls all of them: on a 2-core
 machine with another job running, the README's demo took 16 min with 2 threads and 53 s with 1
 (session 16's new-user trial, docs/benchmarks/cpu.md).
+
+The Python API chooses the same way: `LLM(threads=...)` (`engine_threads`); the engines a
+command builds keep the command's choice.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ from typing import Callable
 THREADS_ENV = "BLOCKDRAFT_THREADS"  # the default of --threads, e.g. for scripts and tests
 BUSY_SAMPLE_S = 0.1  # how long /proc/stat is watched before choosing (seconds)
 
+# Process-wide state. _chosen: a thread count was applied in this process (a flag, the variable,
+# LLM(threads=N) or the automatic choice, which samples the load): later engines keep it, not
+# choosing again. _torch_default: torch's thread count when blockdraft first looked
+# (remember_torch_default), taken as torch's default: another count was set by the user.
+_chosen = False
+_torch_default: int | None = None
+
 
 def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     """`--threads N` on a parser that runs a model (every `blockdraft` command but fetch, and the
@@ -32,8 +42,8 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
 
 def set_threads(threads: int | None, auto: bool = True) -> None:
     """Apply --threads (torch.set_num_threads) before any model work. None: $BLOCKDRAFT_THREADS,
-    else, with `auto`, `auto_threads` of what /proc/stat shows for BUSY_SAMPLE_S seconds once, at
-    start (a line on stderr says so when it takes fewer than torch's default), else torch's default
+    else, with `auto`, `auto_threads` of what /proc/stat shows for BUSY_SAMPLE_S seconds, now
+    (a line on stderr says so when it takes fewer than torch's default), else torch's default
     (commands whose model runs on a GPU: the CPU only feeds it).
 
     Raises:
@@ -41,6 +51,7 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
     """
     import torch
 
+    global _chosen
     if threads is None and os.environ.get(THREADS_ENV):
         value = os.environ[THREADS_ENV]
         if not value.strip().isdecimal() or not value.strip().isascii() or int(value) < 1:
@@ -49,6 +60,7 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
     if threads is None and not auto:
         return
     if threads is None:
+        _chosen = True  # the load was sampled once: later engines keep what it gave
         default = torch.get_num_threads()
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         available = len(cpus) if cpus else os.cpu_count() or default
@@ -64,6 +76,55 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
     if threads < 1:
         raise ValueError(f"--threads must be an integer >= 1, got {threads}")
     torch.set_num_threads(threads)
+    _chosen = True
+
+
+def remember_torch_default() -> int:
+    """torch's CPU thread count the first time this is called (at `import blockdraft.llm`), which
+    `engine_threads` takes as torch's default: a count other than this one was set by the user
+    (torch.set_num_threads), and is kept."""
+    global _torch_default
+    if _torch_default is None:
+        import torch
+
+        _torch_default = torch.get_num_threads()
+    return _torch_default
+
+
+def check_threads(threads) -> None:
+    """Check `LLM(threads=...)`: None or an integer >= 1 (CPU threads).
+
+    Raises:
+        ValueError: anything else (a bool, a float, 0, -1), naming the value.
+    """
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        from blockdraft.errors import param_error
+
+        raise param_error("threads", f"threads must be None or an integer >= 1 (CPU threads), got {threads!r}")
+
+
+def engine_threads(threads: int | None, device: str) -> None:
+    """`LLM(threads=...)`, applied once the engine's settings are checked, before its weights load.
+
+    threads: torch's CPU threads (an integer >= 1), applied whatever the device (a GPU engine's
+    host work runs on them too). None: nothing when this process already chose (a command's flag, an earlier engine: they share
+    torch's one setting) or when torch's count is no longer its default (the user set it: kept);
+    else $BLOCKDRAFT_THREADS, else on `device` ("cpu" | "cuda") "cpu" the automatic choice
+    (`set_threads`, which may say so on stderr), on a GPU torch's default.
+
+    Raises:
+        ValueError: threads not None or an integer >= 1 (check_threads, naming the value), or
+            $BLOCKDRAFT_THREADS not an integer >= 1.
+    """
+    check_threads(threads)
+    if threads is not None:
+        set_threads(threads)
+        return
+    import torch
+
+    if _chosen or torch.get_num_threads() != remember_torch_default():
+        return
+    set_threads(None, auto=device == "cpu")
 
 
 def auto_threads(default: int, available: int, busy: float | None) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from blockdraft.chat_messages import MESSAGE_KEYS, render_chat, template_messages
 from blockdraft.tools.definitions import check_tools
+from blockdraft import cpu_threads
 from blockdraft.config import (
     DEFAULT_ADMISSION_MAX_WAIT_STEPS,
     default_admission_batch_ratio,
@@ -41,6 +42,9 @@ from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names
 )
 from blockdraft.runner.setup import check_batch_invariant, check_fp32_lm_head
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_max_logprobs
+
+# torch's own thread count, taken before any engine: LLM(threads=None) keeps one the user sets later
+cpu_threads.remember_torch_default()
 
 
 class LLM:
@@ -139,6 +143,17 @@ class LLM:
             scheduler "Admission batching"). None: ratio 0.25 with a drafter (DFlash +12 % under a
             steady load of 32 on the H200), 0 without (plain decoding lost 9 % with it), and 8
             steps (blockdraft.config); ratio 0 admits as soon as a slot frees.
+        threads: torch's CPU threads for the model's math (torch.set_num_threads; the CLI's
+            --threads), an integer >= 1, applied before the weights load on any device. None
+            (default): $BLOCKDRAFT_THREADS, else on the CPU one per free core (one per core,
+            less the cores other processes keep busy, sampled for 0.1 s; a line on stderr says
+            so when that is fewer than torch's default: oversubscribed cores stall torch), and on
+            a GPU torch's default. It is chosen once per process (torch has one setting): None
+            keeps a count set earlier, by a previous engine, a `blockdraft` command or you
+            (torch.set_num_threads after `from blockdraft import LLM`; set before it, the count
+            is taken for torch's default, which the automatic choice may only lower). See
+            blockdraft.cpu_threads.engine_threads. A threads that is not None or an integer >= 1
+            raises ValueError naming the value (before anything loads).
     Raises:
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
@@ -176,8 +191,10 @@ class LLM:
         admission_max_wait_steps: int | None = None,
         max_model_len: int | None = None,
         seed: int | None = None,
+        threads: int | None = None,
     ) -> None:
         check_max_logprobs(max_logprobs)
+        cpu_threads.check_threads(threads)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise param_error("seed", f"seed must be None or an integer >= 0, got {seed!r}")  # before any weights load, as preflight's checks
         disable_by_batch_size = check_disable_by_batch_size(speculative_disable_by_batch_size)
@@ -209,6 +226,7 @@ class LLM:
             disable_by_batch_size, speculator is not None or draft is not None, speculator is None and pre.draft is None,
             device, enforce_eager, attention_backend, graph_mode,
         )  # fmt: skip
+        cpu_threads.engine_threads(threads, device)  # the settings are checked; before any model work
         self.target = target or model_loader.load_target(str(pre.target_path), dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
         if speculator is None and pre.draft is not None:

@@ -11,8 +11,9 @@ from blockdraft.config import ModelConfig
 from blockdraft.cpu_threads import THREADS_ENV
 from blockdraft.llm import LLM, LoadedTarget
 
-# CLI calls inside the tests keep torch's thread count: without it each would pick its own from the
-# machine's load (cpu_threads.set_threads), and runs compared within a test could differ in fp32.
+# CLI calls and engines (LLM(threads=None)) inside the tests keep torch's thread count: without it they
+# would pick their own from the machine's load (cpu_threads), and runs compared within a test could
+# differ in fp32.
 os.environ.setdefault(THREADS_ENV, str(torch.get_num_threads()))
 
 

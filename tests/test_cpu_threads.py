@@ -11,10 +11,30 @@ from blockdraft.cpu_threads import THREADS_ENV, auto_threads, busy_cpus, set_thr
 
 @pytest.fixture
 def restore_threads(monkeypatch):
+    """torch's count restored after the test, no $BLOCKDRAFT_THREADS, and the process-wide choice
+    state fresh (nothing chosen yet; torch's default: the count now)."""
     before = torch.get_num_threads()
     monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setattr(cpu_threads, "_chosen", False)
+    monkeypatch.setattr(cpu_threads, "_torch_default", before)
     yield
     torch.set_num_threads(before)
+
+
+def _busy_machine(monkeypatch, busy: float = 1.3) -> None:
+    """Two cores, `busy` of them taken by other processes, torch at 2 threads (its default here):
+    the automatic choice takes 1 and says so."""
+    torch.set_num_threads(2)
+    monkeypatch.setattr(cpu_threads, "_torch_default", 2)
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(cpu_threads, "busy_cpus", lambda available, cpus=None: busy)
+
+
+def _no_load_sample(*args, **kwargs):
+    pytest.fail("the load must not be read")
+
+
+NOTICE = "CPU thread for the model's math, not 2"
 
 
 def test_auto_threads_leaves_the_busy_cores_to_their_jobs():
@@ -105,3 +125,53 @@ def test_fetch_does_not_read_the_load_and_gpu_commands_keep_torch_default(monkey
     assert cli._runs_on_cuda(type("A", (), {"device": "cuda"})()) is True
     assert cli._runs_on_cuda(type("A", (), {"device": "cpu"})()) is False
     assert cli._runs_on_cuda(object()) is False  # no --device (demo): the CPU
+
+
+def test_engine_threads_explicit_environment_gpu_and_user_set(restore_threads, monkeypatch, capsys):
+    """LLM(threads=...): an explicit count always; None: $BLOCKDRAFT_THREADS, else the automatic
+    choice on the CPU only, never over a count the user set, and once per process."""
+    from blockdraft.cpu_threads import engine_threads
+
+    _busy_machine(monkeypatch)
+    monkeypatch.setattr(cpu_threads, "busy_cpus", _no_load_sample)
+    engine_threads(1, "cuda")  # explicit: applied on any device, without reading the load
+    assert torch.get_num_threads() == 1
+    monkeypatch.setattr(cpu_threads, "_chosen", False)
+    torch.set_num_threads(2)
+    engine_threads(None, "cuda")  # a GPU engine: torch's default
+    assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
+    monkeypatch.setenv(THREADS_ENV, "1")
+    engine_threads(None, "cuda")  # the variable is the user's explicit choice, on any device
+    assert torch.get_num_threads() == 1
+    monkeypatch.delenv(THREADS_ENV)
+    monkeypatch.setattr(cpu_threads, "_chosen", False)
+    torch.set_num_threads(3)  # the user's own torch.set_num_threads: not torch's default (2), kept
+    engine_threads(None, "cpu")
+    assert torch.get_num_threads() == 3 and capsys.readouterr().err == ""
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=rf"threads must be None or an integer >= 1 \(CPU threads\), got {bad!r}"):
+            engine_threads(bad, "cpu")
+
+
+def test_engine_threads_automatic_choice_once(restore_threads, monkeypatch, capsys):
+    from blockdraft.cpu_threads import engine_threads
+
+    _busy_machine(monkeypatch)
+    engine_threads(None, "cpu")
+    assert torch.get_num_threads() == 1 and NOTICE in capsys.readouterr().err
+    monkeypatch.setattr(cpu_threads, "busy_cpus", _no_load_sample)
+    torch.set_num_threads(2)  # back to torch's default, as if the load had left it there
+    engine_threads(None, "cpu")  # a second engine keeps the process's choice: no second sample
+    assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
+
+
+def test_llm_applies_threads_before_its_model_work(restore_threads, monkeypatch, capsys, llama_target):
+    from blockdraft.llm import LLM
+
+    with pytest.raises(ValueError, match="threads must be None or an integer >= 1 \\(CPU threads\\), got 0"):
+        LLM(model="no-such-model", threads=0)  # checked with the other settings, before the model is looked up
+    _busy_machine(monkeypatch)
+    LLM(target=llama_target, num_kv_blocks=16, kv_block_size=4)
+    assert torch.get_num_threads() == 1 and NOTICE in capsys.readouterr().err
+    LLM(target=llama_target, num_kv_blocks=16, kv_block_size=4, threads=2)
+    assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
