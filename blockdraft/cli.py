@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import sys
 import time
 import unicodedata
 
-from blockdraft.cpu_threads import add_threads_flag, set_threads
+from blockdraft.cpu_threads import add_threads_flag, command_threads
 from blockdraft.engine_args import (
     add_admission_flags,
     add_async_scheduling_flag,
@@ -29,9 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        if hasattr(args, "threads"):  # commands that run a model (not fetch)
-            set_threads(args.threads, auto=not _runs_on_cuda(args))
-        return args.func(args)
+        # commands that run a model (not fetch): --threads now, the automatic choice (and its notice)
+        # at the first model build, once the command has checked its flags
+        threads = command_threads(args.threads, auto=not _runs_on_cuda(args)) if hasattr(args, "threads") \
+            else contextlib.nullcontext()
+        with threads:
+            return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         if isinstance(e, OSError) and e.errno is not None:  # from the OS, not one of our checks
             return _os_error(e)

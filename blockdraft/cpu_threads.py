@@ -8,26 +8,31 @@ other at every op, so a thread whose core another job holds stalls all of them: 
 machine with another job running, the README's demo took 16 min with 2 threads and 53 s with 1
 (session 16's new-user trial, docs/benchmarks/cpu.md).
 
-The Python API chooses the same way: `LLM(threads=...)` (`engine_threads`); the engines a
-command builds keep the command's choice.
+The Python API chooses the same way: `LLM(threads=...)` (`engine_threads`). A command chooses
+once, before its first model is built (`command_threads`), and the engines it builds keep that
+choice; the automatic choice waits until the flags are checked, so a bad flag gets its error
+without the thread notice (or the 0.1 s load sample) before it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 THREADS_ENV = "BLOCKDRAFT_THREADS"  # the default of --threads, e.g. for scripts and tests
 BUSY_SAMPLE_S = 0.1  # how long /proc/stat is watched before choosing (seconds)
 
 # Process-wide state. _chosen: a thread count was applied in this process (a flag, the variable,
 # LLM(threads=N) or the automatic choice, which samples the load): later engines keep it, not
-# choosing again. _torch_default: torch's thread count when blockdraft first looked
+# choosing again. _auto_pending: a command's automatic choice, made by the first model build
+# (apply_pending_threads). _torch_default: torch's thread count when blockdraft first looked
 # (remember_torch_default), taken as torch's default: another count was set by the user.
 _chosen = False
+_auto_pending = False
 _torch_default: int | None = None
 
 
@@ -79,6 +84,39 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
     _chosen = True
 
 
+@contextlib.contextmanager
+def command_threads(threads: int | None, auto: bool = True) -> Iterator[None]:
+    """`set_threads` for a `blockdraft` command, around its body: --threads N or
+    $BLOCKDRAFT_THREADS is checked and applied now; the automatic choice (`auto`: the model runs
+    on the CPU) waits for the command's first model build (`apply_pending_threads`), after the
+    command has checked its other flags, so that a bad flag is reported without the thread notice
+    before it. A choice not made by the end of the body is dropped.
+
+    Raises:
+        ValueError: threads < 1, or $BLOCKDRAFT_THREADS not an integer >= 1 (before the body runs).
+    """
+    global _auto_pending, _chosen
+    if threads is not None or os.environ.get(THREADS_ENV) or not auto:
+        set_threads(threads, auto=False)
+        _chosen = True  # also on a GPU without a flag (torch's default): the command's engines keep it
+        yield
+        return
+    _auto_pending = True
+    try:
+        yield
+    finally:
+        _auto_pending = False
+
+
+def apply_pending_threads() -> None:
+    """Make a command's deferred automatic choice (`command_threads`), once; called where model
+    work starts (models.build_model, LLM before its weights load). Nothing otherwise."""
+    global _auto_pending
+    if _auto_pending:
+        _auto_pending = False
+        set_threads(None)
+
+
 def remember_torch_default() -> int:
     """torch's CPU thread count the first time this is called (at `import blockdraft.llm`), which
     `engine_threads` takes as torch's default: a count other than this one was set by the user
@@ -107,7 +145,8 @@ def engine_threads(threads: int | None, device: str) -> None:
     """`LLM(threads=...)`, applied once the engine's settings are checked, before its weights load.
 
     threads: torch's CPU threads (an integer >= 1), applied whatever the device (a GPU engine's
-    host work runs on them too). None: nothing when this process already chose (a command's flag, an earlier engine: they share
+    host work runs on them too). None: a command's pending choice if any (`command_threads`);
+    else nothing when this process already chose (a command's flag, an earlier engine: they share
     torch's one setting) or when torch's count is no longer its default (the user set it: kept);
     else $BLOCKDRAFT_THREADS, else on `device` ("cpu" | "cuda") "cpu" the automatic choice
     (`set_threads`, which may say so on stderr), on a GPU torch's default.
@@ -116,10 +155,13 @@ def engine_threads(threads: int | None, device: str) -> None:
         ValueError: threads not None or an integer >= 1 (check_threads, naming the value), or
             $BLOCKDRAFT_THREADS not an integer >= 1.
     """
+    global _auto_pending
     check_threads(threads)
     if threads is not None:
+        _auto_pending = False  # the engine's own count: no load sample for a choice it replaces
         set_threads(threads)
         return
+    apply_pending_threads()
     import torch
 
     if _chosen or torch.get_num_threads() != remember_torch_default():

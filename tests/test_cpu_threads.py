@@ -12,10 +12,11 @@ from blockdraft.cpu_threads import THREADS_ENV, auto_threads, busy_cpus, set_thr
 @pytest.fixture
 def restore_threads(monkeypatch):
     """torch's count restored after the test, no $BLOCKDRAFT_THREADS, and the process-wide choice
-    state fresh (nothing chosen yet; torch's default: the count now)."""
+    state fresh (nothing chosen yet, nothing pending; torch's default: the count now)."""
     before = torch.get_num_threads()
     monkeypatch.delenv(THREADS_ENV, raising=False)
     monkeypatch.setattr(cpu_threads, "_chosen", False)
+    monkeypatch.setattr(cpu_threads, "_auto_pending", False)
     monkeypatch.setattr(cpu_threads, "_torch_default", before)
     yield
     torch.set_num_threads(before)
@@ -119,7 +120,7 @@ def test_fetch_does_not_read_the_load_and_gpu_commands_keep_torch_default(monkey
     from blockdraft import cli
 
     calls = []
-    monkeypatch.setattr(cli, "set_threads", lambda threads, auto=True: calls.append((threads, auto)))
+    monkeypatch.setattr(cli, "command_threads", lambda threads, auto=True: calls.append((threads, auto)))
     cli.main(["fetch", "--list"])
     assert calls == []
     assert cli._runs_on_cuda(type("A", (), {"device": "cuda"})()) is True
@@ -175,3 +176,37 @@ def test_llm_applies_threads_before_its_model_work(restore_threads, monkeypatch,
     assert torch.get_num_threads() == 1 and NOTICE in capsys.readouterr().err
     LLM(target=llama_target, num_kv_blocks=16, kv_block_size=4, threads=2)
     assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
+
+
+def test_command_defers_the_automatic_choice_to_the_first_model_build(restore_threads, monkeypatch, capsys):
+    """A command's automatic choice (and its notice) comes at its first model build, after its
+    flags are checked; --threads N is applied at once; a choice never made is dropped."""
+    from blockdraft.cpu_threads import command_threads
+    from blockdraft.models import build_model
+    from tests.conftest import tiny_config
+
+    _busy_machine(monkeypatch)
+    with command_threads(None):
+        assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
+        build_model(tiny_config())
+        assert torch.get_num_threads() == 1 and NOTICE in capsys.readouterr().err
+    monkeypatch.setattr(cpu_threads, "_chosen", False)
+    monkeypatch.setattr(cpu_threads, "busy_cpus", _no_load_sample)
+    with command_threads(None):
+        pass  # e.g. a bad flag: no model built
+    assert cpu_threads._auto_pending is False
+    with command_threads(2):
+        assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("bad", [["--top-p", "2"], ["--model", "no-such-model"]])
+def test_cli_argument_error_comes_without_the_thread_notice(bad, restore_threads, monkeypatch, capsys):
+    """A flag error (in the command: top_p; in the engine's checks before the weights load: the
+    model) is reported alone: no thread notice, no load sample, torch's count untouched."""
+    from blockdraft import cli
+
+    _busy_machine(monkeypatch)
+    assert cli.main(["generate", "hi", "--device", "cpu", "--no-draft", *bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "CPU thread" not in err
+    assert torch.get_num_threads() == 2 and cpu_threads._auto_pending is False

@@ -106,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="model cache (default $BLOCKDRAFT_CACHE, else ~/.cache/blockdraft)")
     add_threads_flag(p)
     args = p.parse_args(argv)
-    apply_threads_flag(p, args.threads)  # before the target loads
     if not 1 <= args.num_questions <= len(QUESTIONS) - 1:
         p.error(f"--num-questions must be in [1, {len(QUESTIONS) - 1}], got {args.num_questions}")
     if not 0 <= args.warmup_rounds <= 8:
@@ -114,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.system_tokens < 1 or args.max_tokens < 1:
         p.error(f"--system-tokens and --max-tokens must be >= 1, got {args.system_tokens} and {args.max_tokens}")
     refuse_unwritable(p, "--json", args.json)  # now, not after the whole measurement
+    apply_threads_flag(p, args.threads)  # before the target loads, after the flag errors (no notice before them)
     try:
         return _measure(args, argv)
     except (ValueError, FileNotFoundError) as e:  # a bad --model / --draft: one line, no traceback

@@ -140,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=None)
     add_threads_flag(p)
     args = p.parse_args(argv)
-    apply_threads_flag(p, args.threads)  # before the target loads: the table's "machine" records it
     try:
         ks = [(k, v) for k in parse_int_list(args.ks, "--ks", 1)
               for v in parse_int_list(args.draft_vocab_sizes, "--draft-vocab-sizes", 0)]
@@ -152,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(not t.strip() for t in args.prompts or []):
         p.error("--prompts: a prompt is empty")
     refuse_unwritable(p, "--json", args.json)  # now, not after minutes of timing
+    # before the target loads (the table's "machine" records it), after the flag errors: no notice before them
+    apply_threads_flag(p, args.threads)
     try:
         return _measure(args, argv, ks, p)
     except (ValueError, FileNotFoundError) as e:  # e.g. a bad --model / --draft: one line, no traceback

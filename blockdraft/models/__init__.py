@@ -29,6 +29,9 @@ def build_model(
             faster CPU matmuls, see blockdraft.layers.linear); None = whenever supported (CPU,
             fp32 / bf16). Pass False to train through the model or read its weights afterwards.
     """
+    from blockdraft.cpu_threads import apply_pending_threads
+
+    apply_pending_threads()  # a command's automatic thread choice, made after its flags were checked
     if pack_weights is None:
         pack_weights = cpu_packing_supported(dtype, device)
     kwargs = {"pack_weights": pack_weights} | ({"backend": backend} if backend is not None else {})

@@ -70,3 +70,18 @@ def test_cpu_vs_hf_passes_threads_to_both_children_and_records_it(monkeypatch, t
     # no flag: the parent's choice ($BLOCKDRAFT_THREADS here, else from the load) once, for every child
     n = torch.get_num_threads()
     assert all(c[-2:] == ["--threads", str(n)] for c in commands) and json.loads(out.read_text())["threads"] == n
+
+
+@pytest.mark.parametrize("main, bad", [(spec_k.main, "--repeats"), (prefix_cache.main, "--num-questions")])
+def test_flag_error_comes_without_the_thread_notice(main, bad, monkeypatch, capsys, restore_threads):
+    """A bad flag is reported alone: the automatic thread choice (and its notice) comes after the checks."""
+    from blockdraft import cpu_threads
+
+    monkeypatch.delenv(cpu_threads.THREADS_ENV, raising=False)
+    torch.set_num_threads(2)
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(cpu_threads, "busy_cpus", lambda available, cpus=None: 1.3)  # would say "1 CPU thread"
+    with pytest.raises(SystemExit) as e:
+        main([bad, "0"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and bad in err and "CPU thread" not in err
