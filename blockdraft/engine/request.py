@@ -31,12 +31,17 @@ class SpecStats:
 
     num_steps: verify steps that carried drafts. acceptance_length per step = accepted + 1.
     accepted_per_position[i]: steps whose draft i+1 was accepted (so >= i+1 accepted).
+    drafted_per_position[i]: steps that drafted position i+1 (>= i+1 drafts). A step near
+        max_tokens (or the model length) drafts fewer than K: its later positions were never
+        proposed, so they count neither as accepted nor as drafted.
+    Both lists are as long as the most drafts of any step.
     """
 
     num_steps: int = 0
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """Count one verify step with `num_drafts` drafts of which the first `num_accepted` matched."""
@@ -45,8 +50,10 @@ class SpecStats:
         self.num_steps += 1
         self.num_drafted_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_drafts:
-            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
+        self.accepted_per_position = _padded(self.accepted_per_position, num_drafts)
+        self.drafted_per_position = _padded(self.drafted_per_position, num_drafts)
+        for i in range(num_drafts):
+            self.drafted_per_position[i] += 1
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
@@ -55,10 +62,8 @@ class SpecStats:
         self.num_steps += other.num_steps
         self.num_drafted_tokens += other.num_drafted_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
-        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
-        b = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
-        self.accepted_per_position = [x + y for x, y in zip(a, b)]
+        self.accepted_per_position = _summed(self.accepted_per_position, other.accepted_per_position)
+        self.drafted_per_position = _summed(self.drafted_per_position, other.drafted_per_position)
 
     @property
     def acceptance_length(self) -> float | None:
@@ -67,9 +72,29 @@ class SpecStats:
             return None
         return (self.num_accepted_tokens + self.num_steps) / self.num_steps
 
-    def acceptance_rate_per_position(self) -> list[float]:
-        """Fraction of verify steps whose draft i+1 was accepted, for each position i."""
-        return [c / self.num_steps for c in self.accepted_per_position] if self.num_steps else []
+    def acceptance_rate_per_position(self) -> list[float | None]:
+        """For each draft position i (0-based): the fraction of the steps that drafted position
+        i+1 whose draft i+1 was accepted, accepted_per_position[i] / drafted_per_position[i].
+        None for a position no step drafted (JSON null; only counters built by hand, without
+        drafted_per_position, lack the denominator: record() always fills it)."""
+        return per_position_rates(self.accepted_per_position, self.drafted_per_position)
+
+
+def per_position_rates(accepted: list[int], drafted: list[int]) -> list[float | None]:
+    """accepted[i] / drafted[i] for each position of `accepted`; None where nothing was drafted
+    (a rate with no denominator, never NaN: JSON has no NaN)."""
+    return [a / drafted[i] if i < len(drafted) and drafted[i] else None for i, a in enumerate(accepted)]
+
+
+def _padded(counts: list[int], n: int) -> list[int]:
+    """`counts` extended with zeros to at least `n` entries."""
+    return counts + [0] * (n - len(counts)) if len(counts) < n else counts
+
+
+def _summed(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum of two count lists of possibly different lengths."""
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(_padded(a, n), _padded(b, n))]
 
 
 @dataclass(eq=False)

@@ -12,6 +12,9 @@ Names (all prefixed `blockdraft_`):
     spec_decode_num_drafts_total           verify steps that carried drafts
     spec_decode_num_draft_tokens_total / spec_decode_num_accepted_tokens_total
     spec_decode_num_accepted_tokens_per_pos_total{position}   steps whose draft `position` (1-based) was accepted
+    spec_decode_num_drafts_per_pos_total{position}   steps that drafted `position` (>= position drafts); the
+                                           acceptance rate at a position is accepted_tokens_per_pos / this
+                                           (not / num_drafts: a step near max_tokens drafts fewer than K)
     kv_cache_usage_ratio, kv_cache_free_blocks, kv_cache_total_blocks
     prefix_cache_queries_total / prefix_cache_hits_total   tokens looked up in / served from the
                                            prefix cache at admission (0 unless --enable-prefix-caching)
@@ -53,6 +56,10 @@ class Metrics:
             p + "spec_decode_num_accepted_tokens_per_pos", "Verify steps whose draft at this 1-based position was accepted.",
             ["position"], registry=r,
         )
+        self.drafts_per_pos = Counter(  # the per-position denominator: cut blocks never drafted the later positions
+            p + "spec_decode_num_drafts_per_pos", "Verify steps that drafted this 1-based position.",
+            ["position"], registry=r,
+        )
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV pages in use.", registry=r)
         self.kv_free = Gauge(p + "kv_cache_free_blocks", "Free KV pages.", registry=r)
         self.kv_total = Gauge(p + "kv_cache_total_blocks", "KV pages in the pool.", registry=r)
@@ -66,7 +73,8 @@ class Metrics:
         self._arrival: dict[str, float] = {}  # request id -> arrival (perf_counter seconds)
         self._last_token: dict[str, float] = {}  # request id -> when its latest tokens came out
         self._prefix_seen = (0, 0)  # kv.stats at the last step: queries, hits (tokens)
-        self._spec_seen = (0, 0, 0, [])  # engine.stats.spec at the last step: steps, drafted, accepted, per position
+        # engine.stats.spec at the last step: steps, drafted, accepted, accepted and drafted per position
+        self._spec_seen = (0, 0, 0, [], [])
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
@@ -124,12 +132,19 @@ class Metrics:
         self._prefix_seen = (stats.queries, stats.hits)
 
     def _observe_spec(self, spec) -> None:
-        steps, drafted, accepted, per_pos = self._spec_seen
+        steps, drafted, accepted, accepted_pos, drafted_pos = self._spec_seen
         self.drafts.inc(spec.num_steps - steps)
         self.draft_tokens.inc(spec.num_drafted_tokens - drafted)
         self.accepted_tokens.inc(spec.num_accepted_tokens - accepted)
-        for i, count in enumerate(spec.accepted_per_position):
-            before = per_pos[i] if i < len(per_pos) else 0
-            if count > before:
-                self.accepted_per_pos.labels(position=str(i + 1)).inc(count - before)
-        self._spec_seen = (spec.num_steps, spec.num_drafted_tokens, spec.num_accepted_tokens, list(spec.accepted_per_position))
+        _inc_per_pos(self.accepted_per_pos, spec.accepted_per_position, accepted_pos)
+        _inc_per_pos(self.drafts_per_pos, spec.drafted_per_position, drafted_pos)
+        self._spec_seen = (spec.num_steps, spec.num_drafted_tokens, spec.num_accepted_tokens,
+                           list(spec.accepted_per_position), list(spec.drafted_per_position))
+
+
+def _inc_per_pos(counter: Counter, counts: list[int], before: list[int]) -> None:
+    """Add to `counter{position}` what `counts` (0-based positions) gained since `before`."""
+    for i, count in enumerate(counts):
+        seen = before[i] if i < len(before) else 0
+        if count > seen:
+            counter.labels(position=str(i + 1)).inc(count - seen)

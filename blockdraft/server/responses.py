@@ -1,8 +1,10 @@
 """Build OpenAI response bodies and stream chunks from engine outputs (plain dicts, JSON-ready).
 
 Extension: `spec_decode_stats` = {num_drafts, num_draft_tokens, num_accepted_tokens,
-accepted_per_position, acceptance_length} (acceptance_length = mean tokens per verify step,
-accepted + 1; null without drafts). Non-streaming responses carry it summed over the choices; in a
+accepted_per_position, drafted_per_position, acceptance_length} (acceptance_length = mean tokens
+per verify step, accepted + 1; null without drafts; entry i of the per-position lists: steps that
+accepted / drafted draft i+1, so the rate at i+1 is their ratio, not accepted / num_drafts, since a
+step near max_tokens drafts fewer than K). Non-streaming responses carry it summed over the choices; in a
 stream, the chunk that finishes a choice carries that choice's stats and the usage chunk (when
 asked for) carries the sum.
 
@@ -62,6 +64,7 @@ def spec_stats(stats: list[SpecStats]) -> dict:
         "num_draft_tokens": total.num_drafted_tokens,
         "num_accepted_tokens": total.num_accepted_tokens,
         "accepted_per_position": list(total.accepted_per_position),
+        "drafted_per_position": list(total.drafted_per_position),
         "acceptance_length": total.acceptance_length,
     }
 

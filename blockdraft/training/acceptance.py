@@ -70,8 +70,10 @@ def draft_every_anchor(
     return out
 
 
-def walk(seq: torch.Tensor, drafts: torch.Tensor, start: int, num_speculative_tokens: int, hit_max_tokens: bool) -> list[int]:
-    """Replay greedy-verification steps; returns the number of accepted drafts of each step.
+def walk(
+    seq: torch.Tensor, drafts: torch.Tensor, start: int, num_speculative_tokens: int, hit_max_tokens: bool,
+) -> list[tuple[int, int]]:
+    """Replay greedy-verification steps; returns (drafts, accepted drafts) of each step.
 
     From anchor P = start: n = longest prefix of drafts[P, :K] equal to seq[P+1..], commit n + 1
     tokens, next anchor P + n + 1; stop when the anchor is the last token. As the engine does, a
@@ -87,18 +89,28 @@ def walk(seq: torch.Tensor, drafts: torch.Tensor, start: int, num_speculative_to
         while n < k and p + n + 1 < end and row[n] == seq[p + n + 1]:
             n += 1
         if k > 0:
-            steps.append(n)
+            steps.append((k, n))
         p += n + 1
     return steps
 
 
-def summarize(steps: list[int], num_speculative_tokens: int) -> dict:
-    """Mean acceptance length (accepted + 1 per step) and per-position acceptance rates."""
+def summarize(steps: list[tuple[int, int]], num_speculative_tokens: int) -> dict:
+    """Mean acceptance length (accepted + 1 per step) and per-position acceptance rates of
+    `steps` ((drafts, accepted) pairs, as `walk` returns them), as the engine's SpecStats counts.
+
+    per_position[i-1] = steps with >= i accepted / steps with >= i drafted (drafted_per_position):
+    a step cut short by max_tokens did not propose its later positions, so it does not count
+    against them. None (JSON null) for a position no step drafted.
+    """
     n = len(steps)
     if n == 0:
-        return {"acceptance_length": float("nan"), "num_steps": 0, "per_position": []}
-    per_pos = [sum(s >= i for s in steps) / n for i in range(1, num_speculative_tokens + 1)]
-    return {"acceptance_length": (sum(steps) + n) / n, "num_steps": n, "per_position": per_pos}
+        return {"acceptance_length": float("nan"), "num_steps": 0, "per_position": [], "drafted_per_position": []}
+    positions = range(1, num_speculative_tokens + 1)
+    drafted = [sum(d >= i for d, _ in steps) for i in positions]
+    accepted = [sum(a >= i for _, a in steps) for i in positions]
+    per_pos = [a / d if d else None for a, d in zip(accepted, drafted)]
+    return {"acceptance_length": (sum(a for _, a in steps) + n) / n, "num_steps": n, "per_position": per_pos,
+            "drafted_per_position": drafted}
 
 
 def offline_acceptance(

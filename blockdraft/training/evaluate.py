@@ -2,9 +2,10 @@
 
 Runs `LLM(model, draft).generate` on HumanEval or MT-bench prompts (first turns) and reports the
 engine's own counters (DFLASH.md "Terms": acceptance length tau = accepted drafts + 1 per verify
-step; per-position acceptance rate i = steps with >= i accepted / steps), pooled over all steps
-of all prompts. Optionally also decodes without the drafter to check the outputs are identical
-(speculation is lossless) and to time the speedup, and draws the per-position plot.
+step; per-position acceptance rate i = steps with >= i accepted / steps with >= i drafted, so a
+block cut short by --max-tokens does not count its undrafted positions as rejected), pooled over
+all steps of all prompts. Optionally also decodes without the drafter to check the outputs are
+identical (speculation is lossless) and to time the speedup, and draws the per-position plot.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ class EvalResult:
     num_accepted: int
     num_output_tokens: int
     seconds: float
-    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # steps accepting draft i+1, i < K
     plain_seconds: float | None = None
     identical_to_plain: bool | None = None
     draft_vocab_size: int = 0  # draft LM-head columns (0: the full vocabulary)
     num_speculative_tokens: int | None = None  # K drafts per step
     device: str = "cpu"  # where the engines ran: "cpu" or "cuda"
     dtype: str = "float32"  # the target's (and drafter's) weights as run, --dtype auto resolved
+    drafted_per_position: list[int] = field(default_factory=list)  # steps that drafted position i+1, i < K
 
     @property
     def acceptance_length(self) -> float | None:
@@ -47,8 +49,15 @@ class EvalResult:
         return (self.num_accepted + self.num_steps) / self.num_steps if self.num_steps else None
 
     @property
-    def per_position(self) -> list[float]:
-        return [a / self.num_steps for a in self.accepted_per_position] if self.num_steps else []
+    def per_position(self) -> list[float | None]:
+        """Acceptance rate of each draft position 1..K: steps that accepted draft i / steps that
+        drafted position i (not all steps: near --max-tokens a step drafts fewer than K). None
+        (JSON null) for a position no step drafted; [] without any verify step."""
+        from blockdraft.engine.request import per_position_rates  # here: that module imports torch
+
+        if not self.num_steps:
+            return []
+        return per_position_rates(self.accepted_per_position, self.drafted_per_position)
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -114,10 +123,11 @@ def evaluate_drafter(
     stats = spec.engine.stats.spec
     # one entry per draft position 1..K, also where --max-tokens cut every block short of K drafts
     accepted = list(stats.accepted_per_position) + [0] * max(0, k - len(stats.accepted_per_position))
+    drafted = list(stats.drafted_per_position) + [0] * max(0, k - len(stats.drafted_per_position))
     result = EvalResult(dataset, temperature, len(convs), max_tokens, stats.num_steps, stats.num_accepted_tokens,
                         sum(len(o.token_ids) for o in outs), seconds, accepted,
                         draft_vocab_size=pre.draft_vocab_size, num_speculative_tokens=k, device=pre.device,
-                        dtype=str(loaded.dtype).removeprefix("torch."))
+                        dtype=str(loaded.dtype).removeprefix("torch."), drafted_per_position=drafted)
     if compare_plain:
         # On CUDA each engine sizes its KV pool from the free memory: free the speculative one first.
         del spec
@@ -178,8 +188,9 @@ def summary_line(r: EvalResult, drafter: str | None = None) -> str:
     return line
 
 
-def plot_per_position(results: dict[str, list[float]], path: str, title: str = "") -> None:
-    """Per-position acceptance rate curves (one per label) as a PNG at `path`."""
+def plot_per_position(results: dict[str, list[float | None]], path: str, title: str = "") -> None:
+    """Per-position acceptance rate curves (one per label) as a PNG at `path`; a position
+    without a rate (None: never drafted) is left out of its curve."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,9 +198,10 @@ def plot_per_position(results: dict[str, list[float]], path: str, title: str = "
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, rates in results.items():
-        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+        ys = [float("nan") if r is None else r for r in rates]  # NaN: matplotlib leaves a gap
+        ax.plot(range(1, len(rates) + 1), ys, marker="o", label=label)
     ax.set_xlabel("draft position i")
-    ax.set_ylabel("P(>= i drafts accepted)")
+    ax.set_ylabel("P(>= i accepted | >= i drafted)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -64,12 +64,14 @@ def _add(total: dict, stats: dict) -> None:
         total[k] += stats[k]
     for i, c in enumerate(stats["accepted_per_position"]):
         total["pos"][i] = total["pos"].get(i, 0) + c
+    for i, c in enumerate(stats["drafted_per_position"]):
+        total["drafted_pos"][i] = total["drafted_pos"].get(i, 0) + c
 
 
 def test_dflash_outputs_equal_plain_and_metrics_equal_summed_response_stats(plain_server, dflash_server):
     plain, spec = openai_client(plain_server), openai_client(dflash_server)
     before = dflash_server.metrics()
-    total = {k: 0 for k in SPEC_KEYS} | {"pos": {}}
+    total = {k: 0 for k in SPEC_KEYS} | {"pos": {}, "drafted_pos": {}}
     for kind, kw in REQUESTS:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both servers work at once
             ref, out = pool.map(lambda c: _create(c, kind, kw), (plain, spec))
@@ -81,10 +83,12 @@ def test_dflash_outputs_equal_plain_and_metrics_equal_summed_response_stats(plai
 
         texts, per_choice, (tail_stats, usage) = _streamed(spec, kind, kw)
         assert texts == _texts(ref) and usage == ref.usage
-        summed = {k: 0 for k in SPEC_KEYS} | {"pos": {}}
+        summed = {k: 0 for k in SPEC_KEYS} | {"pos": {}, "drafted_pos": {}}
         for s in per_choice:
             _add(summed, s)
         assert all(summed[k] == tail_stats[k] for k in SPEC_KEYS)
+        assert [summed["drafted_pos"].get(i, 0) for i in range(len(tail_stats["drafted_per_position"]))] == \
+            tail_stats["drafted_per_position"]
         _add(total, tail_stats)
 
     after = dflash_server.metrics()
@@ -97,6 +101,10 @@ def test_dflash_outputs_equal_plain_and_metrics_equal_summed_response_stats(plai
     assert delta("blockdraft_spec_decode_num_accepted_tokens_total") == total["num_accepted_tokens"]
     for i, count in total["pos"].items():
         assert delta(f'blockdraft_spec_decode_num_accepted_tokens_per_pos_total{{position="{i + 1}"}}') == count
+    for i, count in total["drafted_pos"].items():  # the denominators of the per-position rates
+        assert delta(f'blockdraft_spec_decode_num_drafts_per_pos_total{{position="{i + 1}"}}') == count
+    assert sum(total["drafted_pos"].values()) == total["num_draft_tokens"]
+    assert total["drafted_pos"][0] == total["num_drafts"]  # every verify step drafts position 1
     assert total["num_draft_tokens"] > 0
     assert total["num_accepted_tokens"] > 0, "the tiny drafter no longer gets drafts accepted (see DRAFT_MASK_TOKEN)"
     assert sum(1 for c in total["pos"].values() if c) >= 2  # accepted at more than one position

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from blockdraft.engine.request import SpecStats
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec.dflash.checkpoint import export_drafter
 from blockdraft.spec.draft_vocab import rank_dataset, write_dataset_draft_vocab
@@ -19,9 +20,18 @@ def test_walk_counts_like_greedy_verification():
     drafts = torch.full((7, 3), -1)
     drafts[1] = torch.tensor([2, 3, 7])  # 2 accepted -> next anchor 4
     drafts[4] = torch.tensor([5, 6, 7])  # 2 drafts allowed at most (max_tokens), both accepted
-    assert walk(seq, drafts, 1, 3, hit_max_tokens=True) == [2, 1]  # the last step may draft only 1
-    s = summarize([2, 0], 3)
+    # (drafts, accepted): the last step may draft only 1 (max_tokens)
+    assert walk(seq, drafts, 1, 3, hit_max_tokens=True) == [(3, 2), (1, 1)]
+    s = summarize([(3, 2), (3, 0)], 3)
     assert s["acceptance_length"] == 2.0 and s["per_position"] == [0.5, 0.5, 0.0]
+
+
+def test_summarize_rates_count_only_the_steps_that_drafted_each_position():
+    """A step cut short by max_tokens never proposed its later positions: not a rejection there."""
+    s = summarize([(3, 3), (1, 1), (3, 0)], 4)
+    assert s["drafted_per_position"] == [3, 2, 2, 0]
+    assert s["per_position"] == [2 / 3, 1 / 2, 1 / 2, None]  # position 4: never drafted, no rate
+    assert s["acceptance_length"] == (4 + 3) / 3 and s["num_steps"] == 3
 
 
 @pytest.mark.parametrize("draft_vocab_size", [0, 40])
@@ -45,3 +55,10 @@ def test_offline_acceptance_equals_the_engines(tmp_path, draft_vocab_size):
     accepted = sum(o.spec.num_accepted_tokens for o in outs)
     assert offline["num_steps"] == steps
     assert offline["acceptance_length"] == (accepted + steps) / steps > 1.0
+    pooled = SpecStats()
+    for o in outs:
+        pooled.merge(o.spec)
+    k = len(offline["drafted_per_position"])  # the engine's lists end at the most drafts of a step
+    assert offline["drafted_per_position"][: len(pooled.drafted_per_position)] == pooled.drafted_per_position
+    assert offline["per_position"][: len(pooled.drafted_per_position)] == pooled.acceptance_rate_per_position()
+    assert all(d == 0 for d in offline["drafted_per_position"][len(pooled.drafted_per_position) : k])

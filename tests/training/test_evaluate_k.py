@@ -41,12 +41,17 @@ def test_explicit_k_wins(tiny):
 
 def test_per_position_lists_have_k_entries_even_when_max_tokens_cuts_the_blocks(tiny):
     """A trial saw 14 entries at K = 15 with --max-tokens 16: every block was cut short of K drafts,
-    so no step drafted the last positions. They are there, at 0 accepted."""
+    so no step drafted the last positions. They are there, at 0 accepted and 0 drafted, without a
+    rate (null); the drafted positions' rates divide by the steps that drafted them, not by all."""
     model, drafter = tiny
     r = evaluate.evaluate_drafter(str(model), str(drafter), num_prompts=2, max_tokens=3)
     assert r.num_speculative_tokens == 7
-    assert len(r.accepted_per_position) == len(r.per_position) == 7
+    assert len(r.accepted_per_position) == len(r.drafted_per_position) == len(r.per_position) == 7
     assert r.accepted_per_position[-1] == 0 and sum(r.accepted_per_position) == r.num_accepted
+    assert r.drafted_per_position[-1] == 0 and r.per_position[-1] is None
+    assert 0 < r.drafted_per_position[0] == r.num_steps  # every verify step drafted position 1
+    assert r.per_position == [a / d if d else None for a, d in zip(r.accepted_per_position, r.drafted_per_position)]
+    assert json.loads(json.dumps(r.to_dict(), allow_nan=False))["per_position"][-1] is None
 
 
 def test_summary_line_reads_the_result(tiny):
