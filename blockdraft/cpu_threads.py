@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import numbers
 import os
 import sys
 import time
@@ -57,11 +58,8 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
     import torch
 
     global _chosen
-    if threads is None and os.environ.get(THREADS_ENV):
-        value = os.environ[THREADS_ENV]
-        if not value.strip().isdecimal() or not value.strip().isascii() or int(value) < 1:
-            raise ValueError(f"${THREADS_ENV} must be an integer >= 1 (CPU threads), got {value!r}")
-        threads = int(value)
+    if threads is None:
+        threads = env_threads()
     if threads is None and not auto:
         return
     if threads is None:
@@ -74,7 +72,7 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
         if chosen < default:
             print(f"blockdraft: {chosen} CPU thread{'s' * (chosen > 1)} for the model's math, not {default}: "
                   f"{available} core{'s' * (available > 1)} available to this process, other processes keep "
-                  f"about {busy:.1f} of them busy (--threads N or ${THREADS_ENV} sets it)", file=sys.stderr,
+                  f"about {busy:.1f} of them busy (--threads N, LLM(threads=N) or ${THREADS_ENV} sets it)", file=sys.stderr,
                   flush=True)  # fmt: skip
             torch.set_num_threads(chosen)
         return
@@ -82,6 +80,20 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
         raise ValueError(f"--threads must be an integer >= 1, got {threads}")
     torch.set_num_threads(threads)
     _chosen = True
+
+
+def env_threads() -> int | None:
+    """$BLOCKDRAFT_THREADS as an integer, None when unset or empty.
+
+    Raises:
+        ValueError: set to anything but an integer >= 1 (names the value).
+    """
+    value = os.environ.get(THREADS_ENV)
+    if not value:
+        return None
+    if not value.strip().isdecimal() or not value.strip().isascii() or int(value) < 1:
+        raise ValueError(f"${THREADS_ENV} must be an integer >= 1 (CPU threads), got {value!r}")
+    return int(value)
 
 
 @contextlib.contextmanager
@@ -130,12 +142,13 @@ def remember_torch_default() -> int:
 
 
 def check_threads(threads) -> None:
-    """Check `LLM(threads=...)`: None or an integer >= 1 (CPU threads).
+    """Check `LLM(threads=...)`: None or an integer >= 1 (CPU threads; a numpy integer is one).
 
     Raises:
         ValueError: anything else (a bool, a float, 0, -1), naming the value.
     """
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, numbers.Integral)
+                                or threads < 1):  # numpy integers too, as SamplingParams takes them
         from blockdraft.errors import param_error
 
         raise param_error("threads", f"threads must be None or an integer >= 1 (CPU threads), got {threads!r}")
@@ -147,8 +160,8 @@ def engine_threads(threads: int | None, device: str) -> None:
     threads: torch's CPU threads (an integer >= 1), applied whatever the device (a GPU engine's
     host work runs on them too). None: a command's pending choice if any (`command_threads`);
     else nothing when this process already chose (a command's flag, an earlier engine: they share
-    torch's one setting) or when torch's count is no longer its default (the user set it: kept);
-    else $BLOCKDRAFT_THREADS, else on `device` ("cpu" | "cuda") "cpu" the automatic choice
+    torch's one setting) or when torch's count is no longer its default (the user set it: kept;
+    $BLOCKDRAFT_THREADS is then only checked); else $BLOCKDRAFT_THREADS, else on `device` ("cpu" | "cuda") "cpu" the automatic choice
     (`set_threads`, which may say so on stderr), on a GPU torch's default.
 
     Raises:
@@ -159,12 +172,13 @@ def engine_threads(threads: int | None, device: str) -> None:
     check_threads(threads)
     if threads is not None:
         _auto_pending = False  # the engine's own count: no load sample for a choice it replaces
-        set_threads(threads)
+        set_threads(int(threads))
         return
     apply_pending_threads()
     import torch
 
     if _chosen or torch.get_num_threads() != remember_torch_default():
+        env_threads()  # not applied (a count was chosen before), still checked: a typo is not silent
         return
     set_threads(None, auto=device == "cpu")
 

@@ -1,7 +1,9 @@
 """--threads and its default: torch's thread count minus the cores other processes keep busy."""
 
 import os
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,8 +151,14 @@ def test_engine_threads_explicit_environment_gpu_and_user_set(restore_threads, m
     torch.set_num_threads(3)  # the user's own torch.set_num_threads: not torch's default (2), kept
     engine_threads(None, "cpu")
     assert torch.get_num_threads() == 3 and capsys.readouterr().err == ""
-    for bad in (0, -1, True, 1.5, "2"):
-        with pytest.raises(ValueError, match=rf"threads must be None or an integer >= 1 \(CPU threads\), got {bad!r}"):
+    monkeypatch.setenv(THREADS_ENV, "abc")  # kept count, but a typo in the variable is still an error
+    with pytest.raises(ValueError, match=r"\$BLOCKDRAFT_THREADS must be an integer >= 1 \(CPU threads\), got 'abc'"):
+        engine_threads(None, "cpu")
+    monkeypatch.delenv(THREADS_ENV)
+    engine_threads(np.int64(1), "cpu")  # a numpy integer is an integer
+    assert torch.get_num_threads() == 1
+    for bad in (0, -1, True, 1.5, "2", np.float64(2.0)):
+        with pytest.raises(ValueError, match=rf"threads must be None or an integer >= 1 \(CPU threads\), got {re.escape(repr(bad))}"):
             engine_threads(bad, "cpu")
 
 

@@ -52,11 +52,9 @@ class EvalResult:
     def per_position(self) -> list[float | None]:
         """Acceptance rate of each draft position 1..K: steps that accepted draft i / steps that
         drafted position i (not all steps: near --max-tokens a step drafts fewer than K). None
-        (JSON null) for a position no step drafted; [] without any verify step."""
+        (JSON null) for a position no step drafted (every position without any verify step)."""
         from blockdraft.engine.request import per_position_rates  # here: that module imports torch
 
-        if not self.num_steps:
-            return []
         return per_position_rates(self.accepted_per_position, self.drafted_per_position)
 
     def to_dict(self) -> dict:
@@ -158,10 +156,11 @@ def _release_device_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def speed_hint(r: EvalResult, draft: str | Path) -> str | None:
+def speed_hint(r: EvalResult, draft: str | Path, whole_block: bool = True) -> str | None:
     """A note when the timed K is not the K decoding uses on this device (the drafter's
     speculative.json) and the run came out slower than plain: eval-drafter's default K (the whole
-    block) measures acceptance, and on a CPU verifying 16 rows costs more than it saves."""
+    block) measures acceptance, and on a CPU verifying 16 rows costs more than it saves.
+    whole_block: K was left at that default (False: the user chose K)."""
     from blockdraft.spec.dflash.checkpoint import recommended_num_speculative_tokens
 
     if r.identical_to_plain is None or not r.seconds or r.plain_seconds / r.seconds >= 1.0:
@@ -169,9 +168,10 @@ def speed_hint(r: EvalResult, draft: str | Path) -> str | None:
     k = recommended_num_speculative_tokens(draft, r.device)
     if k is None or k == r.num_speculative_tokens:
         return None
-    return (f"note: K={r.num_speculative_tokens} measures the whole block's acceptance; generate / demo / serve "
-            f"decode with K={k} on {r.device} for this drafter (its speculative.json): add "
-            f"--num-speculative-tokens {k} to time that")
+    what = (f"K={r.num_speculative_tokens} (the whole block) measures acceptance" if whole_block
+            else f"this run timed K={r.num_speculative_tokens}")
+    return (f"note: {what}; generate / demo / serve decode with K={k} on {r.device} for this drafter (its "
+            f"speculative.json): add --num-speculative-tokens {k} to time that")
 
 
 def summary_line(r: EvalResult, drafter: str | None = None) -> str:
@@ -195,11 +195,15 @@ def plot_per_position(results: dict[str, list[float | None]], path: str, title: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, rates in results.items():
         ys = [float("nan") if r is None else r for r in rates]  # NaN: matplotlib leaves a gap
         ax.plot(range(1, len(rates) + 1), ys, marker="o", label=label)
+    longest = max((len(r) for r in results.values()), default=0)
+    ax.set_xlim(0.5, max(longest, 1) + 0.5)  # every position 1..K, drafted or not
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # positions are whole numbers
     ax.set_xlabel("draft position i")
     ax.set_ylabel("P(>= i accepted | >= i drafted)")
     ax.set_ylim(0, 1)
@@ -250,12 +254,13 @@ def main(args) -> int:
     out = result.to_dict() | {"target": args.target, "draft": str(draft)}
     print(json.dumps(out, indent=1, allow_nan=False))
     print(summary_line(result, named), file=sys.stderr)
-    hint = speed_hint(result, draft)
+    hint = speed_hint(result, draft, whole_block=args.num_speculative_tokens is None)
     if hint:
         print(hint, file=sys.stderr)
     if args.plot:
         tau = "n/a" if result.acceptance_length is None else f"{result.acceptance_length:.2f}"
         label = f"{args.dataset} T={args.temperature:g} (tau {tau})"
-        shown = "/".join(Path(draft).parts[-2:])  # a train-drafter run's folder is OUT/drafter: name OUT too
+        # the shipped one by that name (its folder is a cache path); a train-drafter run's folder is OUT/drafter: name OUT too
+        shown = named if named == "shipped" else "/".join(Path(draft).parts[-2:])
         plot_per_position({label: result.per_position}, args.plot, f"{args.target} + drafter {shown}")
     return 0

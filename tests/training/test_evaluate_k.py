@@ -99,7 +99,8 @@ def test_no_verify_step_gives_null_not_nan(tiny, capsys):
         raise ValueError(f"non-standard JSON constant {constant}")
 
     out = json.loads(captured.out, parse_constant=refuse)
-    assert out["num_steps"] == 0 and out["acceptance_length"] is None and out["per_position"] == []
+    assert out["num_steps"] == 0 and out["acceptance_length"] is None
+    assert out["per_position"] == [None] * 7 and out["drafted_per_position"] == [0] * 7  # one entry per K, as the counts
     assert "acceptance length n/a (K=7" in captured.err
 
 
@@ -136,8 +137,10 @@ def test_a_slower_whole_block_run_points_to_the_k_decoding_uses(tiny):
     slow = evaluate.EvalResult("humaneval", 0.0, 2, 6, num_steps=4, num_accepted=4, num_output_tokens=12, seconds=2.0,
                                plain_seconds=1.0, identical_to_plain=True, num_speculative_tokens=7)
     hint = evaluate.speed_hint(slow, drafter)
-    assert hint.startswith("note: K=7 measures the whole block's acceptance; generate / demo / serve decode with K=1 "
+    assert hint.startswith("note: K=7 (the whole block) measures acceptance; generate / demo / serve decode with K=1 "
                            "on cpu for this drafter") and hint.endswith("--num-speculative-tokens 1 to time that")
+    chosen = evaluate.speed_hint(slow, drafter, whole_block=False)  # --num-speculative-tokens 7 given: not "whole"
+    assert chosen.startswith("note: this run timed K=7; generate / demo / serve decode with K=1 on cpu"), chosen
     assert evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "seconds": 0.5}), drafter) is None  # faster
     assert evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "num_speculative_tokens": 1}), drafter) is None
     assert evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "identical_to_plain": None}), drafter) is None
