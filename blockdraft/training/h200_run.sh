@@ -128,6 +128,14 @@ VAL=${VAL:-}  # session 33, non-empty: gpu_run --val-fraction VAL (held-out vali
 TEST_WORKERS=${TEST_WORKERS:-8}
 PROFILE=${PROFILE:-1}  # empty: no 8B profile after the bench
 BENCH_BATCHES=${BENCH_BATCHES:-1,8,32}  # the bench of the trained drafter on the real model
+# Session 44: the target of train_fast, a catalog name. The work folder keeps its name ($W/qwen: pack6,
+# snapshot and packdata read it) whichever the target; its prep is PARTS/base/<T_PREP> (`gpu_run prep`).
+TARGET=${TARGET:-qwen2.5-coder-0.5b-instruct}
+case "$TARGET" in
+  qwen2.5-coder-0.5b-instruct) T_SHA=$QWEN_SHA T_PREP=qwen T_MLP=1024 ;;  # the shipped drafters' MLP widths
+  smollm2-135m-instruct) T_SHA=$SMOL_SHA T_PREP=smol T_MLP=1536 ;;
+  *) echo "h200_run.sh: TARGET must be qwen2.5-coder-0.5b-instruct or smollm2-135m-instruct, got '$TARGET'" >&2; exit 1 ;;
+esac
 prepare4() {
   local P=$1 d missing=""
   # The GPU tests load the shipped drafters from this copy (session 30: copied after model.int8 had
@@ -161,8 +169,8 @@ train_fast() {
     exit 1
   fi
   mkdir -p "$W/qwen" || exit 1
-  cat /tmp/blobs/blob.* > /tmp/bdc/gguf/qwen.gguf || exit 1
-  echo "$QWEN_SHA  /tmp/bdc/gguf/qwen.gguf" | sha256sum -c || exit 1
+  cat /tmp/blobs/blob.* > "/tmp/bdc/gguf/$TARGET.gguf" || exit 1
+  echo "$T_SHA  /tmp/bdc/gguf/$TARGET.gguf" | sha256sum -c || exit 1
   cp "$INIT" "$W/init.safetensors" || exit 1
   [ -z "$EVAL" ] || cp "$EVAL" "$W/eval_sequences.safetensors" || exit 1
   local tarball
@@ -176,11 +184,11 @@ train_fast() {
   local drafters
   drafters=$(python3 -c '
 import json, sys
-w, layers, int8, b = sys.argv[1:]
-a = {"name": "A", "num_layers": int(layers), "intermediate_size": 1024, "num_feature_layers": 3,
+w, layers, int8, b, mlp = sys.argv[1:]
+a = {"name": "A", "num_layers": int(layers), "intermediate_size": int(mlp), "num_feature_layers": 3,
      "init_from": w + "/init.safetensors", **({"int8": True} if int8 else {})}
-print(json.dumps([a] + ([{**a, **json.loads(b), "name": "B"}] if b else []), separators=(",", ":")))' "$W" "$LAYERS" "$INT8" "$B") || exit 1
-  local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep /tmp/base/qwen --work $W/qwen \
+print(json.dumps([a] + ([{**a, **json.loads(b), "name": "B"}] if b else []), separators=(",", ":")))' "$W" "$LAYERS" "$INT8" "$B" "$T_MLP") || exit 1
+  local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/$TARGET.gguf --prep /tmp/base/$T_PREP --work $W/qwen \
       --drafters '$drafters' --gen-seconds $GEN_SECONDS --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
       --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE --cache-host-gib $CACHE_HOST ${GREEDY:+--greedy-labels} \
       --ckpt-every 500 --train-seconds $TRAIN --lr $LR --seed $SEED ${MAX_EPOCHS:+--max-epochs $MAX_EPOCHS} ${VAL:+--val-fraction $VAL} \
@@ -188,11 +196,11 @@ print(json.dumps([a] + ([{**a, **json.loads(b), "name": "B"}] if b else []), sep
   # The GGUF is converted once, before the GPU tests and the engine (gpu_run --gen-engine) read it.
   # If the engine-answered run fails, the same run with transformers generate follows.
   setsid nohup bash -c "
-    python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/qwen.gguf\"))' || exit 1
+    python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/$TARGET.gguf\"))' || exit 1
     [ -z \"$GPU_TESTS\" ] || (cd /tmp/tcode && PYTHONPATH=/tmp/site:/tmp/tcode setsid nohup bash -c \"python3 -m pytest -q -n $TEST_WORKERS \
       -p xdist $GPU_TESTS; echo GPU-TESTS-DONE\" > /tmp/gputests.log 2>&1 < /dev/null &)
     { ${ENGINE:+$run --gen-engine --synth-samples $SYNTH --synth-seconds $SYNTH_SECONDS --synth-max-tokens $SYNTH_MAX_TOKENS ${OPENERS:+--synth-openers general} || } $run ; } &&
-    python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
+    python3 -m blockdraft.cli bench --model $TARGET --draft $W/qwen/A/export \
       --draft-vocab-size 32768 --batch-sizes $BENCH_BATCHES --max-tokens 128 --out $W/bench-real ;
     ${PROFILE:+python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
       --out $W/profile-qwen3-8b-b1.json --trace $W/trace-qwen3-8b-b1.json.gz > $W/profile-qwen3-8b-b1.txt 2>&1 ;}

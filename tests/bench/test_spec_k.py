@@ -55,9 +55,9 @@ def test_table_and_choice_over_draft_vocabulary_sizes():
 
 
 def test_draft_auto_measures_the_shipped_drafter_even_where_auto_would_skip_it(capsys):
-    """SmolLM2's drafter is recorded slower than plain on the CPU, so `--draft auto` elsewhere
-    decodes plainly; spec_k measures a drafter, so here auto is the shipped one (it crashed on the
-    missing folder): the run gets as far as checking --ks against that drafter."""
+    """spec_k measures a drafter, so `--draft auto` is the shipped one even where auto elsewhere
+    would decode plainly (a speculative.json with draft_auto false; it crashed on the missing
+    folder): the run gets as far as checking --ks against that drafter."""
     from blockdraft.bench.spec_k import main
 
     with pytest.raises(SystemExit) as e:

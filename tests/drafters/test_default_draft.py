@@ -48,19 +48,35 @@ def test_auto_picks_the_shipped_drafter_for_catalog_models_and_nothing_otherwise
     assert resolve_draft("/some/drafter", QWEN) == "/some/drafter"
 
 
-def test_auto_decodes_plainly_where_the_shipped_drafter_measured_slower(tmp_path, caplog):
-    """SmolLM2's drafter measured 0.97x plain on a CPU (its speculative.json says draft_auto: false
-    at the top level, which speaks for the CPU only): auto skips it there, with a warning naming
-    the file and how to speculate anyway; shipped, K or a draft vocabulary still take it."""
-    assert resolve_draft("auto", SMOL, cache_dir=tmp_path, device_type="cpu") is None
-    assert re.search(r"slower than plain decoding on cpu \(fastest: K = \d+ at 0\.\d\dx\)", caplog.text)
-    assert "--draft shipped" in caplog.text and not (tmp_path / "drafters").exists()  # nothing expanded
-    smol = str(shipped_drafter(SMOL, cache_dir=tmp_path))
-    assert resolve_draft("auto", SMOL, cache_dir=tmp_path, device_type="cuda") == smol
-    assert resolve_draft("shipped", SMOL, cache_dir=tmp_path, device_type="cpu") == smol
-    assert resolve_draft("auto", SMOL, cache_dir=tmp_path, num_speculative_tokens=1) == smol
-    assert resolve_draft("auto", SMOL, cache_dir=tmp_path, draft_vocab_size=0) == smol  # 0 = full vocabulary
-    assert resolve_draft("auto", QWEN, cache_dir=tmp_path, device_type="cpu") is not None  # 1.31x there
+def test_auto_decodes_plainly_where_the_shipped_drafter_measured_slower(tmp_path, caplog, monkeypatch):
+    """A shipped drafter whose speculative.json says draft_auto: false at the top level (it
+    measured slower than plain decoding on a CPU; SmolLM2's did until session 44, 0.97x): auto
+    skips it there, with a warning naming the file and how to speculate anyway; shipped, K or a
+    draft vocabulary still take it."""
+    import blockdraft.drafters as drafters
+
+    shipped = tmp_path / "shipped"
+    shutil.copytree(SHIPPED_DIR / SMOL, shipped / SMOL)
+    spec = json.loads((shipped / SMOL / "speculative.json").read_text())
+    spec.update(draft_auto=False, table=[{"k": 3, "speedup": 0.97}])
+    (shipped / SMOL / "speculative.json").write_text(json.dumps(spec))
+    monkeypatch.setattr(drafters, "SHIPPED_DIR", shipped)
+    cache = tmp_path / "cache"
+    assert resolve_draft("auto", SMOL, cache_dir=cache, device_type="cpu") is None
+    assert re.search(r"slower than plain decoding on cpu \(fastest: K = 3 at 0\.97x\)", caplog.text)
+    assert "--draft shipped" in caplog.text and not (cache / "drafters").exists()  # nothing expanded
+    smol = str(shipped_drafter(SMOL, cache_dir=cache))
+    assert resolve_draft("auto", SMOL, cache_dir=cache, device_type="cuda") == smol
+    assert resolve_draft("shipped", SMOL, cache_dir=cache, device_type="cpu") == smol
+    assert resolve_draft("auto", SMOL, cache_dir=cache, num_speculative_tokens=1) == smol
+    assert resolve_draft("auto", SMOL, cache_dir=cache, draft_vocab_size=0) == smol  # 0 = full vocabulary
+
+
+def test_both_shipped_drafters_measured_faster_than_plain_on_a_cpu(tmp_path):
+    """The shipped speculative.json files: Qwen's drafter 1.31x (session 22), SmolLM2's 1.16x at
+    K = 3 (session 44's drafter; 0.97x before): auto takes both on the CPU."""
+    for name in (QWEN, SMOL):
+        assert resolve_draft("auto", name, cache_dir=tmp_path, device_type="cpu") is not None, name
 
 
 def test_draft_auto_flag_per_device_type(tmp_path):

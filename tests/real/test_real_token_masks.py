@@ -19,7 +19,7 @@ COUNT = [{"role": "user", "content": "Count from 1 to 20, separated by spaces."}
 @pytest.fixture(scope="module")
 def engines():
     target = load_target(NAME, "float32")
-    return LLM(target=target, draft="shipped"), LLM(target=target)  # "auto" decodes plainly on a CPU
+    return LLM(target=target, draft="shipped"), LLM(target=target)  # the drafter, and plain decoding
 
 
 def _contains(ids: list[int], seq: list[int]) -> bool:
