@@ -494,6 +494,7 @@ def _generate(args) -> int:
         draft_s=stats.draft_time_s,  # the drafter (+ verification in a graphed step's tail)
         other_s=max(0.0, seconds - stats.forward_time_s - stats.draft_time_s),
         acceptance_per_position=out.spec.acceptance_rate_per_position(),
+        drafted_per_position=list(out.spec.drafted_per_position),  # the rates' denominators
         num_speculative_tokens=llm.speculator.num_speculative_tokens if llm.speculator is not None else None,
         draft_vocab_size=_draft_vocab_size(llm.speculator),
     )

@@ -42,9 +42,10 @@ def model_info(llm, config: ServerConfig) -> ModelInfo:
 
 def build_app(llm, config: ServerConfig) -> FastAPI:
     """The app serving `llm` (a `blockdraft.llm.LLM`; its engine is driven by the app from now on)."""
-    metrics = Metrics()
+    info = model_info(llm, config)
+    metrics = Metrics(info.num_speculative_tokens)
     engine = AsyncEngine(llm.engine, metrics, max_pending=config.max_pending)
-    ctx = ServerContext(config, model_info(llm, config), engine, _own_copy(llm.tokenizer), TokenText(_own_copy(llm.tokenizer)))
+    ctx = ServerContext(config, info, engine, _own_copy(llm.tokenizer), TokenText(_own_copy(llm.tokenizer)))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -36,7 +36,10 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 class Metrics:
     """The server's metrics. `on_added` / `on_step` run in the engine thread only."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_speculative_tokens: int = 0) -> None:
+        """num_speculative_tokens: the server's K (0: no drafter). The per-position series of
+        positions 1..K exist from the start at 0, as vLLM's do, so a rate's numerator and
+        denominator are both there before a position's first acceptance."""
         r = self.registry = CollectorRegistry()
         p = "blockdraft_"
         self.requests = Counter(p + "requests", "Finished engine requests (one per choice).", ["finish_reason"], registry=r)
@@ -60,6 +63,9 @@ class Metrics:
             p + "spec_decode_num_drafts_per_pos", "Verify steps that drafted this 1-based position.",
             ["position"], registry=r,
         )
+        for position in range(1, num_speculative_tokens + 1):
+            self.accepted_per_pos.labels(position=str(position))
+            self.drafts_per_pos.labels(position=str(position))
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV pages in use.", registry=r)
         self.kv_free = Gauge(p + "kv_cache_free_blocks", "Free KV pages.", registry=r)
         self.kv_total = Gauge(p + "kv_cache_total_blocks", "KV pages in the pool.", registry=r)

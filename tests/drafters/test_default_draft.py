@@ -128,6 +128,9 @@ def test_cli_generate_defaults(tiny, tmp_path, capsys):
                  "--draft", str(drafter)]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["num_speculative_tokens"] == 7 and spec["token_ids"] == plain["token_ids"]
+    drafted, rates = spec["drafted_per_position"], spec["acceptance_per_position"]  # 6 tokens: blocks cut short
+    assert len(drafted) == len(rates) > 0 and drafted == sorted(drafted, reverse=True) and drafted[0] > 0
+    assert all(r is None if d == 0 else 0 <= r <= 1 for r, d in zip(rates, drafted))
     assert main(["generate", "w05x", "--model", str(model), "--num-speculative-tokens", "3"]) == 2
     assert "none ships for model" in capsys.readouterr().err
 

@@ -49,7 +49,7 @@ def test_the_response_extension_carries_the_denominators():
 
 
 def test_metrics_count_drafts_per_position():
-    m = Metrics()
+    m = Metrics(num_speculative_tokens=4)
 
     def value(name, pos):
         return m.registry.get_sample_value(f"blockdraft_{name}_total", {"position": str(pos)})
@@ -61,7 +61,12 @@ def test_metrics_count_drafts_per_position():
     m._observe_spec(spec)  # only the increments since the last step are added
     assert [value("spec_decode_num_drafts_per_pos", i) for i in (1, 2, 3, 4)] == [4, 3, 3, 1]
     assert [value("spec_decode_num_accepted_tokens_per_pos", i) for i in (1, 2, 3)] == [3, 1, 1]
-    assert value("spec_decode_num_accepted_tokens_per_pos", 4) is None  # never accepted: no sample
+    assert value("spec_decode_num_accepted_tokens_per_pos", 4) == 0  # never accepted: a series at 0 from the start
+    assert value("spec_decode_num_drafts_per_pos", 5) is None  # beyond K: no series
+    fresh = Metrics(num_speculative_tokens=2)
+    assert [fresh.registry.get_sample_value(f"blockdraft_spec_decode_num_{n}_total", {"position": p})
+            for n in ("drafts_per_pos", "accepted_tokens_per_pos") for p in ("1", "2")] == [0, 0, 0, 0]
+    assert Metrics().registry.get_sample_value("blockdraft_spec_decode_num_drafts_per_pos_total", {"position": "1"}) is None
     assert m.registry.get_sample_value("blockdraft_spec_decode_num_drafts_total") == 4
 
 
