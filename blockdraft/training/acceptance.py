@@ -100,12 +100,14 @@ def summarize(steps: list[tuple[int, int]], num_speculative_tokens: int) -> dict
 
     per_position[i-1] = steps with >= i accepted / steps with >= i drafted (drafted_per_position):
     a step cut short by max_tokens did not propose its later positions, so it does not count
-    against them. None (JSON null) for a position no step drafted.
+    against them. None (JSON null) for a position no step drafted, and acceptance_length None
+    without any step (JSON has no NaN; the engine's SpecStats says None too).
     """
     n = len(steps)
-    if n == 0:
-        return {"acceptance_length": float("nan"), "num_steps": 0, "per_position": [], "drafted_per_position": []}
     positions = range(1, num_speculative_tokens + 1)
+    if n == 0:
+        return {"acceptance_length": None, "num_steps": 0, "per_position": [None for _ in positions],
+                "drafted_per_position": [0 for _ in positions]}
     drafted = [sum(d >= i for d, _ in steps) for i in positions]
     accepted = [sum(a >= i for _, a in steps) for i in positions]
     per_pos = [a / d if d else None for a, d in zip(accepted, drafted)]
@@ -118,7 +120,7 @@ def offline_acceptance(
     batch_size: int = 8, num_speculative_tokens: int | None = None, draft_vocab: torch.Tensor | None = None,
 ) -> dict:
     """Acceptance over many sequences (pooled over steps, as the engine's aggregate stats are),
-    plus the per-sequence means under "per_sequence". A sequence whose last token is not in
+    plus the per-sequence means under "per_sequence" (None for a sequence without a step). A sequence whose last token is not in
     `eos_ids` is taken to have stopped at max_tokens (see `walk`). draft_vocab: as in
     `draft_every_anchor`."""
     k = num_speculative_tokens or drafter.config.block_size - 1

@@ -438,7 +438,8 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
             for (ds, temp), (ss, starts) in seqs.items():
                 r = offline_acceptance(d, target, ss, starts, eos, batch_size=8, draft_vocab=dv)
                 out[f"{name}/{vname}/{ds}/T{int(temp)}"] = {k: v for k, v in r.items() if k != "per_sequence"}
-                _log(f"{name}/{vname} {ds} T={temp}: acceptance length {r['acceptance_length']:.3f}")
+                tau = "n/a" if r["acceptance_length"] is None else f"{r['acceptance_length']:.3f}"  # no step: None
+                _log(f"{name}/{vname} {ds} T={temp}: acceptance length {tau}")
     return out
 
 

@@ -72,8 +72,9 @@ def replay(args: argparse.Namespace) -> dict:
                 vocab = load_draft_vocab(folder, args.draft_vocab_size, cfg.vocab_size) if args.draft_vocab_size else None
                 r = offline_acceptance(drafter, target, seqs, starts, eos, batch_size=args.batch_size, draft_vocab=vocab)
                 results[f"{folder}/{ds}"] = {k: v for k, v in r.items() if k != "per_sequence"} | {"num_prompts": n}
-                print(f"{folder} {ds} T={args.temperature} prompts={n}: acceptance length "
-                      f"{r['acceptance_length']:.4f}", file=sys.stderr, flush=True)  # fmt: skip
+                tau = "n/a" if r["acceptance_length"] is None else f"{r['acceptance_length']:.4f}"  # no step: None
+                print(f"{folder} {ds} T={args.temperature} prompts={n}: acceptance length {tau}", file=sys.stderr,
+                      flush=True)  # fmt: skip
     return results
 
 

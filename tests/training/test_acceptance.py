@@ -1,5 +1,7 @@
 """The offline acceptance replay equals what the engine measures with the same drafter."""
 
+import json
+
 import pytest
 import torch
 
@@ -32,6 +34,9 @@ def test_summarize_rates_count_only_the_steps_that_drafted_each_position():
     assert s["drafted_per_position"] == [3, 2, 2, 0]
     assert s["per_position"] == [2 / 3, 1 / 2, 1 / 2, None]  # position 4: never drafted, no rate
     assert s["acceptance_length"] == (4 + 3) / 3 and s["num_steps"] == 3
+    none = summarize([], 3)  # no step at all (answers that ended at their first token): valid JSON, no NaN
+    assert none == {"acceptance_length": None, "num_steps": 0, "per_position": [None] * 3, "drafted_per_position": [0] * 3}
+    json.dumps(none, allow_nan=False)
 
 
 @pytest.mark.parametrize("draft_vocab_size", [0, 40])
