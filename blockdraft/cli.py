@@ -423,7 +423,10 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
     e.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="drafts per step K (default: the drafter's whole block, block_size - 1)")
     add_draft_vocab_size_flag(e)
-    e.add_argument("--compare-plain", action="store_true", help="also decode without the drafter: equality + speedup")
+    e.add_argument("--compare-plain", action="store_true",
+                   help="also decode without the drafter: equality + speedup (both decode every prompt at once, "
+                        "up to 16 in flight: a batch, where speculation gains less on a CPU than one request "
+                        "at a time as generate runs; --num-prompts 1 times one)")
     e.add_argument("--plot", default=None, help="write the per-position acceptance plot to this PNG")
     e.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help="target and drafter weights and KV cache (default float32, the reference the acceptance "

@@ -170,8 +170,10 @@ def speed_hint(r: EvalResult, draft: str | Path, whole_block: bool = True) -> st
         return None
     what = (f"K={r.num_speculative_tokens} (the whole block) measures acceptance" if whole_block
             else f"this run timed K={r.num_speculative_tokens}")
+    batch = (f"; this run decoded its {r.num_prompts} prompts together (a batch), generate one request at a time: "
+             f"--num-prompts 1 times that") if r.num_prompts > 1 else ""
     return (f"note: {what}; generate / demo / serve decode with K={k} on {r.device} for this drafter (its "
-            f"speculative.json): add --num-speculative-tokens {k} to time that")
+            f"speculative.json): add --num-speculative-tokens {k} to time that{batch}")
 
 
 def summary_line(r: EvalResult, drafter: str | None = None) -> str:

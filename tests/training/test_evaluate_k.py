@@ -138,7 +138,11 @@ def test_a_slower_whole_block_run_points_to_the_k_decoding_uses(tiny):
                                plain_seconds=1.0, identical_to_plain=True, num_speculative_tokens=7)
     hint = evaluate.speed_hint(slow, drafter)
     assert hint.startswith("note: K=7 (the whole block) measures acceptance; generate / demo / serve decode with K=1 "
-                           "on cpu for this drafter") and hint.endswith("--num-speculative-tokens 1 to time that")
+                           "on cpu for this drafter") and "--num-speculative-tokens 1 to time that; " in hint
+    assert hint.endswith("this run decoded its 2 prompts together (a batch), generate one request at a time: "
+                         "--num-prompts 1 times that")
+    one = evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "num_prompts": 1}), drafter)
+    assert one.endswith("--num-speculative-tokens 1 to time that")  # one prompt: no batch to point out
     chosen = evaluate.speed_hint(slow, drafter, whole_block=False)  # --num-speculative-tokens 7 given: not "whole"
     assert chosen.startswith("note: this run timed K=7; generate / demo / serve decode with K=1 on cpu"), chosen
     assert evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "seconds": 0.5}), drafter) is None  # faster
