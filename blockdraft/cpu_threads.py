@@ -72,8 +72,8 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
         if chosen < default:
             print(f"blockdraft: {chosen} CPU thread{'s' * (chosen > 1)} for the model's math, not {default}: "
                   f"{available} core{'s' * (available > 1)} available to this process, other processes keep "
-                  f"about {busy:.1f} of them busy (--threads N, LLM(threads=N) or ${THREADS_ENV} sets it)", file=sys.stderr,
-                  flush=True)  # fmt: skip
+                  f"about {busy:.1f} of them busy (--threads N, LLM(threads=N) or ${THREADS_ENV} sets it)",
+                  file=sys.stderr, flush=True)  # fmt: skip
             torch.set_num_threads(chosen)
         return
     if threads < 1:
@@ -161,8 +161,9 @@ def engine_threads(threads: int | None, device: str) -> None:
     host work runs on them too). None: a command's pending choice if any (`command_threads`);
     else nothing when this process already chose (a command's flag, an earlier engine: they share
     torch's one setting) or when torch's count is no longer its default (the user set it: kept;
-    $BLOCKDRAFT_THREADS is then only checked); else $BLOCKDRAFT_THREADS, else on `device` ("cpu" | "cuda") "cpu" the automatic choice
-    (`set_threads`, which may say so on stderr), on a GPU torch's default.
+    $BLOCKDRAFT_THREADS is then only checked); else $BLOCKDRAFT_THREADS, else on `device`
+    ("cpu" | "cuda") "cpu" the automatic choice (`set_threads`, which may say so on stderr), on a
+    GPU torch's default.
 
     Raises:
         ValueError: threads not None or an integer >= 1 (check_threads, naming the value), or

@@ -71,13 +71,12 @@ def test_stops_inside_the_answers_equal_plain_decoding(engines, plain_greedy):
     assert len(out[0].token_ids) <= 13 and stop_text not in out[1].text
 
 
+@pytest.mark.parametrize("engines", [NAME], indirect=True)  # Qwen2.5's <|endoftext|>: the Qwen target only
 def test_endoftext_ends_a_raw_completion_as_in_vllm(engines):
     """<|endoftext|> (151643) is in Qwen2.5's generation_config.json eos ids, which vLLM adds to the
     stop token ids and a GGUF does not carry: decoding stops there, with no text and the id as
     stop_reason, with the drafter as without it."""
     spec, plain = engines
-    if spec.target.config.vocab_size != 151936:
-        pytest.skip("Qwen2.5's <|endoftext|>: the Qwen target only")
     assert spec.engine.eos_token_ids == plain.engine.eos_token_ids == (151643, 151645)
     # a finished chat turn: the model's next token is <|endoftext|> (checked under ignore_eos)
     prompt = "<|im_start|>user\nCapital of France? One word.<|im_end|>\n<|im_start|>assistant\nParis<|im_end|>\n"
