@@ -469,6 +469,10 @@ def _generate(args) -> int:
     )
     # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)
     check_logprobs_limit(params, DEFAULT_MAX_LOGPROBS, remedy="vLLM's default, fixed for the CLI")
+    if params.structured_outputs is not None:  # a regex / schema / grammar that does not parse: now, not after loading
+        from blockdraft.structured.grammar import checked_source
+
+        checked_source(params.structured_outputs)
     if not args.prompt:  # whitespace is a prompt, as in the Python API and vLLM
         raise ValueError("prompt is empty: give a non-empty prompt")
     if args.stream and args.json:

@@ -127,20 +127,23 @@ _OPTIONAL = ("kv_block_size", "num_kv_blocks", "max_num_batched_tokens", "max_nu
 
 def resolve_draft_from_args(args):
     """`--draft` / `--no-draft` (add_draft_flags) resolved for `--model` on `--device`: a drafter
-    folder, or None for plain decoding (blockdraft.drafters.resolve_draft; "auto" may log why it
-    decodes plainly).
+    folder, or None for plain decoding (blockdraft.drafters.resolve_draft). Where "auto" decodes
+    plainly because the drafter measured slower here, "auto" itself: `LLM` resolves it again and
+    logs why after checking the other flags, so that a bad flag's error is not preceded by it.
 
     Raises:
         ValueError / FileNotFoundError: as check_draft_flags and resolve_draft (a flag that needs a
             drafter without one, a missing folder, a shipped drafter that does not exist).
     """
-    from blockdraft.drafters import check_draft_flags, resolve_draft
+    from blockdraft.drafters import AUTO, check_draft_flags, resolve_draft
     from blockdraft.preflight import resolve_device
 
     check_draft_flags(args.draft, args.no_draft, args.num_speculative_tokens, args.draft_vocab_size,
                       args.speculative_disable_by_batch_size)
-    return resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens,
-                         resolve_device(args.device), args.draft_vocab_size)
+    notes: list[str] = []
+    draft = resolve_draft(args.draft, args.model, args.no_draft, args.cache_dir, args.num_speculative_tokens,
+                          resolve_device(args.device), args.draft_vocab_size, notes=notes)
+    return AUTO if notes else draft
 
 
 def llm_from_args(args, draft, max_logprobs: int):

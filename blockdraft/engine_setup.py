@@ -81,7 +81,7 @@ def resolve_disable_by_batch_size(value: int | None, drafter_asked: bool, plain:
     """The runner's disable_by_batch_size (`check_disable_by_batch_size`'d), before any weights load.
 
     drafter_asked: a drafter or speculator was given (draft not None); plain: none resolved
-    (draft="auto" decodes plainly): nothing to disable, None.
+    (draft="auto" decodes plainly): nothing to disable, None, whatever the graph mode.
     Raises:
         ValueError: set without a drafter, or where the graph mode (as resolve_graph_mode) is not
             "off": graphed decode steps always draft in their tail graph.
@@ -93,6 +93,8 @@ def resolve_disable_by_batch_size(value: int | None, drafter_asked: bool, plain:
     if not drafter_asked:
         raise param_error("speculative_disable_by_batch_size", f"speculative_disable_by_batch_size needs a drafter "
                           f"(got {value}): give draft (a drafter folder, 'shipped' or 'auto'), or leave it out")
+    if plain:
+        return None
     mode = resolve_graph_mode(device, enforce_eager, attention_backend, graph_mode)
     if mode != "off":
         test_knob = f" or graph_mode='off' (got graph_mode={graph_mode!r})" if graph_mode is not None else ""
@@ -101,7 +103,7 @@ def resolve_disable_by_batch_size(value: int | None, drafter_asked: bool, plain:
             f"the CUDA-graph code (graph mode {mode!r}), which always drafts: pass enforce_eager=True "
             f"(--enforce-eager){test_knob}"
         ))  # fmt: skip
-    return None if plain else value
+    return value
 
 
 def resolve_mixed_prefill(requested: bool | None, graphs_captured: bool) -> bool:

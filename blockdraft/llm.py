@@ -17,6 +17,7 @@ from blockdraft.config import (
     default_admission_batch_ratio,
 )
 from blockdraft.drafters import check_disable_by_batch_size
+from blockdraft.drafters import logger as drafters_logger
 from blockdraft.engine.gc_heap import frozen_gc_heap
 from blockdraft.engine.outputs import CompletionOutput, RequestOutput
 from blockdraft.engine_setup import (  # noqa: F401  (resolve_*: re-exported, they used to live here)
@@ -204,13 +205,14 @@ class LLM:
         check_batch_invariant(batch_invariant, resolve_device(device), attention_backend)
         if model is None and target is not None:  # "auto" / "shipped" pick the loaded target's drafter
             model = catalog_name(target.path)
+        notes: list[str] = []  # why draft="auto" decodes plainly: said once every setting is checked
         pre = preflight(
             model, draft if speculator is None else None, num_speculative_tokens if speculator is None else None,
             dtype, device, kv_block_size,
             num_kv_blocks, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, cache_dir,
             target_config=target.config if target is not None else None,
             draft_vocab_size=draft_vocab_size if speculator is None else None,
-            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, max_model_len=max_model_len, notes=notes,
         )
         device, cache = pre.device, pre.cache
         sched = dataclasses.replace(  # checks the values before any weights load
@@ -226,6 +228,8 @@ class LLM:
             disable_by_batch_size, speculator is not None or draft is not None, speculator is None and pre.draft is None,
             device, enforce_eager, attention_backend, graph_mode,
         )  # fmt: skip
+        for note in notes:
+            drafters_logger.warning("%s", note)
         cpu_threads.engine_threads(threads, device)  # the settings are checked; before any model work
         self.target = target or model_loader.load_target(str(pre.target_path), dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer

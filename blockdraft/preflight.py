@@ -117,6 +117,7 @@ def preflight(
     draft_vocab_size: int | None = None,
     enable_prefix_caching: bool = False,
     max_model_len: int | None = None,
+    notes: list[str] | None = None,
 ) -> Preflight:
     """Check the settings of an `LLM` (same argument meanings) without loading any weights.
 
@@ -127,6 +128,8 @@ def preflight(
     the size recorded in its speculative.json, else 0 (resolve_draft_vocab_size).
     `max_model_len`: the context length in tokens (None: the model's, capped by the pool); on the
     CPU without num_kv_blocks the pool has CPU_NUM_KV_BLOCKS pages, or as many as it takes.
+    `notes`: where the warning of `draft="auto"` decoding plainly goes instead of the log
+    (resolve_draft), for the caller to log after its own checks.
     Raises:
         ValueError / FileNotFoundError: the first bad setting, naming the value and what is allowed.
     """
@@ -172,7 +175,7 @@ def preflight(
         )
 
         draft = resolve_draft(draft, model, cache_dir=cache_dir, num_speculative_tokens=num_speculative_tokens,
-                              device_type=device, draft_vocab_size=draft_vocab_size)
+                              device_type=device, draft_vocab_size=draft_vocab_size, notes=notes)
     elif num_speculative_tokens is not None:
         raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} needs a drafter: pass draft= a drafter "
                          f"folder, 'shipped' or 'auto' (draft=None decodes plainly)")

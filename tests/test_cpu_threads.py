@@ -207,10 +207,12 @@ def test_command_defers_the_automatic_choice_to_the_first_model_build(restore_th
         assert torch.get_num_threads() == 2
 
 
-@pytest.mark.parametrize("bad", [["--top-p", "2"], ["--model", "no-such-model"]])
+@pytest.mark.parametrize("bad", [["--top-p", "2"], ["--model", "no-such-model"],
+                                 ["--structured-outputs", '{"regex": "("}']])
 def test_cli_argument_error_comes_without_the_thread_notice(bad, restore_threads, monkeypatch, capsys):
-    """A flag error (in the command: top_p; in the engine's checks before the weights load: the
-    model) is reported alone: no thread notice, no load sample, torch's count untouched."""
+    """A flag error (in the command: top_p, a regex that does not parse; in the engine's checks
+    before the weights load: the model) is reported alone: no thread notice, no load sample,
+    torch's count untouched."""
     from blockdraft import cli
 
     _busy_machine(monkeypatch)
@@ -218,3 +220,19 @@ def test_cli_argument_error_comes_without_the_thread_notice(bad, restore_threads
     err = capsys.readouterr().err
     assert err.startswith("error:") and "CPU thread" not in err
     assert torch.get_num_threads() == 2 and cpu_threads._auto_pending is False
+
+
+def test_cli_error_found_after_the_model_loads_is_one_last_line(restore_threads, monkeypatch, capsys, tmp_path):
+    """A prompt longer than --max-model-len needs the tokenizer, so the thread notice (made at the
+    model build) comes first; the error still ends stderr as one `error:` line, exit 2."""
+    from blockdraft import cli
+    from tests.server.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    _busy_machine(monkeypatch)
+    assert cli.main(["generate", " ".join(["w05x"] * 30), "--raw", "--model", str(model), "--device", "cpu",
+                     "--no-draft", "--max-model-len", "20"]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 2 and NOTICE in lines[0], err
+    assert re.fullmatch(r"error: prompt has 30 tokens but the engine's context is 20 tokens \(.*\)", lines[1]), err

@@ -100,7 +100,7 @@ def check_draft_flags(
 
 def resolve_draft(
     draft: str | None, model: str, no_draft: bool = False, cache_dir=None, num_speculative_tokens: int | None = None,
-    device_type: str = "cpu", draft_vocab_size: int | None = None,
+    device_type: str = "cpu", draft_vocab_size: int | None = None, notes: list[str] | None = None,
 ) -> str | None:
     """The CLI's `--draft auto | shipped | PATH` and `--no-draft` -> a drafter folder, or None (plain).
 
@@ -109,7 +109,9 @@ def resolve_draft(
     `shipped` insists on it. `auto` also decodes plainly, with a logged warning, when the shipped
     folder's speculative.json says the drafter measured slower than plain on `device_type`
     ("cpu" | "cuda"; checkpoint.draft_auto_off_reason), unless `num_speculative_tokens` or
-    `draft_vocab_size` (0 included: the full vocabulary) asks for speculation.
+    `draft_vocab_size` (0 included: the full vocabulary) asks for speculation. `notes`: a list
+    that gets that warning instead of the log, for a caller that logs it once its other checks
+    pass (LLM), so that a bad argument's error does not come after it.
     Raises:
         ValueError / FileNotFoundError: `shipped` for a model that is neither a catalog name nor an
             existing path (as `resolve_model_path` names it);
@@ -134,7 +136,10 @@ def resolve_draft(
 
         reason = draft_auto_off_reason(SHIPPED_DIR / model, device_type)
         if reason is not None:  # checked on the shipped folder: no int8 pack is expanded for nothing
-            logger.warning("%s", reason)
+            if notes is None:
+                logger.warning("%s", reason)
+            else:
+                notes.append(reason)
             return None
     path = shipped_drafter(model, cache_dir=cache_dir)
     if path is not None:

@@ -187,31 +187,45 @@ class GrammarCompiler:
         return template
 
     def _checked_source(self, params: StructuredOutputsParams) -> str:
-        """The llguidance grammar of `params`, checked against the tokenizer; an error names the
-        field it comes from (whitespace_pattern and structural tags' schemas are checked alone)."""
-        kind = params.kind
-        if params.whitespace_pattern is not None:
-            self._validate("whitespace_pattern", _llguidance().LLMatcher.grammar_from_regex(params.whitespace_pattern))
-        try:
-            source = grammar_source(params)
-        except RecursionError:  # a schema nested past Python's limit (deepcopy, _close_objects)
-            raise param_error(kind, f"structured_outputs.{kind} is nested too deeply") from None
-        except (ValueError, TypeError) as e:
-            if getattr(e, "param", None):
-                raise
-            raise param_error(kind, f"structured_outputs.{kind} is invalid: {e}") from None
-        if kind == "structural_tag":  # nested grammars are compiled lazily: check each schema now
-            tag = params.structural_tag
-            for s in (json.loads(tag) if isinstance(tag, str) else tag)["structures"]:
-                self._validate(kind, _json_grammar(params, s["schema"]), f" (the schema of {s['begin']!r})")
-        self._validate(kind, source)
-        return source
+        """The llguidance grammar of `params`, checked against the tokenizer (`checked_source`)."""
+        return checked_source(params, self.ll_tokenizer)
 
-    def _validate(self, field: str, source: str, where: str = "") -> None:
-        """Raise a param_error about `field` when llguidance refuses `source` (warnings pass)."""
-        error = _llguidance().LLMatcher.validate_grammar(source, self.ll_tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise param_error(field, f"structured_outputs.{field}{where} is invalid: {error}")
+
+def checked_source(params: StructuredOutputsParams, ll_tokenizer=None) -> str:
+    """The llguidance grammar (its JSON text) of `params`, checked; an error names the field it
+    comes from (whitespace_pattern and structural tags' schemas are checked alone).
+
+    ll_tokenizer: the llguidance.LLTokenizer to check against (GrammarCompiler's); None checks the
+    constraint alone (a regex, schema or grammar that does not parse), which needs no model: the
+    CLI refuses such a constraint before the model loads, and the engine checks it again.
+    Raises:
+        ValueError: naming the constraint's field and llguidance's message.
+    """
+    kind = params.kind
+    if params.whitespace_pattern is not None:
+        _validate("whitespace_pattern", _llguidance().LLMatcher.grammar_from_regex(params.whitespace_pattern),
+                  ll_tokenizer)
+    try:
+        source = grammar_source(params)
+    except RecursionError:  # a schema nested past Python's limit (deepcopy, _close_objects)
+        raise param_error(kind, f"structured_outputs.{kind} is nested too deeply") from None
+    except (ValueError, TypeError) as e:
+        if getattr(e, "param", None):
+            raise
+        raise param_error(kind, f"structured_outputs.{kind} is invalid: {e}") from None
+    if kind == "structural_tag":  # nested grammars are compiled lazily: check each schema now
+        tag = params.structural_tag
+        for s in (json.loads(tag) if isinstance(tag, str) else tag)["structures"]:
+            _validate(kind, _json_grammar(params, s["schema"]), ll_tokenizer, f" (the schema of {s['begin']!r})")
+    _validate(kind, source, ll_tokenizer)
+    return source
+
+
+def _validate(field: str, source: str, ll_tokenizer, where: str = "") -> None:
+    """Raise a param_error about `field` when llguidance refuses `source` (warnings pass)."""
+    error = _llguidance().LLMatcher.validate_grammar(source, ll_tokenizer)
+    if error and not error.startswith("WARNING"):
+        raise param_error(field, f"structured_outputs.{field}{where} is invalid: {error}")
 
 
 class RequestGrammar:

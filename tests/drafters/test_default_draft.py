@@ -72,6 +72,33 @@ def test_auto_decodes_plainly_where_the_shipped_drafter_measured_slower(tmp_path
     assert resolve_draft("auto", SMOL, cache_dir=cache, draft_vocab_size=0) == smol  # 0 = full vocabulary
 
 
+def test_cli_auto_says_it_decodes_plainly_only_once_the_flags_are_checked(tiny, tmp_path, caplog, monkeypatch, capsys):
+    """generate / serve --draft auto where the shipped drafter measured slower: a bad flag's error
+    comes alone, not after the warning (the engine says it once its checks pass); good flags get
+    the warning and plain decoding."""
+    import blockdraft.drafters as drafters
+    import blockdraft.weights.fetch as fetch
+
+    model, _ = tiny
+    shipped = tmp_path / "shipped"
+    shutil.copytree(SHIPPED_DIR / SMOL, shipped / SMOL)
+    spec = json.loads((shipped / SMOL / "speculative.json").read_text())
+    (shipped / SMOL / "speculative.json").write_text(json.dumps(spec | {"draft_auto": False}))
+    monkeypatch.setattr(drafters, "SHIPPED_DIR", shipped)
+    real = fetch.resolve_model_path  # SMOL's name, the tiny model's files: no download
+    monkeypatch.setattr(fetch, "resolve_model_path", lambda m, cache_dir=None: model if m == SMOL else real(m, cache_dir))
+    base = ["--model", SMOL, "--device", "cpu"]
+    for command in (["generate", "w05x"], ["serve", "--port", "0"]):
+        for flags in (["--max-model-len", "0"], ["--gpu-memory-utilization", "0"]):
+            caplog.clear()
+            assert main([*command, *base, *flags]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and "(--" in err and "slower than plain" not in caplog.text + err, err
+    assert main(["generate", "w05x", *base, "--max-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_speculative_tokens"] is None
+    assert "slower than plain decoding on cpu" in caplog.text
+
+
 def test_both_shipped_drafters_measured_faster_than_plain_on_a_cpu(tmp_path):
     """The shipped speculative.json files: Qwen's drafter 1.31x (session 22), SmolLM2's 1.16x at
     K = 3 (session 44's drafter; 0.97x before): auto takes both on the CPU."""

@@ -106,6 +106,17 @@ def test_generate_and_serve_refuse_a_bad_drafter_before_loading_the_target(tiny,
         (["--enable-fp32-lm-head", "--device", "cpu"],
          "enable_fp32_lm_head (--enable-fp32-lm-head) runs on CUDA only, the device is 'cpu': leave it off there"),
         (["--batch-invariant", "--device", "cpu"], "batch_invariant (--batch-invariant) runs on CUDA only, the device is 'cpu'"),
+        # constraints that do not parse: checked without the tokenizer (the engine checks again with it)
+        (["--structured-outputs", '{"regex": "("}'], "error: structured_outputs.regex (--structured-outputs) is invalid: "),
+        (["--structured-outputs", '{"json": {"type": "nope"}}'],
+         "error: structured_outputs.json (--structured-outputs) is invalid: Invalid type: nope"),
+        (["--structured-outputs", '{"grammar": "start: foo"}'],
+         "error: structured_outputs.grammar (--structured-outputs) is invalid: "),
+        (["--structured-outputs", '{"json_object": true, "whitespace_pattern": "["}'],
+         "error: structured_outputs.whitespace_pattern (--structured-outputs) is invalid: "),
+        (["--structured-outputs", '{"structural_tag": {"triggers": ["<f"], "structures": [{"begin": "<f>", '
+                                  '"schema": {"type": "nope"}, "end": "</f>"}]}}'],
+         "error: structured_outputs.structural_tag (--structured-outputs) (the schema of '<f>') is invalid"),
     ],
 )
 def test_generate_refuses_bad_values_before_loading(tiny, capsys, flags, expected):
