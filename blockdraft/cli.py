@@ -404,7 +404,7 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
                                    "of each draft position (over the steps that drafted it), pooled over every "
                                    "prompt, at K = the drafter's whole block unless --num-speculative-tokens. "
                                    "Writes every figure as one JSON object on stdout and a one-line summary "
-                                   "naming the drafter on stderr; "
+                                   "naming the drafter on stderr (--json PATH also writes the object to a file); "
                                    "--compare-plain also decodes without the drafter (identical output, "
                                    "speedup on this machine) and --plot draws the per-position rates to a PNG.")
     e.add_argument("--target", "--model", dest="target", default=default_model,
@@ -428,6 +428,8 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
                         "up to 16 in flight: a batch, where speculation gains less on a CPU than one request "
                         "at a time as generate runs; --num-prompts 1 times one)")
     e.add_argument("--plot", default=None, help="write the per-position acceptance plot to this PNG")
+    e.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the JSON object to PATH, the same one stdout gets (default: stdout only)")
     e.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES,
                    help="target and drafter weights and KV cache (default float32, the reference the acceptance "
                         "numbers in docs/ use; auto: what generate / demo / serve run, bf16 for catalog models, "

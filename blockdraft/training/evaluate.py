@@ -222,8 +222,9 @@ def main(args) -> int:
 
     Raises:
         ValueError: --plot empty, a folder, in a missing or unwritable folder, or not an image name
-            matplotlib writes (before any decoding); no drafter ships for --target with --draft
-            shipped / auto / left out; and evaluate_drafter's.
+            matplotlib writes; --json empty, a folder, in a missing or unwritable folder (both
+            before any decoding); no drafter ships for --target with --draft shipped / auto / left
+            out; and evaluate_drafter's.
     """
     from blockdraft.errors import check_writable_file
     from blockdraft.drafters import shipped_drafter
@@ -239,6 +240,10 @@ def main(args) -> int:
         if os.path.splitext(args.plot)[1].lstrip(".").lower() not in formats:
             raise ValueError(f"--plot {args.plot!r}: the file name must end in an image format matplotlib "
                              f"writes ({', '.join('.' + f for f in sorted(formats))}), e.g. 'acceptance.png'")
+    if args.json is not None and not args.json.strip():
+        raise ValueError(f"--json {args.json!r} is empty: give the file to write, e.g. 'eval.json', or leave --json out")
+    if args.json:
+        check_writable_file(args.json, "--json", example="eval.json")
     from blockdraft.preflight import read_target_config
 
     read_target_config(args.target, args.cache_dir)  # an unknown model is named as such, not as "no drafter"
@@ -254,7 +259,10 @@ def main(args) -> int:
                               device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                               enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling)
     out = result.to_dict() | {"target": args.target, "draft": str(draft)}
-    print(json.dumps(out, indent=1, allow_nan=False))
+    text = json.dumps(out, indent=1, allow_nan=False)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
     print(summary_line(result, named), file=sys.stderr)
     hint = speed_hint(result, draft, whole_block=args.num_speculative_tokens is None)
     if hint:

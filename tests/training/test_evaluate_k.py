@@ -148,3 +148,23 @@ def test_a_slower_whole_block_run_points_to_the_k_decoding_uses(tiny):
     assert evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "seconds": 0.5}), drafter) is None  # faster
     assert evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "num_speculative_tokens": 1}), drafter) is None
     assert evaluate.speed_hint(evaluate.EvalResult(**{**slow.__dict__, "identical_to_plain": None}), drafter) is None
+
+
+def test_cli_json_flag_writes_what_stdout_gets(tiny, tmp_path, capsys):
+    """--json PATH: the same document as stdout (which still gets it); a missing folder or an empty
+    value is refused before any decoding, naming the path."""
+    from blockdraft.cli import main
+
+    model, drafter = tiny
+    base = ["eval-drafter", "--target", str(model), "--draft", str(drafter), "--num-prompts", "2", "--max-tokens", "4",
+            "--device", "cpu"]
+    path = tmp_path / "eval.json"
+    assert main([*base, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(path.read_text()) == json.loads(out) and json.loads(out)["num_speculative_tokens"] == 7
+    missing = tmp_path / "no-such-folder" / "eval.json"
+    for value, message in [(str(missing), f"error: --json '{missing}': folder '{missing.parent}' does not exist\n"),
+                           ("", "error: --json '' is empty: give the file to write, e.g. 'eval.json', or leave --json out\n")]:
+        assert main([*base, "--json", value]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err == message, err
