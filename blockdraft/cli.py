@@ -182,7 +182,11 @@ def _parser() -> argparse.ArgumentParser:
                         "the answer ends when the constraint is complete (default: none)")
     add_dtype_flag(g)
     add_cache_dir_flag(g)
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of text (its fields: README); with a drafter, entry i of "
+                        "acceptance_per_position is the acceptance rate of draft position i + 1 (accepted / drafted, "
+                        "null where nothing was drafted) and entry i of drafted_per_position the count of verify "
+                        "steps that drafted it")
     g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="print the answer as it is decoded, step by step (default: on when stdout is a terminal "
                         "and --json is not given); the same tokens either way")
@@ -406,7 +410,12 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
                                    "Writes every figure as one JSON object on stdout and a one-line summary "
                                    "naming the drafter on stderr (--json PATH also writes the object to a file); "
                                    "--compare-plain also decodes without the drafter (identical output, "
-                                   "speedup on this machine) and --plot draws the per-position rates to a PNG.")
+                                   "speedup on this machine) and --plot draws the per-position rates to a PNG. "
+                                   "Per-position lists have K entries, entry i for draft position i + 1: "
+                                   "drafted_per_position and accepted_per_position are counts (verify steps that "
+                                   "drafted it / accepted it), per_position the rates, accepted / drafted (null "
+                                   "where nothing was drafted; generate --json calls them "
+                                   "acceptance_per_position).")
     e.add_argument("--target", "--model", dest="target", default=default_model,
                    help=f"the target model: catalog name, HF folder or .gguf (default {default_model})")
     e.add_argument("--draft", default=None, help="drafter folder, or 'shipped' (default: the one shipped for --target)")

@@ -104,3 +104,13 @@ def test_val_fraction_help_names_the_cap_and_the_default_cadence():
     helps = {a.option_strings[0]: a.help for a in sub.choices["train-drafter"]._actions if a.option_strings}
     assert f"at least 1 and at most {MAX_VAL_SEQUENCES} answers" in helps["--val-fraction"]
     assert f"(default {VAL_EVERY_LOGS} x --log-every)" in helps["--val-every"]
+
+
+def test_per_position_fields_say_which_are_rates_and_which_counts():
+    """generate --json's acceptance_per_position and eval-drafter's per_position are rates,
+    accepted_per_position / drafted_per_position counts: the help says so (the names stay)."""
+    assert ("entry i of acceptance_per_position is the acceptance rate of draft position i + 1 (accepted / drafted, "
+            "null where nothing was drafted) and entry i of drafted_per_position the count of verify steps that "
+            "drafted it") in _help("generate")
+    assert ("drafted_per_position and accepted_per_position are counts (verify steps that drafted it / accepted it), "
+            "per_position the rates, accepted / drafted") in _help("eval-drafter")
