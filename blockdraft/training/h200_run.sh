@@ -150,7 +150,8 @@ prepare4() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
   rm -rf /tmp/tcode && mkdir -p /tmp/tcode /tmp/bdc/gguf /tmp/blobs && cp -r blockdraft tests pyproject.toml /tmp/tcode/ || exit 1
   cp -r "$P/base/cache/downloads" /tmp/bdc/ && cp -r "$P/base" /tmp/base || exit 1
-  if [ -d "$P/keep21" ]; then cp -r "$P/keep21" /tmp/keep21 || exit 1; fi  # kept answers: train_fast DATA
+  local k  # kept answers (PARTS/keepNN/data*.tgz, brought back by snapshot): train_fast's DATA from /tmp/keepNN
+  for k in "$P"/keep*/; do [ ! -d "$k" ] || cp -r "$k" "/tmp/$(basename "$k")" || exit 1; done
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 }
 

@@ -14,9 +14,9 @@
 #                     drafter folder, int8 pack included)
 # PARTS/g1 .. g8      the Qwen2.5-Coder-0.5B GGUF in 63,000,000-byte pieces, one per device call
 # PARTS/init/A-bf16.safetensors   the shipped drafter expanded to bf16: train_fast's INIT
-# PARTS/keep21/       (not made here: session 21's 42,147 answers, data{0,1,2}.tgz, kept since; train_fast
-#                     DATA, see docs/benchmarks/drafter-qwen2.5-coder-0.5b.md "Session 21"; session 13's
-#                     base/keep13/ was lost with an earlier checkout)
+# PARTS/keepNN/       (not made here: answers a session's run brought back with `h200_run.sh snapshot`,
+#                     data*.tgz; prepare4 copies each keep*/ to /tmp/, train_fast's DATA takes them, see
+#                     docs/benchmarks/drafter-qwen2.5-coder-0.5b.md "Session 21" / "Session 22")
 #
 # Device calls then carry PARTS/base (23 MB + the tree: shrink the tree first, see h200_run.sh),
 # then PARTS/g1 .. g8 one per call, within 30 s of each other.
