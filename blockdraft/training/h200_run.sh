@@ -126,7 +126,7 @@ GPU_TESTS=${GPU_TESTS-tests/gpu}  # session 6: the runner tests only (the async 
 MAX_EPOCHS=${MAX_EPOCHS:-}  # session 33, non-empty: gpu_run --max-epochs (its default caps a run at 3 passes over the data)
 VAL=${VAL:-}  # session 33, non-empty: gpu_run --val-fraction VAL (held-out validation every 250 steps, at most 512 answers)
 TEST_WORKERS=${TEST_WORKERS:-8}
-PROFILE=${PROFILE:-1}  # empty: no 8B profile after the bench
+PROFILE=${PROFILE-1}  # empty: no 8B profile after the bench (session 45: `:-` made PROFILE= run it anyway)
 BENCH_BATCHES=${BENCH_BATCHES:-1,8,32}  # the bench of the trained drafter on the real model
 # Session 44: the target of train_fast, a catalog name. The work folder keeps its name ($W/qwen: pack6,
 # snapshot and packdata read it) whichever the target; its prep is PARTS/base/<T_PREP> (`gpu_run prep`).
