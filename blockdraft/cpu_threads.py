@@ -78,8 +78,20 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
         return
     if threads < 1:
         raise ValueError(f"--threads must be an integer >= 1, got {threads}")
+    available = _available_cpus()
+    if available is not None and threads > available:  # the user's count is kept, but said to cost
+        print(f"blockdraft: {threads} CPU threads asked for, more than the {available} core{'s' * (available > 1)} "
+              f"available to this process: the threads take turns on the cores, which stalls torch's math "
+              f"(--threads {available} or fewer is faster)", file=sys.stderr, flush=True)
     torch.set_num_threads(threads)
     _chosen = True
+
+
+def _available_cpus() -> int | None:
+    """The cores this process may run on (its affinity mask, else os.cpu_count()), or None if unknown."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or None
+    return os.cpu_count()
 
 
 def env_threads() -> int | None:

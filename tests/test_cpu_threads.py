@@ -117,6 +117,20 @@ def test_flag_and_environment_win_over_the_automatic_choice(restore_threads, mon
         set_threads(0)
 
 
+def test_a_count_above_the_cores_is_kept_and_said_to_cost(restore_threads, monkeypatch, capsys):
+    """--threads / LLM(threads) / $BLOCKDRAFT_THREADS beyond the cores this process may use: applied
+    as asked (the user's choice), with one line saying what it costs; at most the cores: silent."""
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(cpu_threads, "busy_cpus", lambda *a, **k: pytest.fail("the load must not be read"))
+    set_threads(2)
+    assert torch.get_num_threads() == 2 and capsys.readouterr().err == ""
+    set_threads(8)
+    assert torch.get_num_threads() == 8
+    assert capsys.readouterr().err == (
+        "blockdraft: 8 CPU threads asked for, more than the 2 cores available to this process: the threads take "
+        "turns on the cores, which stalls torch's math (--threads 2 or fewer is faster)\n")
+
+
 def test_fetch_does_not_read_the_load_and_gpu_commands_keep_torch_default(monkeypatch):
     """`fetch` runs no model: no thread choice at all; a command on CUDA keeps torch's default."""
     from blockdraft import cli

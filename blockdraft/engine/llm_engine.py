@@ -170,8 +170,9 @@ class LLMEngine:
                 f"truncate_prompt_tokens={self.max_model_len - room} leaves room for max_tokens={room})")
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens but the engine's context is {self.max_model_len} "
-                f"tokens (max_model_len; by default the smaller of the model's max positions and the KV pool; "
-                f"at most {self.max_model_len - 1} prompt tokens leave room for one output token){cut}"
+                f"tokens (max_model_len: at most {self.max_model_len - 1} prompt tokens leave room for one output "
+                f"token): shorten the prompt or raise max_model_len (the CLI's --max-model-len; its default is the "
+                f"smaller of the model's max positions and the KV pool){cut}"
             )
         return prompt_token_ids
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 
 import torch
@@ -225,7 +226,20 @@ def _validate(field: str, source: str, ll_tokenizer, where: str = "") -> None:
     """Raise a param_error about `field` when llguidance refuses `source` (warnings pass)."""
     error = _llguidance().LLMatcher.validate_grammar(source, ll_tokenizer)
     if error and not error.startswith("WARNING"):
-        raise param_error(field, f"structured_outputs.{field}{where} is invalid: {error}")
+        raise param_error(field, f"structured_outputs.{field}{where} is invalid: {_concise(error)}")
+
+
+# llguidance's regex errors (a regex, a whitespace_pattern, a JSON schema's "pattern"): the regex
+# parser's multi-line report (the pattern, a caret line, "error: ..."), for a regex also an excerpt of
+# the Lark source it was wrapped in (`start: /.../`), whose line and column are not the user's.
+_REGEX_ERROR = re.compile(r"regex parse error:[ \t]*\n[ \t]*(.*?)\n.*?^error: (.*?)$", re.S | re.M)
+
+
+def _concise(error: str) -> str:
+    """llguidance's message about a refused grammar, as one line where it is a regex's: 'invalid
+    regex "[a-": unclosed character class'; other messages as given, trailing whitespace cut."""
+    m = _REGEX_ERROR.search(error)
+    return f'invalid regex "{m.group(1)}": {m.group(2).strip()}' if m else error.rstrip()
 
 
 class RequestGrammar:

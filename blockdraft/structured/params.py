@@ -86,7 +86,7 @@ class StructuredOutputsParams:
         for name in ("json_object", "disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                raise param_error(name, f"structured_outputs.{name} must be True or False, got {value!r}")
+                raise param_error(name, f"structured_outputs.{name} must be a boolean (true or false), got {value!r}")
 
     @property
     def kind(self) -> str:

@@ -222,9 +222,9 @@ def main(args) -> int:
 
     Raises:
         ValueError: --plot empty, a folder, in a missing or unwritable folder, or not an image name
-            matplotlib writes; --json empty, a folder, in a missing or unwritable folder (both
-            before any decoding); no drafter ships for --target with --draft shipped / auto / left
-            out; and evaluate_drafter's.
+            matplotlib writes; --json empty, a folder, in a missing or unwritable folder, or the
+            --plot file (all before any decoding); no drafter ships for --target with --draft
+            shipped / auto / left out; and evaluate_drafter's.
     """
     from blockdraft.errors import check_writable_file
     from blockdraft.drafters import shipped_drafter
@@ -244,6 +244,9 @@ def main(args) -> int:
         raise ValueError(f"--json {args.json!r} is empty: give the file to write, e.g. 'eval.json', or leave --json out")
     if args.json:
         check_writable_file(args.json, "--json", example="eval.json")
+        if args.plot and os.path.realpath(args.json) == os.path.realpath(args.plot):
+            raise ValueError(f"--json {args.json!r} and --plot {args.plot!r} are the same file: the plot would "
+                             f"overwrite the JSON; give each its own file, e.g. --json eval.json --plot acceptance.png")
     from blockdraft.preflight import read_target_config
 
     read_target_config(args.target, args.cache_dir)  # an unknown model is named as such, not as "no drafter"

@@ -21,7 +21,8 @@ def test_an_explicit_context_is_used_and_refused_beyond(target, opts):
     assert llm.engine.max_model_len == 100
     out = llm.generate([[1] * 90], SamplingParams(max_tokens=50, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 10
-    with pytest.raises(ValueError, match="100 tokens but the engine's context is 100 tokens"):
+    with pytest.raises(ValueError, match="100 tokens but the engine's context is 100 tokens .*at most 99 prompt "
+                                         "tokens .*shorten the prompt or raise max_model_len .*--max-model-len"):
         llm.generate([[1] * 100])
 
 

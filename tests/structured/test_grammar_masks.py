@@ -153,6 +153,21 @@ def test_blocking_an_id_in_a_words_top_bit():
     assert _rows(g, []) == [set()]  # ">" and EOS were the only ways on
 
 
+@pytest.mark.parametrize("so, message", [
+    (SO(regex="[a-"), 'structured_outputs.regex is invalid: invalid regex "[a-": unclosed character class'),
+    (SO(json_object=True, whitespace_pattern="(("), 'structured_outputs.whitespace_pattern is invalid: invalid regex '
+                                                    '"((": unclosed group'),
+    (SO(json={"type": "string", "pattern": "[x"}), 'structured_outputs.json is invalid: invalid regex "[x": unclosed '
+                                                   'character class'),
+])
+def test_a_regex_that_does_not_parse_is_one_line_about_the_users_regex(compiler, so, message):
+    """llguidance reports a regex over several lines, with the Lark source it wraps the regex in
+    (`start: /[a-/`): the error keeps the regex and the reason, on one line."""
+    with pytest.raises(ValueError) as e:
+        compiler.check(so)
+    assert str(e.value) == message
+
+
 def test_a_bad_whitespace_pattern_is_named_as_such(compiler):
     with pytest.raises(ValueError, match="structured_outputs.whitespace_pattern is invalid") as e:
         compiler.check(SO(json_object=True, whitespace_pattern="(a"))

@@ -34,8 +34,8 @@ def test_one_constraint_names_its_kind(kw, kind):
     (dict(json="[1, 2]"), ["json", "JSON object"]),
     (dict(json="true"), ["json", "JSON object"]),  # a boolean schema: llguidance takes objects only
     (dict(json=[{"type": "object"}]), ["json", "dict or its JSON text", "list"]),
-    (dict(json_object="yes"), ["json_object", "True or False"]),
-    (dict(regex="a", disable_any_whitespace=1), ["disable_any_whitespace", "True or False"]),
+    (dict(json_object="yes"), ["json_object", "must be a boolean (true or false)"]),
+    (dict(regex="a", disable_any_whitespace=1), ["disable_any_whitespace", "must be a boolean (true or false)"]),
     (dict(json_object=True, whitespace_pattern=""), ["whitespace_pattern", "non-empty string"]),
 ])
 def test_bad_constraints_are_refused_naming_the_field(kw, words):
@@ -67,7 +67,7 @@ def test_a_schema_nested_too_deeply_is_a_value_error():
 
 def test_disable_fallback_is_taken_as_vllm_takes_it():
     assert StructuredOutputsParams(regex="a", disable_fallback=True).disable_fallback
-    with pytest.raises(ValueError, match="disable_fallback must be True or False"):
+    with pytest.raises(ValueError, match=r"disable_fallback must be a boolean \(true or false\)"):
         StructuredOutputsParams(regex="a", disable_fallback="yes")
 
 

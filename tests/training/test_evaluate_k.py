@@ -168,3 +168,7 @@ def test_cli_json_flag_writes_what_stdout_gets(tiny, tmp_path, capsys):
         assert main([*base, "--json", value]) == 2
         out, err = capsys.readouterr()
         assert out == "" and err == message, err
+    png = tmp_path / "same.png"  # the plot would overwrite the JSON: refused, nothing decoded or written
+    assert main([*base, "--json", str(png), "--plot", str(png)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not png.exists() and err.startswith(f"error: --json '{png}' and --plot '{png}' are the same file"), err
