@@ -317,7 +317,8 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
             "max-new-tokens": "tokens per answer", "steps": "optimizer steps", "batch-size": "sequences per step",
             "num-anchors": "draft blocks per sequence per step", "num-layers": "drafter layers",
             "intermediate-size": "drafter MLP width (default: the target's)",
-            "num-feature-layers": "target layers the drafter reads", "log-every": "steps per log line"}
+            "num-feature-layers": "target layers the drafter reads; --init-from: its count, or a larger one whose "
+                                  "ids hold its own", "log-every": "steps per log line"}
     for name, text in what.items():
         key = name.replace("-", "_")
         t.add_argument(f"--{name}", type=int, default=None,
@@ -326,10 +327,12 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                    help="B = 1 anchor + B-1 drafts (default 16, or the --init-from drafter's)")
     t.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from this drafter instead of random weights: a DFlash folder (config.json + "
-                        "*.safetensors or model.int8) or 'shipped' (the one shipped for --target); its feature layers, "
-                        "block size and mask token are kept, and so are its depth and MLP width unless --num-layers / "
-                        "--intermediate-size ask for more (never fewer); new layers and MLP units start silent (zero "
-                        "output projections) so training starts from its acceptance")
+                        "*.safetensors or model.int8) or 'shipped' (the one shipped for --target); its block size "
+                        "and mask token are kept, and so are its depth, MLP width and feature layers unless "
+                        "--num-layers / --intermediate-size / --num-feature-layers ask for more (never fewer; more "
+                        "feature layers must include its target_layer_ids, e.g. 5 of a 24-layer target read [1, 6, "
+                        "11, 16, 21], which hold 3's [1, 11, 21]); new layers, MLP units and feature layers start "
+                        "silent (zero output projections, zero fc columns) so training starts from its acceptance")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="id fed in the draft slots (default: an unused id of the target's vocabulary)")
     t.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence (default 1024)")

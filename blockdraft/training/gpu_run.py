@@ -139,18 +139,21 @@ LOG_EVERY = 25  # steps per train_log.jsonl line
 # Keys of a --drafters entry: the drafter's shape and start, and (OPTIM_KEYS) optimizer settings
 # that may differ between drafters trained together: fit_together shares the batches, not the
 # optimizer, so one run can compare learning rates or loss decays side by side.
-SPEC_KEYS = ("name", "num_layers", "intermediate_size", "num_feature_layers", "int8", "norm_from_target", "init_from")
+SPEC_KEYS = ("name", "num_layers", "intermediate_size", "num_feature_layers", "int8", "norm_from_target", "init_from",
+             "init_target_layer_ids")
 OPTIM_KEYS = ("lr", "gamma", "warmup_frac", "min_lr_ratio", "weight_decay", "grad_clip")
 
 
 def drafter_specs(text: str) -> list[dict]:
     """--drafters parsed and checked: a JSON list of objects, each with a unique "name" and
     "num_layers", and only SPEC_KEYS / OPTIM_KEYS (an OPTIM_KEYS value overrides --lr and the
-    TrainConfig defaults for that drafter alone).
+    TrainConfig defaults for that drafter alone). "init_target_layer_ids" (the target layers the
+    "init_from" weights' fc reads, in order; default: training.build.init_layer_ids) needs "init_from".
 
     Raises:
-        ValueError: not such a list, a missing or repeated name, no num_layers, or an unknown key
-            (the message names it and the keys allowed).
+        ValueError: not such a list, a missing or repeated name, no num_layers, an unknown key
+            (the message names it and the keys allowed), or init_target_layer_ids without init_from
+            or not a non-empty list of distinct integers >= 0.
     """
     try:
         specs = json.loads(text)
@@ -168,7 +171,52 @@ def drafter_specs(text: str) -> list[dict]:
                              f"{list(SPEC_KEYS)} and the optimizer settings {list(OPTIM_KEYS)}")
         if "num_layers" not in spec:
             raise ValueError(f"--drafters entry {spec['name']!r} has no \"num_layers\"")
+        if "init_target_layer_ids" in spec:
+            ids = spec["init_target_layer_ids"]
+            if not spec.get("init_from"):
+                raise ValueError(f"--drafters entry {spec['name']!r}: \"init_target_layer_ids\" names the layers the "
+                                 f"\"init_from\" weights read: it needs \"init_from\"")
+            if (not isinstance(ids, list) or not ids or len(set(ids)) != len(ids)
+                    or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+                raise ValueError(f"--drafters entry {spec['name']!r}: \"init_target_layer_ids\" must be a non-empty "
+                                 f"list of distinct target layer ids (integers >= 0), got {ids!r}")
     return specs
+
+
+def check_inits(specs: list[dict], target_cfg) -> None:
+    """Each "init_from" of `specs` (drafter_specs') is a file whose fc.weight fits the drafter the
+    entry builds on `target_cfg` (a ModelConfig): the init's target layers ("init_target_layer_ids",
+    else derived from its fc width: build.init_layer_ids) all among the drafter's, none dropped
+    (build.feature_block_positions). Reads the safetensors header only: checked before the
+    answering (minutes of GPU time), not only when the drafters are built after it.
+
+    Raises:
+        FileNotFoundError: an init_from that is not a file; ValueError: an fc that does not fit
+            (naming the entry, the file and both id lists).
+    """
+    from safetensors import safe_open
+
+    from blockdraft.training.build import feature_block_positions, feature_layer_ids
+
+    depth, h = target_cfg.num_hidden_layers, target_cfg.hidden_size
+    for spec in specs:
+        if not spec.get("init_from"):
+            continue
+        path, name = Path(spec["init_from"]), spec["name"]
+        if not path.is_file():
+            raise FileNotFoundError(f"--drafters entry {name!r}: init_from {str(path)!r} is not a file")
+        with safe_open(str(path), framework="pt") as f:
+            shape = list(f.get_slice("fc.weight").get_shape()) if "fc.weight" in f.keys() else None
+        if shape is None:  # init_from copies what the file has
+            continue
+        if len(shape) != 2 or shape[0] != h or not shape[1] or shape[1] % h:
+            raise ValueError(f"--drafters entry {name!r}: init_from {str(path)!r} has fc.weight of shape {shape}, "
+                             f"not [{h}, n*{h}] for this target's hidden size {h}")
+        ids = feature_layer_ids(depth, spec.get("num_feature_layers") or spec["num_layers"])  # as new_drafter
+        try:
+            feature_block_positions(ids, shape[1] // h, depth, spec.get("init_target_layer_ids"))
+        except ValueError as e:
+            raise ValueError(f"--drafters entry {name!r} (init_from {str(path)!r}): {e}") from e
 
 
 def run(args) -> dict:
@@ -179,16 +227,17 @@ def run(args) -> dict:
     from blockdraft.training.dataset import TokenDataset
 
     t_start = time.time()
-    drafter_specs(args.drafters)  # a bad --drafters fails here, not after the answering
+    specs = drafter_specs(args.drafters)  # a bad --drafters fails here, not after the answering
+    prep_dir = Path(args.prep)
+    target_cfg = ModelConfig.from_hf_dict(json.loads((prep_dir / "config.json").read_text()))
+    check_inits(specs, target_cfg)  # so does an init_from whose feature layers the drafter cannot keep
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    prep_dir = Path(args.prep)
     with safe_open(str(prep_dir / "prompts.safetensors"), framework="pt") as f:
         info = json.loads(f.metadata()["info"])
         lists = {k: _unpack_lists(f.get_tensor(f"{k}_ids"), f.get_tensor(f"{k}_offsets")) for k in ("train", "humaneval", "mtbench")}
     eos, pad = tuple(info["eos_ids"]), info["pad_id"]
     hf = load_hf_target(Path(args.gguf), prep_dir, args.device)
-    target_cfg = ModelConfig.from_hf_dict(json.loads((prep_dir / "config.json").read_text()))
     _log(f"target loaded ({time.time() - t_start:.0f} s)")
 
     data_dir = work / "data"
@@ -231,7 +280,7 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
     results["val_split"]."""
     from blockdraft.spec.dflash.checkpoint import export_drafter
     from blockdraft.spec.draft_vocab import leading_ids, rank_dataset, write_dataset_draft_vocab
-    from blockdraft.training.build import init_from, new_drafter, num_parameters
+    from blockdraft.training.build import init_from, init_layer_ids, new_drafter, new_feature_layers, num_parameters
     from blockdraft.training.dataset import split_validation
     from blockdraft.training.features import FeatureCache
     from blockdraft.training.target import HFTarget
@@ -268,11 +317,17 @@ def _train(args, hf, target_cfg, data, work: Path, results: dict, eos_ids: tuple
             from safetensors.torch import load_file
 
             state = load_file(spec["init_from"])
-            grown = init_from(d, state)
+            given = spec.get("init_target_layer_ids")  # else derived from its fc width (build.init_layer_ids)
+            grown = init_from(d, state, state_layer_ids=given)
             if inits is not None:
                 inits[spec["name"]] = state
             if grown:
                 _log(f"{spec['name']}: layers {grown} new (zero output projections) on {spec['init_from']}")
+            added = new_feature_layers(d, state, given)
+            if added:  # more target layers than the init reads: theirs start silent
+                _log(f"{spec['name']}: target layers {added} new (zero fc columns) beside the init's "
+                     f"{list(init_layer_ids(d, state, given))}: reading {list(d.config.target_layer_ids)} on "
+                     f"{spec['init_from']}")
         if args.cache_features and features is None:  # one cache: drafters trained together share layer ids
             t0 = time.time()
             train_data, device_bytes = _cacheable(args, data, hf, d.config.target_layer_ids, cfg.max_len)
@@ -376,8 +431,9 @@ def _plan_steps(trainers: list, seconds: float) -> int:
 def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path, inits: dict | None = None) -> dict:
     """Greedy (T=0) and sampled (T=1) target answers to the eval prompts, then offline acceptance of
     every exported drafter (and of its int8 round trip when the spec asks for it); for each drafter
-    in `inits` (name -> init_from state) also of the weights it started from (variant "init") and,
-    when they have the same shape (not grown deeper or wider), of the 0.5 / 0.5 average of the
+    in `inits` (name -> init_from state) also of the weights it started from (variant "init": the
+    trained drafter's shape holding the init's weights, what it grew silent), and, when they have the
+    same shape (not grown deeper, wider or to more feature layers), of the 0.5 / 0.5 average of the
     trained and init weights ("avg")."""
     from blockdraft.drafters.average import weighted_mean
     from blockdraft.drafters.pack import pack, unpack
@@ -415,7 +471,8 @@ def _evaluate(args, hf, target_cfg, lists, eos, pad, trainers: dict, work: Path,
         spec = specs[name]
         if inits and name in inits:  # the starting point on the same sequences: the gain side by side
             variants["init"] = load_drafter(export, target_cfg, dtype=torch.bfloat16, device=args.device)
-            init_from(variants["init"], inits[name])  # grown layers add nothing: the init's drafts
+            # grown layers, MLP units and feature layers add nothing: the init's drafts
+            init_from(variants["init"], inits[name], state_layer_ids=spec.get("init_target_layer_ids"))
             trained = tr.drafter.state_dict()
             shapes = lambda state: {k: tuple(v.shape) for k, v in state.items()}  # noqa: E731
             if shapes(inits[name]) == shapes(trained):  # same depth and width: also their 0.5 / 0.5 average
@@ -464,7 +521,10 @@ def main(argv=None) -> int:
     r.add_argument("--drafters", required=True, help='JSON list of {"name", "num_layers", "intermediate_size", '
                    '"num_feature_layers", "int8" (also evaluate the 8-bit pack), "norm_from_target" (final norm '
                    'starts as the target\'s), "init_from" (fp32 drafter.safetensors to continue from, possibly '
-                   'shallower or narrower), and optimizer settings of that drafter alone: "lr", "gamma", '
+                   'shallower, narrower or reading fewer target layers, whose ids must be among this drafter\'s: '
+                   'new layers, units and fc columns start at zero), "init_target_layer_ids" (the target layers '
+                   'init_from\'s fc reads, in order; default: the "num_feature_layers" rule for its fc width, as '
+                   'new drafters pick them), and optimizer settings of that drafter alone: "lr", "gamma", '
                    '"warmup_frac", "min_lr_ratio", "weight_decay", "grad_clip"}; all train in lockstep on the same batches')
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     r.add_argument("--num-prompts", type=int, default=100000)

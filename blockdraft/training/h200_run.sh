@@ -113,6 +113,9 @@ SYNTH=${SYNTH:-0}
 SYNTH_SECONDS=${SYNTH_SECONDS:-60}  # session 7: 150 (60 s finished 1,510 of 16,384 samples); counts in EXTEND
 SYNTH_MAX_TOKENS=${SYNTH_MAX_TOKENS:-256}  # session 8: 8,037 of 16,384 synthesized requests ran past 256 tokens
 LAYERS=${LAYERS:-2}  # session 7: 4, grown from the 2-layer drafter, shipped as an int8 pack (INT8=1)
+# train_fast: target layers drafter A reads ("num_feature_layers"); above INIT's count (3) it grows them, new fc
+# columns zeroed (5 on Qwen's 24 layers: [1, 6, 11, 16, 21] hold [1, 11, 21]); the feature cache grows FEATURES/3x
+FEATURES=${FEATURES:-3}
 INT8=${INT8:-}
 CACHE_RESERVE=${CACHE_RESERVE:-64}  # GiB kept free beside the feature cache (gpu_run --cache-reserve-gib)
 GREEDY=${GREEDY:-}  # session 29, non-empty: gpu_run --greedy-labels (labels = the target's argmax next tokens)
@@ -181,14 +184,16 @@ train_fast() {
   mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
   export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
   cd "$W/code" || exit 1
-  # LAYERS > the init's depth grows it (new layers start as identity); INT8 also evaluates the 8-bit pack
+  # LAYERS > the init's depth grows it (new layers start as identity), FEATURES > its feature layers reads more
+  # (new fc columns zeroed); INT8 also evaluates the 8-bit pack
   local drafters
   drafters=$(python3 -c '
 import json, sys
-w, layers, int8, b, mlp = sys.argv[1:]
-a = {"name": "A", "num_layers": int(layers), "intermediate_size": int(mlp), "num_feature_layers": 3,
+w, layers, int8, b, mlp, features = sys.argv[1:]
+a = {"name": "A", "num_layers": int(layers), "intermediate_size": int(mlp), "num_feature_layers": int(features),
      "init_from": w + "/init.safetensors", **({"int8": True} if int8 else {})}
-print(json.dumps([a] + ([{**a, **json.loads(b), "name": "B"}] if b else []), separators=(",", ":")))' "$W" "$LAYERS" "$INT8" "$B" "$T_MLP") || exit 1
+print(json.dumps([a] + ([{**a, **json.loads(b), "name": "B"}] if b else []), separators=(",", ":")))' \
+    "$W" "$LAYERS" "$INT8" "$B" "$T_MLP" "$FEATURES") || exit 1
   local run="python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/$TARGET.gguf --prep /tmp/base/$T_PREP --work $W/qwen \
       --drafters '$drafters' --gen-seconds $GEN_SECONDS --extend-seconds $EXTEND --gen-batch 1024 --cache-features --train-vocab-size 32768 \
       --batch-size $BATCH ${RESAMPLE:+--resample} --cache-reserve-gib $CACHE_RESERVE --cache-host-gib $CACHE_HOST ${GREEDY:+--greedy-labels} \

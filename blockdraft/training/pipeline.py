@@ -220,13 +220,16 @@ def apply_init_shape(args, settings: dict):
 
     Its shape fills the shape flags left out (`settings` num_layers / intermediate_size /
     num_feature_layers, `args.block_size` / `args.mask_token_id`, both updated in place); a deeper
-    --num-layers or a wider --intermediate-size grows it (training.build.init_from). Reads its
+    --num-layers, a wider --intermediate-size or a larger --num-feature-layers grows it
+    (training.build.init_from; which feature layers a larger count reads, and whether they hold the
+    init's, is settled against the target's depth by grown_feature_layer_ids). Reads its
     config.json only, no weights.
     Raises:
-        ValueError: a shape flag given with another value than the drafter's, or --num-layers /
-            --intermediate-size below its own (names the flag, both values and the folder); 'shipped' for a target
-            with none; FileNotFoundError: no drafter folder there (the message lists what
-            --init-from takes: a folder or 'shipped'; 'auto' is not one).
+        ValueError: --block-size / --mask-token-id given with another value than the drafter's, or
+            --num-layers / --intermediate-size / --num-feature-layers below its own (names the flag,
+            both values and the folder); 'shipped' for a target with none; FileNotFoundError: no
+            drafter folder there (the message lists what --init-from takes: a folder or 'shipped';
+            'auto' is not one).
     """
     if not getattr(args, "init_from", None):
         return None
@@ -247,8 +250,12 @@ def apply_init_shape(args, settings: dict):
     if args.intermediate_size is not None and args.intermediate_size < config.intermediate_size:
         raise ValueError(f"--intermediate-size {args.intermediate_size} is below the --init-from drafter's "
                          f"{config.intermediate_size} ({folder}): an MLP can be widened, not cut")
-    kept = {"--num-feature-layers": (args.num_feature_layers, len(config.target_layer_ids)),
-            "--block-size": (args.block_size, config.block_size),
+    features = len(config.target_layer_ids)
+    if args.num_feature_layers is not None and args.num_feature_layers < features:
+        raise ValueError(f"--num-feature-layers {args.num_feature_layers} is below the --init-from drafter's "
+                         f"{features} (target_layer_ids {list(config.target_layer_ids)}; {folder}): feature layers "
+                         f"can be added, not removed")
+    kept = {"--block-size": (args.block_size, config.block_size),
             "--mask-token-id": (args.mask_token_id, config.mask_token_id)}
     for flag, (given, own) in kept.items():
         if given is not None and given != own:
@@ -259,9 +266,38 @@ def apply_init_shape(args, settings: dict):
                          f"layers ({folder}): a drafter can be grown, not cut")
     settings.update(num_layers=args.num_layers or config.num_hidden_layers,
                     intermediate_size=args.intermediate_size or config.intermediate_size,
-                    num_feature_layers=len(config.target_layer_ids))
+                    num_feature_layers=args.num_feature_layers or features)
     args.block_size, args.mask_token_id = config.block_size, config.mask_token_id
     return folder, config
+
+
+def grown_feature_layer_ids(init, count: int, depth: int) -> tuple[int, ...]:
+    """The target layer ids a drafter grown from `init` ((folder, DFlashConfig), apply_init_shape's)
+    reads with --num-feature-layers `count` on a target of `depth` layers: the init's own for its
+    count, else feature_layer_ids(depth, count), which must hold every id of the init's (its fc
+    blocks move to their ids' positions, the new ids' columns start at zero: training.build.init_from).
+
+    Raises:
+        ValueError: the init's ids are not all among those of `count` (names both lists, the
+            folder and the counts whose ids would hold them).
+    """
+    from blockdraft.training.build import feature_layer_ids
+
+    folder, config = init
+    own = tuple(config.target_layer_ids)
+    if count == len(own):
+        return own
+    ids = feature_layer_ids(depth, count)
+    missing = [i for i in own if i not in ids]
+    if missing:
+        fits = [n for n in range(len(own) + 1, depth) if set(own) <= set(feature_layer_ids(depth, n))]
+        listed = ", ".join(map(str, fits[:4])) + (", ..." if len(fits) > 4 else "")
+        hint = (f"; counts whose ids hold them on this {depth}-layer target: [{listed}]" if fits
+                else f"; no larger count's ids hold them on this {depth}-layer target")
+        raise ValueError(f"--num-feature-layers {count} reads target layers {list(ids)}, which lack {missing} of the "
+                         f"--init-from drafter's target_layer_ids {list(own)} ({folder}): feature layers can be added, "
+                         f"not moved{hint}")
+    return ids
 
 
 def _init_from_not_a_folder(folder: Path) -> str:
@@ -698,12 +734,15 @@ def _plan_run(args) -> _RunPlan | dict:
         except ValueError as e:
             raise ValueError(f"--init-from {str(init[0])!r}: {e}") from e
     check_against_target(settings, args, target_config)
+    layer_ids = None  # a new drafter's: feature_layer_ids of --num-feature-layers
+    if init:  # the init's, or more that hold them (checked before any weights load)
+        layer_ids = grown_feature_layer_ids(init, settings["num_feature_layers"], target_config.num_hidden_layers)
     if args.mask_token_id is not None:
         flag = "--mask-token-id" if user_mask_token_id is not None else "the --init-from drafter's mask_token_id"
         check_mask_token(args.mask_token_id, load_tokenizer(path), target_config, flag)
     drafter = new_drafter(target_config, settings["num_layers"], args.block_size, settings["intermediate_size"],
                           num_feature_layers=settings["num_feature_layers"], mask_token_id=args.mask_token_id,
-                          target_layer_ids=init[1].target_layer_ids if init else None, seed=args.seed, device=device)
+                          target_layer_ids=layer_ids, seed=args.seed, device=device)
     asked = {name: settings[name] for name in DATA_SETTINGS if args.data is None or getattr(args, name, None) is not None}
     finished = None if args.no_resume else finished_run(out, folder, cfg, drafter.config, args.train_vocab_size, asked)
     if finished is not None:
@@ -717,7 +756,12 @@ def _plan_run(args) -> _RunPlan | dict:
     grown = None
     if init:  # weights after every check: the init drafter must fit this target too
         grown = init_from(drafter, {k: v.float() for k, v in load_drafter(init[0], target_config, torch.float32)
-                                    .state_dict().items()})
+                                    .state_dict().items()}, state_layer_ids=init[1].target_layer_ids)
+        added = [i for i in layer_ids if i not in init[1].target_layer_ids]
+        if added:
+            print(f"train-drafter: reading target layers {list(layer_ids)}: {added} added to the --init-from drafter's "
+                  f"{list(init[1].target_layer_ids)} (their fc columns start at zero: the drafter starts as the init)",
+                  file=sys.stderr, flush=True)
     chosen = None if data is not None else select_training_prompts(load_tokenizer(path), settings, args)
     if chosen is not None:  # an interrupted answering's journal (answer_journal.py) is checked before loading too
         check_journal(AnswerJournal(folder), answering_setup(settings, args, str(path), target_config.vocab_size,
@@ -829,6 +873,9 @@ def _train_and_export(plan: _RunPlan, target, data) -> dict:
                # the last validation (Trainer.validate: held-out loss, per-slot accuracy, tau proxy), None without
                "val": trainer.val_history[-1] if trainer.val_history else None,
                "init_from": str(init[0]) if init else None, "new_layers": grown,
+               # target layer ids read beyond the init's (their fc columns started at zero), None without an init
+               "new_feature_layers": [i for i in drafter.config.target_layer_ids if i not in init[1].target_layer_ids]
+               if init else None,
                # the init's own depth and MLP width: settings hold the (possibly grown) ones trained
                "init_shape": {"num_layers": init[1].num_hidden_layers, "intermediate_size": init[1].intermediate_size}
                if init else None}

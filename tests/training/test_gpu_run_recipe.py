@@ -185,6 +185,104 @@ def test_fresh_run_extends_in_the_same_run_and_evaluates_its_init(tmp_path, caps
     assert not all(torch.equal(evaluated[0][k], evaluated[4][k]) for k in init)  # training moved the weights
 
 
+@pytest.mark.parametrize("init_ids, given", [((1, 27), False), ((14, 27), True)])
+def test_an_init_reading_fewer_target_layers_grows_and_its_init_variant_drafts_as_the_init(tmp_path, capsys,
+                                                                                          monkeypatch, init_ids, given):
+    """"num_feature_layers": 3 on an init reading 2 of SmolLM2's 30 layers: the drafter reads
+    feature_layer_ids(30, 3) = [1, 14, 27]; the init's ids (derived from its fc width: [1, 27], the
+    rule's for 2; or given as "init_target_layer_ids": here [14, 27], which the rule would get
+    wrong) keep their fc blocks at their positions, the new id's start at zero; said in the log. The
+    "init" variant evaluated beside the trained one (no "avg": the shapes differ) drafts what the
+    init drafter itself drafts on the same sequences, so it scores as the init."""
+    import torch
+    from safetensors.torch import save_file
+
+    from blockdraft.config import ModelConfig
+    from blockdraft.spec.dflash.checkpoint import export_drafter, load_drafter
+    from blockdraft.training import acceptance
+    from blockdraft.training.build import new_drafter
+
+    assert gpu_run.main(["prep", "--target", NAME, "--out", str(tmp_path / "prep"), "--num-prompts", "3",
+                         "--later-turns", "0"]) == 0
+    cfg = ModelConfig.from_hf_dict(json.loads((tmp_path / "prep" / "config.json").read_text()))
+    small = new_drafter(cfg, 1, 16, 64, target_layer_ids=init_ids, seed=5)
+    new = [i for i in (1, 14, 27) if i not in init_ids]
+    old_at, new_at = [(1, 14, 27).index(i) for i in init_ids], [(1, 14, 27).index(i) for i in new]
+    save_file({k: v.contiguous() for k, v in small.state_dict().items()}, str(tmp_path / "init.safetensors"))
+    export_drafter(small, tmp_path / "init")  # the init drafter itself, in bf16 as the variants are
+    calls = []  # (drafter, the other arguments) of each evaluation, in call order
+    real = acceptance.offline_acceptance
+
+    def spy(drafter, *a, **kw):
+        calls.append((drafter, a, kw))
+        return real(drafter, *a, **kw)
+
+    monkeypatch.setattr(acceptance, "offline_acceptance", spy)
+    spec = {"name": "A", "num_layers": 1, "intermediate_size": 64, "num_feature_layers": 3,
+            "init_from": str(tmp_path / "init.safetensors")}
+    if given:
+        spec["init_target_layer_ids"] = list(init_ids)
+    capsys.readouterr()
+    assert gpu_run.main(["run", "--gguf", str(cache_root() / "gguf" / f"{NAME}.gguf"), "--prep", str(tmp_path / "prep"),
+                         "--work", str(tmp_path / "w"), "--drafters", json.dumps([spec]), "--max-new-tokens", "8",
+                         "--gen-seconds", "600", "--steps", "1", "--batch-size", "2", "--num-anchors", "2",
+                         "--eval-prompts", "1", "--eval-max-tokens", "16", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    results = json.loads(out)
+    assert (f"A: target layers {new} new (zero fc columns) beside the init's {list(init_ids)}: reading [1, 14, 27] on "
+            f"{tmp_path / 'init.safetensors'}") in err
+    assert not any("/avg/" in k for k in results["eval"]) and len(calls) == 8  # bf16 and init, 2 datasets x T 0/1
+    h = cfg.hidden_size
+    ref = load_drafter(tmp_path / "init", cfg, dtype=torch.bfloat16)
+    for drafter, a, kw in calls[4:]:  # the "init" variant: the trained drafter's shape holding the init's weights
+        assert drafter.config.target_layer_ids == (1, 14, 27)
+        fc = drafter.fc.weight.view(h, 3, h)
+        assert torch.equal(fc[:, old_at], ref.fc.weight.view(h, 2, h)) and not fc[:, new_at].any()
+        target, seqs, starts = a[:3]
+        drafts = zip(acceptance.draft_every_anchor(drafter, target, seqs, starts),
+                     acceptance.draft_every_anchor(ref, target, seqs, starts))
+        assert all(torch.equal(g, r) for g, r in drafts)
+        assert real(drafter, *a, **kw) == real(ref, *a, **kw)
+    trained = calls[0][0]  # the trained drafter read the new layer from its first step
+    assert trained.fc.weight.view(h, 3, h)[:, new_at].float().abs().sum() > 0
+
+
+def test_check_inits_refuses_an_init_whose_layers_the_drafter_cannot_keep_before_any_work(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from blockdraft.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96,
+                                    "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 24,
+                                    "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-6,
+                                    "max_position_embeddings": 64, "eos_token_id": 2})
+    init = tmp_path / "init.safetensors"
+    save_file({"fc.weight": torch.zeros(8, 3 * 8)}, str(init))  # 3 feature layers: (1, 11, 21) on 24 layers
+
+    def specs(**kw):
+        return gpu_run.drafter_specs(json.dumps([{"name": "A", "num_layers": 2, "init_from": str(init), **kw}]))
+
+    gpu_run.check_inits(specs(num_feature_layers=5), cfg)  # (1, 6, 11, 16, 21) holds them
+    gpu_run.check_inits(specs(num_feature_layers=3), cfg)
+    with pytest.raises(ValueError, match=r"entry 'A' \(init_from '.*init.safetensors'\): init weights: the init's "
+                                         r"target layer ids \[1, 11, 21\] are not all \(once each\) among the "
+                                         r"drafter's \[1, 8, 14, 21\] \(missing \[11\]\)"):
+        gpu_run.check_inits(specs(num_feature_layers=4), cfg)
+    with pytest.raises(ValueError, match=r"the init fuses 3 target layers, the drafter only 2 \[1, 21\]: feature "
+                                         r"layers can be added, not removed"):
+        gpu_run.check_inits(specs(), cfg)  # num_feature_layers defaults to num_layers (2)
+    with pytest.raises(ValueError, match=r"ids \[2, 11, 21\] are not all .* among the drafter's \[1, 6, 11, 16, 21\]"):
+        gpu_run.check_inits(specs(num_feature_layers=5, init_target_layer_ids=[2, 11, 21]), cfg)
+    with pytest.raises(ValueError, match=r"the init's target layer ids \[1, 11\] are 2, its 'fc.weight' fuses 3"):
+        gpu_run.check_inits(specs(num_feature_layers=5, init_target_layer_ids=[1, 11]), cfg)
+    save_file({"fc.weight": torch.zeros(8, 20)}, str(init))
+    with pytest.raises(ValueError, match=r"has fc.weight of shape \[8, 20\], not \[8, n\*8\] for this target's hidden"):
+        gpu_run.check_inits(specs(num_feature_layers=5), cfg)
+    with pytest.raises(FileNotFoundError, match=r"entry 'A': init_from '.*nowhere.safetensors' is not a file"):
+        gpu_run.check_inits([{"name": "A", "num_layers": 2, "init_from": str(tmp_path / "nowhere.safetensors")}], cfg)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--cache-host-gib", "-1"], "--cache-host-gib must be a number >= 0 (GiB), got -1"),
     (["--cache-host-gib", "nan", "--cache-features"], "--cache-host-gib must be a number >= 0 (GiB), got nan"),
@@ -213,7 +311,15 @@ def test_gpu_run_refuses_bad_flags_naming_them(capsys, flags, message):
     ('[{"name": "A", "num_layers": 1}, {"name": "A", "num_layers": 2}]', r"unique non-empty \"name\", got \['A', 'A'\]"),
     ('[{"name": "A"}]', r"entry 'A' has no \"num_layers\""),
     ('[{"name": "A", "num_layers": 1, "learning_rate": 1e-3}]',
-     r"entry 'A': unknown keys \['learning_rate'\]; allowed: .*'init_from'\] and the optimizer settings \['lr', 'gamma'"),
+     r"entry 'A': unknown keys \['learning_rate'\]; allowed: .*'init_from', 'init_target_layer_ids'\] and the "
+     r"optimizer settings \['lr', 'gamma'"),
+    ('[{"name": "A", "num_layers": 1, "init_target_layer_ids": [1, 11]}]',
+     r"entry 'A': \"init_target_layer_ids\" names the layers the \"init_from\" weights read: it needs \"init_from\""),
+    ('[{"name": "A", "num_layers": 1, "init_from": "x", "init_target_layer_ids": [1, 1]}]',
+     r"entry 'A': \"init_target_layer_ids\" must be a non-empty list of distinct target layer ids \(integers >= 0\), "
+     r"got \[1, 1\]"),
+    ('[{"name": "A", "num_layers": 1, "init_from": "x", "init_target_layer_ids": "1,11"}]',
+     r"must be a non-empty list of distinct target layer ids \(integers >= 0\), got '1,11'"),
 ])
 def test_a_bad_drafters_list_is_refused_before_any_work(text, message):
     with pytest.raises(ValueError, match=message):

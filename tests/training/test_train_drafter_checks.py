@@ -46,6 +46,14 @@ def _error(capsys, *flags) -> str:
      "--intermediate-size 256 is below the --init-from drafter's 1536"),
     (["--init-from", "shipped", "--block-size", "8"], "--block-size 8 differs from the --init-from drafter's 16"),
     (["--init-from", "shipped", "--num-layers", "2"], "--num-layers 2 is below the --init-from drafter's 3 layers"),
+    (["--init-from", "shipped", "--num-feature-layers", "2"],  # the shipped SmolLM2 drafter reads [1, 14, 27]
+     "--num-feature-layers 2 is below the --init-from drafter's 3 (target_layer_ids [1, 14, 27]; "),
+    (["--init-from", "shipped", "--num-feature-layers", "2"], "): feature layers can be added, not removed"),
+    (["--init-from", "shipped", "--num-feature-layers", "4"],  # more, but without layer 14
+     "--num-feature-layers 4 reads target layers [1, 10, 18, 27], which lack [14] of the --init-from drafter's "
+     "target_layer_ids [1, 14, 27]"),
+    (["--init-from", "shipped", "--num-feature-layers", "4"],
+     "feature layers can be added, not moved; counts whose ids hold them on this 30-layer target: [5, 7, 9"),
     (["--init-from", "/nonexistent/drafter"], "drafter folder '/nonexistent/drafter' does not exist"),
     (["--init-from", str(SHIPPED_DIR / "qwen2.5-coder-0.5b-instruct")],  # another target's drafter
      "drafter hidden_size 896 != target hidden_size 576; a DFlash drafter works only with the target"),

@@ -289,6 +289,49 @@ def test_init_from_a_trained_drafter_grows_it_and_keeps_its_shape(tmp_path, caps
     assert widened.config.intermediate_size == 96 and widened.config.num_hidden_layers == 1
 
 
+def test_init_from_with_more_feature_layers_reads_them_and_starts_them_silent(tmp_path, capsys, monkeypatch):
+    """--num-feature-layers above the init's: the drafter reads feature_layer_ids(30, 5) = [1, 8, 14, 20, 27],
+    which hold the --tiny init's [1, 27]; the init's fc blocks sit at their ids' positions and the new
+    ids' columns start at zero (checked on the drafter built before training), then it trains and exports."""
+    import torch
+
+    from blockdraft.training import pipeline
+
+    first = tmp_path / "first"
+    common = ["train-drafter", "--target", NAME, "--tiny", "--num-prompts", "4", "--max-new-tokens", "8"]
+    assert main([*common, "--out", str(first), "--steps", "1", "--intermediate-size", "64"]) == 0
+    capsys.readouterr()
+    target = load_target(NAME, "float32")
+    small = load_drafter(first / "drafter", target.config)
+    assert small.config.target_layer_ids == (1, 27)
+    planned = {}
+    plan_run = pipeline._plan_run
+
+    def spy(args):  # the grown drafter as init_from left it, before any step
+        plan = plan_run(args)
+        planned["fc"] = plan.drafter.fc.weight.detach().clone()
+        return plan
+
+    monkeypatch.setattr(pipeline, "_plan_run", spy)
+    grown = tmp_path / "grown"
+    assert main([*common, "--out", str(grown), "--data", str(first / "data"), "--steps", "2",
+                 "--init-from", str(first / "drafter"), "--num-feature-layers", "5", "--no-resume"]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert summary["settings"]["num_feature_layers"] == 5 and summary["new_feature_layers"] == [8, 14, 20]
+    assert summary["new_layers"] == [] and summary["final"]["step"] == 2
+    assert ("train-drafter: reading target layers [1, 8, 14, 20, 27]: [8, 14, 20] added to the --init-from drafter's "
+            "[1, 27] (their fc columns start at zero") in err
+    h = small.config.hidden_size
+    fc = planned["fc"].view(h, 5, h)
+    assert torch.equal(fc[:, [0, 4]], small.fc.weight.float().view(h, 2, h)) and not fc[:, 1:4].any()
+    big = load_drafter(grown / "drafter", target.config)  # the export loads, reading 5 target layers
+    assert big.config.target_layer_ids == (1, 8, 14, 20, 27) and big.fc.weight.shape == (h, 5 * h)
+    assert json.loads((grown / "drafter" / "config.json").read_text())["dflash_config"]["target_layer_ids"] == \
+        [1, 8, 14, 20, 27]
+    assert big.fc.weight.view(h, 5, h)[:, 1:4].float().abs().sum() > 0  # the new columns trained
+
+
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_stops_after_the_step_saves_a_checkpoint_and_the_rerun_resumes(tmp_path, capsys, monkeypatch, signame):
     """A real SIGINT (Ctrl-C) or SIGTERM (kill, timeout, job schedulers) during step 2 of 4: the step
