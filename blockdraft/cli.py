@@ -332,7 +332,8 @@ def _add_train_drafter_parser(sub, default_model: str) -> None:
                         "--num-layers / --intermediate-size / --num-feature-layers ask for more (never fewer; more "
                         "feature layers must include its target_layer_ids, e.g. 5 of a 24-layer target read [1, 6, "
                         "11, 16, 21], which hold 3's [1, 11, 21]); new layers, MLP units and feature layers start "
-                        "silent (zero output projections, zero fc columns) so training starts from its acceptance")
+                        "silent (zero output projections, zero fc columns) so training starts from its acceptance; "
+                        "--tiny gives way to its shape, and a lower --lr (e.g. 2e-4) keeps more of what it knew")
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="id fed in the draft slots (default: an unused id of the target's vocabulary)")
     t.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence (default 1024)")
