@@ -7,7 +7,7 @@
 #                                       weights are INIT, evaluate, then `blockdraft bench` the result
 #   h200_run.sh pack WORK OUT           resume's results + generated data into OUT (<= 15 MB pieces)
 #   h200_run.sh prepare4 PARTS; stash PARTS (per GGUF piece); train_fast WORK INIT DATA_TARS EVAL;
-#   pack4 | pack6 WORK OUT (pack6: again until "all sent"); packdata WORK OUT SHARD
+#   pack4 | pack6 WORK OUT (pack6: again until "all sent"); packdata WORK OUT SHARD; keep PARTS (kept answers)
 #                                       sessions 4-6: GPU tests + continue INIT (fp32 drafter weights)
 #                                       on kept answers (tars of data/ shards, comma-separated) plus
 #                                       new ones, cached features, 32K-id loss; bench; 8B profile
@@ -153,9 +153,17 @@ prepare4() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
   rm -rf /tmp/tcode && mkdir -p /tmp/tcode /tmp/bdc/gguf /tmp/blobs && cp -r blockdraft tests pyproject.toml /tmp/tcode/ || exit 1
   cp -r "$P/base/cache/downloads" /tmp/bdc/ && cp -r "$P/base" /tmp/base || exit 1
-  local k  # kept answers (PARTS/keepNN/data*.tgz, brought back by snapshot): train_fast's DATA from /tmp/keepNN
-  for k in "$P"/keep*/; do [ ! -d "$k" ] || cp -r "$k" "/tmp/$(basename "$k")" || exit 1; done
+  keep "$P"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+}
+
+# Kept answers (PARTS/keepNN/data*.tgz, brought back by snapshot) -> /tmp/keepNN, train_fast's DATA.
+# prepare4 runs it; a call of its own (`keep PARTS`, carry ["parts/keepNN"]) where PARTS/base and the
+# whole tree leave no room for them in prepare4's 64 MiB.
+keep() {
+  local k
+  for k in "$1"/keep*/; do [ ! -d "$k" ] || cp -r "$k" "/tmp/$(basename "$k")" || exit 1; done
+  ls -la /tmp/keep*/ 2>/dev/null || echo "keep: no kept answers (no $1/keep*/ folder)"
 }
 
 stash() {
