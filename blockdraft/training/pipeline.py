@@ -233,6 +233,9 @@ def apply_init_shape(args, settings: dict):
     """
     if not getattr(args, "init_from", None):
         return None
+    for flag, value in (("--num-layers", args.num_layers), ("--num-feature-layers", args.num_feature_layers)):
+        if value is not None:  # 0 or -1 is no count at all, not "fewer than the init's"
+            _check_int(flag, value, 1)
     from blockdraft.drafters import SHIPPED, resolve_draft
     from blockdraft.spec.dflash.checkpoint import read_drafter_config
 

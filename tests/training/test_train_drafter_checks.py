@@ -54,6 +54,8 @@ def _error(capsys, *flags) -> str:
      "target_layer_ids [1, 14, 27]"),
     (["--init-from", "shipped", "--num-feature-layers", "4"],
      "feature layers can be added, not moved; counts whose ids hold them on this 30-layer target: [5, 7, 9"),
+    (["--init-from", "shipped", "--num-feature-layers", "0"], "--num-feature-layers must be an integer >= 1, got 0"),
+    (["--init-from", "shipped", "--num-layers", "-1"], "--num-layers must be an integer >= 1, got -1"),
     (["--init-from", "/nonexistent/drafter"], "drafter folder '/nonexistent/drafter' does not exist"),
     (["--init-from", str(SHIPPED_DIR / "qwen2.5-coder-0.5b-instruct")],  # another target's drafter
      "drafter hidden_size 896 != target hidden_size 576; a DFlash drafter works only with the target"),
