@@ -233,7 +233,8 @@ def apply_init_shape(args, settings: dict):
     """
     if not getattr(args, "init_from", None):
         return None
-    for flag, value in (("--num-layers", args.num_layers), ("--num-feature-layers", args.num_feature_layers)):
+    for flag, value in (("--num-layers", getattr(args, "num_layers", None)),
+                        ("--num-feature-layers", getattr(args, "num_feature_layers", None))):
         if value is not None:  # 0 or -1 is no count at all, not "fewer than the init's"
             _check_int(flag, value, 1)
     from blockdraft.drafters import SHIPPED, resolve_draft
