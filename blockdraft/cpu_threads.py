@@ -50,7 +50,8 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
     """Apply --threads (torch.set_num_threads) before any model work. None: $BLOCKDRAFT_THREADS,
     else, with `auto`, `auto_threads` of what /proc/stat shows for BUSY_SAMPLE_S seconds, now
     (a line on stderr says so when it takes fewer than torch's default), else torch's default
-    (commands whose model runs on a GPU: the CPU only feeds it).
+    (commands whose model runs on a GPU: the CPU only feeds it). A given count above the cores this
+    process may use is applied as asked, with a line on stderr saying it is slower.
 
     Raises:
         ValueError: threads < 1, or $BLOCKDRAFT_THREADS not an integer >= 1.
@@ -65,8 +66,8 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
     if threads is None:
         _chosen = True  # the load was sampled once: later engines keep what it gave
         default = torch.get_num_threads()
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        available = len(cpus) if cpus else os.cpu_count() or default
+        cpus, available = _available_cpus()
+        available = available or default
         busy = busy_cpus(available, cpus=cpus)
         chosen = auto_threads(default, available, busy)
         if chosen < default:
@@ -78,7 +79,7 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
         return
     if threads < 1:
         raise ValueError(f"--threads must be an integer >= 1, got {threads}")
-    available = _available_cpus()
+    _, available = _available_cpus()
     if available is not None and threads > available:  # the user's count is kept, but said to cost
         print(f"blockdraft: {threads} CPU threads asked for, more than the {available} core{'s' * (available > 1)} "
               f"available to this process: the threads take turns on the cores, which stalls torch's math "
@@ -87,11 +88,11 @@ def set_threads(threads: int | None, auto: bool = True) -> None:
     _chosen = True
 
 
-def _available_cpus() -> int | None:
-    """The cores this process may run on (its affinity mask, else os.cpu_count()), or None if unknown."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)) or None
-    return os.cpu_count()
+def _available_cpus() -> tuple[list[int] | None, int | None]:
+    """The cores this process may run on: their ids (its affinity mask; None where the OS has none)
+    and their count (else os.cpu_count(); None if unknown)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return cpus or None, len(cpus) if cpus else os.cpu_count()
 
 
 def env_threads() -> int | None:
