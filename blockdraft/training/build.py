@@ -46,6 +46,16 @@ def feature_layer_ids(num_target_layers: int, count: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def default_layer_ids(num_target_layers: int, num_layers: int, num_feature_layers: int | None = None) -> tuple[int, ...]:
+    """The target layer ids a new drafter reads when none are given: `num_feature_layers` of them
+    (default: one per draft layer, `num_layers`, z-lab's rule), as feature_layer_ids spreads them.
+
+    Raises:
+        ValueError: as feature_layer_ids (more than the target's layers below the last).
+    """
+    return feature_layer_ids(num_target_layers, num_feature_layers or num_layers)
+
+
 def new_drafter(
     target: ModelConfig,
     num_layers: int,
@@ -65,7 +75,7 @@ def new_drafter(
             (default: num_layers, z-lab's rule).
         intermediate_size: MLP width (default: the target's).
     """
-    ids = target_layer_ids or feature_layer_ids(target.num_hidden_layers, num_feature_layers or num_layers)
+    ids = target_layer_ids or default_layer_ids(target.num_hidden_layers, num_layers, num_feature_layers)
     overrides = {"intermediate_size": intermediate_size} if intermediate_size else {}
     mask = default_mask_token_id(target) if mask_token_id is None else mask_token_id
     model = random_drafter(target, num_layers, block_size, ids, seed=seed, init_std=init_std,

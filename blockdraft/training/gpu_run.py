@@ -196,7 +196,7 @@ def check_inits(specs: list[dict], target_cfg) -> None:
     """
     from safetensors import safe_open
 
-    from blockdraft.training.build import feature_block_positions, feature_layer_ids
+    from blockdraft.training.build import default_layer_ids, feature_block_positions
 
     depth, h = target_cfg.num_hidden_layers, target_cfg.hidden_size
     for spec in specs:
@@ -212,7 +212,7 @@ def check_inits(specs: list[dict], target_cfg) -> None:
         if len(shape) != 2 or shape[0] != h or not shape[1] or shape[1] % h:
             raise ValueError(f"--drafters entry {name!r}: init_from {str(path)!r} has fc.weight of shape {shape}, "
                              f"not [{h}, n*{h}] for this target's hidden size {h}")
-        ids = feature_layer_ids(depth, spec.get("num_feature_layers") or spec["num_layers"])  # as new_drafter
+        ids = default_layer_ids(depth, spec["num_layers"], spec.get("num_feature_layers"))  # new_drafter's
         try:
             feature_block_positions(ids, shape[1] // h, depth, spec.get("init_target_layer_ids"))
         except ValueError as e:
