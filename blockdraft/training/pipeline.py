@@ -664,7 +664,8 @@ class _RunPlan:
     args: the caller's flags, copied, with --init-from's shape and the resolved dtype and block size
     filled in. init: (--init-from folder, its DFlash config) or None. cfg: the TrainConfig.
     path / target_config: the target's folder and config. drafter: the new drafter on `device`
-    (grown from --init-from's weights: `grown`, init_from's report, else None). out / folder: the
+    (grown from --init-from's weights: `grown`, init_from's report, else None; `added_feature_layers`:
+    the target layer ids it reads beyond the init's, whose fc columns start at zero, else None). out / folder: the
     run's and the dataset's folders. data: a reused dataset, else None and `chosen` holds the prompts
     to answer (select_training_prompts).
     """
@@ -678,6 +679,7 @@ class _RunPlan:
     target_config: object
     drafter: object
     grown: object
+    added_feature_layers: list[int] | None
     out: Path
     folder: Path
     data: object | None
@@ -757,7 +759,7 @@ def _plan_run(args) -> _RunPlan | dict:
     data = reuse_dataset(folder, settings, args, str(path), target_config.vocab_size, asked_dtype, device)
     if data is not None:  # a reused dataset too small for --val-fraction is refused before any weights load
         split_answers(data, args)
-    grown = None
+    grown = added = None
     if init:  # weights after every check: the init drafter must fit this target too
         grown = init_from(drafter, {k: v.float() for k, v in load_drafter(init[0], target_config, torch.float32)
                                     .state_dict().items()}, state_layer_ids=init[1].target_layer_ids)
@@ -772,7 +774,8 @@ def _plan_run(args) -> _RunPlan | dict:
                                                              len(chosen[0]), device)[1], _other_data(args))
     if args.no_resume:  # every check passed: the run goes ahead and starts its training over
         say_discarded_checkpoint(out)
-    return _RunPlan(args, settings, init, cfg, device, path, target_config, drafter, grown, out, folder, data, chosen)
+    return _RunPlan(args, settings, init, cfg, device, path, target_config, drafter, grown, added, out, folder, data,
+                    chosen)
 
 
 def _answer(plan: _RunPlan, target):
@@ -878,8 +881,7 @@ def _train_and_export(plan: _RunPlan, target, data) -> dict:
                "val": trainer.val_history[-1] if trainer.val_history else None,
                "init_from": str(init[0]) if init else None, "new_layers": grown,
                # target layer ids read beyond the init's (their fc columns started at zero), None without an init
-               "new_feature_layers": [i for i in drafter.config.target_layer_ids if i not in init[1].target_layer_ids]
-               if init else None,
+               "new_feature_layers": plan.added_feature_layers,
                # the init's own depth and MLP width: settings hold the (possibly grown) ones trained
                "init_shape": {"num_layers": init[1].num_hidden_layers, "intermediate_size": init[1].intermediate_size}
                if init else None}
