@@ -31,12 +31,15 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
     """The request body as a JSON object.
 
     Raises:
+        APIError(415): the Content-Type is not application/json (parameters such as
+            `; charset=utf-8` allowed), or is missing, as vLLM refuses them; checked first.
         APIError(413): the body is larger than `max_bytes` (checked before and while reading).
         APIError(400): a bad Content-Length, invalid UTF-8, invalid JSON, NaN/Infinity, nesting
             too deep, lone surrogate escapes, or a JSON value that is not an object.
         ClientDisconnected: the client closed the connection before sending the whole body; its
             message says how many bytes came (of the Content-Length, when one was sent).
     """
+    _check_json_media_type(request.headers.get("content-type"))
     body = await _read_body(request, max_bytes)
     try:
         text = body.decode("utf-8")
@@ -59,6 +62,15 @@ async def read_json_object(request: Request, max_bytes: int) -> dict:
     except RecursionError:
         raise APIError(400, "request body JSON is nested too deeply") from None
     return value
+
+
+def _check_json_media_type(content_type: str | None) -> None:
+    """APIError(415) unless `content_type` (the header's value, None: none sent) is application/json."""
+    if content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json":
+        return
+    got = "no Content-Type header" if content_type is None else f"Content-Type {content_type[:100]!r}"
+    raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json'; got {got}",
+                   code="unsupported_media_type")
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytes:

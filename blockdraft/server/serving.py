@@ -218,7 +218,8 @@ class Serving:
         self.fmt = fmt
 
     async def handle(self, request: Request) -> Response:
-        """Answer one request (JSON or an SSE stream). Raises APIError for every refused request.
+        """Answer one request (JSON or an SSE stream). Raises APIError for every refused request
+        (415 for a Content-Type other than application/json: http.read_json_object).
 
         A client that disconnects (while sending its body, or before its answer is complete) gets
         no answer: its engine requests are aborted, a line is logged (with request logs on) and no

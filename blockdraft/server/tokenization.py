@@ -51,7 +51,7 @@ async def handle(ctx, request: Request, detok: bool) -> dict | Response:
 
     Raises:
         APIError: 400 for a bad body or field, 404 for a `model` this server does not serve,
-            413 for a body over --max-body-bytes.
+            413 for a body over --max-body-bytes, 415 for a Content-Type other than application/json.
     """
     try:
         body = await read_json_object(request, ctx.config.max_body_bytes)

@@ -140,6 +140,11 @@ CASES = [
     ("regex-unreadable-tokenizer", C, _c(structured_outputs={"regex": "w05x"}), {}, 400,
      "structured_outputs cannot use this tokenizer"),
     ("guided-json", C, _c(guided_json={"type": "object"}), {}, 400, "structured_outputs.json"),
+    # a JSON body under another media type: refused as vLLM does (it would be parsed as JSON regardless)
+    ("content-type-text-plain", C, json.dumps(_c()).encode(), {"Content-Type": "text/plain"}, 415,
+     "must be JSON sent with 'Content-Type: application/json'; got Content-Type 'text/plain'"),
+    ("content-type-form", CHAT, json.dumps(_chat()).encode(), {"Content-Type": "application/x-www-form-urlencoded"},
+     415, "got Content-Type 'application/x-www-form-urlencoded'"),
     ("missing-api-key", C, _c(), {"Authorization": ""}, 401, "API key"),
     ("wrong-api-key", C, _c(), {"Authorization": "Bearer nope"}, 401, "API key"),
     ("get-on-post-route", C, None, {}, 405, "Method Not Allowed"),
@@ -235,6 +240,19 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
     assert r.status_code == 400 and "use_beam_search" in r.json()["error"]["message"]
     r = http.post(C, json=_c(echo=0))  # 0 is not the neutral `false`: types are strict
     assert r.status_code == 400
+
+
+def test_a_json_body_needs_the_json_content_type(http):
+    """vLLM's rule: application/json, parameters allowed; no Content-Type at all is a 415 too."""
+    for path, body in ((C, _c()), (CHAT, _chat()), ("/tokenize", {"prompt": "w05x"})):
+        raw = json.dumps(body).encode()
+        r = http.post(path, content=raw)  # httpx sends no Content-Type for raw bytes
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["message"].endswith("got no Content-Type header")
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        for media in ("application/json; charset=utf-8", "Application/JSON"):
+            r = http.post(path, content=raw, headers={"Content-Type": media})
+            assert r.status_code == 200, (media, r.text)
 
 
 def test_min_p_is_accepted_on_both_endpoints(http):
