@@ -133,9 +133,10 @@ def truncated_prompts(req, prompts: list[list[int]], model: ModelInfo) -> list[l
 def chat_prompt(req, tokenizer, add_generation_prompt: bool | None = None) -> list[int]:
     """Token ids of the conversation through the tokenizer's chat template
     (blockdraft.chat_messages.render_chat). `req`: anything with ChatMessage `messages`, and
-    optionally ChatCompletionRequest's add_generation_prompt, continue_final_message and
-    chat_template_kwargs (vLLM's); `add_generation_prompt` overrides the request's (default: end
-    with the assistant cue).
+    optionally ChatCompletionRequest's add_generation_prompt, continue_final_message,
+    chat_template_kwargs (vLLM's) and reasoning_effort (the template variable `reasoning_effort`,
+    unless chat_template_kwargs sets it); `add_generation_prompt` overrides the request's
+    (default: end with the assistant cue).
 
     Messages reach the template as ChatMessage.template_message() gives them: developer as system,
     `name` passed on when given, tool calls with their arguments parsed. The request's `tools`
@@ -150,12 +151,15 @@ def chat_prompt(req, tokenizer, add_generation_prompt: bool | None = None) -> li
         raise APIError(400, "this model has no chat template; use /v1/completions with a plain prompt", param="messages")
     if add_generation_prompt is None:
         add_generation_prompt = getattr(req, "add_generation_prompt", True)
+    kwargs = getattr(req, "chat_template_kwargs", None)
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:  # a template variable, as vLLM gives it; chat_template_kwargs' own value wins
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
     try:
         return render_chat(tokenizer, [m.template_message() for m in req.messages],
                            add_generation_prompt=add_generation_prompt,
                            continue_final_message=getattr(req, "continue_final_message", False),
-                           chat_template_kwargs=getattr(req, "chat_template_kwargs", None),
-                           tools=getattr(req, "tools", None))
+                           chat_template_kwargs=kwargs, tools=getattr(req, "tools", None))
     except ChatTemplateError as e:
         raise APIError(400, str(e), param=e.param) from None
 

@@ -1,10 +1,15 @@
 """Request bodies of /v1/completions and /v1/chat/completions as strict pydantic models.
 
-Strict: no type coercion ("5" is not an int, true is not a number); unknown fields are refused.
-OpenAI fields this server does not implement are refused with a message naming the field unless
-they carry their neutral value (e.g. `best_of: 1`, `tools: []`, or null), which changes
-nothing; a request class that defines one of them (CompletionRequest.echo; chat's tools,
-tool_choice and parallel_tool_calls) takes it as its own field instead. vLLM's `guided_*` fields, removed in its v0.12, are refused with the name of their
+Strict: no type coercion ("5" is not an int, true is not a number). A top-level field the
+request class does not have is dropped when its value is null (null changes nothing, whatever the
+name, as vLLM ignores unknown fields) and refused otherwise, so a typo is not silently ignored.
+OpenAI's and vLLM's fields this server does not implement (UNSUPPORTED_FIELDS) are refused with a
+message naming the field unless they carry their neutral value (e.g. `best_of: 1`, `tools: []`,
+or null), which changes nothing; a request class that defines one of them
+(CompletionRequest.echo; chat's tools, tool_choice, parallel_tool_calls and reasoning_effort)
+takes it as its own field instead. Fields that never change the output (prompt_cache_key,
+safety_identifier, user, store, metadata) are type-checked and unused; request_id names the
+response. vLLM's `guided_*` fields, removed in its v0.12, are refused with the name of their
 replacement (REMOVED_GUIDED_FIELDS). Range checks that depend on the server's limits or the model
 live in params.py, which also turns `response_format` / `structured_outputs` into the engine's
 StructuredOutputsParams.
@@ -43,14 +48,13 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "functions": ([],),
     "function_call": ("none",),
     "parallel_tool_calls": (True, False),
-    "store": (False,),
-    "metadata": ({},),
     "service_tier": ("auto", "default"),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
-    "reasoning_effort": (),
+    "reasoning_effort": (),  # a field of chat (a template variable, as vLLM); completions have no template
     "web_search_options": (),
+    "verbosity": ("medium",),
     # vLLM's extra fields that clients send with their defaults: those values are this server's behaviour
     "include_stop_str_in_output": (False,),
     "use_beam_search": (False,),
@@ -61,6 +65,24 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "return_tokens_as_token_ids": (False,),
     "priority": (0,),
     "add_special_tokens": (False,),  # chat's default (the template writes the special tokens); a field of completions
+    "include_reasoning": (True,),  # no reasoning parser: the whole answer is content, as vLLM's without one
+    "return_token_ids": (False,),
+    "logits_processors": ([],),
+    "vllm_xargs": ({},),
+    "mm_processor_kwargs": ({},),
+    "media_io_kwargs": ({},),
+    "documents": ([],),
+    "kv_transfer_params": ({},),
+    "chat_template": (),  # the model's template only
+    "cache_salt": (),  # refused, not ignored: the client asked to keep its prefix cache apart
+    "prompt_embeds": (),
+    "repetition_detection": (),
+}
+
+# what follows "'<field>' is not supported" where " by this server" alone would not say why
+UNSUPPORTED_REASONS: dict[str, str] = {
+    "priority": ": priority scheduling is not supported by this server",
+    "reasoning_effort": " on /v1/completions: it is a chat template variable",
 }
 
 # vLLM's structured-output request fields before v0.12 -> the field that replaced each (None: none,
@@ -76,6 +98,8 @@ REMOVED_GUIDED_FIELDS: dict[str, str | None] = {
 }
 
 MAX_SEED = 2**63 - 1
+MAX_REQUEST_ID_CHARS = 256
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # the OpenAI SDK's values
 
 
 class _Strict(BaseModel):
@@ -227,7 +251,14 @@ class _SamplingRequest(_Strict):
     n: int | None = Field(default=None, ge=1)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # OpenAI's end-user id; accepted, used for nothing
+    # fields that never change the output: type-checked, then unused (store: nothing is stored, as in vLLM)
+    user: str | None = None  # OpenAI's end-user id
+    prompt_cache_key: str | None = None  # OpenAI's
+    safety_identifier: str | None = None  # OpenAI's
+    store: bool | None = None  # OpenAI's
+    metadata: dict[str, str] | None = None  # OpenAI's
+    # vLLM's: the response id is chatcmpl-<request_id> / cmpl-<request_id> (default: a random hex uuid)
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     response_format: ResponseFormat | None = None  # OpenAI's; vLLM takes it on completions too
     structured_outputs: StructuredOutputsRequest | None = None  # extension (vLLM); not with a JSON response_format
 
@@ -237,6 +268,15 @@ class _SamplingRequest(_Strict):
         if v is None or (isinstance(v, int) and not isinstance(v, bool)):
             return v  # the range: params.truncated_prompts, one message with the Python API's
         raise ValueError(f"truncate_prompt_tokens must be {TRUNCATION_VALUES}, got {json.dumps(v)}")
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable_id(cls, v: str | None) -> str | None:
+        # it goes into the response id and the request log line: no line breaks or control characters
+        if v is not None and not v.isprintable():
+            raise ValueError(f"request_id must be printable characters (no control characters), got "
+                             f"{json.dumps(v)[:80]}")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -371,6 +411,9 @@ class ChatCompletionRequest(_SamplingRequest, _ToolsRequest):
     the assistant cue), continue_final_message (render the last, assistant, message open so the
     answer continues it; needs add_generation_prompt false), chat_template_kwargs (extra variables
     for the chat template, e.g. {"enable_thinking": false}; not apply_chat_template's own arguments).
+reasoning_effort (OpenAI's; REASONING_EFFORTS): given to the chat template as the variable
+`reasoning_effort`, as vLLM does (a template without it ignores it); chat_template_kwargs'
+own reasoning_effort wins.
 
     Tool calling (OpenAI's, as vLLM): `tools` (see _ToolsRequest), `tool_choice` ("none", "auto",
     "required" or {"type": "function", "function": {"name": ...}}; default "auto" with tools, else
@@ -386,9 +429,18 @@ class ChatCompletionRequest(_SamplingRequest, _ToolsRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     _tool_choice_mode: tuple[str, str | None] = ("none", None)
+
+    @field_validator("reasoning_effort", mode="before")
+    @classmethod
+    def _known_effort(cls, v: Any) -> Any:
+        if v is None or v in REASONING_EFFORTS:
+            return v
+        raise ValueError(f"reasoning_effort must be one of {', '.join(map(json.dumps, REASONING_EFFORTS))} or null, "
+                         f"got {json.dumps(v)[:80]}")
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -435,10 +487,12 @@ class DetokenizeRequest(_Strict):
 def parse_request(cls: type[BaseModel], body: dict) -> BaseModel:
     """Validate a decoded JSON body into `cls`.
 
+    Unknown top-level fields whose value is null are dropped (see the module docstring).
+
     Raises:
         APIError(400): an unsupported field with a non-neutral value, one of vLLM's removed
-            guided_* fields (not null; names its replacement), an unknown field, a wrong type or
-            an out-of-range value; the message names the field (first problem only).
+            guided_* fields (not null; names its replacement), an unknown field that is not null,
+            a wrong type or an out-of-range value; the message names the field (first problem only).
     """
     _refuse_removed_guided_fields(body)
     body = _drop_neutral_unsupported(body, cls)
@@ -464,14 +518,19 @@ def _refuse_removed_guided_fields(body: dict) -> None:
 
 
 def _drop_neutral_unsupported(body: dict, cls: type[BaseModel]) -> dict:
-    out = {k: v for k, v in body.items() if not (k in REMOVED_GUIDED_FIELDS and v is None)}
+    """`body` without the fields `cls` does not have whose value is null (any name: null changes
+    nothing) or neutral (UNSUPPORTED_FIELDS); APIError(400) for such a field with another value
+    (UNSUPPORTED_REASONS says why, where it has a reason)."""
+    own = {f.alias or name for name, f in cls.model_fields.items()}
+    out = {k: v for k, v in body.items() if v is not None or k in own}
     for name, neutral in UNSUPPORTED_FIELDS.items():
-        if name not in out or name in cls.model_fields:
+        if name not in out or name in own:
             continue
         value = out.pop(name)
-        if value is not None and not any(_same(value, n) for n in neutral):
+        if not any(_same(value, n) for n in neutral):
             allowed = " or ".join(json.dumps(n) for n in (*neutral, None))
-            raise APIError(400, f"'{name}' is not supported by this server (only {allowed} is accepted), got "
+            why = UNSUPPORTED_REASONS.get(name, " by this server")
+            raise APIError(400, f"'{name}' is not supported{why} (only {allowed} is accepted), got "
                                 f"{json.dumps(value)[:80]}", param=name)
     return out
 
@@ -480,7 +539,10 @@ def _first_error(e: ValidationError) -> APIError:
     err = e.errors(include_url=False)[0]
     loc = _loc(err["loc"])
     if err["type"] == "extra_forbidden":
-        return APIError(400, f"unknown or unsupported field '{loc}'", param=loc)
+        # top level: null would have been dropped; refused rather than ignored so a typo shows
+        nested = "." in loc or "[" in loc
+        hint = "" if nested else " (a non-null field this server does not know is refused; null is ignored)"
+        return APIError(400, f"unknown or unsupported field '{loc}'{hint}", param=loc)
     if err["type"] == "missing":
         return APIError(400, f"'{loc}' is required", param=loc)
     if err["type"] == "value_error":  # our validators' own messages, each worded to stand alone

@@ -245,7 +245,7 @@ class Serving:
             texts = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, echo_texts, req, prompts,
                                                                      ctx.tokenizer, plan.prompts[::n])  # fmt: skip
             plan.prompt_texts = [texts[c // n] for c in range(len(plan.prompts))]
-        rid = f"{self.fmt.id_prefix}-{uuid.uuid4().hex}"
+        rid = f"{self.fmt.id_prefix}-{req.request_id or uuid.uuid4().hex}"  # vLLM's request_id names the response
         group = await self._submit(plan, arrival, rid)
         meta = {"id": rid, "created": int(time.time()), "model": ctx.config.served_model_name}
         if req.stream:

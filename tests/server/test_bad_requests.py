@@ -140,6 +140,8 @@ CASES = [
     ("regex-unreadable-tokenizer", C, _c(structured_outputs={"regex": "w05x"}), {}, 400,
      "structured_outputs cannot use this tokenizer"),
     ("guided-json", C, _c(guided_json={"type": "object"}), {}, 400, "structured_outputs.json"),
+    ("priority-nonzero", CHAT, _chat(priority=1), {}, 400, "priority scheduling is not supported by this server"),
+    ("store-not-bool", CHAT, _chat(store="yes"), {}, 400, "invalid 'store': Input should be a valid boolean"),
     # a JSON body under another media type: refused as vLLM does (it would be parsed as JSON regardless)
     ("content-type-text-plain", C, json.dumps(_c()).encode(), {"Content-Type": "text/plain"}, 415,
      "must be JSON sent with 'Content-Type: application/json'; got Content-Type 'text/plain'"),
@@ -236,6 +238,13 @@ def test_neutral_values_of_unsupported_fields_are_accepted(http):
     assert http.post(C, json=_c(**vllm)).status_code == 200
     r = http.post(CHAT, json=_chat(**vllm, add_generation_prompt=True, chat_template_kwargs={}, continue_final_message=False))
     assert r.status_code == 200, r.text
+    # more of vLLM's at their defaults, OpenAI's fields that change no output, and nulls of any name
+    extras = dict(vllm_xargs={}, mm_processor_kwargs={}, documents=[], return_token_ids=False, logits_processors=[],
+                  verbosity="medium", prompt_cache_key="k", safety_identifier="s", store=True, metadata={"a": "b"},
+                  chat_template=None, kv_transfer_params=None, frobnicate=None)
+    for path, body in ((C, _c(**extras)), (CHAT, _chat(**extras, reasoning_effort="low"))):
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
     r = http.post(C, json=_c(use_beam_search=True))
     assert r.status_code == 400 and "use_beam_search" in r.json()["error"]["message"]
     r = http.post(C, json=_c(echo=0))  # 0 is not the neutral `false`: types are strict
@@ -253,6 +262,20 @@ def test_a_json_body_needs_the_json_content_type(http):
         for media in ("application/json; charset=utf-8", "Application/JSON"):
             r = http.post(path, content=raw, headers={"Content-Type": media})
             assert r.status_code == 200, (media, r.text)
+
+
+def test_request_id_names_the_response_as_in_vllm(http):
+    """vLLM's request_id: the response id is cmpl-<request_id> / chatcmpl-<request_id>, streamed too;
+    without it a random one; two requests may share one."""
+    for path, body, prefix in ((C, _c(), "cmpl"), (CHAT, _chat(), "chatcmpl")):
+        for _ in range(2):
+            r = http.post(path, json={**body, "request_id": "trace-42"})
+            assert r.status_code == 200 and r.json()["id"] == f"{prefix}-trace-42", r.text
+        with http.stream("POST", path, json={**body, "request_id": "trace-43", "stream": True}) as s:
+            ids = {json.loads(line[6:])["id"] for line in s.iter_lines() if line.startswith("data: {")}
+        assert ids == {f"{prefix}-trace-43"}
+        other = http.post(path, json=body).json()["id"]
+        assert other.startswith(f"{prefix}-") and len(other) == len(prefix) + 1 + 32  # a hex uuid
 
 
 def test_min_p_is_accepted_on_both_endpoints(http):

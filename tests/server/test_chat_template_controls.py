@@ -1,6 +1,6 @@
 """vLLM's chat-template controls on /v1/chat/completions: add_generation_prompt,
-continue_final_message and chat_template_kwargs reach the tokenizer's chat template
-(params.chat_prompt); conflicting or reserved values are a 400 naming the field."""
+continue_final_message, chat_template_kwargs and OpenAI's reasoning_effort reach the tokenizer's
+chat template (params.chat_prompt); conflicting or reserved values are a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -79,6 +79,17 @@ def test_a_template_that_cannot_continue_names_continue_final_message():
     with pytest.raises(APIError, match="the chat template rejected these messages") as e:
         chat_prompt(req, tok)
     assert e.value.status == 400 and e.value.param == "continue_final_message"
+
+
+def test_reasoning_effort_reaches_the_template_as_a_variable():
+    """vLLM gives chat's reasoning_effort to the template; chat_template_kwargs' own value wins."""
+    tok = make_tokenizer()
+    tok.chat_template += "{% if reasoning_effort == 'high' %} w09x{% elif reasoning_effort %} w08x{% endif %}"
+    assert _words(_ids(tok))[-1] == "w03x"  # not given: the template sees no variable
+    assert _words(_ids(tok, reasoning_effort="high"))[-1] == "w09x"
+    assert _words(_ids(tok, reasoning_effort="low"))[-1] == "w08x"
+    both = _ids(tok, reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low", "think": True})
+    assert _words(both)[-1] == "w08x"
 
 
 def test_no_chat_template_points_to_completions():

@@ -1,0 +1,115 @@
+"""Top-level request fields as a vLLM client sends them (protocol.parse_request, no server): null
+fields of any name are dropped; OpenAI's / vLLM's fields that never change the output are
+type-checked and ignored; vLLM's extras are accepted at their defaults and refused by name
+otherwise."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockdraft.server.errors import APIError
+from blockdraft.server.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest, parse_request
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+BODIES = {ChatCompletionRequest: {"messages": MESSAGES}, CompletionRequest: {"prompt": "hi"}}
+BOTH = pytest.mark.parametrize("cls", [ChatCompletionRequest, CompletionRequest])
+
+
+def _parse(cls, **fields):
+    return parse_request(cls, {**BODIES[cls], **fields})
+
+
+def _refusal(cls, **fields) -> APIError:
+    with pytest.raises(APIError) as e:
+        _parse(cls, **fields)
+    assert e.value.status == 400
+    return e.value
+
+
+@BOTH
+def test_a_null_field_of_any_name_is_dropped(cls):
+    nulls = dict(chat_template=None, documents=None, kv_transfer_params=None, mm_processor_kwargs=None,
+                 frobnicate=None, guided_json=None)
+    assert _parse(cls, **nulls) == _parse(cls)
+    error = _refusal(cls, frobnicate=1)  # typo protection stays for non-null values
+    assert error.param == "frobnicate" and "null is ignored" in error.message
+
+
+@BOTH
+def test_fields_that_never_change_the_output_are_accepted_whatever_their_value(cls):
+    ignored = dict(prompt_cache_key="k1", safety_identifier="s1", user="u1", store=True, metadata={"run": "7"})
+    req = _parse(cls, **ignored)
+    assert (req.store, req.metadata) == (True, {"run": "7"})
+    assert _parse(cls, store=False).store is False
+
+
+@BOTH
+@pytest.mark.parametrize("field, value, words", [
+    ("prompt_cache_key", 5, "valid string"),
+    ("safety_identifier", ["a"], "valid string"),
+    ("user", 5, "valid string"),
+    ("store", "yes", "valid boolean"),
+    ("metadata", ["a"], "valid dictionary"),
+    ("metadata", {"run": 7}, "valid string"),
+    ("request_id", 5, "valid string"),
+    ("request_id", "", "at least 1 character"),
+    ("request_id", "a\nb", "printable"),
+])
+def test_a_wrong_type_is_a_400_naming_the_field_and_the_type(cls, field, value, words):
+    error = _refusal(cls, **{field: value})
+    assert error.param.split(".")[0] == field and field in error.message and words in error.message
+
+
+@BOTH
+def test_request_id_is_kept_for_the_response_id(cls):
+    assert _parse(cls, request_id="trace-42").request_id == "trace-42"
+    assert _parse(cls).request_id is None  # the server draws a random one
+
+
+NEUTRAL = dict(vllm_xargs={}, mm_processor_kwargs={}, media_io_kwargs={}, documents=[], return_token_ids=False,
+               logits_processors=[], verbosity="medium", include_reasoning=True, kv_transfer_params={})
+
+
+@BOTH
+def test_vllm_extras_at_their_defaults_are_accepted(cls):
+    assert _parse(cls, **NEUTRAL) == _parse(cls)
+
+
+@BOTH
+@pytest.mark.parametrize("field, value, allowed", [
+    ("vllm_xargs", {"k": 1}, "{} or null"),
+    ("mm_processor_kwargs", {"k": 1}, "{} or null"),
+    ("documents", [{"title": "a", "text": "b"}], "[] or null"),
+    ("return_token_ids", True, "false or null"),
+    ("logits_processors", ["x"], "[] or null"),
+    ("verbosity", "high", '"medium" or null'),
+    ("chat_template", "{{ messages }}", "only null"),
+    ("cache_salt", "salt", "only null"),
+])
+def test_vllm_extras_at_other_values_are_refused_by_name(cls, field, value, allowed):
+    error = _refusal(cls, **{field: value})
+    assert error.param == field
+    assert error.message.startswith(f"'{field}' is not supported by this server (only ") and allowed in error.message
+
+
+def test_the_neutral_values_live_in_one_table():
+    for field in ("vllm_xargs", "mm_processor_kwargs", "documents", "return_token_ids", "logits_processors",
+                  "verbosity", "priority"):
+        assert field in UNSUPPORTED_FIELDS
+
+
+@BOTH
+def test_priority_other_than_0_says_priority_scheduling_is_not_supported(cls):
+    assert _parse(cls, priority=0) == _parse(cls)
+    error = _refusal(cls, priority=3)
+    assert error.param == "priority"
+    assert error.message == ("'priority' is not supported: priority scheduling is not supported by this server "
+                             "(only 0 or null is accepted), got 3")
+
+
+def test_reasoning_effort_is_checked_on_chat_and_refused_on_completions():
+    assert _parse(ChatCompletionRequest, reasoning_effort="low").reasoning_effort == "low"
+    error = _refusal(ChatCompletionRequest, reasoning_effort="hihg")
+    assert error.param == "reasoning_effort" and '"low"' in error.message and '"hihg"' in error.message
+    error = _refusal(CompletionRequest, reasoning_effort="low")
+    assert error.param == "reasoning_effort" and "chat template variable" in error.message
