@@ -410,7 +410,7 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
             f"{want} output token{'s' if want > 1 else ''})")
         raise APIError(
             400,
-            f"prompt {index} has {prompt_len} tokens; this model's context is {context} tokens (max_model_len in "
+            f"{_prompt_size(req, index, prompt_len)}; this model's context is {context} tokens (max_model_len in "
             f"/v1/models), so at most {context - 1} prompt tokens leave room for one output token{cut}",
             param="prompt" if isinstance(req, CompletionRequest) else "messages",
         )
@@ -427,11 +427,19 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
     if asked > room:
         raise APIError(
             400,
-            f"prompt {index} has {prompt_len} tokens and {name} is {asked}: {prompt_len + asked} tokens, more than "
+            f"{_prompt_size(req, index, prompt_len)} and {name} is {asked}: {prompt_len + asked} tokens, more than "
             f"this model's context of {context} tokens (max_model_len in /v1/models); lower {name} to at most {room}",
             param=name,
         )
     return asked
+
+
+def _prompt_size(req, index: int, prompt_len: int) -> str:
+    """How a message names a prompt's size: "prompt 0 has N tokens" (completions); chat's one prompt
+    is its messages rendered with the chat template."""
+    if isinstance(req, ChatCompletionRequest):
+        return f"the messages rendered with the chat template are {prompt_len} tokens"
+    return f"prompt {index} has {prompt_len} tokens"
 
 
 def _stop_strings(stop, config: ServerConfig) -> list[str]:

@@ -1,13 +1,15 @@
 """Top-level request fields as a vLLM client sends them (protocol.parse_request, no server): null
 fields of any name are dropped; OpenAI's / vLLM's fields that never change the output are
 type-checked and ignored; vLLM's extras are accepted at their defaults and refused by name
-otherwise."""
+otherwise; a chat prompt over the context is worded about the messages."""
 
 from __future__ import annotations
 
 import pytest
 
+from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError
+from blockdraft.server.params import build_plan
 from blockdraft.server.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest, parse_request
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -113,3 +115,26 @@ def test_reasoning_effort_is_checked_on_chat_and_refused_on_completions():
     assert error.param == "reasoning_effort" and '"low"' in error.message and '"hihg"' in error.message
     error = _refusal(CompletionRequest, reasoning_effort="low")
     assert error.param == "reasoning_effort" and "chat template variable" in error.message
+
+
+MODEL = ModelInfo(name="t", vocab_size=100, max_model_len=64, kv_capacity_tokens=1024, num_speculative_tokens=0,
+                  created=0, max_logprobs=20)
+
+
+def _plan_error(req, prompt_len: int) -> APIError:
+    with pytest.raises(APIError) as e:
+        build_plan(req, [[1] * prompt_len], ServerConfig(), MODEL)
+    return e.value
+
+
+def test_a_chat_prompt_over_the_context_is_worded_about_the_messages():
+    error = _plan_error(ChatCompletionRequest(messages=MESSAGES), 70)
+    assert error.param == "messages"
+    assert error.message.startswith("the messages rendered with the chat template are 70 tokens; this model's "
+                                    "context is 64 tokens (max_model_len in /v1/models), so at most 63 prompt tokens")
+    error = _plan_error(ChatCompletionRequest(messages=MESSAGES, max_tokens=10), 60)
+    assert error.param == "max_tokens"
+    assert error.message.startswith("the messages rendered with the chat template are 60 tokens and max_tokens is 10")
+    assert "lower max_tokens to at most 4" in error.message
+    # completions keep naming the prompt by its index
+    assert _plan_error(CompletionRequest(prompt=[1]), 70).message.startswith("prompt 0 has 70 tokens; ")
