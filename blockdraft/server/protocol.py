@@ -411,9 +411,9 @@ class ChatCompletionRequest(_SamplingRequest, _ToolsRequest):
     the assistant cue), continue_final_message (render the last, assistant, message open so the
     answer continues it; needs add_generation_prompt false), chat_template_kwargs (extra variables
     for the chat template, e.g. {"enable_thinking": false}; not apply_chat_template's own arguments).
-reasoning_effort (OpenAI's; REASONING_EFFORTS): given to the chat template as the variable
-`reasoning_effort`, as vLLM does (a template without it ignores it); chat_template_kwargs'
-own reasoning_effort wins.
+    reasoning_effort (OpenAI's; REASONING_EFFORTS): given to the chat template as the variable
+    `reasoning_effort`, as vLLM does (a template without it ignores it); chat_template_kwargs'
+    own reasoning_effort wins.
 
     Tool calling (OpenAI's, as vLLM): `tools` (see _ToolsRequest), `tool_choice` ("none", "auto",
     "required" or {"type": "function", "function": {"name": ...}}; default "auto" with tools, else
