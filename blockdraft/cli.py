@@ -140,7 +140,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate an answer to one prompt")
+    g = sub.add_parser("generate", help="generate an answer to one prompt",
+                       description="Generate an answer to one prompt. The sampling flags' defaults are this "
+                                   "command's (greedy, 256 tokens): a model's generation_config.json sampling "
+                                   "defaults, which `serve` and LLM.generate apply (vLLM's --generation-config "
+                                   "auto), are not read here; give them as flags.")
     g.add_argument("prompt", help="sent as a user chat message through the model's chat template (see --raw)")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog name, HF folder or .gguf (default {DEFAULT_MODEL})")
     add_draft_flags(g)
@@ -269,6 +273,14 @@ def _add_serve_parser(sub, default_model: str) -> None:
                    help="tokens per engine step: prefill chunks + decode / verify rows (default: 512 on CPU, "
                         "8192 on CUDA, where a step holds every request's verify rows, as vLLM's server on large GPUs)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together (default %(default)s)")
+    s.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+                   help="sampling defaults of requests that leave a field out (or send null), as vLLM's flag: "
+                        "auto (default): the model folder's generation_config.json, its temperature, top_p, top_k, "
+                        "min_p, repetition_penalty and max_new_tokens (the default max_tokens), e.g. "
+                        "Qwen2.5-Instruct's temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05, said in "
+                        "a warning line at start; vllm: none, OpenAI's defaults (temperature 1, no top-p / top-k); "
+                        "FOLDER: FOLDER/generation_config.json, whose max_new_tokens also caps every request. "
+                        "Values sent in a request win. Catalog models (converted from GGUF) have no such file")
     add_cache_dir_flag(s)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server and uvicorn log level (default info)")

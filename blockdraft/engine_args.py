@@ -149,7 +149,9 @@ def resolve_draft_from_args(args):
 def llm_from_args(args, draft, max_logprobs: int):
     """The LLM that a subcommand's flags describe: --model, the draft flags (with `draft` from
     resolve_draft_from_args), --dtype, --cache-dir, the device, async-scheduling, prefix-caching
-    and --max-model-len flags, and those of _OPTIONAL the subcommand has (else LLM's defaults).
+    and --max-model-len flags, --generation-config where the subcommand has it (serve; else
+    "vllm": no model sampling defaults), and those of _OPTIONAL the subcommand has (else LLM's
+    defaults).
 
     Raises:
         ValueError / FileNotFoundError: whatever LLM raises for the values (each names its flag).
@@ -173,6 +175,9 @@ def llm_from_args(args, draft, max_logprobs: int):
         batch_invariant=args.batch_invariant,
         max_model_len=args.max_model_len,
         max_logprobs=max_logprobs,
+        # serve's --generation-config; generate's sampling flags all have defaults of their own, which
+        # the model's would never replace: its file is not read there
+        generation_config=getattr(args, "generation_config", "vllm"),
         # nothing to disable when --draft auto decodes plainly
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if draft is not None else None,
         **optional,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import logging
 import operator
 import random
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from blockdraft.engine_setup import (  # noqa: F401  (resolve_*: re-exported, th
     resolve_mixed_prefill,
 )
 from blockdraft.errors import param_error
+from blockdraft import generation_config as gen_config
 from blockdraft import model_loader
 from blockdraft.model_loader import LoadedTarget, catalog_name, eos_token_ids, load_target  # noqa: F401  (re-exported)
 from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names used to live here)
@@ -43,6 +45,8 @@ from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names
 )
 from blockdraft.runner.setup import check_batch_invariant, check_fp32_lm_head
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_max_logprobs
+
+logger = logging.getLogger(__name__)
 
 # torch's own thread count, taken before any engine: LLM(threads=None) keeps one the user sets later
 cpu_threads.remember_torch_default()
@@ -155,6 +159,16 @@ class LLM:
             is taken for torch's default, which the automatic choice may only lower). See
             blockdraft.cpu_threads.engine_threads. A threads that is not None or an integer >= 1
             raises ValueError naming the value (before anything loads).
+        generation_config: where the sampling defaults of `generate` / `chat` / `generate_stream`
+            without SamplingParams come from (vLLM's generation_config): "auto" (default) the
+            model folder's generation_config.json (its temperature, top_p, top_k, min_p,
+            repetition_penalty, and max_new_tokens as max_tokens; e.g. Qwen2.5-Instruct's
+            temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05), "vllm" none, or a
+            folder whose generation_config.json to read instead. Fields the file does not set keep
+            SamplingParams' defaults (greedy, 256 tokens); SamplingParams you pass are used as they
+            are. Catalog models (converted from GGUF) have no such file. Read and checked before
+            the weights load (blockdraft.generation_config.default_sampling_params); a warning
+            line gives the values the first time they are used.
     Raises:
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
@@ -193,8 +207,10 @@ class LLM:
         max_model_len: int | None = None,
         seed: int | None = None,
         threads: int | None = None,
+        generation_config: str = "auto",
     ) -> None:
         check_max_logprobs(max_logprobs)
+        gen_config.check_generation_config(generation_config)
         cpu_threads.check_threads(threads)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise param_error("seed", f"seed must be None or an integer >= 0, got {seed!r}")  # before any weights load, as preflight's checks
@@ -230,6 +246,12 @@ class LLM:
         )  # fmt: skip
         for note in notes:
             drafters_logger.warning("%s", note)
+        # the model's sampling defaults, read and checked before minutes of weight loading
+        model_path = target.path if target is not None else pre.target_path
+        self.generation_config = generation_config
+        self.default_sampling_params: dict = gen_config.default_sampling_params(model_path, generation_config)
+        self.generation_config_file = gen_config.source_file(model_path, generation_config)  # or None
+        self._defaults_said = False
         cpu_threads.engine_threads(threads, device)  # the settings are checked; before any model work
         self.target = target or model_loader.load_target(str(pre.target_path), dtype, device, cache_dir)
         self.tokenizer = self.target.tokenizer
@@ -243,6 +265,20 @@ class LLM:
                                     max_logprobs, mixed_prefill, **options)
         self.engine.seed_rng = None if seed is None else random.Random(seed)
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams that `generate`, `chat` and `generate_stream` use when given none, as
+        vLLM's `LLM.get_default_sampling_params`: SamplingParams() with the model's
+        generation_config.json defaults (`default_sampling_params`, a dict of its fields; see the
+        `generation_config` argument) set. A new object on each call (its own random seed); the
+        first call that applies model defaults logs them in one warning line, as vLLM.
+        """
+        if self.default_sampling_params and not self._defaults_said:
+            self._defaults_said = True
+            logger.warning("%s", gen_config.overridden_message(
+                self.default_sampling_params, self.generation_config_file,
+                "build the LLM with generation_config=\"vllm\" or pass SamplingParams"))
+        return SamplingParams(**self.default_sampling_params)
 
     def generate(
         self,
@@ -259,7 +295,8 @@ class LLM:
             chat message, "prompt" / "prompt_token_ids" a prompt. An empty list (or tuple)
             returns [] without stepping the engine, as vLLM.
         sampling_params: one SamplingParams for every prompt or a list of them (one per prompt), as
-            vLLM; None: SamplingParams().
+            vLLM; None: `get_default_sampling_params()` (SamplingParams() with the model's
+            generation_config.json defaults, if any).
         Returns:
             one finished RequestOutput per prompt, in input order; with SamplingParams(n=N) its
             `outputs` holds the N completions (vLLM's `o.outputs[j].text`), run as N requests.
@@ -280,7 +317,7 @@ class LLM:
         """
         items = self._prompt_list(prompts)
         token_lists = [self._tokenize_one(i, p) for i, p in enumerate(items)]
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         one_for_all = not isinstance(params, (list, tuple))
         # checked before repeating it per prompt: a bad one is refused also for an empty batch
         params = [params] if one_for_all else list(params)
@@ -335,6 +372,7 @@ class LLM:
 
         prompt: a str (raw text), a list of token ids, a prompt dict ({"prompt": str} or
             {"prompt_token_ids": [ids]}) or a chat conversation, as one `generate` prompt.
+        sampling_params: None: `get_default_sampling_params()`, as `generate`.
         Raises:
             TypeError: sampling_params that is not a SamplingParams.
             ValueError: as `generate`, and a batch of prompts (streaming takes one).
@@ -343,7 +381,7 @@ class LLM:
         if len(token_lists) != 1:
             raise ValueError(f"generate_stream takes one prompt (a str, a list of token ids or a conversation), got "
                              f"{len(token_lists)}; use generate for a batch")
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {_shown(params)}")
         if params.n != 1:

@@ -37,7 +37,17 @@ def model_info(llm, config: ServerConfig) -> ModelInfo:
         num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         created=int(time.time()),
         max_logprobs=llm.engine.max_logprobs,
+        default_sampling=dict(getattr(llm, "default_sampling_params", {})),
+        max_tokens_cap=max_tokens_cap(llm),
     )
+
+
+def max_tokens_cap(llm) -> int | None:
+    """vLLM's override_max_tokens: a --generation-config FOLDER's max_new_tokens limits every
+    request's output (tokens); the model's own file ("auto") only sets the default."""
+    if getattr(llm, "generation_config", "vllm") in ("auto", "vllm"):
+        return None
+    return getattr(llm, "default_sampling_params", {}).get("max_tokens")
 
 
 def build_app(llm, config: ServerConfig) -> FastAPI:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from blockdraft.errors import param_error
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS
@@ -87,6 +87,12 @@ class ModelInfo:
     num_speculative_tokens: drafts per step K (0 without a drafter).
     max_logprobs: the engine's largest logprobs (LLMEngine.max_logprobs).
     created: Unix time the server started (reported by /v1/models).
+    default_sampling: the model's sampling defaults (LLM.default_sampling_params, from
+        generation_config.json under --generation-config): SamplingParams fields that a request
+        leaving them out (or sending null) gets instead of OpenAI's defaults; max_tokens among
+        them is the default output length (tokens). Not shown in /v1/models (vLLM shows none).
+    max_tokens_cap: output tokens at most for every request, asked or not (vLLM: max_new_tokens
+        of a --generation-config FOLDER's file), or None.
     """
 
     name: str
@@ -96,3 +102,5 @@ class ModelInfo:
     num_speculative_tokens: int
     created: int
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    default_sampling: dict = field(default_factory=dict)
+    max_tokens_cap: int | None = None

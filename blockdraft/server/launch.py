@@ -146,6 +146,11 @@ def serve(args) -> int:
     draft = resolve_draft_from_args(args)  # may log why auto decodes plainly
     llm = llm_from_args(args, draft, max_logprobs=args.max_logprobs)  # the server's limit is the engine's: they agree
     app = build_app(llm, config)
+    if llm.default_sampling_params:  # vLLM's start-up warning, with the values (which vLLM logs next)
+        from blockdraft.generation_config import overridden_message
+
+        logger.warning("%s", overridden_message(llm.default_sampling_params, llm.generation_config_file,
+                                                "relaunch with `--generation-config vllm`"))
     spec = llm.speculator
     drafter = f"DFlash drafter {draft}, K={spec.num_speculative_tokens}" if spec is not None else "no drafter"
     if spec is not None and getattr(spec, "draft_head", None) is not None:

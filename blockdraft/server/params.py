@@ -224,9 +224,18 @@ def _sampling_params(
     value it refuses). The prompt is scored for `echo` with logprobs (that many alternatives) and for
     `prompt_logprobs`, with the larger count (each answer slices its own). constraint: every
     choice's structured_outputs (`structured_outputs(req)` or the tool_choice's), or None.
+    temperature, top_p, top_k, min_p and repetition_penalty left out or null take the model's
+    defaults (model.default_sampling: its generation_config.json, as vLLM), else OpenAI's.
     keep_special: the text keeps special tokens (skip_special_tokens False) whatever the request
     says: tool_choice "auto", as vLLM's hermes parser asks (some models' <tool_call> is special)."""
     scored = [v for v in (logprobs if echo else None, prompt_logprobs) if v is not None]
+    # a field left out or null: the model's default (generation_config.json), else OpenAI's / vLLM's
+    default = model.default_sampling
+
+    def pick(name: str, neutral: float):
+        value = getattr(req, name)
+        return default.get(name, neutral) if value is None else value
+
     for name in ("stop_token_ids", "allowed_token_ids"):
         for t in getattr(req, name) or []:
             if not 0 <= t < model.vocab_size:
@@ -234,10 +243,10 @@ def _sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0,
+            temperature=pick("temperature", 1.0),  # OpenAI's default
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=req.seed,
             n=n,
             stop=stop,
@@ -249,7 +258,7 @@ def _sampling_params(
             logprobs=logprobs,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=_logit_bias(req.logit_bias, model),
             min_tokens=req.min_tokens or 0,
             prompt_logprobs=max(scored) if scored else None,  # echo scores the prompt too (vLLM)
@@ -386,7 +395,21 @@ def _logit_bias(bias: dict[str, float] | None, model: ModelInfo) -> dict[int, fl
 
 def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, index: int,
                 asked: int | None = None) -> int:
-    """The engine's max_tokens for prompt `index` (`asked`: this value instead of the request's).
+    """The engine's max_tokens for prompt `index` (`asked`: this value instead of the request's),
+    at most model.max_tokens_cap (vLLM: a --generation-config FOLDER's max_new_tokens).
+
+    Raises:
+        APIError(400): as _requested_max_tokens.
+    """
+    tokens = _requested_max_tokens(req, prompt_len, config, model, index, asked)
+    return tokens if model.max_tokens_cap is None else min(tokens, model.max_tokens_cap)
+
+
+def _requested_max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, index: int,
+                          asked: int | None = None) -> int:
+    """The output tokens prompt `index` asks for (`asked`: this value instead of the request's); left
+    out or null, the default: the model's max_tokens (its generation_config.json's max_new_tokens)
+    or else the server's --max-tokens-limit, within the context left (completions left out: 16).
 
     Raises:
         APIError(400): below 1 (0 is allowed only with echo, and handled by build_plan), over the
@@ -415,9 +438,11 @@ def _max_tokens(req, prompt_len: int, config: ServerConfig, model: ModelInfo, in
             param="prompt" if isinstance(req, CompletionRequest) else "messages",
         )
     if asked is None:
-        # completions: 16 when left out (OpenAI's, vLLM's), the rest of the context when sent as null (vLLM's)
+        # completions: 16 when left out (OpenAI's, vLLM's), the default below when sent as null (vLLM's);
+        # the default: the model's max_new_tokens, else the server's limit, within the context left
         default = (COMPLETIONS_DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest)
-                   and "max_tokens" not in req.model_fields_set else config.max_tokens_limit)
+                   and "max_tokens" not in req.model_fields_set
+                   else min(model.default_sampling.get("max_tokens", config.max_tokens_limit), config.max_tokens_limit))
         return max(1, min(default, room))
     if asked < 1:
         hint = " (0 only with echo: true, which returns the prompt scored)" if isinstance(req, CompletionRequest) else ""
