@@ -1,96 +1,29 @@
 #!/usr/bin/env bash
-# The GPU run behind the shipped drafters (docs/benchmarks/drafter-qwen2.5-coder-0.5b.md).
+# The GPU runs behind the shipped drafters (docs/benchmarks/drafter-qwen2.5-coder-0.5b.md), one phase per
+# device call (each call carries at most 64 MiB of files, so the target's GGUF travels in pieces):
 #
-#   h200_run.sh start PARTS WORK   assemble the GGUFs, start both pipelines in the background
-#   h200_run.sh collect WORK OUT NAME   copy NAME's (qwen|smol) results into OUT (<= 16 MiB files)
-#   h200_run.sh resume PARTS WORK INIT  Qwen only: fresh answers, continue training the drafter whose
-#                                       weights are INIT, evaluate, then `blockdraft bench` the result
-#   h200_run.sh pack WORK OUT           resume's results + generated data into OUT (<= 15 MB pieces)
-#   h200_run.sh prepare4 PARTS; stash PARTS (per GGUF piece); train_fast WORK INIT DATA_TARS EVAL;
-#   pack4 | pack6 WORK OUT (pack6: again until "all sent"); packdata WORK OUT SHARD; keep PARTS (kept answers)
-#                                       sessions 4-6: GPU tests + continue INIT (fp32 drafter weights)
-#                                       on kept answers (tars of data/ shards, comma-separated) plus
-#                                       new ones, cached features, 32K-id loss; bench; 8B profile
+#   h200_run.sh prepare4 PARTS        the whole tree (shipped drafters and tests included, for the GPU tests
+#                                     beside a run): the wheels, the prep folders, the kept answers (keep)
+#   h200_run.sh prepare_train PARTS [KEPT]   the same without the tests' copy (a shrunk tree: a run alone;
+#                                     kept answers from KEPT/keep*/)
+#   h200_run.sh keep PARTS            PARTS/keep*/ (kept answers, data*.tgz) -> /tmp/keep*/
+#   h200_run.sh stash PARTS           once per GGUF piece (PARTS/gN/blob.*)
+#   h200_run.sh train_fast WORK INIT DATA_TARS EVAL   continue INIT (drafter weights) on kept answers
+#                                     (tars of data/ shards, comma-separated) plus new ones, cached
+#                                     features, 32K-id loss; evaluate; bench; 8B profile (settings below)
+#   h200_run.sh snapshot WORK OUT     keep-alive calls during a run: new data shards, checkpoints
+#   h200_run.sh pack6 WORK OUT        the results in <= 16 MB files (again until "all sent");
+#   h200_run.sh packdata WORK OUT SHARD   a data shard
 #
-# PARTS holds blob.NN (the Qwen2.5-Coder-0.5B GGUF followed by the SmolLM2-135M GGUF, cut into
-# pieces that fit the device's per-call transfer limit), qwen/ and smol/ (written by
-# `python -m blockdraft.training.gpu_run prep`) and whl/ (the pure-Python `gguf` wheel).
+# Sessions 1-3's phases (start, collect, resume, pack, pack4: both targets at once, 3 feature layers
+# hard-coded) were removed in session 46; they are in the history before it.
+#
+# PARTS/base holds qwen/ and smol/ (written by `python -m blockdraft.training.gpu_run prep`), whl/ (the
+# pure-Python `gguf` wheel) and cache/downloads/ (HumanEval + MT-bench wheels for the bench); PARTS/gN/
+# the pieces of the target's GGUF (blockdraft/training/stage_parts.sh writes them all).
 set -u
-QWEN_BYTES=491400064
 QWEN_SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 SMOL_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-QWEN_DRAFTERS='[{"name":"A","num_layers":2,"intermediate_size":1024,"num_feature_layers":3},
- {"name":"B","num_layers":3,"intermediate_size":1792,"num_feature_layers":3,"int8":true}]'
-SMOL_DRAFTERS='[{"name":"A","num_layers":2,"intermediate_size":960,"num_feature_layers":3},
- {"name":"B","num_layers":3,"intermediate_size":1536,"num_feature_layers":3,"int8":true}]'
-# The settings of the run behind the shipped SmolLM2 drafter (the Qwen drafter came from two later
-# single-target runs: docs/benchmarks/drafter-qwen2.5-coder-0.5b.md).
-QWEN_ARGS=${QWEN_ARGS:-"--gen-seconds 270 --train-seconds 540 --gen-batch 768 --lr 8e-4"}
-SMOL_ARGS=${SMOL_ARGS:-"--gen-seconds 240 --train-seconds 480 --gen-batch 768 --lr 8e-4"}
-
-start() {
-  local P=$1 W=$2
-  mkdir -p "$W"
-  cat "$P"/blob.* > "$W/blob" || exit 1
-  head -c $QWEN_BYTES "$W/blob" > "$W/qwen.gguf"
-  tail -c +$((QWEN_BYTES + 1)) "$W/blob" > "$W/smol.gguf"
-  rm -f "$W/blob"
-  echo "$QWEN_SHA  $W/qwen.gguf" > "$W/sha.txt"; echo "$SMOL_SHA  $W/smol.gguf" >> "$W/sha.txt"
-  sha256sum -c "$W/sha.txt" || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/whl/*.whl || exit 1
-  # Run from a private copy: later calls re-sync the working tree under the running jobs.
-  mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
-  export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15
-  cd "$W/code" || exit 1
-  # shellcheck disable=SC2086
-  setsid nohup python3 -m blockdraft.training.gpu_run run --gguf "$W/qwen.gguf" --prep "$P/qwen" --work "$W/qwen" \
-    --drafters "$QWEN_DRAFTERS" $QWEN_ARGS > "$W/qwen.log" 2>&1 < /dev/null &
-  # shellcheck disable=SC2086
-  setsid nohup python3 -m blockdraft.training.gpu_run run --gguf "$W/smol.gguf" --prep "$P/smol" --work "$W/smol" \
-    --drafters "$SMOL_DRAFTERS" $SMOL_ARGS > "$W/smol.log" 2>&1 < /dev/null &
-}
-
-collect() {
-  local W=$1 OUT=$2 N=$3
-  mkdir -p "$OUT"
-  tar czf "$OUT/$N-small.tgz" -C "$W" "$N.log" \
-    $(cd "$W" && ls -d "$N"/results.json "$N"/eval_sequences.safetensors "$N"/*/train_log.jsonl \
-      "$N"/*/export/config.json "$N"/*/checkpoint/state.json 2>/dev/null)
-  for d in "$W/$N"/*/; do
-    local name; name=$(basename "$d")
-    if [ -f "$d/model.int8" ]; then
-      split -b 15000000 -d -a 1 "$d/model.int8" "$OUT/$N-$name-int8."
-    elif [ -f "$d/export/model.safetensors" ]; then
-      split -b 15000000 -d -a 1 "$d/export/model.safetensors" "$OUT/$N-$name-bf16."
-    fi
-  done
-  ls -la "$OUT"
-}
-
-# Session 3 (docs/benchmarks/drafter-qwen2.5-coder-0.5b.md): PARTS/g*/blob.* is the Qwen GGUF alone,
-# PARTS/base holds qwen/ (prep), whl/ and cache/downloads/ (HumanEval + MT-bench wheels for bench).
-RESUME_ARGS=${RESUME_ARGS:-"--gen-seconds 200 --gen-batch 1024 --train-seconds 420 --lr 1e-3 --seed 1"}
-resume() {
-  local P=$1 W=$2 INIT=$3
-  mkdir -p "$W" /tmp/bdc/gguf && cp -r "$P/base/cache/downloads" /tmp/bdc/ || exit 1
-  cat "$P"/g*/blob.* > /tmp/bdc/gguf/qwen.gguf || exit 1
-  echo "$QWEN_SHA  /tmp/bdc/gguf/qwen.gguf" | sha256sum -c || exit 1
-  cp "$INIT" "$W/init.safetensors" || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
-  mkdir -p "$W/code" && cp -r blockdraft "$W/code/" || exit 1
-  export PYTHONPATH=/tmp/site:$W/code PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15 BLOCKDRAFT_CACHE=/tmp/bdc
-  cd "$W/code" || exit 1
-  # LAYERS > the init's depth grows it (new layers start as identity); INT8 also evaluates the 8-bit pack
-  local drafters='[{"name":"A","num_layers":'$LAYERS',"intermediate_size":1024,"num_feature_layers":3,"init_from":"'$W'/init.safetensors"'${INT8:+',"int8":true'}'}]'
-  # shellcheck disable=SC2086
-  setsid nohup bash -c "
-    python3 -c 'from blockdraft.weights.fetch import convert_gguf; print(convert_gguf(\"/tmp/bdc/gguf/qwen.gguf\"))' &&
-    python3 -m blockdraft.training.gpu_run run --gguf /tmp/bdc/gguf/qwen.gguf --prep $P/base/qwen --work $W/qwen \
-      --drafters '$drafters' $RESUME_ARGS &&
-    python3 -m blockdraft.cli bench --model qwen2.5-coder-0.5b-instruct --draft $W/qwen/A/export \
-      --batch-sizes 1,8,32 --max-tokens 128 --out $W/bench-real &&
-    echo RESUME-DONE" > "$W/resume.log" 2>&1 < /dev/null &
-}
 
 # Session 4: the GPU tests and the training share the lent GPU, the tests first (their Triton
 # compiles are CPU work). Calls: `prepare4 PARTS` with the whole tree (shipped drafters included,
@@ -139,10 +72,11 @@ case "$TARGET" in
   smollm2-135m-instruct) T_SHA=$SMOL_SHA T_PREP=smol T_MLP=1536 ;;
   *) echo "h200_run.sh: TARGET must be qwen2.5-coder-0.5b-instruct or smollm2-135m-instruct, got '$TARGET'" >&2; exit 1 ;;
 esac
+
+# prepare4 with the whole tree (session 30: the GPU tests load the shipped drafters from it; a tree
+# without model.int8, left out of the index for the GGUF pieces' calls, failed a real-model test).
 prepare4() {
   local P=$1 d missing=""
-  # The GPU tests load the shipped drafters from this copy (session 30: copied after model.int8 had
-  # been left out of the tree for the GGUF pieces' calls, a real-model test failed).
   for d in blockdraft/drafters/*/; do
     [ ! -f "$d/config.json" ] || [ -f "$d/model.int8" ] || [ -f "$d/model.safetensors" ] || missing="$missing $d"
   done
@@ -150,10 +84,18 @@ prepare4() {
     echo "prepare4: no drafter weights in$missing: call it with the whole tree, before model.int8 leaves the index" >&2
     exit 1
   fi
+  rm -rf /tmp/tcode && mkdir -p /tmp/tcode && cp -r blockdraft tests pyproject.toml /tmp/tcode/ || exit 1
+  prepare_train "$P"
+}
+
+# Session 46: what a run alone needs (no GPU tests: the shrunk tree will do), so the base (17 MB) and
+# the kept answers (25 MB) share one call with the shrunk tree. KEPT: the folder holding keep*/ (default
+# PARTS): `prepare_train parts/s46 parts`, carry ["parts/s46", "parts/keep45"].
+prepare_train() {
+  local P=$1 KEPT=${2:-$1}
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$P"/base/whl/*.whl || exit 1
-  rm -rf /tmp/tcode && mkdir -p /tmp/tcode /tmp/bdc/gguf /tmp/blobs && cp -r blockdraft tests pyproject.toml /tmp/tcode/ || exit 1
-  cp -r "$P/base/cache/downloads" /tmp/bdc/ && cp -r "$P/base" /tmp/base || exit 1
-  keep "$P"
+  mkdir -p /tmp/bdc/gguf /tmp/blobs && cp -r "$P/base/cache/downloads" /tmp/bdc/ && cp -r "$P/base" /tmp/base || exit 1
+  keep "$KEPT"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 }
 
@@ -219,18 +161,6 @@ print(json.dumps([a] + ([{**a, **json.loads(b), "name": "B"}] if b else []), sep
     ${PROFILE:+python3 -m blockdraft.bench.profile_step --shape qwen3-8b --batch-size 1 --steps 20 --mode both \
       --out $W/profile-qwen3-8b-b1.json --trace $W/trace-qwen3-8b-b1.json.gz > $W/profile-qwen3-8b-b1.txt 2>&1 ;}
     echo TRAIN-CHAIN-DONE" > "$W/resume.log" 2>&1 < /dev/null &
-}
-
-pack4() {
-  local W=$1 OUT=$2
-  mkdir -p "$OUT"
-  cp /tmp/gputests.log "$W/" 2>/dev/null
-  tar czf "$OUT/small.tgz" -C "$W" resume.log $(cd "$W" && ls -d gputests.log qwen/results.json qwen/A/train_log.jsonl \
-    qwen/A/export/config.json qwen/A/export/draft_vocab.json qwen/data/data-00001.safetensors bench-real.* \
-    profile-qwen3-8b-b1.* trace-qwen3-8b-b1-*.json.gz 2>/dev/null)
-  split -b 15000000 -d -a 1 "$W/qwen/A/export/model.safetensors" "$OUT/A-bf16."
-  split -b 16000000 -d -a 1 "$W/qwen/A/checkpoint/drafter.safetensors" "$OUT/A-fp32."
-  ls -la "$OUT"
 }
 
 # Session 6: the run's results (pack6) and its new data shard (packdata WORK OUT SHARD), each in
@@ -312,16 +242,6 @@ save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(sys.argv[1
     touch "$stamp"
     break
   done
-  ls -la "$OUT"
-}
-
-pack() {
-  local W=$1 OUT=$2
-  mkdir -p "$OUT"
-  tar czf "$OUT/small.tgz" -C "$W" resume.log $(cd "$W" && ls -d qwen/results.json qwen/eval_sequences.safetensors \
-    qwen/A/train_log.jsonl qwen/A/export/config.json bench-real.* 2>/dev/null)
-  split -b 15000000 -d -a 1 "$W/qwen/A/export/model.safetensors" "$OUT/A-bf16."
-  split -b 15000000 -d -a 1 "$W/qwen/A/checkpoint/drafter.safetensors" "$OUT/A-fp32."
   ls -la "$OUT"
 }
 
