@@ -67,6 +67,21 @@ def source_file(model_path, generation_config: str = "auto") -> Path | None:
     return file if folder.is_dir() and file.is_file() else None
 
 
+def read_file(file: Path) -> dict:
+    """A generation_config.json as a dict (this module's sampling keys; model_loader's eos_token_id).
+
+    Raises:
+        ValueError: the file is not valid JSON / UTF-8, or holds no JSON object (names the file).
+    """
+    try:
+        config = json.loads(Path(file).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not a JSON object: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object: got {type(config).__name__}")
+    return config
+
+
 def default_sampling_params(model_path, generation_config: str = "auto") -> dict:
     """The model's sampling defaults as SamplingParams fields ({} when none apply: `source_file`),
     e.g. Qwen2.5-Instruct's {"repetition_penalty": 1.05, "temperature": 0.7, "top_k": 20,
@@ -82,12 +97,7 @@ def default_sampling_params(model_path, generation_config: str = "auto") -> dict
     file = source_file(model_path, generation_config)
     if file is None:
         return {}
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not a JSON object: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file} is not a JSON object: got {type(config).__name__}")
+    config = read_file(file)
     out = {}
     for key in _KEYS:
         value = config.get(key)

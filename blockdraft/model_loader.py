@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from blockdraft import generation_config
 from blockdraft.config import ModelConfig
 from blockdraft.layers.linear import cpu_has_fast_bf16
 from blockdraft.preflight import check_dtype, read_target_config
@@ -128,9 +129,9 @@ def model_eos_ids(path, config_eos: Sequence[int], tokenizer) -> tuple[int, ...]
     folder = Path(path)
     if not folder.is_dir():  # a model built in memory (tests, random-weight shapes)
         return tuple(sorted(ids))
-    generation_config = folder / "generation_config.json"
-    if generation_config.is_file():
-        ids.update(_generation_config_eos(generation_config))
+    gen_file = folder / generation_config.GENERATION_CONFIG_FILE
+    if gen_file.is_file():
+        ids.update(_generation_config_eos(gen_file))
     elif _converted_from_gguf(folder):
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         ids.update(int(i) for i, tok in added.items()
@@ -140,10 +141,7 @@ def model_eos_ids(path, config_eos: Sequence[int], tokenizer) -> tuple[int, ...]
 
 def _generation_config_eos(file: Path) -> set[int]:
     """generation_config.json's eos_token_id(s) (an int, a list of ints, or absent / null)."""
-    try:
-        value = json.loads(file.read_text()).get("eos_token_id")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-        raise ValueError(f"{file} is not a JSON object: {e}") from None
+    value = generation_config.read_file(file).get("eos_token_id")
     values = value if isinstance(value, list) else [] if value is None else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise ValueError(f"{file}: eos_token_id must be a token id >= 0 or a list of them, got {value!r}")
