@@ -62,6 +62,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._decode_owed = False  # without mixed prefill: the last step computed a non-final prompt chunk
         self._admission_wait = 0  # decode steps launched while admissible requests were held back
+        self.num_preemptions = 0  # since the start (vLLM's num_preemptions metric): requests sent back to wait
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError if it can never fit in the KV pool."""
@@ -374,6 +375,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 

@@ -75,6 +75,9 @@ class Metrics:
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Tokens whose KV came from the prefix cache.", registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests being decoded.", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued (no KV pages or batch slot yet).", registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Requests preempted (KV pages freed, recomputed later).",
+                                   registry=r)
+        self._preemptions_seen = 0
         self.http_errors = Counter(p + "http_errors", "Requests answered with an error.", ["status"], registry=r)
         self._arrival: dict[str, float] = {}  # request id -> arrival (perf_counter seconds)
         self._last_token: dict[str, float] = {}  # request id -> when its latest tokens came out
@@ -107,6 +110,8 @@ class Metrics:
         self.kv_total.set(kv.num_blocks)
         self._observe_prefix_cache(kv.stats)
         self.running.set(len(engine.scheduler.running))
+        self.preemptions.inc(engine.scheduler.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = engine.scheduler.num_preemptions
         self.waiting.set(len(engine.scheduler.waiting))
 
     def _observe_tokens(self, out, now: float) -> None:

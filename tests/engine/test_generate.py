@@ -57,6 +57,14 @@ def test_preemption_really_happens_with_a_small_pool(llama_target):
     llm.engine.scheduler._preempt = lambda r: (seen.append(r.request_id), orig(r))
     llm.generate(random_prompts(6, seed=3, low=8, high=16), SamplingParams(max_tokens=30, ignore_eos=True))
     assert seen
+    assert llm.engine.scheduler.num_preemptions == len(seen)  # vLLM's num_preemptions: every one counted
+
+    from blockdraft.server.metrics import Metrics
+
+    m = Metrics()
+    m.on_step(llm.engine, [])
+    m.on_step(llm.engine, [])  # only what happened since the last step is added
+    assert m.registry.get_sample_value("blockdraft_num_preemptions_total") == len(seen)
 
 
 def test_seeded_sampling_is_reproducible_alone_or_batched(llama_target):

@@ -71,7 +71,7 @@ def test_pool_exhaustion_preempts_newest_and_requeues_it_first():
         r.output_token_ids = [9]
     # a needs a second page (5 tokens) and b too; only one page is left: b is preempted
     out = s.schedule()
-    assert out.preempted_request_ids == ["b"]
+    assert out.preempted_request_ids == ["b"] and s.num_preemptions == 1
     assert [r.request_id for r in out.requests] == ["a"]
     assert b.num_computed_tokens == 0 and b.block_ids == [] and s.waiting[0] is b
     assert b.output_token_ids == [9]  # produced tokens are kept, then recomputed
