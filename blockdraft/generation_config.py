@@ -136,5 +136,5 @@ def _check(file: Path, key: str, value) -> None:
 def overridden_message(defaults: dict, file, remedy: str) -> str:
     """The one line said when a model's defaults apply (vLLM's start-up warning, with the values
     and the file); `remedy` says how to turn them off (the flag or the keyword)."""
-    return (f"Default sampling parameters have been overridden by the model's Hugging Face generation config "
-            f"recommended from the model creator ({file}): {defaults}. If this is not intended, {remedy}")
+    return (f"Default sampling parameters have been overridden by the generation config {file}: {defaults}. If this "
+            f"is not intended, {remedy}")

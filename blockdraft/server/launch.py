@@ -151,6 +151,9 @@ def serve(args) -> int:
 
         logger.warning("%s", overridden_message(llm.default_sampling_params, llm.generation_config_file,
                                                 "relaunch with `--generation-config vllm`"))
+    elif llm.generation_config_file is not None:  # read, but nothing in it to apply: say so
+        logger.info("%s sets no sampling defaults: requests that leave a field out get OpenAI's",
+                    llm.generation_config_file)
     spec = llm.speculator
     drafter = f"DFlash drafter {draft}, K={spec.num_speculative_tokens}" if spec is not None else "no drafter"
     if spec is not None and getattr(spec, "draft_head", None) is not None:

@@ -462,9 +462,10 @@ def _requested_max_tokens(req, prompt_len: int, config: ServerConfig, model: Mod
 def _prompt_size(req, index: int, prompt_len: int) -> str:
     """How a message names a prompt's size: "prompt 0 has N tokens" (completions); chat's one prompt
     is its messages rendered with the chat template."""
+    tokens = f"{prompt_len} token{'s' if prompt_len != 1 else ''}"
     if isinstance(req, ChatCompletionRequest):
-        return f"the messages rendered with the chat template are {prompt_len} tokens"
-    return f"prompt {index} has {prompt_len} tokens"
+        return f"the messages rendered with the chat template are {tokens}"
+    return f"prompt {index} has {tokens}"
 
 
 def _stop_strings(stop, config: ServerConfig) -> list[str]:

@@ -18,6 +18,7 @@ StructuredOutputsParams.
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -52,7 +53,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
-    "reasoning_effort": (),  # a field of chat (a template variable, as vLLM); completions have no template
+    "reasoning_effort": (),  # a chat template variable (as vLLM): a field of chat and /tokenize
     "web_search_options": (),
     "verbosity": ("medium",),
     # vLLM's extra fields that clients send with their defaults: those values are this server's behaviour
@@ -82,7 +83,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 # what follows "'<field>' is not supported" where " by this server" alone would not say why
 UNSUPPORTED_REASONS: dict[str, str] = {
     "priority": ": priority scheduling is not supported by this server",
-    "reasoning_effort": " on /v1/completions: it is a chat template variable",
+    "reasoning_effort": " here: it is a chat template variable (chat completions, /tokenize with messages)",
 }
 
 # vLLM's structured-output request fields before v0.12 -> the field that replaced each (None: none,
@@ -110,10 +111,13 @@ class StreamOptions(_Strict):
     """`stream_options`: include_usage adds a last chunk with `usage` (and empty `choices`).
     continuous_usage_stats (vLLM's): with include_usage, every chunk that carries a choice also
     carries that choice's `usage` so far (its prompt's tokens, its completion tokens); an omitted
-    (null) include_usage then counts as true, as vLLM's default true does, and false turns both off."""
+    (null) include_usage then counts as true, as vLLM's default true does, and false turns both off.
+    include_obfuscation (OpenAI's: random padding in stream events against length side channels,
+    which current SDKs send): accepted and unused, as by vLLM; no padding is added."""
 
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+    include_obfuscation: bool | None = None
 
 
 RESPONSE_FORMATS = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
@@ -391,31 +395,44 @@ class ChatMessage(_Strict):
         return template_message(self.role, self.content, self.name, self._template_calls, self.tool_call_id)
 
 
-class _ToolsRequest(_Strict):
-    """`tools` (OpenAI's function definitions, given to the chat template), shared by chat
-    completions and /tokenize. Checked by blockdraft.tools.check_tools (unique names, parameters a
-    JSON Schema object); `tools` holds the checked definitions."""
+class _TemplateRequest(_Strict):
+    """What the chat template renders the messages with, shared by chat completions and /tokenize
+    (params.chat_prompt): `tools` (OpenAI's function definitions, checked by
+    blockdraft.tools.check_tools: unique names, parameters a JSON Schema object) and vLLM's template
+    controls: add_generation_prompt (default true: end with the assistant cue),
+    continue_final_message (render the last, assistant, message open so the answer continues it;
+    needs add_generation_prompt false), chat_template_kwargs (extra variables for the chat
+    template, e.g. {"enable_thinking": false}; not apply_chat_template's own arguments), and
+    OpenAI's reasoning_effort (REASONING_EFFORTS): given to the template as the variable
+    `reasoning_effort`, as vLLM does (a template without it ignores it); chat_template_kwargs' own
+    reasoning_effort wins."""
 
     tools: list[Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
     @field_validator("tools", mode="before")
     @classmethod
     def _checked_tools(cls, v: Any) -> Any:
         return None if v is None else check_tools(v)
 
+    @field_validator("reasoning_effort", mode="before")
+    @classmethod
+    def _known_effort(cls, v: Any) -> Any:
+        if v is None or v in REASONING_EFFORTS:
+            return v
+        raise ValueError(f"reasoning_effort must be one of {', '.join(map(json.dumps, REASONING_EFFORTS))} or null, "
+                         f"got {json.dumps(v)[:80]}")
 
-class ChatCompletionRequest(_SamplingRequest, _ToolsRequest):
+
+class ChatCompletionRequest(_SamplingRequest, _TemplateRequest):
     """/v1/chat/completions. logprobs: return per-token log-probabilities; top_logprobs: how many
     alternatives per token (needs logprobs: true). max_completion_tokens: newer name of max_tokens.
-    vLLM's template controls (params.chat_prompt): add_generation_prompt (default true: end with
-    the assistant cue), continue_final_message (render the last, assistant, message open so the
-    answer continues it; needs add_generation_prompt false), chat_template_kwargs (extra variables
-    for the chat template, e.g. {"enable_thinking": false}; not apply_chat_template's own arguments).
-    reasoning_effort (OpenAI's; REASONING_EFFORTS): given to the chat template as the variable
-    `reasoning_effort`, as vLLM does (a template without it ignores it); chat_template_kwargs'
-    own reasoning_effort wins.
+    The template controls and `tools`: _TemplateRequest.
 
-    Tool calling (OpenAI's, as vLLM): `tools` (see _ToolsRequest), `tool_choice` ("none", "auto",
+    Tool calling (OpenAI's, as vLLM): `tools`, `tool_choice` ("none", "auto",
     "required" or {"type": "function", "function": {"name": ...}}; default "auto" with tools, else
     "none"; anything but "none" needs `tools`, a named function one of them), parallel_tool_calls
     (false: at most one call). `tool_choice_mode` is the choice in effect (resolve_tool_choice):
@@ -426,21 +443,9 @@ class ChatCompletionRequest(_SamplingRequest, _ToolsRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     _tool_choice_mode: tuple[str, str | None] = ("none", None)
-
-    @field_validator("reasoning_effort", mode="before")
-    @classmethod
-    def _known_effort(cls, v: Any) -> Any:
-        if v is None or v in REASONING_EFFORTS:
-            return v
-        raise ValueError(f"reasoning_effort must be one of {', '.join(map(json.dumps, REASONING_EFFORTS))} or null, "
-                         f"got {json.dumps(v)[:80]}")
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -460,20 +465,17 @@ class ChatCompletionRequest(_SamplingRequest, _ToolsRequest):
         return self._tool_choice_mode
 
 
-class TokenizeRequest(_ToolsRequest):
+class TokenizeRequest(_TemplateRequest):
     """POST /tokenize (vLLM's): exactly one of `prompt` (text, as /v1/completions encodes it;
     add_special_tokens default true) and `messages` (a conversation through the chat template, as
-    /v1/chat/completions renders it, with its template controls add_generation_prompt (default
-    true), continue_final_message and chat_template_kwargs, and `tools`). return_token_strs: also each token's
-    string (the tokenizer's convert_ids_to_tokens)."""
+    /v1/chat/completions renders it, with the same template controls and `tools`:
+    _TemplateRequest). return_token_strs: also each token's string (the tokenizer's
+    convert_ids_to_tokens)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -482,6 +484,23 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+
+
+def base_request_id(header: str | None, field: str | None) -> str:
+    """The id a response is named by (`chatcmpl-<id>` / `cmpl-<id>`), as vLLM's _base_request_id:
+    the X-Request-Id header's value, else the body's request_id, else a random hex uuid. An empty
+    header counts as none.
+
+    Raises:
+        APIError(400): a header of more than MAX_REQUEST_ID_CHARS characters or with control
+            characters (it goes into the response id and the request log line).
+    """
+    if header:
+        if len(header) > MAX_REQUEST_ID_CHARS or not header.isprintable():
+            raise APIError(400, f"the X-Request-Id header must be 1-{MAX_REQUEST_ID_CHARS} printable characters, got "
+                                f"{json.dumps(header)[:80]} ({len(header)} characters)", param="X-Request-Id")
+        return header
+    return field or uuid.uuid4().hex
 
 
 def parse_request(cls: type[BaseModel], body: dict) -> BaseModel:

@@ -11,7 +11,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -27,7 +26,7 @@ from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError, error_body, model_not_found
 from blockdraft.server.http import ClientDisconnected, EventStreamResponse, read_json_object, until_disconnect
 from blockdraft.server.params import Plan, build_plan, chat_prompt, completion_prompts, echo_texts, engine_refusal
-from blockdraft.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from blockdraft.server.protocol import ChatCompletionRequest, CompletionRequest, base_request_id, parse_request
 from blockdraft.server.tool_calls import ToolStream
 
 logger = logging.getLogger("blockdraft.server")
@@ -245,7 +244,7 @@ class Serving:
             texts = await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, echo_texts, req, prompts,
                                                                      ctx.tokenizer, plan.prompts[::n])  # fmt: skip
             plan.prompt_texts = [texts[c // n] for c in range(len(plan.prompts))]
-        rid = f"{self.fmt.id_prefix}-{req.request_id or uuid.uuid4().hex}"  # vLLM's request_id names the response
+        rid = f"{self.fmt.id_prefix}-{base_request_id(request.headers.get('x-request-id'), req.request_id)}"
         group = await self._submit(plan, arrival, rid)
         meta = {"id": rid, "created": int(time.time()), "model": ctx.config.served_model_name}
         if req.stream:

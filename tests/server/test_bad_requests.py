@@ -276,6 +276,13 @@ def test_request_id_names_the_response_as_in_vllm(http):
         assert ids == {f"{prefix}-trace-43"}
         other = http.post(path, json=body).json()["id"]
         assert other.startswith(f"{prefix}-") and len(other) == len(prefix) + 1 + 32  # a hex uuid
+        # vLLM's X-Request-Id header wins over the body's request_id; an empty one counts as none
+        r = http.post(path, json={**body, "request_id": "body-1"}, headers={"X-Request-Id": "hdr-1"})
+        assert r.status_code == 200 and r.json()["id"] == f"{prefix}-hdr-1", r.text
+        r = http.post(path, json={**body, "request_id": "body-1"}, headers={"X-Request-Id": ""})
+        assert r.json()["id"] == f"{prefix}-body-1"
+        r = http.post(path, json=body, headers={"X-Request-Id": "x" * 257})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id", r.text
 
 
 def test_min_p_is_accepted_on_both_endpoints(http):

@@ -10,7 +10,8 @@ import pytest
 from blockdraft.server.config import ModelInfo, ServerConfig
 from blockdraft.server.errors import APIError
 from blockdraft.server.params import build_plan
-from blockdraft.server.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest, parse_request
+from blockdraft.server.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest, TokenizeRequest,
+                                        parse_request)
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 BODIES = {ChatCompletionRequest: {"messages": MESSAGES}, CompletionRequest: {"prompt": "hi"}}
@@ -115,6 +116,20 @@ def test_reasoning_effort_is_checked_on_chat_and_refused_on_completions():
     assert error.param == "reasoning_effort" and '"low"' in error.message and '"hihg"' in error.message
     error = _refusal(CompletionRequest, reasoning_effort="low")
     assert error.param == "reasoning_effort" and "chat template variable" in error.message
+    # /tokenize with messages renders as chat does: the same field, the same check
+    tokenize = parse_request(TokenizeRequest, {"messages": MESSAGES, "reasoning_effort": "high"})
+    assert tokenize.reasoning_effort == "high"
+    with pytest.raises(APIError) as e:
+        parse_request(TokenizeRequest, {"messages": MESSAGES, "reasoning_effort": "hihg"})
+    assert e.value.param == "reasoning_effort"
+
+
+@BOTH
+def test_stream_options_take_the_openai_sdks_include_obfuscation(cls):
+    options = {"include_usage": True, "include_obfuscation": False}
+    assert _parse(cls, stream=True, stream_options=options).stream_options.include_obfuscation is False
+    error = _refusal(cls, stream=True, stream_options={"include_usage": True, "frobnicate": 1})
+    assert error.param == "stream_options.frobnicate"
 
 
 MODEL = ModelInfo(name="t", vocab_size=100, max_model_len=64, kv_capacity_tokens=1024, num_speculative_tokens=0,
