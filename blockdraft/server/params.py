@@ -232,7 +232,7 @@ def _sampling_params(
     # a field left out or null: the model's default (generation_config.json), else OpenAI's / vLLM's
     default = model.default_sampling
 
-    def pick(name: str, neutral: float):
+    def pick(name: str, neutral: float | int):
         value = getattr(req, name)
         return default.get(name, neutral) if value is None else value
 

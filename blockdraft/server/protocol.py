@@ -8,8 +8,8 @@ message naming the field unless they carry their neutral value (e.g. `best_of: 1
 or null), which changes nothing; a request class that defines one of them
 (CompletionRequest.echo; chat's tools, tool_choice, parallel_tool_calls and reasoning_effort)
 takes it as its own field instead. Fields that never change the output (prompt_cache_key,
-safety_identifier, user, store, metadata) are type-checked and unused; request_id names the
-response. vLLM's `guided_*` fields, removed in its v0.12, are refused with the name of their
+safety_identifier, user, store, metadata) are type-checked and unused; request_id (or the
+X-Request-Id header: base_request_id) names the response. vLLM's `guided_*` fields, removed in its v0.12, are refused with the name of their
 replacement (REMOVED_GUIDED_FIELDS). Range checks that depend on the server's limits or the model
 live in params.py, which also turns `response_format` / `structured_outputs` into the engine's
 StructuredOutputsParams.
