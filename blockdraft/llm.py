@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import itertools
 import logging
 import operator
@@ -45,6 +46,7 @@ from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names
 )
 from blockdraft.runner.setup import check_batch_invariant, check_fp32_lm_head
 from blockdraft.sampling_params import DEFAULT_MAX_LOGPROBS, SamplingParams, check_max_logprobs
+from blockdraft.vllm_only_args import check_vllm_only
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +171,13 @@ class LLM:
             are. Catalog models (converted from GGUF) have no such file. Read and checked before
             the weights load (blockdraft.generation_config.default_sampling_params); a warning
             line gives the values the first time they are used.
+        vllm_args: vLLM's LLM arguments that have no meaning here (blockdraft.vllm_only_args:
+            tensor_parallel_size=1, trust_remote_code=False, ...), accepted at the values that
+            change nothing.
     Raises:
+        TypeError: an unknown keyword argument (the nearest known ones named), or one of vLLM's
+            at a value that would change something (what to do instead: e.g. speculative_config
+            -> draft= and num_speculative_tokens=).
         ValueError / FileNotFoundError: a bad setting (names it), including a GPU pool too small
             for one request. Everything that needs no weights (see blockdraft.preflight: device,
             dtype, pool and scheduler sizes, the drafter folder and config, K, the drafter against
@@ -208,7 +216,10 @@ class LLM:
         seed: int | None = None,
         threads: int | None = None,
         generation_config: str = "auto",
+        **vllm_args,
     ) -> None:
+        own = [p for p in inspect.signature(LLM.__init__).parameters if p not in ("self", "vllm_args")]
+        check_vllm_only(vllm_args, own)  # first: a vLLM script's argument is said before anything else
         check_max_logprobs(max_logprobs)
         gen_config.check_generation_config(generation_config)
         cpu_threads.check_threads(threads)
