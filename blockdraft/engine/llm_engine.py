@@ -168,11 +168,18 @@ class LLMEngine:
             cut = "" if params.truncate_prompt_tokens is None else (
                 f" (after truncate_prompt_tokens={params.truncate_prompt_tokens}; "
                 f"truncate_prompt_tokens={self.max_model_len - room} leaves room for max_tokens={room})")
+            kv = self.scheduler.kv
+            if self.max_model_len == kv.num_blocks * kv.kv_block_size:  # the pool caps the context
+                remedy = (f"shorten the prompt or enlarge the KV pool, whose {kv.num_blocks} pages x {kv.kv_block_size} "
+                          f"tokens cap the context (num_kv_blocks, serve's --num-kv-blocks; on a GPU "
+                          f"gpu_memory_utilization)")
+            else:
+                remedy = ("shorten the prompt or raise max_model_len (the CLI's --max-model-len; its default is the "
+                          "smaller of the model's max positions and the KV pool)")
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens but the engine's context is {self.max_model_len} "
                 f"tokens (max_model_len: at most {self.max_model_len - 1} prompt tokens leave room for one output "
-                f"token): shorten the prompt or raise max_model_len (the CLI's --max-model-len; its default is the "
-                f"smaller of the model's max positions and the KV pool){cut}"
+                f"token): {remedy}{cut}"
             )
         return prompt_token_ids
 

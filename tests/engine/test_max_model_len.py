@@ -76,3 +76,12 @@ def test_cli_refuses_a_bad_context_in_cli_words(capsys, command, bad):
     err = capsys.readouterr().err
     assert f"error: max_model_len (--max-model-len) must be an integer >= 1 (tokens), got {bad}\n" in err, err
     assert "None" not in err and "nonexistent" not in err, err
+
+
+def test_a_prompt_over_a_context_the_pool_caps_names_the_pool(llama_target):
+    """A pool smaller than the model's positions caps max_model_len: raising max_model_len cannot
+    help, so the error names the pool's knobs instead."""
+    llm = make_llm(llama_target, num_kv_blocks=2, kv_block_size=16)  # 32 tokens
+    with pytest.raises(ValueError, match=r"context is 32 tokens .*enlarge the KV pool, whose 2 pages x 16 tokens "
+                                         r"cap the context \(num_kv_blocks"):
+        llm.generate([list(range(1, 41))], SamplingParams(max_tokens=4))
