@@ -128,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                         "N needs the drafter's draft_vocab.json); default 0")
     p.add_argument("--prompts", nargs="+", default=None, help="prompts (default: the demo's prompts)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer, >= 1 (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, >= 0 (default 0: greedy); above 0 every request is seeded with --seed, "
+                        "so plain and speculative answers still compare token for token; not with --write-default "
+                        "(the default K is chosen greedy)")
+    p.add_argument("--seed", type=int, default=0, help="the requests' seed when --temperature > 0 (default %(default)s)")
     p.add_argument("--repeats", type=int, default=2,
                    help="timed runs per prompt and engine, >= 1; medians (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
@@ -148,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--repeats", args.repeats), ("--max-tokens", args.max_tokens)):
         if value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.temperature < float("inf"):
+        p.error(f"--temperature must be a number >= 0, got {args.temperature:g}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    if args.write_default and args.temperature > 0:
+        p.error(f"--write-default records the greedy measurement: drop --temperature {args.temperature:g}")
     if any(not t.strip() for t in args.prompts or []):
         p.error("--prompts: a prompt is empty")
     refuse_unwritable(p, "--json", args.json)  # now, not after minutes of timing
@@ -196,7 +207,10 @@ def _measure(args, argv: list[str] | None, ks: list[tuple[int, int]], p) -> int:
         engines[label(k, v)] = LLM(target=target, draft=draft, num_speculative_tokens=k, draft_vocab_size=v,
                                    **small_pool)
     prompts = [[{"role": "user", "content": t}] for t in (args.prompts or DEMO_PROMPTS)]
-    params = SamplingParams(max_tokens=args.max_tokens)
+    # seeded when sampled: the sample at each position is a function of (seed, position, logits), so the
+    # speculative answers must equal plain decoding's token for token here too
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed if args.temperature > 0 else None)
 
     def progress(label, i, r, seconds):
         print(f"  repeat {r + 1} prompt {i + 1}: {label} {seconds:.2f} s", file=sys.stderr, flush=True)
@@ -204,8 +218,9 @@ def _measure(args, argv: list[str] | None, ks: list[tuple[int, int]], p) -> int:
     runs = compare_engines(engines, prompts, params, args.repeats, on_run=progress)
     rows = k_table(runs, ks)
     plain_tps = sum(r.output.num_output_tokens for r in runs[PLAIN]) / sum(r.median_seconds for r in runs[PLAIN])
+    sampling = "greedy" if args.temperature == 0 else f"T = {args.temperature:g}, seed {args.seed}"
     print(f"{args.model} ({target.dtype}), drafter {draft}, {len(prompts)} prompts x {args.max_tokens} tokens, "
-          f"{args.repeats} repeats (medians); plain {plain_tps:.1f} tok/s")
+          f"{sampling}, {args.repeats} repeats (medians); plain {plain_tps:.1f} tok/s")
     print("| K | draft vocab | acceptance length | tok/s | speedup vs plain (wall) | per-prompt (wall) | "
           "speedup (CPU time) | identical |")
     print("|---|---|---|---|---|---|---|---|")
@@ -220,7 +235,9 @@ def _measure(args, argv: list[str] | None, ks: list[tuple[int, int]], p) -> int:
         "command": "python -m blockdraft.bench.spec_k " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.machine()} CPU, {__import__('torch').get_num_threads()} threads",
         "target": args.model, "dtype": str(target.dtype).replace("torch.", ""),
-        "max_tokens": args.max_tokens, "repeats": args.repeats, "plain_tokens_per_s": round(plain_tps, 2),
+        "max_tokens": args.max_tokens, "temperature": args.temperature,
+        **({"seed": args.seed} if args.temperature > 0 else {}),
+        "repeats": args.repeats, "plain_tokens_per_s": round(plain_tps, 2),
         "table": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items() if k != "per_prompt_speedup"}
                   for r in rows],
     }

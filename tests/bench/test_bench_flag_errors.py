@@ -3,6 +3,7 @@ work, not tracebacks (or, for an output path, a traceback after the whole measur
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -80,6 +81,10 @@ def test_unwritable_json_is_a_usage_error_before_the_model_loads(main, where, wo
     (["--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
     (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["--prompts"], "argument --prompts: expected at least one argument"),
+    (["--temperature", "-1"], "--temperature must be a number >= 0, got -1"),
+    (["--temperature", "nan"], "--temperature must be a number >= 0, got nan"),
+    (["--seed", "-3", "--temperature", "1"], "--seed must be >= 0, got -3"),
+    (["--temperature", "1", "--write-default"], "--write-default records the greedy measurement: drop --temperature 1"),
 ])
 def test_spec_k_bad_flags_are_usage_errors_before_the_model_loads(flags, message, tiny, monkeypatch, capsys):
     monkeypatch.setattr(blockdraft.model_loader, "load_target", _model_work)
@@ -212,3 +217,17 @@ def test_bad_admission_settings_are_refused_before_any_model_loads(command, flag
         code = e.value.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_spec_k_sampled_runs_seeded_and_records_its_temperature(tiny, tmp_path, capsys):
+    """--temperature > 0 seeds every request, so the speculative answers equal plain decoding's
+    (exit 0 only when every row is identical) and the JSON says how they were sampled."""
+    out = tmp_path / "t1.json"
+    code = spec_k.main(["--model", tiny[0], "--draft", tiny[1], "--ks", "2", "--max-tokens", "6", "--repeats", "1",
+                        "--temperature", "1", "--seed", "7", "--prompts", "w05x w06x", "--json", str(out),
+                        "--dtype", "float32"])
+    assert code == 0, capsys.readouterr()
+    data = json.loads(out.read_text())
+    assert data["temperature"] == 1.0 and data["seed"] == 7
+    assert all(row["identical"] for row in data["table"])
+    assert "T = 1, seed 7" in capsys.readouterr().out
