@@ -273,6 +273,10 @@ def _add_serve_parser(sub, default_model: str) -> None:
                    help="tokens per engine step: prefill chunks + decode / verify rows (default: 512 on CPU, "
                         "8192 on CUDA, where a step holds every request's verify rows, as vLLM's server on large GPUs)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together (default %(default)s)")
+    s.add_argument("--seed", type=int, default=0, dest="engine_seed", metavar="N",
+                   help="the engine's seed, as vLLM's --seed (default %(default)s): requests without a seed of their "
+                        "own draw theirs from a stream started at N, so a server's sampled answers repeat from "
+                        "restart to restart for the same requests in the same order; a request's `seed` wins")
     s.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
                    help="sampling defaults of requests that leave a field out (or send null), as vLLM's flag: "
                         "auto (default): the model folder's generation_config.json, its temperature, top_p, top_k, "

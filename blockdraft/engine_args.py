@@ -149,8 +149,8 @@ def resolve_draft_from_args(args):
 def llm_from_args(args, draft, max_logprobs: int):
     """The LLM that a subcommand's flags describe: --model, the draft flags (with `draft` from
     resolve_draft_from_args), --dtype, --cache-dir, the device, async-scheduling, prefix-caching
-    and --max-model-len flags, --generation-config where the subcommand has it (serve; else
-    "vllm": no model sampling defaults), and those of _OPTIONAL the subcommand has (else LLM's
+    and --max-model-len flags, --generation-config and --seed where the subcommand has them (serve;
+    else "vllm": no model sampling defaults, and no engine seed), and those of _OPTIONAL the subcommand has (else LLM's
     defaults).
 
     Raises:
@@ -178,6 +178,9 @@ def llm_from_args(args, draft, max_logprobs: int):
         # serve's --generation-config; generate's sampling flags all have defaults of their own, which
         # the model's would never replace: its file is not read there
         generation_config=getattr(args, "generation_config", "vllm"),
+        # serve's --seed (vLLM's engine seed, default 0); generate's --seed seeds its one request, and
+        # left out that request samples from fresh randomness, as its help says
+        seed=getattr(args, "engine_seed", None),
         # nothing to disable when --draft auto decodes plainly
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size if draft is not None else None,
         **optional,

@@ -78,8 +78,9 @@ class LLM:
             `gpu_memory_utilization` after a profile step, to hold one request of max_model_len
             (else of the model's max_position_embeddings).
         seed: makes unseeded requests reproducible from run to run (vLLM's LLM(seed=...)): each
-            draws its seed from a stream started at `seed`, in the order requests are queued;
-            None (default): from the operating system's randomness. Seeded SamplingParams keep theirs.
+            draws its seed from a stream started at `seed`, in the order requests are queued.
+            Default 0, as vLLM V1's: a script's sampling repeats from run to run; None: from the
+            operating system's randomness. Seeded SamplingParams keep theirs.
         max_model_len: the context length in tokens, prompt + output of one request at most
             (vLLM's max_model_len); `engine.max_model_len` holds the value in effect. None: the
             model's max_position_embeddings, capped by the KV pool (e.g. Qwen2.5's 32768 on the
@@ -213,7 +214,7 @@ class LLM:
         admission_batch_ratio: float | None = None,
         admission_max_wait_steps: int | None = None,
         max_model_len: int | None = None,
-        seed: int | None = None,
+        seed: int | None = 0,
         threads: int | None = None,
         generation_config: str = "auto",
         **vllm_args,

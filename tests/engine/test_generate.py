@@ -238,6 +238,9 @@ def test_llm_seed_makes_unseeded_runs_reproducible(llama_target):
     assert c.finished() and c.finish_reason == "length"  # vLLM's CompletionOutput.finished()
     with pytest.raises(ValueError, match="seed must be None or an integer >= 0, got -1"):
         make_llm(llama_target, seed=-1)
+    # the default is 0, as vLLM V1's: a script's unseeded sampling repeats from run to run
+    assert _ids(make_llm(llama_target).generate(prompts, params)) == _ids(make_llm(llama_target, seed=0).generate(
+        prompts, params))
 
 
 def test_fp32_lm_head_is_refused_off_cuda_and_for_a_non_bool(llama_target):

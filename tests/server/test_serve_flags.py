@@ -109,6 +109,24 @@ def test_max_model_len_is_passed_to_the_engine(monkeypatch):
     assert seen == [300, None, 300, None]
 
 
+def test_serve_seed_is_the_engine_seed_default_0_and_generate_leaves_it_to_chance(monkeypatch, capsys):
+    """serve --seed is vLLM's engine seed (default 0); generate's --seed seeds its one request, so
+    its engine gets none (an unseeded generate samples afresh, as its help says)."""
+    import blockdraft.llm
+    from blockdraft.cli import main
+
+    seen = []
+
+    def fake_llm(**kw):
+        seen.append(kw["seed"])
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(blockdraft.llm, "LLM", fake_llm)
+    for argv in (["serve"], ["serve", "--seed", "5"], ["generate", "hi", "--seed", "5"]):
+        assert main([*argv, "--no-draft", "--port", "0"] if argv[0] == "serve" else [*argv, "--no-draft"]) == 2
+    assert seen == [0, 5, None]
+
+
 def test_serve_refuses_auto_tool_choice_without_a_parser(capsys):
     """vLLM's rule: --enable-auto-tool-choice needs --tool-call-parser; refused before the model loads."""
     from blockdraft.cli import _parser, main
