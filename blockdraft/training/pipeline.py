@@ -699,7 +699,7 @@ def _plan_run(args) -> _RunPlan | dict:
     from blockdraft.spec.dflash.checkpoint import load_drafter
     from blockdraft.spec.dflash.config import DEFAULT_BLOCK_SIZE
     from blockdraft.training.answer_journal import AnswerJournal, check_journal
-    from blockdraft.training.build import init_from, new_drafter
+    from blockdraft.training.build import init_from, new_drafter, new_feature_layers
     from blockdraft.training.trainer import TrainConfig
     from blockdraft.weights.fetch import model_folder
     from blockdraft.weights.loader import load_tokenizer
@@ -761,9 +761,9 @@ def _plan_run(args) -> _RunPlan | dict:
         split_answers(data, args)
     grown = added = None
     if init:  # weights after every check: the init drafter must fit this target too
-        grown = init_from(drafter, {k: v.float() for k, v in load_drafter(init[0], target_config, torch.float32)
-                                    .state_dict().items()}, state_layer_ids=init[1].target_layer_ids)
-        added = [i for i in layer_ids if i not in init[1].target_layer_ids]
+        state = {k: v.float() for k, v in load_drafter(init[0], target_config, torch.float32).state_dict().items()}
+        grown = init_from(drafter, state, state_layer_ids=init[1].target_layer_ids)
+        added = new_feature_layers(drafter, state, init[1].target_layer_ids)  # gpu_run reports them the same way
         if added:
             print(f"train-drafter: reading target layers {list(layer_ids)}: {added} added to the --init-from drafter's "
                   f"{list(init[1].target_layer_ids)} (their fc columns start at zero: the drafter starts as the init)",
