@@ -88,6 +88,26 @@ def test_dflash_seeded_sampling_and_chunked_prefill_parity(llama_target):
     assert [o.token_ids for o in llm.generate(prompts, params)] == plain
 
 
+@pytest.mark.parametrize("k", [1, 3, 15])
+def test_unseeded_sampling_under_the_engine_seed_is_lossless(llama_target, k):
+    """LLM(seed=0) is the default (vLLM V1's engine seed): unseeded sampled requests draw their seeds
+    from one stream in the order they are queued, so DFlash gives plain decoding's tokens for them
+    too, at batch sizes 1-6 and with stop ids met inside a draft block; a plain engine with another
+    engine seed samples otherwise (the negative control: the seeds, not chance, make them equal)."""
+    prompts = random_prompts(6, seed=70 + k, low=6, high=20)
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, ignore_eos=True)  # no seed of its own
+    plain = [o.token_ids for o in make_llm(llama_target).generate(prompts, params)]
+    stops = [SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=[t[min(len(t) - 1, k + 1)]])
+             for t in plain]
+    plain_stops = [o.token_ids for o in make_llm(llama_target).generate(prompts, stops)]
+    for bs in (1, 2, 6):
+        assert [o.token_ids for o in _dflash_llm(llama_target, k).generate(prompts[:bs], params)] == plain[:bs]
+    llm = _dflash_llm(llama_target, k)
+    assert [o.token_ids for o in llm.generate(prompts, stops)] == plain_stops
+    assert llm.engine.stats.spec.num_drafted_tokens > 0
+    assert [o.token_ids for o in make_llm(llama_target, seed=1).generate(prompts, params)] != plain
+
+
 def _streamed_texts(engine, prompts, params) -> list[str]:
     """Each request's text as a streaming server reads it: after every engine step (only growing)."""
     texts = {f"s{i}": "" for i in range(len(prompts))}
