@@ -38,7 +38,8 @@ class SamplingParams:
     (seed, q, logits), so it does not depend on batch mates or on speculative decoding. None: each
     request the engine takes gets its own random seed (`for_request`), so one SamplingParams used
     for several prompts, or for several calls, samples each independently, as in vLLM.
-    max_tokens: output tokens at most (>= 1). stop: strings that end the output (not included in
+    max_tokens: output tokens at most (>= 1); None: no cap of the request's own, it runs until EOS, a
+    stop, or the end of the context (max_model_len), as vLLM's None. stop: strings that end the output (not included in
     text unless include_stop_str_in_output, vLLM's flag). stop_token_ids: extra token ids that end
     the output (included in token ids, like EOS).
     ignore_eos: keep going past EOS. logprobs: number of top log-probabilities to return per output
@@ -100,7 +101,7 @@ class SamplingParams:
             when the engine takes the request: fields changed since are checked too, `verify`).
     """
 
-    max_tokens: int = 256
+    max_tokens: int | None = 256
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -144,7 +145,8 @@ class SamplingParams:
                                                 f"got {self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = [_builtin_int(t) for t in self.stop_token_ids or []]
-        _check_int("max_tokens", self.max_tokens, low=1, high=INT64_MAX)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1, high=INT64_MAX)
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
             raise param_error("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
         if not 0 <= self.temperature <= FLOAT32_MAX:
@@ -183,7 +185,7 @@ class SamplingParams:
         _check_int("n", self.n, low=1)
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         _check_int("min_tokens", self.min_tokens, low=0, high=INT64_MAX)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise param_error("min_tokens", f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
@@ -264,6 +266,12 @@ class SamplingParams:
     def masks_tokens(self) -> bool:
         """True when allowed_token_ids or bad_words remove tokens from the sampled distribution."""
         return self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
+    def max_output_tokens(self) -> int:
+        """Output tokens the request may take by its own cap: max_tokens, or 2**63 - 1 for None (the
+        engine stops every request at the end of the context, max_model_len, anyway)."""
+        return INT64_MAX if self.max_tokens is None else self.max_tokens
 
     @property
     def resolved_seed(self) -> int:

@@ -164,7 +164,7 @@ class LLMEngine:
             raise ValueError("prompt is empty: give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
             # -1 keeps max_model_len tokens (vLLM's value), which leave no room: say what fits
-            room = max(1, min(params.max_tokens, self.max_model_len - 1))  # output tokens the hint leaves room for
+            room = max(1, min(params.max_output_tokens, self.max_model_len - 1))  # output tokens the hint leaves room for
             cut = "" if params.truncate_prompt_tokens is None else (
                 f" (after truncate_prompt_tokens={params.truncate_prompt_tokens}; "
                 f"truncate_prompt_tokens={self.max_model_len - room} leaves room for max_tokens={room})")
@@ -364,7 +364,7 @@ class LLMEngine:
         Only drafts that could be emitted before max_tokens count (drafts past it are verified, to
         keep steps uniform, but are not the drafter's merit).
         """
-        countable = max(0, req.sampling_params.max_tokens - len(req.output_token_ids) - 1)
+        countable = max(0, req.sampling_params.max_output_tokens - len(req.output_token_ids) - 1)
         drafted, counted = min(num_drafts, countable), min(accepted, countable)
         req.spec_stats.record(drafted, counted)
         self.stats.spec.record(drafted, counted)
@@ -387,7 +387,7 @@ class LLMEngine:
         """
         params = req.sampling_params
         # tokens that fit; the first is committed even without room (the length check follows it)
-        room = max(1, min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens))
+        room = max(1, min(params.max_output_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens))
         end = min(len(tokens), room)
         reason, stop_reason = ("length" if end == room else None), None
         masked = None  # the position a fully masked row sampled, if any

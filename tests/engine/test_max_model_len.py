@@ -85,3 +85,15 @@ def test_a_prompt_over_a_context_the_pool_caps_names_the_pool(llama_target):
     with pytest.raises(ValueError, match=r"context is 32 tokens .*enlarge the KV pool, whose 2 pages x 16 tokens "
                                          r"cap the context \(num_kv_blocks"):
         llm.generate([list(range(1, 41))], SamplingParams(max_tokens=4))
+
+
+def test_max_tokens_none_runs_to_the_end_of_the_context(target):
+    """SamplingParams(max_tokens=None), vLLM's None: no cap of the request's own; the context
+    (max_model_len) ends it with finish_reason "length"; min_tokens has no max_tokens to exceed."""
+    llm = make_llm(target, max_model_len=100)
+    outs = llm.generate([[1] * 90, [2] * 97], SamplingParams(max_tokens=None, ignore_eos=True, min_tokens=5))
+    assert [(o.finish_reason, len(o.token_ids)) for o in outs] == [("length", 10), ("length", 3)]
+    assert SamplingParams(max_tokens=None).max_output_tokens == 2**63 - 1
+    assert SamplingParams(max_tokens=7).max_output_tokens == 7
+    with pytest.raises(ValueError, match=r"^max_tokens must be an integer >= 1, got 0"):
+        SamplingParams(max_tokens=0)

@@ -183,3 +183,18 @@ def test_skip_special_tokens_false_speculative_equals_plain(llama_target, k, tem
     for v, keeps in ((3, False), (4, True)):
         ended = [o for o in by_variant[v] if o.finish_reason == "stop" and len(o.token_ids) > 1]
         assert ended and all(o.token_ids[-1] == 0 and o.text.endswith("<eos>") == keeps for o in ended)
+
+
+@pytest.mark.parametrize("k", [3, 15])
+def test_max_tokens_none_speculative_equals_plain_up_to_the_context_end(llama_target, k):
+    """max_tokens=None: a verify block that crosses max_model_len is cut at the context's end exactly,
+    as plain decoding stops there (prompts end 1..20 tokens before it)."""
+    prompts = [p[:1] * (100 - 1 - i * 4) for i, p in enumerate(random_prompts(6, seed=31))]
+    params = SamplingParams(max_tokens=None, ignore_eos=True)
+    plain = [o.token_ids for o in make_llm(llama_target, max_model_len=100).generate(prompts, params)]
+    assert [len(t) for t in plain] == [1, 5, 9, 13, 17, 21]
+    answers = {tuple(p): p + o for p, o in zip(prompts, plain)}
+    for p_right in (0.5, 1.0):
+        outs = _spec_llm(llama_target, k, answers, p_right, max_model_len=100).generate(prompts, params)
+        assert [o.token_ids for o in outs] == plain
+        assert all(o.finish_reason == "length" for o in outs)
