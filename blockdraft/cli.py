@@ -438,7 +438,8 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
                                    "acceptance_per_position).")
     e.add_argument("--target", "--model", dest="target", default=default_model,
                    help=f"the target model: catalog name, HF folder or .gguf (default {default_model})")
-    e.add_argument("--draft", default=None, help="drafter folder, or 'shipped' (default: the one shipped for --target)")
+    e.add_argument("--draft", default=None, help="drafter folder, or 'shipped' ('auto' means the same here; default: the one shipped for --target, "
+                        "a catalog name or the folder `fetch` made for one)")
     e.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"],
                    help="held-out prompts: HumanEval or MT-bench first turns (default humaneval)")
     from blockdraft.training.corpora import EVAL_DATASET_SIZES

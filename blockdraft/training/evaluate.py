@@ -227,7 +227,7 @@ def main(args) -> int:
             shipped / auto / left out; and evaluate_drafter's.
     """
     from blockdraft.errors import check_writable_file
-    from blockdraft.drafters import shipped_drafter
+    from blockdraft.drafters import SHIPPED, resolve_draft
 
     if args.plot is not None and not args.plot.strip():  # `if args.plot` below would skip it: no plot, unsaid
         raise ValueError(f"--plot {args.plot!r} is empty: give the PNG file to write, e.g. 'acceptance.png', or "
@@ -253,9 +253,8 @@ def main(args) -> int:
     draft = args.draft or "shipped"
     named = "shipped" if draft in ("shipped", "auto") else draft  # the summary line's name for it
     if draft in ("shipped", "auto"):  # the folder itself, so the JSON names what was evaluated
-        draft = shipped_drafter(args.target, args.cache_dir)
-        if draft is None:
-            raise ValueError(f"no drafter ships for {args.target!r}; give --draft DRAFTER_FOLDER")
+        # as generate's --draft shipped: a catalog name or the folder `fetch` made for one
+        draft = resolve_draft(SHIPPED, args.target, cache_dir=args.cache_dir)
     result = evaluate_drafter(args.target, str(draft), args.dataset, args.num_prompts, args.temperature,
                               args.max_tokens, args.seed, args.compare_plain, args.dtype, args.cache_dir,
                               draft_vocab_size=args.draft_vocab_size, num_speculative_tokens=args.num_speculative_tokens,

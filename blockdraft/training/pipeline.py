@@ -392,8 +392,8 @@ def reuse_dataset(folder: Path, settings: dict, args, target_path: str, vocab_si
     shown = ", ".join(f"{k}={v}" for k, v in {**made, **({"seed": made_seed} if made_seed is not None else {})}.items()) \
         or "settings not recorded"
     print(f"train-drafter: reusing the {len(data)} sequences in {folder} (target {info.get('target', 'not recorded')!r}, "
-          f"dtype {answered_in or 'not recorded'}, {shown}); the data flags apply to a new dataset only (a new --out "
-          f"or --data folder)", file=sys.stderr)
+          f"dtype {answered_in or 'not recorded'}, {shown}), made with this run's data flags (other values are "
+          f"refused here: a new --out or --data folder answers anew)", file=sys.stderr)
     if made_seed is not None and made_seed != args.seed:  # a --data folder (OUT/data was refused above)
         print(f"train-drafter: the prompts and sampled answers in {folder} were made with --seed {made_seed}; "
               f"--seed {args.seed} seeds this run's training only", file=sys.stderr)
@@ -647,6 +647,8 @@ def train_drafter(args) -> dict:
     plan = _plan_run(args)
     if isinstance(plan, dict):  # the run in --out is finished: its recorded summary, nothing loads
         return plan
+    if plan.device == "cpu" and not plan.args.tiny:  # a bare `train-drafter` is a real run: say its size first
+        print(cpu_run_note(plan.settings, plan.data is not None), file=sys.stderr, flush=True)
     from blockdraft.model_loader import load_target
 
     plan.out.mkdir(parents=True, exist_ok=True)
@@ -655,6 +657,18 @@ def train_drafter(args) -> dict:
     target = load_target(str(plan.path), plan.args.dtype, plan.device, plan.args.cache_dir, pack_weights=False)
     data = plan.data if plan.data is not None else _answer(plan, target)
     return _train_and_export(plan, target, data)
+
+
+def cpu_run_note(settings: dict, data_reused: bool) -> str:
+    """What a full-size run (not --tiny) on the CPU is in for, said before the target loads: the
+    answers to make (unless a dataset is reused) and the training steps, and the flags for a smoke
+    run or the GPU (a trial left a bare `train-drafter` at "answer 0%" with no hint of its size)."""
+    work = f"{settings['steps']} training steps of {settings['batch_size']} sequences"
+    if not data_reused:
+        work = (f"the target answers {settings['num_prompts']} prompts (up to {settings['max_new_tokens']} tokens "
+                f"each), then {work}")
+    return (f"train-drafter: a full run on the CPU: {work}; that can take hours on a CPU (the shipped drafters "
+            f"trained on a GPU: --device cuda). --tiny is a smoke run of seconds; Ctrl-C stops with what is saved.")
 
 
 @dataclass
@@ -786,7 +800,7 @@ def _answer(plan: _RunPlan, target):
             the answers so far are saved (the same command resumes the answering), or at once on a
             second.
     """
-    with deferred_interrupt(ANSWERING_STOP) as stop:
+    with deferred_interrupt(ANSWERING_STOP, ANSWERING_STOP_NOW) as stop:
         try:
             data = build_dataset(target, plan.settings, plan.args, plan.folder, str(plan.path), plan.chosen,
                                  plan.device, should_stop=lambda: stop.hit)
@@ -913,18 +927,22 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and what kill / timeou
 
 
 TRAINING_STOP = "stopping after this step and saving a checkpoint (again: stop now, unsaved)"
+TRAINING_STOP_NOW = ("stopping now: the steps since the last checkpoint are not saved; a checkpoint already in "
+                     "--out stays (rerun the command to resume from it)")
 ANSWERING_STOP = ("stopping the answering now, keeping the answers saved so far (again: stop at once; what is saved "
                   "stays)")
+ANSWERING_STOP_NOW = "stopping now: the answers saved so far stay (rerun the command to resume from them)"
 
 
 @contextlib.contextmanager
-def deferred_interrupt(note: str = TRAINING_STOP):
+def deferred_interrupt(note: str = TRAINING_STOP, again_note: str = TRAINING_STOP_NOW):
     """While the block runs, the first Ctrl-C (SIGINT) or SIGTERM sets the yielded flag's `hit`
     instead of ending the process, so that training stops at the end of its step, checkpoints and
     exports (an interrupt inside an optimizer step would leave half-updated weights), or the
     answering stops between engine steps keeping its saved waves; `note` says which on stderr
     after the signal's name, and the flag's `signum` records it (`flag.interrupt()`: the
-    StopRequested to raise once saved). A second one raises StopRequested at once. Off the main
+    StopRequested to raise once saved). A second one says `again_note` (what stays saved) and
+    raises StopRequested at once. Off the main
     thread (where signal handlers cannot be set) the flag just stays False."""
     flag = _Flag()
     if threading.current_thread() is not threading.main_thread():
@@ -934,6 +952,7 @@ def deferred_interrupt(note: str = TRAINING_STOP):
 
     def on_signal(signum, frame):
         if flag.hit:
+            print(f"\ntrain-drafter: {signal.Signals(signum).name} again: {again_note}", file=sys.stderr, flush=True)
             raise StopRequested(signum)
         flag.hit, flag.signum = True, signum
         print(f"\ntrain-drafter: {signal.Signals(signum).name}: {note}", file=sys.stderr, flush=True)

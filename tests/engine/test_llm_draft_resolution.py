@@ -61,3 +61,27 @@ def test_cli_draft_resolution_maps_the_path_fetch_prints(tmp_path):
     assert want is not None
     assert resolve_draft("auto", folder, cache_dir=tmp_path / "cache") == want
     assert resolve_draft("shipped", folder, cache_dir=tmp_path / "cache") == want
+
+
+@pytest.mark.parametrize("draft", [["--draft", "shipped"], ["--draft", "auto"], []])
+def test_eval_drafter_maps_the_path_fetch_prints_too(tmp_path, monkeypatch, capsys, draft):
+    """`eval-drafter --target <the path fetch printed>` evaluates the shipped drafter, as generate
+    and train-drafter's --init-from shipped do (a fresh-user trial found it refused)."""
+    from blockdraft.cli import main
+    from blockdraft.drafters import resolve_draft
+    from blockdraft.training import evaluate
+    from blockdraft.weights.catalog import CATALOG
+
+    name = "smollm2-135m-instruct"
+    folder = _fetched_folder(tmp_path, name, CATALOG[name].sha256)
+    seen = {}
+
+    def fake_evaluate(target, drafter, *args, **kwargs):
+        seen.update(target=target, drafter=drafter)
+        raise SystemExit(0)  # resolution is what this test is about: stop before any decoding
+
+    monkeypatch.setattr("blockdraft.preflight.read_target_config", lambda *a, **k: None)
+    monkeypatch.setattr(evaluate, "evaluate_drafter", fake_evaluate)
+    with pytest.raises(SystemExit):
+        main(["eval-drafter", "--target", folder, *draft, "--cache-dir", str(tmp_path / "cache")])
+    assert seen == {"target": folder, "drafter": resolve_draft("shipped", name, cache_dir=tmp_path / "cache")}

@@ -189,6 +189,25 @@ def test_the_same_runs_data_is_reused(tmp_path, capsys, monkeypatch):
         capsys.readouterr().err
 
 
+def test_a_full_size_cpu_run_says_its_size_before_the_target_loads(tmp_path, capsys, monkeypatch):
+    """A bare train-drafter on the CPU is a real run: it says what it will do and how to make a
+    smoke run, before loading; --tiny says nothing of it."""
+    monkeypatch.setattr(blockdraft.model_loader, "load_target", lambda *a, **k: (_ for _ in ()).throw(_Loading()))
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--out", str(tmp_path / "full"), "--device", "cpu"])
+    assert ("train-drafter: a full run on the CPU: the target answers 2000 prompts (up to 256 tokens each), then "
+            "2000 training steps of 8 sequences; that can take hours on a CPU (the shipped drafters trained on a "
+            "GPU: --device cuda). --tiny is a smoke run of seconds") in capsys.readouterr().err
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--tiny", "--out", str(tmp_path / "tiny"), "--device", "cpu"])
+    assert "a full run on the CPU" not in capsys.readouterr().err
+    _made_here(tmp_path / "reuse" / "data", num_prompts=4)  # a dataset to reuse: only the training is left
+    with pytest.raises(_Loading):
+        main(["train-drafter", "--target", NAME, "--out", str(tmp_path / "reuse"), "--device", "cpu",
+              "--num-prompts", "4", "--max-prompt-tokens", "128", "--max-new-tokens", "16"])
+    assert "a full run on the CPU: 2000 training steps of 8 sequences; that can take hours" in capsys.readouterr().err
+
+
 def test_the_runs_data_answered_in_another_dtype_is_refused_with_no_resume_too(tmp_path, capsys, no_weights,
                                                                                monkeypatch):
     """--no-resume starts the training over but reuses OUT/data: answers made in float32 are not
@@ -884,6 +903,32 @@ def test_a_sigterm_stop_exits_143_and_ctrl_c_130(monkeypatch, capsys):
         monkeypatch.setattr(pipeline, "train_drafter", stopped)
         assert main(["train-drafter", "--target", NAME, "--tiny"]) == code
         assert "blockdraft train-drafter: interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage", ["training", "answering"])
+def test_a_second_signal_says_what_stays_saved(monkeypatch, capsys, stage):
+    """The second Ctrl-C stops at once; it says what it leaves (a trial saw only "interrupted")."""
+    import signal
+
+    from blockdraft.training import pipeline
+
+    notes = ((pipeline.TRAINING_STOP, pipeline.TRAINING_STOP_NOW) if stage == "training" else
+             (pipeline.ANSWERING_STOP, pipeline.ANSWERING_STOP_NOW))
+
+    def stopped(args):
+        with pipeline.deferred_interrupt(*notes):
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        pytest.fail("the second signal did not stop at once")
+
+    monkeypatch.setattr(pipeline, "train_drafter", stopped)
+    assert main(["train-drafter", "--target", NAME, "--tiny"]) == 130
+    err = capsys.readouterr().err
+    assert f"train-drafter: SIGINT: {notes[0]}" in err
+    want = ("a checkpoint already in --out stays (rerun the command to resume from it)" if stage == "training" else
+            "the answers saved so far stay (rerun the command to resume from them)")
+    assert f"train-drafter: SIGINT again: stopping now: " in err and want in err, err
+    assert "blockdraft train-drafter: interrupted" in err
 
 
 def test_help_says_what_the_bar_shows_and_the_exit_statuses():
