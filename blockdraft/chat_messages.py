@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 
+from blockdraft.errors import check_unicode_text
+
 # OpenAI's `developer` role is taken too, given to the chat template as `system` (template_message).
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
@@ -254,6 +256,22 @@ def _check_name(name) -> None:
         raise ValueError(f"name must be at most {MAX_NAME_CHARS} characters, got {len(name)}")
 
 
+def _check_texts(value, what: str) -> None:
+    """Every string in `value` (a message, the tools, template variables: nested dicts and lists) is
+    valid Unicode (check_unicode_text), else ChatTemplateError naming `what` ("message 2")."""
+    if isinstance(value, str):
+        try:
+            check_unicode_text(value, what)
+        except ValueError as e:
+            raise ChatTemplateError(str(e), "messages" if what.startswith("message") else what) from None
+    elif isinstance(value, dict):
+        for v in value.values():
+            _check_texts(v, what)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_texts(v, what)
+
+
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
                 tools: list[dict] | None = None) -> list[int]:
@@ -284,6 +302,9 @@ def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool 
         raise ChatTemplateError(f"chat_template_kwargs must be a dict of template variables, got "
                                 f"{type(chat_template_kwargs).__name__} {chat_template_kwargs!r:.60}", "chat_template_kwargs")
     extra = dict(chat_template_kwargs or {})
+    for what, value in [*((f"message {j}", m) for j, m in enumerate(messages)), ("tools", tools),
+                        ("chat_template_kwargs", extra)]:
+        _check_texts(value, what)
     reserved = sorted(set(extra) & TEMPLATE_CALL_ARGS)
     if reserved:
         raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(reserved)} (arguments of the template "

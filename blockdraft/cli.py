@@ -507,6 +507,9 @@ def _generate(args) -> int:
         checked_source(params.structured_outputs)
     if not args.prompt:  # whitespace is a prompt, as in the Python API and vLLM
         raise ValueError("prompt is empty: give a non-empty prompt")
+    from blockdraft.errors import check_unicode_text
+
+    check_unicode_text(args.prompt, "the prompt")  # bytes that are not UTF-8: said now, not after loading
     if args.stream and args.json:
         raise ValueError("--stream prints the answer as it grows, --json one object at the end: give one of them")
     stream = args.stream if args.stream is not None else (sys.stdout.isatty() and not args.json)

@@ -178,12 +178,17 @@ def check_demo_inputs(prompts, params: SamplingParams) -> None:
     """The demo's own input rules (run_demo; the CLI runs them before loading the model).
 
     Raises:
-        ValueError: no prompts, an empty prompt, or sampling without a seed.
+        ValueError: no prompts, an empty prompt, one that is not valid Unicode (check_unicode_text), or
+            sampling without a seed.
     """
     if not prompts:
         raise ValueError("demo needs at least one prompt")
     if any(not p.strip() for p in prompts):
         raise ValueError("prompt is empty: give non-empty prompts")
+    from blockdraft.errors import check_unicode_text
+
+    for i, p in enumerate(prompts):
+        check_unicode_text(p, f"prompt {i + 1}")
     if params.temperature > 0 and params.seed is None:
         raise ValueError("sampling (temperature > 0) needs a seed so plain and speculative runs can be compared")
 

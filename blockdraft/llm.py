@@ -30,7 +30,7 @@ from blockdraft.engine_setup import (  # noqa: F401  (resolve_*: re-exported, th
     resolve_disable_by_batch_size,
     resolve_mixed_prefill,
 )
-from blockdraft.errors import param_error
+from blockdraft.errors import check_unicode_text, param_error
 from blockdraft import generation_config as gen_config
 from blockdraft import model_loader
 from blockdraft.model_loader import LoadedTarget, catalog_name, eos_token_ids, load_target  # noqa: F401  (re-exported)
@@ -558,6 +558,7 @@ class LLM:
         if isinstance(p, str):
             if not p:
                 raise ValueError(f"prompt {i} is empty: give a non-empty string")
+            check_unicode_text(p, f"prompt {i}")
             return self.tokenizer.encode(p)
         if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
             return self.encode_chat(p)

@@ -8,7 +8,7 @@ import numbers
 import random
 from dataclasses import dataclass, field
 
-from blockdraft.errors import param_error
+from blockdraft.errors import check_unicode_text, param_error
 from blockdraft.prompt_truncation import check_truncate_prompt_tokens
 from blockdraft.structured.params import StructuredOutputsParams  # noqa: F401  (vLLM's import path)
 
@@ -165,6 +165,10 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise param_error("stop", f"stop strings must be non-empty strings, got {s!r}")
+            try:  # such a string could never match the detokenized text
+                check_unicode_text(s, f"stop string {s!r}")
+            except ValueError as e:
+                raise param_error("stop", str(e)) from None
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0, what="stop_token_ids entry")
         for name in ("logprobs", "prompt_logprobs"):
