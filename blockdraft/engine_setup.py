@@ -154,4 +154,5 @@ def build_engine(
                                     max_prefill_seqs=graphs.prefill.request_buckets[-1])
     scheduler = Scheduler(sched, kv)
     return LLMEngine(scheduler, setup.runner, target.tokenizer, eos_token_ids(target), setup.max_model_len,
-                     target.config.vocab_size, async_scheduling=async_scheduling, max_logprobs=max_logprobs)
+                     target.config.vocab_size, async_scheduling=async_scheduling, max_logprobs=max_logprobs,
+                     max_position_embeddings=target.config.max_position_embeddings)

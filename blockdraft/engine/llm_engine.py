@@ -60,7 +60,9 @@ class LLMEngine:
     as any change of batch composition can.
 
     max_logprobs: the largest `SamplingParams.logprobs` / `prompt_logprobs` a request may ask for
-    (vLLM's max_logprobs); more is refused when the request is added.
+    (vLLM's max_logprobs); more is refused when the request is added. max_position_embeddings: the
+    model's own context (its config.json; None: not known), so that the error about a prompt too long
+    for max_model_len offers raising max_model_len only where that could help.
 
     Prompt log-probabilities (SamplingParams.prompt_logprobs): the scheduler marks the prompt rows
     of each step whose logits score a prompt token (ScheduledRequest.prompt_logprob_token_ids), the
@@ -71,6 +73,7 @@ class LLMEngine:
     def __init__(
         self, scheduler: Scheduler, runner, tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int,
         vocab_size: int | None = None, async_scheduling: bool = False, max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+        max_position_embeddings: int | None = None,
     ):
         check_max_logprobs(max_logprobs)
         self.max_logprobs = max_logprobs
@@ -82,6 +85,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # the model's own context (None: not known); a prompt over it cannot be helped by raising max_model_len
+        self.max_position_embeddings = max_position_embeddings
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer | NoDetokenizer] = {}
@@ -173,6 +178,10 @@ class LLMEngine:
                 remedy = (f"shorten the prompt or enlarge the KV pool, whose {kv.num_blocks} pages x {kv.kv_block_size} "
                           f"tokens cap the context (num_kv_blocks, serve's --num-kv-blocks; on a GPU "
                           f"gpu_memory_utilization)")
+            elif self.max_position_embeddings is not None and self.max_model_len >= self.max_position_embeddings:
+                remedy = ("shorten the prompt: this is the model's whole context (max_position_embeddings in its "
+                          "config.json); truncate_prompt_tokens=N (the server's field too) keeps a prompt's last N "
+                          "tokens")
             else:
                 remedy = ("shorten the prompt or raise max_model_len (the CLI's --max-model-len; its default is the "
                           "smaller of the model's max positions and the KV pool)")

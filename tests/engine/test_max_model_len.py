@@ -97,3 +97,14 @@ def test_max_tokens_none_runs_to_the_end_of_the_context(target):
     assert SamplingParams(max_tokens=7).max_output_tokens == 7
     with pytest.raises(ValueError, match=r"^max_tokens must be an integer >= 1, got 0"):
         SamplingParams(max_tokens=0)
+
+
+def test_a_prompt_over_the_models_whole_context_is_not_told_to_raise_max_model_len(target):
+    """At the model's own length, raising max_model_len is refused: the error says to shorten the
+    prompt or truncate it (a trial was told to raise it, which `generate` then refused)."""
+    llm = make_llm(target)  # 512: the model's max_position_embeddings, within the pool
+    with pytest.raises(ValueError, match=r"prompt has 600 tokens but the engine's context is 512 tokens .*: shorten "
+                                         r"the prompt: this is the model's whole context \(max_position_embeddings in "
+                                         r"its config.json\); truncate_prompt_tokens=N") as e:
+        llm.generate([[1] * 600])
+    assert "raise max_model_len" not in str(e.value)
