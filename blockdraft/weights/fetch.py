@@ -35,7 +35,16 @@ _CHUNK = 1 << 22  # 4 MiB copy/hash chunk
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache root: `cache_dir`, else $BLOCKDRAFT_CACHE, else ~/.cache/blockdraft."""
+    """The cache root: `cache_dir`, else $BLOCKDRAFT_CACHE, else ~/.cache/blockdraft.
+
+    Raises:
+        ValueError: `cache_dir` empty or blank (it would fill the current folder with ~0.5-2 GB).
+    """
+    if cache_dir is not None and not str(cache_dir).strip():
+        from blockdraft.errors import param_error
+
+        raise param_error("cache_dir", f"cache_dir {str(cache_dir)!r} is empty: give a folder, or leave it out for "
+                                       f"$BLOCKDRAFT_CACHE or ~/.cache/blockdraft")
     if cache_dir is None:
         cache_dir = os.environ.get("BLOCKDRAFT_CACHE") or Path.home() / ".cache" / "blockdraft"
     return Path(cache_dir).expanduser()

@@ -302,3 +302,29 @@ def test_a_truncated_gguf_names_the_file_and_leaves_no_cache_folder(tmp_path):
         fetch.convert_gguf(bad, cache_dir=cache, progress=False)
     assert info.value.param == "model"
     assert not any((cache / "models").iterdir())
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_cache_dir_is_refused_not_taken_for_the_current_folder(tmp_path, monkeypatch, capsys, empty):
+    """`--cache-dir ""` filled the working folder with the downloads and conversions (a trial)."""
+    from blockdraft.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^cache_dir '\s*' is empty: give a folder, or leave it out for "
+                                         r"\$BLOCKDRAFT_CACHE or ~/.cache/blockdraft$"):
+        fetch.cache_root(empty)
+    assert main(["fetch", "--cache-dir", empty, "smollm2-135m-instruct"]) == 2
+    assert f"error: cache_dir (--cache-dir) {empty!r} is empty" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing downloaded here
+
+
+def test_fetch_refuses_an_empty_name_and_a_name_with_list(capsys):
+    """Both printed the catalog with exit 0 (a trial): a name given is a name to fetch."""
+    from blockdraft.cli import main
+
+    assert main(["fetch", ""]) == 2
+    assert "error: model name '' is empty: give a catalog name (`blockdraft fetch --list` lists them)" in \
+        capsys.readouterr().err
+    assert main(["fetch", "--list", "smollm2-135m-instruct"]) == 2
+    assert "give a catalog name to fetch or --list, not both" in capsys.readouterr().err
+    assert main(["fetch"]) == 0 and "smollm2-135m-instruct" in capsys.readouterr().out  # the catalog
