@@ -40,6 +40,7 @@ from blockdraft.preflight import (  # noqa: F401  (re-exported: the public names
     DTYPE_CHOICES,
     Preflight,
     check_dtype,
+    dtype_name,
     preflight,
     read_target_config,
     resolve_device,
@@ -70,7 +71,8 @@ class LLM:
             whole vocabulary: a cheaper draft LM head, output unchanged (lossless). 0 = the full
             vocabulary; None = the size recorded in the folder's speculative.json, else 0.
         dtype: "auto" (the checkpoint's dtype, bf16 for catalog models; float32 on a CPU without
-            native bf16, e.g. AVX2-only) | "float32" | "bfloat16" | "float16".
+            native bf16, e.g. AVX2-only) | "float32" | "bfloat16" | "float16", or the torch.dtype
+            of one of these (as vLLM takes it).
         device: "cpu" | "cuda" | "auto" (CUDA when available). CUDA runs the Triton attention
             kernels, a sync-free step and CUDA graphs for uniform decode / verify steps.
         kv_block_size / num_kv_blocks: KV page size (tokens) and pool size (pages). num_kv_blocks
@@ -221,6 +223,7 @@ class LLM:
     ) -> None:
         own = [p for p in inspect.signature(LLM.__init__).parameters if p not in ("self", "vllm_args")]
         check_vllm_only(vllm_args, own)  # first: a vLLM script's argument is said before anything else
+        dtype = dtype_name(dtype)
         check_max_logprobs(max_logprobs)
         gen_config.check_generation_config(generation_config)
         cpu_threads.check_threads(threads)

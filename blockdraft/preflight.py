@@ -49,6 +49,16 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def dtype_name(dtype):
+    """A torch.dtype of DTYPE_NAMES (torch.float32, ...) as its name ("float32"), as vLLM takes
+    either; anything else is returned unchanged, for check_dtype to judge."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return next((n for n in DTYPE_NAMES if getattr(torch, n) == dtype), dtype)
+    return dtype
+
+
 def check_dtype(dtype: str) -> str:
     """Raise ValueError naming `dtype` unless it is one of DTYPE_CHOICES; returns it."""
     if dtype not in DTYPE_CHOICES:

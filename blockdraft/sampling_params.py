@@ -128,6 +128,14 @@ class SamplingParams:
     bad_words: list[str] | None = None
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
+    def __new__(cls, *args, **kwargs):
+        # before the dataclass __init__'s bare "unexpected keyword argument": vLLM's own fields say
+        # what to use here, a typo names the nearest field
+        unknown = [k for k in kwargs if k not in _INIT_FIELDS]
+        if unknown:
+            raise TypeError(_unknown_field_message(unknown[0]))
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         self.verify()
         self._resolved_seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**31)
@@ -312,6 +320,7 @@ class SamplingParams:
 
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens", "n", "truncate_prompt_tokens")
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INIT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 
 
 def _builtin_int(value):
@@ -342,6 +351,29 @@ def check_logprobs_limit(
         if value is not None and value > max_logprobs:
             raise param_error(name, f"{name} must be <= {max_logprobs} (the engine's max_logprobs; {remedy}), "
                                     f"got {value}")
+
+
+# vLLM SamplingParams fields that blockdraft's lacks -> what to do instead
+VLLM_ONLY_FIELDS = {
+    "guided_decoding": "use structured_outputs=StructuredOutputsParams(...) (the name newer vLLM uses for it)",
+    "best_of": "not supported: n=N returns N completions",
+    "use_beam_search": "beam search is not supported",
+    "logits_processors": ("custom logits processors are not supported; logit_bias, allowed_token_ids, bad_words, "
+                          "min_tokens and the penalties cover the usual cases"),
+    "output_kind": "LLM.generate returns finished outputs; LLM.generate_stream yields the text as it grows",
+    "extra_args": "not supported: every field blockdraft reads is a SamplingParams argument",
+}
+
+
+def _unknown_field_message(name: str) -> str:
+    """TypeError text for SamplingParams(name=...), a field it does not have."""
+    if name in VLLM_ONLY_FIELDS:
+        return f"SamplingParams() has no {name!r} (a vLLM field): {VLLM_ONLY_FIELDS[name]}"
+    import difflib
+
+    near = difflib.get_close_matches(name, _INIT_FIELDS, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(near)}?" if near else ""
+    return f"SamplingParams() got an unexpected keyword argument {name!r}{hint}"
 
 
 def _check_int(name: str, value, low: int, what: str | None = None, high: int | None = None) -> None:

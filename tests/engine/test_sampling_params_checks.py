@@ -176,3 +176,27 @@ def test_clone_is_a_deep_copy(llm):
     q.stop.append("y"), q.stop_token_ids.append(8), q.logit_bias.update({4: 2.0})
     assert (p.stop, p.stop_token_ids, p.logit_bias) == (["x"], [7], {3: 1.0})
     assert llm.generate(PROMPT, p.clone())[0].token_ids == llm.generate(PROMPT, p)[0].token_ids
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(guided_decoding={"json": {}}), "has no 'guided_decoding' (a vLLM field): use structured_outputs="),
+    (dict(best_of=2), "has no 'best_of' (a vLLM field): not supported: n=N returns N completions"),
+    (dict(logits_processors=[]), "custom logits processors are not supported"),
+    (dict(max_token=4), "unexpected keyword argument 'max_token'; did you mean max_tokens"),
+    (dict(zzz=1), "unexpected keyword argument 'zzz'"),
+])
+def test_unknown_fields_say_what_to_use_instead(kw, words):
+    """A bare dataclass TypeError said nothing of vLLM's names (a trial ported guided_decoding)."""
+    with pytest.raises(TypeError, match="^SamplingParams\\(\\) ") as e:
+        SamplingParams(**kw)
+    assert words in str(e.value)
+
+
+def test_copies_keep_working_with_the_field_check():
+    import copy
+    import dataclasses
+    import pickle
+
+    p = SamplingParams(max_tokens=5, temperature=0.5, seed=3, stop=["x"])
+    assert copy.deepcopy(p) == p == pickle.loads(pickle.dumps(p)) == p.clone()
+    assert dataclasses.replace(p, top_k=3).top_k == 3 and SamplingParams(7).max_tokens == 7

@@ -41,3 +41,19 @@ def test_every_entry_says_what_to_do_unless_any_value_is_fine():
     for name, (neutral, instead) in VLLM_ONLY.items():
         assert neutral is None or neutral, name
         assert instead or neutral is None or len(neutral) == 2, name  # only "any value" / both bools need no hint
+
+
+def test_dtype_as_a_torch_dtype_is_taken_as_its_name(tmp_path):
+    """LLM(dtype=torch.bfloat16), as vLLM takes it (a trial found only strings accepted)."""
+    import torch
+
+    from blockdraft.llm import LLM
+    from tests.server.tiny_model import write_tiny_model
+
+    model = str(write_tiny_model(tmp_path / "model"))
+    for dtype in (torch.bfloat16, torch.float32):
+        llm = LLM(model=model, dtype=dtype)
+        assert {p.dtype for p in llm.target.model.parameters() if p.is_floating_point()} == {dtype}
+    with pytest.raises(ValueError, match=r"^dtype must be one of \['auto', 'float32', 'bfloat16', 'float16'\], "
+                                         r"got torch.int8"):
+        LLM(model=model, dtype=torch.int8)
