@@ -145,7 +145,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "command's (greedy, 256 tokens): a model's generation_config.json sampling "
                                    "defaults, which `serve` and LLM.generate apply (vLLM's --generation-config "
                                    "auto), are not read here; give them as flags.")
-    g.add_argument("prompt", help="sent as a user chat message through the model's chat template (see --raw)")
+    g.add_argument("prompt", help="sent as a user chat message through the model's chat template (see --raw); "
+                                  "'-' reads it from standard input (e.g. `cat question.txt | blockdraft generate -`)")
     g.add_argument("--model", default=DEFAULT_MODEL, help=f"catalog name, HF folder or .gguf (default {DEFAULT_MODEL})")
     add_draft_flags(g)
     g.add_argument("--raw", action="store_true", help="send the prompt as plain text, without the chat template")
@@ -508,10 +509,12 @@ def _generate(args) -> int:
         from blockdraft.structured.grammar import checked_source
 
         checked_source(params.structured_outputs)
-    if not args.prompt:  # whitespace is a prompt, as in the Python API and vLLM
-        raise ValueError("prompt is empty: give a non-empty prompt")
     from blockdraft.errors import check_unicode_text
 
+    if args.prompt == "-":
+        args.prompt = _stdin_prompt()
+    if not args.prompt:  # whitespace is a prompt, as in the Python API and vLLM
+        raise ValueError("prompt is empty: give a non-empty prompt")
     check_unicode_text(args.prompt, "the prompt")  # bytes that are not UTF-8: said now, not after loading
     if args.stream and args.json:
         raise ValueError("--stream prints the answer as it grows, --json one object at the end: give one of them")
@@ -567,6 +570,22 @@ def _generate(args) -> int:
             print("\n".join(lines))
         print(_summary_line(result), file=sys.stderr)
     return 0
+
+
+def _stdin_prompt() -> str:
+    """`generate -`: the prompt read from standard input, as text (one trailing newline dropped,
+    which `echo` and most files add), its bytes decoded as UTF-8 with undecodable ones kept as
+    U+DC80-U+DCFF (surrogateescape, as the command line does), for check_unicode_text to name.
+
+    Raises:
+        ValueError: standard input is a terminal (nothing piped in: it would wait silently).
+    """
+    if sys.stdin is None or sys.stdin.isatty():
+        raise ValueError("prompt '-' reads the prompt from standard input, which is a terminal here: pipe it in "
+                         "(e.g. `cat question.txt | blockdraft generate -`) or give it as an argument")
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+    text = data.decode("utf-8", "surrogateescape")
+    return text[:-1] if text.endswith("\n") else text
 
 
 def _logprob_table(items: list[dict], title: str = "logprobs", start: int = 0) -> list[str]:
