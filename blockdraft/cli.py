@@ -442,8 +442,9 @@ def _add_eval_drafter_parser(sub, default_model: str) -> None:
                                    "acceptance_per_position).")
     e.add_argument("--target", "--model", dest="target", default=default_model,
                    help=f"the target model: catalog name, HF folder or .gguf (default {default_model})")
-    e.add_argument("--draft", default=None, help="drafter folder, or 'shipped' ('auto' means the same here; default: the one shipped for --target, "
-                        "a catalog name or the folder `fetch` made for one)")
+    e.add_argument("--draft", default=None,
+                   help="drafter folder, or 'shipped' ('auto' means the same here; default: the one shipped for "
+                        "--target, a catalog name or the folder `fetch` made for one)")
     e.add_argument("--dataset", default="humaneval", choices=["humaneval", "mtbench"],
                    help="held-out prompts: HumanEval or MT-bench first turns (default humaneval)")
     from blockdraft.training.corpora import EVAL_DATASET_SIZES
@@ -583,7 +584,8 @@ def _stdin_prompt() -> str:
     if sys.stdin is None or sys.stdin.isatty():
         raise ValueError("prompt '-' reads the prompt from standard input, which is a terminal here: pipe it in "
                          "(e.g. `cat question.txt | blockdraft generate -`) or give it as an argument")
-    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+    stream = getattr(sys.stdin, "buffer", None)  # the bytes, so that non-UTF-8 ones can be named
+    data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
     text = data.decode("utf-8", "surrogateescape")
     return text[:-1] if text.endswith("\n") else text
 
@@ -673,7 +675,8 @@ def _fetch(args) -> int:
             print(entry)
         return 0
     if not args.name.strip():
-        raise ValueError(f"model name {args.name!r} is empty: give a catalog name (`blockdraft fetch --list` lists them)")
+        raise ValueError(f"model name {args.name!r} is empty: give a catalog name (`blockdraft fetch --list` "
+                         f"lists them)")
     print(fetch_model(args.name, cache_dir=args.cache_dir))
     return 0
 

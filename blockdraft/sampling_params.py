@@ -39,8 +39,8 @@ class SamplingParams:
     request the engine takes gets its own random seed (`for_request`), so one SamplingParams used
     for several prompts, or for several calls, samples each independently, as in vLLM.
     max_tokens: output tokens at most (>= 1); None: no cap of the request's own, it runs until EOS, a
-    stop, or the end of the context (max_model_len), as vLLM's None. stop: strings that end the output (not included in
-    text unless include_stop_str_in_output, vLLM's flag). stop_token_ids: extra token ids that end
+    stop, or the end of the context (max_model_len), as vLLM's None. stop: strings that end the
+    output (not included in text unless include_stop_str_in_output, vLLM's flag). stop_token_ids: extra token ids that end
     the output (included in token ids, like EOS).
     ignore_eos: keep going past EOS. logprobs: number of top log-probabilities to return per output
     token (None: none; 0: only the sampled token's), at most the engine's `max_logprobs` (default

@@ -169,7 +169,8 @@ class LLMEngine:
             raise ValueError("prompt is empty: give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
             # -1 keeps max_model_len tokens (vLLM's value), which leave no room: say what fits
-            room = max(1, min(params.max_output_tokens, self.max_model_len - 1))  # output tokens the hint leaves room for
+            # output tokens the hint leaves room for
+            room = max(1, min(params.max_output_tokens, self.max_model_len - 1))
             cut = "" if params.truncate_prompt_tokens is None else (
                 f" (after truncate_prompt_tokens={params.truncate_prompt_tokens}; "
                 f"truncate_prompt_tokens={self.max_model_len - room} leaves room for max_tokens={room})")

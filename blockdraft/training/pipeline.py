@@ -942,8 +942,8 @@ def deferred_interrupt(note: str = TRAINING_STOP, again_note: str = TRAINING_STO
     answering stops between engine steps keeping its saved waves; `note` says which on stderr
     after the signal's name, and the flag's `signum` records it (`flag.interrupt()`: the
     StopRequested to raise once saved). A second one says `again_note` (what stays saved) and
-    raises StopRequested at once. Off the main
-    thread (where signal handlers cannot be set) the flag just stays False."""
+    raises StopRequested at once. Off the main thread (where signal handlers cannot be set) the
+    flag just stays False."""
     flag = _Flag()
     if threading.current_thread() is not threading.main_thread():
         yield flag
