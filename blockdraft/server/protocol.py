@@ -129,8 +129,8 @@ class JsonSchemaFormat(_Strict):
 
     name: required, as by OpenAI; unused (as in vLLM). schema: the JSON Schema, a JSON object
     (required here: OpenAI's optional schema has no meaning without one). strict, description:
-    accepted and unused: the schema is always enforced, as in vLLM (strict: true does not add
-    additionalProperties: false; structured_outputs.disable_additional_properties does).
+    accepted and unused: the schema is always enforced, as in vLLM; objects that list properties
+    take no others unless the schema says so, as vLLM's default backend (xgrammar) generates them.
     """
 
     name: str
@@ -220,7 +220,7 @@ class StructuredOutputsRequest(_Strict):
             json=self.json_schema, regex=self.regex, choice=self.choice, grammar=self.grammar,
             json_object=self.json_object, structural_tag=self.structural_tag,
             disable_any_whitespace=bool(self.disable_any_whitespace),
-            disable_additional_properties=bool(self.disable_additional_properties),
+            disable_additional_properties=self.disable_additional_properties,  # None: closed, as vLLM's xgrammar
             whitespace_pattern=self.whitespace_pattern, disable_fallback=bool(self.disable_fallback),
         )
 

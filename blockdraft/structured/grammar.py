@@ -74,7 +74,7 @@ def _json_grammar(params: StructuredOutputsParams, schema) -> str:
     llg = _llguidance()
     if isinstance(schema, str):
         schema = json.loads(schema)
-    if params.disable_additional_properties and isinstance(schema, dict):
+    if params.closes_objects and isinstance(schema, dict):
         schema = copy.deepcopy(schema)
         _close_objects(schema)
     options: dict = {"whitespace_flexible": not params.disable_any_whitespace}

@@ -30,8 +30,10 @@ class StructuredOutputsParams:
             "structures": [{"begin": str, "schema": JSON Schema, "end": str}, ...]}: free text, in
             which each structure that a trigger starts follows its schema up to its end string.
     Options (JSON only): disable_any_whitespace: no whitespace between JSON tokens (default: any
-    JSON whitespace). disable_additional_properties: objects whose schema lists `properties` take no
-    others unless the schema says so (JSON Schema's default allows them). whitespace_pattern: a
+    JSON whitespace). disable_additional_properties: None (default) or True: objects whose schema
+    lists `properties` take no others unless the schema says so (`additionalProperties`), as vLLM's
+    default backend (xgrammar, strict mode) generates them; False: JSON Schema's own default, other
+    properties allowed (vLLM's guidance backend; small models then tend to add keys until max_tokens). whitespace_pattern: a
     regex for the whitespace allowed between JSON tokens instead. disable_fallback: accepted as in
     vLLM; there is one backend (llguidance), so nothing ever falls back.
 
@@ -46,7 +48,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: dict | str | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = None
     disable_fallback: bool = False
 
@@ -87,6 +89,12 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise param_error(name, f"structured_outputs.{name} must be a boolean (true or false), got {value!r}")
+
+    @property
+    def closes_objects(self) -> bool:
+        """Whether JSON objects that list properties take no others (disable_additional_properties
+        None or True)."""
+        return self.disable_additional_properties is not False
 
     @property
     def kind(self) -> str:

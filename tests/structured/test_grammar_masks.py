@@ -191,6 +191,19 @@ def test_disable_additional_properties_closes_every_object_that_lists_properties
     assert "additionalProperties" not in schema["properties"]["c"]  # an array
 
 
+@pytest.mark.parametrize("setting, closed", [(None, True), (True, True), (False, False)])
+def test_objects_that_list_properties_are_closed_by_default_as_vllms_xgrammar(compiler, setting, closed):
+    """After a complete property, an open object may take another (","), a closed one only ends
+    ("}"): closed unless disable_additional_properties=False (a trial's small model, given an open
+    schema, added keys until max_tokens)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    g = compiler.matcher(SO(json=schema, disable_additional_properties=setting, disable_any_whitespace=True))
+    assert SO(json=schema, disable_additional_properties=setting).closes_objects is closed
+    assert g.advance(T('{"a":1')) == (6, False)
+    after = _rows(g, [])[0]
+    assert set(T("}")) <= after and (set(T(",")) <= after) is not closed
+
+
 def test_forced_tokens_replace_the_drafts_up_to_the_first_refused_one(compiler):
     g = compiler.matcher(SO(regex="abc(d|e)+!"))
     assert g.steer_drafts(T("zzzd")) == T("abcd")  # forced a, b, c; d is the drafter's, and allowed
@@ -211,3 +224,16 @@ def test_schemas_nested_past_pythons_recursion_limit_are_value_errors(compiler):
     assert e.value.param == "json"
     with pytest.raises(ValueError, match="structured_outputs.json is nested too deeply"):
         SO(json="[" * 50_000)  # as JSON text: json.loads recurses
+
+
+def test_the_servers_fields_keep_the_closed_default_and_an_explicit_false():
+    """response_format json_schema and structured_outputs without the option close objects (as
+    vLLM's default backend); structured_outputs.disable_additional_properties false opens them."""
+    from blockdraft.server.protocol import StructuredOutputsRequest
+
+    schema = {"type": "object", "properties": {"a": {}}}
+    assert StructuredOutputsRequest.model_validate({"json": schema}).params().closes_objects
+    assert not StructuredOutputsRequest.model_validate({"json": schema, "disable_additional_properties": False}
+                                                       ).params().closes_objects
+    assert StructuredOutputsRequest.model_validate({"json": schema, "disable_additional_properties": None}
+                                                   ).params().closes_objects
