@@ -83,19 +83,56 @@ def _json_grammar(params: StructuredOutputsParams, schema) -> str:
     return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
 
 
-def _close_objects(schema) -> None:
-    """additionalProperties: false on every (sub)schema that lists properties without saying."""
-    if isinstance(schema, list):
-        for item in schema:
-            _close_objects(item)
-        return
+# JSON Schema keywords (draft-07 and 2020-12) whose value is one subschema, a map of subschemas, or a
+# list of them; every other keyword's value is data (const, enum, default, examples, ...), left as is
+_ONE_SCHEMA = ("items", "additionalProperties", "additionalItems", "contains", "propertyNames", "not", "if", "then",
+               "else", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def _close_objects(schema: dict) -> None:
+    """additionalProperties: false, in place, on every subschema that lists properties without
+    saying, as xgrammar's strict mode (vLLM's default backend) treats them; only schema positions
+    are visited (a const or enum value is data, and a property named "properties" a property).
+    A schema with allOf, its branches and the $defs a branch $refs stay open: additionalProperties
+    sees only its own schema's properties, so closing a branch would refuse the other branches'
+    properties (an allOf that splits the properties would become unsatisfiable); the objects nested
+    in their properties are closed."""
+    _close(schema, _all_of_refs(schema), keep_open=False)
+
+
+def _close(schema, open_refs: set[str], keep_open: bool) -> None:
     if not isinstance(schema, dict):
         return
-    for value in schema.values():
-        if isinstance(value, (dict, list)):
-            _close_objects(value)
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+    for key, value in schema.items():
+        if key in _ONE_SCHEMA and isinstance(value, dict):
+            _close(value, open_refs, keep_open=False)
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                _close(sub, open_refs, keep_open=f"#/{key}/{name}" in open_refs)
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            for sub in value:
+                _close(sub, open_refs, keep_open=key == "allOf")
+    if (not keep_open and "allOf" not in schema and isinstance(schema.get("properties"), dict)
+            and "additionalProperties" not in schema):
         schema["additionalProperties"] = False
+
+
+def _all_of_refs(schema) -> set[str]:
+    """The "$ref" values of allOf branches anywhere in `schema` (their $defs stay open)."""
+    refs: set[str] = set()
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            branches = node.get("allOf")
+            if isinstance(branches, list):
+                refs.update(b["$ref"] for b in branches if isinstance(b, dict) and isinstance(b.get("$ref"), str))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return refs
 
 
 def _structural_tag_grammar(params: StructuredOutputsParams) -> str:

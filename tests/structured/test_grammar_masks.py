@@ -237,3 +237,43 @@ def test_the_servers_fields_keep_the_closed_default_and_an_explicit_false():
                                                        ).params().closes_objects
     assert StructuredOutputsRequest.model_validate({"json": schema, "disable_additional_properties": None}
                                                    ).params().closes_objects
+
+
+def test_closing_leaves_data_keywords_and_property_names_alone():
+    """const / enum values are data, and a property named "properties" is a property (a trial saw
+    `const: {"properties": ...}` closed into an unmatchable value)."""
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}},
+                                               "c": {"const": {"properties": {"x": 1}}},
+                                               "e": {"enum": [{"properties": {}}]}},
+              "default": {"properties": {}}}
+    _close_objects(schema)
+    assert schema["additionalProperties"] is False
+    assert "additionalProperties" not in schema["properties"]  # the name map is not a schema
+    assert schema["properties"]["properties"]["additionalProperties"] is False  # the property's schema is
+    assert schema["properties"]["c"]["const"] == {"properties": {"x": 1}}
+    assert schema["properties"]["e"]["enum"] == [{"properties": {}}]
+    assert schema["default"] == {"properties": {}}
+
+
+def test_closing_keeps_allof_satisfiable():
+    """Properties split across allOf branches (and a $defs a branch refers to) stay open, else the
+    branches refuse each other's properties; objects nested inside them are still closed."""
+    schema = {"allOf": [{"$ref": "#/$defs/base"},
+                        {"type": "object", "properties": {"b": {"type": "object", "properties": {"z": {}}}},
+                         "required": ["b"]}],
+              "$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                        "other": {"type": "object", "properties": {"q": {}}}}}
+    _close_objects(schema)
+    assert "additionalProperties" not in schema["allOf"][1] and "additionalProperties" not in schema["$defs"]["base"]
+    assert schema["allOf"][1]["properties"]["b"]["additionalProperties"] is False
+    assert schema["$defs"]["other"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("schema, text", [
+    ({"const": {"properties": {"x": 1}}}, '{"properties":{"x":1}}'),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, '{"a":1,"b":2}'),
+])
+def test_schemas_the_closing_once_broke_compile_and_accept_their_json(compiler, schema, text):
+    g = compiler.matcher(SO(json=schema, disable_any_whitespace=True))
+    assert g.advance(T(text)) == (len(text), True)
