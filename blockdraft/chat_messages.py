@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from blockdraft.errors import check_unicode_text
+from blockdraft.errors import check_unicode_texts
 
 # OpenAI's `developer` role is taken too, given to the chat template as `system` (template_message).
 CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -258,18 +258,11 @@ def _check_name(name) -> None:
 
 def _check_texts(value, what: str) -> None:
     """Every string in `value` (a message, the tools, template variables: nested dicts and lists) is
-    valid Unicode (check_unicode_text), else ChatTemplateError naming `what` ("message 2")."""
-    if isinstance(value, str):
-        try:
-            check_unicode_text(value, what)
-        except ValueError as e:
-            raise ChatTemplateError(str(e), "messages" if what.startswith("message") else what) from None
-    elif isinstance(value, dict):
-        for v in value.values():
-            _check_texts(v, what)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _check_texts(v, what)
+    valid Unicode (check_unicode_texts), else ChatTemplateError naming `what` ("message 2")."""
+    try:
+        check_unicode_texts(value, what)
+    except ValueError as e:
+        raise ChatTemplateError(str(e), "messages" if what.startswith("message") else what) from None
 
 
 def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,

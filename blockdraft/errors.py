@@ -50,13 +50,14 @@ def flag_message(error: BaseException, flags) -> str:
     return re.sub(rf"(?<![\w./'\"-]){re.escape(param)}(?![\w/'\"-])", f"{param} ({flag_of(param)})", message, count=1)
 
 
-def check_unicode_text(text: str, what: str) -> None:
+def check_unicode_text(text: str, what: str, param: str | None = None) -> None:
     """Refuse text that is not valid Unicode, so that it cannot reach the tokenizer (whose own error
     is a bare TypeError from its Rust side): a lone surrogate code point U+D800-U+DFFF, which is what
     bytes that are not UTF-8 become in a command line (Python's surrogateescape: byte 0xE9 arrives
     as U+DCE9) and what a JSON "\\ud800" escape decodes to.
 
-    `what` names the text ("prompt 0", "stop string 'x'"). Raises:
+    `what` names the text ("prompt 0", "stop string 'x'"); `param`: the parameter, for a param_error
+    (the CLI then names its flag). Raises:
         ValueError: naming `what`, the character's position and, for an escaped byte, the byte.
     """
     try:
@@ -65,8 +66,24 @@ def check_unicode_text(text: str, what: str) -> None:
         code = ord(text[e.start])
         found = (f"byte 0x{code - 0xDC00:02X}, which is not UTF-8," if 0xDC80 <= code <= 0xDCFF
                  else f"a lone surrogate U+{code:04X}")
-        raise ValueError(f"{what} is not valid Unicode text: {found} at character {e.start}; give UTF-8 text "
-                         f"(e.g. convert a Latin-1 file with `iconv -f latin1 -t utf-8`)") from None
+        message = (f"{what} is not valid Unicode text: {found} at character {e.start}; give UTF-8 text "
+                   f"(e.g. convert a Latin-1 file with `iconv -f latin1 -t utf-8`)")
+        raise (param_error(param, message) if param else ValueError(message)) from None
+
+
+def check_unicode_texts(value, what: str, param: str | None = None) -> None:
+    """check_unicode_text on every string in `value`: a str, or dicts (keys and values) and lists
+    nested (a chat message, tool definitions, a JSON Schema)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            check_unicode_text(node, what, param)
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
 
 
 def check_writable_file(path: str, flag: str = "--json", example: str = "report.json") -> None:

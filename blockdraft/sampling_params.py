@@ -173,10 +173,7 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise param_error("stop", f"stop strings must be non-empty strings, got {s!r}")
-            try:  # such a string could never match the detokenized text
-                check_unicode_text(s, f"stop string {s!r}")
-            except ValueError as e:
-                raise param_error("stop", str(e)) from None
+            check_unicode_text(s, f"stop string {s!r}", param="stop")  # could never match the detokenized text
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, low=0, what="stop_token_ids entry")
         for name in ("logprobs", "prompt_logprobs"):
@@ -246,6 +243,7 @@ class SamplingParams:
                 if not isinstance(w, str) or not w.strip():
                     raise param_error("bad_words", f"bad_words entries must be strings with a non-space character, "
                                                    f"got {w!r}"[:300])
+                check_unicode_text(w, f"bad_words entry {w!r}", param="bad_words")  # the tokenizer refuses it
             self.bad_words = list(words)
 
     def _builtin_numbers(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from blockdraft.errors import param_error
+from blockdraft.errors import check_unicode_texts, param_error
 
 # the fields that name a constraint; exactly one is set (json_object counts when True)
 CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -61,6 +61,9 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise param_error("structured_outputs", f"structured_outputs must set exactly one of "
                                                     f"{', '.join(CONSTRAINT_FIELDS)}; got {given or 'none'}")
+        for name in ("json", "structural_tag", "regex", "grammar", "whitespace_pattern", "choice"):
+            # llguidance's own error for a lone surrogate is codec text (or a parse error)
+            check_unicode_texts(getattr(self, name), f"structured_outputs.{name}", param=name)
         for name in ("json", "structural_tag"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -72,6 +75,7 @@ class StructuredOutputsParams:
                     raise param_error(name, f"structured_outputs.{name} is nested too deeply") from None
                 if not isinstance(parsed, dict):
                     raise param_error(name, f"structured_outputs.{name} must be a JSON object, got {value[:80]!r}")
+                check_unicode_texts(parsed, f"structured_outputs.{name}", param=name)  # a "\\ud800" escape
             elif value is not None and not isinstance(value, dict):
                 raise param_error(name, f"structured_outputs.{name} must be a dict or its JSON text, got "
                                         f"{type(value).__name__} {value!r:.80}")

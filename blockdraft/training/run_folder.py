@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from blockdraft.errors import check_unicode_text
+
 
 # What train-drafter writes inside --out (the module docstring's layout): folders, then files. data/
 # only without --data; checkpoint.new/ and .old/ are a checkpoint save's (training/atomic_folder.py).
@@ -37,12 +39,17 @@ def check_out_folder(out: str, data: str | None = None) -> None:
     the user's) the run would write beside and over. A folder holding a run is its resume (or its
     data reused), and an empty or new one a new run.
 
+    An --out or --data path that is not valid UTF-8 text is refused too (check_unicode_text).
+
     Raises:
         ValueError: naming --out, the offending path and what to do.
     """
     if not out.strip():
         raise ValueError(f"--out {out!r} is empty (it would write the run into the current folder): give the run's "
                          f"output folder, a new or empty one, e.g. --out runs/mine")
+    for flag, path in (("--out", out), ("--data", data)):
+        if path is not None:  # safetensors (Rust) takes UTF-8 paths only: it failed once the answers were made
+            check_unicode_text(path, f"{flag} {path!r}")
     folder = Path(out)
     dangling = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
     if dangling is not None:  # it would count as a new folder, and the run fail making it once the target loaded

@@ -38,13 +38,20 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """The cache root: `cache_dir`, else $BLOCKDRAFT_CACHE, else ~/.cache/blockdraft.
 
     Raises:
-        ValueError: `cache_dir` empty or blank (it would fill the current folder with ~0.5-2 GB).
+        ValueError: `cache_dir` empty or blank (it would fill the current folder with ~0.5-2 GB); it
+            or $BLOCKDRAFT_CACHE not valid UTF-8 text (check_unicode_text).
     """
     if cache_dir is not None and not str(cache_dir).strip():
         from blockdraft.errors import param_error
 
         raise param_error("cache_dir", f"cache_dir {str(cache_dir)!r} is empty: give a folder, or leave it out for "
                                        f"$BLOCKDRAFT_CACHE or ~/.cache/blockdraft")
+    from blockdraft.errors import check_unicode_text
+
+    if cache_dir is not None:  # the converted weights are written by safetensors, which takes UTF-8 paths only
+        check_unicode_text(str(cache_dir), f"cache_dir {str(cache_dir)!r}", param="cache_dir")
+    elif os.environ.get("BLOCKDRAFT_CACHE"):
+        check_unicode_text(os.environ["BLOCKDRAFT_CACHE"], "$BLOCKDRAFT_CACHE")
     if cache_dir is None:
         cache_dir = os.environ.get("BLOCKDRAFT_CACHE") or Path.home() / ".cache" / "blockdraft"
     return Path(cache_dir).expanduser()

@@ -53,3 +53,46 @@ def test_cli_refuses_a_prompt_of_bytes_that_are_not_utf8_before_loading(capsys, 
     assert f"error: {what} is not valid Unicode text: byte 0xE9, which is not UTF-8, at character 3; give UTF-8 " \
            f"text (e.g. convert a Latin-1 file with `iconv -f latin1 -t utf-8`)" in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(regex="a\ud800"), "regex"),
+    (dict(choice=["yes", "caf\udce9"]), "choice"),
+    (dict(grammar='start: "\ud800"'), "grammar"),
+    (dict(json={"type": "object"}, whitespace_pattern="\ud800"), "whitespace_pattern"),
+    (dict(json={"type": "object", "properties": {"k\ud800": {}}}), "json"),  # a key too
+    (dict(json='{"enum": ["\\ud800"]}'), "json"),  # a JSON escape, found once parsed
+    (dict(structural_tag={"triggers": ["<x"], "structures": [{"begin": "<x\ud800", "schema": {}, "end": ">"}]}),
+     "structural_tag"),
+])
+def test_structured_outputs_name_the_field_that_is_not_valid_unicode(kw, field):
+    """llguidance's own errors were codec text or a parse error."""
+    from blockdraft import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match=rf"^structured_outputs.{field} is not valid Unicode text") as e:
+        StructuredOutputsParams(**kw)
+    assert e.value.param == field
+
+
+def test_bad_words_that_are_not_valid_unicode_are_refused():
+    with pytest.raises(ValueError, match=r"^bad_words entry '\\ud800' is not valid Unicode text") as e:
+        SamplingParams(bad_words=["ok", "\ud800"])
+    assert e.value.param == "bad_words"
+
+
+def test_paths_safetensors_would_write_are_refused_when_not_utf8(tmp_path, monkeypatch, capsys):
+    """safetensors takes UTF-8 paths only: a non-UTF-8 --cache-dir failed after converting the
+    model, a non-UTF-8 --out after answering every prompt (a trial)."""
+    from blockdraft.cli import main
+    from blockdraft.weights.fetch import cache_root
+
+    with pytest.raises(ValueError, match=r"^cache_dir '/tmp/c\\udce9' is not valid Unicode text: byte 0xE9") as e:
+        cache_root("/tmp/c\udce9")
+    assert e.value.param == "cache_dir"
+    monkeypatch.setenv("BLOCKDRAFT_CACHE", "/tmp/d\udce9")
+    with pytest.raises(ValueError, match=r"^\$BLOCKDRAFT_CACHE is not valid Unicode text"):
+        cache_root()
+    monkeypatch.delenv("BLOCKDRAFT_CACHE")
+    out = str(tmp_path / "r\udce9")
+    assert main(["train-drafter", "--target", "/nonexistent-model", "--tiny", "--out", out]) == 2
+    assert "error: --out '" in capsys.readouterr().err
