@@ -179,6 +179,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the end-of-sequence token, up to --max-tokens (vLLM's ignore_eos; for "
                         "benchmarks)")
+    g.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
+                   help="run only the prompt's last N tokens (after the chat template; vLLM's "
+                        "truncate_prompt_tokens): for a prompt longer than the context; -1: its last --max-model-len "
+                        "tokens, which leaves no room for an answer (default: the whole prompt)")
     g.add_argument("--structured-outputs", default=None, metavar="JSON",
                    help="constrain the answer, as vLLM's structured_outputs: a JSON object with one of json (a JSON "
                         "Schema), regex, choice (a list of strings), grammar (Lark or GBNF), json_object (true) or "
@@ -501,7 +505,7 @@ def _generate(args) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         seed=args.seed, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
-        stop=args.stop, ignore_eos=args.ignore_eos,
+        stop=args.stop, ignore_eos=args.ignore_eos, truncate_prompt_tokens=args.truncate_prompt_tokens,
         structured_outputs=None if args.structured_outputs is None else structured_outputs_from_json(args.structured_outputs),
     )
     # the engine would refuse it only after loading; the CLI's limit is fixed (vLLM's default)
@@ -573,21 +577,38 @@ def _generate(args) -> int:
     return 0
 
 
+STDIN_PROMPT_MAX_BYTES = 16 << 20  # more than any context holds (~4M tokens); read whole, then tokenized
+
+
 def _stdin_prompt() -> str:
-    """`generate -`: the prompt read from standard input, as text (one trailing newline dropped,
-    which `echo` and most files add), its bytes decoded as UTF-8 with undecodable ones kept as
-    U+DC80-U+DCFF (surrogateescape, as the command line does), for check_unicode_text to name.
+    """`generate -`: the prompt read from standard input, as text: a UTF-8 byte-order mark and one
+    trailing line end ("\n" or "\r\n", which `echo` and most files add) dropped, its bytes decoded
+    as UTF-8 with undecodable ones kept as U+DC80-U+DCFF (surrogateescape, as the command line
+    does), for check_unicode_text to name.
 
     Raises:
-        ValueError: standard input is a terminal (nothing piped in: it would wait silently).
+        ValueError: standard input closed or a terminal (nothing piped in: it would wait silently),
+            or more than STDIN_PROMPT_MAX_BYTES (16 MiB), before it is all read.
     """
-    if sys.stdin is None or sys.stdin.isatty():
+    if sys.stdin is None:
+        raise ValueError("prompt '-' reads the prompt from standard input, which is closed here: pipe it in "
+                         "(e.g. `cat question.txt | blockdraft generate -`) or give it as an argument")
+    if sys.stdin.isatty():
         raise ValueError("prompt '-' reads the prompt from standard input, which is a terminal here: pipe it in "
                          "(e.g. `cat question.txt | blockdraft generate -`) or give it as an argument")
     stream = getattr(sys.stdin, "buffer", None)  # the bytes, so that non-UTF-8 ones can be named
-    data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
-    text = data.decode("utf-8", "surrogateescape")
-    return text[:-1] if text.endswith("\n") else text
+    if stream is not None:
+        data = stream.read(STDIN_PROMPT_MAX_BYTES + 1)
+    else:
+        data = sys.stdin.read(STDIN_PROMPT_MAX_BYTES + 1).encode("utf-8", "surrogateescape")
+    if len(data) > STDIN_PROMPT_MAX_BYTES:
+        raise ValueError(f"the prompt on standard input is over {STDIN_PROMPT_MAX_BYTES >> 20} MiB, more than any "
+                         f"model's context: give a shorter one (or see --truncate-prompt-tokens)")
+    text = data.decode("utf-8", "surrogateescape").removeprefix("\ufeff")
+    for end in ("\r\n", "\n"):
+        if text.endswith(end):
+            return text[:-len(end)]
+    return text
 
 
 def _logprob_table(items: list[dict], title: str = "logprobs", start: int = 0) -> list[str]:

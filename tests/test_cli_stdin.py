@@ -49,3 +49,21 @@ def test_dash_refuses_bytes_that_are_not_utf8_an_empty_pipe_and_a_terminal(monke
     assert code == 2 and "prompt is empty" in err
     code, prompt, err = _run(monkeypatch, capsys, _Terminal(io.BytesIO(b""), encoding="utf-8"))
     assert code == 2 and "reads the prompt from standard input, which is a terminal here: pipe it in" in err
+
+
+@pytest.mark.parametrize("data, want", [(b"\xef\xbb\xbfHello\r\n", "Hello"), (b"a\n\n", "a\n"), (b"x\r", "x\r")])
+def test_a_byte_order_mark_and_one_line_end_are_dropped(monkeypatch, capsys, data, want):
+    code, prompt, _ = _run(monkeypatch, capsys, _Pipe(io.BytesIO(data), encoding="utf-8"))
+    assert code == 0 and prompt == want
+
+
+def test_closed_stdin_and_an_oversized_pipe_are_refused_by_what_they_are(monkeypatch, capsys):
+    from blockdraft import cli
+
+    code, _, err = _run(monkeypatch, capsys, None)
+    assert code == 2 and "standard input, which is closed here" in err
+    monkeypatch.setattr(cli, "STDIN_PROMPT_MAX_BYTES", 10)
+    code, prompt, err = _run(monkeypatch, capsys, _Pipe(io.BytesIO(b"x" * 11), encoding="utf-8"))
+    assert code == 2 and prompt is None and "the prompt on standard input is over 0 MiB" in err
+    code, prompt, _ = _run(monkeypatch, capsys, _Pipe(io.BytesIO(b"x" * 10), encoding="utf-8"))
+    assert code == 0 and prompt == "x" * 10

@@ -181,8 +181,8 @@ class LLMEngine:
                           f"gpu_memory_utilization)")
             elif self.max_position_embeddings is not None and self.max_model_len >= self.max_position_embeddings:
                 remedy = ("shorten the prompt: this is the model's whole context (max_position_embeddings in its "
-                          "config.json); truncate_prompt_tokens=N (the server's field too) keeps a prompt's last N "
-                          "tokens")
+                          "config.json); truncate_prompt_tokens=N (SamplingParams and the server's field; generate's "
+                          "--truncate-prompt-tokens) keeps a prompt's last N tokens")
             else:
                 remedy = ("shorten the prompt or raise max_model_len (the CLI's --max-model-len; its default is the "
                           "smaller of the model's max positions and the KV pool)")

@@ -162,6 +162,20 @@ def test_cli_generate_defaults(tiny, tmp_path, capsys):
     assert "none ships for model" in capsys.readouterr().err
 
 
+def test_cli_generate_truncate_prompt_tokens(tiny, capsys):
+    """--truncate-prompt-tokens N, vLLM's field as a flag (the too-long-prompt error names it):
+    only the last N prompt tokens run, with a drafter too (the same answer)."""
+    model, drafter = tiny
+    base = ["generate", "w05x w06x w07x w08x w09x", "--model", str(model), "--raw", "--max-tokens", "4", "--json",
+            "--truncate-prompt-tokens", "2"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["generate", "w08x w09x", "--model", str(model), "--raw", "--max-tokens", "4", "--json"]) == 0
+    assert plain["num_prompt_tokens"] == 2 and plain["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
+    assert main([*base, "--draft", str(drafter)]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+
+
 def test_cli_generate_summary_line(tiny, capsys):
     """Singular for one token; with a drafter but no verify step (one token: prefill only), acceptance n/a."""
     model, drafter = tiny
