@@ -71,8 +71,8 @@ class LLM:
             whole vocabulary: a cheaper draft LM head, output unchanged (lossless). 0 = the full
             vocabulary; None = the size recorded in the folder's speculative.json, else 0.
         dtype: "auto" (the checkpoint's dtype, bf16 for catalog models; float32 on a CPU without
-            native bf16, e.g. AVX2-only) | "float32" | "bfloat16" | "float16", or the torch.dtype
-            of one of these (as vLLM takes it).
+            native bf16, e.g. AVX2-only) | "float32" | "bfloat16" | "float16", the torch.dtype of
+            one of these, or vLLM's "half" / "float" (as vLLM takes them).
         device: "cpu" | "cuda" | "auto" (CUDA when available). CUDA runs the Triton attention
             kernels, a sync-free step and CUDA graphs for uniform decode / verify steps.
         kv_block_size / num_kv_blocks: KV page size (tokens) and pool size (pages). num_kv_blocks

@@ -49,14 +49,18 @@ def resolve_device(device: str) -> str:
     return device
 
 
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype names for them
+
+
 def dtype_name(dtype):
-    """A torch.dtype of DTYPE_NAMES (torch.float32, ...) as its name ("float32"), as vLLM takes
-    either; anything else is returned unchanged, for check_dtype to judge."""
+    """A torch.dtype of DTYPE_NAMES (torch.float32, ...) as its name ("float32"), and vLLM's
+    aliases "half" / "float" as "float16" / "float32", as vLLM takes them; anything else is
+    returned unchanged, for check_dtype to judge."""
     import torch
 
     if isinstance(dtype, torch.dtype):
         return next((n for n in DTYPE_NAMES if getattr(torch, n) == dtype), dtype)
-    return dtype
+    return DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
 
 
 def check_dtype(dtype: str) -> str:

@@ -51,9 +51,10 @@ def test_dtype_as_a_torch_dtype_is_taken_as_its_name(tmp_path):
     from tests.server.tiny_model import write_tiny_model
 
     model = str(write_tiny_model(tmp_path / "model"))
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype, want in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), ("float", torch.float32),
+                        ("half", torch.float16)):  # vLLM's aliases too
         llm = LLM(model=model, dtype=dtype)
-        assert {p.dtype for p in llm.target.model.parameters() if p.is_floating_point()} == {dtype}
+        assert {p.dtype for p in llm.target.model.parameters() if p.is_floating_point()} == {want}
     with pytest.raises(ValueError, match=r"^dtype must be one of \['auto', 'float32', 'bfloat16', 'float16'\], "
                                          r"got torch.int8"):
         LLM(model=model, dtype=torch.int8)
