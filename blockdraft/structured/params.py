@@ -33,8 +33,8 @@ class StructuredOutputsParams:
     JSON whitespace). disable_additional_properties: None (default) or True: objects whose schema
     lists `properties` take no others unless the schema says so (`additionalProperties`), as vLLM's
     default backend (xgrammar, strict mode) generates them; False: JSON Schema's own default, other
-    properties allowed (vLLM's guidance backend; small models then tend to add keys until max_tokens). whitespace_pattern: a
-    regex for the whitespace allowed between JSON tokens instead. disable_fallback: accepted as in
+    properties allowed (vLLM's guidance backend; small models then tend to add keys until
+    max_tokens). whitespace_pattern: a regex for the whitespace allowed between JSON tokens instead. disable_fallback: accepted as in
     vLLM; there is one backend (llguidance), so nothing ever falls back.
 
     Raises:

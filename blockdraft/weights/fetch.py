@@ -26,7 +26,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from blockdraft.errors import param_error
+from blockdraft.errors import check_unicode_text, param_error
 from blockdraft.weights.catalog import CATALOG, CatalogEntry, get_entry
 from blockdraft.weights.convert import convert_gguf_to_folder
 
@@ -42,12 +42,8 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
             or $BLOCKDRAFT_CACHE not valid UTF-8 text (check_unicode_text).
     """
     if cache_dir is not None and not str(cache_dir).strip():
-        from blockdraft.errors import param_error
-
         raise param_error("cache_dir", f"cache_dir {str(cache_dir)!r} is empty: give a folder, or leave it out for "
                                        f"$BLOCKDRAFT_CACHE or ~/.cache/blockdraft")
-    from blockdraft.errors import check_unicode_text
-
     if cache_dir is not None:  # the converted weights are written by safetensors, which takes UTF-8 paths only
         check_unicode_text(str(cache_dir), f"cache_dir {str(cache_dir)!r}", param="cache_dir")
     elif os.environ.get("BLOCKDRAFT_CACHE"):
