@@ -126,6 +126,13 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's fields that mean nothing here, taken at their values that change nothing (a ported
+    # script's best_of=None runs) and refused otherwise, saying what to use (VLLM_ONLY_FIELDS)
+    best_of: dataclasses.InitVar[int | None] = None
+    guided_decoding: dataclasses.InitVar[object] = None
+    logits_processors: dataclasses.InitVar[list | None] = None
+    output_kind: dataclasses.InitVar[object] = None
+    extra_args: dataclasses.InitVar[dict | None] = None
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __new__(cls, *args, **kwargs):
@@ -136,7 +143,15 @@ class SamplingParams:
             raise TypeError(_unknown_field_message(unknown[0]))
         return super().__new__(cls)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, best_of, guided_decoding, logits_processors, output_kind, extra_args) -> None:
+        vllm_only = dict(best_of=best_of, guided_decoding=guided_decoding, logits_processors=logits_processors,
+                         output_kind=output_kind, extra_args=extra_args)
+        for name, value in vllm_only.items():
+            neutral = (None, self.n) if name == "best_of" else (None, [], {})  # best_of == n: n completions
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                allowed = "None or n" if name == "best_of" else "None"
+                raise TypeError(f"SamplingParams() takes vLLM's {name} only as a value that changes nothing "
+                                f"({allowed}), got {value!r:.80}: {VLLM_ONLY_FIELDS[name]}")
         self.verify()
         self._resolved_seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**31)
 
@@ -318,7 +333,9 @@ class SamplingParams:
 
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens", "n", "truncate_prompt_tokens")
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_INIT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+# the keyword arguments SamplingParams takes: its fields, and the vLLM-only init variables
+_INIT_FIELDS = (*(f.name for f in dataclasses.fields(SamplingParams) if f.init),
+                "best_of", "guided_decoding", "logits_processors", "output_kind", "extra_args")
 
 
 def _builtin_int(value):
