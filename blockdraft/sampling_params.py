@@ -40,8 +40,8 @@ class SamplingParams:
     for several prompts, or for several calls, samples each independently, as in vLLM.
     max_tokens: output tokens at most (>= 1); None: no cap of the request's own, it runs until EOS, a
     stop, or the end of the context (max_model_len), as vLLM's None. stop: strings that end the
-    output (not included in text unless include_stop_str_in_output, vLLM's flag). stop_token_ids: extra token ids that end
-    the output (included in token ids, like EOS).
+    output (not included in text unless include_stop_str_in_output, vLLM's flag). stop_token_ids:
+    extra token ids that end the output (included in token ids, like EOS).
     ignore_eos: keep going past EOS. logprobs: number of top log-probabilities to return per output
     token (None: none; 0: only the sampled token's), at most the engine's `max_logprobs` (default
     20, `LLM(max_logprobs=...)`; checked when the engine takes the request). prompt_logprobs: the
@@ -95,10 +95,16 @@ class SamplingParams:
     plain decoding's. Where the masks (with min_tokens or a grammar) leave no token at a position,
     the request ends before it (finish_reason "abort"); the engine refuses the cases it can see
     up front (every allowed id banned, or only EOS / stop ids under min_tokens).
+    best_of, guided_decoding, logits_processors, output_kind, extra_args: vLLM's, taken (and not
+    kept) only at values that change nothing (None, [] or {}; best_of also n), so that a ported
+    script runs.
 
     Raises:
         ValueError: naming the offending field and the allowed range (at construction, and again
             when the engine takes the request: fields changed since are checked too, `verify`).
+        TypeError: an argument it does not take (a vLLM field says what to use instead, e.g.
+            guided_decoding -> structured_outputs; a typo names the nearest field), or one of the
+            vLLM fields above at a value that would change something.
     """
 
     max_tokens: int | None = 256
