@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from blockdraft.errors import check_unicode_text, param_error
 from blockdraft.prompt_truncation import check_truncate_prompt_tokens
 from blockdraft.structured.params import StructuredOutputsParams  # noqa: F401  (vLLM's import path)
+from blockdraft.vllm_only_args import SAMPLING_VLLM_ONLY, check_vllm_only
 
 # Largest `logprobs` an engine accepts unless built with another max_logprobs (vLLM's default and
 # the server's ServerConfig.max_logprobs): each alternative costs a top-k over the vocabulary.
@@ -95,9 +96,9 @@ class SamplingParams:
     plain decoding's. Where the masks (with min_tokens or a grammar) leave no token at a position,
     the request ends before it (finish_reason "abort"); the engine refuses the cases it can see
     up front (every allowed id banned, or only EOS / stop ids under min_tokens).
-    best_of, guided_decoding, logits_processors, output_kind, extra_args: vLLM's, taken (and not
-    kept) only at values that change nothing (None, [] or {}; best_of also n), so that a ported
-    script runs.
+    best_of, use_beam_search, guided_decoding, logits_processors, output_kind, extra_args: vLLM's,
+    taken (and not kept) only at values that change nothing (blockdraft.vllm_only_args
+    .SAMPLING_VLLM_ONLY: None, False, [] or {}; best_of also 1 or n), so that a ported script runs.
 
     Raises:
         ValueError: naming the offending field and the allowed range (at construction, and again
@@ -133,8 +134,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     # vLLM's fields that mean nothing here, taken at their values that change nothing (a ported
-    # script's best_of=None runs) and refused otherwise, saying what to use (VLLM_ONLY_FIELDS)
+    # script's best_of=None runs) and refused otherwise, saying what to use (vllm_only_args)
     best_of: dataclasses.InitVar[int | None] = None
+    use_beam_search: dataclasses.InitVar[bool | None] = None
     guided_decoding: dataclasses.InitVar[object] = None
     logits_processors: dataclasses.InitVar[list | None] = None
     output_kind: dataclasses.InitVar[object] = None
@@ -142,22 +144,18 @@ class SamplingParams:
     _resolved_seed: int = field(default=0, init=False, repr=False)
 
     def __new__(cls, *args, **kwargs):
-        # before the dataclass __init__'s bare "unexpected keyword argument": vLLM's own fields say
-        # what to use here, a typo names the nearest field
-        unknown = [k for k in kwargs if k not in _INIT_FIELDS]
-        if unknown:
-            raise TypeError(_unknown_field_message(unknown[0]))
+        # before the dataclass __init__'s bare "unexpected keyword argument": a typo names the
+        # nearest field
+        unknown = {k: v for k, v in kwargs.items() if k not in _INIT_FIELDS}
+        check_vllm_only(unknown, _INIT_FIELDS, {}, owner="SamplingParams")
         return super().__new__(cls)
 
-    def __post_init__(self, best_of, guided_decoding, logits_processors, output_kind, extra_args) -> None:
-        vllm_only = dict(best_of=best_of, guided_decoding=guided_decoding, logits_processors=logits_processors,
-                         output_kind=output_kind, extra_args=extra_args)
-        for name, value in vllm_only.items():
-            neutral = (None, self.n) if name == "best_of" else (None, [], {})  # best_of == n: n completions
-            if not any(value == v and type(value) is type(v) for v in neutral):
-                allowed = "None or n" if name == "best_of" else "None"
-                raise TypeError(f"SamplingParams() takes vLLM's {name} only as a value that changes nothing "
-                                f"({allowed}), got {value!r:.80}: {VLLM_ONLY_FIELDS[name]}")
+    def __post_init__(self, best_of, use_beam_search, guided_decoding, logits_processors, output_kind,
+                      extra_args) -> None:
+        vllm_only = dict(best_of=None if best_of == self.n else best_of,  # best_of == n: n completions, as n
+                         use_beam_search=use_beam_search, guided_decoding=guided_decoding,
+                         logits_processors=logits_processors, output_kind=output_kind, extra_args=extra_args)
+        check_vllm_only(vllm_only, _INIT_FIELDS, SAMPLING_VLLM_ONLY, owner="SamplingParams")
         self.verify()
         self._resolved_seed = self.seed if self.seed is not None else random.SystemRandom().randrange(2**31)
 
@@ -339,9 +337,8 @@ class SamplingParams:
 
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "prompt_logprobs", "min_tokens", "n", "truncate_prompt_tokens")
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-# the keyword arguments SamplingParams takes: its fields, and the vLLM-only init variables
-_INIT_FIELDS = (*(f.name for f in dataclasses.fields(SamplingParams) if f.init),
-                "best_of", "guided_decoding", "logits_processors", "output_kind", "extra_args")
+# the keyword arguments SamplingParams takes: its fields, and vLLM's init-only ones
+_INIT_FIELDS = (*(f.name for f in dataclasses.fields(SamplingParams) if f.init), *SAMPLING_VLLM_ONLY)
 
 
 def _builtin_int(value):
@@ -372,29 +369,6 @@ def check_logprobs_limit(
         if value is not None and value > max_logprobs:
             raise param_error(name, f"{name} must be <= {max_logprobs} (the engine's max_logprobs; {remedy}), "
                                     f"got {value}")
-
-
-# vLLM SamplingParams fields that blockdraft's lacks -> what to do instead
-VLLM_ONLY_FIELDS = {
-    "guided_decoding": "use structured_outputs=StructuredOutputsParams(...) (the name newer vLLM uses for it)",
-    "best_of": "not supported: n=N returns N completions",
-    "use_beam_search": "beam search is not supported",
-    "logits_processors": ("custom logits processors are not supported; logit_bias, allowed_token_ids, bad_words, "
-                          "min_tokens and the penalties cover the usual cases"),
-    "output_kind": "LLM.generate returns finished outputs; LLM.generate_stream yields the text as it grows",
-    "extra_args": "not supported: every field blockdraft reads is a SamplingParams argument",
-}
-
-
-def _unknown_field_message(name: str) -> str:
-    """TypeError text for SamplingParams(name=...), a field it does not have."""
-    if name in VLLM_ONLY_FIELDS:
-        return f"SamplingParams() has no {name!r} (a vLLM field): {VLLM_ONLY_FIELDS[name]}"
-    import difflib
-
-    near = difflib.get_close_matches(name, _INIT_FIELDS, n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(near)}?" if near else ""
-    return f"SamplingParams() got an unexpected keyword argument {name!r}{hint}"
 
 
 def _check_int(name: str, value, low: int, what: str | None = None, high: int | None = None) -> None:

@@ -1,4 +1,4 @@
-"""`LLM(...)` keyword arguments that vLLM's LLM takes and blockdraft's does not.
+"""`LLM(...)` and `SamplingParams(...)` keyword arguments that vLLM's take and blockdraft's do not.
 
 Scripts ported from vLLM pass them; a bare "unexpected keyword argument" would not say what to do.
 Each is accepted at the value that changes nothing here (vLLM's defaults: one device, no remote
@@ -36,22 +36,36 @@ VLLM_ONLY: dict[str, tuple[tuple, str]] = {
 }
 
 
-def check_vllm_only(kwargs: dict, known: list[str]) -> None:
-    """Accept `kwargs` (the LLM(...) arguments blockdraft has no parameter for) that VLLM_ONLY
-    holds at a neutral value; `known`: LLM's own parameter names (for a typo's suggestion).
+# SamplingParams' (its init-only arguments); best_of equal to n is neutral too (SamplingParams says so)
+SAMPLING_VLLM_ONLY: dict[str, tuple[tuple, str]] = {
+    "guided_decoding": (_NONE, "use structured_outputs=StructuredOutputsParams(...) (the name newer vLLM uses "
+                               "for it)"),
+    "best_of": ((None, 1), "not supported: n=N returns N completions"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "logits_processors": ((None, []), "custom logits processors are not supported; logit_bias, allowed_token_ids, "
+                                      "bad_words, min_tokens and the penalties cover the usual cases"),
+    "output_kind": (_NONE, "LLM.generate returns finished outputs; LLM.generate_stream yields the text as it grows"),
+    "extra_args": ((None, {}), "not supported: every field blockdraft reads is a SamplingParams argument"),
+}
+
+
+def check_vllm_only(kwargs: dict, known, table: dict = VLLM_ONLY, owner: str = "LLM") -> None:
+    """Accept `kwargs` (arguments `owner`, "LLM" or "SamplingParams", has no parameter for) that
+    `table` (VLLM_ONLY, SAMPLING_VLLM_ONLY) holds at a neutral value; `known`: the owner's own
+    parameter names (for a typo's suggestion).
 
     Raises:
-        TypeError: an argument not in VLLM_ONLY (naming the closest of `known`), or one at a value
+        TypeError: an argument not in `table` (naming the closest of `known`), or one at a value
             that would change something (naming what to do instead), as Python's own "unexpected
             keyword argument" would, with the way out.
     """
     for name, value in kwargs.items():
-        if name not in VLLM_ONLY:
-            near = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+        if name not in table:
+            near = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
             hint = f"; did you mean {' or '.join(near)}?" if near else ""
-            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
-        neutral, instead = VLLM_ONLY[name]
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}{hint}")
+        neutral, instead = table[name]
         if neutral is not None and not any(value == n and type(value) is type(n) for n in neutral):
             allowed = " or ".join(repr(n) for n in neutral)
-            raise TypeError(f"LLM() takes vLLM's {name} only as {allowed} (it changes nothing here), got {value!r}: "
-                            f"{instead}")
+            raise TypeError(f"{owner}() takes vLLM's {name} only as {allowed} (it changes nothing here), got "
+                            f"{value!r:.80}: {instead}")

@@ -179,12 +179,13 @@ def test_clone_is_a_deep_copy(llm):
 
 
 @pytest.mark.parametrize("kw, words", [
-    (dict(guided_decoding={"json": {}}), "takes vLLM's guided_decoding only as a value that changes nothing (None), "
+    (dict(guided_decoding={"json": {}}), "takes vLLM's guided_decoding only as None (it changes nothing here), "
                                          "got {'json': {}}: use structured_outputs="),
-    (dict(best_of=2), "takes vLLM's best_of only as a value that changes nothing (None or n), got 2: not supported: "
+    (dict(best_of=2), "takes vLLM's best_of only as None or 1 (it changes nothing here), got 2: not supported: "
                       "n=N returns N completions"),
     (dict(logits_processors=[print]), "custom logits processors are not supported"),
-    (dict(use_beam_search=True), "has no 'use_beam_search' (a vLLM field): beam search is not supported"),
+    (dict(use_beam_search=True), "takes vLLM's use_beam_search only as None or False (it changes nothing here), got "
+                                 "True: beam search is not supported"),
     (dict(max_token=4), "unexpected keyword argument 'max_token'; did you mean max_tokens"),
     (dict(zzz=1), "unexpected keyword argument 'zzz'"),
 ])
@@ -199,7 +200,7 @@ def test_vllm_fields_at_values_that_change_nothing_are_taken():
     """A ported vLLM script's best_of=None / guided_decoding=None runs (a trial found them refused)."""
     plain = SamplingParams(max_tokens=5, n=2, seed=1)
     ported = SamplingParams(max_tokens=5, n=2, seed=1, best_of=2, guided_decoding=None, logits_processors=[],
-                            output_kind=None, extra_args={})
+                            output_kind=None, extra_args={}, use_beam_search=False)
     assert ported == plain and SamplingParams(seed=3, best_of=None) == SamplingParams(seed=3, best_of=1) == SamplingParams(seed=3)
 
 
