@@ -185,12 +185,13 @@ def test_skip_special_tokens_false_speculative_equals_plain(llama_target, k, tem
         assert ended and all(o.token_ids[-1] == 0 and o.text.endswith("<eos>") == keeps for o in ended)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("k", [3, 15])
-def test_max_tokens_none_speculative_equals_plain_up_to_the_context_end(llama_target, k):
+def test_max_tokens_none_speculative_equals_plain_up_to_the_context_end(llama_target, k, temperature):
     """max_tokens=None: a verify block that crosses max_model_len is cut at the context's end exactly,
-    as plain decoding stops there (prompts end 1..20 tokens before it)."""
+    as plain decoding stops there (prompts end 1..21 tokens before it; greedy and seeded sampling)."""
     prompts = [p[:1] * (100 - 1 - i * 4) for i, p in enumerate(random_prompts(6, seed=31))]
-    params = SamplingParams(max_tokens=None, ignore_eos=True)
+    params = SamplingParams(max_tokens=None, ignore_eos=True, temperature=temperature, seed=5)
     plain = [o.token_ids for o in make_llm(llama_target, max_model_len=100).generate(prompts, params)]
     assert [len(t) for t in plain] == [1, 5, 9, 13, 17, 21]
     answers = {tuple(p): p + o for p, o in zip(prompts, plain)}
